@@ -1,0 +1,202 @@
+//! The connector's configuration file (`/etc/certistack/connector.toml` by default).
+//!
+//! Unknown keys are refused (a typo must not silently disable a setting); every path is
+//! absolute; the file itself and the trust files it names must not be writable by others and
+//! the private key must be readable by nobody else. The daemon refuses to start otherwise,
+//! saying which file and what to do.
+
+use crate::files::{self, FileError};
+use crate::validate::{NodeName, Validated};
+use serde::Deserialize;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+pub const DEFAULT_PATH: &str = "/etc/certistack/connector.toml";
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// This node's name; must equal the DNS SAN of its certificate and the grants' `node`.
+    pub node_name: String,
+    /// Address and port the gRPC server listens on.
+    pub listen: SocketAddr,
+    pub tls: TlsFiles,
+    pub paths: StatePaths,
+    #[serde(default)]
+    pub tools: ToolPaths,
+    #[serde(default)]
+    pub limits: Limits,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsFiles {
+    /// The node certificate issued by the controller CA (PEM).
+    pub certificate: PathBuf,
+    /// The node's private key, generated on the node by `enroll --csr` (PEM, mode 0600).
+    pub private_key: PathBuf,
+    /// The controller CA: the only issuer accepted for client certificates (PEM).
+    pub controller_ca: PathBuf,
+    /// The controller's run-authority Ed25519 public key (PEM), pinned for grant signatures.
+    pub run_authority_public_key: PathBuf,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StatePaths {
+    /// Run registry and journals (created 0700).
+    pub state_dir: PathBuf,
+    /// Parent of the per-run overlay directories.
+    pub overlay_root: PathBuf,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ToolPaths {
+    pub proxmox_backup_client: PathBuf,
+    pub qm: PathBuf,
+    pub qemu_img: PathBuf,
+}
+
+impl Default for ToolPaths {
+    fn default() -> Self {
+        Self {
+            proxmox_backup_client: "/usr/bin/proxmox-backup-client".into(),
+            qm: "/usr/sbin/qm".into(),
+            qemu_img: "/usr/bin/qemu-img".into(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Limits {
+    /// Runs that may be open at once.
+    pub max_concurrent_runs: usize,
+    /// Largest request message accepted, in bytes.
+    pub max_request_bytes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self { max_concurrent_runs: 4, max_request_bytes: 64 * 1024 }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error(transparent)]
+    File(#[from] FileError),
+    #[error("{path}: {reason}")]
+    Parse { path: PathBuf, reason: String },
+    #[error("{path}: `{key}` = {value:?} is invalid: {reason}")]
+    Invalid { path: PathBuf, key: &'static str, value: String, reason: String },
+}
+
+impl Config {
+    /// Reads and checks the config file; the files it names are checked when they are loaded.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = files::read_trusted(path)?;
+        let config: Config =
+            toml::from_str(&text).map_err(|e| ConfigError::Parse { path: path.to_owned(), reason: e.to_string() })?;
+        config.check(path)?;
+        Ok(config)
+    }
+
+    fn check(&self, path: &Path) -> Result<(), ConfigError> {
+        NodeName::validate(&self.node_name).map_err(|reason| ConfigError::Invalid {
+            path: path.to_owned(),
+            key: "node_name",
+            value: self.node_name.clone(),
+            reason,
+        })?;
+        let absolute: [(&'static str, &Path); 9] = [
+            ("tls.certificate", &self.tls.certificate),
+            ("tls.private_key", &self.tls.private_key),
+            ("tls.controller_ca", &self.tls.controller_ca),
+            ("tls.run_authority_public_key", &self.tls.run_authority_public_key),
+            ("paths.state_dir", &self.paths.state_dir),
+            ("paths.overlay_root", &self.paths.overlay_root),
+            ("tools.proxmox_backup_client", &self.tools.proxmox_backup_client),
+            ("tools.qm", &self.tools.qm),
+            ("tools.qemu_img", &self.tools.qemu_img),
+        ];
+        for (key, value) in absolute {
+            if !value.is_absolute() {
+                return Err(ConfigError::Invalid {
+                    path: path.to_owned(),
+                    key,
+                    value: value.display().to_string(),
+                    reason: "must be an absolute path".into(),
+                });
+            }
+        }
+        let limit = |key, value: usize, lo: usize, hi: usize| {
+            if (lo..=hi).contains(&value) {
+                Ok(())
+            } else {
+                Err(ConfigError::Invalid { path: path.to_owned(), key, value: value.to_string(), reason: format!("must be {lo}..={hi}") })
+            }
+        };
+        limit("limits.max_concurrent_runs", self.limits.max_concurrent_runs, 1, 64)?;
+        limit("limits.max_request_bytes", self.limits.max_request_bytes, 4096, 4 * 1024 * 1024)?;
+        Ok(())
+    }
+
+    pub fn node(&self) -> Result<NodeName, String> {
+        NodeName::validate(&self.node_name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    const GOOD: &str = r#"
+node_name = "pve1"
+listen = "127.0.0.1:7443"
+[tls]
+certificate = "/etc/certistack/node.crt"
+private_key = "/etc/certistack/node.key"
+controller_ca = "/etc/certistack/ca.crt"
+run_authority_public_key = "/etc/certistack/run-authority.pub"
+[paths]
+state_dir = "/var/lib/certistack"
+overlay_root = "/var/lib/certistack/overlays"
+"#;
+
+    fn write(name: &str, text: &str, mode: u32) -> PathBuf {
+        let path = std::env::temp_dir().join(format!("certistack-config-{}-{name}.toml", std::process::id()));
+        std::fs::write(&path, text).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+        path
+    }
+
+    #[test]
+    fn loads_and_refuses() {
+        let good = write("good", GOOD, 0o644);
+        let config = Config::load(&good).unwrap();
+        assert_eq!(config.limits.max_concurrent_runs, 4);
+        assert_eq!(config.tools.qm, PathBuf::from("/usr/sbin/qm"));
+
+        let writable = write("writable", GOOD, 0o666);
+        assert!(Config::load(&writable).unwrap_err().to_string().contains("chmod"));
+
+        let typo = write("typo", &GOOD.replace("node_name", "nodename"), 0o644);
+        assert!(matches!(Config::load(&typo), Err(ConfigError::Parse { .. })));
+
+        let relative = write("relative", &GOOD.replace("\"/var/lib/certistack\"", "\"var/lib\""), 0o644);
+        let err = Config::load(&relative).unwrap_err().to_string();
+        assert!(err.contains("paths.state_dir") && err.contains("absolute"), "{err}");
+
+        let bad_node = write("node", &GOOD.replace("pve1", "pve_1"), 0o644);
+        assert!(Config::load(&bad_node).unwrap_err().to_string().contains("node_name"));
+
+        let missing = std::env::temp_dir().join("certistack-config-does-not-exist.toml");
+        assert!(Config::load(&missing).unwrap_err().to_string().contains("cannot read"));
+        for path in [good, writable, typo, relative, bad_node] {
+            std::fs::remove_file(path).unwrap();
+        }
+    }
+}

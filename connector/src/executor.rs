@@ -1,0 +1,116 @@
+//! The executor interface: where an authorized [`Action`] becomes a side effect on the node.
+//!
+//! The service hands every operation to an [`Executor`] only after authentication, parsing and
+//! authorization succeeded. The daemon ships [`NodeExecutor`]; operations it does not implement
+//! yet answer `UNIMPLEMENTED` naming the missing capability, so a controller never mistakes an
+//! absent operation for a successful one.
+
+use crate::action::Action;
+use crate::grant::Grant;
+use certistack_proto::v1 as pb;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+/// Who an action is executed for.
+#[derive(Debug, Clone)]
+pub enum Caller {
+    /// A run, with the grant its certificate is bound to.
+    Run(Arc<Grant>),
+    /// An operator (recovery and inspection only).
+    Operator(String),
+}
+
+/// What an executed action produced; one variant per reply type.
+#[derive(Debug, Clone)]
+pub enum Outcome {
+    MapBackup(pb::MapBackupReply),
+    UnmapBackup(pb::UnmapBackupReply),
+    CreateOverlay(pb::CreateOverlayReply),
+    DeleteOverlay(pb::DeleteOverlayReply),
+    CreateVm(pb::CreateVmReply),
+    Vm(pb::VmReply),
+    Qmp(pb::QmpReply),
+    Qga(pb::QgaReply),
+    PrepareSandbox(pb::PrepareSandboxReply),
+    ReleaseSandbox(pb::ReleaseSandboxReply),
+    Probe(pb::ProbeReply),
+    Journal(Vec<pb::JournalRecord>),
+    Cleanup(pb::CleanupReply),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ExecError {
+    #[error("this connector does not implement capability `{capability}` yet; upgrade the node's certistack-connector package")]
+    Unimplemented { capability: &'static str },
+    #[error("{0}")]
+    FailedPrecondition(String),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    AlreadyExists(String),
+    #[error("{0}")]
+    DeadlineExceeded(String),
+    #[error("{0}")]
+    Failed(String),
+}
+
+impl From<ExecError> for tonic::Status {
+    fn from(error: ExecError) -> Self {
+        let message = error.to_string();
+        match error {
+            ExecError::Unimplemented { .. } => tonic::Status::unimplemented(message),
+            ExecError::FailedPrecondition(_) => tonic::Status::failed_precondition(message),
+            ExecError::NotFound(_) => tonic::Status::not_found(message),
+            ExecError::AlreadyExists(_) => tonic::Status::already_exists(message),
+            ExecError::DeadlineExceeded(_) => tonic::Status::deadline_exceeded(message),
+            ExecError::Failed(_) => tonic::Status::internal(message),
+        }
+    }
+}
+
+pub type ExecFuture<'a> = Pin<Box<dyn Future<Output = Result<Outcome, ExecError>> + Send + 'a>>;
+
+pub trait Executor: Send + Sync + 'static {
+    /// The capabilities (see [`capability`]) this executor implements; reported by `Hello`.
+    fn capabilities(&self) -> Vec<&'static str>;
+    fn execute<'a>(&'a self, caller: &'a Caller, action: Action) -> ExecFuture<'a>;
+}
+
+/// The capability an action needs, as reported by `Hello` and named by `UNIMPLEMENTED`.
+pub fn capability(action: &Action) -> &'static str {
+    match action {
+        Action::MapBackup { .. } => "backup.map",
+        Action::UnmapBackup { .. } => "backup.unmap",
+        Action::CreateOverlay { .. } => "overlay.create",
+        Action::DeleteOverlay { .. } => "overlay.delete",
+        Action::CreateVm { .. } => "vm.create",
+        Action::StartVm { .. } => "vm.start",
+        Action::StopVm { .. } => "vm.stop",
+        Action::DestroyVm { .. } => "vm.destroy",
+        Action::VmStatus { .. } => "vm.status",
+        Action::Qmp { .. } => "guest.qmp",
+        Action::Qga { .. } => "guest.qga",
+        Action::PrepareSandbox { .. } => "sandbox.prepare",
+        Action::ReleaseSandbox { .. } => "sandbox.release",
+        Action::Probe { .. } => "sandbox.probe",
+        Action::ReadJournal { .. } => "journal.read",
+        Action::Cleanup { .. } => "recovery.cleanup",
+    }
+}
+
+/// The executor the daemon ships. Node operations land here as they are implemented; until
+/// then each answers `UNIMPLEMENTED` with its capability name.
+#[derive(Debug, Default)]
+pub struct NodeExecutor;
+
+impl Executor for NodeExecutor {
+    fn capabilities(&self) -> Vec<&'static str> {
+        Vec::new()
+    }
+
+    fn execute<'a>(&'a self, _caller: &'a Caller, action: Action) -> ExecFuture<'a> {
+        let capability = capability(&action);
+        Box::pin(async move { Err(ExecError::Unimplemented { capability }) })
+    }
+}

@@ -1,0 +1,150 @@
+//! Permission checks and crash-safe writes for the files both binaries keep.
+//!
+//! A private key must be owned by the user running the program and readable by nobody else;
+//! a file that steers trust (a CA certificate, a pinned public key, the config) must not be
+//! writable by anybody else. Writes that must survive a crash go to a temporary file that is
+//! fsync'd, renamed into place, and followed by an fsync of the directory.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, thiserror::Error)]
+pub enum FileError {
+    #[error("cannot read {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("cannot write {path}: {source}")]
+    Write { path: PathBuf, source: std::io::Error },
+    #[error("{path} has mode {mode:04o}: {what} must not be {who}; run `chmod {fix:04o} {path}`")]
+    Insecure {
+        path: PathBuf,
+        mode: u32,
+        what: &'static str,
+        who: &'static str,
+        fix: u32,
+    },
+    #[error("{path} is owned by uid {owner}, not by uid {expected} that runs this program; run `chown {expected} {path}`")]
+    WrongOwner { path: PathBuf, owner: u32, expected: u32 },
+    #[error("{path} already exists; refusing to overwrite it")]
+    Exists { path: PathBuf },
+}
+
+fn metadata(path: &Path) -> Result<fs::Metadata, FileError> {
+    fs::metadata(path).map_err(|source| FileError::Read { path: path.to_owned(), source })
+}
+
+fn effective_uid() -> u32 {
+    rustix::process::geteuid().as_raw()
+}
+
+/// A private key (or a directory of them): owned by us, no access for group or others.
+pub fn check_private(path: &Path) -> Result<(), FileError> {
+    let meta = metadata(path)?;
+    let mode = meta.permissions().mode() & 0o7777;
+    if meta.uid() != effective_uid() {
+        return Err(FileError::WrongOwner { path: path.to_owned(), owner: meta.uid(), expected: effective_uid() });
+    }
+    if mode & 0o077 != 0 {
+        let fix = if meta.is_dir() { 0o700 } else { 0o600 };
+        return Err(FileError::Insecure { path: path.to_owned(), mode, what: "a private key", who: "accessible by group or others", fix });
+    }
+    Ok(())
+}
+
+/// A file that steers trust: owned by us or root, not writable by group or others.
+pub fn check_trusted(path: &Path) -> Result<(), FileError> {
+    let meta = metadata(path)?;
+    let mode = meta.permissions().mode() & 0o7777;
+    if meta.uid() != effective_uid() && meta.uid() != 0 {
+        return Err(FileError::WrongOwner { path: path.to_owned(), owner: meta.uid(), expected: effective_uid() });
+    }
+    if mode & 0o022 != 0 {
+        return Err(FileError::Insecure { path: path.to_owned(), mode, what: "a trusted file", who: "writable by group or others", fix: mode & !0o022 });
+    }
+    Ok(())
+}
+
+/// Reads a private key after [`check_private`].
+pub fn read_private(path: &Path) -> Result<zeroize::Zeroizing<String>, FileError> {
+    check_private(path)?;
+    fs::read_to_string(path)
+        .map(zeroize::Zeroizing::new)
+        .map_err(|source| FileError::Read { path: path.to_owned(), source })
+}
+
+/// Reads a trusted file after [`check_trusted`].
+pub fn read_trusted(path: &Path) -> Result<String, FileError> {
+    check_trusted(path)?;
+    fs::read_to_string(path).map_err(|source| FileError::Read { path: path.to_owned(), source })
+}
+
+/// Creates a directory (and missing parents) with mode 0700; an existing one must be private.
+pub fn create_private_dir(path: &Path) -> Result<(), FileError> {
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(path)
+        .map_err(|source| FileError::Write { path: path.to_owned(), source })?;
+    check_private(path)
+}
+
+/// Writes a new file with `mode`, refusing to replace an existing one, and syncs it and its directory.
+pub fn write_new(path: &Path, contents: &[u8], mode: u32) -> Result<(), FileError> {
+    let err = |source: std::io::Error| {
+        if source.kind() == std::io::ErrorKind::AlreadyExists {
+            FileError::Exists { path: path.to_owned() }
+        } else {
+            FileError::Write { path: path.to_owned(), source }
+        }
+    };
+    let mut file = OpenOptions::new().write(true).create_new(true).mode(mode).open(path).map_err(err)?;
+    file.write_all(contents).map_err(err)?;
+    file.sync_all().map_err(err)?;
+    sync_parent(path)
+}
+
+/// Replaces `path` atomically: temporary file, fsync, rename, fsync of the directory.
+pub fn write_atomic(path: &Path, contents: &[u8], mode: u32) -> Result<(), FileError> {
+    let err = |source| FileError::Write { path: path.to_owned(), source };
+    let tmp = path.with_extension("tmp");
+    let _ = fs::remove_file(&tmp);
+    let mut file = OpenOptions::new().write(true).create_new(true).mode(mode).open(&tmp).map_err(err)?;
+    file.write_all(contents).map_err(err)?;
+    file.sync_all().map_err(err)?;
+    fs::rename(&tmp, path).map_err(err)?;
+    sync_parent(path)
+}
+
+/// Makes a directory entry change (create, rename) durable.
+pub fn sync_parent(path: &Path) -> Result<(), FileError> {
+    let parent = path.parent().unwrap_or(Path::new("."));
+    File::open(parent)
+        .and_then(|dir| dir.sync_all())
+        .map_err(|source| FileError::Write { path: parent.to_owned(), source })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn private_and_trusted_modes() {
+        let dir = std::env::temp_dir().join(format!("certistack-files-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        create_private_dir(&dir).unwrap();
+        let key = dir.join("key.pem");
+        write_new(&key, b"secret", 0o600).unwrap();
+        assert!(check_private(&key).is_ok());
+        assert!(matches!(write_new(&key, b"again", 0o600), Err(FileError::Exists { .. })));
+        fs::set_permissions(&key, fs::Permissions::from_mode(0o640)).unwrap();
+        let err = check_private(&key).unwrap_err().to_string();
+        assert!(err.contains("chmod 0600"), "{err}");
+        let ca = dir.join("ca.pem");
+        write_atomic(&ca, b"cert", 0o644).unwrap();
+        assert!(check_trusted(&ca).is_ok());
+        fs::set_permissions(&ca, fs::Permissions::from_mode(0o666)).unwrap();
+        assert!(check_trusted(&ca).is_err());
+        fs::remove_dir_all(&dir).unwrap();
+    }
+}

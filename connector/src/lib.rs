@@ -1,0 +1,20 @@
+//! The CertiStack node connector: a fixed gRPC surface over mTLS, authorized per run.
+//!
+//! Request path: [`tls`] (who is connecting) → [`service`] (authenticate, parse into an
+//! [`action::Action`], [`action::authorize`] against the run's [`grant::Grant`]) →
+//! [`executor::Executor`] (the side effect). Policy data lives in `policy/` and is compiled in
+//! ([`policy`]).
+
+pub mod action;
+pub mod config;
+pub mod enroll;
+pub mod executor;
+pub mod files;
+pub mod grant;
+pub mod identity;
+pub mod policy;
+pub mod runs;
+pub mod server;
+pub mod service;
+pub mod tls;
+pub mod validate;

@@ -1,0 +1,224 @@
+//! The durable registry of runs on this node.
+//!
+//! `BeginRun` stores the signed grant under `<state>/runs/<run id>/grant.pb`; `EndRun` writes
+//! `<state>/runs/<run id>/closed`. Both are written atomically and fsync'd before the reply, so
+//! a closed run stays closed across a crash or restart: its certificate and grant are refused
+//! even before they expire. The registry never holds a secret.
+
+use crate::files::{self, FileError};
+use crate::grant::{self, Grant};
+use crate::validate::{RunId, Validated};
+use certistack_proto::v1 as pb;
+use ed25519_dalek::VerifyingKey;
+use prost::Message;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+const GRANT_FILE: &str = "grant.pb";
+const CLOSED_FILE: &str = "closed";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunState {
+    Open,
+    Closed { at_unix_ms: i64 },
+}
+
+#[derive(Debug, Clone)]
+pub struct RunRecord {
+    pub grant: Arc<Grant>,
+    pub state: RunState,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error("run {0} was closed by EndRun; its certificate and grant are no longer accepted: mint a new run")]
+    Closed(RunId),
+    #[error("run {0} is already open with a different grant")]
+    OtherGrant(RunId),
+    #[error("run {0} has not begun on this node; call BeginRun with its grant first")]
+    NotBegun(RunId),
+    #[error("{open} runs are open, the configured maximum is {max}; end or clean up a run first")]
+    TooMany { open: usize, max: usize },
+    #[error(transparent)]
+    Store(#[from] FileError),
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    runs: BTreeMap<RunId, RunRecord>,
+    /// Closed runs, also those whose grant no longer verifies (e.g. after a key rotation).
+    closed: BTreeSet<RunId>,
+}
+
+#[derive(Debug)]
+pub struct RunRegistry {
+    dir: PathBuf,
+    max_open: usize,
+    inner: Mutex<Inner>,
+}
+
+impl RunRegistry {
+    /// Loads the registry from `<state_dir>/runs`, creating it (0700) if needed.
+    pub fn open(state_dir: &Path, authority: &VerifyingKey, max_open: usize) -> Result<Self, RunError> {
+        let dir = state_dir.join("runs");
+        files::create_private_dir(&dir)?;
+        let mut inner = Inner::default();
+        let entries = std::fs::read_dir(&dir).map_err(|source| FileError::Read { path: dir.clone(), source })?;
+        for entry in entries {
+            let entry = entry.map_err(|source| FileError::Read { path: dir.clone(), source })?;
+            let name = entry.file_name();
+            let Some(run_id) = name.to_str().and_then(|n| RunId::validate(n).ok()) else {
+                tracing::warn!(path = %entry.path().display(), "ignoring an entry that is not a run directory");
+                continue;
+            };
+            let run_dir = entry.path();
+            let closed = read_closed(&run_dir)?;
+            if closed.is_some() {
+                inner.closed.insert(run_id.clone());
+            }
+            match load_grant(&run_dir, authority) {
+                Ok(grant) if grant.run_id == run_id => {
+                    let state = closed.map_or(RunState::Open, |at_unix_ms| RunState::Closed { at_unix_ms });
+                    inner.runs.insert(run_id, RunRecord { grant: Arc::new(grant), state });
+                }
+                Ok(_) => tracing::warn!(%run_id, "stored grant names another run; ignoring it"),
+                Err(reason) => tracing::warn!(%run_id, %reason, "stored grant does not verify; the run cannot resume"),
+            }
+        }
+        Ok(Self { dir, max_open, inner: Mutex::new(inner) })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        // A poisoned lock only means another request panicked; the map itself stays consistent
+        // because every update is a single insert.
+        self.inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    pub fn get(&self, run_id: &RunId) -> Option<RunRecord> {
+        self.lock().runs.get(run_id).cloned()
+    }
+
+    pub fn is_closed(&self, run_id: &RunId) -> bool {
+        self.lock().closed.contains(run_id)
+    }
+
+    pub fn list(&self) -> Vec<RunRecord> {
+        self.lock().runs.values().cloned().collect()
+    }
+
+    /// Opens a run, or resumes it when it is already open with the same grant. Returns whether
+    /// it resumed.
+    pub fn begin(&self, signed: &pb::SignedRunGrant, grant: Grant, now_unix: i64) -> Result<bool, RunError> {
+        let run_id = grant.run_id.clone();
+        {
+            let inner = self.lock();
+            if inner.closed.contains(&run_id) {
+                return Err(RunError::Closed(run_id));
+            }
+            if let Some(existing) = inner.runs.get(&run_id) {
+                return if existing.grant.digest == grant.digest { Ok(true) } else { Err(RunError::OtherGrant(run_id)) };
+            }
+            let open = inner
+                .runs
+                .values()
+                .filter(|r| r.state == RunState::Open && r.grant.deadline_unix > now_unix)
+                .count();
+            if open >= self.max_open {
+                return Err(RunError::TooMany { open, max: self.max_open });
+            }
+        }
+        let run_dir = self.dir.join(run_id.as_str());
+        files::create_private_dir(&run_dir)?;
+        files::write_atomic(&run_dir.join(GRANT_FILE), &signed.encode_to_vec(), 0o600)?;
+        let mut inner = self.lock();
+        if inner.closed.contains(&run_id) {
+            return Err(RunError::Closed(run_id));
+        }
+        let record = RunRecord { grant: Arc::new(grant), state: RunState::Open };
+        Ok(inner.runs.insert(run_id, record).is_some())
+    }
+
+    /// Closes a run durably; refused for a run that is not open.
+    pub fn end(&self, run_id: &RunId, now_unix_ms: i64) -> Result<i64, RunError> {
+        match self.get(run_id).map(|r| r.state) {
+            None => return Err(RunError::NotBegun(run_id.clone())),
+            Some(RunState::Closed { .. }) => return Err(RunError::Closed(run_id.clone())),
+            Some(RunState::Open) => {}
+        }
+        let path = self.dir.join(run_id.as_str()).join(CLOSED_FILE);
+        files::write_atomic(&path, now_unix_ms.to_string().as_bytes(), 0o600)?;
+        let mut inner = self.lock();
+        inner.closed.insert(run_id.clone());
+        if let Some(record) = inner.runs.get_mut(run_id) {
+            record.state = RunState::Closed { at_unix_ms: now_unix_ms };
+        }
+        Ok(now_unix_ms)
+    }
+}
+
+fn read_closed(run_dir: &Path) -> Result<Option<i64>, FileError> {
+    let path = run_dir.join(CLOSED_FILE);
+    match std::fs::read_to_string(&path) {
+        // An unreadable timestamp still means closed: refusing is the safe reading.
+        Ok(text) => Ok(Some(text.trim().parse().unwrap_or(0))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(FileError::Read { path, source }),
+    }
+}
+
+fn load_grant(run_dir: &Path, authority: &VerifyingKey) -> Result<Grant, String> {
+    let bytes = std::fs::read(run_dir.join(GRANT_FILE)).map_err(|e| e.to_string())?;
+    let signed = pb::SignedRunGrant::decode(bytes.as_slice()).map_err(|e| e.to_string())?;
+    grant::verify(&signed, authority).map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::grant::tests::{full_wire_grant, sign};
+    use ed25519_dalek::SigningKey;
+
+    #[test]
+    fn closed_runs_stay_closed_across_reopen() {
+        let dir = std::env::temp_dir().join(format!("certistack-runs-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let key = SigningKey::from_bytes(&[1; 32]);
+        let signed = sign(&key, &full_wire_grant());
+        let grant = crate::grant::verify(&signed, &key.verifying_key()).unwrap();
+        let run_id = grant.run_id.clone();
+
+        let registry = RunRegistry::open(&dir, &key.verifying_key(), 1).unwrap();
+        assert!(!registry.begin(&signed, grant.clone(), 2_000).unwrap());
+        assert!(registry.begin(&signed, grant.clone(), 2_000).unwrap(), "same grant resumes");
+        registry.end(&run_id, 2_000_000).unwrap();
+        assert!(matches!(registry.begin(&signed, grant.clone(), 2_000), Err(RunError::Closed(_))));
+
+        let reopened = RunRegistry::open(&dir, &key.verifying_key(), 1).unwrap();
+        assert!(reopened.is_closed(&run_id));
+        assert!(matches!(reopened.begin(&signed, grant.clone(), 2_000), Err(RunError::Closed(_))));
+        assert!(matches!(reopened.end(&run_id, 1), Err(RunError::Closed(_))));
+        // Even with a rotated run-authority key, the closed marker still refuses the run.
+        let rotated = RunRegistry::open(&dir, &SigningKey::from_bytes(&[9; 32]).verifying_key(), 1).unwrap();
+        assert!(rotated.is_closed(&run_id));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn open_runs_are_bounded() {
+        let dir = std::env::temp_dir().join(format!("certistack-runs-max-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let key = SigningKey::from_bytes(&[1; 32]);
+        let registry = RunRegistry::open(&dir, &key.verifying_key(), 1).unwrap();
+        let first = sign(&key, &full_wire_grant());
+        registry.begin(&first, crate::grant::verify(&first, &key.verifying_key()).unwrap(), 2_000).unwrap();
+        let mut wire = full_wire_grant();
+        wire.run_id = "11111111-2222-4333-8444-555555555555".into();
+        let second = sign(&key, &wire);
+        let grant = crate::grant::verify(&second, &key.verifying_key()).unwrap();
+        assert!(matches!(registry.begin(&second, grant.clone(), 2_000), Err(RunError::TooMany { open: 1, max: 1 })));
+        // Once the first run's deadline passed it no longer counts.
+        assert!(registry.begin(&second, grant, 5_000).is_ok());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,262 @@
+//! The one place where TLS is configured, for both binaries.
+//!
+//! - TLS 1.3 only, the ring provider only, installed once per process;
+//! - the connector requires a client certificate chaining to the controller CA (no anonymous
+//!   clients, no other roots) and reads the client's identity from it after the handshake;
+//! - the controller verifies the node's chain against the same CA and the node's name.
+//!
+//! There is no option to skip verification, in any build.
+
+use crate::identity::{ClientIdentity, IdentityError, parse_client_certificate};
+use rustls::crypto::CryptoProvider;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, pem::PemObject};
+use rustls::server::WebPkiClientVerifier;
+use rustls::{ClientConfig, RootCertStore, ServerConfig};
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::{Arc, OnceLock};
+use std::task::{Context, Poll};
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+
+const ALPN_H2: &[u8] = b"h2";
+/// How long a peer may take to finish its handshake before the connection is dropped.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Handshakes in flight at once; more wait in the listen backlog.
+const MAX_PENDING_HANDSHAKES: usize = 64;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("{what}: no PEM certificate found")]
+    NoCertificate { what: String },
+    #[error("{what}: {reason}")]
+    Pem { what: String, reason: String },
+    #[error("TLS configuration rejected: {0}")]
+    Config(#[from] rustls::Error),
+    #[error("client certificate verifier: {0}")]
+    Verifier(String),
+    #[error("{0:?} is not a valid server name")]
+    ServerName(String),
+}
+
+static PROVIDER: OnceLock<Arc<CryptoProvider>> = OnceLock::new();
+
+/// The process's crypto provider: ring, installed as the rustls default on first use.
+pub fn provider() -> Arc<CryptoProvider> {
+    PROVIDER
+        .get_or_init(|| {
+            let provider = Arc::new(rustls::crypto::ring::default_provider());
+            // Another copy may already be installed (tests start several endpoints); ours is the
+            // one every config below names explicitly, so the global default is only a fallback.
+            let _ = CryptoProvider::install_default((*provider).clone());
+            provider
+        })
+        .clone()
+}
+
+/// Parses every certificate in a PEM document.
+pub fn parse_certificates(pem: &str, what: &str) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let certs = CertificateDer::pem_slice_iter(pem.as_bytes())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| TlsError::Pem { what: what.to_owned(), reason: e.to_string() })?;
+    if certs.is_empty() {
+        return Err(TlsError::NoCertificate { what: what.to_owned() });
+    }
+    Ok(certs)
+}
+
+/// Parses one PKCS#8 / SEC1 private key from PEM.
+pub fn parse_private_key(pem: &str, what: &str) -> Result<PrivateKeyDer<'static>, TlsError> {
+    PrivateKeyDer::from_pem_slice(pem.as_bytes()).map_err(|e| TlsError::Pem { what: what.to_owned(), reason: e.to_string() })
+}
+
+/// A root store holding exactly the controller CA.
+pub fn ca_roots(ca: &[CertificateDer<'static>]) -> Result<Arc<RootCertStore>, TlsError> {
+    let mut roots = RootCertStore::empty();
+    for cert in ca {
+        roots.add(cert.clone())?;
+    }
+    Ok(Arc::new(roots))
+}
+
+/// The connector's server config: TLS 1.3, client certificate required and verified against `ca`.
+pub fn server_config(
+    chain: Vec<CertificateDer<'static>>,
+    key: PrivateKeyDer<'static>,
+    ca: Arc<RootCertStore>,
+) -> Result<Arc<ServerConfig>, TlsError> {
+    let verifier = WebPkiClientVerifier::builder_with_provider(ca, provider())
+        .build()
+        .map_err(|e| TlsError::Verifier(e.to_string()))?;
+    let mut config = ServerConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(chain, key)?;
+    config.alpn_protocols = vec![ALPN_H2.to_vec()];
+    Ok(Arc::new(config))
+}
+
+/// The controller's client config: TLS 1.3, the node verified against `ca`, our identity presented.
+pub fn client_config(
+    ca: Arc<RootCertStore>,
+    chain: Vec<CertificateDer<'static>>,
+    key: PrivateKeyDer<'static>,
+) -> Result<Arc<ClientConfig>, TlsError> {
+    let mut config = ClientConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])?
+        .with_root_certificates(ca)
+        .with_client_auth_cert(chain, key)?;
+    config.alpn_protocols = vec![ALPN_H2.to_vec()];
+    Ok(Arc::new(config))
+}
+
+/// What the connector learned about the client during the handshake; tonic hands it to every
+/// request of the connection as a request extension.
+#[derive(Debug, Clone)]
+pub struct PeerInfo {
+    pub remote: SocketAddr,
+    pub identity: Result<ClientIdentity, IdentityError>,
+}
+
+/// A TLS connection whose handshake succeeded.
+#[derive(Debug)]
+pub struct PeerStream {
+    stream: tokio_rustls::server::TlsStream<TcpStream>,
+    info: PeerInfo,
+}
+
+impl tonic::transport::server::Connected for PeerStream {
+    type ConnectInfo = PeerInfo;
+    fn connect_info(&self) -> PeerInfo {
+        self.info.clone()
+    }
+}
+
+impl AsyncRead for PeerStream {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for PeerStream {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().stream).poll_write(cx, buf)
+    }
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_flush(cx)
+    }
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
+    }
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().stream).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+}
+
+/// Accepts TCP connections, runs the TLS handshakes concurrently (bounded, with a timeout) and
+/// yields the connections that completed one. Failed handshakes are logged with the peer's
+/// address and the reason, and never reach the gRPC layer.
+pub fn incoming(
+    listener: TcpListener,
+    config: Arc<ServerConfig>,
+) -> tokio_stream::wrappers::ReceiverStream<std::io::Result<PeerStream>> {
+    let (tx, rx) = tokio::sync::mpsc::channel(MAX_PENDING_HANDSHAKES);
+    let acceptor = tokio_rustls::TlsAcceptor::from(config);
+    let permits = Arc::new(tokio::sync::Semaphore::new(MAX_PENDING_HANDSHAKES));
+    tokio::spawn(async move {
+        loop {
+            let Ok(permit) = permits.clone().acquire_owned().await else { return };
+            let (tcp, remote) = match listener.accept().await {
+                Ok(conn) => conn,
+                Err(error) => {
+                    tracing::warn!(%error, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            let acceptor = acceptor.clone();
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let _permit = permit;
+                let _ = tcp.set_nodelay(true);
+                match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                    Ok(Ok(stream)) => {
+                        let identity = stream
+                            .get_ref()
+                            .1
+                            .peer_certificates()
+                            .and_then(|certs| certs.first())
+                            .ok_or(IdentityError::Missing)
+                            .and_then(|leaf| parse_client_certificate(leaf));
+                        if let Err(reason) = &identity {
+                            tracing::warn!(%remote, %reason, "client certificate carries no usable identity");
+                        }
+                        let _ = tx.send(Ok(PeerStream { stream, info: PeerInfo { remote, identity } })).await;
+                    }
+                    Ok(Err(error)) => tracing::warn!(%remote, %error, "TLS handshake refused"),
+                    Err(_) => tracing::warn!(%remote, "TLS handshake timed out"),
+                }
+            });
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(rx)
+}
+
+/// Opens a gRPC channel to a node over mTLS; `node_name` is the name its certificate must carry.
+pub async fn connect(
+    address: String,
+    node_name: &str,
+    config: Arc<ClientConfig>,
+) -> Result<tonic::transport::Channel, ConnectError> {
+    let server_name =
+        ServerName::try_from(node_name.to_owned()).map_err(|_| ConnectError::Name(node_name.to_owned()))?;
+    let connector = tokio_rustls::TlsConnector::from(config);
+    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{address}"))
+        .map_err(|e| ConnectError::Address(address.clone(), e.to_string()))?
+        .connect_timeout(HANDSHAKE_TIMEOUT)
+        .timeout(Duration::from_secs(120));
+    let target = address.clone();
+    endpoint
+        .connect_with_connector(tower::service_fn(move |_uri| {
+            let connector = connector.clone();
+            let server_name = server_name.clone();
+            let target = target.clone();
+            async move {
+                let tcp = TcpStream::connect(&target).await?;
+                tcp.set_nodelay(true)?;
+                let tls = connector.connect(server_name, tcp).await?;
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tls))
+            }
+        }))
+        .await
+        .map_err(|e| ConnectError::Transport(address, transport_reason(&e)))
+}
+
+/// The innermost cause of a transport error: that is where rustls says what was wrong.
+fn transport_reason(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut reason = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        reason = cause.to_string();
+        source = cause.source();
+    }
+    reason
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    #[error("{0:?} is not a valid node name for TLS verification")]
+    Name(String),
+    #[error("{0:?} is not a valid address: {1}")]
+    Address(String, String),
+    #[error("cannot reach the connector at {0} over mTLS: {1}")]
+    Transport(String, String),
+}
