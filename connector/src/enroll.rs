@@ -37,7 +37,7 @@ pub fn certificate_request(config: &Config) -> Result<String, EnrollError> {
         KeyPair::from_pem(&files::read_private(key_path)?).map_err(|e| key_err(e.to_string()))?
     } else {
         if let Some(parent) = key_path.parent() {
-            std::fs::create_dir_all(parent).map_err(|source| FileError::Write { path: parent.to_owned(), source })?;
+            std::fs::create_dir_all(parent).map_err(|error| FileError::Write { path: parent.to_owned(), error })?;
         }
         let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).map_err(|e| key_err(e.to_string()))?;
         files::write_new(key_path, zeroize::Zeroizing::new(key.serialize_pem()).as_bytes(), 0o600)?;
@@ -53,9 +53,9 @@ pub fn certificate_request(config: &Config) -> Result<String, EnrollError> {
 
 /// Checks and installs the signed certificate, the CA and the run-authority public key.
 pub fn install(config: &Config, certificate: &Path, ca: &Path, authority: &Path) -> Result<(), EnrollError> {
-    let cert_pem = std::fs::read_to_string(certificate).map_err(|source| FileError::Read { path: certificate.to_owned(), source })?;
-    let ca_pem = std::fs::read_to_string(ca).map_err(|source| FileError::Read { path: ca.to_owned(), source })?;
-    let authority_pem = std::fs::read_to_string(authority).map_err(|source| FileError::Read { path: authority.to_owned(), source })?;
+    let cert_pem = std::fs::read_to_string(certificate).map_err(|error| FileError::Read { path: certificate.to_owned(), error })?;
+    let ca_pem = std::fs::read_to_string(ca).map_err(|error| FileError::Read { path: ca.to_owned(), error })?;
+    let authority_pem = std::fs::read_to_string(authority).map_err(|error| FileError::Read { path: authority.to_owned(), error })?;
     VerifyingKey::from_public_key_pem(&authority_pem)
         .map_err(|e| EnrollError::Authority { path: authority.display().to_string(), reason: e.to_string() })?;
 

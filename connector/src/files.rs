@@ -12,10 +12,10 @@ use std::path::{Path, PathBuf};
 
 #[derive(Debug, thiserror::Error)]
 pub enum FileError {
-    #[error("cannot read {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
-    #[error("cannot write {path}: {source}")]
-    Write { path: PathBuf, source: std::io::Error },
+    #[error("cannot read {path}: {error}")]
+    Read { path: PathBuf, error: std::io::Error },
+    #[error("cannot write {path}: {error}")]
+    Write { path: PathBuf, error: std::io::Error },
     #[error("{path} has mode {mode:04o}: {what} must not be {who}; run `chmod {fix:04o} {path}`")]
     Insecure {
         path: PathBuf,
@@ -31,7 +31,7 @@ pub enum FileError {
 }
 
 fn metadata(path: &Path) -> Result<fs::Metadata, FileError> {
-    fs::metadata(path).map_err(|source| FileError::Read { path: path.to_owned(), source })
+    fs::metadata(path).map_err(|error| FileError::Read { path: path.to_owned(), error })
 }
 
 fn effective_uid() -> u32 {
@@ -70,13 +70,13 @@ pub fn read_private(path: &Path) -> Result<zeroize::Zeroizing<String>, FileError
     check_private(path)?;
     fs::read_to_string(path)
         .map(zeroize::Zeroizing::new)
-        .map_err(|source| FileError::Read { path: path.to_owned(), source })
+        .map_err(|error| FileError::Read { path: path.to_owned(), error })
 }
 
 /// Reads a trusted file after [`check_trusted`].
 pub fn read_trusted(path: &Path) -> Result<String, FileError> {
     check_trusted(path)?;
-    fs::read_to_string(path).map_err(|source| FileError::Read { path: path.to_owned(), source })
+    fs::read_to_string(path).map_err(|error| FileError::Read { path: path.to_owned(), error })
 }
 
 /// Creates a directory (and missing parents) with mode 0700; an existing one must be private.
@@ -85,17 +85,17 @@ pub fn create_private_dir(path: &Path) -> Result<(), FileError> {
         .recursive(true)
         .mode(0o700)
         .create(path)
-        .map_err(|source| FileError::Write { path: path.to_owned(), source })?;
+        .map_err(|error| FileError::Write { path: path.to_owned(), error })?;
     check_private(path)
 }
 
 /// Writes a new file with `mode`, refusing to replace an existing one, and syncs it and its directory.
 pub fn write_new(path: &Path, contents: &[u8], mode: u32) -> Result<(), FileError> {
-    let err = |source: std::io::Error| {
-        if source.kind() == std::io::ErrorKind::AlreadyExists {
+    let err = |error: std::io::Error| {
+        if error.kind() == std::io::ErrorKind::AlreadyExists {
             FileError::Exists { path: path.to_owned() }
         } else {
-            FileError::Write { path: path.to_owned(), source }
+            FileError::Write { path: path.to_owned(), error }
         }
     };
     let mut file = OpenOptions::new().write(true).create_new(true).mode(mode).open(path).map_err(err)?;
@@ -106,7 +106,7 @@ pub fn write_new(path: &Path, contents: &[u8], mode: u32) -> Result<(), FileErro
 
 /// Replaces `path` atomically: temporary file, fsync, rename, fsync of the directory.
 pub fn write_atomic(path: &Path, contents: &[u8], mode: u32) -> Result<(), FileError> {
-    let err = |source| FileError::Write { path: path.to_owned(), source };
+    let err = |error| FileError::Write { path: path.to_owned(), error };
     let tmp = path.with_extension("tmp");
     let _ = fs::remove_file(&tmp);
     let mut file = OpenOptions::new().write(true).create_new(true).mode(mode).open(&tmp).map_err(err)?;
@@ -121,7 +121,7 @@ pub fn sync_parent(path: &Path) -> Result<(), FileError> {
     let parent = path.parent().unwrap_or(Path::new("."));
     File::open(parent)
         .and_then(|dir| dir.sync_all())
-        .map_err(|source| FileError::Write { path: parent.to_owned(), source })
+        .map_err(|error| FileError::Write { path: parent.to_owned(), error })
 }
 
 #[cfg(test)]

@@ -64,9 +64,9 @@ impl RunRegistry {
         let dir = state_dir.join("runs");
         files::create_private_dir(&dir)?;
         let mut inner = Inner::default();
-        let entries = std::fs::read_dir(&dir).map_err(|source| FileError::Read { path: dir.clone(), source })?;
+        let entries = std::fs::read_dir(&dir).map_err(|error| FileError::Read { path: dir.clone(), error })?;
         for entry in entries {
-            let entry = entry.map_err(|source| FileError::Read { path: dir.clone(), source })?;
+            let entry = entry.map_err(|error| FileError::Read { path: dir.clone(), error })?;
             let name = entry.file_name();
             let Some(run_id) = name.to_str().and_then(|n| RunId::validate(n).ok()) else {
                 tracing::warn!(path = %entry.path().display(), "ignoring an entry that is not a run directory");
@@ -163,7 +163,7 @@ fn read_closed(run_dir: &Path) -> Result<Option<i64>, FileError> {
         // An unreadable timestamp still means closed: refusing is the safe reading.
         Ok(text) => Ok(Some(text.trim().parse().unwrap_or(0))),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(source) => Err(FileError::Read { path, source }),
+        Err(error) => Err(FileError::Read { path, error }),
     }
 }
 

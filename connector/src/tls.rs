@@ -36,8 +36,6 @@ pub enum TlsError {
     Config(#[from] rustls::Error),
     #[error("client certificate verifier: {0}")]
     Verifier(String),
-    #[error("{0:?} is not a valid server name")]
-    ServerName(String),
 }
 
 static PROVIDER: OnceLock<Arc<CryptoProvider>> = OnceLock::new();
@@ -237,7 +235,30 @@ pub async fn connect(
             }
         }))
         .await
-        .map_err(|e| ConnectError::Transport(address, transport_reason(&e)))
+        .map_err(|e| classify(address, &e))
+}
+
+/// Turns a failed connect into an error that says what to do: the node's certificate names
+/// another node, comes from another CA, or the network/handshake failed.
+fn classify(address: String, error: &(dyn std::error::Error + 'static)) -> ConnectError {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(cause) = source {
+        let rustls_error = cause
+            .downcast_ref::<rustls::Error>()
+            .or_else(|| cause.downcast_ref::<std::io::Error>().and_then(|io| io.get_ref()).and_then(|e| e.downcast_ref::<rustls::Error>()));
+        if let Some(rustls::Error::InvalidCertificate(certificate_error)) = rustls_error {
+            use rustls::CertificateError as E;
+            return match certificate_error {
+                E::NotValidForName | E::NotValidForNameContext { .. } => {
+                    ConnectError::WrongNode(address, certificate_error.to_string())
+                }
+                E::UnknownIssuer | E::BadSignature => ConnectError::UnknownIssuer(address),
+                _ => ConnectError::Transport(address, rustls_error.map(|e| e.to_string()).unwrap_or_default()),
+            };
+        }
+        source = cause.source();
+    }
+    ConnectError::Transport(address, transport_reason(error))
 }
 
 /// The innermost cause of a transport error: that is where rustls says what was wrong.
@@ -259,4 +280,8 @@ pub enum ConnectError {
     Address(String, String),
     #[error("cannot reach the connector at {0} over mTLS: {1}")]
     Transport(String, String),
+    #[error("the connector at {0} is not the node asked for: {1}; check --node and --name")]
+    WrongNode(String, String),
+    #[error("the connector at {0} presents a certificate not issued by this controller's CA; enroll the node with this CA")]
+    UnknownIssuer(String),
 }

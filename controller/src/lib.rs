@@ -1,0 +1,7 @@
+//! The CertiStack controller: holds every secret (CA, run authority, report signing), enrolls
+//! nodes, mints per-run credentials and talks to connectors.
+
+pub mod authority;
+pub mod client;
+pub mod run;
+pub mod surface;

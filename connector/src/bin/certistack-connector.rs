@@ -1,1 +1,142 @@
-fn main(){}
+//! certistack-connector: reads its config, sets up logging and TLS, serves, drains on SIGTERM.
+#![allow(clippy::print_stdout)]
+
+use anyhow::Context;
+use certistack_connector::config::{self, Config};
+use certistack_connector::executor::NodeExecutor;
+use certistack_connector::server::Connector;
+use certistack_connector::service::SystemClock;
+use certistack_connector::{enroll, tls};
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+const EXIT_CODES: &str = "Exit codes: 0 success; 1 the daemon failed while running; \
+2 usage error; 3 refused to start (config, key or certificate missing, insecure or inconsistent).";
+
+#[derive(Parser, Debug)]
+#[command(name = "certistack-connector", version, about = "CertiStack node connector", after_help = EXIT_CODES)]
+struct Cli {
+    /// Configuration file.
+    #[arg(long, global = true, default_value = config::DEFAULT_PATH)]
+    config: PathBuf,
+    /// Log as JSON lines instead of text.
+    #[arg(long, global = true)]
+    log_json: bool,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Serve the connector surface (the default).
+    Serve,
+    /// Check the config and every file it names, then exit.
+    Check,
+    /// Enroll this node with a controller.
+    Enroll(EnrollArgs),
+}
+
+#[derive(clap::Args, Debug)]
+#[command(group(clap::ArgGroup::new("mode").required(true).args(["csr", "install"])))]
+struct EnrollArgs {
+    /// Create the node key (if absent) and print a certificate signing request on stdout.
+    #[arg(long)]
+    csr: bool,
+    /// Install the certificate signed by `certistack-ctl node sign`, the CA and the run-authority key.
+    #[arg(long, requires_all = ["certificate", "ca", "run_authority"])]
+    install: bool,
+    #[arg(long, requires = "install")]
+    certificate: Option<PathBuf>,
+    #[arg(long, requires = "install")]
+    ca: Option<PathBuf>,
+    #[arg(long, requires = "install")]
+    run_authority: Option<PathBuf>,
+}
+
+enum Failure {
+    Refused(anyhow::Error),
+    Runtime(anyhow::Error),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.log_json);
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(Failure::Refused(error)) => {
+            tracing::error!("refusing to start: {error:#}");
+            ExitCode::from(3)
+        }
+        Err(Failure::Runtime(error)) => {
+            tracing::error!("{error:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn init_logging(json: bool) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("CERTISTACK_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    if json {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}
+
+fn run(cli: Cli) -> Result<(), Failure> {
+    let config = Config::load(&cli.config)
+        .with_context(|| format!("loading {}", cli.config.display()))
+        .map_err(Failure::Refused)?;
+    tls::provider();
+    match cli.command.unwrap_or(Command::Serve) {
+        Command::Serve => serve(config),
+        Command::Check => {
+            Connector::new(config, Arc::new(NodeExecutor), Arc::new(SystemClock)).map_err(|e| Failure::Refused(e.into()))?;
+            println!("configuration ok");
+            Ok(())
+        }
+        Command::Enroll(args) if args.csr => {
+            let csr = enroll::certificate_request(&config).map_err(|e| Failure::Refused(e.into()))?;
+            print!("{csr}");
+            Ok(())
+        }
+        Command::Enroll(args) => {
+            let (Some(certificate), Some(ca), Some(authority)) = (args.certificate, args.ca, args.run_authority) else {
+                return Err(Failure::Refused(anyhow::anyhow!("--install needs --certificate, --ca and --run-authority")));
+            };
+            enroll::install(&config, &certificate, &ca, &authority).map_err(|e| Failure::Refused(e.into()))?;
+            println!("installed {}, {} and {}", config.tls.certificate.display(), config.tls.controller_ca.display(), config.tls.run_authority_public_key.display());
+            Ok(())
+        }
+    }
+}
+
+fn serve(config: Config) -> Result<(), Failure> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+        .map_err(Failure::Runtime)?;
+    runtime.block_on(async {
+        let connector = Connector::new(config, Arc::new(NodeExecutor), Arc::new(SystemClock)).map_err(|e| Failure::Refused(e.into()))?;
+        let listener = connector.bind().await.map_err(|e| Failure::Refused(e.into()))?;
+        connector.serve(listener, shutdown_signal()).await.map_err(|e| Failure::Runtime(e.into()))
+    })
+}
+
+/// Completes on SIGTERM (systemd stop) or SIGINT.
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        tracing::error!("cannot install signal handlers; stop the daemon with SIGKILL");
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM: draining"),
+        _ = int.recv() => tracing::info!("SIGINT: draining"),
+    }
+}

@@ -1,1 +1,174 @@
-fn main(){}
+//! certistack-ctl: the controller CLI. Every secret stays in its state directory.
+#![allow(clippy::print_stdout)]
+
+use certistack_connector::tls::ConnectError;
+use certistack_controller::{authority, client, surface};
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use time::OffsetDateTime;
+
+const EXIT_CODES: &str = "Exit codes: 0 success; 1 local failure (state directory, key, file); \
+2 usage error; 3 the node could not be reached or refused TLS or the call; \
+4 the node is not what was expected (node name or surface digest differs).";
+
+#[derive(Parser, Debug)]
+#[command(name = "certistack-ctl", version, about = "CertiStack controller", after_help = EXIT_CODES)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// The certificate authority and signing keys.
+    #[command(subcommand, after_help = EXIT_CODES)]
+    Ca(CaCommand),
+    /// Node enrollment.
+    #[command(subcommand, after_help = EXIT_CODES)]
+    Node(NodeCommand),
+    /// Print each RPC of the compiled surface, then its digest.
+    #[command(after_help = EXIT_CODES)]
+    Surface,
+    /// Connect to a node as an operator and print its Hello answer.
+    #[command(after_help = EXIT_CODES)]
+    Hello(HelloArgs),
+}
+
+#[derive(Subcommand, Debug)]
+enum CaCommand {
+    /// Create the CA, the run-authority key and the report-signing key (directory 0700, keys 0600).
+    #[command(after_help = EXIT_CODES)]
+    Init {
+        #[arg(long)]
+        state_dir: PathBuf,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum NodeCommand {
+    /// Issue a node certificate for a CSR made by `certistack-connector enroll --csr`.
+    #[command(after_help = EXIT_CODES)]
+    Sign {
+        #[arg(long)]
+        state_dir: PathBuf,
+        /// The node name; the CSR must name exactly this.
+        #[arg(long)]
+        node: String,
+        /// The CSR file (PEM).
+        #[arg(long)]
+        csr: PathBuf,
+        /// Where to write the certificate (PEM); stdout when absent.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+}
+
+#[derive(clap::Args, Debug)]
+struct HelloArgs {
+    #[arg(long)]
+    state_dir: PathBuf,
+    /// The connector's address, HOST:PORT.
+    #[arg(long)]
+    node: String,
+    /// The node name its certificate must carry (defaults to HOST).
+    #[arg(long)]
+    name: Option<String>,
+    /// The operator name in the short-lived client certificate minted for this call.
+    #[arg(long, default_value = "ctl")]
+    operator: String,
+}
+
+#[derive(Debug)]
+enum Failure {
+    Local(String),
+    Unreachable(String),
+    Mismatch(String),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(failure) => {
+            let (code, message) = match failure {
+                Failure::Local(m) => (1, m),
+                Failure::Unreachable(m) => (3, m),
+                Failure::Mismatch(m) => (4, m),
+            };
+            eprintln!("certistack-ctl: {message}");
+            ExitCode::from(code)
+        }
+    }
+}
+
+fn local(error: impl std::fmt::Display) -> Failure {
+    Failure::Local(error.to_string())
+}
+
+fn run(cli: Cli) -> Result<(), Failure> {
+    let now = OffsetDateTime::now_utc();
+    match cli.command {
+        Command::Ca(CaCommand::Init { state_dir }) => {
+            authority::init(&state_dir, now).map_err(local)?;
+            println!("created CA, run-authority and report-signing keys in {}", state_dir.display());
+            Ok(())
+        }
+        Command::Node(NodeCommand::Sign { state_dir, node, csr, out }) => {
+            let authority = authority::Authority::load(&state_dir).map_err(local)?;
+            let csr = std::fs::read_to_string(&csr).map_err(|e| local(format!("cannot read {}: {e}", csr.display())))?;
+            let certificate = authority.sign_node_csr(&csr, &node, now).map_err(local)?;
+            match out {
+                Some(path) => {
+                    std::fs::write(&path, certificate).map_err(|e| local(format!("cannot write {}: {e}", path.display())))?;
+                    println!(
+                        "issued {} for node {node}; install it on the node with\n  certistack-connector enroll --install --certificate {} --ca {} --run-authority {}",
+                        path.display(),
+                        path.display(),
+                        state_dir.join(authority::CA_CERT).display(),
+                        state_dir.join(authority::RUN_AUTHORITY_PUB).display()
+                    );
+                }
+                None => print!("{certificate}"),
+            }
+            Ok(())
+        }
+        Command::Surface => {
+            print!("{}", surface::describe().map_err(local)?);
+            Ok(())
+        }
+        Command::Hello(args) => hello(args, now),
+    }
+}
+
+fn hello(args: HelloArgs, now: OffsetDateTime) -> Result<(), Failure> {
+    let authority = authority::Authority::load(&args.state_dir).map_err(local)?;
+    let identity = authority.issue_operator(&args.operator, now).map_err(local)?;
+    let host = args.node.rsplit_once(':').map_or(args.node.as_str(), |(host, _)| host);
+    let name = args.name.unwrap_or_else(|| host.trim_matches(['[', ']']).to_owned());
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(local)?;
+    let reply = runtime.block_on(async {
+        let mut client = client::connect(&args.node, &name, authority.ca_pem(), &identity).await?;
+        client::hello(&mut client, &name).await
+    });
+    let reply = reply.map_err(|error| match error {
+        client::NodeError::SurfaceDigest { .. }
+        | client::NodeError::NodeName { .. }
+        | client::NodeError::Connect(ConnectError::WrongNode(..) | ConnectError::UnknownIssuer(_)) => {
+            Failure::Mismatch(error.to_string())
+        }
+        client::NodeError::Tls(_) => Failure::Local(error.to_string()),
+        _ => Failure::Unreachable(error.to_string()),
+    })?;
+    let skew_ms = reply.node_time_unix_ms - (now.unix_timestamp_nanos() / 1_000_000) as i64;
+    println!("node: {}", reply.node_name);
+    println!("version: {}", reply.daemon_version);
+    println!("surface: {} (matches)", reply.surface_digest);
+    println!("capabilities: {}", reply.capabilities.join(" "));
+    println!("node time: {} ms since the epoch ({skew_ms:+} ms from this host)", reply.node_time_unix_ms);
+    println!("seen as: {}", reply.peer_identity);
+    Ok(())
+}

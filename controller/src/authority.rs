@@ -1,0 +1,234 @@
+//! The controller's key material and what it issues with it.
+//!
+//! A state directory (0700) holds the CA (ECDSA P-256; issues node and client certificates),
+//! the run-authority key (Ed25519; signs run grants) and the report-signing key (Ed25519; signs
+//! reports). Private keys are PKCS#8 PEM files of mode 0600 and are refused when group- or
+//! world-accessible. The node never receives any of them.
+
+use certistack_connector::files::{self, FileError};
+use certistack_connector::identity::Identity;
+use certistack_connector::validate::Validated;
+use ed25519_dalek::SigningKey;
+use ed25519_dalek::pkcs8::{DecodePrivateKey, EncodePrivateKey, EncodePublicKey, spki::der::pem::LineEnding};
+use rand_core::{OsRng, RngCore};
+use rcgen::{
+    BasicConstraints, CertificateParams, CertificateSigningRequestParams, DistinguishedName, DnType,
+    ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose, SanType, SerialNumber,
+};
+use std::path::{Path, PathBuf};
+use time::{Duration, OffsetDateTime};
+
+pub const CA_KEY: &str = "ca.key";
+pub const CA_CERT: &str = "ca.crt";
+pub const RUN_AUTHORITY_KEY: &str = "run-authority.key";
+pub const RUN_AUTHORITY_PUB: &str = "run-authority.pub";
+pub const REPORT_KEY: &str = "report-signing.key";
+pub const REPORT_PUB: &str = "report-signing.pub";
+
+const CA_LIFETIME: Duration = Duration::days(3650);
+pub const NODE_CERT_LIFETIME: Duration = Duration::days(397);
+/// Operator certificates minted for one CLI invocation.
+pub const OPERATOR_CERT_LIFETIME: Duration = Duration::minutes(10);
+/// Tolerated clock difference between controller and node when a certificate starts.
+const CLOCK_SKEW: Duration = Duration::seconds(60);
+
+#[derive(Debug, thiserror::Error)]
+pub enum AuthorityError {
+    #[error(transparent)]
+    File(#[from] FileError),
+    #[error("{path} already holds a key; refusing to overwrite it (move the state directory away to start over)")]
+    Exists { path: PathBuf },
+    #[error("{path}: {reason}")]
+    Key { path: PathBuf, reason: String },
+    #[error("certificate: {0}")]
+    Certificate(String),
+    #[error("the CSR is not acceptable: {0}")]
+    Csr(String),
+}
+
+fn cert_err(e: impl std::fmt::Display) -> AuthorityError {
+    AuthorityError::Certificate(e.to_string())
+}
+
+/// The loaded state directory.
+pub struct Authority {
+    dir: PathBuf,
+    ca_pem: String,
+    issuer: Issuer<'static, KeyPair>,
+    run_authority: SigningKey,
+    report_signing: SigningKey,
+}
+
+impl std::fmt::Debug for Authority {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Authority").field("dir", &self.dir).finish_non_exhaustive()
+    }
+}
+
+fn random_serial() -> SerialNumber {
+    let mut bytes = [0u8; 16];
+    OsRng.fill_bytes(&mut bytes);
+    // A positive DER integer: clear the top bit, and keep the first byte non-zero.
+    if let Some(first) = bytes.first_mut() {
+        *first = (*first & 0x7f) | 0x01;
+    }
+    SerialNumber::from_slice(&bytes)
+}
+
+fn ed25519_pem(key: &SigningKey, path: &Path) -> Result<(zeroize::Zeroizing<String>, String), AuthorityError> {
+    let err = |reason: String| AuthorityError::Key { path: path.to_owned(), reason };
+    let private = key.to_pkcs8_pem(LineEnding::LF).map_err(|e| err(e.to_string()))?;
+    let public = key.verifying_key().to_public_key_pem(LineEnding::LF).map_err(|e| err(e.to_string()))?;
+    Ok((private, public))
+}
+
+/// Creates the state directory with a new CA, run-authority key and report-signing key.
+pub fn init(dir: &Path, now: OffsetDateTime) -> Result<(), AuthorityError> {
+    files::create_private_dir(dir)?;
+    for name in [CA_KEY, CA_CERT, RUN_AUTHORITY_KEY, RUN_AUTHORITY_PUB, REPORT_KEY, REPORT_PUB] {
+        let path = dir.join(name);
+        if path.exists() {
+            return Err(AuthorityError::Exists { path });
+        }
+    }
+    let ca_key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).map_err(cert_err)?;
+    let mut params = CertificateParams::default();
+    let mut name = DistinguishedName::new();
+    name.push(DnType::CommonName, "CertiStack controller CA");
+    params.distinguished_name = name;
+    params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+    params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
+    params.not_before = now - CLOCK_SKEW;
+    params.not_after = now + CA_LIFETIME;
+    params.serial_number = Some(random_serial());
+    let ca_cert = params.self_signed(&ca_key).map_err(cert_err)?;
+
+    let run_authority = SigningKey::generate(&mut OsRng);
+    let report_signing = SigningKey::generate(&mut OsRng);
+    let (run_private, run_public) = ed25519_pem(&run_authority, &dir.join(RUN_AUTHORITY_KEY))?;
+    let (report_private, report_public) = ed25519_pem(&report_signing, &dir.join(REPORT_KEY))?;
+
+    files::write_new(&dir.join(CA_KEY), zeroize::Zeroizing::new(ca_key.serialize_pem()).as_bytes(), 0o600)?;
+    files::write_new(&dir.join(CA_CERT), ca_cert.pem().as_bytes(), 0o644)?;
+    files::write_new(&dir.join(RUN_AUTHORITY_KEY), run_private.as_bytes(), 0o600)?;
+    files::write_new(&dir.join(RUN_AUTHORITY_PUB), run_public.as_bytes(), 0o644)?;
+    files::write_new(&dir.join(REPORT_KEY), report_private.as_bytes(), 0o600)?;
+    files::write_new(&dir.join(REPORT_PUB), report_public.as_bytes(), 0o644)?;
+    Ok(())
+}
+
+fn load_ed25519(path: &Path) -> Result<SigningKey, AuthorityError> {
+    let pem = files::read_private(path)?;
+    SigningKey::from_pkcs8_pem(&pem).map_err(|e| AuthorityError::Key { path: path.to_owned(), reason: e.to_string() })
+}
+
+/// What a client certificate issued here consists of.
+pub struct IssuedCertificate {
+    pub certificate_pem: String,
+    pub key_pem: zeroize::Zeroizing<String>,
+}
+
+impl std::fmt::Debug for IssuedCertificate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IssuedCertificate").field("key_pem", &"<redacted>").finish_non_exhaustive()
+    }
+}
+
+impl Authority {
+    /// Loads the state directory, checking that it and every private key are private.
+    pub fn load(dir: &Path) -> Result<Self, AuthorityError> {
+        files::check_private(dir)?;
+        let ca_key_path = dir.join(CA_KEY);
+        let ca_key = KeyPair::from_pem(&files::read_private(&ca_key_path)?)
+            .map_err(|e| AuthorityError::Key { path: ca_key_path.clone(), reason: e.to_string() })?;
+        let ca_pem = files::read_trusted(&dir.join(CA_CERT))?;
+        let issuer = Issuer::from_ca_cert_pem(&ca_pem, ca_key).map_err(cert_err)?;
+        Ok(Self {
+            dir: dir.to_owned(),
+            ca_pem,
+            issuer,
+            run_authority: load_ed25519(&dir.join(RUN_AUTHORITY_KEY))?,
+            report_signing: load_ed25519(&dir.join(REPORT_KEY))?,
+        })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn ca_pem(&self) -> &str {
+        &self.ca_pem
+    }
+
+    pub fn run_authority(&self) -> &SigningKey {
+        &self.run_authority
+    }
+
+    pub fn report_signing(&self) -> &SigningKey {
+        &self.report_signing
+    }
+
+    /// Signs a node's CSR. The CSR must name exactly `node` (one DNS SAN); the certificate is a
+    /// TLS server certificate for that name only, whatever else the CSR asked for.
+    pub fn sign_node_csr(&self, csr_pem: &str, node: &str, now: OffsetDateTime) -> Result<String, AuthorityError> {
+        <certistack_connector::validate::NodeName as Validated>::validate(node).map_err(AuthorityError::Csr)?;
+        let mut csr = CertificateSigningRequestParams::from_pem(csr_pem).map_err(|e| AuthorityError::Csr(e.to_string()))?;
+        let asked: Vec<String> = csr
+            .params
+            .subject_alt_names
+            .iter()
+            .map(|san| match san {
+                SanType::DnsName(name) => name.as_str().to_owned(),
+                other => format!("{other:?}"),
+            })
+            .collect();
+        if asked != [node] {
+            return Err(AuthorityError::Csr(format!("it asks for {asked:?}; a node CSR must name exactly [{node:?}]")));
+        }
+        let mut params = CertificateParams::new(vec![node.to_owned()]).map_err(cert_err)?;
+        let mut name = DistinguishedName::new();
+        name.push(DnType::CommonName, node);
+        params.distinguished_name = name;
+        params.is_ca = IsCa::ExplicitNoCa;
+        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+        params.not_before = now - CLOCK_SKEW;
+        params.not_after = now + NODE_CERT_LIFETIME;
+        params.serial_number = Some(random_serial());
+        csr.params = params;
+        Ok(csr.signed_by(&self.issuer).map_err(cert_err)?.pem())
+    }
+
+    /// Issues a client certificate carrying `identity`, valid over `[not_before, not_after]`.
+    pub fn issue_client(
+        &self,
+        identity: &Identity,
+        not_before: OffsetDateTime,
+        not_after: OffsetDateTime,
+    ) -> Result<IssuedCertificate, AuthorityError> {
+        let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).map_err(cert_err)?;
+        let mut params = CertificateParams::default();
+        let mut name = DistinguishedName::new();
+        name.push(DnType::CommonName, identity.to_string());
+        params.distinguished_name = name;
+        params.subject_alt_names = identity
+            .uris()
+            .into_iter()
+            .map(|uri| uri.try_into().map(SanType::URI).map_err(cert_err))
+            .collect::<Result<_, _>>()?;
+        params.is_ca = IsCa::ExplicitNoCa;
+        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+        params.not_before = not_before;
+        params.not_after = not_after;
+        params.serial_number = Some(random_serial());
+        let cert = params.signed_by(&key, &self.issuer).map_err(cert_err)?;
+        Ok(IssuedCertificate { certificate_pem: cert.pem(), key_pem: zeroize::Zeroizing::new(key.serialize_pem()) })
+    }
+
+    /// A short-lived operator certificate for one CLI invocation.
+    pub fn issue_operator(&self, name: &str, now: OffsetDateTime) -> Result<IssuedCertificate, AuthorityError> {
+        certistack_connector::identity::check_operator_name(name).map_err(AuthorityError::Certificate)?;
+        self.issue_client(&Identity::Operator { name: name.to_owned() }, now - CLOCK_SKEW, now + OPERATOR_CERT_LIFETIME)
+    }
+}
