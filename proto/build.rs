@@ -34,6 +34,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let digest = hex::encode(Sha256::digest(&canonical));
 
     std::fs::write(out_dir.join("surface_descriptor.bin"), &canonical)?;
-    std::fs::write(out_dir.join("surface_digest.txt"), format!("sha256:{digest}"))?;
+    std::fs::write(
+        out_dir.join("surface_digest.txt"),
+        format!("sha256:{digest}"),
+    )?;
     Ok(())
 }

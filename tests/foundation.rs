@@ -1,0 +1,1655 @@
+//! The connector's surface, mTLS and per-run authorization, over real TLS on loopback with
+//! certificates issued by the controller's own code.
+//!
+//! Every refusal case checks the gRPC status and message and that the recording executor was
+//! not reached: a refused call changes nothing.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+use certistack_connector::identity::Identity;
+use certistack_connector::validate::{NodeName, RunId, Validated};
+use certistack_controller::client::{NodeError, check_hello};
+use certistack_controller::run::sign_grant;
+use certistack_proto::v1 as pb;
+use certistack_proto::v1::connector_client::ConnectorClient;
+use certistack_tests::*;
+use prost::Message;
+use std::collections::{BTreeMap, BTreeSet};
+use tonic::Code;
+use tonic::transport::Channel;
+
+fn assert_status<T: std::fmt::Debug>(result: Result<T, tonic::Status>, code: Code, needle: &str) {
+    match result {
+        Ok(reply) => panic!("expected {code:?} containing {needle:?}, got {reply:?}"),
+        Err(status) => {
+            assert_eq!(status.code(), code, "message: {}", status.message());
+            assert!(
+                status.message().contains(needle),
+                "{:?} does not contain {needle:?}",
+                status.message()
+            );
+        }
+    }
+}
+
+async fn started(
+    tag: &str,
+) -> (
+    TempDir,
+    certistack_controller::authority::Authority,
+    TestNode,
+) {
+    let dir = TempDir::new(tag);
+    let authority = controller(&dir.0);
+    let node = TestNode::start(&authority, &dir.0.join("node"), NODE).await;
+    (dir, authority, node)
+}
+
+/// One request per operation RPC, all inside the standard test grant.
+fn ok<T>(result: Result<T, tonic::Status>) -> Result<(), tonic::Status> {
+    result.map(|_| ())
+}
+
+async fn call_every_operation(
+    client: &mut ConnectorClient<Channel>,
+) -> Vec<Result<(), tonic::Status>> {
+    vec![
+        ok(client
+            .map_backup(pb::MapBackupRequest {
+                snapshot: SNAPSHOT.into(),
+                archive: ARCHIVE.into(),
+                pbs_secret: "s3cret".into(),
+                encryption_key: vec![],
+            })
+            .await),
+        ok(client
+            .create_overlay(pb::CreateOverlayRequest {
+                vmid: VMID,
+                archive: ARCHIVE.into(),
+            })
+            .await),
+        ok(client
+            .create_vm(pb::CreateVmRequest {
+                vmid: VMID,
+                cores: 2,
+                memory_mib: 1024,
+                archives: vec![ARCHIVE.into()],
+            })
+            .await),
+        ok(client
+            .prepare_sandbox(pb::PrepareSandboxRequest {
+                vnet: VNET.into(),
+                probe_source: PROBE_SOURCE.into(),
+            })
+            .await),
+        ok(client.start_vm(pb::VmRequest { vmid: VMID }).await),
+        ok(client.vm_status(pb::VmRequest { vmid: VMID }).await),
+        ok(client
+            .qmp(pb::QmpRequest {
+                vmid: VMID,
+                command: pb::QmpCommand::QueryStatus as i32,
+            })
+            .await),
+        ok(client
+            .qga(pb::QgaRequest {
+                vmid: VMID,
+                call: Some(pb::qga_request::Call::Command(pb::QgaCommand::Ping as i32)),
+            })
+            .await),
+        ok(client
+            .qga(pb::QgaRequest {
+                vmid: VMID,
+                call: Some(pb::qga_request::Call::AssertionId("nginx-active".into())),
+            })
+            .await),
+        ok(client
+            .probe(pb::ProbeRequest {
+                kind: pb::ProbeKind::Tcp as i32,
+                address: TARGET.into(),
+                port: 22,
+            })
+            .await),
+        ok(client
+            .stop_vm(pb::StopVmRequest {
+                vmid: VMID,
+                timeout_seconds: 30,
+            })
+            .await),
+        ok(client.destroy_vm(pb::VmRequest { vmid: VMID }).await),
+        ok(client
+            .release_sandbox(pb::ReleaseSandboxRequest { vnet: VNET.into() })
+            .await),
+        ok(client
+            .delete_overlay(pb::DeleteOverlayRequest {
+                vmid: VMID,
+                archive: ARCHIVE.into(),
+            })
+            .await),
+        ok(client
+            .unmap_backup(pb::UnmapBackupRequest {
+                archive: ARCHIVE.into(),
+            })
+            .await),
+        ok(client
+            .read_journal(pb::ReadJournalRequest {
+                run_id: RUN_ID.into(),
+            })
+            .await),
+        ok(client
+            .cleanup(pb::CleanupRequest {
+                run_id: RUN_ID.into(),
+            })
+            .await),
+    ]
+}
+
+const EVERY_OPERATION: [&str; 17] = [
+    "MapBackup",
+    "CreateOverlay",
+    "CreateVm",
+    "PrepareSandbox",
+    "StartVm",
+    "VmStatus",
+    "Qmp",
+    "Qga",
+    "Qga",
+    "Probe",
+    "StopVm",
+    "DestroyVm",
+    "ReleaseSandbox",
+    "DeleteOverlay",
+    "UnmapBackup",
+    "ReadJournal",
+    "Cleanup",
+];
+
+// ----------------------------------------------------------------------------------------------
+// Accepted
+
+#[tokio::test]
+async fn matching_run_calls_its_own_operations() {
+    let (_dir, authority, node) = started("accept").await;
+    let credentials = mint(&authority, &grant(RUN_ID, NODE));
+    let mut client = run_client(&authority, &node, &credentials).await;
+
+    let hello = client
+        .hello(pb::HelloRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(hello.peer_identity, format!("run:{RUN_ID}"));
+    let begun = client
+        .begin_run(begin_request(&credentials))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((begun.run_id.as_str(), begun.resumed), (RUN_ID, false));
+    let again = client
+        .begin_run(begin_request(&credentials))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(again.resumed, "the same grant resumes the open run");
+
+    for result in call_every_operation(&mut client).await {
+        result.unwrap();
+    }
+    assert_eq!(node.executor.rpcs(), EVERY_OPERATION);
+
+    let journal: Vec<pb::JournalRecord> = {
+        let mut stream = client
+            .read_journal(pb::ReadJournalRequest {
+                run_id: RUN_ID.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let mut records = Vec::new();
+        while let Some(record) = stream.message().await.unwrap() {
+            records.push(record);
+        }
+        records
+    };
+    assert_eq!(journal.len(), 1);
+    assert_eq!(journal[0].operation, "recorded:journal.read");
+    client.end_run(pb::EndRunRequest {}).await.unwrap();
+}
+
+#[tokio::test]
+async fn operator_reaches_hello_list_journal_and_cleanup() {
+    let (_dir, authority, node) = started("operator").await;
+    let credentials = mint(&authority, &grant(RUN_ID, NODE));
+    run_client(&authority, &node, &credentials)
+        .await
+        .begin_run(begin_request(&credentials))
+        .await
+        .unwrap();
+
+    let mut operator = operator(&authority, &node).await;
+    let hello = operator
+        .hello(pb::HelloRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    check_hello(&hello, NODE).unwrap();
+    assert_eq!(hello.peer_identity, "operator:alice");
+    assert_eq!(hello.capabilities, ["run.lifecycle", "test.recording"]);
+    let runs = operator
+        .list_runs(pb::ListRunsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .runs;
+    assert_eq!(runs.len(), 1);
+    assert_eq!(
+        (runs[0].run_id.as_str(), runs[0].state),
+        (RUN_ID, pb::RunState::Open as i32)
+    );
+    operator
+        .read_journal(pb::ReadJournalRequest {
+            run_id: RUN_ID.into(),
+        })
+        .await
+        .unwrap();
+    operator
+        .cleanup(pb::CleanupRequest {
+            run_id: RUN_ID.into(),
+        })
+        .await
+        .unwrap();
+    assert_eq!(node.executor.rpcs(), ["ReadJournal", "Cleanup"]);
+}
+
+// ----------------------------------------------------------------------------------------------
+// Refused at the TLS layer
+
+/// A call that TLS refuses: the error says so and nothing reached the service.
+async fn assert_tls_refused(
+    node: &TestNode,
+    config: std::sync::Arc<rustls::ClientConfig>,
+    needle: &str,
+) {
+    let error = hello_with(&node.address, config).await.unwrap_err();
+    eprintln!("refused as expected: {error}");
+    assert!(
+        error.contains(needle),
+        "{error:?} does not mention {needle:?}"
+    );
+    assert_eq!(node.executor.count(), 0);
+}
+
+#[tokio::test]
+async fn tls_refusals() {
+    let (dir, authority, node) = started("tls").await;
+
+    // No client certificate: the server requires one (TLS 1.3 reports it after the client's
+    // side of the handshake, on the first request).
+    let none = raw_client_config(&authority, &[&rustls::version::TLS13], None);
+    assert_tls_refused(&node, none, "received fatal alert: CertificateRequired").await;
+
+    // A client offering only TLS 1.2.
+    let identity = authority.issue_operator("alice", now()).unwrap();
+    let tls12 = raw_client_config(&authority, &[&rustls::version::TLS12], Some(&identity));
+    assert_tls_refused(&node, tls12, "received fatal alert: ProtocolVersion").await;
+
+    // A certificate from another CA (same CA name, other key: the signature does not verify).
+    let other = controller(&dir.0.join("other"));
+    let foreign = other.issue_operator("mallory", now()).unwrap();
+    let config = raw_client_config(&authority, &[&rustls::version::TLS13], Some(&foreign));
+    assert_tls_refused(&node, config, "received fatal alert: DecryptError").await;
+
+    // Expired and not yet valid certificates from the right CA.
+    let operator = Identity::Operator {
+        name: "alice".into(),
+    };
+    let hour = time::Duration::hours(1);
+    let expired = authority
+        .issue_client(&operator, now() - 2 * hour, now() - hour)
+        .unwrap();
+    let config = raw_client_config(&authority, &[&rustls::version::TLS13], Some(&expired));
+    assert_tls_refused(&node, config, "received fatal alert: CertificateExpired").await;
+    let future = authority
+        .issue_client(&operator, now() + hour, now() + 2 * hour)
+        .unwrap();
+    let config = raw_client_config(&authority, &[&rustls::version::TLS13], Some(&future));
+    assert_tls_refused(&node, config, "received fatal alert: CertificateExpired").await;
+
+    // The node's own certificate: issued by the right CA, but for server authentication only.
+    let node_as_client = certistack_controller::authority::IssuedCertificate {
+        certificate_pem: std::fs::read_to_string(&node.config.tls.certificate).unwrap(),
+        key_pem: zeroize::Zeroizing::new(
+            std::fs::read_to_string(&node.config.tls.private_key).unwrap(),
+        ),
+    };
+    let config = raw_client_config(
+        &authority,
+        &[&rustls::version::TLS13],
+        Some(&node_as_client),
+    );
+    assert_tls_refused(
+        &node,
+        config,
+        "received fatal alert: UnsupportedCertificate",
+    )
+    .await;
+
+    // Sanity: the same hand-built path succeeds with a valid identity.
+    let config = raw_client_config(&authority, &[&rustls::version::TLS13], Some(&identity));
+    hello_with(&node.address, config).await.unwrap();
+}
+
+#[tokio::test]
+async fn certificate_without_identity_is_unauthenticated() {
+    let (_dir, authority, node) = started("noidentity").await;
+    // Right CA, right usage, but the URI SANs are not a CertiStack identity.
+    let run = RunId::validate(RUN_ID).unwrap();
+    let mut uris = Identity::Run {
+        run_id: run,
+        grant_sha256: [1; 32],
+        node: NodeName::validate(NODE).unwrap(),
+    }
+    .uris();
+    uris.pop(); // drop the node binding
+    let config = raw_client_config(
+        &authority,
+        &[&rustls::version::TLS13],
+        Some(&issue_with_uris(&authority, &uris)),
+    );
+    let error = hello_with(&node.address, config).await.unwrap_err();
+    assert!(
+        error.contains("Unauthenticated") && error.contains("must name its node"),
+        "{error}"
+    );
+    assert_eq!(node.executor.count(), 0);
+}
+
+/// Issues a client certificate with arbitrary URI SANs (the controller API only issues
+/// well-formed identities).
+fn issue_with_uris(
+    authority: &certistack_controller::authority::Authority,
+    uris: &[String],
+) -> certistack_controller::authority::IssuedCertificate {
+    use rcgen::{CertificateParams, ExtendedKeyUsagePurpose, Issuer, KeyPair, SanType};
+    let ca_key =
+        KeyPair::from_pem(&std::fs::read_to_string(authority.dir().join("ca.key")).unwrap())
+            .unwrap();
+    let issuer = Issuer::from_ca_cert_pem(authority.ca_pem(), ca_key).unwrap();
+    let key = KeyPair::generate().unwrap();
+    let mut params = CertificateParams::default();
+    params.subject_alt_names = uris
+        .iter()
+        .map(|u| SanType::URI(u.clone().try_into().unwrap()))
+        .collect();
+    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    params.not_before = now() - time::Duration::minutes(1);
+    params.not_after = now() + time::Duration::minutes(10);
+    let cert = params.signed_by(&key, &issuer).unwrap();
+    certistack_controller::authority::IssuedCertificate {
+        certificate_pem: cert.pem(),
+        key_pem: zeroize::Zeroizing::new(key.serialize_pem()),
+    }
+}
+
+// ----------------------------------------------------------------------------------------------
+// Refused by identity, grant and policy
+
+#[tokio::test]
+async fn run_certificate_for_another_node_is_refused() {
+    let (_dir, authority, node) = started("othernode").await;
+    let credentials = mint(&authority, &grant(RUN_ID, "pve2"));
+    let mut client = run_client(&authority, &node, &credentials).await;
+    assert_status(
+        client.hello(pb::HelloRequest {}).await,
+        Code::PermissionDenied,
+        "bound to node pve2, this is node pve1",
+    );
+    assert_status(
+        client.begin_run(begin_request(&credentials)).await,
+        Code::PermissionDenied,
+        "bound to node pve2",
+    );
+    assert_eq!(node.executor.count(), 0);
+}
+
+#[tokio::test]
+async fn grant_for_another_node_is_refused() {
+    let (_dir, authority, node) = started("grantnode").await;
+    // The certificate is bound to this node, the grant it carries names another.
+    let wire = grant(RUN_ID, "pve2");
+    let signed = sign_grant(authority.run_authority(), &wire);
+    let identity = Identity::Run {
+        run_id: RunId::validate(RUN_ID).unwrap(),
+        grant_sha256: certistack_connector::grant::digest(&signed.grant),
+        node: NodeName::validate(NODE).unwrap(),
+    };
+    let deadline = time::OffsetDateTime::from_unix_timestamp(wire.deadline_unix).unwrap();
+    let cert = authority
+        .issue_client(&identity, now() - time::Duration::minutes(1), deadline)
+        .unwrap();
+    let mut client = client(&authority, &node.address, NODE, &cert)
+        .await
+        .unwrap();
+    let result = client
+        .begin_run(pb::BeginRunRequest {
+            grant: Some(signed),
+        })
+        .await;
+    assert_status(
+        result,
+        Code::PermissionDenied,
+        "the grant is for node pve2, this is node pve1",
+    );
+    let result = client.vm_status(pb::VmRequest { vmid: VMID }).await;
+    assert_status(result, Code::FailedPrecondition, "has not begun");
+    assert_eq!(node.executor.count(), 0);
+}
+
+#[tokio::test]
+async fn grant_signed_by_another_key_is_refused() {
+    let (dir, authority, node) = started("grantkey").await;
+    let other = controller(&dir.0.join("other"));
+    let wire = grant(RUN_ID, NODE);
+    let signed = sign_grant(other.run_authority(), &wire);
+    let identity = Identity::Run {
+        run_id: RunId::validate(RUN_ID).unwrap(),
+        grant_sha256: certistack_connector::grant::digest(&signed.grant),
+        node: NodeName::validate(NODE).unwrap(),
+    };
+    let deadline = time::OffsetDateTime::from_unix_timestamp(wire.deadline_unix).unwrap();
+    let cert = authority
+        .issue_client(&identity, now() - time::Duration::minutes(1), deadline)
+        .unwrap();
+    let mut client = client(&authority, &node.address, NODE, &cert)
+        .await
+        .unwrap();
+    let result = client
+        .begin_run(pb::BeginRunRequest {
+            grant: Some(signed),
+        })
+        .await;
+    assert_status(
+        result,
+        Code::PermissionDenied,
+        "does not verify against the pinned run-authority key",
+    );
+    assert_eq!(node.executor.count(), 0);
+}
+
+#[tokio::test]
+async fn grant_digest_must_match_the_certificate() {
+    let (_dir, authority, node) = started("digest").await;
+    let credentials = mint(&authority, &grant(RUN_ID, NODE));
+    // Same run, a validly signed grant with a wider scope: not the one the certificate names.
+    let mut wider = grant(RUN_ID, NODE);
+    wider.archives.push("drive-scsi1.img".into());
+    let other_signed = sign_grant(authority.run_authority(), &wider);
+    let mut client = run_client(&authority, &node, &credentials).await;
+    let result = client
+        .begin_run(pb::BeginRunRequest {
+            grant: Some(other_signed),
+        })
+        .await;
+    assert_status(result, Code::PermissionDenied, "differs from the digest");
+    let result = client.begin_run(pb::BeginRunRequest { grant: None }).await;
+    assert_status(result, Code::InvalidArgument, "grant is missing");
+    assert_eq!(node.executor.count(), 0);
+}
+
+#[tokio::test]
+async fn run_certificate_must_not_outlive_its_grant() {
+    let (_dir, authority, node) = started("outlive").await;
+    let wire = grant(RUN_ID, NODE);
+    let signed = sign_grant(authority.run_authority(), &wire);
+    let identity = Identity::Run {
+        run_id: RunId::validate(RUN_ID).unwrap(),
+        grant_sha256: certistack_connector::grant::digest(&signed.grant),
+        node: NodeName::validate(NODE).unwrap(),
+    };
+    let late = time::OffsetDateTime::from_unix_timestamp(wire.deadline_unix + 3600).unwrap();
+    let cert = authority
+        .issue_client(&identity, now() - time::Duration::minutes(1), late)
+        .unwrap();
+    let mut client = client(&authority, &node.address, NODE, &cert)
+        .await
+        .unwrap();
+    let result = client
+        .begin_run(pb::BeginRunRequest {
+            grant: Some(signed),
+        })
+        .await;
+    assert_status(result, Code::PermissionDenied, "must not outlive its grant");
+}
+
+#[tokio::test]
+async fn expired_grant_is_refused() {
+    let (_dir, authority, node) = started("expiredgrant").await;
+    let mut wire = grant(RUN_ID, NODE);
+    wire.not_before_unix = now().unix_timestamp() - 7200;
+    wire.deadline_unix = now().unix_timestamp() - 3600;
+    let signed = sign_grant(authority.run_authority(), &wire);
+    let identity = Identity::Run {
+        run_id: RunId::validate(RUN_ID).unwrap(),
+        grant_sha256: certistack_connector::grant::digest(&signed.grant),
+        node: NodeName::validate(NODE).unwrap(),
+    };
+    // A certificate that is itself still valid, to reach the grant's own time check.
+    let cert = authority
+        .issue_client(
+            &identity,
+            now() - time::Duration::minutes(1),
+            now() + time::Duration::minutes(5),
+        )
+        .unwrap();
+    let mut client = client(&authority, &node.address, NODE, &cert)
+        .await
+        .unwrap();
+    let result = client
+        .begin_run(pb::BeginRunRequest {
+            grant: Some(signed),
+        })
+        .await;
+    assert_status(result, Code::PermissionDenied, "deadline");
+}
+
+#[tokio::test]
+async fn run_is_refused_after_end_run_also_across_restart() {
+    let (_dir, authority, node) = started("endrun").await;
+    let credentials = mint(&authority, &grant(RUN_ID, NODE));
+    let mut client = run_client(&authority, &node, &credentials).await;
+    client.begin_run(begin_request(&credentials)).await.unwrap();
+    client
+        .vm_status(pb::VmRequest { vmid: VMID })
+        .await
+        .unwrap();
+    client.end_run(pb::EndRunRequest {}).await.unwrap();
+    assert_eq!(node.executor.count(), 1);
+
+    let closed = "was closed by EndRun";
+    assert_status(
+        client.vm_status(pb::VmRequest { vmid: VMID }).await,
+        Code::PermissionDenied,
+        closed,
+    );
+    assert_status(
+        client.begin_run(begin_request(&credentials)).await,
+        Code::PermissionDenied,
+        closed,
+    );
+    assert_status(
+        client.end_run(pb::EndRunRequest {}).await,
+        Code::PermissionDenied,
+        closed,
+    );
+    assert_status(
+        client.hello(pb::HelloRequest {}).await,
+        Code::PermissionDenied,
+        closed,
+    );
+
+    let node = node.restart().await;
+    let mut client = run_client(&authority, &node, &credentials).await;
+    assert_status(
+        client.hello(pb::HelloRequest {}).await,
+        Code::PermissionDenied,
+        closed,
+    );
+    assert_status(
+        client.begin_run(begin_request(&credentials)).await,
+        Code::PermissionDenied,
+        closed,
+    );
+    assert_status(
+        client.vm_status(pb::VmRequest { vmid: VMID }).await,
+        Code::PermissionDenied,
+        closed,
+    );
+    assert_eq!(node.executor.count(), 0);
+
+    let mut operator = operator(&authority, &node).await;
+    let runs = operator
+        .list_runs(pb::ListRunsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .runs;
+    assert_eq!(runs[0].state, pb::RunState::Closed as i32);
+}
+
+#[tokio::test]
+async fn identities_are_confined_to_their_rpcs() {
+    let (_dir, authority, node) = started("confined").await;
+    let credentials = mint(&authority, &grant(RUN_ID, NODE));
+    let mut run = run_client(&authority, &node, &credentials).await;
+    run.begin_run(begin_request(&credentials)).await.unwrap();
+    assert_status(
+        run.list_runs(pb::ListRunsRequest {}).await,
+        Code::PermissionDenied,
+        "a Run identity may not call ListRuns",
+    );
+
+    let mut operator = operator(&authority, &node).await;
+    let denied = "a Operator identity may not call";
+    assert_status(
+        operator.begin_run(begin_request(&credentials)).await,
+        Code::PermissionDenied,
+        denied,
+    );
+    assert_status(
+        operator.end_run(pb::EndRunRequest {}).await,
+        Code::PermissionDenied,
+        denied,
+    );
+    let results = call_every_operation(&mut operator).await;
+    for (result, rpc) in results.into_iter().zip(EVERY_OPERATION) {
+        match rpc {
+            // Recovery RPCs are an operator's by policy; every other operation is refused.
+            "ReadJournal" | "Cleanup" => result.unwrap(),
+            _ => assert_status(result, Code::PermissionDenied, denied),
+        }
+    }
+    assert_eq!(node.executor.rpcs(), ["ReadJournal", "Cleanup"]);
+}
+
+#[tokio::test]
+async fn operations_before_begin_run_are_refused() {
+    let (_dir, authority, node) = started("notbegun").await;
+    let credentials = mint(&authority, &grant(RUN_ID, NODE));
+    let mut client = run_client(&authority, &node, &credentials).await;
+    for result in call_every_operation(&mut client).await {
+        assert_status(
+            result,
+            Code::FailedPrecondition,
+            "call BeginRun with its grant first",
+        );
+    }
+    assert_status(
+        client.end_run(pb::EndRunRequest {}).await,
+        Code::FailedPrecondition,
+        "has not begun",
+    );
+    assert_eq!(node.executor.count(), 0);
+}
+
+#[tokio::test]
+async fn objects_outside_the_grant_are_refused() {
+    let (_dir, authority, node) = started("outside").await;
+    let credentials = mint(&authority, &grant(RUN_ID, NODE));
+    let mut c = run_client(&authority, &node, &credentials).await;
+    c.begin_run(begin_request(&credentials)).await.unwrap();
+    let pd = Code::PermissionDenied;
+    let other_run = "11111111-2222-4333-8444-555555555555";
+
+    let map = |snapshot: &str, archive: &str| pb::MapBackupRequest {
+        snapshot: snapshot.into(),
+        archive: archive.into(),
+        pbs_secret: "s3cret".into(),
+        encryption_key: vec![],
+    };
+    assert_status(
+        c.map_backup(map("vm/100/2026-10-01T02:00:00Z", ARCHIVE))
+            .await,
+        pd,
+        "snapshot vm/100/2026-10-01T02:00:00Z is not granted",
+    );
+    assert_status(
+        c.map_backup(map(SNAPSHOT, "drive-scsi1.img")).await,
+        pd,
+        "archive drive-scsi1.img is not granted",
+    );
+    assert_status(
+        c.unmap_backup(pb::UnmapBackupRequest {
+            archive: "drive-scsi1.img".into(),
+        })
+        .await,
+        pd,
+        "archive drive-scsi1.img",
+    );
+    assert_status(
+        c.create_overlay(pb::CreateOverlayRequest {
+            vmid: 100,
+            archive: ARCHIVE.into(),
+        })
+        .await,
+        pd,
+        "VMID 100 is not granted",
+    );
+    assert_status(
+        c.delete_overlay(pb::DeleteOverlayRequest {
+            vmid: VMID,
+            archive: "drive-efidisk0.img".into(),
+        })
+        .await,
+        pd,
+        "archive drive-efidisk0.img",
+    );
+    assert_status(
+        c.create_vm(pb::CreateVmRequest {
+            vmid: 101,
+            cores: 1,
+            memory_mib: 512,
+            archives: vec![ARCHIVE.into()],
+        })
+        .await,
+        pd,
+        "VMID 101",
+    );
+    assert_status(
+        c.create_vm(pb::CreateVmRequest {
+            vmid: VMID,
+            cores: 8,
+            memory_mib: 512,
+            archives: vec![ARCHIVE.into()],
+        })
+        .await,
+        pd,
+        "8 cores for VM 9100",
+    );
+    assert_status(
+        c.create_vm(pb::CreateVmRequest {
+            vmid: VMID,
+            cores: 1,
+            memory_mib: 65536,
+            archives: vec![ARCHIVE.into()],
+        })
+        .await,
+        pd,
+        "65536 MiB for VM 9100",
+    );
+    assert_status(
+        c.start_vm(pb::VmRequest { vmid: 102 }).await,
+        pd,
+        "VMID 102 is not granted",
+    );
+    assert_status(
+        c.stop_vm(pb::StopVmRequest {
+            vmid: 103,
+            timeout_seconds: 0,
+        })
+        .await,
+        pd,
+        "VMID 103",
+    );
+    assert_status(
+        c.destroy_vm(pb::VmRequest { vmid: 104 }).await,
+        pd,
+        "VMID 104",
+    );
+    assert_status(
+        c.vm_status(pb::VmRequest { vmid: 105 }).await,
+        pd,
+        "VMID 105",
+    );
+    assert_status(
+        c.qmp(pb::QmpRequest {
+            vmid: 106,
+            command: pb::QmpCommand::QueryStatus as i32,
+        })
+        .await,
+        pd,
+        "VMID 106",
+    );
+    assert_status(
+        c.qga(pb::QgaRequest {
+            vmid: 107,
+            call: Some(pb::qga_request::Call::Command(1)),
+        })
+        .await,
+        pd,
+        "VMID 107",
+    );
+    assert_status(
+        c.qga(pb::QgaRequest {
+            vmid: VMID,
+            call: Some(pb::qga_request::Call::AssertionId("wipe-disk".into())),
+        })
+        .await,
+        pd,
+        "QGA assertion wipe-disk",
+    );
+    assert_status(
+        c.prepare_sandbox(pb::PrepareSandboxRequest {
+            vnet: "vmbr0".into(),
+            probe_source: PROBE_SOURCE.into(),
+        })
+        .await,
+        pd,
+        "VNet vmbr0 is not granted",
+    );
+    assert_status(
+        c.prepare_sandbox(pb::PrepareSandboxRequest {
+            vnet: VNET.into(),
+            probe_source: "198.51.100.3/24".into(),
+        })
+        .await,
+        pd,
+        "probe source 198.51.100.3/24",
+    );
+    assert_status(
+        c.release_sandbox(pb::ReleaseSandboxRequest {
+            vnet: "vmbr0".into(),
+        })
+        .await,
+        pd,
+        "VNet vmbr0",
+    );
+    assert_status(
+        c.probe(pb::ProbeRequest {
+            kind: pb::ProbeKind::Tcp as i32,
+            address: "192.0.2.1".into(),
+            port: 22,
+        })
+        .await,
+        pd,
+        "tcp probe of 192.0.2.1:22",
+    );
+    assert_status(
+        c.probe(pb::ProbeRequest {
+            kind: pb::ProbeKind::Http as i32,
+            address: TARGET.into(),
+            port: 22,
+        })
+        .await,
+        pd,
+        "http probe of 198.51.100.10:22",
+    );
+    assert_status(
+        c.read_journal(pb::ReadJournalRequest {
+            run_id: other_run.into(),
+        })
+        .await,
+        pd,
+        "run 11111111-2222-4333-8444-555555555555",
+    );
+    assert_status(
+        c.cleanup(pb::CleanupRequest {
+            run_id: other_run.into(),
+        })
+        .await,
+        pd,
+        "rule own-run-or-operator",
+    );
+    assert_eq!(node.executor.count(), 0);
+}
+
+#[tokio::test]
+async fn malformed_requests_are_invalid_arguments() {
+    let (_dir, authority, node) = started("malformed").await;
+    let credentials = mint(&authority, &grant(RUN_ID, NODE));
+    let mut c = run_client(&authority, &node, &credentials).await;
+    c.begin_run(begin_request(&credentials)).await.unwrap();
+    let ia = Code::InvalidArgument;
+    let map = |snapshot: &str, archive: &str, secret: &str| pb::MapBackupRequest {
+        snapshot: snapshot.into(),
+        archive: archive.into(),
+        pbs_secret: secret.into(),
+        encryption_key: vec![],
+    };
+    assert_status(
+        c.map_backup(map("vm/100", ARCHIVE, "pw")).await,
+        ia,
+        "field `MapBackupRequest.snapshot` is invalid (snapshot)",
+    );
+    assert_status(
+        c.map_backup(map("vm/100/2026-02-30T00:00:00Z", ARCHIVE, "pw"))
+            .await,
+        ia,
+        "MapBackupRequest.snapshot",
+    );
+    assert_status(
+        c.map_backup(map(SNAPSHOT, "../../etc/shadow.img", "pw"))
+            .await,
+        ia,
+        "field `MapBackupRequest.archive` is invalid",
+    );
+    assert_status(
+        c.map_backup(map(SNAPSHOT, ARCHIVE, "")).await,
+        ia,
+        "MapBackupRequest.pbs_secret",
+    );
+    let err = c
+        .map_backup(map(SNAPSHOT, ARCHIVE, "pass\nword"))
+        .await
+        .unwrap_err();
+    assert!(
+        !err.message().contains("pass"),
+        "the secret leaked into the error: {}",
+        err.message()
+    );
+    assert_status(
+        c.unmap_backup(pb::UnmapBackupRequest {
+            archive: "drive/../x.img".into(),
+        })
+        .await,
+        ia,
+        "UnmapBackupRequest.archive",
+    );
+    assert_status(
+        c.start_vm(pb::VmRequest { vmid: 0 }).await,
+        ia,
+        "field `VmRequest.vmid` is invalid (vmid): VMID 0",
+    );
+    assert_status(
+        c.create_overlay(pb::CreateOverlayRequest {
+            vmid: 0,
+            archive: ARCHIVE.into(),
+        })
+        .await,
+        ia,
+        "VMID 0",
+    );
+    assert_status(
+        c.qmp(pb::QmpRequest {
+            vmid: VMID,
+            command: 0,
+        })
+        .await,
+        ia,
+        "QmpRequest.command",
+    );
+    assert_status(
+        c.qga(pb::QgaRequest {
+            vmid: VMID,
+            call: None,
+        })
+        .await,
+        ia,
+        "QgaRequest.call",
+    );
+    assert_status(
+        c.prepare_sandbox(pb::PrepareSandboxRequest {
+            vnet: "../x".into(),
+            probe_source: PROBE_SOURCE.into(),
+        })
+        .await,
+        ia,
+        "PrepareSandboxRequest.vnet",
+    );
+    assert_status(
+        c.probe(pb::ProbeRequest {
+            kind: 1,
+            address: "127.0.0.1".into(),
+            port: 22,
+        })
+        .await,
+        ia,
+        "ProbeRequest.address",
+    );
+    assert_status(
+        c.read_journal(pb::ReadJournalRequest {
+            run_id: "../../etc".into(),
+        })
+        .await,
+        ia,
+        "ReadJournalRequest.run_id",
+    );
+
+    // A message over the configured 64 KiB request limit is refused before it is decoded.
+    let oversized = pb::MapBackupRequest {
+        snapshot: SNAPSHOT.into(),
+        archive: ARCHIVE.into(),
+        pbs_secret: "pw".into(),
+        encryption_key: vec![7; 100 * 1024],
+    };
+    let status = c.map_backup(oversized).await.unwrap_err();
+    assert_eq!(status.code(), Code::OutOfRange, "{}", status.message());
+    assert!(
+        status.message().contains("message length too large"),
+        "{}",
+        status.message()
+    );
+    assert_eq!(node.executor.count(), 0);
+}
+
+#[tokio::test]
+async fn the_shipped_executor_answers_unimplemented_with_the_capability() {
+    use certistack_connector::executor::NodeExecutor;
+    use certistack_connector::service::SystemClock;
+    let dir = TempDir::new("shipped");
+    let authority = controller(&dir.0);
+    let config = enroll(&authority, &dir.0.join("node"), NODE);
+    let connector = certistack_connector::server::Connector::new(
+        config,
+        std::sync::Arc::new(NodeExecutor),
+        std::sync::Arc::new(SystemClock),
+    )
+    .unwrap();
+    let listener = connector.bind().await.unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(connector.serve(listener, async {
+        let _ = rx.await;
+    }));
+    let credentials = mint(&authority, &grant(RUN_ID, NODE));
+    let mut c = client(&authority, &address, NODE, &credentials.certificate)
+        .await
+        .unwrap();
+    let hello = c.hello(pb::HelloRequest {}).await.unwrap().into_inner();
+    assert_eq!(hello.capabilities, ["run.lifecycle"]);
+    c.begin_run(begin_request(&credentials)).await.unwrap();
+    let results = call_every_operation(&mut c).await;
+    let capabilities = [
+        "backup.map",
+        "overlay.create",
+        "vm.create",
+        "sandbox.prepare",
+        "vm.start",
+        "vm.status",
+        "guest.qmp",
+        "guest.qga",
+        "guest.qga",
+        "sandbox.probe",
+        "vm.stop",
+        "vm.destroy",
+        "sandbox.release",
+        "overlay.delete",
+        "backup.unmap",
+        "journal.read",
+        "recovery.cleanup",
+    ];
+    for (result, capability) in results.into_iter().zip(capabilities) {
+        assert_status(
+            result,
+            Code::Unimplemented,
+            &format!("capability `{capability}`"),
+        );
+    }
+    c.end_run(pb::EndRunRequest {}).await.unwrap();
+    tx.send(()).unwrap();
+    task.await.unwrap().unwrap();
+}
+
+// ----------------------------------------------------------------------------------------------
+// The controller's checks of a node
+
+#[tokio::test]
+async fn controller_refuses_a_node_certificate_with_another_name() {
+    let (_dir, authority, node) = started("nodename").await;
+    let identity = authority.issue_operator("alice", now()).unwrap();
+    let error = client(&authority, &node.address, "pve2", &identity)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            &error,
+            NodeError::Connect(certistack_connector::tls::ConnectError::WrongNode(..))
+        ),
+        "{error}"
+    );
+    assert!(
+        error.to_string().contains("not valid for name \"pve2\""),
+        "{error}"
+    );
+}
+
+#[tokio::test]
+async fn controller_refuses_a_node_of_another_ca() {
+    let (dir, _authority, node) = started("nodeca").await;
+    let other = controller(&dir.0.join("other"));
+    let identity = other.issue_operator("alice", now()).unwrap();
+    let error = client(&other, &node.address, NODE, &identity)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            &error,
+            NodeError::Connect(certistack_connector::tls::ConnectError::UnknownIssuer(_))
+        ),
+        "{error}"
+    );
+}
+
+/// A connector double whose Hello reports another surface digest.
+mod drifted {
+    use super::*;
+    use certistack_proto::v1::connector_server::Connector;
+    use tonic::{Request, Response, Status};
+
+    pub struct DriftedNode;
+
+    /// Builds the whole impl: `async_trait` must see every method, so the refusing ones are
+    /// spelled out by the macro rather than generated inside the impl.
+    macro_rules! drifted_impl {
+        ($($name:ident($req:ty) -> $reply:ty;)*) => {
+            #[tonic::async_trait]
+            impl Connector for DriftedNode {
+                async fn hello(&self, _: Request<pb::HelloRequest>) -> Result<Response<pb::HelloReply>, Status> {
+                    Ok(Response::new(pb::HelloReply {
+                        node_name: NODE.into(),
+                        surface_digest: format!("sha256:{}", "0".repeat(64)),
+                        ..Default::default()
+                    }))
+                }
+                type ReadJournalStream = tokio_stream::Empty<Result<pb::JournalRecord, Status>>;
+                async fn read_journal(&self, _: Request<pb::ReadJournalRequest>) -> Result<Response<Self::ReadJournalStream>, Status> {
+                    Err(Status::unimplemented("drifted double"))
+                }
+                $(async fn $name(&self, _: Request<$req>) -> Result<Response<$reply>, Status> {
+                    Err(Status::unimplemented("drifted double"))
+                })*
+            }
+        };
+    }
+
+    drifted_impl! {
+        begin_run(pb::BeginRunRequest) -> pb::BeginRunReply;
+        end_run(pb::EndRunRequest) -> pb::EndRunReply;
+        map_backup(pb::MapBackupRequest) -> pb::MapBackupReply;
+        unmap_backup(pb::UnmapBackupRequest) -> pb::UnmapBackupReply;
+        create_overlay(pb::CreateOverlayRequest) -> pb::CreateOverlayReply;
+        delete_overlay(pb::DeleteOverlayRequest) -> pb::DeleteOverlayReply;
+        create_vm(pb::CreateVmRequest) -> pb::CreateVmReply;
+        start_vm(pb::VmRequest) -> pb::VmReply;
+        stop_vm(pb::StopVmRequest) -> pb::VmReply;
+        destroy_vm(pb::VmRequest) -> pb::VmReply;
+        vm_status(pb::VmRequest) -> pb::VmReply;
+        qmp(pb::QmpRequest) -> pb::QmpReply;
+        qga(pb::QgaRequest) -> pb::QgaReply;
+        prepare_sandbox(pb::PrepareSandboxRequest) -> pb::PrepareSandboxReply;
+        release_sandbox(pb::ReleaseSandboxRequest) -> pb::ReleaseSandboxReply;
+        probe(pb::ProbeRequest) -> pb::ProbeReply;
+        list_runs(pb::ListRunsRequest) -> pb::ListRunsReply;
+        cleanup(pb::CleanupRequest) -> pb::CleanupReply;
+    }
+}
+
+#[tokio::test]
+async fn controller_refuses_a_node_whose_surface_digest_differs() {
+    use certistack_connector::{files, tls};
+    let dir = TempDir::new("drift");
+    let authority = controller(&dir.0);
+    let config = enroll(&authority, &dir.0.join("node"), NODE);
+    let chain = tls::parse_certificates(
+        &files::read_trusted(&config.tls.certificate).unwrap(),
+        "node",
+    )
+    .unwrap();
+    let key = tls::parse_private_key(
+        &files::read_private(&config.tls.private_key).unwrap(),
+        "key",
+    )
+    .unwrap();
+    let ca = tls::parse_certificates(authority.ca_pem(), "ca").unwrap();
+    let server_config = tls::server_config(chain, key, tls::ca_roots(&ca).unwrap()).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(
+                certistack_proto::v1::connector_server::ConnectorServer::new(drifted::DriftedNode),
+            )
+            .serve_with_incoming(tls::incoming(listener, server_config)),
+    );
+    let identity = authority.issue_operator("alice", now()).unwrap();
+    let mut c = client(&authority, &address, NODE, &identity).await.unwrap();
+    let error = certistack_controller::client::hello(&mut c, NODE)
+        .await
+        .unwrap_err();
+    assert!(matches!(error, NodeError::SurfaceDigest { .. }), "{error}");
+    assert!(
+        error
+            .to_string()
+            .contains("install the same certistack release"),
+        "{error}"
+    );
+
+    // The pure check, on both fields.
+    let good = pb::HelloReply {
+        node_name: NODE.into(),
+        surface_digest: certistack_proto::SURFACE_DIGEST.into(),
+        ..Default::default()
+    };
+    check_hello(&good, NODE).unwrap();
+    assert!(matches!(
+        check_hello(&good, "pve2"),
+        Err(NodeError::NodeName { .. })
+    ));
+}
+
+// ----------------------------------------------------------------------------------------------
+// The surface audit: proto, policy and code agree
+
+fn surface() -> prost_types::FileDescriptorProto {
+    prost_types::FileDescriptorProto::decode(certistack_proto::SURFACE_DESCRIPTOR).unwrap()
+}
+
+#[test]
+fn surface_digest_is_sha256_of_the_compiled_descriptor() {
+    use sha2::{Digest, Sha256};
+    let digest = format!(
+        "sha256:{}",
+        hex::encode(Sha256::digest(certistack_proto::SURFACE_DESCRIPTOR))
+    );
+    assert_eq!(digest, certistack_proto::SURFACE_DIGEST);
+    // Comments are not part of the surface: the canonical descriptor carries no source info.
+    assert!(surface().source_code_info.is_none());
+}
+
+#[test]
+fn every_rpc_has_exactly_one_policy_entry() {
+    let file = surface();
+    assert_eq!(file.service.len(), 1, "one service");
+    let service = &file.service[0];
+    assert_eq!(
+        format!("{}.{}", file.package(), service.name()),
+        certistack_proto::SERVICE_NAME
+    );
+    let methods: BTreeSet<String> = service.method.iter().map(|m| m.name().to_owned()).collect();
+    let policy = certistack_connector::policy::SurfacePolicy::compiled().unwrap();
+    let entries: Vec<String> = policy.rpc.iter().map(|e| e.name.clone()).collect();
+    let unique: BTreeSet<String> = entries.iter().cloned().collect();
+    assert_eq!(
+        entries.len(),
+        unique.len(),
+        "an RPC is listed twice in policy/rpc-surface.toml"
+    );
+    assert_eq!(
+        methods, unique,
+        "proto methods and policy/rpc-surface.toml differ"
+    );
+    let code: BTreeSet<String> = certistack_connector::policy::Rpc::ALL
+        .iter()
+        .map(|r| r.name().to_owned())
+        .collect();
+    assert_eq!(
+        methods, code,
+        "proto methods and the connector's Rpc enum differ"
+    );
+    policy.gate().unwrap();
+    // Only ReadJournal streams.
+    let streaming: Vec<&str> = service
+        .method
+        .iter()
+        .filter(|m| m.server_streaming() || m.client_streaming())
+        .map(|m| m.name())
+        .collect();
+    assert_eq!(streaming, ["ReadJournal"]);
+}
+
+/// Every message a caller can send: the RPC inputs and what they contain, and the run grant.
+fn input_messages(file: &prost_types::FileDescriptorProto) -> BTreeSet<String> {
+    let package = format!(".{}.", file.package());
+    let by_name: BTreeMap<String, &prost_types::DescriptorProto> = file
+        .message_type
+        .iter()
+        .map(|m| (format!("{package}{}", m.name()), m))
+        .collect();
+    let mut pending: Vec<String> = file.service[0]
+        .method
+        .iter()
+        .map(|m| m.input_type().to_owned())
+        .collect();
+    pending.push(format!("{package}RunGrant"));
+    let mut seen = BTreeSet::new();
+    while let Some(name) = pending.pop() {
+        if !seen.insert(name.clone()) {
+            continue;
+        }
+        let message = by_name
+            .get(&name)
+            .unwrap_or_else(|| panic!("{name} is not defined in the surface file"));
+        for field in &message.field {
+            if field.r#type() == prost_types::field_descriptor_proto::Type::Message {
+                pending.push(field.type_name().to_owned());
+            }
+        }
+    }
+    seen
+}
+
+#[test]
+fn every_input_string_field_has_a_validator() {
+    use prost_types::field_descriptor_proto::Type;
+    let file = surface();
+    let inputs = input_messages(&file);
+    let mut fields = BTreeSet::new();
+    for message in &file.message_type {
+        if !inputs.contains(&format!(".{}.{}", file.package(), message.name())) {
+            continue;
+        }
+        for field in &message.field {
+            if matches!(field.r#type(), Type::String | Type::Bytes) {
+                fields.insert(format!(
+                    "{}.{}.{}",
+                    file.package(),
+                    message.name(),
+                    field.name()
+                ));
+            }
+        }
+    }
+    #[derive(serde::Deserialize)]
+    struct FieldPolicy {
+        fields: BTreeMap<String, String>,
+    }
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../policy/field-validators.toml"
+    ))
+    .unwrap();
+    let policy: FieldPolicy = toml::from_str(&text).unwrap();
+    let declared: BTreeSet<String> = policy.fields.keys().cloned().collect();
+    let missing: Vec<_> = fields.difference(&declared).collect();
+    let stale: Vec<_> = declared.difference(&fields).collect();
+    assert!(
+        missing.is_empty(),
+        "string/bytes fields without a validator in policy/field-validators.toml: {missing:?}"
+    );
+    assert!(
+        stale.is_empty(),
+        "policy/field-validators.toml names fields the surface does not have: {stale:?}"
+    );
+    // No field name suggests a command, a path or a script.
+    for field in &fields {
+        let name = field.rsplit('.').next().unwrap();
+        for forbidden in [
+            "command_line",
+            "argv",
+            "script",
+            "shell",
+            "path_on_node",
+            "cmd",
+        ] {
+            assert!(
+                !name.contains(forbidden),
+                "{field} looks like a free-form command or path"
+            );
+        }
+    }
+}
+
+#[test]
+fn ctl_surface_prints_every_rpc_and_the_digest() {
+    let text = certistack_controller::surface::describe().unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(
+        lines.len(),
+        certistack_connector::policy::Rpc::ALL.len() + 1
+    );
+    for (line, rpc) in lines.iter().zip(certistack_connector::policy::Rpc::ALL) {
+        assert!(
+            line.starts_with(&format!(
+                "/certistack.connector.v1.Connector/{} ",
+                rpc.name()
+            )),
+            "{line}"
+        );
+    }
+    assert_eq!(
+        lines.last().unwrap(),
+        &format!("digest: {}", certistack_proto::SURFACE_DIGEST)
+    );
+    assert!(text.contains(
+        "/certistack.connector.v1.Connector/ReadJournal ReadJournalRequest -> stream JournalRecord"
+    ));
+}
+
+// ----------------------------------------------------------------------------------------------
+// The binaries, as an operator runs them
+
+mod cli {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+    use std::process::{Command, Stdio};
+
+    fn run(bin: &str, args: &[&str]) -> (i32, String, String) {
+        let out = Command::new(binary(bin))
+            .args(args)
+            .env_remove("CERTISTACK_LOG")
+            .output()
+            .unwrap();
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+
+    fn mode(path: &std::path::Path) -> u32 {
+        std::fs::metadata(path).unwrap().permissions().mode() & 0o777
+    }
+
+    #[test]
+    fn enroll_serve_hello_and_refusals() {
+        let dir = TempDir::new("cli");
+        let state = dir.0.join("ctl");
+        let s = state.to_str().unwrap();
+        let (code, _, err) = run("certistack-ctl", &["ca", "init", "--state-dir", s]);
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(mode(&state), 0o700);
+        for key in ["ca.key", "run-authority.key", "report-signing.key"] {
+            assert_eq!(mode(&state.join(key)), 0o600, "{key}");
+        }
+        let (code, _, err) = run("certistack-ctl", &["ca", "init", "--state-dir", s]);
+        assert_eq!(code, 1);
+        assert!(err.contains("refusing to overwrite"), "{err}");
+
+        // The node: config, key and CSR on the node.
+        let node_dir = dir.0.join("node");
+        std::fs::create_dir_all(&node_dir).unwrap();
+        let port = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().port()
+        };
+        let n = node_dir.display();
+        let config_path = node_dir.join("connector.toml");
+        std::fs::write(
+            &config_path,
+            format!(
+                "node_name = \"pve1\"\nlisten = \"127.0.0.1:{port}\"\n[tls]\ncertificate = \"{n}/node.crt\"\nprivate_key = \"{n}/node.key\"\ncontroller_ca = \"{n}/ca.crt\"\nrun_authority_public_key = \"{n}/run-authority.pub\"\n[paths]\nstate_dir = \"{n}/state\"\noverlay_root = \"{n}/overlays\"\n"
+            ),
+        )
+        .unwrap();
+        let c = config_path.to_str().unwrap();
+        let (code, csr, err) = run("certistack-connector", &["--config", c, "enroll", "--csr"]);
+        assert_eq!(code, 0, "{err}");
+        assert!(
+            csr.starts_with("-----BEGIN CERTIFICATE REQUEST-----"),
+            "{csr}"
+        );
+        assert_eq!(mode(&node_dir.join("node.key")), 0o600);
+        let csr_path = dir.0.join("node.csr");
+        std::fs::write(&csr_path, &csr).unwrap();
+
+        let cert_path = dir.0.join("node.crt");
+        let sign = [
+            "node",
+            "sign",
+            "--state-dir",
+            s,
+            "--csr",
+            csr_path.to_str().unwrap(),
+            "--out",
+            cert_path.to_str().unwrap(),
+        ];
+        let (code, _, err) = run(
+            "certistack-ctl",
+            &[&sign[..4], &["--node", "pve2"], &sign[4..]].concat(),
+        );
+        assert_eq!(code, 1);
+        assert!(err.contains("must name exactly [\"pve2\"]"), "{err}");
+        let (code, out, err) = run(
+            "certistack-ctl",
+            &[&sign[..4], &["--node", "pve1"], &sign[4..]].concat(),
+        );
+        assert_eq!(code, 0, "{err}");
+        assert!(out.contains("enroll --install"), "{out}");
+
+        let install = [
+            "--config",
+            c,
+            "enroll",
+            "--install",
+            "--certificate",
+            cert_path.to_str().unwrap(),
+            "--ca",
+            state.join("ca.crt").to_str().unwrap().to_owned().leak(),
+            "--run-authority",
+            state
+                .join("run-authority.pub")
+                .to_str()
+                .unwrap()
+                .to_owned()
+                .leak(),
+        ];
+        let (code, _, err) = run("certistack-connector", &install);
+        assert_eq!(code, 0, "{err}");
+
+        // An insecure key refuses to start, saying what to do.
+        std::fs::set_permissions(
+            node_dir.join("node.key"),
+            std::fs::Permissions::from_mode(0o644),
+        )
+        .unwrap();
+        let (code, _, err) = run("certistack-connector", &["--config", c, "check"]);
+        assert_eq!(code, 3);
+        assert!(err.contains("chmod 0600"), "{err}");
+        std::fs::set_permissions(
+            node_dir.join("node.key"),
+            std::fs::Permissions::from_mode(0o600),
+        )
+        .unwrap();
+        let (code, out, err) = run("certistack-connector", &["--config", c, "check"]);
+        assert_eq!(code, 0, "{err}");
+        assert!(out.contains("configuration ok"));
+
+        let mut daemon = Command::new(binary("certistack-connector"))
+            .args(["--config", c])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let address = format!("127.0.0.1:{port}");
+        let mut hello = (1, String::new(), String::new());
+        for _ in 0..50 {
+            hello = run(
+                "certistack-ctl",
+                &[
+                    "hello",
+                    "--state-dir",
+                    s,
+                    "--node",
+                    &address,
+                    "--name",
+                    "pve1",
+                ],
+            );
+            if hello.0 == 0 {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        assert_eq!(hello.0, 0, "{}", hello.2);
+        assert!(hello.1.contains("node: pve1"), "{}", hello.1);
+        assert!(
+            hello.1.contains(&format!(
+                "surface: {} (matches)",
+                certistack_proto::SURFACE_DIGEST
+            )),
+            "{}",
+            hello.1
+        );
+        assert!(hello.1.contains("seen as: operator:ctl"), "{}", hello.1);
+
+        let (code, _, err) = run(
+            "certistack-ctl",
+            &[
+                "hello",
+                "--state-dir",
+                s,
+                "--node",
+                &address,
+                "--name",
+                "pve2",
+            ],
+        );
+        assert_eq!(code, 4, "{err}");
+        assert!(err.contains("not the node asked for"), "{err}");
+
+        // A group-readable controller key is refused.
+        std::fs::set_permissions(state.join("ca.key"), std::fs::Permissions::from_mode(0o640))
+            .unwrap();
+        let (code, _, err) = run(
+            "certistack-ctl",
+            &[
+                "hello",
+                "--state-dir",
+                s,
+                "--node",
+                &address,
+                "--name",
+                "pve1",
+            ],
+        );
+        assert_eq!(code, 1);
+        assert!(
+            err.contains("ca.key") && err.contains("chmod 0600"),
+            "{err}"
+        );
+        std::fs::set_permissions(state.join("ca.key"), std::fs::Permissions::from_mode(0o600))
+            .unwrap();
+
+        // SIGTERM drains and exits cleanly.
+        Command::new("kill")
+            .args(["-TERM", &daemon.id().to_string()])
+            .status()
+            .unwrap();
+        let status = daemon.wait().unwrap();
+        assert!(status.success(), "{status:?}");
+        let mut log = String::new();
+        std::io::Read::read_to_string(daemon.stderr.as_mut().unwrap(), &mut log).unwrap();
+        assert!(
+            log.contains("SIGTERM: draining") && log.contains("stopped"),
+            "{log}"
+        );
+        assert!(
+            log.contains("TLS handshake refused"),
+            "the refused hello is logged: {log}"
+        );
+
+        // Nothing listens any more.
+        let (code, _, err) = run(
+            "certistack-ctl",
+            &[
+                "hello",
+                "--state-dir",
+                s,
+                "--node",
+                &address,
+                "--name",
+                "pve1",
+            ],
+        );
+        assert_eq!(code, 3, "{err}");
+    }
+
+    #[test]
+    fn surface_verb_and_help() {
+        let (code, out, _) = run("certistack-ctl", &["surface"]);
+        assert_eq!(code, 0);
+        assert_eq!(out, certistack_controller::surface::describe().unwrap());
+        for args in [
+            &["--help"][..],
+            &["ca", "init", "--help"],
+            &["node", "sign", "--help"],
+            &["surface", "--help"],
+            &["hello", "--help"],
+        ] {
+            let (code, out, _) = run("certistack-ctl", args);
+            assert_eq!(code, 0, "{args:?}");
+            assert!(out.contains("Exit codes:"), "{args:?}: {out}");
+        }
+        let (code, out, _) = run("certistack-connector", &["--help"]);
+        assert_eq!(code, 0);
+        assert!(out.contains("Exit codes:"));
+        let (code, _, err) = run(
+            "certistack-connector",
+            &["--config", "/nonexistent/connector.toml", "check"],
+        );
+        assert_eq!(code, 3);
+        assert!(err.contains("/nonexistent/connector.toml"), "{err}");
+    }
+}

@@ -8,8 +8,8 @@
 use crate::grant::{Grant, ProbeKind, enum_error};
 use crate::policy::Rpc;
 use crate::validate::{
-    ArchiveName, AssertionId, FieldError, IpInterface, RunId, Secret, Snapshot, UnicastIp, VnetName, Vmid,
-    bounded_count, bytes_field, field, port,
+    ArchiveName, AssertionId, FieldError, IpInterface, RunId, Secret, Snapshot, UnicastIp, Vmid,
+    VnetName, bounded_count, bytes_field, field, port,
 };
 use certistack_proto::v1 as pb;
 use std::fmt;
@@ -25,7 +25,12 @@ pub enum QmpCommand {
 }
 
 impl QmpCommand {
-    pub const ALL: [QmpCommand; 4] = [Self::QueryStatus, Self::QueryBlock, Self::SystemPowerdown, Self::Screendump];
+    pub const ALL: [QmpCommand; 4] = [
+        Self::QueryStatus,
+        Self::QueryBlock,
+        Self::SystemPowerdown,
+        Self::Screendump,
+    ];
 
     /// The command name on the QMP wire.
     pub fn wire_name(self) -> &'static str {
@@ -60,8 +65,14 @@ pub enum QgaCommand {
 }
 
 impl QgaCommand {
-    pub const ALL: [QgaCommand; 6] =
-        [Self::Ping, Self::Info, Self::GetOsinfo, Self::GetHostName, Self::NetworkGetInterfaces, Self::GetFsinfo];
+    pub const ALL: [QgaCommand; 6] = [
+        Self::Ping,
+        Self::Info,
+        Self::GetOsinfo,
+        Self::GetHostName,
+        Self::NetworkGetInterfaces,
+        Self::GetFsinfo,
+    ];
 
     pub fn wire_name(self) -> &'static str {
         match self {
@@ -109,22 +120,68 @@ pub const MAX_STOP_TIMEOUT_SECS: u32 = 600;
 /// One validated request of a run (or an operator's journal/cleanup request).
 #[derive(Debug, Clone)]
 pub enum Action {
-    MapBackup { snapshot: Snapshot, archive: ArchiveName, secret: Secret, encryption_key: Option<EncryptionKey> },
-    UnmapBackup { archive: ArchiveName },
-    CreateOverlay { vmid: Vmid, archive: ArchiveName },
-    DeleteOverlay { vmid: Vmid, archive: ArchiveName },
-    CreateVm { vmid: Vmid, cores: u32, memory_mib: u32, archives: Vec<ArchiveName> },
-    StartVm { vmid: Vmid },
-    StopVm { vmid: Vmid, timeout_secs: u32 },
-    DestroyVm { vmid: Vmid },
-    VmStatus { vmid: Vmid },
-    Qmp { vmid: Vmid, command: QmpCommand },
-    Qga { vmid: Vmid, call: QgaCall },
-    PrepareSandbox { vnet: VnetName, probe_source: IpInterface },
-    ReleaseSandbox { vnet: VnetName },
-    Probe { kind: ProbeKind, address: UnicastIp, port: u16 },
-    ReadJournal { run_id: RunId },
-    Cleanup { run_id: RunId },
+    MapBackup {
+        snapshot: Snapshot,
+        archive: ArchiveName,
+        secret: Secret,
+        encryption_key: Option<EncryptionKey>,
+    },
+    UnmapBackup {
+        archive: ArchiveName,
+    },
+    CreateOverlay {
+        vmid: Vmid,
+        archive: ArchiveName,
+    },
+    DeleteOverlay {
+        vmid: Vmid,
+        archive: ArchiveName,
+    },
+    CreateVm {
+        vmid: Vmid,
+        cores: u32,
+        memory_mib: u32,
+        archives: Vec<ArchiveName>,
+    },
+    StartVm {
+        vmid: Vmid,
+    },
+    StopVm {
+        vmid: Vmid,
+        timeout_secs: u32,
+    },
+    DestroyVm {
+        vmid: Vmid,
+    },
+    VmStatus {
+        vmid: Vmid,
+    },
+    Qmp {
+        vmid: Vmid,
+        command: QmpCommand,
+    },
+    Qga {
+        vmid: Vmid,
+        call: QgaCall,
+    },
+    PrepareSandbox {
+        vnet: VnetName,
+        probe_source: IpInterface,
+    },
+    ReleaseSandbox {
+        vnet: VnetName,
+    },
+    Probe {
+        kind: ProbeKind,
+        address: UnicastIp,
+        port: u16,
+    },
+    ReadJournal {
+        run_id: RunId,
+    },
+    Cleanup {
+        run_id: RunId,
+    },
 }
 
 impl Action {
@@ -159,7 +216,13 @@ pub mod parse {
     }
 
     pub fn map_backup(req: pb::MapBackupRequest) -> Result<Action, FieldError> {
-        let key = bytes_field("MapBackupRequest.encryption_key", "encryption_key", &req.encryption_key, 0, 16 * 1024)?;
+        let key = bytes_field(
+            "MapBackupRequest.encryption_key",
+            "encryption_key",
+            &req.encryption_key,
+            0,
+            16 * 1024,
+        )?;
         Ok(Action::MapBackup {
             snapshot: field("MapBackupRequest.snapshot", &req.snapshot)?,
             archive: field("MapBackupRequest.archive", &req.archive)?,
@@ -169,7 +232,9 @@ pub mod parse {
     }
 
     pub fn unmap_backup(req: pb::UnmapBackupRequest) -> Result<Action, FieldError> {
-        Ok(Action::UnmapBackup { archive: field("UnmapBackupRequest.archive", &req.archive)? })
+        Ok(Action::UnmapBackup {
+            archive: field("UnmapBackupRequest.archive", &req.archive)?,
+        })
     }
 
     pub fn create_overlay(req: pb::CreateOverlayRequest) -> Result<Action, FieldError> {
@@ -192,11 +257,18 @@ pub mod parse {
             if (lo..=hi).contains(&value) {
                 Ok(value)
             } else {
-                Err(FieldError { field: name, validator: "range", reason: format!("{value} is outside {lo}..={hi}") })
+                Err(FieldError {
+                    field: name,
+                    validator: "range",
+                    reason: format!("{value} is outside {lo}..={hi}"),
+                })
             }
         };
-        let archives: Vec<ArchiveName> =
-            req.archives.iter().map(|a| field("CreateVmRequest.archives", a)).collect::<Result<_, _>>()?;
+        let archives: Vec<ArchiveName> = req
+            .archives
+            .iter()
+            .map(|a| field("CreateVmRequest.archives", a))
+            .collect::<Result<_, _>>()?;
         if archives.is_empty() {
             return Err(FieldError {
                 field: "CreateVmRequest.archives",
@@ -213,15 +285,21 @@ pub mod parse {
     }
 
     pub fn start_vm(req: pb::VmRequest) -> Result<Action, FieldError> {
-        Ok(Action::StartVm { vmid: vmid("VmRequest.vmid", req.vmid)? })
+        Ok(Action::StartVm {
+            vmid: vmid("VmRequest.vmid", req.vmid)?,
+        })
     }
 
     pub fn destroy_vm(req: pb::VmRequest) -> Result<Action, FieldError> {
-        Ok(Action::DestroyVm { vmid: vmid("VmRequest.vmid", req.vmid)? })
+        Ok(Action::DestroyVm {
+            vmid: vmid("VmRequest.vmid", req.vmid)?,
+        })
     }
 
     pub fn vm_status(req: pb::VmRequest) -> Result<Action, FieldError> {
-        Ok(Action::VmStatus { vmid: vmid("VmRequest.vmid", req.vmid)? })
+        Ok(Action::VmStatus {
+            vmid: vmid("VmRequest.vmid", req.vmid)?,
+        })
     }
 
     pub fn stop_vm(req: pb::StopVmRequest) -> Result<Action, FieldError> {
@@ -232,17 +310,27 @@ pub mod parse {
                 reason: format!("{} is above {MAX_STOP_TIMEOUT_SECS}", req.timeout_seconds),
             });
         }
-        Ok(Action::StopVm { vmid: vmid("StopVmRequest.vmid", req.vmid)?, timeout_secs: req.timeout_seconds })
+        Ok(Action::StopVm {
+            vmid: vmid("StopVmRequest.vmid", req.vmid)?,
+            timeout_secs: req.timeout_seconds,
+        })
     }
 
     pub fn qmp(req: pb::QmpRequest) -> Result<Action, FieldError> {
-        Ok(Action::Qmp { vmid: vmid("QmpRequest.vmid", req.vmid)?, command: QmpCommand::from_wire(req.command)? })
+        Ok(Action::Qmp {
+            vmid: vmid("QmpRequest.vmid", req.vmid)?,
+            command: QmpCommand::from_wire(req.command)?,
+        })
     }
 
     pub fn qga(req: pb::QgaRequest) -> Result<Action, FieldError> {
         let call = match req.call {
-            Some(pb::qga_request::Call::Command(command)) => QgaCall::Command(QgaCommand::from_wire(command)?),
-            Some(pb::qga_request::Call::AssertionId(id)) => QgaCall::Assertion(field("QgaRequest.assertion_id", &id)?),
+            Some(pb::qga_request::Call::Command(command)) => {
+                QgaCall::Command(QgaCommand::from_wire(command)?)
+            }
+            Some(pb::qga_request::Call::AssertionId(id)) => {
+                QgaCall::Assertion(field("QgaRequest.assertion_id", &id)?)
+            }
             None => {
                 return Err(FieldError {
                     field: "QgaRequest.call",
@@ -251,7 +339,10 @@ pub mod parse {
                 });
             }
         };
-        Ok(Action::Qga { vmid: vmid("QgaRequest.vmid", req.vmid)?, call })
+        Ok(Action::Qga {
+            vmid: vmid("QgaRequest.vmid", req.vmid)?,
+            call,
+        })
     }
 
     pub fn prepare_sandbox(req: pb::PrepareSandboxRequest) -> Result<Action, FieldError> {
@@ -262,7 +353,9 @@ pub mod parse {
     }
 
     pub fn release_sandbox(req: pb::ReleaseSandboxRequest) -> Result<Action, FieldError> {
-        Ok(Action::ReleaseSandbox { vnet: field("ReleaseSandboxRequest.vnet", &req.vnet)? })
+        Ok(Action::ReleaseSandbox {
+            vnet: field("ReleaseSandboxRequest.vnet", &req.vnet)?,
+        })
     }
 
     pub fn probe(req: pb::ProbeRequest) -> Result<Action, FieldError> {
@@ -274,11 +367,15 @@ pub mod parse {
     }
 
     pub fn read_journal(req: pb::ReadJournalRequest) -> Result<Action, FieldError> {
-        Ok(Action::ReadJournal { run_id: field("ReadJournalRequest.run_id", &req.run_id)? })
+        Ok(Action::ReadJournal {
+            run_id: field("ReadJournalRequest.run_id", &req.run_id)?,
+        })
     }
 
     pub fn cleanup(req: pb::CleanupRequest) -> Result<Action, FieldError> {
-        Ok(Action::Cleanup { run_id: field("CleanupRequest.run_id", &req.run_id)? })
+        Ok(Action::Cleanup {
+            run_id: field("CleanupRequest.run_id", &req.run_id)?,
+        })
     }
 }
 
@@ -305,27 +402,41 @@ pub fn authorize(grant: &Grant, action: &Action) -> Result<(), Denial> {
         if grant.archives.contains(archive) {
             Ok(())
         } else {
-            Err(deny(format!("archive {archive}"), "the run may touch only the grant's archives"))
+            Err(deny(
+                format!("archive {archive}"),
+                "the run may touch only the grant's archives",
+            ))
         }
     };
     let vmid_ok = |vmid: &Vmid| {
         if grant.sandbox_vms.contains_key(vmid) {
             Ok(())
         } else {
-            Err(deny(format!("VMID {vmid}"), "the run may touch only the grant's sandbox VMIDs"))
+            Err(deny(
+                format!("VMID {vmid}"),
+                "the run may touch only the grant's sandbox VMIDs",
+            ))
         }
     };
     let vnet_ok = |vnet: &VnetName| {
         if vnet == &grant.vnet {
             Ok(())
         } else {
-            Err(deny(format!("VNet {vnet}"), "the run may use only the grant's VNet"))
+            Err(deny(
+                format!("VNet {vnet}"),
+                "the run may use only the grant's VNet",
+            ))
         }
     };
     match action {
-        Action::MapBackup { snapshot, archive, .. } => {
+        Action::MapBackup {
+            snapshot, archive, ..
+        } => {
             if snapshot != &grant.snapshot {
-                return Err(deny(format!("snapshot {snapshot}"), "the run may map only the grant's snapshot"));
+                return Err(deny(
+                    format!("snapshot {snapshot}"),
+                    "the run may map only the grant's snapshot",
+                ));
             }
             archive_ok(archive)
         }
@@ -334,11 +445,23 @@ pub fn authorize(grant: &Grant, action: &Action) -> Result<(), Denial> {
             vmid_ok(vmid)?;
             archive_ok(archive)
         }
-        Action::CreateVm { vmid, cores, memory_mib, archives } => {
+        Action::CreateVm {
+            vmid,
+            cores,
+            memory_mib,
+            archives,
+        } => {
             vmid_ok(vmid)?;
-            let limits = grant.sandbox_vms.get(vmid).copied().ok_or_else(|| deny(format!("VMID {vmid}"), "no limits"))?;
+            let limits = grant
+                .sandbox_vms
+                .get(vmid)
+                .copied()
+                .ok_or_else(|| deny(format!("VMID {vmid}"), "no limits"))?;
             if *cores > limits.max_cores {
-                return Err(deny(format!("{cores} cores for VM {vmid}"), &format!("the grant allows at most {}", limits.max_cores)));
+                return Err(deny(
+                    format!("{cores} cores for VM {vmid}"),
+                    &format!("the grant allows at most {}", limits.max_cores),
+                ));
             }
             if *memory_mib > limits.max_memory_mib {
                 return Err(deny(
@@ -358,31 +481,49 @@ pub fn authorize(grant: &Grant, action: &Action) -> Result<(), Denial> {
             match call {
                 QgaCall::Command(_) => Ok(()),
                 QgaCall::Assertion(id) if grant.qga_assertions.contains_key(id) => Ok(()),
-                QgaCall::Assertion(id) => {
-                    Err(deny(format!("QGA assertion {id}"), "the run may execute only the grant's assertions"))
-                }
+                QgaCall::Assertion(id) => Err(deny(
+                    format!("QGA assertion {id}"),
+                    "the run may execute only the grant's assertions",
+                )),
             }
         }
         Action::PrepareSandbox { vnet, probe_source } => {
             vnet_ok(vnet)?;
             if probe_source != &grant.probe_source {
-                return Err(deny(format!("probe source {probe_source}"), "the run may add only the grant's probe address"));
+                return Err(deny(
+                    format!("probe source {probe_source}"),
+                    "the run may add only the grant's probe address",
+                ));
             }
             Ok(())
         }
         Action::ReleaseSandbox { vnet } => vnet_ok(vnet),
-        Action::Probe { kind, address, port } => {
-            if grant.probe_targets.iter().any(|t| t.kind == *kind && t.address == *address && t.port == *port) {
+        Action::Probe {
+            kind,
+            address,
+            port,
+        } => {
+            if grant
+                .probe_targets
+                .iter()
+                .any(|t| t.kind == *kind && t.address == *address && t.port == *port)
+            {
                 Ok(())
             } else {
-                Err(deny(format!("{} probe of {address}:{port}", kind.name()), "the run may probe only the grant's targets"))
+                Err(deny(
+                    format!("{} probe of {address}:{port}", kind.name()),
+                    "the run may probe only the grant's targets",
+                ))
             }
         }
         Action::ReadJournal { run_id } | Action::Cleanup { run_id } => {
             if run_id == &grant.run_id {
                 Ok(())
             } else {
-                Err(deny(format!("run {run_id}"), "a run may read and clean up only itself"))
+                Err(deny(
+                    format!("run {run_id}"),
+                    "a run may read and clean up only itself",
+                ))
             }
         }
     }
@@ -418,48 +559,259 @@ mod tests {
         let snap: Snapshot = v("vm/100/2026-11-01T02:00:00Z");
         let other_snap: Snapshot = v("vm/100/2026-10-01T02:00:00Z");
         vec![
-            (Action::MapBackup { snapshot: snap.clone(), archive: in_archive.clone(), secret: secret.clone(), encryption_key: None }, None),
-            (Action::MapBackup { snapshot: other_snap, archive: in_archive.clone(), secret: secret.clone(), encryption_key: None }, Some("snapshot vm/100/2026-10-01T02:00:00Z")),
-            (Action::MapBackup { snapshot: snap, archive: out_archive.clone(), secret, encryption_key: None }, Some("archive drive-scsi9.img")),
-            (Action::UnmapBackup { archive: in_archive.clone() }, None),
-            (Action::UnmapBackup { archive: out_archive.clone() }, Some("archive drive-scsi9.img")),
-            (Action::CreateOverlay { vmid: vm(9100), archive: in_archive.clone() }, None),
-            (Action::CreateOverlay { vmid: vm(100), archive: in_archive.clone() }, Some("VMID 100")),
-            (Action::CreateOverlay { vmid: vm(9100), archive: out_archive.clone() }, Some("archive drive-scsi9.img")),
-            (Action::DeleteOverlay { vmid: vm(9100), archive: in_archive.clone() }, None),
-            (Action::DeleteOverlay { vmid: vm(9101), archive: in_archive.clone() }, Some("VMID 9101")),
-            (Action::CreateVm { vmid: vm(9100), cores: 2, memory_mib: 2048, archives: vec![in_archive.clone()] }, None),
-            (Action::CreateVm { vmid: vm(100), cores: 1, memory_mib: 512, archives: vec![in_archive.clone()] }, Some("VMID 100")),
-            (Action::CreateVm { vmid: vm(9100), cores: 3, memory_mib: 512, archives: vec![in_archive.clone()] }, Some("3 cores for VM 9100")),
-            (Action::CreateVm { vmid: vm(9100), cores: 1, memory_mib: 4096, archives: vec![in_archive.clone()] }, Some("4096 MiB for VM 9100")),
-            (Action::CreateVm { vmid: vm(9100), cores: 1, memory_mib: 512, archives: vec![in_archive, out_archive] }, Some("archive drive-scsi9.img")),
+            (
+                Action::MapBackup {
+                    snapshot: snap.clone(),
+                    archive: in_archive.clone(),
+                    secret: secret.clone(),
+                    encryption_key: None,
+                },
+                None,
+            ),
+            (
+                Action::MapBackup {
+                    snapshot: other_snap,
+                    archive: in_archive.clone(),
+                    secret: secret.clone(),
+                    encryption_key: None,
+                },
+                Some("snapshot vm/100/2026-10-01T02:00:00Z"),
+            ),
+            (
+                Action::MapBackup {
+                    snapshot: snap,
+                    archive: out_archive.clone(),
+                    secret,
+                    encryption_key: None,
+                },
+                Some("archive drive-scsi9.img"),
+            ),
+            (
+                Action::UnmapBackup {
+                    archive: in_archive.clone(),
+                },
+                None,
+            ),
+            (
+                Action::UnmapBackup {
+                    archive: out_archive.clone(),
+                },
+                Some("archive drive-scsi9.img"),
+            ),
+            (
+                Action::CreateOverlay {
+                    vmid: vm(9100),
+                    archive: in_archive.clone(),
+                },
+                None,
+            ),
+            (
+                Action::CreateOverlay {
+                    vmid: vm(100),
+                    archive: in_archive.clone(),
+                },
+                Some("VMID 100"),
+            ),
+            (
+                Action::CreateOverlay {
+                    vmid: vm(9100),
+                    archive: out_archive.clone(),
+                },
+                Some("archive drive-scsi9.img"),
+            ),
+            (
+                Action::DeleteOverlay {
+                    vmid: vm(9100),
+                    archive: in_archive.clone(),
+                },
+                None,
+            ),
+            (
+                Action::DeleteOverlay {
+                    vmid: vm(9101),
+                    archive: in_archive.clone(),
+                },
+                Some("VMID 9101"),
+            ),
+            (
+                Action::CreateVm {
+                    vmid: vm(9100),
+                    cores: 2,
+                    memory_mib: 2048,
+                    archives: vec![in_archive.clone()],
+                },
+                None,
+            ),
+            (
+                Action::CreateVm {
+                    vmid: vm(100),
+                    cores: 1,
+                    memory_mib: 512,
+                    archives: vec![in_archive.clone()],
+                },
+                Some("VMID 100"),
+            ),
+            (
+                Action::CreateVm {
+                    vmid: vm(9100),
+                    cores: 3,
+                    memory_mib: 512,
+                    archives: vec![in_archive.clone()],
+                },
+                Some("3 cores for VM 9100"),
+            ),
+            (
+                Action::CreateVm {
+                    vmid: vm(9100),
+                    cores: 1,
+                    memory_mib: 4096,
+                    archives: vec![in_archive.clone()],
+                },
+                Some("4096 MiB for VM 9100"),
+            ),
+            (
+                Action::CreateVm {
+                    vmid: vm(9100),
+                    cores: 1,
+                    memory_mib: 512,
+                    archives: vec![in_archive, out_archive],
+                },
+                Some("archive drive-scsi9.img"),
+            ),
             (Action::StartVm { vmid: vm(9100) }, None),
             (Action::StartVm { vmid: vm(100) }, Some("VMID 100")),
-            (Action::StopVm { vmid: vm(9100), timeout_secs: 0 }, None),
-            (Action::StopVm { vmid: vm(100), timeout_secs: 0 }, Some("VMID 100")),
+            (
+                Action::StopVm {
+                    vmid: vm(9100),
+                    timeout_secs: 0,
+                },
+                None,
+            ),
+            (
+                Action::StopVm {
+                    vmid: vm(100),
+                    timeout_secs: 0,
+                },
+                Some("VMID 100"),
+            ),
             (Action::DestroyVm { vmid: vm(9100) }, None),
             (Action::DestroyVm { vmid: vm(101) }, Some("VMID 101")),
             (Action::VmStatus { vmid: vm(9100) }, None),
             (Action::VmStatus { vmid: vm(102) }, Some("VMID 102")),
-            (Action::Qmp { vmid: vm(9100), command: QmpCommand::QueryStatus }, None),
-            (Action::Qmp { vmid: vm(103), command: QmpCommand::QueryStatus }, Some("VMID 103")),
-            (Action::Qga { vmid: vm(9100), call: QgaCall::Command(QgaCommand::Ping) }, None),
-            (Action::Qga { vmid: vm(9100), call: QgaCall::Assertion(v("nginx-active")) }, None),
-            (Action::Qga { vmid: vm(9100), call: QgaCall::Assertion(v("rm-rf")) }, Some("QGA assertion rm-rf")),
-            (Action::Qga { vmid: vm(104), call: QgaCall::Command(QgaCommand::Ping) }, Some("VMID 104")),
-            (Action::PrepareSandbox { vnet: v("csbox1"), probe_source: v("198.51.100.2/24") }, None),
-            (Action::PrepareSandbox { vnet: v("vmbr0"), probe_source: v("198.51.100.2/24") }, Some("VNet vmbr0")),
-            (Action::PrepareSandbox { vnet: v("csbox1"), probe_source: v("198.51.100.3/24") }, Some("probe source 198.51.100.3/24")),
+            (
+                Action::Qmp {
+                    vmid: vm(9100),
+                    command: QmpCommand::QueryStatus,
+                },
+                None,
+            ),
+            (
+                Action::Qmp {
+                    vmid: vm(103),
+                    command: QmpCommand::QueryStatus,
+                },
+                Some("VMID 103"),
+            ),
+            (
+                Action::Qga {
+                    vmid: vm(9100),
+                    call: QgaCall::Command(QgaCommand::Ping),
+                },
+                None,
+            ),
+            (
+                Action::Qga {
+                    vmid: vm(9100),
+                    call: QgaCall::Assertion(v("nginx-active")),
+                },
+                None,
+            ),
+            (
+                Action::Qga {
+                    vmid: vm(9100),
+                    call: QgaCall::Assertion(v("rm-rf")),
+                },
+                Some("QGA assertion rm-rf"),
+            ),
+            (
+                Action::Qga {
+                    vmid: vm(104),
+                    call: QgaCall::Command(QgaCommand::Ping),
+                },
+                Some("VMID 104"),
+            ),
+            (
+                Action::PrepareSandbox {
+                    vnet: v("csbox1"),
+                    probe_source: v("198.51.100.2/24"),
+                },
+                None,
+            ),
+            (
+                Action::PrepareSandbox {
+                    vnet: v("vmbr0"),
+                    probe_source: v("198.51.100.2/24"),
+                },
+                Some("VNet vmbr0"),
+            ),
+            (
+                Action::PrepareSandbox {
+                    vnet: v("csbox1"),
+                    probe_source: v("198.51.100.3/24"),
+                },
+                Some("probe source 198.51.100.3/24"),
+            ),
             (Action::ReleaseSandbox { vnet: v("csbox1") }, None),
-            (Action::ReleaseSandbox { vnet: v("vmbr0") }, Some("VNet vmbr0")),
-            (Action::Probe { kind: ProbeKind::Http, address: v("198.51.100.10"), port: 80 }, None),
-            (Action::Probe { kind: ProbeKind::Tcp, address: v("198.51.100.10"), port: 80 }, Some("tcp probe of 198.51.100.10:80")),
-            (Action::Probe { kind: ProbeKind::Http, address: v("198.51.100.11"), port: 80 }, Some("http probe of 198.51.100.11:80")),
-            (Action::Probe { kind: ProbeKind::Http, address: v("198.51.100.10"), port: 8080 }, Some("http probe of 198.51.100.10:8080")),
+            (
+                Action::ReleaseSandbox { vnet: v("vmbr0") },
+                Some("VNet vmbr0"),
+            ),
+            (
+                Action::Probe {
+                    kind: ProbeKind::Http,
+                    address: v("198.51.100.10"),
+                    port: 80,
+                },
+                None,
+            ),
+            (
+                Action::Probe {
+                    kind: ProbeKind::Tcp,
+                    address: v("198.51.100.10"),
+                    port: 80,
+                },
+                Some("tcp probe of 198.51.100.10:80"),
+            ),
+            (
+                Action::Probe {
+                    kind: ProbeKind::Http,
+                    address: v("198.51.100.11"),
+                    port: 80,
+                },
+                Some("http probe of 198.51.100.11:80"),
+            ),
+            (
+                Action::Probe {
+                    kind: ProbeKind::Http,
+                    address: v("198.51.100.10"),
+                    port: 8080,
+                },
+                Some("http probe of 198.51.100.10:8080"),
+            ),
             (Action::ReadJournal { run_id: v(RUN) }, None),
-            (Action::ReadJournal { run_id: v(OTHER_RUN) }, Some("run 11111111-2222-4333-8444-555555555555")),
+            (
+                Action::ReadJournal {
+                    run_id: v(OTHER_RUN),
+                },
+                Some("run 11111111-2222-4333-8444-555555555555"),
+            ),
             (Action::Cleanup { run_id: v(RUN) }, None),
-            (Action::Cleanup { run_id: v(OTHER_RUN) }, Some("run 11111111-2222-4333-8444-555555555555")),
+            (
+                Action::Cleanup {
+                    run_id: v(OTHER_RUN),
+                },
+                Some("run 11111111-2222-4333-8444-555555555555"),
+            ),
         ]
     }
 
@@ -476,13 +828,19 @@ mod tests {
                     assert_eq!(denial.rule, action.rpc().rule());
                     assert_eq!(denial.run_id, RUN);
                     let message = denial.to_string();
-                    assert!(message.contains(object) && message.contains(denial.rule), "{message}");
+                    assert!(
+                        message.contains(object) && message.contains(denial.rule),
+                        "{message}"
+                    );
                 }
-                (result, expected) => panic!("{action:?}: got {result:?}, expected denial of {expected:?}"),
+                (result, expected) => {
+                    panic!("{action:?}: got {result:?}, expected denial of {expected:?}")
+                }
             }
         }
         // Every run RPC with an action has at least one allowed and one denied case above.
-        let actionable = Rpc::ALL.len() - [Rpc::Hello, Rpc::BeginRun, Rpc::EndRun, Rpc::ListRuns].len();
+        let actionable =
+            Rpc::ALL.len() - [Rpc::Hello, Rpc::BeginRun, Rpc::EndRun, Rpc::ListRuns].len();
         assert_eq!(covered.len(), actionable);
     }
 
@@ -495,19 +853,50 @@ mod tests {
                 pbs_secret: "pw".into(),
                 encryption_key: b"{}".to_vec(),
             }),
-            parse::unmap_backup(pb::UnmapBackupRequest { archive: "drive-scsi0.img".into() }),
-            parse::create_overlay(pb::CreateOverlayRequest { vmid: 9100, archive: "drive-scsi0.img".into() }),
-            parse::delete_overlay(pb::DeleteOverlayRequest { vmid: 9100, archive: "drive-scsi0.img".into() }),
-            parse::create_vm(pb::CreateVmRequest { vmid: 9100, cores: 1, memory_mib: 512, archives: vec!["drive-scsi0.img".into()] }),
+            parse::unmap_backup(pb::UnmapBackupRequest {
+                archive: "drive-scsi0.img".into(),
+            }),
+            parse::create_overlay(pb::CreateOverlayRequest {
+                vmid: 9100,
+                archive: "drive-scsi0.img".into(),
+            }),
+            parse::delete_overlay(pb::DeleteOverlayRequest {
+                vmid: 9100,
+                archive: "drive-scsi0.img".into(),
+            }),
+            parse::create_vm(pb::CreateVmRequest {
+                vmid: 9100,
+                cores: 1,
+                memory_mib: 512,
+                archives: vec!["drive-scsi0.img".into()],
+            }),
             parse::start_vm(pb::VmRequest { vmid: 9100 }),
-            parse::stop_vm(pb::StopVmRequest { vmid: 9100, timeout_seconds: 30 }),
+            parse::stop_vm(pb::StopVmRequest {
+                vmid: 9100,
+                timeout_seconds: 30,
+            }),
             parse::destroy_vm(pb::VmRequest { vmid: 9100 }),
             parse::vm_status(pb::VmRequest { vmid: 9100 }),
-            parse::qmp(pb::QmpRequest { vmid: 9100, command: pb::QmpCommand::QueryStatus as i32 }),
-            parse::qga(pb::QgaRequest { vmid: 9100, call: Some(pb::qga_request::Call::AssertionId("nginx-active".into())) }),
-            parse::prepare_sandbox(pb::PrepareSandboxRequest { vnet: "csbox1".into(), probe_source: "198.51.100.2/24".into() }),
-            parse::release_sandbox(pb::ReleaseSandboxRequest { vnet: "csbox1".into() }),
-            parse::probe(pb::ProbeRequest { kind: pb::ProbeKind::Tcp as i32, address: "198.51.100.10".into(), port: 22 }),
+            parse::qmp(pb::QmpRequest {
+                vmid: 9100,
+                command: pb::QmpCommand::QueryStatus as i32,
+            }),
+            parse::qga(pb::QgaRequest {
+                vmid: 9100,
+                call: Some(pb::qga_request::Call::AssertionId("nginx-active".into())),
+            }),
+            parse::prepare_sandbox(pb::PrepareSandboxRequest {
+                vnet: "csbox1".into(),
+                probe_source: "198.51.100.2/24".into(),
+            }),
+            parse::release_sandbox(pb::ReleaseSandboxRequest {
+                vnet: "csbox1".into(),
+            }),
+            parse::probe(pb::ProbeRequest {
+                kind: pb::ProbeKind::Tcp as i32,
+                address: "198.51.100.10".into(),
+                port: 22,
+            }),
             parse::read_journal(pb::ReadJournalRequest { run_id: RUN.into() }),
             parse::cleanup(pb::CleanupRequest { run_id: RUN.into() }),
         ]
@@ -531,7 +920,8 @@ mod tests {
             .into_iter()
             .map(|(f, v)| (format!("certistack.connector.v1.{f}"), v.to_owned()))
             .collect();
-        let declared: FieldPolicy = toml::from_str(include_str!("../../policy/field-validators.toml")).unwrap();
+        let declared: FieldPolicy =
+            toml::from_str(include_str!("../../policy/field-validators.toml")).unwrap();
         assert_eq!(used, declared.fields);
     }
 
@@ -545,21 +935,51 @@ mod tests {
         })
         .unwrap_err();
         assert_eq!(err.field, "MapBackupRequest.snapshot");
-        let err = parse::unmap_backup(pb::UnmapBackupRequest { archive: "../../etc/passwd.img".into() }).unwrap_err();
+        let err = parse::unmap_backup(pb::UnmapBackupRequest {
+            archive: "../../etc/passwd.img".into(),
+        })
+        .unwrap_err();
         assert_eq!(err.field, "UnmapBackupRequest.archive");
         let err = parse::start_vm(pb::VmRequest { vmid: 0 }).unwrap_err();
         assert_eq!((err.field, err.validator), ("VmRequest.vmid", "vmid"));
-        let err = parse::qmp(pb::QmpRequest { vmid: 9100, command: 0 }).unwrap_err();
+        let err = parse::qmp(pb::QmpRequest {
+            vmid: 9100,
+            command: 0,
+        })
+        .unwrap_err();
         assert_eq!(err.field, "QmpRequest.command");
-        let err = parse::qmp(pb::QmpRequest { vmid: 9100, command: 99 }).unwrap_err();
+        let err = parse::qmp(pb::QmpRequest {
+            vmid: 9100,
+            command: 99,
+        })
+        .unwrap_err();
         assert_eq!(err.field, "QmpRequest.command");
-        let err = parse::qga(pb::QgaRequest { vmid: 9100, call: None }).unwrap_err();
+        let err = parse::qga(pb::QgaRequest {
+            vmid: 9100,
+            call: None,
+        })
+        .unwrap_err();
         assert_eq!(err.field, "QgaRequest.call");
-        let err = parse::create_vm(pb::CreateVmRequest { vmid: 9100, cores: 1, memory_mib: 512, archives: vec!["d.img".into(); 9] }).unwrap_err();
+        let err = parse::create_vm(pb::CreateVmRequest {
+            vmid: 9100,
+            cores: 1,
+            memory_mib: 512,
+            archives: vec!["d.img".into(); 9],
+        })
+        .unwrap_err();
         assert_eq!(err.validator, "count");
-        let err = parse::stop_vm(pb::StopVmRequest { vmid: 9100, timeout_seconds: 601 }).unwrap_err();
+        let err = parse::stop_vm(pb::StopVmRequest {
+            vmid: 9100,
+            timeout_seconds: 601,
+        })
+        .unwrap_err();
         assert_eq!(err.field, "StopVmRequest.timeout_seconds");
-        let err = parse::probe(pb::ProbeRequest { kind: 1, address: "198.51.100.10".into(), port: 70000 }).unwrap_err();
+        let err = parse::probe(pb::ProbeRequest {
+            kind: 1,
+            address: "198.51.100.10".into(),
+            port: 70000,
+        })
+        .unwrap_err();
         assert_eq!(err.field, "ProbeRequest.port");
     }
 
@@ -574,11 +994,29 @@ mod tests {
         struct Allowlist {
             allow: Vec<Entry>,
         }
-        let qmp: Allowlist = toml::from_str(include_str!("../../policy/qmp-allowlist.toml")).unwrap();
-        let qga: Allowlist = toml::from_str(include_str!("../../policy/qga-allowlist.toml")).unwrap();
-        assert!(qmp.allow.iter().chain(&qga.allow).all(|e| !e.why.trim().is_empty()));
-        let names = |list: &Allowlist| list.allow.iter().map(|e| e.command.clone()).collect::<Vec<_>>();
-        assert_eq!(names(&qmp), QmpCommand::ALL.map(|c| c.wire_name().to_owned()));
-        assert_eq!(names(&qga), QgaCommand::ALL.map(|c| c.wire_name().to_owned()));
+        let qmp: Allowlist =
+            toml::from_str(include_str!("../../policy/qmp-allowlist.toml")).unwrap();
+        let qga: Allowlist =
+            toml::from_str(include_str!("../../policy/qga-allowlist.toml")).unwrap();
+        assert!(
+            qmp.allow
+                .iter()
+                .chain(&qga.allow)
+                .all(|e| !e.why.trim().is_empty())
+        );
+        let names = |list: &Allowlist| {
+            list.allow
+                .iter()
+                .map(|e| e.command.clone())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            names(&qmp),
+            QmpCommand::ALL.map(|c| c.wire_name().to_owned())
+        );
+        assert_eq!(
+            names(&qga),
+            QgaCommand::ALL.map(|c| c.wire_name().to_owned())
+        );
     }
 }

@@ -79,7 +79,10 @@ pub struct Limits {
 
 impl Default for Limits {
     fn default() -> Self {
-        Self { max_concurrent_runs: 4, max_request_bytes: 64 * 1024 }
+        Self {
+            max_concurrent_runs: 4,
+            max_request_bytes: 64 * 1024,
+        }
     }
 }
 
@@ -90,15 +93,22 @@ pub enum ConfigError {
     #[error("{path}: {reason}")]
     Parse { path: PathBuf, reason: String },
     #[error("{path}: `{key}` = {value:?} is invalid: {reason}")]
-    Invalid { path: PathBuf, key: &'static str, value: String, reason: String },
+    Invalid {
+        path: PathBuf,
+        key: &'static str,
+        value: String,
+        reason: String,
+    },
 }
 
 impl Config {
     /// Reads and checks the config file; the files it names are checked when they are loaded.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
         let text = files::read_trusted(path)?;
-        let config: Config =
-            toml::from_str(&text).map_err(|e| ConfigError::Parse { path: path.to_owned(), reason: e.to_string() })?;
+        let config: Config = toml::from_str(&text).map_err(|e| ConfigError::Parse {
+            path: path.to_owned(),
+            reason: e.to_string(),
+        })?;
         config.check(path)?;
         Ok(config)
     }
@@ -114,10 +124,16 @@ impl Config {
             ("tls.certificate", &self.tls.certificate),
             ("tls.private_key", &self.tls.private_key),
             ("tls.controller_ca", &self.tls.controller_ca),
-            ("tls.run_authority_public_key", &self.tls.run_authority_public_key),
+            (
+                "tls.run_authority_public_key",
+                &self.tls.run_authority_public_key,
+            ),
             ("paths.state_dir", &self.paths.state_dir),
             ("paths.overlay_root", &self.paths.overlay_root),
-            ("tools.proxmox_backup_client", &self.tools.proxmox_backup_client),
+            (
+                "tools.proxmox_backup_client",
+                &self.tools.proxmox_backup_client,
+            ),
             ("tools.qm", &self.tools.qm),
             ("tools.qemu_img", &self.tools.qemu_img),
         ];
@@ -135,11 +151,26 @@ impl Config {
             if (lo..=hi).contains(&value) {
                 Ok(())
             } else {
-                Err(ConfigError::Invalid { path: path.to_owned(), key, value: value.to_string(), reason: format!("must be {lo}..={hi}") })
+                Err(ConfigError::Invalid {
+                    path: path.to_owned(),
+                    key,
+                    value: value.to_string(),
+                    reason: format!("must be {lo}..={hi}"),
+                })
             }
         };
-        limit("limits.max_concurrent_runs", self.limits.max_concurrent_runs, 1, 64)?;
-        limit("limits.max_request_bytes", self.limits.max_request_bytes, 4096, 4 * 1024 * 1024)?;
+        limit(
+            "limits.max_concurrent_runs",
+            self.limits.max_concurrent_runs,
+            1,
+            64,
+        )?;
+        limit(
+            "limits.max_request_bytes",
+            self.limits.max_request_bytes,
+            4096,
+            4 * 1024 * 1024,
+        )?;
         Ok(())
     }
 
@@ -167,7 +198,10 @@ overlay_root = "/var/lib/certistack/overlays"
 "#;
 
     fn write(name: &str, text: &str, mode: u32) -> PathBuf {
-        let path = std::env::temp_dir().join(format!("certistack-config-{}-{name}.toml", std::process::id()));
+        let path = std::env::temp_dir().join(format!(
+            "certistack-config-{}-{name}.toml",
+            std::process::id()
+        ));
         std::fs::write(&path, text).unwrap();
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
         path
@@ -181,20 +215,45 @@ overlay_root = "/var/lib/certistack/overlays"
         assert_eq!(config.tools.qm, PathBuf::from("/usr/sbin/qm"));
 
         let writable = write("writable", GOOD, 0o666);
-        assert!(Config::load(&writable).unwrap_err().to_string().contains("chmod"));
+        assert!(
+            Config::load(&writable)
+                .unwrap_err()
+                .to_string()
+                .contains("chmod")
+        );
 
         let typo = write("typo", &GOOD.replace("node_name", "nodename"), 0o644);
-        assert!(matches!(Config::load(&typo), Err(ConfigError::Parse { .. })));
+        assert!(matches!(
+            Config::load(&typo),
+            Err(ConfigError::Parse { .. })
+        ));
 
-        let relative = write("relative", &GOOD.replace("\"/var/lib/certistack\"", "\"var/lib\""), 0o644);
+        let relative = write(
+            "relative",
+            &GOOD.replace("\"/var/lib/certistack\"", "\"var/lib\""),
+            0o644,
+        );
         let err = Config::load(&relative).unwrap_err().to_string();
-        assert!(err.contains("paths.state_dir") && err.contains("absolute"), "{err}");
+        assert!(
+            err.contains("paths.state_dir") && err.contains("absolute"),
+            "{err}"
+        );
 
         let bad_node = write("node", &GOOD.replace("pve1", "pve_1"), 0o644);
-        assert!(Config::load(&bad_node).unwrap_err().to_string().contains("node_name"));
+        assert!(
+            Config::load(&bad_node)
+                .unwrap_err()
+                .to_string()
+                .contains("node_name")
+        );
 
         let missing = std::env::temp_dir().join("certistack-config-does-not-exist.toml");
-        assert!(Config::load(&missing).unwrap_err().to_string().contains("cannot read"));
+        assert!(
+            Config::load(&missing)
+                .unwrap_err()
+                .to_string()
+                .contains("cannot read")
+        );
         for path in [good, writable, typo, relative, bad_node] {
             std::fs::remove_file(path).unwrap();
         }

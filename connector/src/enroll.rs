@@ -32,49 +32,90 @@ pub enum EnrollError {
 /// Creates the node key if absent and returns a PEM CSR for `config.node_name`.
 pub fn certificate_request(config: &Config) -> Result<String, EnrollError> {
     let key_path = &config.tls.private_key;
-    let key_err = |reason: String| EnrollError::Key { path: key_path.display().to_string(), reason };
+    let key_err = |reason: String| EnrollError::Key {
+        path: key_path.display().to_string(),
+        reason,
+    };
     let key = if key_path.exists() {
         KeyPair::from_pem(&files::read_private(key_path)?).map_err(|e| key_err(e.to_string()))?
     } else {
         if let Some(parent) = key_path.parent() {
-            std::fs::create_dir_all(parent).map_err(|error| FileError::Write { path: parent.to_owned(), error })?;
+            std::fs::create_dir_all(parent).map_err(|error| FileError::Write {
+                path: parent.to_owned(),
+                error,
+            })?;
         }
-        let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).map_err(|e| key_err(e.to_string()))?;
-        files::write_new(key_path, zeroize::Zeroizing::new(key.serialize_pem()).as_bytes(), 0o600)?;
+        let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)
+            .map_err(|e| key_err(e.to_string()))?;
+        files::write_new(
+            key_path,
+            zeroize::Zeroizing::new(key.serialize_pem()).as_bytes(),
+            0o600,
+        )?;
         key
     };
-    let mut params = CertificateParams::new(vec![config.node_name.clone()]).map_err(|e| EnrollError::Csr(e.to_string()))?;
+    let mut params = CertificateParams::new(vec![config.node_name.clone()])
+        .map_err(|e| EnrollError::Csr(e.to_string()))?;
     let mut name = DistinguishedName::new();
     name.push(DnType::CommonName, config.node_name.clone());
     params.distinguished_name = name;
-    let csr = params.serialize_request(&key).map_err(|e| EnrollError::Csr(e.to_string()))?;
+    let csr = params
+        .serialize_request(&key)
+        .map_err(|e| EnrollError::Csr(e.to_string()))?;
     csr.pem().map_err(|e| EnrollError::Csr(e.to_string()))
 }
 
 /// Checks and installs the signed certificate, the CA and the run-authority public key.
-pub fn install(config: &Config, certificate: &Path, ca: &Path, authority: &Path) -> Result<(), EnrollError> {
-    let cert_pem = std::fs::read_to_string(certificate).map_err(|error| FileError::Read { path: certificate.to_owned(), error })?;
-    let ca_pem = std::fs::read_to_string(ca).map_err(|error| FileError::Read { path: ca.to_owned(), error })?;
-    let authority_pem = std::fs::read_to_string(authority).map_err(|error| FileError::Read { path: authority.to_owned(), error })?;
-    VerifyingKey::from_public_key_pem(&authority_pem)
-        .map_err(|e| EnrollError::Authority { path: authority.display().to_string(), reason: e.to_string() })?;
+pub fn install(
+    config: &Config,
+    certificate: &Path,
+    ca: &Path,
+    authority: &Path,
+) -> Result<(), EnrollError> {
+    let cert_pem = std::fs::read_to_string(certificate).map_err(|error| FileError::Read {
+        path: certificate.to_owned(),
+        error,
+    })?;
+    let ca_pem = std::fs::read_to_string(ca).map_err(|error| FileError::Read {
+        path: ca.to_owned(),
+        error,
+    })?;
+    let authority_pem = std::fs::read_to_string(authority).map_err(|error| FileError::Read {
+        path: authority.to_owned(),
+        error,
+    })?;
+    VerifyingKey::from_public_key_pem(&authority_pem).map_err(|e| EnrollError::Authority {
+        path: authority.display().to_string(),
+        reason: e.to_string(),
+    })?;
 
     let chain = tls::parse_certificates(&cert_pem, &certificate.display().to_string())?;
     let ca_certs = tls::parse_certificates(&ca_pem, &ca.display().to_string())?;
-    let names = chain.first().map(|leaf| crate::server::dns_names(leaf)).unwrap_or_default();
+    let names = chain
+        .first()
+        .map(|leaf| crate::server::dns_names(leaf))
+        .unwrap_or_default();
     if !names.iter().any(|n| n == &config.node_name) {
-        return Err(EnrollError::Mismatch(format!("it names {names:?}, this node is {:?}", config.node_name)));
+        return Err(EnrollError::Mismatch(format!(
+            "it names {names:?}, this node is {:?}",
+            config.node_name
+        )));
     }
     // Building a server config proves the certificate matches the node key; a handshake-free
     // chain check proves it was issued by the CA we are about to trust.
     let key = tls::parse_private_key(&files::read_private(&config.tls.private_key)?, "node key")?;
-    tls::server_config(chain.clone(), key, tls::ca_roots(&ca_certs)?)
-        .map_err(|e| EnrollError::Mismatch(format!("certificate and node key do not match: {e}")))?;
+    tls::server_config(chain.clone(), key, tls::ca_roots(&ca_certs)?).map_err(|e| {
+        EnrollError::Mismatch(format!("certificate and node key do not match: {e}"))
+    })?;
     verify_issued_by(&chain, &ca_certs)?;
 
     files::write_atomic(&config.tls.certificate, cert_pem.as_bytes(), 0o644)?;
     files::write_atomic(&config.tls.controller_ca, ca_pem.as_bytes(), 0o644)?;
-    files::write_atomic(&config.tls.run_authority_public_key, authority_pem.as_bytes(), 0o644)?;
+    files::write_atomic(
+        &config.tls.run_authority_public_key,
+        authority_pem.as_bytes(),
+        0o644,
+    )?;
     Ok(())
 }
 
@@ -83,13 +124,19 @@ fn verify_issued_by(
     ca: &[rustls::pki_types::CertificateDer<'static>],
 ) -> Result<(), EnrollError> {
     use x509_parser::prelude::{FromDer, X509Certificate};
-    let leaf = chain.first().ok_or_else(|| EnrollError::Mismatch("empty certificate file".into()))?;
-    let (_, leaf) = X509Certificate::from_der(leaf).map_err(|e| EnrollError::Mismatch(e.to_string()))?;
+    let leaf = chain
+        .first()
+        .ok_or_else(|| EnrollError::Mismatch("empty certificate file".into()))?;
+    let (_, leaf) =
+        X509Certificate::from_der(leaf).map_err(|e| EnrollError::Mismatch(e.to_string()))?;
     for issuer in ca {
-        let (_, issuer) = X509Certificate::from_der(issuer).map_err(|e| EnrollError::Mismatch(e.to_string()))?;
+        let (_, issuer) =
+            X509Certificate::from_der(issuer).map_err(|e| EnrollError::Mismatch(e.to_string()))?;
         if leaf.verify_signature(Some(issuer.public_key())).is_ok() {
             return Ok(());
         }
     }
-    Err(EnrollError::Mismatch("it was not issued by the given CA".into()))
+    Err(EnrollError::Mismatch(
+        "it was not issued by the given CA".into(),
+    ))
 }

@@ -41,7 +41,9 @@ pub enum Outcome {
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ExecError {
-    #[error("this connector does not implement capability `{capability}` yet; upgrade the node's certistack-connector package")]
+    #[error(
+        "this connector does not implement capability `{capability}` yet; upgrade the node's certistack-connector package"
+    )]
     Unimplemented { capability: &'static str },
     #[error("{0}")]
     FailedPrecondition(String),

@@ -13,9 +13,15 @@ use std::path::{Path, PathBuf};
 #[derive(Debug, thiserror::Error)]
 pub enum FileError {
     #[error("cannot read {path}: {error}")]
-    Read { path: PathBuf, error: std::io::Error },
+    Read {
+        path: PathBuf,
+        error: std::io::Error,
+    },
     #[error("cannot write {path}: {error}")]
-    Write { path: PathBuf, error: std::io::Error },
+    Write {
+        path: PathBuf,
+        error: std::io::Error,
+    },
     #[error("{path} has mode {mode:04o}: {what} must not be {who}; run `chmod {fix:04o} {path}`")]
     Insecure {
         path: PathBuf,
@@ -24,14 +30,23 @@ pub enum FileError {
         who: &'static str,
         fix: u32,
     },
-    #[error("{path} is owned by uid {owner}, not by uid {expected} that runs this program; run `chown {expected} {path}`")]
-    WrongOwner { path: PathBuf, owner: u32, expected: u32 },
+    #[error(
+        "{path} is owned by uid {owner}, not by uid {expected} that runs this program; run `chown {expected} {path}`"
+    )]
+    WrongOwner {
+        path: PathBuf,
+        owner: u32,
+        expected: u32,
+    },
     #[error("{path} already exists; refusing to overwrite it")]
     Exists { path: PathBuf },
 }
 
 fn metadata(path: &Path) -> Result<fs::Metadata, FileError> {
-    fs::metadata(path).map_err(|error| FileError::Read { path: path.to_owned(), error })
+    fs::metadata(path).map_err(|error| FileError::Read {
+        path: path.to_owned(),
+        error,
+    })
 }
 
 fn effective_uid() -> u32 {
@@ -43,11 +58,21 @@ pub fn check_private(path: &Path) -> Result<(), FileError> {
     let meta = metadata(path)?;
     let mode = meta.permissions().mode() & 0o7777;
     if meta.uid() != effective_uid() {
-        return Err(FileError::WrongOwner { path: path.to_owned(), owner: meta.uid(), expected: effective_uid() });
+        return Err(FileError::WrongOwner {
+            path: path.to_owned(),
+            owner: meta.uid(),
+            expected: effective_uid(),
+        });
     }
     if mode & 0o077 != 0 {
         let fix = if meta.is_dir() { 0o700 } else { 0o600 };
-        return Err(FileError::Insecure { path: path.to_owned(), mode, what: "a private key", who: "accessible by group or others", fix });
+        return Err(FileError::Insecure {
+            path: path.to_owned(),
+            mode,
+            what: "a private key",
+            who: "accessible by group or others",
+            fix,
+        });
     }
     Ok(())
 }
@@ -57,10 +82,20 @@ pub fn check_trusted(path: &Path) -> Result<(), FileError> {
     let meta = metadata(path)?;
     let mode = meta.permissions().mode() & 0o7777;
     if meta.uid() != effective_uid() && meta.uid() != 0 {
-        return Err(FileError::WrongOwner { path: path.to_owned(), owner: meta.uid(), expected: effective_uid() });
+        return Err(FileError::WrongOwner {
+            path: path.to_owned(),
+            owner: meta.uid(),
+            expected: effective_uid(),
+        });
     }
     if mode & 0o022 != 0 {
-        return Err(FileError::Insecure { path: path.to_owned(), mode, what: "a trusted file", who: "writable by group or others", fix: mode & !0o022 });
+        return Err(FileError::Insecure {
+            path: path.to_owned(),
+            mode,
+            what: "a trusted file",
+            who: "writable by group or others",
+            fix: mode & !0o022,
+        });
     }
     Ok(())
 }
@@ -70,13 +105,19 @@ pub fn read_private(path: &Path) -> Result<zeroize::Zeroizing<String>, FileError
     check_private(path)?;
     fs::read_to_string(path)
         .map(zeroize::Zeroizing::new)
-        .map_err(|error| FileError::Read { path: path.to_owned(), error })
+        .map_err(|error| FileError::Read {
+            path: path.to_owned(),
+            error,
+        })
 }
 
 /// Reads a trusted file after [`check_trusted`].
 pub fn read_trusted(path: &Path) -> Result<String, FileError> {
     check_trusted(path)?;
-    fs::read_to_string(path).map_err(|error| FileError::Read { path: path.to_owned(), error })
+    fs::read_to_string(path).map_err(|error| FileError::Read {
+        path: path.to_owned(),
+        error,
+    })
 }
 
 /// Creates a directory (and missing parents) with mode 0700; an existing one must be private.
@@ -85,7 +126,10 @@ pub fn create_private_dir(path: &Path) -> Result<(), FileError> {
         .recursive(true)
         .mode(0o700)
         .create(path)
-        .map_err(|error| FileError::Write { path: path.to_owned(), error })?;
+        .map_err(|error| FileError::Write {
+            path: path.to_owned(),
+            error,
+        })?;
     check_private(path)
 }
 
@@ -93,12 +137,22 @@ pub fn create_private_dir(path: &Path) -> Result<(), FileError> {
 pub fn write_new(path: &Path, contents: &[u8], mode: u32) -> Result<(), FileError> {
     let err = |error: std::io::Error| {
         if error.kind() == std::io::ErrorKind::AlreadyExists {
-            FileError::Exists { path: path.to_owned() }
+            FileError::Exists {
+                path: path.to_owned(),
+            }
         } else {
-            FileError::Write { path: path.to_owned(), error }
+            FileError::Write {
+                path: path.to_owned(),
+                error,
+            }
         }
     };
-    let mut file = OpenOptions::new().write(true).create_new(true).mode(mode).open(path).map_err(err)?;
+    let mut file = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .open(path)
+        .map_err(err)?;
     file.write_all(contents).map_err(err)?;
     file.sync_all().map_err(err)?;
     sync_parent(path)
@@ -106,10 +160,18 @@ pub fn write_new(path: &Path, contents: &[u8], mode: u32) -> Result<(), FileErro
 
 /// Replaces `path` atomically: temporary file, fsync, rename, fsync of the directory.
 pub fn write_atomic(path: &Path, contents: &[u8], mode: u32) -> Result<(), FileError> {
-    let err = |error| FileError::Write { path: path.to_owned(), error };
+    let err = |error| FileError::Write {
+        path: path.to_owned(),
+        error,
+    };
     let tmp = path.with_extension("tmp");
     let _ = fs::remove_file(&tmp);
-    let mut file = OpenOptions::new().write(true).create_new(true).mode(mode).open(&tmp).map_err(err)?;
+    let mut file = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .open(&tmp)
+        .map_err(err)?;
     file.write_all(contents).map_err(err)?;
     file.sync_all().map_err(err)?;
     fs::rename(&tmp, path).map_err(err)?;
@@ -121,7 +183,10 @@ pub fn sync_parent(path: &Path) -> Result<(), FileError> {
     let parent = path.parent().unwrap_or(Path::new("."));
     File::open(parent)
         .and_then(|dir| dir.sync_all())
-        .map_err(|error| FileError::Write { path: parent.to_owned(), error })
+        .map_err(|error| FileError::Write {
+            path: parent.to_owned(),
+            error,
+        })
 }
 
 #[cfg(test)]
@@ -136,7 +201,10 @@ mod tests {
         let key = dir.join("key.pem");
         write_new(&key, b"secret", 0o600).unwrap();
         assert!(check_private(&key).is_ok());
-        assert!(matches!(write_new(&key, b"again", 0o600), Err(FileError::Exists { .. })));
+        assert!(matches!(
+            write_new(&key, b"again", 0o600),
+            Err(FileError::Exists { .. })
+        ));
         fs::set_permissions(&key, fs::Permissions::from_mode(0o640)).unwrap();
         let err = check_private(&key).unwrap_err().to_string();
         assert!(err.contains("chmod 0600"), "{err}");

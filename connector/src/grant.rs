@@ -7,9 +7,9 @@
 //! binding the TLS identity to exactly this grant.
 
 use crate::validate::{
-    self, ArchiveName, AssertionId, AuthId, Datastore, ExpectedText, Fingerprint, GuestArgument, GuestProgram, Host,
-    HttpPath, IpInterface, Namespace, NodeName, RunId, Sha256Hex, Snapshot, UnicastIp, Validated, VnetName, Vmid,
-    bounded_count, bytes_field, field,
+    self, ArchiveName, AssertionId, AuthId, Datastore, ExpectedText, Fingerprint, GuestArgument,
+    GuestProgram, Host, HttpPath, IpInterface, Namespace, NodeName, RunId, Sha256Hex, Snapshot,
+    UnicastIp, Validated, Vmid, VnetName, bounded_count, bytes_field, field,
 };
 use certistack_proto::GRANT_SIGNATURE_CONTEXT;
 use certistack_proto::v1 as pb;
@@ -71,8 +71,16 @@ impl ProbeKind {
     }
 }
 
-pub(crate) fn enum_error(field: &'static str, validator: &'static str, value: i32) -> validate::FieldError {
-    validate::FieldError { field, validator, reason: format!("{value} is not one of the defined values (0 means unset)") }
+pub(crate) fn enum_error(
+    field: &'static str,
+    validator: &'static str,
+    value: i32,
+) -> validate::FieldError {
+    validate::FieldError {
+        field,
+        validator,
+        reason: format!("{value} is not one of the defined values (0 means unset)"),
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -130,7 +138,9 @@ pub enum GrantError {
     Missing,
     #[error(transparent)]
     Field(#[from] validate::FieldError),
-    #[error("the grant's signature does not verify against the pinned run-authority key; was it signed by this controller's run authority?")]
+    #[error(
+        "the grant's signature does not verify against the pinned run-authority key; was it signed by this controller's run authority?"
+    )]
     BadSignature,
     #[error("the grant cannot be decoded: {0}")]
     Decode(String),
@@ -152,16 +162,34 @@ pub fn signing_input(grant_bytes: &[u8]) -> Vec<u8> {
 /// Verifies the signature, then decodes and validates the grant. Time and node checks are the
 /// caller's, because they depend on the node and the clock (see [`Grant::check_applicable`]).
 pub fn verify(signed: &pb::SignedRunGrant, authority: &VerifyingKey) -> Result<Grant, GrantError> {
-    let bytes = bytes_field("SignedRunGrant.grant", "encoded_grant", &signed.grant, 1, MAX_GRANT_BYTES)?;
-    let signature = bytes_field("SignedRunGrant.signature", "ed25519_signature", &signed.signature, 64, 64)?;
+    let bytes = bytes_field(
+        "SignedRunGrant.grant",
+        "encoded_grant",
+        &signed.grant,
+        1,
+        MAX_GRANT_BYTES,
+    )?;
+    let signature = bytes_field(
+        "SignedRunGrant.signature",
+        "ed25519_signature",
+        &signed.signature,
+        64,
+        64,
+    )?;
     let signature = Signature::from_slice(signature).map_err(|_| GrantError::BadSignature)?;
-    authority.verify_strict(&signing_input(bytes), &signature).map_err(|_| GrantError::BadSignature)?;
+    authority
+        .verify_strict(&signing_input(bytes), &signature)
+        .map_err(|_| GrantError::BadSignature)?;
     let wire = pb::RunGrant::decode(bytes).map_err(|e| GrantError::Decode(e.to_string()))?;
     parse(&wire, digest(bytes))
 }
 
 fn opt<T: Validated>(name: &'static str, value: &str) -> Result<Option<T>, validate::FieldError> {
-    if value.is_empty() { Ok(None) } else { field(name, value).map(Some) }
+    if value.is_empty() {
+        Ok(None)
+    } else {
+        field(name, value).map(Some)
+    }
 }
 
 fn parse(wire: &pb::RunGrant, digest: [u8; 32]) -> Result<Grant, GrantError> {
@@ -175,9 +203,14 @@ fn parse(wire: &pb::RunGrant, digest: [u8; 32]) -> Result<Grant, GrantError> {
         return Err(inconsistent("the deadline is not after not_before".into()));
     }
     if wire.deadline_unix - wire.not_before_unix > MAX_GRANT_LIFETIME_SECS {
-        return Err(inconsistent(format!("the grant spans more than {MAX_GRANT_LIFETIME_SECS} s")));
+        return Err(inconsistent(format!(
+            "the grant spans more than {MAX_GRANT_LIFETIME_SECS} s"
+        )));
     }
-    let repo = wire.repository.as_ref().ok_or_else(|| inconsistent("the PBS repository is missing".into()))?;
+    let repo = wire
+        .repository
+        .as_ref()
+        .ok_or_else(|| inconsistent("the PBS repository is missing".into()))?;
     let repository = Repository {
         server: field("PbsRepository.server", &repo.server)?,
         port: validate::port("PbsRepository.port", repo.port)?,
@@ -209,7 +242,10 @@ fn parse(wire: &pb::RunGrant, digest: [u8; 32]) -> Result<Grant, GrantError> {
                 vm.max_cores, vm.max_memory_mib
             )));
         }
-        let limits = VmLimits { max_cores: vm.max_cores, max_memory_mib: vm.max_memory_mib };
+        let limits = VmLimits {
+            max_cores: vm.max_cores,
+            max_memory_mib: vm.max_memory_mib,
+        };
         if sandbox_vms.insert(vmid, limits).is_some() {
             return Err(inconsistent(format!("VMID {vmid} is listed twice")));
         }
@@ -227,10 +263,18 @@ fn parse(wire: &pb::RunGrant, digest: [u8; 32]) -> Result<Grant, GrantError> {
     for target in &wire.probe_targets {
         let parsed = parse_target(target)?;
         if parsed.address == probe_source.address {
-            return Err(inconsistent(format!("probe target {} is the probe source itself", parsed.address)));
+            return Err(inconsistent(format!(
+                "probe target {} is the probe source itself",
+                parsed.address
+            )));
         }
         if !seen_targets.insert((parsed.kind, parsed.address, parsed.port)) {
-            return Err(inconsistent(format!("probe target {} {}:{} is listed twice", parsed.kind.name(), parsed.address, parsed.port)));
+            return Err(inconsistent(format!(
+                "probe target {} {}:{} is listed twice",
+                parsed.kind.name(),
+                parsed.address,
+                parsed.port
+            )));
         }
         probe_targets.push(parsed);
     }
@@ -242,12 +286,23 @@ fn parse(wire: &pb::RunGrant, digest: [u8; 32]) -> Result<Grant, GrantError> {
         bounded_count("QgaAssertion.args", &assertion.args, 32)?;
         let parsed = QgaAssertion {
             program: field("QgaAssertion.program", &assertion.program)?,
-            args: assertion.args.iter().map(|a| field("QgaAssertion.args", a)).collect::<Result<_, _>>()?,
+            args: assertion
+                .args
+                .iter()
+                .map(|a| field("QgaAssertion.args", a))
+                .collect::<Result<_, _>>()?,
             expect_exit_code: assertion.expect_exit_code,
-            expect_stdout_contains: opt("QgaAssertion.expect_stdout_contains", &assertion.expect_stdout_contains)?,
+            expect_stdout_contains: opt(
+                "QgaAssertion.expect_stdout_contains",
+                &assertion.expect_stdout_contains,
+            )?,
             timeout_secs: match assertion.timeout_seconds {
                 t @ 1..=600 => t,
-                t => return Err(inconsistent(format!("assertion {id}: timeout_seconds {t} must be 1..=600"))),
+                t => {
+                    return Err(inconsistent(format!(
+                        "assertion {id}: timeout_seconds {t} must be 1..=600"
+                    )));
+                }
             },
         };
         if qga_assertions.insert(id.clone(), parsed).is_some() {
@@ -298,10 +353,21 @@ fn parse_target(target: &pb::ProbeTarget) -> Result<ProbeTarget, GrantError> {
         dns_type: match pb::DnsRecordType::try_from(e.dns_type) {
             Ok(pb::DnsRecordType::Unspecified) => None,
             Ok(t) => Some(t),
-            Err(_) => return Err(enum_error("ProbeExpectation.dns_type", "dns_record_type", e.dns_type).into()),
+            Err(_) => {
+                return Err(
+                    enum_error("ProbeExpectation.dns_type", "dns_record_type", e.dns_type).into(),
+                );
+            }
         },
-        dns_answers: e.dns_answers.iter().map(|a| field("ProbeExpectation.dns_answers", a)).collect::<Result<_, _>>()?,
-        ldap_naming_context: opt("ProbeExpectation.ldap_naming_context", &e.ldap_naming_context)?,
+        dns_answers: e
+            .dns_answers
+            .iter()
+            .map(|a| field("ProbeExpectation.dns_answers", a))
+            .collect::<Result<_, _>>()?,
+        ldap_naming_context: opt(
+            "ProbeExpectation.ldap_naming_context",
+            &e.ldap_naming_context,
+        )?,
     };
     Ok(ProbeTarget {
         kind,
@@ -325,13 +391,22 @@ pub enum GrantScopeError {
 impl Grant {
     pub fn check_applicable(&self, local: &NodeName, now_unix: i64) -> Result<(), GrantScopeError> {
         if &self.node != local {
-            return Err(GrantScopeError::OtherNode { granted: self.node.to_string(), local: local.to_string() });
+            return Err(GrantScopeError::OtherNode {
+                granted: self.node.to_string(),
+                local: local.to_string(),
+            });
         }
         if now_unix < self.not_before_unix {
-            return Err(GrantScopeError::NotYetValid { not_before: self.not_before_unix, now: now_unix });
+            return Err(GrantScopeError::NotYetValid {
+                not_before: self.not_before_unix,
+                now: now_unix,
+            });
         }
         if now_unix >= self.deadline_unix {
-            return Err(GrantScopeError::Expired { deadline: self.deadline_unix, now: now_unix });
+            return Err(GrantScopeError::Expired {
+                deadline: self.deadline_unix,
+                now: now_unix,
+            });
         }
         Ok(())
     }
@@ -362,7 +437,11 @@ pub(crate) mod tests {
             }),
             snapshot: "vm/100/2026-11-01T02:00:00Z".into(),
             archives: vec!["drive-scsi0.img".into(), "drive-scsi1.img".into()],
-            sandbox_vms: vec![pb::SandboxVm { vmid: 9100, max_cores: 2, max_memory_mib: 2048 }],
+            sandbox_vms: vec![pb::SandboxVm {
+                vmid: 9100,
+                max_cores: 2,
+                max_memory_mib: 2048,
+            }],
             vnet: "csbox1".into(),
             probe_source: "198.51.100.2/24".into(),
             probe_targets: vec![pb::ProbeTarget {
@@ -414,16 +493,25 @@ pub(crate) mod tests {
         let key = SigningKey::from_bytes(&[1; 32]);
         let other = SigningKey::from_bytes(&[2; 32]);
         let signed = sign(&other, &full_wire_grant());
-        assert!(matches!(verify(&signed, &key.verifying_key()), Err(GrantError::BadSignature)));
+        assert!(matches!(
+            verify(&signed, &key.verifying_key()),
+            Err(GrantError::BadSignature)
+        ));
         let mut tampered = sign(&key, &full_wire_grant());
         if let Some(last) = tampered.grant.last_mut() {
             *last ^= 1;
         }
-        assert!(matches!(verify(&tampered, &key.verifying_key()), Err(GrantError::BadSignature)));
+        assert!(matches!(
+            verify(&tampered, &key.verifying_key()),
+            Err(GrantError::BadSignature)
+        ));
         // A signature without the domain prefix is not a grant signature.
         let mut raw = sign(&key, &full_wire_grant());
         raw.signature = key.sign(&raw.grant).to_bytes().to_vec();
-        assert!(matches!(verify(&raw, &key.verifying_key()), Err(GrantError::BadSignature)));
+        assert!(matches!(
+            verify(&raw, &key.verifying_key()),
+            Err(GrantError::BadSignature)
+        ));
     }
 
     #[test]
@@ -434,18 +522,54 @@ pub(crate) mod tests {
             edit(&mut wire);
             verify(&sign(&key, &wire), &key.verifying_key())
         };
-        assert!(matches!(check(&|g| g.version = 2), Err(GrantError::Version(2))));
-        assert!(matches!(check(&|g| g.deadline_unix = g.not_before_unix), Err(GrantError::Inconsistent(_))));
-        assert!(matches!(check(&|g| g.deadline_unix = g.not_before_unix + 90_000), Err(GrantError::Inconsistent(_))));
-        assert!(matches!(check(&|g| g.snapshot = "vm/100".into()), Err(GrantError::Field(_))));
-        assert!(matches!(check(&|g| g.archives.push("drive-scsi0.img".into())), Err(GrantError::Inconsistent(_))));
-        assert!(matches!(check(&|g| g.archives.clear()), Err(GrantError::Inconsistent(_))));
-        assert!(matches!(check(&|g| g.sandbox_vms[0].vmid = 0), Err(GrantError::Field(_))));
-        assert!(matches!(check(&|g| g.sandbox_vms[0].max_cores = 0), Err(GrantError::Inconsistent(_))));
-        assert!(matches!(check(&|g| g.probe_targets[0].address = "198.51.100.2".into()), Err(GrantError::Inconsistent(_))));
-        assert!(matches!(check(&|g| g.probe_targets[0].kind = 0), Err(GrantError::Field(_))));
-        assert!(matches!(check(&|g| g.qga_assertions[0].timeout_seconds = 0), Err(GrantError::Inconsistent(_))));
-        assert!(matches!(check(&|g| g.repository = None), Err(GrantError::Inconsistent(_))));
+        assert!(matches!(
+            check(&|g| g.version = 2),
+            Err(GrantError::Version(2))
+        ));
+        assert!(matches!(
+            check(&|g| g.deadline_unix = g.not_before_unix),
+            Err(GrantError::Inconsistent(_))
+        ));
+        assert!(matches!(
+            check(&|g| g.deadline_unix = g.not_before_unix + 90_000),
+            Err(GrantError::Inconsistent(_))
+        ));
+        assert!(matches!(
+            check(&|g| g.snapshot = "vm/100".into()),
+            Err(GrantError::Field(_))
+        ));
+        assert!(matches!(
+            check(&|g| g.archives.push("drive-scsi0.img".into())),
+            Err(GrantError::Inconsistent(_))
+        ));
+        assert!(matches!(
+            check(&|g| g.archives.clear()),
+            Err(GrantError::Inconsistent(_))
+        ));
+        assert!(matches!(
+            check(&|g| g.sandbox_vms[0].vmid = 0),
+            Err(GrantError::Field(_))
+        ));
+        assert!(matches!(
+            check(&|g| g.sandbox_vms[0].max_cores = 0),
+            Err(GrantError::Inconsistent(_))
+        ));
+        assert!(matches!(
+            check(&|g| g.probe_targets[0].address = "198.51.100.2".into()),
+            Err(GrantError::Inconsistent(_))
+        ));
+        assert!(matches!(
+            check(&|g| g.probe_targets[0].kind = 0),
+            Err(GrantError::Field(_))
+        ));
+        assert!(matches!(
+            check(&|g| g.qga_assertions[0].timeout_seconds = 0),
+            Err(GrantError::Inconsistent(_))
+        ));
+        assert!(matches!(
+            check(&|g| g.repository = None),
+            Err(GrantError::Inconsistent(_))
+        ));
     }
 
     #[test]
@@ -455,8 +579,17 @@ pub(crate) mod tests {
         let pve1 = NodeName::validate("pve1").unwrap();
         let pve2 = NodeName::validate("pve2").unwrap();
         assert_eq!(grant.check_applicable(&pve1, 2_000), Ok(()));
-        assert!(matches!(grant.check_applicable(&pve2, 2_000), Err(GrantScopeError::OtherNode { .. })));
-        assert!(matches!(grant.check_applicable(&pve1, 999), Err(GrantScopeError::NotYetValid { .. })));
-        assert!(matches!(grant.check_applicable(&pve1, 4_600), Err(GrantScopeError::Expired { .. })));
+        assert!(matches!(
+            grant.check_applicable(&pve2, 2_000),
+            Err(GrantScopeError::OtherNode { .. })
+        ));
+        assert!(matches!(
+            grant.check_applicable(&pve1, 999),
+            Err(GrantScopeError::NotYetValid { .. })
+        ));
+        assert!(matches!(
+            grant.check_applicable(&pve1, 4_600),
+            Err(GrantScopeError::Expired { .. })
+        ));
     }
 }

@@ -19,8 +19,14 @@ pub const NODE_PREFIX: &str = "urn:certistack:node:";
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Identity {
-    Operator { name: String },
-    Run { run_id: RunId, grant_sha256: [u8; 32], node: NodeName },
+    Operator {
+        name: String,
+    },
+    Run {
+        run_id: RunId,
+        grant_sha256: [u8; 32],
+        node: NodeName,
+    },
 }
 
 impl Identity {
@@ -35,7 +41,11 @@ impl Identity {
     pub fn uris(&self) -> Vec<String> {
         match self {
             Identity::Operator { name } => vec![format!("{OPERATOR_PREFIX}{name}")],
-            Identity::Run { run_id, grant_sha256, node } => vec![
+            Identity::Run {
+                run_id,
+                grant_sha256,
+                node,
+            } => vec![
                 format!("{RUN_PREFIX}{run_id}"),
                 format!("{GRANT_PREFIX}{}", hex::encode(grant_sha256)),
                 format!("{NODE_PREFIX}{node}"),
@@ -73,7 +83,9 @@ pub struct ClientIdentity {
 pub enum IdentityError {
     #[error("the client certificate cannot be parsed: {0}")]
     Unparsable(String),
-    #[error("the client certificate carries no CertiStack identity (a urn:certistack:operator: or urn:certistack:run: URI SAN)")]
+    #[error(
+        "the client certificate carries no CertiStack identity (a urn:certistack:operator: or urn:certistack:run: URI SAN)"
+    )]
     Missing,
     #[error("the client certificate carries {0}; exactly one identity is allowed")]
     Ambiguous(String),
@@ -91,13 +103,16 @@ pub fn check_operator_name(name: &str) -> Result<(), String> {
     {
         Ok(())
     } else {
-        Err(format!("operator name {name:?} must be lower-case letters, digits, `.`, `_`, `-` (at most 64)"))
+        Err(format!(
+            "operator name {name:?} must be lower-case letters, digits, `.`, `_`, `-` (at most 64)"
+        ))
     }
 }
 
 /// Reads the identity of a client certificate (DER).
 pub fn parse_client_certificate(der: &[u8]) -> Result<ClientIdentity, IdentityError> {
-    let (_, cert) = X509Certificate::from_der(der).map_err(|e| IdentityError::Unparsable(e.to_string()))?;
+    let (_, cert) =
+        X509Certificate::from_der(der).map_err(|e| IdentityError::Unparsable(e.to_string()))?;
     let mut uris = Vec::new();
     for ext in cert.extensions() {
         if let ParsedExtension::SubjectAlternativeName(san) = ext.parsed_extension() {
@@ -117,12 +132,19 @@ pub fn parse_client_certificate(der: &[u8]) -> Result<ClientIdentity, IdentityEr
     })
 }
 
-fn single<'a>(uris: &[&'a str], prefix: &str, what: &str) -> Result<Option<&'a str>, IdentityError> {
+fn single<'a>(
+    uris: &[&'a str],
+    prefix: &str,
+    what: &str,
+) -> Result<Option<&'a str>, IdentityError> {
     let found: Vec<&str> = uris.iter().filter_map(|u| u.strip_prefix(prefix)).collect();
     match found.as_slice() {
         [] => Ok(None),
         [one] => Ok(Some(one)),
-        _ => Err(IdentityError::Ambiguous(format!("{} {what} URIs", found.len()))),
+        _ => Err(IdentityError::Ambiguous(format!(
+            "{} {what} URIs",
+            found.len()
+        ))),
     }
 }
 
@@ -132,24 +154,39 @@ fn identity_from_uris(uris: &[&str]) -> Result<Identity, IdentityError> {
     let grant = single(uris, GRANT_PREFIX, "grant")?;
     let node = single(uris, NODE_PREFIX, "node")?;
     match (operator, run) {
-        (Some(_), Some(_)) => Err(IdentityError::Ambiguous("both an operator and a run identity".into())),
+        (Some(_), Some(_)) => Err(IdentityError::Ambiguous(
+            "both an operator and a run identity".into(),
+        )),
         (None, None) => Err(IdentityError::Missing),
         (Some(name), None) => {
             if grant.is_some() || node.is_some() {
-                return Err(IdentityError::Malformed("an operator certificate must not name a grant or a node".into()));
+                return Err(IdentityError::Malformed(
+                    "an operator certificate must not name a grant or a node".into(),
+                ));
             }
             check_operator_name(name).map_err(IdentityError::Malformed)?;
-            Ok(Identity::Operator { name: name.to_owned() })
+            Ok(Identity::Operator {
+                name: name.to_owned(),
+            })
         }
         (None, Some(run)) => {
             let run_id = RunId::validate(run).map_err(IdentityError::Malformed)?;
-            let grant = grant.ok_or_else(|| IdentityError::Malformed("a run certificate must carry its grant digest".into()))?;
-            let node = node.ok_or_else(|| IdentityError::Malformed("a run certificate must name its node".into()))?;
+            let grant = grant.ok_or_else(|| {
+                IdentityError::Malformed("a run certificate must carry its grant digest".into())
+            })?;
+            let node = node.ok_or_else(|| {
+                IdentityError::Malformed("a run certificate must name its node".into())
+            })?;
             let mut grant_sha256 = [0u8; 32];
-            hex::decode_to_slice(grant, &mut grant_sha256)
-                .map_err(|_| IdentityError::Malformed(format!("grant digest {grant:?} is not 64 hex characters")))?;
+            hex::decode_to_slice(grant, &mut grant_sha256).map_err(|_| {
+                IdentityError::Malformed(format!("grant digest {grant:?} is not 64 hex characters"))
+            })?;
             let node = NodeName::validate(node).map_err(IdentityError::Malformed)?;
-            Ok(Identity::Run { run_id, grant_sha256, node })
+            Ok(Identity::Run {
+                run_id,
+                grant_sha256,
+                node,
+            })
         }
     }
 }
@@ -168,24 +205,53 @@ mod tests {
     #[test]
     fn run_identity_needs_all_three_uris() {
         let grant = grant_uri();
-        assert!(matches!(identity_from_uris(&[RUN, &grant, NODE]), Ok(Identity::Run { .. })));
-        assert!(matches!(identity_from_uris(&[RUN, NODE]), Err(IdentityError::Malformed(_))));
-        assert!(matches!(identity_from_uris(&[RUN, &grant]), Err(IdentityError::Malformed(_))));
-        assert!(matches!(identity_from_uris(&[RUN, RUN, &grant, NODE]), Err(IdentityError::Ambiguous(_))));
+        assert!(matches!(
+            identity_from_uris(&[RUN, &grant, NODE]),
+            Ok(Identity::Run { .. })
+        ));
+        assert!(matches!(
+            identity_from_uris(&[RUN, NODE]),
+            Err(IdentityError::Malformed(_))
+        ));
+        assert!(matches!(
+            identity_from_uris(&[RUN, &grant]),
+            Err(IdentityError::Malformed(_))
+        ));
+        assert!(matches!(
+            identity_from_uris(&[RUN, RUN, &grant, NODE]),
+            Err(IdentityError::Ambiguous(_))
+        ));
         let short = format!("{GRANT_PREFIX}abcd");
-        assert!(matches!(identity_from_uris(&[RUN, &short, NODE]), Err(IdentityError::Malformed(_))));
+        assert!(matches!(
+            identity_from_uris(&[RUN, &short, NODE]),
+            Err(IdentityError::Malformed(_))
+        ));
     }
 
     #[test]
     fn operator_identity_is_exclusive() {
         assert_eq!(
             identity_from_uris(&["urn:certistack:operator:alice"]),
-            Ok(Identity::Operator { name: "alice".into() })
+            Ok(Identity::Operator {
+                name: "alice".into()
+            })
         );
-        assert!(matches!(identity_from_uris(&["urn:certistack:operator:alice", RUN]), Err(IdentityError::Ambiguous(_))));
-        assert!(matches!(identity_from_uris(&["urn:certistack:operator:alice", NODE]), Err(IdentityError::Malformed(_))));
-        assert!(matches!(identity_from_uris(&["urn:certistack:operator:Al ice"]), Err(IdentityError::Malformed(_))));
-        assert_eq!(identity_from_uris(&["https://example.org"]), Err(IdentityError::Missing));
+        assert!(matches!(
+            identity_from_uris(&["urn:certistack:operator:alice", RUN]),
+            Err(IdentityError::Ambiguous(_))
+        ));
+        assert!(matches!(
+            identity_from_uris(&["urn:certistack:operator:alice", NODE]),
+            Err(IdentityError::Malformed(_))
+        ));
+        assert!(matches!(
+            identity_from_uris(&["urn:certistack:operator:Al ice"]),
+            Err(IdentityError::Malformed(_))
+        ));
+        assert_eq!(
+            identity_from_uris(&["https://example.org"]),
+            Err(IdentityError::Missing)
+        );
         assert_eq!(identity_from_uris(&[]), Err(IdentityError::Missing));
     }
 

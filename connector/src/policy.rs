@@ -92,7 +92,9 @@ impl Rpc {
             Rpc::MapBackup | Rpc::UnmapBackup => "backup-in-grant",
             Rpc::CreateOverlay | Rpc::DeleteOverlay => "overlay-in-grant",
             Rpc::CreateVm => "vm-within-grant-limits",
-            Rpc::StartVm | Rpc::StopVm | Rpc::DestroyVm | Rpc::VmStatus | Rpc::Qmp => "vmid-in-grant",
+            Rpc::StartVm | Rpc::StopVm | Rpc::DestroyVm | Rpc::VmStatus | Rpc::Qmp => {
+                "vmid-in-grant"
+            }
             Rpc::Qga => "qga-call-in-grant",
             Rpc::PrepareSandbox => "sandbox-matches-grant",
             Rpc::ReleaseSandbox => "vnet-in-grant",
@@ -146,7 +148,9 @@ impl SurfacePolicy {
             let rpc = Rpc::ALL
                 .into_iter()
                 .find(|r| r.name() == entry.name)
-                .ok_or_else(|| PolicyError::Inconsistent(format!("unknown RPC {:?}", entry.name)))?;
+                .ok_or_else(|| {
+                    PolicyError::Inconsistent(format!("unknown RPC {:?}", entry.name))
+                })?;
             if entry.rule != rpc.rule() {
                 return Err(PolicyError::Inconsistent(format!(
                     "{} states rule {:?}, the connector applies {:?}",
@@ -156,14 +160,23 @@ impl SurfacePolicy {
                 )));
             }
             if entry.why.trim().is_empty() || entry.callers.is_empty() {
-                return Err(PolicyError::Inconsistent(format!("{} needs callers and a reason", entry.name)));
+                return Err(PolicyError::Inconsistent(format!(
+                    "{} needs callers and a reason",
+                    entry.name
+                )));
             }
             if callers.insert(rpc, entry.callers.clone()).is_some() {
-                return Err(PolicyError::Inconsistent(format!("{} is listed twice", entry.name)));
+                return Err(PolicyError::Inconsistent(format!(
+                    "{} is listed twice",
+                    entry.name
+                )));
             }
         }
         if let Some(missing) = Rpc::ALL.into_iter().find(|r| !callers.contains_key(r)) {
-            return Err(PolicyError::Inconsistent(format!("{} has no entry", missing.name())));
+            return Err(PolicyError::Inconsistent(format!(
+                "{} has no entry",
+                missing.name()
+            )));
         }
         Ok(Gate { callers })
     }
@@ -171,7 +184,9 @@ impl SurfacePolicy {
 
 impl Gate {
     pub fn allows(&self, rpc: Rpc, kind: IdentityKind) -> bool {
-        self.callers.get(&rpc).is_some_and(|kinds| kinds.contains(&kind))
+        self.callers
+            .get(&rpc)
+            .is_some_and(|kinds| kinds.contains(&kind))
     }
 }
 
@@ -194,8 +209,11 @@ mod tests {
     #[test]
     fn operator_reaches_only_recovery_and_inspection() {
         let gate = SurfacePolicy::compiled().unwrap().gate().unwrap();
-        let operator: Vec<&str> =
-            Rpc::ALL.into_iter().filter(|r| gate.allows(*r, IdentityKind::Operator)).map(Rpc::name).collect();
+        let operator: Vec<&str> = Rpc::ALL
+            .into_iter()
+            .filter(|r| gate.allows(*r, IdentityKind::Operator))
+            .map(Rpc::name)
+            .collect();
         assert_eq!(operator, ["Hello", "ReadJournal", "ListRuns", "Cleanup"]);
     }
 
@@ -203,11 +221,23 @@ mod tests {
     fn drifted_policies_are_refused() {
         let mut policy = SurfacePolicy::compiled().unwrap();
         policy.rpc.pop();
-        assert!(policy.gate().unwrap_err().to_string().contains("has no entry"));
+        assert!(
+            policy
+                .gate()
+                .unwrap_err()
+                .to_string()
+                .contains("has no entry")
+        );
 
         let mut policy = SurfacePolicy::compiled().unwrap();
         policy.rpc[3].rule = "anything".into();
-        assert!(policy.gate().unwrap_err().to_string().contains("states rule"));
+        assert!(
+            policy
+                .gate()
+                .unwrap_err()
+                .to_string()
+                .contains("states rule")
+        );
 
         let mut policy = SurfacePolicy::compiled().unwrap();
         let dup = policy.rpc[0].clone();
@@ -216,6 +246,12 @@ mod tests {
 
         let mut policy = SurfacePolicy::compiled().unwrap();
         policy.rpc[0].name = "Shell".into();
-        assert!(policy.gate().unwrap_err().to_string().contains("unknown RPC"));
+        assert!(
+            policy
+                .gate()
+                .unwrap_err()
+                .to_string()
+                .contains("unknown RPC")
+        );
     }
 }

@@ -32,7 +32,9 @@ pub struct RunRecord {
 
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
-    #[error("run {0} was closed by EndRun; its certificate and grant are no longer accepted: mint a new run")]
+    #[error(
+        "run {0} was closed by EndRun; its certificate and grant are no longer accepted: mint a new run"
+    )]
     Closed(RunId),
     #[error("run {0} is already open with a different grant")]
     OtherGrant(RunId),
@@ -60,13 +62,23 @@ pub struct RunRegistry {
 
 impl RunRegistry {
     /// Loads the registry from `<state_dir>/runs`, creating it (0700) if needed.
-    pub fn open(state_dir: &Path, authority: &VerifyingKey, max_open: usize) -> Result<Self, RunError> {
+    pub fn open(
+        state_dir: &Path,
+        authority: &VerifyingKey,
+        max_open: usize,
+    ) -> Result<Self, RunError> {
         let dir = state_dir.join("runs");
         files::create_private_dir(&dir)?;
         let mut inner = Inner::default();
-        let entries = std::fs::read_dir(&dir).map_err(|error| FileError::Read { path: dir.clone(), error })?;
+        let entries = std::fs::read_dir(&dir).map_err(|error| FileError::Read {
+            path: dir.clone(),
+            error,
+        })?;
         for entry in entries {
-            let entry = entry.map_err(|error| FileError::Read { path: dir.clone(), error })?;
+            let entry = entry.map_err(|error| FileError::Read {
+                path: dir.clone(),
+                error,
+            })?;
             let name = entry.file_name();
             let Some(run_id) = name.to_str().and_then(|n| RunId::validate(n).ok()) else {
                 tracing::warn!(path = %entry.path().display(), "ignoring an entry that is not a run directory");
@@ -79,20 +91,35 @@ impl RunRegistry {
             }
             match load_grant(&run_dir, authority) {
                 Ok(grant) if grant.run_id == run_id => {
-                    let state = closed.map_or(RunState::Open, |at_unix_ms| RunState::Closed { at_unix_ms });
-                    inner.runs.insert(run_id, RunRecord { grant: Arc::new(grant), state });
+                    let state =
+                        closed.map_or(RunState::Open, |at_unix_ms| RunState::Closed { at_unix_ms });
+                    inner.runs.insert(
+                        run_id,
+                        RunRecord {
+                            grant: Arc::new(grant),
+                            state,
+                        },
+                    );
                 }
                 Ok(_) => tracing::warn!(%run_id, "stored grant names another run; ignoring it"),
-                Err(reason) => tracing::warn!(%run_id, %reason, "stored grant does not verify; the run cannot resume"),
+                Err(reason) => {
+                    tracing::warn!(%run_id, %reason, "stored grant does not verify; the run cannot resume")
+                }
             }
         }
-        Ok(Self { dir, max_open, inner: Mutex::new(inner) })
+        Ok(Self {
+            dir,
+            max_open,
+            inner: Mutex::new(inner),
+        })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         // A poisoned lock only means another request panicked; the map itself stays consistent
         // because every update is a single insert.
-        self.inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.inner
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     pub fn get(&self, run_id: &RunId) -> Option<RunRecord> {
@@ -109,7 +136,12 @@ impl RunRegistry {
 
     /// Opens a run, or resumes it when it is already open with the same grant. Returns whether
     /// it resumed.
-    pub fn begin(&self, signed: &pb::SignedRunGrant, grant: Grant, now_unix: i64) -> Result<bool, RunError> {
+    pub fn begin(
+        &self,
+        signed: &pb::SignedRunGrant,
+        grant: Grant,
+        now_unix: i64,
+    ) -> Result<bool, RunError> {
         let run_id = grant.run_id.clone();
         {
             let inner = self.lock();
@@ -117,7 +149,11 @@ impl RunRegistry {
                 return Err(RunError::Closed(run_id));
             }
             if let Some(existing) = inner.runs.get(&run_id) {
-                return if existing.grant.digest == grant.digest { Ok(true) } else { Err(RunError::OtherGrant(run_id)) };
+                return if existing.grant.digest == grant.digest {
+                    Ok(true)
+                } else {
+                    Err(RunError::OtherGrant(run_id))
+                };
             }
             let open = inner
                 .runs
@@ -125,7 +161,10 @@ impl RunRegistry {
                 .filter(|r| r.state == RunState::Open && r.grant.deadline_unix > now_unix)
                 .count();
             if open >= self.max_open {
-                return Err(RunError::TooMany { open, max: self.max_open });
+                return Err(RunError::TooMany {
+                    open,
+                    max: self.max_open,
+                });
             }
         }
         let run_dir = self.dir.join(run_id.as_str());
@@ -135,7 +174,10 @@ impl RunRegistry {
         if inner.closed.contains(&run_id) {
             return Err(RunError::Closed(run_id));
         }
-        let record = RunRecord { grant: Arc::new(grant), state: RunState::Open };
+        let record = RunRecord {
+            grant: Arc::new(grant),
+            state: RunState::Open,
+        };
         Ok(inner.runs.insert(run_id, record).is_some())
     }
 
@@ -151,7 +193,9 @@ impl RunRegistry {
         let mut inner = self.lock();
         inner.closed.insert(run_id.clone());
         if let Some(record) = inner.runs.get_mut(run_id) {
-            record.state = RunState::Closed { at_unix_ms: now_unix_ms };
+            record.state = RunState::Closed {
+                at_unix_ms: now_unix_ms,
+            };
         }
         Ok(now_unix_ms)
     }
@@ -190,16 +234,26 @@ mod tests {
 
         let registry = RunRegistry::open(&dir, &key.verifying_key(), 1).unwrap();
         assert!(!registry.begin(&signed, grant.clone(), 2_000).unwrap());
-        assert!(registry.begin(&signed, grant.clone(), 2_000).unwrap(), "same grant resumes");
+        assert!(
+            registry.begin(&signed, grant.clone(), 2_000).unwrap(),
+            "same grant resumes"
+        );
         registry.end(&run_id, 2_000_000).unwrap();
-        assert!(matches!(registry.begin(&signed, grant.clone(), 2_000), Err(RunError::Closed(_))));
+        assert!(matches!(
+            registry.begin(&signed, grant.clone(), 2_000),
+            Err(RunError::Closed(_))
+        ));
 
         let reopened = RunRegistry::open(&dir, &key.verifying_key(), 1).unwrap();
         assert!(reopened.is_closed(&run_id));
-        assert!(matches!(reopened.begin(&signed, grant.clone(), 2_000), Err(RunError::Closed(_))));
+        assert!(matches!(
+            reopened.begin(&signed, grant.clone(), 2_000),
+            Err(RunError::Closed(_))
+        ));
         assert!(matches!(reopened.end(&run_id, 1), Err(RunError::Closed(_))));
         // Even with a rotated run-authority key, the closed marker still refuses the run.
-        let rotated = RunRegistry::open(&dir, &SigningKey::from_bytes(&[9; 32]).verifying_key(), 1).unwrap();
+        let rotated =
+            RunRegistry::open(&dir, &SigningKey::from_bytes(&[9; 32]).verifying_key(), 1).unwrap();
         assert!(rotated.is_closed(&run_id));
         std::fs::remove_dir_all(&dir).unwrap();
     }
@@ -211,12 +265,21 @@ mod tests {
         let key = SigningKey::from_bytes(&[1; 32]);
         let registry = RunRegistry::open(&dir, &key.verifying_key(), 1).unwrap();
         let first = sign(&key, &full_wire_grant());
-        registry.begin(&first, crate::grant::verify(&first, &key.verifying_key()).unwrap(), 2_000).unwrap();
+        registry
+            .begin(
+                &first,
+                crate::grant::verify(&first, &key.verifying_key()).unwrap(),
+                2_000,
+            )
+            .unwrap();
         let mut wire = full_wire_grant();
         wire.run_id = "11111111-2222-4333-8444-555555555555".into();
         let second = sign(&key, &wire);
         let grant = crate::grant::verify(&second, &key.verifying_key()).unwrap();
-        assert!(matches!(registry.begin(&second, grant.clone(), 2_000), Err(RunError::TooMany { open: 1, max: 1 })));
+        assert!(matches!(
+            registry.begin(&second, grant.clone(), 2_000),
+            Err(RunError::TooMany { open: 1, max: 1 })
+        ));
         // Once the first run's deadline passed it no longer counts.
         assert!(registry.begin(&second, grant, 5_000).is_ok());
         std::fs::remove_dir_all(&dir).unwrap();

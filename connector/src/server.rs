@@ -31,10 +31,19 @@ pub enum ServeError {
     NodeName(String),
     #[error("{path}: not an Ed25519 public key in PEM (SPKI): {reason}")]
     AuthorityKey { path: String, reason: String },
-    #[error("the node certificate {path} does not name this node {node:?} (it names {names:?}); re-enroll the node")]
-    CertificateName { path: String, node: String, names: Vec<String> },
+    #[error(
+        "the node certificate {path} does not name this node {node:?} (it names {names:?}); re-enroll the node"
+    )]
+    CertificateName {
+        path: String,
+        node: String,
+        names: Vec<String>,
+    },
     #[error("cannot listen on {address}: {source}")]
-    Listen { address: String, source: std::io::Error },
+    Listen {
+        address: String,
+        source: std::io::Error,
+    },
     #[error("the gRPC server stopped: {0}")]
     Transport(#[from] tonic::transport::Error),
 }
@@ -49,13 +58,17 @@ pub struct Connector {
 
 pub fn load_authority_key(path: &std::path::Path) -> Result<VerifyingKey, ServeError> {
     let pem = files::read_trusted(path)?;
-    VerifyingKey::from_public_key_pem(&pem)
-        .map_err(|e| ServeError::AuthorityKey { path: path.display().to_string(), reason: e.to_string() })
+    VerifyingKey::from_public_key_pem(&pem).map_err(|e| ServeError::AuthorityKey {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    })
 }
 
 /// The DNS SANs of a certificate.
 pub fn dns_names(der: &[u8]) -> Vec<String> {
-    let Ok((_, cert)) = X509Certificate::from_der(der) else { return Vec::new() };
+    let Ok((_, cert)) = X509Certificate::from_der(der) else {
+        return Vec::new();
+    };
     let mut names = Vec::new();
     for ext in cert.extensions() {
         if let ParsedExtension::SubjectAlternativeName(san) = ext.parsed_extension() {
@@ -70,11 +83,21 @@ pub fn dns_names(der: &[u8]) -> Vec<String> {
 }
 
 impl Connector {
-    pub fn new(config: Config, executor: Arc<dyn Executor>, clock: Arc<dyn Clock>) -> Result<Self, ServeError> {
+    pub fn new(
+        config: Config,
+        executor: Arc<dyn Executor>,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Self, ServeError> {
         let node: NodeName = config.node().map_err(ServeError::NodeName)?;
         let cert_path = &config.tls.certificate;
-        let chain = tls::parse_certificates(&files::read_trusted(cert_path)?, &cert_path.display().to_string())?;
-        let names = chain.first().map(|leaf| dns_names(leaf)).unwrap_or_default();
+        let chain = tls::parse_certificates(
+            &files::read_trusted(cert_path)?,
+            &cert_path.display().to_string(),
+        )?;
+        let names = chain
+            .first()
+            .map(|leaf| dns_names(leaf))
+            .unwrap_or_default();
         if !names.iter().any(|n| n == node.as_str()) {
             return Err(ServeError::CertificateName {
                 path: cert_path.display().to_string(),
@@ -83,31 +106,57 @@ impl Connector {
             });
         }
         let key_path = &config.tls.private_key;
-        let key = tls::parse_private_key(&files::read_private(key_path)?, &key_path.display().to_string())?;
+        let key = tls::parse_private_key(
+            &files::read_private(key_path)?,
+            &key_path.display().to_string(),
+        )?;
         let ca_path = &config.tls.controller_ca;
-        let ca = tls::parse_certificates(&files::read_trusted(ca_path)?, &ca_path.display().to_string())?;
+        let ca = tls::parse_certificates(
+            &files::read_trusted(ca_path)?,
+            &ca_path.display().to_string(),
+        )?;
         let tls = tls::server_config(chain, key, tls::ca_roots(&ca)?)?;
         let authority = load_authority_key(&config.tls.run_authority_public_key)?;
         let gate = SurfacePolicy::compiled()?.gate()?;
         files::create_private_dir(&config.paths.state_dir)?;
-        let runs = Arc::new(RunRegistry::open(&config.paths.state_dir, &authority, config.limits.max_concurrent_runs)?);
+        let runs = Arc::new(RunRegistry::open(
+            &config.paths.state_dir,
+            &authority,
+            config.limits.max_concurrent_runs,
+        )?);
         let service = ConnectorService::new(node, gate, authority, runs, executor, clock);
-        Ok(Self { config, tls, service })
+        Ok(Self {
+            config,
+            tls,
+            service,
+        })
     }
 
     /// Binds the configured address.
     pub async fn bind(&self) -> Result<TcpListener, ServeError> {
         TcpListener::bind(self.config.listen)
             .await
-            .map_err(|source| ServeError::Listen { address: self.config.listen.to_string(), source })
+            .map_err(|source| ServeError::Listen {
+                address: self.config.listen.to_string(),
+                source,
+            })
     }
 
     /// Serves on `listener` until `shutdown` completes, then drains in-flight calls.
-    pub async fn serve(self, listener: TcpListener, shutdown: impl Future<Output = ()>) -> Result<(), ServeError> {
-        let address = listener.local_addr().map(|a| a.to_string()).unwrap_or_default();
+    pub async fn serve(
+        self,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(), ServeError> {
+        let address = listener
+            .local_addr()
+            .map(|a| a.to_string())
+            .unwrap_or_default();
         tracing::info!(%address, node = %self.config.node_name, digest = certistack_proto::SURFACE_DIGEST, "serving");
         let limit = self.config.limits.max_request_bytes;
-        let service = ConnectorServer::new(self.service).max_decoding_message_size(limit).max_encoding_message_size(4 * 1024 * 1024);
+        let service = ConnectorServer::new(self.service)
+            .max_decoding_message_size(limit)
+            .max_encoding_message_size(4 * 1024 * 1024);
         tonic::transport::Server::builder()
             .concurrency_limit_per_connection(32)
             .http2_keepalive_interval(Some(Duration::from_secs(30)))

@@ -39,7 +39,9 @@ pub struct SystemClock;
 
 impl Clock for SystemClock {
     fn now_unix_ms(&self) -> i64 {
-        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
         i64::try_from(now.as_millis()).unwrap_or(i64::MAX)
     }
 }
@@ -55,7 +57,9 @@ pub struct ConnectorService {
 
 impl std::fmt::Debug for ConnectorService {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ConnectorService").field("node", &self.node).finish_non_exhaustive()
+        f.debug_struct("ConnectorService")
+            .field("node", &self.node)
+            .finish_non_exhaustive()
     }
 }
 
@@ -91,7 +95,14 @@ impl ConnectorService {
         executor: Arc<dyn Executor>,
         clock: Arc<dyn Clock>,
     ) -> Self {
-        Self { node, gate, authority, runs, executor, clock }
+        Self {
+            node,
+            gate,
+            authority,
+            runs,
+            executor,
+            clock,
+        }
     }
 
     fn refuse(&self, rpc: Rpc, peer: &str, run_id: &str, status: Status) -> Status {
@@ -102,12 +113,24 @@ impl ConnectorService {
     /// Step 1: who is calling, and may that kind of identity call `rpc` here and now.
     fn authenticate<T>(&self, request: &Request<T>, rpc: Rpc) -> Result<Peer, Status> {
         let Some(info) = request.extensions().get::<PeerInfo>() else {
-            return Err(self.refuse(rpc, "unknown", "", Status::unauthenticated("the connection carries no TLS identity")));
+            return Err(self.refuse(
+                rpc,
+                "unknown",
+                "",
+                Status::unauthenticated("the connection carries no TLS identity"),
+            ));
         };
         let remote = info.remote.to_string();
         let client = match &info.identity {
             Ok(client) => client.clone(),
-            Err(reason) => return Err(self.refuse(rpc, &remote, "", Status::unauthenticated(reason.to_string()))),
+            Err(reason) => {
+                return Err(self.refuse(
+                    rpc,
+                    &remote,
+                    "",
+                    Status::unauthenticated(reason.to_string()),
+                ));
+            }
         };
         let peer = Peer { client, remote };
         let run_id = run_id_of(&peer.client.identity);
@@ -126,7 +149,10 @@ impl ConnectorService {
                 rpc.name()
             ))));
         }
-        if let Identity::Run { run_id: id, node, .. } = &peer.client.identity {
+        if let Identity::Run {
+            run_id: id, node, ..
+        } = &peer.client.identity
+        {
             if node != &self.node {
                 return Err(refuse(Status::permission_denied(format!(
                     "the run certificate is bound to node {node}, this is node {}",
@@ -134,7 +160,9 @@ impl ConnectorService {
                 ))));
             }
             if self.runs.is_closed(id) {
-                return Err(refuse(Status::permission_denied(RunError::Closed(id.clone()).to_string())));
+                return Err(refuse(Status::permission_denied(
+                    RunError::Closed(id.clone()).to_string(),
+                )));
             }
         }
         Ok(peer)
@@ -153,10 +181,20 @@ impl ConnectorService {
         let action = parse(request.into_inner()).map_err(|e| refuse(invalid(e)))?;
         let caller = match &peer.client.identity {
             Identity::Operator { name } => Caller::Operator(name.clone()),
-            Identity::Run { run_id: id, grant_sha256, .. } => {
-                let record = self.runs.get(id).ok_or_else(|| refuse(Status::failed_precondition(RunError::NotBegun(id.clone()).to_string())))?;
+            Identity::Run {
+                run_id: id,
+                grant_sha256,
+                ..
+            } => {
+                let record = self.runs.get(id).ok_or_else(|| {
+                    refuse(Status::failed_precondition(
+                        RunError::NotBegun(id.clone()).to_string(),
+                    ))
+                })?;
                 if record.state != RunState::Open {
-                    return Err(refuse(Status::permission_denied(RunError::Closed(id.clone()).to_string())));
+                    return Err(refuse(Status::permission_denied(
+                        RunError::Closed(id.clone()).to_string(),
+                    )));
                 }
                 if &record.grant.digest != grant_sha256 {
                     return Err(refuse(Status::permission_denied(
@@ -164,29 +202,36 @@ impl ConnectorService {
                     )));
                 }
                 let now = self.clock.now_unix();
-                let recovery = matches!(action, Action::ReadJournal { .. } | Action::Cleanup { .. });
-                if now >= record.grant.deadline_unix && !recovery {
+                if now >= record.grant.deadline_unix {
                     return Err(refuse(Status::permission_denied(format!(
-                        "run {id} passed its grant deadline {} (node time {now}); only cleanup remains",
+                        "run {id} passed its grant deadline {} (node time {now}); an operator Cleanup reclaims what it left",
                         record.grant.deadline_unix
                     ))));
                 }
-                authorize(&record.grant, &action).map_err(|denial| refuse(Status::permission_denied(denial.to_string())))?;
+                authorize(&record.grant, &action)
+                    .map_err(|denial| refuse(Status::permission_denied(denial.to_string())))?;
                 Caller::Run(record.grant)
             }
         };
         let started = std::time::Instant::now();
         let result = self.executor.execute(&caller, action).await;
         match &result {
-            Ok(_) => tracing::info!(rpc = rpc.name(), peer = %peer.label(), run_id, elapsed_ms = started.elapsed().as_millis() as u64, "done"),
-            Err(error) => tracing::warn!(rpc = rpc.name(), peer = %peer.label(), run_id, %error, "failed"),
+            Ok(_) => {
+                tracing::info!(rpc = rpc.name(), peer = %peer.label(), run_id, elapsed_ms = started.elapsed().as_millis() as u64, "done")
+            }
+            Err(error) => {
+                tracing::warn!(rpc = rpc.name(), peer = %peer.label(), run_id, %error, "failed")
+            }
         }
         result.map_err(Status::from)
     }
 }
 
 fn unexpected(rpc: Rpc) -> Status {
-    Status::internal(format!("the executor answered {} with the wrong reply type", rpc.name()))
+    Status::internal(format!(
+        "the executor answered {} with the wrong reply type",
+        rpc.name()
+    ))
 }
 
 macro_rules! operation {
@@ -198,11 +243,15 @@ macro_rules! operation {
     }};
 }
 
-type JournalStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::JournalRecord, Status>> + Send>>;
+type JournalStream =
+    Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::JournalRecord, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl Connector for ConnectorService {
-    async fn hello(&self, request: Request<pb::HelloRequest>) -> Result<Response<pb::HelloReply>, Status> {
+    async fn hello(
+        &self,
+        request: Request<pb::HelloRequest>,
+    ) -> Result<Response<pb::HelloReply>, Status> {
         let peer = self.authenticate(&request, Rpc::Hello)?;
         let mut capabilities = vec!["run.lifecycle"];
         capabilities.extend(self.executor.capabilities());
@@ -217,11 +266,21 @@ impl Connector for ConnectorService {
         }))
     }
 
-    async fn begin_run(&self, request: Request<pb::BeginRunRequest>) -> Result<Response<pb::BeginRunReply>, Status> {
+    async fn begin_run(
+        &self,
+        request: Request<pb::BeginRunRequest>,
+    ) -> Result<Response<pb::BeginRunReply>, Status> {
         let rpc = Rpc::BeginRun;
         let peer = self.authenticate(&request, rpc)?;
-        let Identity::Run { run_id, grant_sha256, .. } = &peer.client.identity else {
-            return Err(Status::internal("the policy admitted a non-run identity to BeginRun"));
+        let Identity::Run {
+            run_id,
+            grant_sha256,
+            ..
+        } = &peer.client.identity
+        else {
+            return Err(Status::internal(
+                "the policy admitted a non-run identity to BeginRun",
+            ));
         };
         let refuse = |status: Status| self.refuse(rpc, &peer.label(), run_id.as_str(), status);
         let signed = request
@@ -248,7 +307,9 @@ impl Connector for ConnectorService {
             ))));
         }
         let now = self.clock.now_unix();
-        grant.check_applicable(&self.node, now).map_err(|e| refuse(Status::permission_denied(e.to_string())))?;
+        grant
+            .check_applicable(&self.node, now)
+            .map_err(|e| refuse(Status::permission_denied(e.to_string())))?;
         if peer.client.not_after_unix > grant.deadline_unix {
             return Err(refuse(Status::permission_denied(format!(
                 "the run certificate is valid until {}, after the grant's deadline {}; a run certificate must not outlive its grant",
@@ -264,95 +325,197 @@ impl Connector for ConnectorService {
             })
         })?;
         tracing::info!(rpc = rpc.name(), peer = %peer.label(), run_id = %run_id, resumed, "run open");
-        Ok(Response::new(pb::BeginRunReply { run_id: run_id.to_string(), deadline_unix, resumed }))
+        Ok(Response::new(pb::BeginRunReply {
+            run_id: run_id.to_string(),
+            deadline_unix,
+            resumed,
+        }))
     }
 
-    async fn end_run(&self, request: Request<pb::EndRunRequest>) -> Result<Response<pb::EndRunReply>, Status> {
+    async fn end_run(
+        &self,
+        request: Request<pb::EndRunRequest>,
+    ) -> Result<Response<pb::EndRunReply>, Status> {
         let rpc = Rpc::EndRun;
         let peer = self.authenticate(&request, rpc)?;
         let Identity::Run { run_id, .. } = &peer.client.identity else {
-            return Err(Status::internal("the policy admitted a non-run identity to EndRun"));
+            return Err(Status::internal(
+                "the policy admitted a non-run identity to EndRun",
+            ));
         };
-        let closed_unix_ms = self.runs.end(run_id, self.clock.now_unix_ms()).map_err(|error| {
-            self.refuse(rpc, &peer.label(), run_id.as_str(), match error {
-                RunError::NotBegun(_) => Status::failed_precondition(error.to_string()),
-                RunError::Store(_) => Status::internal(error.to_string()),
-                _ => Status::permission_denied(error.to_string()),
-            })
-        })?;
+        let closed_unix_ms = self
+            .runs
+            .end(run_id, self.clock.now_unix_ms())
+            .map_err(|error| {
+                self.refuse(
+                    rpc,
+                    &peer.label(),
+                    run_id.as_str(),
+                    match error {
+                        RunError::NotBegun(_) => Status::failed_precondition(error.to_string()),
+                        RunError::Store(_) => Status::internal(error.to_string()),
+                        _ => Status::permission_denied(error.to_string()),
+                    },
+                )
+            })?;
         tracing::info!(rpc = rpc.name(), peer = %peer.label(), run_id = %run_id, "run closed");
-        Ok(Response::new(pb::EndRunReply { run_id: run_id.to_string(), closed_unix_ms }))
+        Ok(Response::new(pb::EndRunReply {
+            run_id: run_id.to_string(),
+            closed_unix_ms,
+        }))
     }
 
-    async fn map_backup(&self, request: Request<pb::MapBackupRequest>) -> Result<Response<pb::MapBackupReply>, Status> {
+    async fn map_backup(
+        &self,
+        request: Request<pb::MapBackupRequest>,
+    ) -> Result<Response<pb::MapBackupReply>, Status> {
         operation!(self, request, Rpc::MapBackup, parse::map_backup, MapBackup)
     }
 
-    async fn unmap_backup(&self, request: Request<pb::UnmapBackupRequest>) -> Result<Response<pb::UnmapBackupReply>, Status> {
-        operation!(self, request, Rpc::UnmapBackup, parse::unmap_backup, UnmapBackup)
+    async fn unmap_backup(
+        &self,
+        request: Request<pb::UnmapBackupRequest>,
+    ) -> Result<Response<pb::UnmapBackupReply>, Status> {
+        operation!(
+            self,
+            request,
+            Rpc::UnmapBackup,
+            parse::unmap_backup,
+            UnmapBackup
+        )
     }
 
-    async fn create_overlay(&self, request: Request<pb::CreateOverlayRequest>) -> Result<Response<pb::CreateOverlayReply>, Status> {
-        operation!(self, request, Rpc::CreateOverlay, parse::create_overlay, CreateOverlay)
+    async fn create_overlay(
+        &self,
+        request: Request<pb::CreateOverlayRequest>,
+    ) -> Result<Response<pb::CreateOverlayReply>, Status> {
+        operation!(
+            self,
+            request,
+            Rpc::CreateOverlay,
+            parse::create_overlay,
+            CreateOverlay
+        )
     }
 
-    async fn delete_overlay(&self, request: Request<pb::DeleteOverlayRequest>) -> Result<Response<pb::DeleteOverlayReply>, Status> {
-        operation!(self, request, Rpc::DeleteOverlay, parse::delete_overlay, DeleteOverlay)
+    async fn delete_overlay(
+        &self,
+        request: Request<pb::DeleteOverlayRequest>,
+    ) -> Result<Response<pb::DeleteOverlayReply>, Status> {
+        operation!(
+            self,
+            request,
+            Rpc::DeleteOverlay,
+            parse::delete_overlay,
+            DeleteOverlay
+        )
     }
 
-    async fn create_vm(&self, request: Request<pb::CreateVmRequest>) -> Result<Response<pb::CreateVmReply>, Status> {
+    async fn create_vm(
+        &self,
+        request: Request<pb::CreateVmRequest>,
+    ) -> Result<Response<pb::CreateVmReply>, Status> {
         operation!(self, request, Rpc::CreateVm, parse::create_vm, CreateVm)
     }
 
-    async fn start_vm(&self, request: Request<pb::VmRequest>) -> Result<Response<pb::VmReply>, Status> {
+    async fn start_vm(
+        &self,
+        request: Request<pb::VmRequest>,
+    ) -> Result<Response<pb::VmReply>, Status> {
         operation!(self, request, Rpc::StartVm, parse::start_vm, Vm)
     }
 
-    async fn stop_vm(&self, request: Request<pb::StopVmRequest>) -> Result<Response<pb::VmReply>, Status> {
+    async fn stop_vm(
+        &self,
+        request: Request<pb::StopVmRequest>,
+    ) -> Result<Response<pb::VmReply>, Status> {
         operation!(self, request, Rpc::StopVm, parse::stop_vm, Vm)
     }
 
-    async fn destroy_vm(&self, request: Request<pb::VmRequest>) -> Result<Response<pb::VmReply>, Status> {
+    async fn destroy_vm(
+        &self,
+        request: Request<pb::VmRequest>,
+    ) -> Result<Response<pb::VmReply>, Status> {
         operation!(self, request, Rpc::DestroyVm, parse::destroy_vm, Vm)
     }
 
-    async fn vm_status(&self, request: Request<pb::VmRequest>) -> Result<Response<pb::VmReply>, Status> {
+    async fn vm_status(
+        &self,
+        request: Request<pb::VmRequest>,
+    ) -> Result<Response<pb::VmReply>, Status> {
         operation!(self, request, Rpc::VmStatus, parse::vm_status, Vm)
     }
 
-    async fn qmp(&self, request: Request<pb::QmpRequest>) -> Result<Response<pb::QmpReply>, Status> {
+    async fn qmp(
+        &self,
+        request: Request<pb::QmpRequest>,
+    ) -> Result<Response<pb::QmpReply>, Status> {
         operation!(self, request, Rpc::Qmp, parse::qmp, Qmp)
     }
 
-    async fn qga(&self, request: Request<pb::QgaRequest>) -> Result<Response<pb::QgaReply>, Status> {
+    async fn qga(
+        &self,
+        request: Request<pb::QgaRequest>,
+    ) -> Result<Response<pb::QgaReply>, Status> {
         operation!(self, request, Rpc::Qga, parse::qga, Qga)
     }
 
-    async fn prepare_sandbox(&self, request: Request<pb::PrepareSandboxRequest>) -> Result<Response<pb::PrepareSandboxReply>, Status> {
-        operation!(self, request, Rpc::PrepareSandbox, parse::prepare_sandbox, PrepareSandbox)
+    async fn prepare_sandbox(
+        &self,
+        request: Request<pb::PrepareSandboxRequest>,
+    ) -> Result<Response<pb::PrepareSandboxReply>, Status> {
+        operation!(
+            self,
+            request,
+            Rpc::PrepareSandbox,
+            parse::prepare_sandbox,
+            PrepareSandbox
+        )
     }
 
-    async fn release_sandbox(&self, request: Request<pb::ReleaseSandboxRequest>) -> Result<Response<pb::ReleaseSandboxReply>, Status> {
-        operation!(self, request, Rpc::ReleaseSandbox, parse::release_sandbox, ReleaseSandbox)
+    async fn release_sandbox(
+        &self,
+        request: Request<pb::ReleaseSandboxRequest>,
+    ) -> Result<Response<pb::ReleaseSandboxReply>, Status> {
+        operation!(
+            self,
+            request,
+            Rpc::ReleaseSandbox,
+            parse::release_sandbox,
+            ReleaseSandbox
+        )
     }
 
-    async fn probe(&self, request: Request<pb::ProbeRequest>) -> Result<Response<pb::ProbeReply>, Status> {
+    async fn probe(
+        &self,
+        request: Request<pb::ProbeRequest>,
+    ) -> Result<Response<pb::ProbeReply>, Status> {
         operation!(self, request, Rpc::Probe, parse::probe, Probe)
     }
 
     type ReadJournalStream = JournalStream;
 
-    async fn read_journal(&self, request: Request<pb::ReadJournalRequest>) -> Result<Response<Self::ReadJournalStream>, Status> {
-        match self.operate(request, Rpc::ReadJournal, parse::read_journal).await? {
+    async fn read_journal(
+        &self,
+        request: Request<pb::ReadJournalRequest>,
+    ) -> Result<Response<Self::ReadJournalStream>, Status> {
+        match self
+            .operate(request, Rpc::ReadJournal, parse::read_journal)
+            .await?
+        {
             Outcome::Journal(records) => {
-                let stream: JournalStream = Box::pin(tokio_stream::iter(records.into_iter().map(Ok)));
+                let stream: JournalStream =
+                    Box::pin(tokio_stream::iter(records.into_iter().map(Ok)));
                 Ok(Response::new(stream))
             }
             _ => Err(unexpected(Rpc::ReadJournal)),
         }
     }
 
-    async fn list_runs(&self, request: Request<pb::ListRunsRequest>) -> Result<Response<pb::ListRunsReply>, Status> {
+    async fn list_runs(
+        &self,
+        request: Request<pb::ListRunsRequest>,
+    ) -> Result<Response<pb::ListRunsReply>, Status> {
         let peer = self.authenticate(&request, Rpc::ListRuns)?;
         let now = self.clock.now_unix();
         let runs = self
@@ -374,7 +537,10 @@ impl Connector for ConnectorService {
         Ok(Response::new(pb::ListRunsReply { runs }))
     }
 
-    async fn cleanup(&self, request: Request<pb::CleanupRequest>) -> Result<Response<pb::CleanupReply>, Status> {
+    async fn cleanup(
+        &self,
+        request: Request<pb::CleanupRequest>,
+    ) -> Result<Response<pb::CleanupReply>, Status> {
         operation!(self, request, Rpc::Cleanup, parse::cleanup, Cleanup)
     }
 }

@@ -57,16 +57,24 @@ pub fn provider() -> Arc<CryptoProvider> {
 pub fn parse_certificates(pem: &str, what: &str) -> Result<Vec<CertificateDer<'static>>, TlsError> {
     let certs = CertificateDer::pem_slice_iter(pem.as_bytes())
         .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| TlsError::Pem { what: what.to_owned(), reason: e.to_string() })?;
+        .map_err(|e| TlsError::Pem {
+            what: what.to_owned(),
+            reason: e.to_string(),
+        })?;
     if certs.is_empty() {
-        return Err(TlsError::NoCertificate { what: what.to_owned() });
+        return Err(TlsError::NoCertificate {
+            what: what.to_owned(),
+        });
     }
     Ok(certs)
 }
 
 /// Parses one PKCS#8 / SEC1 private key from PEM.
 pub fn parse_private_key(pem: &str, what: &str) -> Result<PrivateKeyDer<'static>, TlsError> {
-    PrivateKeyDer::from_pem_slice(pem.as_bytes()).map_err(|e| TlsError::Pem { what: what.to_owned(), reason: e.to_string() })
+    PrivateKeyDer::from_pem_slice(pem.as_bytes()).map_err(|e| TlsError::Pem {
+        what: what.to_owned(),
+        reason: e.to_string(),
+    })
 }
 
 /// A root store holding exactly the controller CA.
@@ -132,13 +140,21 @@ impl tonic::transport::server::Connected for PeerStream {
 }
 
 impl AsyncRead for PeerStream {
-    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
         Pin::new(&mut self.get_mut().stream).poll_read(cx, buf)
     }
 }
 
 impl AsyncWrite for PeerStream {
-    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
         Pin::new(&mut self.get_mut().stream).poll_write(cx, buf)
     }
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
@@ -171,7 +187,9 @@ pub fn incoming(
     let permits = Arc::new(tokio::sync::Semaphore::new(MAX_PENDING_HANDSHAKES));
     tokio::spawn(async move {
         loop {
-            let Ok(permit) = permits.clone().acquire_owned().await else { return };
+            let Ok(permit) = permits.clone().acquire_owned().await else {
+                return;
+            };
             let (tcp, remote) = match listener.accept().await {
                 Ok(conn) => conn,
                 Err(error) => {
@@ -197,7 +215,12 @@ pub fn incoming(
                         if let Err(reason) = &identity {
                             tracing::warn!(%remote, %reason, "client certificate carries no usable identity");
                         }
-                        let _ = tx.send(Ok(PeerStream { stream, info: PeerInfo { remote, identity } })).await;
+                        let _ = tx
+                            .send(Ok(PeerStream {
+                                stream,
+                                info: PeerInfo { remote, identity },
+                            }))
+                            .await;
                     }
                     Ok(Err(error)) => tracing::warn!(%remote, %error, "TLS handshake refused"),
                     Err(_) => tracing::warn!(%remote, "TLS handshake timed out"),
@@ -214,8 +237,8 @@ pub async fn connect(
     node_name: &str,
     config: Arc<ClientConfig>,
 ) -> Result<tonic::transport::Channel, ConnectError> {
-    let server_name =
-        ServerName::try_from(node_name.to_owned()).map_err(|_| ConnectError::Name(node_name.to_owned()))?;
+    let server_name = ServerName::try_from(node_name.to_owned())
+        .map_err(|_| ConnectError::Name(node_name.to_owned()))?;
     let connector = tokio_rustls::TlsConnector::from(config);
     let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{address}"))
         .map_err(|e| ConnectError::Address(address.clone(), e.to_string()))?
@@ -243,9 +266,12 @@ pub async fn connect(
 fn classify(address: String, error: &(dyn std::error::Error + 'static)) -> ConnectError {
     let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
     while let Some(cause) = source {
-        let rustls_error = cause
-            .downcast_ref::<rustls::Error>()
-            .or_else(|| cause.downcast_ref::<std::io::Error>().and_then(|io| io.get_ref()).and_then(|e| e.downcast_ref::<rustls::Error>()));
+        let rustls_error = cause.downcast_ref::<rustls::Error>().or_else(|| {
+            cause
+                .downcast_ref::<std::io::Error>()
+                .and_then(|io| io.get_ref())
+                .and_then(|e| e.downcast_ref::<rustls::Error>())
+        });
         if let Some(rustls::Error::InvalidCertificate(certificate_error)) = rustls_error {
             use rustls::CertificateError as E;
             return match certificate_error {
@@ -253,7 +279,10 @@ fn classify(address: String, error: &(dyn std::error::Error + 'static)) -> Conne
                     ConnectError::WrongNode(address, certificate_error.to_string())
                 }
                 E::UnknownIssuer | E::BadSignature => ConnectError::UnknownIssuer(address),
-                _ => ConnectError::Transport(address, rustls_error.map(|e| e.to_string()).unwrap_or_default()),
+                _ => ConnectError::Transport(
+                    address,
+                    rustls_error.map(|e| e.to_string()).unwrap_or_default(),
+                ),
             };
         }
         source = cause.source();
@@ -282,6 +311,8 @@ pub enum ConnectError {
     Transport(String, String),
     #[error("the connector at {0} is not the node asked for: {1}; check --node and --name")]
     WrongNode(String, String),
-    #[error("the connector at {0} presents a certificate not issued by this controller's CA; enroll the node with this CA")]
+    #[error(
+        "the connector at {0} presents a certificate not issued by this controller's CA; enroll the node with this CA"
+    )]
     UnknownIssuer(String),
 }

@@ -227,7 +227,8 @@ fn check_backup_time(time: &str) -> Result<(), String> {
     let num = |r: std::ops::Range<usize>| -> Result<u32, String> {
         time.get(r).and_then(|s| s.parse().ok()).ok_or_else(bad)
     };
-    let month = time::Month::try_from(u8::try_from(num(5..7)?).map_err(|_| bad())?).map_err(|_| bad())?;
+    let month =
+        time::Month::try_from(u8::try_from(num(5..7)?).map_err(|_| bad())?).map_err(|_| bad())?;
     let year = i32::try_from(num(0..4)?).map_err(|_| bad())?;
     let day = u8::try_from(num(8..10)?).map_err(|_| bad())?;
     time::Date::from_calendar_date(year, month, day).map_err(|_| bad())?;
@@ -280,7 +281,8 @@ fn check_dns_name(v: &str) -> Result<(), String> {
         let b = label.as_bytes();
         let ok = !b.is_empty()
             && b.len() <= 63
-            && b.iter().all(|c| c.is_ascii_alphanumeric() || *c == b'-' || *c == b'_')
+            && b.iter()
+                .all(|c| c.is_ascii_alphanumeric() || *c == b'-' || *c == b'_')
             && b.first() != Some(&b'-')
             && b.last() != Some(&b'-');
         if !ok {
@@ -324,7 +326,9 @@ pub struct UnicastIp(pub IpAddr);
 impl Validated for UnicastIp {
     const VALIDATOR: &'static str = "ip_address";
     fn validate(v: &str) -> Result<Self, String> {
-        let ip: IpAddr = v.parse().map_err(|_| format!("{v:?} is not an IP address"))?;
+        let ip: IpAddr = v
+            .parse()
+            .map_err(|_| format!("{v:?} is not an IP address"))?;
         if ip.is_unspecified() || ip.is_multicast() || ip.is_loopback() {
             return Err(format!("{ip} is not a unicast, non-loopback address"));
         }
@@ -363,7 +367,10 @@ impl Validated for IpInterface {
             .ok()
             .filter(|p| (1..=max).contains(p))
             .ok_or_else(|| format!("prefix length {prefix:?} must be 1..={max}"))?;
-        Ok(Self { address, prefix_len })
+        Ok(Self {
+            address,
+            prefix_len,
+        })
     }
 }
 
@@ -392,7 +399,9 @@ fn check_namespace(v: &str) -> Result<(), String> {
     if components.len() > 7 {
         return Err(format!("namespace {v:?} is deeper than 7 levels"));
     }
-    components.iter().try_for_each(|c| safe_id(c, "namespace component", 32))
+    components
+        .iter()
+        .try_for_each(|c| safe_id(c, "namespace component", 32))
 }
 
 string_newtype!(
@@ -608,8 +617,21 @@ mod tests {
     #[test]
     fn archive_grammar() {
         assert!(ok::<ArchiveName>("drive-scsi0.img"));
-        assert_eq!(ArchiveName::validate("drive-virtio1.img").map(|a| a.stem().to_owned()), Ok("drive-virtio1".into()));
-        for bad in ["", ".img", "drive-scsi0", "drive-scsi0.pxar", "../drive.img", "a/b.img", ".hidden.img", "x y.img", "drive\n.img"] {
+        assert_eq!(
+            ArchiveName::validate("drive-virtio1.img").map(|a| a.stem().to_owned()),
+            Ok("drive-virtio1".into())
+        );
+        for bad in [
+            "",
+            ".img",
+            "drive-scsi0",
+            "drive-scsi0.pxar",
+            "../drive.img",
+            "a/b.img",
+            ".hidden.img",
+            "x y.img",
+            "drive\n.img",
+        ] {
             assert!(!ok::<ArchiveName>(bad), "{bad:?} accepted");
         }
         assert!(!ok::<ArchiveName>(&format!("{}.img", "a".repeat(130))));
@@ -632,7 +654,13 @@ mod tests {
     #[test]
     fn run_id_must_be_canonical_uuid() {
         assert!(ok::<RunId>("0f0e1c2d-3b4a-4c5d-8e6f-7a8b9c0d1e2f"));
-        for bad in ["", "0F0E1C2D-3B4A-4C5D-8E6F-7A8B9C0D1E2F", "0f0e1c2d3b4a4c5d8e6f7a8b9c0d1e2f", "00000000-0000-0000-0000-000000000000", "../x"] {
+        for bad in [
+            "",
+            "0F0E1C2D-3B4A-4C5D-8E6F-7A8B9C0D1E2F",
+            "0f0e1c2d3b4a4c5d8e6f7a8b9c0d1e2f",
+            "00000000-0000-0000-0000-000000000000",
+            "../x",
+        ] {
             assert!(!ok::<RunId>(bad), "{bad:?} accepted");
         }
     }
@@ -641,12 +669,27 @@ mod tests {
     fn addresses() {
         assert!(ok::<UnicastIp>("198.51.100.7"));
         assert!(ok::<UnicastIp>("2001:db8::7"));
-        for bad in ["", "0.0.0.0", "127.0.0.1", "224.0.0.1", "255.255.255.255", "::1", "198.51.100.7:80", "host"] {
+        for bad in [
+            "",
+            "0.0.0.0",
+            "127.0.0.1",
+            "224.0.0.1",
+            "255.255.255.255",
+            "::1",
+            "198.51.100.7:80",
+            "host",
+        ] {
             assert!(!ok::<UnicastIp>(bad), "{bad:?} accepted");
         }
         assert!(ok::<IpInterface>("198.51.100.2/24"));
         assert!(ok::<IpInterface>("2001:db8::2/64"));
-        for bad in ["198.51.100.2", "198.51.100.2/0", "198.51.100.2/33", "2001:db8::2/129", "/24"] {
+        for bad in [
+            "198.51.100.2",
+            "198.51.100.2/0",
+            "198.51.100.2/33",
+            "2001:db8::2/129",
+            "/24",
+        ] {
             assert!(!ok::<IpInterface>(bad), "{bad:?} accepted");
         }
         assert!(ok::<Host>("pbs.example.org"));
@@ -667,7 +710,14 @@ mod tests {
         }
         assert!(ok::<AuthId>("certistack@pbs"));
         assert!(ok::<AuthId>("certistack@pbs!restore"));
-        for bad in ["certistack", "@pbs", "user@", "user@pbs!", "us er@pbs", "user@pbs!tok:en"] {
+        for bad in [
+            "certistack",
+            "@pbs",
+            "user@",
+            "user@pbs!",
+            "us er@pbs",
+            "user@pbs!tok:en",
+        ] {
             assert!(!ok::<AuthId>(bad), "{bad:?} accepted");
         }
         let fp = ["ab"; 32].join(":");
@@ -680,7 +730,10 @@ mod tests {
     #[test]
     fn secret_is_redacted_and_single_line() {
         let secret = Secret::validate("hunter2").map_err(|e| e.to_string());
-        assert_eq!(secret.as_ref().map(|s| format!("{s:?}")), Ok("Secret(<redacted>)".to_string()));
+        assert_eq!(
+            secret.as_ref().map(|s| format!("{s:?}")),
+            Ok("Secret(<redacted>)".to_string())
+        );
         assert!(Secret::validate("").is_err());
         let err = Secret::validate("line1\nline2").err().unwrap_or_default();
         assert!(!err.contains("line1"), "the error quotes the secret: {err}");

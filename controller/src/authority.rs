@@ -9,11 +9,13 @@ use certistack_connector::files::{self, FileError};
 use certistack_connector::identity::Identity;
 use certistack_connector::validate::Validated;
 use ed25519_dalek::SigningKey;
-use ed25519_dalek::pkcs8::{DecodePrivateKey, EncodePrivateKey, EncodePublicKey, spki::der::pem::LineEnding};
+use ed25519_dalek::pkcs8::{
+    DecodePrivateKey, EncodePrivateKey, EncodePublicKey, spki::der::pem::LineEnding,
+};
 use rand_core::{OsRng, RngCore};
 use rcgen::{
-    BasicConstraints, CertificateParams, CertificateSigningRequestParams, DistinguishedName, DnType,
-    ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose, SanType, SerialNumber,
+    BasicConstraints, CertificateParams, CertificateSigningRequestParams, DistinguishedName,
+    DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose, SanType, SerialNumber,
 };
 use std::path::{Path, PathBuf};
 use time::{Duration, OffsetDateTime};
@@ -36,7 +38,9 @@ const CLOCK_SKEW: Duration = Duration::seconds(60);
 pub enum AuthorityError {
     #[error(transparent)]
     File(#[from] FileError),
-    #[error("{path} already holds a key; refusing to overwrite it (move the state directory away to start over)")]
+    #[error(
+        "{path} already holds a key; refusing to overwrite it (move the state directory away to start over)"
+    )]
     Exists { path: PathBuf },
     #[error("{path}: {reason}")]
     Key { path: PathBuf, reason: String },
@@ -61,7 +65,9 @@ pub struct Authority {
 
 impl std::fmt::Debug for Authority {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Authority").field("dir", &self.dir).finish_non_exhaustive()
+        f.debug_struct("Authority")
+            .field("dir", &self.dir)
+            .finish_non_exhaustive()
     }
 }
 
@@ -75,17 +81,35 @@ fn random_serial() -> SerialNumber {
     SerialNumber::from_slice(&bytes)
 }
 
-fn ed25519_pem(key: &SigningKey, path: &Path) -> Result<(zeroize::Zeroizing<String>, String), AuthorityError> {
-    let err = |reason: String| AuthorityError::Key { path: path.to_owned(), reason };
-    let private = key.to_pkcs8_pem(LineEnding::LF).map_err(|e| err(e.to_string()))?;
-    let public = key.verifying_key().to_public_key_pem(LineEnding::LF).map_err(|e| err(e.to_string()))?;
+fn ed25519_pem(
+    key: &SigningKey,
+    path: &Path,
+) -> Result<(zeroize::Zeroizing<String>, String), AuthorityError> {
+    let err = |reason: String| AuthorityError::Key {
+        path: path.to_owned(),
+        reason,
+    };
+    let private = key
+        .to_pkcs8_pem(LineEnding::LF)
+        .map_err(|e| err(e.to_string()))?;
+    let public = key
+        .verifying_key()
+        .to_public_key_pem(LineEnding::LF)
+        .map_err(|e| err(e.to_string()))?;
     Ok((private, public))
 }
 
 /// Creates the state directory with a new CA, run-authority key and report-signing key.
 pub fn init(dir: &Path, now: OffsetDateTime) -> Result<(), AuthorityError> {
     files::create_private_dir(dir)?;
-    for name in [CA_KEY, CA_CERT, RUN_AUTHORITY_KEY, RUN_AUTHORITY_PUB, REPORT_KEY, REPORT_PUB] {
+    for name in [
+        CA_KEY,
+        CA_CERT,
+        RUN_AUTHORITY_KEY,
+        RUN_AUTHORITY_PUB,
+        REPORT_KEY,
+        REPORT_PUB,
+    ] {
         let path = dir.join(name);
         if path.exists() {
             return Err(AuthorityError::Exists { path });
@@ -97,7 +121,11 @@ pub fn init(dir: &Path, now: OffsetDateTime) -> Result<(), AuthorityError> {
     name.push(DnType::CommonName, "CertiStack controller CA");
     params.distinguished_name = name;
     params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
-    params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
+    params.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
     params.not_before = now - CLOCK_SKEW;
     params.not_after = now + CA_LIFETIME;
     params.serial_number = Some(random_serial());
@@ -108,7 +136,11 @@ pub fn init(dir: &Path, now: OffsetDateTime) -> Result<(), AuthorityError> {
     let (run_private, run_public) = ed25519_pem(&run_authority, &dir.join(RUN_AUTHORITY_KEY))?;
     let (report_private, report_public) = ed25519_pem(&report_signing, &dir.join(REPORT_KEY))?;
 
-    files::write_new(&dir.join(CA_KEY), zeroize::Zeroizing::new(ca_key.serialize_pem()).as_bytes(), 0o600)?;
+    files::write_new(
+        &dir.join(CA_KEY),
+        zeroize::Zeroizing::new(ca_key.serialize_pem()).as_bytes(),
+        0o600,
+    )?;
     files::write_new(&dir.join(CA_CERT), ca_cert.pem().as_bytes(), 0o644)?;
     files::write_new(&dir.join(RUN_AUTHORITY_KEY), run_private.as_bytes(), 0o600)?;
     files::write_new(&dir.join(RUN_AUTHORITY_PUB), run_public.as_bytes(), 0o644)?;
@@ -119,7 +151,10 @@ pub fn init(dir: &Path, now: OffsetDateTime) -> Result<(), AuthorityError> {
 
 fn load_ed25519(path: &Path) -> Result<SigningKey, AuthorityError> {
     let pem = files::read_private(path)?;
-    SigningKey::from_pkcs8_pem(&pem).map_err(|e| AuthorityError::Key { path: path.to_owned(), reason: e.to_string() })
+    SigningKey::from_pkcs8_pem(&pem).map_err(|e| AuthorityError::Key {
+        path: path.to_owned(),
+        reason: e.to_string(),
+    })
 }
 
 /// What a client certificate issued here consists of.
@@ -130,7 +165,9 @@ pub struct IssuedCertificate {
 
 impl std::fmt::Debug for IssuedCertificate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("IssuedCertificate").field("key_pem", &"<redacted>").finish_non_exhaustive()
+        f.debug_struct("IssuedCertificate")
+            .field("key_pem", &"<redacted>")
+            .finish_non_exhaustive()
     }
 }
 
@@ -139,8 +176,12 @@ impl Authority {
     pub fn load(dir: &Path) -> Result<Self, AuthorityError> {
         files::check_private(dir)?;
         let ca_key_path = dir.join(CA_KEY);
-        let ca_key = KeyPair::from_pem(&files::read_private(&ca_key_path)?)
-            .map_err(|e| AuthorityError::Key { path: ca_key_path.clone(), reason: e.to_string() })?;
+        let ca_key = KeyPair::from_pem(&files::read_private(&ca_key_path)?).map_err(|e| {
+            AuthorityError::Key {
+                path: ca_key_path.clone(),
+                reason: e.to_string(),
+            }
+        })?;
         let ca_pem = files::read_trusted(&dir.join(CA_CERT))?;
         let issuer = Issuer::from_ca_cert_pem(&ca_pem, ca_key).map_err(cert_err)?;
         Ok(Self {
@@ -170,9 +211,16 @@ impl Authority {
 
     /// Signs a node's CSR. The CSR must name exactly `node` (one DNS SAN); the certificate is a
     /// TLS server certificate for that name only, whatever else the CSR asked for.
-    pub fn sign_node_csr(&self, csr_pem: &str, node: &str, now: OffsetDateTime) -> Result<String, AuthorityError> {
-        <certistack_connector::validate::NodeName as Validated>::validate(node).map_err(AuthorityError::Csr)?;
-        let mut csr = CertificateSigningRequestParams::from_pem(csr_pem).map_err(|e| AuthorityError::Csr(e.to_string()))?;
+    pub fn sign_node_csr(
+        &self,
+        csr_pem: &str,
+        node: &str,
+        now: OffsetDateTime,
+    ) -> Result<String, AuthorityError> {
+        <certistack_connector::validate::NodeName as Validated>::validate(node)
+            .map_err(AuthorityError::Csr)?;
+        let mut csr = CertificateSigningRequestParams::from_pem(csr_pem)
+            .map_err(|e| AuthorityError::Csr(e.to_string()))?;
         let asked: Vec<String> = csr
             .params
             .subject_alt_names
@@ -183,7 +231,9 @@ impl Authority {
             })
             .collect();
         if asked != [node] {
-            return Err(AuthorityError::Csr(format!("it asks for {asked:?}; a node CSR must name exactly [{node:?}]")));
+            return Err(AuthorityError::Csr(format!(
+                "it asks for {asked:?}; a node CSR must name exactly [{node:?}]"
+            )));
         }
         let mut params = CertificateParams::new(vec![node.to_owned()]).map_err(cert_err)?;
         let mut name = DistinguishedName::new();
@@ -223,12 +273,26 @@ impl Authority {
         params.not_after = not_after;
         params.serial_number = Some(random_serial());
         let cert = params.signed_by(&key, &self.issuer).map_err(cert_err)?;
-        Ok(IssuedCertificate { certificate_pem: cert.pem(), key_pem: zeroize::Zeroizing::new(key.serialize_pem()) })
+        Ok(IssuedCertificate {
+            certificate_pem: cert.pem(),
+            key_pem: zeroize::Zeroizing::new(key.serialize_pem()),
+        })
     }
 
     /// A short-lived operator certificate for one CLI invocation.
-    pub fn issue_operator(&self, name: &str, now: OffsetDateTime) -> Result<IssuedCertificate, AuthorityError> {
-        certistack_connector::identity::check_operator_name(name).map_err(AuthorityError::Certificate)?;
-        self.issue_client(&Identity::Operator { name: name.to_owned() }, now - CLOCK_SKEW, now + OPERATOR_CERT_LIFETIME)
+    pub fn issue_operator(
+        &self,
+        name: &str,
+        now: OffsetDateTime,
+    ) -> Result<IssuedCertificate, AuthorityError> {
+        certistack_connector::identity::check_operator_name(name)
+            .map_err(AuthorityError::Certificate)?;
+        self.issue_client(
+            &Identity::Operator {
+                name: name.to_owned(),
+            },
+            now - CLOCK_SKEW,
+            now + OPERATOR_CERT_LIFETIME,
+        )
     }
 }

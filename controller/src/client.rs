@@ -19,13 +19,18 @@ pub enum NodeError {
         "the node speaks surface {node}, this controller speaks {controller}; install the same certistack release on both"
     )]
     SurfaceDigest { node: String, controller: String },
-    #[error("the node answers as {answered:?}, expected {expected:?}; check the address and the node's config")]
+    #[error(
+        "the node answers as {answered:?}, expected {expected:?}; check the address and the node's config"
+    )]
     NodeName { answered: String, expected: String },
 }
 
 impl From<tonic::Status> for NodeError {
     fn from(status: tonic::Status) -> Self {
-        NodeError::Status { code: status.code(), message: status.message().to_owned() }
+        NodeError::Status {
+            code: status.code(),
+            message: status.message().to_owned(),
+        }
     }
 }
 
@@ -46,7 +51,10 @@ pub async fn connect(
 }
 
 /// Says hello and checks the node's name and surface digest.
-pub async fn hello(client: &mut ConnectorClient<Channel>, node_name: &str) -> Result<pb::HelloReply, NodeError> {
+pub async fn hello(
+    client: &mut ConnectorClient<Channel>,
+    node_name: &str,
+) -> Result<pb::HelloReply, NodeError> {
     let reply = client.hello(pb::HelloRequest {}).await?.into_inner();
     check_hello(&reply, node_name)?;
     Ok(reply)
@@ -61,7 +69,10 @@ pub fn check_hello(reply: &pb::HelloReply, node_name: &str) -> Result<(), NodeEr
         });
     }
     if reply.node_name != node_name {
-        return Err(NodeError::NodeName { answered: reply.node_name.clone(), expected: node_name.to_owned() });
+        return Err(NodeError::NodeName {
+            answered: reply.node_name.clone(),
+            expected: node_name.to_owned(),
+        });
     }
     Ok(())
 }

@@ -33,17 +33,34 @@ pub struct RunCredentials {
 pub fn sign_grant(key: &ed25519_dalek::SigningKey, grant: &pb::RunGrant) -> pb::SignedRunGrant {
     let bytes = grant.encode_to_vec();
     let signature = key.sign(&grant::signing_input(&bytes)).to_bytes().to_vec();
-    pb::SignedRunGrant { grant: bytes, signature }
+    pb::SignedRunGrant {
+        grant: bytes,
+        signature,
+    }
 }
 
 /// Signs `grant` and issues the run certificate for it, valid from `now` (less the tolerated
 /// skew) until the grant's deadline. The grant is checked with the connector's own parser first,
 /// so the controller never mints credentials a node would refuse for their form.
-pub fn mint(authority: &Authority, grant: &pb::RunGrant, now: OffsetDateTime) -> Result<RunCredentials, MintError> {
+pub fn mint(
+    authority: &Authority,
+    grant: &pb::RunGrant,
+    now: OffsetDateTime,
+) -> Result<RunCredentials, MintError> {
     let signed_grant = sign_grant(authority.run_authority(), grant);
     let parsed = grant::verify(&signed_grant, &authority.run_authority().verifying_key())?;
-    let not_after = OffsetDateTime::from_unix_timestamp(parsed.deadline_unix).map_err(|_| MintError::Deadline(parsed.deadline_unix))?;
-    let identity = Identity::Run { run_id: parsed.run_id.clone(), grant_sha256: parsed.digest, node: parsed.node.clone() };
-    let certificate = authority.issue_client(&identity, now - time::Duration::seconds(60), not_after)?;
-    Ok(RunCredentials { signed_grant, grant_sha256: parsed.digest, certificate })
+    let not_after = OffsetDateTime::from_unix_timestamp(parsed.deadline_unix)
+        .map_err(|_| MintError::Deadline(parsed.deadline_unix))?;
+    let identity = Identity::Run {
+        run_id: parsed.run_id.clone(),
+        grant_sha256: parsed.digest,
+        node: parsed.node.clone(),
+    };
+    let certificate =
+        authority.issue_client(&identity, now - time::Duration::seconds(60), not_after)?;
+    Ok(RunCredentials {
+        signed_grant,
+        grant_sha256: parsed.digest,
+        certificate,
+    })
 }

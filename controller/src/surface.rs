@@ -15,7 +15,11 @@ pub fn describe() -> Result<String, prost::DecodeError> {
             } else {
                 short(method.output_type())
             };
-            out.push_str(&format!("/{SERVICE_NAME}/{} {} -> {reply}\n", method.name(), short(method.input_type())));
+            out.push_str(&format!(
+                "/{SERVICE_NAME}/{} {} -> {reply}\n",
+                method.name(),
+                short(method.input_type())
+            ));
         }
     }
     out.push_str(&format!("digest: {SURFACE_DIGEST}\n"));

@@ -21,7 +21,8 @@ pub mod v1 {
 pub const SURFACE_DIGEST: &str = include_str!(concat!(env!("OUT_DIR"), "/surface_digest.txt"));
 
 /// The canonical (comment-free) encoded `FileDescriptorProto` the digest is computed over.
-pub const SURFACE_DESCRIPTOR: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/surface_descriptor.bin"));
+pub const SURFACE_DESCRIPTOR: &[u8] =
+    include_bytes!(concat!(env!("OUT_DIR"), "/surface_descriptor.bin"));
 
 /// Fully qualified gRPC service name.
 pub const SERVICE_NAME: &str = "certistack.connector.v1.Connector";

@@ -1,0 +1,412 @@
+//! Test support: a PKI made with the controller's own code, connectors served in-process on
+//! loopback with a recording executor, and clients with chosen TLS identities.
+//!
+//! Everything here is a test double and lives only in this crate, which is never packaged.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    missing_debug_implementations
+)]
+
+use certistack_connector::action::Action;
+use certistack_connector::config::{Config, Limits, StatePaths, TlsFiles, ToolPaths};
+use certistack_connector::executor::{Caller, ExecFuture, Executor, Outcome, capability};
+use certistack_connector::server::Connector;
+use certistack_connector::service::{Clock, SystemClock};
+use certistack_connector::tls;
+use certistack_controller::authority::{self, Authority, IssuedCertificate};
+use certistack_controller::run::{self, RunCredentials};
+use certistack_proto::v1 as pb;
+use certistack_proto::v1::connector_client::ConnectorClient;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use time::OffsetDateTime;
+use tonic::transport::Channel;
+
+pub const NODE: &str = "pve1";
+
+/// A fresh temporary directory, removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> Self {
+        let path = std::env::temp_dir().join(format!("certistack-{tag}-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&path).unwrap();
+        Self(path)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+pub fn now() -> OffsetDateTime {
+    OffsetDateTime::now_utc()
+}
+
+/// A controller state directory made by `authority::init`.
+pub fn controller(dir: &Path) -> Authority {
+    let state = dir.join("ctl");
+    authority::init(&state, now()).unwrap();
+    Authority::load(&state).unwrap()
+}
+
+/// Every action the connector handed over, in order.
+#[derive(Default)]
+pub struct RecordingExecutor {
+    pub actions: Mutex<Vec<Action>>,
+}
+
+impl RecordingExecutor {
+    pub fn count(&self) -> usize {
+        self.actions.lock().unwrap().len()
+    }
+    pub fn rpcs(&self) -> Vec<&'static str> {
+        self.actions
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|a| a.rpc().name())
+            .collect()
+    }
+}
+
+impl Executor for RecordingExecutor {
+    fn capabilities(&self) -> Vec<&'static str> {
+        vec!["test.recording"]
+    }
+
+    fn execute<'a>(&'a self, _caller: &'a Caller, action: Action) -> ExecFuture<'a> {
+        let head = format!("recorded:{}", capability(&action));
+        let outcome = match &action {
+            Action::MapBackup { .. } => Outcome::MapBackup(pb::MapBackupReply {
+                loop_device: "/dev/loop7".into(),
+                journal_head: head,
+                ..Default::default()
+            }),
+            Action::UnmapBackup { .. } => Outcome::UnmapBackup(pb::UnmapBackupReply {
+                journal_head: head,
+                ..Default::default()
+            }),
+            Action::CreateOverlay { .. } => Outcome::CreateOverlay(pb::CreateOverlayReply {
+                journal_head: head,
+                ..Default::default()
+            }),
+            Action::DeleteOverlay { .. } => {
+                Outcome::DeleteOverlay(pb::DeleteOverlayReply { journal_head: head })
+            }
+            Action::CreateVm { .. } => Outcome::CreateVm(pb::CreateVmReply {
+                journal_head: head,
+                ..Default::default()
+            }),
+            Action::StartVm { .. }
+            | Action::StopVm { .. }
+            | Action::DestroyVm { .. }
+            | Action::VmStatus { .. } => Outcome::Vm(pb::VmReply {
+                journal_head: head,
+                ..Default::default()
+            }),
+            Action::Qmp { .. } => Outcome::Qmp(pb::QmpReply {
+                journal_head: head,
+                ..Default::default()
+            }),
+            Action::Qga { .. } => Outcome::Qga(pb::QgaReply {
+                journal_head: head,
+                ..Default::default()
+            }),
+            Action::PrepareSandbox { .. } => Outcome::PrepareSandbox(pb::PrepareSandboxReply {
+                journal_head: head,
+                ..Default::default()
+            }),
+            Action::ReleaseSandbox { .. } => {
+                Outcome::ReleaseSandbox(pb::ReleaseSandboxReply { journal_head: head })
+            }
+            Action::Probe { .. } => Outcome::Probe(pb::ProbeReply {
+                journal_head: head,
+                ..Default::default()
+            }),
+            Action::ReadJournal { .. } => Outcome::Journal(vec![pb::JournalRecord {
+                sequence: 1,
+                operation: head,
+                ..Default::default()
+            }]),
+            Action::Cleanup { .. } => Outcome::Cleanup(pb::CleanupReply {
+                journal_head: head,
+                ..Default::default()
+            }),
+        };
+        self.actions.lock().unwrap().push(action);
+        Box::pin(async move { Ok(outcome) })
+    }
+}
+
+/// A connector node: enrolled through the real enrollment code, served in-process.
+pub struct TestNode {
+    pub dir: PathBuf,
+    pub config: Config,
+    pub address: String,
+    pub executor: Arc<RecordingExecutor>,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+pub fn node_config(dir: &Path, node: &str) -> Config {
+    Config {
+        node_name: node.into(),
+        listen: "127.0.0.1:0".parse().unwrap(),
+        tls: TlsFiles {
+            certificate: dir.join("node.crt"),
+            private_key: dir.join("node.key"),
+            controller_ca: dir.join("ca.crt"),
+            run_authority_public_key: dir.join("run-authority.pub"),
+        },
+        paths: StatePaths {
+            state_dir: dir.join("state"),
+            overlay_root: dir.join("overlays"),
+        },
+        tools: ToolPaths::default(),
+        limits: Limits::default(),
+    }
+}
+
+/// Enrolls a node: key and CSR on the node, certificate from the controller, installed.
+pub fn enroll(authority: &Authority, dir: &Path, node: &str) -> Config {
+    std::fs::create_dir_all(dir).unwrap();
+    let config = node_config(dir, node);
+    let csr = certistack_connector::enroll::certificate_request(&config).unwrap();
+    let cert = authority.sign_node_csr(&csr, node, now()).unwrap();
+    let cert_file = dir.join("issued.crt");
+    std::fs::write(&cert_file, cert).unwrap();
+    certistack_connector::enroll::install(
+        &config,
+        &cert_file,
+        &authority.dir().join(authority::CA_CERT),
+        &authority.dir().join(authority::RUN_AUTHORITY_PUB),
+    )
+    .unwrap();
+    config
+}
+
+impl TestNode {
+    pub async fn start(authority: &Authority, dir: &Path, node: &str) -> Self {
+        let config = enroll(authority, dir, node);
+        Self::serve(
+            dir.to_owned(),
+            config,
+            Arc::new(RecordingExecutor::default()),
+            Arc::new(SystemClock),
+        )
+        .await
+    }
+
+    pub async fn serve(
+        dir: PathBuf,
+        config: Config,
+        executor: Arc<RecordingExecutor>,
+        clock: Arc<dyn Clock>,
+    ) -> Self {
+        let connector = Connector::new(config.clone(), executor.clone(), clock).unwrap();
+        let listener = connector.bind().await.unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let task = tokio::spawn(async move {
+            connector
+                .serve(listener, async {
+                    let _ = rx.await;
+                })
+                .await
+                .unwrap();
+        });
+        Self {
+            dir,
+            config,
+            address,
+            executor,
+            shutdown: Some(tx),
+            task: Some(task),
+        }
+    }
+
+    /// Stops the daemon and starts a new one on the same state directory (a restart).
+    pub async fn restart(mut self) -> Self {
+        self.stop().await;
+        let executor = Arc::new(RecordingExecutor::default());
+        Self::serve(
+            self.dir.clone(),
+            self.config.clone(),
+            executor,
+            Arc::new(SystemClock),
+        )
+        .await
+    }
+
+    pub async fn stop(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Some(task) = self.task.take() {
+            task.await.unwrap();
+        }
+    }
+}
+
+pub fn ca_pem(authority: &Authority) -> String {
+    authority.ca_pem().to_owned()
+}
+
+/// A client presenting `identity` to the node at `address`, expecting node name `name`.
+pub async fn client(
+    authority: &Authority,
+    address: &str,
+    name: &str,
+    identity: &IssuedCertificate,
+) -> Result<ConnectorClient<Channel>, certistack_controller::client::NodeError> {
+    certistack_controller::client::connect(address, name, authority.ca_pem(), identity).await
+}
+
+pub async fn operator(authority: &Authority, node: &TestNode) -> ConnectorClient<Channel> {
+    let identity = authority.issue_operator("alice", now()).unwrap();
+    client(authority, &node.address, NODE, &identity)
+        .await
+        .unwrap()
+}
+
+pub const RUN_ID: &str = "0f0e1c2d-3b4a-4c5d-8e6f-7a8b9c0d1e2f";
+pub const VMID: u32 = 9100;
+pub const ARCHIVE: &str = "drive-scsi0.img";
+pub const SNAPSHOT: &str = "vm/100/2026-11-01T02:00:00Z";
+pub const VNET: &str = "csbox1";
+pub const PROBE_SOURCE: &str = "198.51.100.2/24";
+pub const TARGET: &str = "198.51.100.10";
+
+/// A grant for one run on `node`, valid for the next hour.
+pub fn grant(run_id: &str, node: &str) -> pb::RunGrant {
+    let now = now().unix_timestamp();
+    pb::RunGrant {
+        version: 1,
+        run_id: run_id.into(),
+        node: node.into(),
+        not_before_unix: now - 60,
+        deadline_unix: now + 3600,
+        repository: Some(pb::PbsRepository {
+            server: "pbs.lab".into(),
+            port: 8007,
+            datastore: "store1".into(),
+            namespace: String::new(),
+            auth_id: "certistack@pbs!restore".into(),
+            fingerprint: ["ab"; 32].join(":"),
+        }),
+        snapshot: SNAPSHOT.into(),
+        archives: vec![ARCHIVE.into()],
+        sandbox_vms: vec![pb::SandboxVm {
+            vmid: VMID,
+            max_cores: 2,
+            max_memory_mib: 2048,
+        }],
+        vnet: VNET.into(),
+        probe_source: PROBE_SOURCE.into(),
+        probe_targets: vec![pb::ProbeTarget {
+            kind: pb::ProbeKind::Tcp as i32,
+            address: TARGET.into(),
+            port: 22,
+            expect: Some(pb::ProbeExpectation {
+                banner_prefix: "SSH-2.0-".into(),
+                ..Default::default()
+            }),
+        }],
+        qga_assertions: vec![pb::QgaAssertion {
+            id: "nginx-active".into(),
+            program: "/usr/bin/systemctl".into(),
+            args: vec!["is-active".into(), "nginx".into()],
+            expect_exit_code: 0,
+            expect_stdout_contains: String::new(),
+            timeout_seconds: 30,
+        }],
+    }
+}
+
+pub fn mint(authority: &Authority, grant: &pb::RunGrant) -> RunCredentials {
+    run::mint(authority, grant, now()).unwrap()
+}
+
+pub async fn run_client(
+    authority: &Authority,
+    node: &TestNode,
+    credentials: &RunCredentials,
+) -> ConnectorClient<Channel> {
+    client(authority, &node.address, NODE, &credentials.certificate)
+        .await
+        .unwrap()
+}
+
+pub fn begin_request(credentials: &RunCredentials) -> pb::BeginRunRequest {
+    pb::BeginRunRequest {
+        grant: Some(credentials.signed_grant.clone()),
+    }
+}
+
+/// A rustls client config built by hand, for the negative TLS cases the controller's own
+/// code cannot produce (no certificate, TLS 1.2 only).
+pub fn raw_client_config(
+    authority: &Authority,
+    versions: &[&'static rustls::SupportedProtocolVersion],
+    identity: Option<&IssuedCertificate>,
+) -> Arc<rustls::ClientConfig> {
+    let ca = tls::parse_certificates(authority.ca_pem(), "ca").unwrap();
+    let builder = rustls::ClientConfig::builder_with_provider(tls::provider())
+        .with_protocol_versions(versions)
+        .unwrap()
+        .with_root_certificates(tls::ca_roots(&ca).unwrap());
+    let mut config = match identity {
+        Some(identity) => builder
+            .with_client_auth_cert(
+                tls::parse_certificates(&identity.certificate_pem, "client").unwrap(),
+                tls::parse_private_key(&identity.key_pem, "key").unwrap(),
+            )
+            .unwrap(),
+        None => builder.with_no_client_auth(),
+    };
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    Arc::new(config)
+}
+
+/// Calls Hello over a hand-built TLS config; returns the error text when anything refuses.
+pub async fn hello_with(
+    address: &str,
+    config: Arc<rustls::ClientConfig>,
+) -> Result<pb::HelloReply, String> {
+    let channel = tls::connect(address.to_owned(), NODE, config)
+        .await
+        .map_err(|e| format!("connect: {e}"))?;
+    let mut client = ConnectorClient::new(channel);
+    client
+        .hello(pb::HelloRequest {})
+        .await
+        .map(|r| r.into_inner())
+        .map_err(|status| {
+            let mut text = format!("status {:?}: {}", status.code(), status.message());
+            let mut source = std::error::Error::source(&status);
+            while let Some(cause) = source {
+                text.push_str(&format!(": {cause}"));
+                source = cause.source();
+            }
+            text
+        })
+}
+
+/// The directory holding this workspace's built binaries (`target/<profile>`).
+pub fn binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().and_then(Path::parent).unwrap();
+    let path = dir.join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: build the binaries first (`cargo build --workspace`), as the README's test command does",
+        path.display()
+    );
+    path
+}

@@ -79,7 +79,9 @@ fn main() -> ExitCode {
 fn init_logging(json: bool) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("CERTISTACK_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     if json {
         builder.json().init();
     } else {
@@ -95,21 +97,33 @@ fn run(cli: Cli) -> Result<(), Failure> {
     match cli.command.unwrap_or(Command::Serve) {
         Command::Serve => serve(config),
         Command::Check => {
-            Connector::new(config, Arc::new(NodeExecutor), Arc::new(SystemClock)).map_err(|e| Failure::Refused(e.into()))?;
+            Connector::new(config, Arc::new(NodeExecutor), Arc::new(SystemClock))
+                .map_err(|e| Failure::Refused(e.into()))?;
             println!("configuration ok");
             Ok(())
         }
         Command::Enroll(args) if args.csr => {
-            let csr = enroll::certificate_request(&config).map_err(|e| Failure::Refused(e.into()))?;
+            let csr =
+                enroll::certificate_request(&config).map_err(|e| Failure::Refused(e.into()))?;
             print!("{csr}");
             Ok(())
         }
         Command::Enroll(args) => {
-            let (Some(certificate), Some(ca), Some(authority)) = (args.certificate, args.ca, args.run_authority) else {
-                return Err(Failure::Refused(anyhow::anyhow!("--install needs --certificate, --ca and --run-authority")));
+            let (Some(certificate), Some(ca), Some(authority)) =
+                (args.certificate, args.ca, args.run_authority)
+            else {
+                return Err(Failure::Refused(anyhow::anyhow!(
+                    "--install needs --certificate, --ca and --run-authority"
+                )));
             };
-            enroll::install(&config, &certificate, &ca, &authority).map_err(|e| Failure::Refused(e.into()))?;
-            println!("installed {}, {} and {}", config.tls.certificate.display(), config.tls.controller_ca.display(), config.tls.run_authority_public_key.display());
+            enroll::install(&config, &certificate, &ca, &authority)
+                .map_err(|e| Failure::Refused(e.into()))?;
+            println!(
+                "installed {}, {} and {}",
+                config.tls.certificate.display(),
+                config.tls.controller_ca.display(),
+                config.tls.run_authority_public_key.display()
+            );
             Ok(())
         }
     }
@@ -122,16 +136,26 @@ fn serve(config: Config) -> Result<(), Failure> {
         .context("starting the async runtime")
         .map_err(Failure::Runtime)?;
     runtime.block_on(async {
-        let connector = Connector::new(config, Arc::new(NodeExecutor), Arc::new(SystemClock)).map_err(|e| Failure::Refused(e.into()))?;
-        let listener = connector.bind().await.map_err(|e| Failure::Refused(e.into()))?;
-        connector.serve(listener, shutdown_signal()).await.map_err(|e| Failure::Runtime(e.into()))
+        let connector = Connector::new(config, Arc::new(NodeExecutor), Arc::new(SystemClock))
+            .map_err(|e| Failure::Refused(e.into()))?;
+        let listener = connector
+            .bind()
+            .await
+            .map_err(|e| Failure::Refused(e.into()))?;
+        connector
+            .serve(listener, shutdown_signal())
+            .await
+            .map_err(|e| Failure::Runtime(e.into()))
     })
 }
 
 /// Completes on SIGTERM (systemd stop) or SIGINT.
 async fn shutdown_signal() {
     use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
         tracing::error!("cannot install signal handlers; stop the daemon with SIGKILL");
         return std::future::pending().await;
     };

@@ -111,16 +111,26 @@ fn run(cli: Cli) -> Result<(), Failure> {
     match cli.command {
         Command::Ca(CaCommand::Init { state_dir }) => {
             authority::init(&state_dir, now).map_err(local)?;
-            println!("created CA, run-authority and report-signing keys in {}", state_dir.display());
+            println!(
+                "created CA, run-authority and report-signing keys in {}",
+                state_dir.display()
+            );
             Ok(())
         }
-        Command::Node(NodeCommand::Sign { state_dir, node, csr, out }) => {
+        Command::Node(NodeCommand::Sign {
+            state_dir,
+            node,
+            csr,
+            out,
+        }) => {
             let authority = authority::Authority::load(&state_dir).map_err(local)?;
-            let csr = std::fs::read_to_string(&csr).map_err(|e| local(format!("cannot read {}: {e}", csr.display())))?;
+            let csr = std::fs::read_to_string(&csr)
+                .map_err(|e| local(format!("cannot read {}: {e}", csr.display())))?;
             let certificate = authority.sign_node_csr(&csr, &node, now).map_err(local)?;
             match out {
                 Some(path) => {
-                    std::fs::write(&path, certificate).map_err(|e| local(format!("cannot write {}: {e}", path.display())))?;
+                    std::fs::write(&path, certificate)
+                        .map_err(|e| local(format!("cannot write {}: {e}", path.display())))?;
                     println!(
                         "issued {} for node {node}; install it on the node with\n  certistack-connector enroll --install --certificate {} --ca {} --run-authority {}",
                         path.display(),
@@ -143,9 +153,16 @@ fn run(cli: Cli) -> Result<(), Failure> {
 
 fn hello(args: HelloArgs, now: OffsetDateTime) -> Result<(), Failure> {
     let authority = authority::Authority::load(&args.state_dir).map_err(local)?;
-    let identity = authority.issue_operator(&args.operator, now).map_err(local)?;
-    let host = args.node.rsplit_once(':').map_or(args.node.as_str(), |(host, _)| host);
-    let name = args.name.unwrap_or_else(|| host.trim_matches(['[', ']']).to_owned());
+    let identity = authority
+        .issue_operator(&args.operator, now)
+        .map_err(local)?;
+    let host = args
+        .node
+        .rsplit_once(':')
+        .map_or(args.node.as_str(), |(host, _)| host);
+    let name = args
+        .name
+        .unwrap_or_else(|| host.trim_matches(['[', ']']).to_owned());
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -157,9 +174,9 @@ fn hello(args: HelloArgs, now: OffsetDateTime) -> Result<(), Failure> {
     let reply = reply.map_err(|error| match error {
         client::NodeError::SurfaceDigest { .. }
         | client::NodeError::NodeName { .. }
-        | client::NodeError::Connect(ConnectError::WrongNode(..) | ConnectError::UnknownIssuer(_)) => {
-            Failure::Mismatch(error.to_string())
-        }
+        | client::NodeError::Connect(
+            ConnectError::WrongNode(..) | ConnectError::UnknownIssuer(_),
+        ) => Failure::Mismatch(error.to_string()),
         client::NodeError::Tls(_) => Failure::Local(error.to_string()),
         _ => Failure::Unreachable(error.to_string()),
     })?;
@@ -168,7 +185,10 @@ fn hello(args: HelloArgs, now: OffsetDateTime) -> Result<(), Failure> {
     println!("version: {}", reply.daemon_version);
     println!("surface: {} (matches)", reply.surface_digest);
     println!("capabilities: {}", reply.capabilities.join(" "));
-    println!("node time: {} ms since the epoch ({skew_ms:+} ms from this host)", reply.node_time_unix_ms);
+    println!(
+        "node time: {} ms since the epoch ({skew_ms:+} ms from this host)",
+        reply.node_time_unix_ms
+    );
     println!("seen as: {}", reply.peer_identity);
     Ok(())
 }
