@@ -5,6 +5,8 @@
 //! [`executor::Executor`] (the side effect). Policy data lives in `policy/` and is compiled in
 //! ([`policy`]).
 
+#![deny(unsafe_code)]
+
 pub mod action;
 pub mod config;
 pub mod enroll;
@@ -13,6 +15,7 @@ pub mod files;
 pub mod grant;
 pub mod identity;
 pub mod policy;
+pub mod process;
 pub mod runs;
 pub mod server;
 pub mod service;

@@ -1,6 +1,8 @@
 //! The CertiStack controller: holds every secret (CA, run authority, report signing), enrolls
 //! nodes, mints per-run credentials and talks to connectors.
 
+#![forbid(unsafe_code)]
+
 pub mod authority;
 pub mod client;
 pub mod run;

@@ -3,6 +3,7 @@
 //! Both binaries compile this crate in, so both carry the same [`SURFACE_DIGEST`]; the daemon
 //! returns it in `Hello` and the controller refuses a node whose digest differs from its own.
 
+#![forbid(unsafe_code)]
 #![allow(
     missing_debug_implementations,
     clippy::all,

@@ -1,4 +1,5 @@
 //! Test support: a PKI made with the controller's own code, connectors served in-process on
+#![forbid(unsafe_code)]
 //! loopback with a recording executor, and clients with chosen TLS identities.
 //!
 //! Everything here is a test double and lives only in this crate, which is never packaged.

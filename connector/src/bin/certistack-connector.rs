@@ -1,4 +1,5 @@
 //! certistack-connector: reads its config, sets up logging and TLS, serves, drains on SIGTERM.
+#![forbid(unsafe_code)]
 #![allow(clippy::print_stdout)]
 
 use anyhow::Context;

@@ -1,4 +1,5 @@
 //! certistack-ctl: the controller CLI. Every secret stays in its state directory.
+#![forbid(unsafe_code)]
 #![allow(clippy::print_stdout)]
 
 use certistack_connector::tls::ConnectError;
