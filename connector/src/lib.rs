@@ -14,6 +14,7 @@ pub mod executor;
 pub mod files;
 pub mod grant;
 pub mod identity;
+pub mod journal;
 pub mod policy;
 pub mod process;
 pub mod runs;

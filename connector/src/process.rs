@@ -119,7 +119,10 @@ impl ToolOutput {
     /// The last lines of stderr, for replies and logs.
     pub fn stderr_excerpt(&self) -> String {
         let lines: Vec<&str> = self.stderr.lines().collect();
-        lines.get(lines.len().saturating_sub(8)..).unwrap_or_default().join("\n")
+        lines
+            .get(lines.len().saturating_sub(8)..)
+            .unwrap_or_default()
+            .join("\n")
     }
 }
 

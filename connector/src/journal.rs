@@ -1,0 +1,584 @@
+//! The per-run journal: append-only, hash-chained, fsync'd.
+//!
+//! One line per record: `<record sha256> <previous sha256> <entry JSON>\n`, where
+//! `record = SHA-256(previous || entry JSON bytes)` and the first record's `previous` is
+//! SHA-256(`certistack-journal-v1:` || run id), so a journal cannot be moved to another run.
+//! The hash covers the exact bytes on disk, so verification never depends on re-serializing.
+//!
+//! Every side effect is written as an `intent` record before it starts and a `done`/`failed`
+//! record after it ends (`undone` when cleanup reverses it); each append is fsync'd before the
+//! call returns, and the directory is fsync'd when the file is created.
+//!
+//! A crash can leave a torn last record. Reading reports it ([`TornTail`]) with every valid
+//! record before it. Reopening for append preserves the torn bytes in `journal.torn.<n>`,
+//! truncates the journal to its last valid record and appends a record saying so; nothing is
+//! dropped silently. A bad record that is not the last one means tampering or disk corruption:
+//! the journal is refused ([`JournalError::Corrupt`]) and an operator must look at it.
+
+use crate::files::{self, FileError};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+
+pub const FILE_NAME: &str = "journal";
+const GENESIS_CONTEXT: &[u8] = b"certistack-journal-v1:";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Phase {
+    Intent,
+    Done,
+    Failed,
+    Undone,
+}
+
+impl Phase {
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Intent => "intent",
+            Phase::Done => "done",
+            Phase::Failed => "failed",
+            Phase::Undone => "undone",
+        }
+    }
+}
+
+/// What a record says.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Entry {
+    pub seq: u64,
+    pub time_ms: i64,
+    pub op: String,
+    pub resource: String,
+    pub phase: Phase,
+    #[serde(default, skip_serializing_if = "serde_json::Value::is_null")]
+    pub detail: serde_json::Value,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    pub entry: Entry,
+    pub previous: [u8; 32],
+    pub hash: [u8; 32],
+}
+
+/// Bytes after the last valid record that do not form a valid record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TornTail {
+    pub offset: u64,
+    pub bytes: Vec<u8>,
+    pub reason: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum JournalError {
+    #[error(transparent)]
+    File(#[from] FileError),
+    #[error(
+        "journal {path}: record {line} is invalid ({reason}) and records follow it; the journal was altered or the disk is corrupt: inspect it before cleaning up by hand"
+    )]
+    Corrupt {
+        path: PathBuf,
+        line: usize,
+        reason: String,
+    },
+    #[error("journal {0} already exists")]
+    Exists(PathBuf),
+    #[error("cannot encode a journal entry: {0}")]
+    Encode(String),
+}
+
+pub fn genesis(run_id: &str) -> [u8; 32] {
+    Sha256::new()
+        .chain_update(GENESIS_CONTEXT)
+        .chain_update(run_id.as_bytes())
+        .finalize()
+        .into()
+}
+
+fn record_hash(previous: &[u8; 32], entry_json: &[u8]) -> [u8; 32] {
+    Sha256::new()
+        .chain_update(previous)
+        .chain_update(entry_json)
+        .finalize()
+        .into()
+}
+
+/// The result of reading a journal file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Loaded {
+    pub records: Vec<Record>,
+    pub torn: Option<TornTail>,
+    /// Length of the valid prefix in bytes.
+    pub valid_len: u64,
+}
+
+impl Loaded {
+    pub fn head(&self, run_id: &str) -> [u8; 32] {
+        self.records
+            .last()
+            .map_or_else(|| genesis(run_id), |r| r.hash)
+    }
+}
+
+fn parse_line(
+    line: &[u8],
+    expected_previous: &[u8; 32],
+    expected_seq: u64,
+) -> Result<Record, String> {
+    let text = std::str::from_utf8(line).map_err(|_| "not UTF-8".to_string())?;
+    let mut parts = text.splitn(3, ' ');
+    let (Some(hash_hex), Some(previous_hex), Some(json)) =
+        (parts.next(), parts.next(), parts.next())
+    else {
+        return Err("not `<hash> <previous> <entry>`".into());
+    };
+    let mut hash = [0u8; 32];
+    let mut previous = [0u8; 32];
+    hex::decode_to_slice(hash_hex, &mut hash).map_err(|_| "bad record hash".to_string())?;
+    hex::decode_to_slice(previous_hex, &mut previous)
+        .map_err(|_| "bad previous hash".to_string())?;
+    if &previous != expected_previous {
+        return Err("previous hash does not match the chain".into());
+    }
+    if record_hash(&previous, json.as_bytes()) != hash {
+        return Err("record hash does not match its contents".into());
+    }
+    let entry: Entry = serde_json::from_str(json).map_err(|e| format!("entry: {e}"))?;
+    if entry.seq != expected_seq {
+        return Err(format!(
+            "sequence {} where {expected_seq} was expected",
+            entry.seq
+        ));
+    }
+    Ok(Record {
+        entry,
+        previous,
+        hash,
+    })
+}
+
+/// Reads and verifies a journal. A bad last segment is a torn tail; a bad record followed by
+/// others is corruption.
+pub fn read(path: &Path, run_id: &str) -> Result<Loaded, JournalError> {
+    let bytes = std::fs::read(path).map_err(|error| FileError::Read {
+        path: path.to_owned(),
+        error,
+    })?;
+    let mut records = Vec::new();
+    let mut previous = genesis(run_id);
+    let mut offset = 0usize;
+    let mut line_number = 0usize;
+    while offset < bytes.len() {
+        line_number += 1;
+        let rest = bytes.get(offset..).unwrap_or_default();
+        let (line, next, complete) = match rest.iter().position(|b| *b == b'\n') {
+            Some(end) => (rest.get(..end).unwrap_or_default(), offset + end + 1, true),
+            None => (rest, bytes.len(), false),
+        };
+        let result = if complete {
+            parse_line(line, &previous, records.len() as u64 + 1)
+        } else {
+            Err("no line end".into())
+        };
+        match result {
+            Ok(record) => {
+                previous = record.hash;
+                records.push(record);
+                offset = next;
+            }
+            Err(reason) if next >= bytes.len() => {
+                return Ok(Loaded {
+                    records,
+                    torn: Some(TornTail {
+                        offset: offset as u64,
+                        bytes: rest.to_vec(),
+                        reason,
+                    }),
+                    valid_len: offset as u64,
+                });
+            }
+            Err(reason) => {
+                return Err(JournalError::Corrupt {
+                    path: path.to_owned(),
+                    line: line_number,
+                    reason,
+                });
+            }
+        }
+    }
+    Ok(Loaded {
+        records,
+        torn: None,
+        valid_len: offset as u64,
+    })
+}
+
+/// An open journal, appending.
+#[derive(Debug)]
+pub struct Journal {
+    path: PathBuf,
+    run_id: String,
+    file: File,
+    next_seq: u64,
+    head: [u8; 32],
+}
+
+impl Journal {
+    /// Creates the journal of a new run in `dir` (which must exist).
+    pub fn create(dir: &Path, run_id: &str) -> Result<Self, JournalError> {
+        let path = dir.join(FILE_NAME);
+        let file = OpenOptions::new()
+            .append(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
+            .map_err(|error| {
+                if error.kind() == std::io::ErrorKind::AlreadyExists {
+                    JournalError::Exists(path.clone())
+                } else {
+                    FileError::Write {
+                        path: path.clone(),
+                        error,
+                    }
+                    .into()
+                }
+            })?;
+        file.sync_all().map_err(|error| FileError::Write {
+            path: path.clone(),
+            error,
+        })?;
+        files::sync_parent(&path)?;
+        Ok(Self {
+            path,
+            run_id: run_id.to_owned(),
+            file,
+            next_seq: 1,
+            head: genesis(run_id),
+        })
+    }
+
+    /// Opens an existing journal for appending, repairing a torn tail as described above.
+    /// Returns the journal, its records, and the torn tail that was set aside, if any.
+    pub fn open(
+        dir: &Path,
+        run_id: &str,
+        time_ms: i64,
+    ) -> Result<(Self, Vec<Record>, Option<TornTail>), JournalError> {
+        let path = dir.join(FILE_NAME);
+        let loaded = read(&path, run_id)?;
+        let file = OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .map_err(|error| FileError::Write {
+                path: path.clone(),
+                error,
+            })?;
+        let mut journal = Self {
+            path: path.clone(),
+            run_id: run_id.to_owned(),
+            file,
+            next_seq: loaded.records.len() as u64 + 1,
+            head: loaded.head(run_id),
+        };
+        let mut records = loaded.records;
+        if let Some(torn) = &loaded.torn {
+            let preserved = journal.preserve_torn(dir, torn)?;
+            journal
+                .file
+                .set_len(loaded.valid_len)
+                .and_then(|()| journal.file.sync_all())
+                .map_err(|error| FileError::Write {
+                    path: path.clone(),
+                    error,
+                })?;
+            let detail = serde_json::json!({
+                "torn_bytes": torn.bytes.len(),
+                "torn_sha256": hex::encode(Sha256::digest(&torn.bytes)),
+                "reason": torn.reason,
+                "preserved_as": preserved,
+            });
+            records.push(journal.append(
+                time_ms,
+                "journal.torn-tail",
+                "journal",
+                Phase::Done,
+                detail,
+            )?);
+        }
+        Ok((journal, records, loaded.torn))
+    }
+
+    fn preserve_torn(&self, dir: &Path, torn: &TornTail) -> Result<String, JournalError> {
+        for n in 1..1000 {
+            let name = format!("{FILE_NAME}.torn.{n}");
+            match files::write_new(&dir.join(&name), &torn.bytes, 0o600) {
+                Ok(()) => return Ok(name),
+                Err(FileError::Exists { .. }) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(FileError::Exists {
+            path: dir.join(format!("{FILE_NAME}.torn.*")),
+        }
+        .into())
+    }
+
+    pub fn head(&self) -> [u8; 32] {
+        self.head
+    }
+
+    pub fn head_hex(&self) -> String {
+        hex::encode(self.head)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Appends one record and fsyncs it before returning.
+    pub fn append(
+        &mut self,
+        time_ms: i64,
+        op: &str,
+        resource: &str,
+        phase: Phase,
+        detail: serde_json::Value,
+    ) -> Result<Record, JournalError> {
+        let entry = Entry {
+            seq: self.next_seq,
+            time_ms,
+            op: op.to_owned(),
+            resource: resource.to_owned(),
+            phase,
+            detail,
+        };
+        let json =
+            serde_json::to_string(&entry).map_err(|e| JournalError::Encode(e.to_string()))?;
+        let hash = record_hash(&self.head, json.as_bytes());
+        let line = format!("{} {} {json}\n", hex::encode(hash), hex::encode(self.head));
+        let err = |error| FileError::Write {
+            path: self.path.clone(),
+            error,
+        };
+        self.file.write_all(line.as_bytes()).map_err(err)?;
+        self.file.sync_data().map_err(err)?;
+        let record = Record {
+            entry,
+            previous: self.head,
+            hash,
+        };
+        self.head = hash;
+        self.next_seq += 1;
+        Ok(record)
+    }
+
+    pub fn run_id(&self) -> &str {
+        &self.run_id
+    }
+}
+
+impl Record {
+    pub fn to_wire(&self) -> certistack_proto::v1::JournalRecord {
+        certistack_proto::v1::JournalRecord {
+            sequence: self.entry.seq,
+            time_unix_ms: self.entry.time_ms,
+            operation: self.entry.op.clone(),
+            resource: self.entry.resource.clone(),
+            phase: self.entry.phase.name().to_owned(),
+            previous_sha256: hex::encode(self.previous),
+            record_sha256: hex::encode(self.hash),
+            detail: if self.entry.detail.is_null() {
+                String::new()
+            } else {
+                self.entry.detail.to_string()
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    const RUN: &str = "0f0e1c2d-3b4a-4c5d-8e6f-7a8b9c0d1e2f";
+
+    fn dir(tag: &str) -> PathBuf {
+        let dir =
+            std::env::temp_dir().join(format!("certistack-journal-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    fn three(dir: &Path) -> Journal {
+        let mut journal = Journal::create(dir, RUN).unwrap();
+        journal
+            .append(
+                1,
+                "backup.map",
+                "archive:drive-scsi0.img",
+                Phase::Intent,
+                json!({"snapshot": "vm/100/2026-11-01T02:00:00Z"}),
+            )
+            .unwrap();
+        journal
+            .append(
+                2,
+                "backup.map",
+                "archive:drive-scsi0.img",
+                Phase::Done,
+                json!({"loop_device": "/dev/loop7"}),
+            )
+            .unwrap();
+        journal
+            .append(
+                3,
+                "overlay.create",
+                "overlay:9100:drive-scsi0.img",
+                Phase::Intent,
+                serde_json::Value::Null,
+            )
+            .unwrap();
+        journal
+    }
+
+    #[test]
+    fn chain_verifies_and_continues_after_reopen() {
+        let dir = dir("chain");
+        let journal = three(&dir);
+        let head = journal.head();
+        drop(journal);
+        let loaded = read(&dir.join(FILE_NAME), RUN).unwrap();
+        assert_eq!(loaded.records.len(), 3);
+        assert_eq!(loaded.head(RUN), head);
+        assert_eq!(loaded.records[0].previous, genesis(RUN));
+        assert!(loaded.torn.is_none());
+        let (mut journal, records, torn) = Journal::open(&dir, RUN, 4).unwrap();
+        assert_eq!((records.len(), torn), (3, None));
+        let fourth = journal
+            .append(
+                4,
+                "overlay.create",
+                "overlay:9100:drive-scsi0.img",
+                Phase::Done,
+                json!({}),
+            )
+            .unwrap();
+        assert_eq!((fourth.entry.seq, fourth.previous), (4, head));
+        assert_eq!(read(&dir.join(FILE_NAME), RUN).unwrap().records.len(), 4);
+        // The same bytes do not verify as another run's journal.
+        assert!(read(&dir.join(FILE_NAME), "11111111-2222-4333-8444-555555555555").is_err());
+        assert!(matches!(
+            Journal::create(&dir, RUN),
+            Err(JournalError::Exists(_))
+        ));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn torn_tail_is_reported_preserved_and_recorded() {
+        let dir = dir("torn");
+        drop(three(&dir));
+        let path = dir.join(FILE_NAME);
+        let whole = std::fs::read(&path).unwrap();
+        // A crash in the middle of writing a fourth record.
+        let torn = b"9f3a 00 {\"seq\":4,\"time_ms\":4,\"op\":\"vm.cre".to_vec();
+        std::fs::write(&path, [whole.clone(), torn.clone()].concat()).unwrap();
+
+        let loaded = read(&path, RUN).unwrap();
+        assert_eq!(
+            loaded.records.len(),
+            3,
+            "every record before the tear is kept"
+        );
+        let tail = loaded.torn.clone().unwrap();
+        assert_eq!(
+            (tail.offset, tail.bytes.clone()),
+            (whole.len() as u64, torn.clone())
+        );
+
+        let (mut journal, records, reported) = Journal::open(&dir, RUN, 9).unwrap();
+        assert_eq!(reported, loaded.torn);
+        assert_eq!(records.len(), 4);
+        let note = &records[3].entry;
+        assert_eq!(
+            (note.op.as_str(), note.phase),
+            ("journal.torn-tail", Phase::Done)
+        );
+        assert_eq!(note.detail["torn_bytes"], torn.len());
+        assert_eq!(std::fs::read(dir.join("journal.torn.1")).unwrap(), torn);
+        journal
+            .append(
+                10,
+                "vm.create",
+                "vm:9100",
+                Phase::Intent,
+                serde_json::Value::Null,
+            )
+            .unwrap();
+        let reread = read(&path, RUN).unwrap();
+        assert_eq!((reread.records.len(), reread.torn), (5, None));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_complete_but_bad_last_line_is_also_a_torn_tail() {
+        let dir = dir("zeros");
+        drop(three(&dir));
+        let path = dir.join(FILE_NAME);
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes.extend_from_slice(&[0u8; 40]);
+        bytes.push(b'\n');
+        std::fs::write(&path, bytes).unwrap();
+        let loaded = read(&path, RUN).unwrap();
+        assert_eq!(loaded.records.len(), 3);
+        assert_eq!(loaded.torn.unwrap().bytes.len(), 41);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn an_altered_record_before_the_end_is_corruption() {
+        let dir = dir("corrupt");
+        drop(three(&dir));
+        let path = dir.join(FILE_NAME);
+        let text = std::fs::read_to_string(&path).unwrap();
+        let altered = text.replacen("/dev/loop7", "/dev/loop8", 1);
+        std::fs::write(&path, altered).unwrap();
+        match read(&path, RUN) {
+            Err(JournalError::Corrupt { line, .. }) => assert_eq!(line, 2),
+            other => panic!("{other:?}"),
+        }
+        assert!(Journal::open(&dir, RUN, 5).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn wire_records_carry_the_chain() {
+        let dir = dir("wire");
+        let mut journal = Journal::create(&dir, RUN).unwrap();
+        let record = journal
+            .append(
+                7,
+                "vm.start",
+                "vm:9100",
+                Phase::Failed,
+                json!({"exit_code": 255}),
+            )
+            .unwrap();
+        let wire = record.to_wire();
+        assert_eq!(
+            (wire.sequence, wire.phase.as_str(), wire.time_unix_ms),
+            (1, "failed", 7)
+        );
+        assert_eq!(wire.record_sha256, journal.head_hex());
+        assert_eq!(wire.previous_sha256, hex::encode(genesis(RUN)));
+        assert_eq!(wire.detail, "{\"exit_code\":255}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
