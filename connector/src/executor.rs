@@ -6,7 +6,7 @@
 //! absent operation for a successful one.
 
 use crate::action::Action;
-use crate::grant::Grant;
+use crate::runs::RunHandle;
 use certistack_proto::v1 as pb;
 use std::future::Future;
 use std::pin::Pin;
@@ -15,8 +15,8 @@ use std::sync::Arc;
 /// Who an action is executed for.
 #[derive(Debug, Clone)]
 pub enum Caller {
-    /// A run, with the grant its certificate is bound to.
-    Run(Arc<Grant>),
+    /// A run, with its grant and journal.
+    Run(Arc<RunHandle>),
     /// An operator (recovery and inspection only).
     Operator(String),
 }

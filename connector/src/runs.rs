@@ -1,12 +1,16 @@
-//! The durable registry of runs on this node.
+//! The durable registry of runs on this node, and each run's journal.
 //!
-//! `BeginRun` stores the signed grant under `<state>/runs/<run id>/grant.pb`; `EndRun` writes
-//! `<state>/runs/<run id>/closed`. Both are written atomically and fsync'd before the reply, so
-//! a closed run stays closed across a crash or restart: its certificate and grant are refused
-//! even before they expire. The registry never holds a secret.
+//! `BeginRun` stores the signed grant under `<state>/runs/<run id>/grant.pb` and creates the
+//! run's journal there; `EndRun` journals the end and writes `<state>/runs/<run id>/closed`.
+//! Everything is written atomically or appended and fsync'd before the reply, so a closed run
+//! stays closed across a crash or restart: its certificate and grant are refused even before
+//! they expire. At start the registry reopens every run's journal (setting a torn tail aside,
+//! see [`crate::journal`]) so recovery knows what each run left on the node. The registry
+//! never holds a secret.
 
 use crate::files::{self, FileError};
 use crate::grant::{self, Grant};
+use crate::journal::{self, Journal, JournalError, Phase, Record};
 use crate::validate::{RunId, Validated};
 use certistack_proto::v1 as pb;
 use ed25519_dalek::VerifyingKey;
@@ -24,10 +28,79 @@ pub enum RunState {
     Closed { at_unix_ms: i64 },
 }
 
+/// One run: its grant, its directory and its journal. Holding the journal lock serializes the
+/// run's operations, so journal order is operation order; other runs are not affected.
+#[derive(Debug)]
+pub struct RunHandle {
+    pub run_id: RunId,
+    pub grant: Arc<Grant>,
+    pub dir: PathBuf,
+    journal: tokio::sync::Mutex<Journal>,
+}
+
+impl RunHandle {
+    /// Locks the run for one operation.
+    pub async fn lock(&self) -> RunGuard<'_> {
+        RunGuard {
+            journal: self.journal.lock().await,
+        }
+    }
+
+    /// Reads the journal as it is on disk.
+    pub async fn records(&self) -> Result<Vec<Record>, JournalError> {
+        let guard = self.journal.lock().await;
+        let loaded = journal::read(guard.path(), self.run_id.as_str())?;
+        Ok(loaded.records)
+    }
+}
+
+/// A locked run: appends go to its journal, fsync'd before they return.
+#[derive(Debug)]
+pub struct RunGuard<'a> {
+    journal: tokio::sync::MutexGuard<'a, Journal>,
+}
+
+impl RunGuard<'_> {
+    pub fn append(
+        &mut self,
+        time_ms: i64,
+        op: &str,
+        resource: &str,
+        phase: Phase,
+        detail: serde_json::Value,
+    ) -> Result<Record, JournalError> {
+        // fsync blocks: on the daemon's multi-threaded runtime, tell it so other tasks move to
+        // another worker meanwhile.
+        let multi_thread = tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+        if multi_thread {
+            tokio::task::block_in_place(|| {
+                self.journal.append(time_ms, op, resource, phase, detail)
+            })
+        } else {
+            self.journal.append(time_ms, op, resource, phase, detail)
+        }
+    }
+
+    pub fn head_hex(&self) -> String {
+        self.journal.head_hex()
+    }
+
+    pub fn records(&self) -> Result<Vec<Record>, JournalError> {
+        Ok(journal::read(self.journal.path(), self.journal.run_id())?.records)
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct RunRecord {
-    pub grant: Arc<Grant>,
+    pub handle: Arc<RunHandle>,
     pub state: RunState,
+}
+
+impl RunRecord {
+    pub fn grant(&self) -> &Arc<Grant> {
+        &self.handle.grant
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -44,6 +117,8 @@ pub enum RunError {
     TooMany { open: usize, max: usize },
     #[error(transparent)]
     Store(#[from] FileError),
+    #[error(transparent)]
+    Journal(#[from] JournalError),
 }
 
 #[derive(Debug, Default)]
@@ -66,6 +141,7 @@ impl RunRegistry {
         state_dir: &Path,
         authority: &VerifyingKey,
         max_open: usize,
+        now_ms: i64,
     ) -> Result<Self, RunError> {
         let dir = state_dir.join("runs");
         files::create_private_dir(&dir)?;
@@ -89,23 +165,42 @@ impl RunRegistry {
             if closed.is_some() {
                 inner.closed.insert(run_id.clone());
             }
-            match load_grant(&run_dir, authority) {
-                Ok(grant) if grant.run_id == run_id => {
-                    let state =
-                        closed.map_or(RunState::Open, |at_unix_ms| RunState::Closed { at_unix_ms });
-                    inner.runs.insert(
-                        run_id,
-                        RunRecord {
-                            grant: Arc::new(grant),
-                            state,
-                        },
-                    );
+            let grant = match load_grant(&run_dir, authority) {
+                Ok(grant) if grant.run_id == run_id => grant,
+                Ok(_) => {
+                    tracing::error!(%run_id, "stored grant names another run; the run is not loaded");
+                    continue;
                 }
-                Ok(_) => tracing::warn!(%run_id, "stored grant names another run; ignoring it"),
                 Err(reason) => {
-                    tracing::warn!(%run_id, %reason, "stored grant does not verify; the run cannot resume")
+                    tracing::error!(%run_id, %reason, "stored grant does not verify; the run is not loaded");
+                    continue;
                 }
-            }
+            };
+            let journal = if run_dir.join(journal::FILE_NAME).exists() {
+                match Journal::open(&run_dir, run_id.as_str(), now_ms) {
+                    Ok((journal, _, torn)) => {
+                        if let Some(torn) = torn {
+                            tracing::warn!(%run_id, bytes = torn.bytes.len(), reason = %torn.reason, "journal had a torn last record; preserved it and journaled the repair");
+                        }
+                        journal
+                    }
+                    Err(error) => {
+                        tracing::error!(%run_id, %error, "journal cannot be used; the run is not loaded");
+                        continue;
+                    }
+                }
+            } else {
+                // A crash between storing the grant and creating the journal: nothing was done yet.
+                Journal::create(&run_dir, run_id.as_str())?
+            };
+            let state = closed.map_or(RunState::Open, |at_unix_ms| RunState::Closed { at_unix_ms });
+            let handle = Arc::new(RunHandle {
+                run_id: run_id.clone(),
+                grant: Arc::new(grant),
+                dir: run_dir,
+                journal: tokio::sync::Mutex::new(journal),
+            });
+            inner.runs.insert(run_id, RunRecord { handle, state });
         }
         Ok(Self {
             dir,
@@ -140,16 +235,17 @@ impl RunRegistry {
         &self,
         signed: &pb::SignedRunGrant,
         grant: Grant,
-        now_unix: i64,
+        now_ms: i64,
     ) -> Result<bool, RunError> {
         let run_id = grant.run_id.clone();
+        let now_unix = now_ms.div_euclid(1000);
         {
             let inner = self.lock();
             if inner.closed.contains(&run_id) {
                 return Err(RunError::Closed(run_id));
             }
             if let Some(existing) = inner.runs.get(&run_id) {
-                return if existing.grant.digest == grant.digest {
+                return if existing.grant().digest == grant.digest {
                     Ok(true)
                 } else {
                     Err(RunError::OtherGrant(run_id))
@@ -158,7 +254,7 @@ impl RunRegistry {
             let open = inner
                 .runs
                 .values()
-                .filter(|r| r.state == RunState::Open && r.grant.deadline_unix > now_unix)
+                .filter(|r| r.state == RunState::Open && r.grant().deadline_unix > now_unix)
                 .count();
             if open >= self.max_open {
                 return Err(RunError::TooMany {
@@ -170,34 +266,68 @@ impl RunRegistry {
         let run_dir = self.dir.join(run_id.as_str());
         files::create_private_dir(&run_dir)?;
         files::write_atomic(&run_dir.join(GRANT_FILE), &signed.encode_to_vec(), 0o600)?;
+        let mut journal = match Journal::create(&run_dir, run_id.as_str()) {
+            Ok(journal) => journal,
+            // A concurrent BeginRun of the same run created it first.
+            Err(JournalError::Exists(_)) => return Ok(true),
+            Err(e) => return Err(e.into()),
+        };
+        let detail = serde_json::json!({ "grant_sha256": hex::encode(grant.digest), "deadline_unix": grant.deadline_unix });
+        journal.append(
+            now_ms,
+            "run.begin",
+            &format!("run:{run_id}"),
+            Phase::Done,
+            detail,
+        )?;
+        let handle = Arc::new(RunHandle {
+            run_id: run_id.clone(),
+            grant: Arc::new(grant),
+            dir: run_dir,
+            journal: tokio::sync::Mutex::new(journal),
+        });
         let mut inner = self.lock();
         if inner.closed.contains(&run_id) {
             return Err(RunError::Closed(run_id));
         }
-        let record = RunRecord {
-            grant: Arc::new(grant),
-            state: RunState::Open,
-        };
-        Ok(inner.runs.insert(run_id, record).is_some())
+        Ok(inner
+            .runs
+            .insert(
+                run_id,
+                RunRecord {
+                    handle,
+                    state: RunState::Open,
+                },
+            )
+            .is_some())
     }
 
     /// Closes a run durably; refused for a run that is not open.
-    pub fn end(&self, run_id: &RunId, now_unix_ms: i64) -> Result<i64, RunError> {
-        match self.get(run_id).map(|r| r.state) {
-            None => return Err(RunError::NotBegun(run_id.clone())),
-            Some(RunState::Closed { .. }) => return Err(RunError::Closed(run_id.clone())),
-            Some(RunState::Open) => {}
+    pub async fn end(&self, run_id: &RunId, now_ms: i64) -> Result<i64, RunError> {
+        let record = self
+            .get(run_id)
+            .ok_or_else(|| RunError::NotBegun(run_id.clone()))?;
+        if let RunState::Closed { .. } = record.state {
+            return Err(RunError::Closed(run_id.clone()));
+        }
+        {
+            let mut run = record.handle.lock().await;
+            run.append(
+                now_ms,
+                "run.end",
+                &format!("run:{run_id}"),
+                Phase::Done,
+                serde_json::Value::Null,
+            )?;
         }
         let path = self.dir.join(run_id.as_str()).join(CLOSED_FILE);
-        files::write_atomic(&path, now_unix_ms.to_string().as_bytes(), 0o600)?;
+        files::write_atomic(&path, now_ms.to_string().as_bytes(), 0o600)?;
         let mut inner = self.lock();
         inner.closed.insert(run_id.clone());
         if let Some(record) = inner.runs.get_mut(run_id) {
-            record.state = RunState::Closed {
-                at_unix_ms: now_unix_ms,
-            };
+            record.state = RunState::Closed { at_unix_ms: now_ms };
         }
-        Ok(now_unix_ms)
+        Ok(now_ms)
     }
 }
 
@@ -223,8 +353,8 @@ mod tests {
     use crate::grant::tests::{full_wire_grant, sign};
     use ed25519_dalek::SigningKey;
 
-    #[test]
-    fn closed_runs_stay_closed_across_reopen() {
+    #[tokio::test(flavor = "multi_thread")]
+    async fn closed_runs_stay_closed_across_reopen() {
         let dir = std::env::temp_dir().join(format!("certistack-runs-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let key = SigningKey::from_bytes(&[1; 32]);
@@ -232,44 +362,63 @@ mod tests {
         let grant = crate::grant::verify(&signed, &key.verifying_key()).unwrap();
         let run_id = grant.run_id.clone();
 
-        let registry = RunRegistry::open(&dir, &key.verifying_key(), 1).unwrap();
-        assert!(!registry.begin(&signed, grant.clone(), 2_000).unwrap());
+        let registry = RunRegistry::open(&dir, &key.verifying_key(), 1, 0).unwrap();
+        assert!(!registry.begin(&signed, grant.clone(), 2_000_000).unwrap());
         assert!(
-            registry.begin(&signed, grant.clone(), 2_000).unwrap(),
+            registry.begin(&signed, grant.clone(), 2_000_000).unwrap(),
             "same grant resumes"
         );
-        registry.end(&run_id, 2_000_000).unwrap();
+        registry.end(&run_id, 2_000_500).await.unwrap();
         assert!(matches!(
-            registry.begin(&signed, grant.clone(), 2_000),
+            registry.begin(&signed, grant.clone(), 2_000_000),
             Err(RunError::Closed(_))
         ));
 
-        let reopened = RunRegistry::open(&dir, &key.verifying_key(), 1).unwrap();
+        let reopened = RunRegistry::open(&dir, &key.verifying_key(), 1, 0).unwrap();
         assert!(reopened.is_closed(&run_id));
         assert!(matches!(
-            reopened.begin(&signed, grant.clone(), 2_000),
+            reopened.begin(&signed, grant.clone(), 2_000_000),
             Err(RunError::Closed(_))
         ));
-        assert!(matches!(reopened.end(&run_id, 1), Err(RunError::Closed(_))));
+        assert!(matches!(
+            reopened.end(&run_id, 1).await,
+            Err(RunError::Closed(_))
+        ));
+        let ops: Vec<String> = reopened
+            .get(&run_id)
+            .unwrap()
+            .handle
+            .records()
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|r| r.entry.op)
+            .collect();
+        assert_eq!(ops, ["run.begin", "run.end"]);
         // Even with a rotated run-authority key, the closed marker still refuses the run.
-        let rotated =
-            RunRegistry::open(&dir, &SigningKey::from_bytes(&[9; 32]).verifying_key(), 1).unwrap();
+        let rotated = RunRegistry::open(
+            &dir,
+            &SigningKey::from_bytes(&[9; 32]).verifying_key(),
+            1,
+            0,
+        )
+        .unwrap();
         assert!(rotated.is_closed(&run_id));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
-    #[test]
-    fn open_runs_are_bounded() {
+    #[tokio::test(flavor = "multi_thread")]
+    async fn open_runs_are_bounded() {
         let dir = std::env::temp_dir().join(format!("certistack-runs-max-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let key = SigningKey::from_bytes(&[1; 32]);
-        let registry = RunRegistry::open(&dir, &key.verifying_key(), 1).unwrap();
+        let registry = RunRegistry::open(&dir, &key.verifying_key(), 1, 0).unwrap();
         let first = sign(&key, &full_wire_grant());
         registry
             .begin(
                 &first,
                 crate::grant::verify(&first, &key.verifying_key()).unwrap(),
-                2_000,
+                2_000_000,
             )
             .unwrap();
         let mut wire = full_wire_grant();
@@ -277,11 +426,11 @@ mod tests {
         let second = sign(&key, &wire);
         let grant = crate::grant::verify(&second, &key.verifying_key()).unwrap();
         assert!(matches!(
-            registry.begin(&second, grant.clone(), 2_000),
+            registry.begin(&second, grant.clone(), 2_000_000),
             Err(RunError::TooMany { open: 1, max: 1 })
         ));
         // Once the first run's deadline passed it no longer counts.
-        assert!(registry.begin(&second, grant, 5_000).is_ok());
+        assert!(registry.begin(&second, grant, 5_000_000).is_ok());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

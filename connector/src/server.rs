@@ -123,6 +123,7 @@ impl Connector {
             &config.paths.state_dir,
             &authority,
             config.limits.max_concurrent_runs,
+            clock.now_unix_ms(),
         )?);
         let service = ConnectorService::new(node, gate, authority, runs, executor, clock);
         Ok(Self {

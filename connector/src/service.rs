@@ -196,21 +196,21 @@ impl ConnectorService {
                         RunError::Closed(id.clone()).to_string(),
                     )));
                 }
-                if &record.grant.digest != grant_sha256 {
+                if &record.grant().digest != grant_sha256 {
                     return Err(refuse(Status::permission_denied(
                         "the certificate's grant digest differs from the grant this run began with",
                     )));
                 }
                 let now = self.clock.now_unix();
-                if now >= record.grant.deadline_unix {
+                if now >= record.grant().deadline_unix {
                     return Err(refuse(Status::permission_denied(format!(
                         "run {id} passed its grant deadline {} (node time {now}); an operator Cleanup reclaims what it left",
-                        record.grant.deadline_unix
+                        record.grant().deadline_unix
                     ))));
                 }
-                authorize(&record.grant, &action)
+                authorize(record.grant(), &action)
                     .map_err(|denial| refuse(Status::permission_denied(denial.to_string())))?;
-                Caller::Run(record.grant)
+                Caller::Run(record.handle.clone())
             }
         };
         let started = std::time::Instant::now();
@@ -317,13 +317,18 @@ impl Connector for ConnectorService {
             ))));
         }
         let deadline_unix = grant.deadline_unix;
-        let resumed = self.runs.begin(&signed, grant, now).map_err(|error| {
-            refuse(match error {
-                RunError::TooMany { .. } => Status::resource_exhausted(error.to_string()),
-                RunError::Store(_) => Status::internal(error.to_string()),
-                _ => Status::permission_denied(error.to_string()),
-            })
-        })?;
+        let resumed = self
+            .runs
+            .begin(&signed, grant, self.clock.now_unix_ms())
+            .map_err(|error| {
+                refuse(match error {
+                    RunError::TooMany { .. } => Status::resource_exhausted(error.to_string()),
+                    RunError::Store(_) | RunError::Journal(_) => {
+                        Status::internal(error.to_string())
+                    }
+                    _ => Status::permission_denied(error.to_string()),
+                })
+            })?;
         tracing::info!(rpc = rpc.name(), peer = %peer.label(), run_id = %run_id, resumed, "run open");
         Ok(Response::new(pb::BeginRunReply {
             run_id: run_id.to_string(),
@@ -346,6 +351,7 @@ impl Connector for ConnectorService {
         let closed_unix_ms = self
             .runs
             .end(run_id, self.clock.now_unix_ms())
+            .await
             .map_err(|error| {
                 self.refuse(
                     rpc,
@@ -353,7 +359,9 @@ impl Connector for ConnectorService {
                     run_id.as_str(),
                     match error {
                         RunError::NotBegun(_) => Status::failed_precondition(error.to_string()),
-                        RunError::Store(_) => Status::internal(error.to_string()),
+                        RunError::Store(_) | RunError::Journal(_) => {
+                            Status::internal(error.to_string())
+                        }
                         _ => Status::permission_denied(error.to_string()),
                     },
                 )
@@ -523,13 +531,13 @@ impl Connector for ConnectorService {
             .list()
             .into_iter()
             .map(|record| pb::RunSummary {
-                run_id: record.grant.run_id.to_string(),
+                run_id: record.grant().run_id.to_string(),
                 state: match record.state {
                     RunState::Closed { .. } => pb::RunState::Closed,
-                    RunState::Open if now >= record.grant.deadline_unix => pb::RunState::Expired,
+                    RunState::Open if now >= record.grant().deadline_unix => pb::RunState::Expired,
                     RunState::Open => pb::RunState::Open,
                 } as i32,
-                deadline_unix: record.grant.deadline_unix,
+                deadline_unix: record.grant().deadline_unix,
                 open_resources: Vec::new(),
             })
             .collect();
