@@ -1004,19 +1004,14 @@ async fn malformed_requests_are_invalid_arguments() {
     assert_eq!(node.executor.count(), 0);
 }
 
-#[tokio::test]
-async fn the_shipped_executor_answers_unimplemented_with_the_capability() {
-    use certistack_connector::executor::NodeExecutor;
-    use certistack_connector::service::SystemClock;
+#[tokio::test(flavor = "multi_thread")]
+async fn the_shipped_executor_reports_its_capabilities_and_names_missing_ones() {
     let dir = TempDir::new("shipped");
     let authority = controller(&dir.0);
-    let config = enroll(&authority, &dir.0.join("node"), NODE);
-    let connector = certistack_connector::server::Connector::new(
-        config,
-        std::sync::Arc::new(NodeExecutor),
-        std::sync::Arc::new(SystemClock),
-    )
-    .unwrap();
+    let mut config = enroll(&authority, &dir.0.join("node"), NODE);
+    // A node without proxmox-backup-client installed.
+    config.tools.proxmox_backup_client = dir.0.join("absent/proxmox-backup-client");
+    let connector = certistack_connector::server::Connector::for_node(config).unwrap();
     let listener = connector.bind().await.unwrap();
     let address = listener.local_addr().unwrap().to_string();
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
@@ -1028,35 +1023,91 @@ async fn the_shipped_executor_answers_unimplemented_with_the_capability() {
         .await
         .unwrap();
     let hello = c.hello(pb::HelloRequest {}).await.unwrap().into_inner();
-    assert_eq!(hello.capabilities, ["run.lifecycle"]);
+    assert_eq!(
+        hello.capabilities,
+        [
+            "run.lifecycle",
+            "backup.map",
+            "backup.unmap",
+            "overlay.create",
+            "overlay.delete",
+            "journal.read",
+            "recovery.cleanup"
+        ]
+    );
     c.begin_run(begin_request(&credentials)).await.unwrap();
     let results = call_every_operation(&mut c).await;
-    let capabilities = [
-        "backup.map",
-        "overlay.create",
-        "vm.create",
-        "sandbox.prepare",
-        "vm.start",
-        "vm.status",
-        "guest.qmp",
-        "guest.qga",
-        "guest.qga",
-        "sandbox.probe",
-        "vm.stop",
-        "vm.destroy",
-        "sandbox.release",
-        "overlay.delete",
-        "backup.unmap",
-        "journal.read",
-        "recovery.cleanup",
-    ];
-    for (result, capability) in results.into_iter().zip(capabilities) {
+    for (result, rpc) in results.into_iter().zip(EVERY_OPERATION) {
+        let missing = match rpc {
+            "CreateVm" => "vm.create",
+            "StartVm" => "vm.start",
+            "StopVm" => "vm.stop",
+            "DestroyVm" => "vm.destroy",
+            "VmStatus" => "vm.status",
+            "Qmp" => "guest.qmp",
+            "Qga" => "guest.qga",
+            "PrepareSandbox" => "sandbox.prepare",
+            "ReleaseSandbox" => "sandbox.release",
+            "Probe" => "sandbox.probe",
+            "MapBackup" => {
+                assert_status(
+                    result,
+                    Code::Internal,
+                    "check the tool path in the connector config",
+                );
+                continue;
+            }
+            "CreateOverlay" => {
+                assert_status(result, Code::FailedPrecondition, "not mapped by this run");
+                continue;
+            }
+            "UnmapBackup" => {
+                assert_status(
+                    result,
+                    Code::FailedPrecondition,
+                    "never completed; Cleanup reconciles it",
+                );
+                continue;
+            }
+            "DeleteOverlay" => {
+                assert_status(result, Code::NotFound, "has no overlay");
+                continue;
+            }
+            "ReadJournal" | "Cleanup" => {
+                result.unwrap();
+                continue;
+            }
+            other => panic!("unexpected {other}"),
+        };
         assert_status(
             result,
             Code::Unimplemented,
-            &format!("capability `{capability}`"),
+            &format!("capability `{missing}`"),
         );
     }
+    // The failed map is journaled: intent, then failed with the reason.
+    let mut stream = c
+        .read_journal(pb::ReadJournalRequest {
+            run_id: RUN_ID.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut steps = Vec::new();
+    while let Some(record) = stream.message().await.unwrap() {
+        steps.push(format!(
+            "{} {} {}",
+            record.operation, record.resource, record.phase
+        ));
+    }
+    assert_eq!(
+        &steps[..3],
+        [
+            "run.begin run:0f0e1c2d-3b4a-4c5d-8e6f-7a8b9c0d1e2f done",
+            "backup.map backup:drive-scsi0.img intent",
+            "backup.map backup:drive-scsi0.img failed"
+        ]
+    );
     c.end_run(pb::EndRunRequest {}).await.unwrap();
     tx.send(()).unwrap();
     task.await.unwrap().unwrap();

@@ -25,7 +25,34 @@ pub struct Config {
     #[serde(default)]
     pub tools: ToolPaths,
     #[serde(default)]
+    pub pve: PvePaths,
+    #[serde(default)]
     pub limits: Limits,
+}
+
+/// Where Proxmox keeps what the connector inspects; the defaults are PVE's own paths.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PvePaths {
+    /// QMP (`<vmid>.qmp`) and guest-agent (`<vmid>.qga`) sockets.
+    pub qemu_server_run_dir: PathBuf,
+    /// VM configs (`<vmid>.conf`), read to check a VM's run marker.
+    pub vm_config_dir: PathBuf,
+    /// Backing files of `proxmox-backup-client map` loop devices.
+    pub pbs_loopdev_dir: PathBuf,
+    /// The cluster database; overlays on the same filesystem draw a warning.
+    pub pve_cluster_dir: PathBuf,
+}
+
+impl Default for PvePaths {
+    fn default() -> Self {
+        Self {
+            qemu_server_run_dir: "/var/run/qemu-server".into(),
+            vm_config_dir: "/etc/pve/qemu-server".into(),
+            pbs_loopdev_dir: "/run/pbs-loopdev".into(),
+            pve_cluster_dir: "/var/lib/pve-cluster".into(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -75,6 +102,14 @@ pub struct Limits {
     pub max_concurrent_runs: usize,
     /// Largest request message accepted, in bytes.
     pub max_request_bytes: usize,
+    /// Seconds `proxmox-backup-client map` may take.
+    pub map_timeout_secs: u64,
+    /// Seconds any other tool call (`qm`, `qemu-img`, `unmap`) may take.
+    pub tool_timeout_secs: u64,
+    /// Seconds one QMP or guest-agent exchange may take.
+    pub guest_timeout_secs: u64,
+    /// Seconds after a grant's deadline before the daemon cleans up a run that was not ended.
+    pub expiry_grace_secs: u64,
 }
 
 impl Default for Limits {
@@ -82,6 +117,10 @@ impl Default for Limits {
         Self {
             max_concurrent_runs: 4,
             max_request_bytes: 64 * 1024,
+            map_timeout_secs: 120,
+            tool_timeout_secs: 60,
+            guest_timeout_secs: 10,
+            expiry_grace_secs: 300,
         }
     }
 }
@@ -120,7 +159,7 @@ impl Config {
             value: self.node_name.clone(),
             reason,
         })?;
-        let absolute: [(&'static str, &Path); 9] = [
+        let absolute: [(&'static str, &Path); 13] = [
             ("tls.certificate", &self.tls.certificate),
             ("tls.private_key", &self.tls.private_key),
             ("tls.controller_ca", &self.tls.controller_ca),
@@ -136,6 +175,10 @@ impl Config {
             ),
             ("tools.qm", &self.tools.qm),
             ("tools.qemu_img", &self.tools.qemu_img),
+            ("pve.qemu_server_run_dir", &self.pve.qemu_server_run_dir),
+            ("pve.vm_config_dir", &self.pve.vm_config_dir),
+            ("pve.pbs_loopdev_dir", &self.pve.pbs_loopdev_dir),
+            ("pve.pve_cluster_dir", &self.pve.pve_cluster_dir),
         ];
         for (key, value) in absolute {
             if !value.is_absolute() {
@@ -170,6 +213,31 @@ impl Config {
             self.limits.max_request_bytes,
             4096,
             4 * 1024 * 1024,
+        )?;
+        let secs = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
+        limit(
+            "limits.map_timeout_secs",
+            secs(self.limits.map_timeout_secs),
+            5,
+            3600,
+        )?;
+        limit(
+            "limits.tool_timeout_secs",
+            secs(self.limits.tool_timeout_secs),
+            5,
+            3600,
+        )?;
+        limit(
+            "limits.guest_timeout_secs",
+            secs(self.limits.guest_timeout_secs),
+            1,
+            600,
+        )?;
+        limit(
+            "limits.expiry_grace_secs",
+            secs(self.limits.expiry_grace_secs),
+            0,
+            86_400,
         )?;
         Ok(())
     }

@@ -1,9 +1,9 @@
 //! The executor interface: where an authorized [`Action`] becomes a side effect on the node.
 //!
 //! The service hands every operation to an [`Executor`] only after authentication, parsing and
-//! authorization succeeded. The daemon ships [`NodeExecutor`]; operations it does not implement
-//! yet answer `UNIMPLEMENTED` naming the missing capability, so a controller never mistakes an
-//! absent operation for a successful one.
+//! authorization succeeded. The daemon ships [`crate::node::NodeExecutor`]; operations it does
+//! not implement yet answer `UNIMPLEMENTED` naming the missing capability, so a controller never
+//! mistakes an absent operation for a successful one.
 
 use crate::action::Action;
 use crate::runs::RunHandle;
@@ -17,8 +17,8 @@ use std::sync::Arc;
 pub enum Caller {
     /// A run, with its grant and journal.
     Run(Arc<RunHandle>),
-    /// An operator (recovery and inspection only).
-    Operator(String),
+    /// An operator (recovery and inspection only), acting on one run.
+    Operator { name: String, run: Arc<RunHandle> },
 }
 
 /// What an executed action produced; one variant per reply type.
@@ -101,18 +101,11 @@ pub fn capability(action: &Action) -> &'static str {
     }
 }
 
-/// The executor the daemon ships. Node operations land here as they are implemented; until
-/// then each answers `UNIMPLEMENTED` with its capability name.
-#[derive(Debug, Default)]
-pub struct NodeExecutor;
-
-impl Executor for NodeExecutor {
-    fn capabilities(&self) -> Vec<&'static str> {
-        Vec::new()
-    }
-
-    fn execute<'a>(&'a self, _caller: &'a Caller, action: Action) -> ExecFuture<'a> {
-        let capability = capability(&action);
-        Box::pin(async move { Err(ExecError::Unimplemented { capability }) })
+impl Caller {
+    /// The run the action is for.
+    pub fn run(&self) -> &Arc<RunHandle> {
+        match self {
+            Caller::Run(run) | Caller::Operator { run, .. } => run,
+        }
     }
 }

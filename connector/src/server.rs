@@ -83,6 +83,16 @@ pub fn dns_names(der: &[u8]) -> Vec<String> {
 }
 
 impl Connector {
+    /// The daemon as shipped: the node executor and the system clock.
+    pub fn for_node(config: Config) -> Result<Self, ServeError> {
+        let clock: Arc<dyn Clock> = Arc::new(crate::service::SystemClock);
+        let executor = Arc::new(crate::node::NodeExecutor::new(
+            config.clone(),
+            clock.clone(),
+        ));
+        Self::new(config, executor, clock)
+    }
+
     pub fn new(
         config: Config,
         executor: Arc<dyn Executor>,

@@ -180,7 +180,27 @@ impl ConnectorService {
         let refuse = |status: Status| self.refuse(rpc, &peer.label(), &run_id, status);
         let action = parse(request.into_inner()).map_err(|e| refuse(invalid(e)))?;
         let caller = match &peer.client.identity {
-            Identity::Operator { name } => Caller::Operator(name.clone()),
+            Identity::Operator { name } => {
+                // Operators act on a named run (ReadJournal, Cleanup): resolve it here so the
+                // executor only ever sees runs this node knows.
+                let target = match &action {
+                    Action::ReadJournal { run_id } | Action::Cleanup { run_id } => run_id,
+                    _ => {
+                        return Err(refuse(Status::internal(
+                            "the policy admitted an operator to a run operation",
+                        )));
+                    }
+                };
+                let record = self.runs.get(target).ok_or_else(|| {
+                    refuse(Status::not_found(format!(
+                        "no run {target} on this node (see ListRuns)"
+                    )))
+                })?;
+                Caller::Operator {
+                    name: name.clone(),
+                    run: record.handle,
+                }
+            }
             Identity::Run {
                 run_id: id,
                 grant_sha256,

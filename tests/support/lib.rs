@@ -12,7 +12,7 @@
 )]
 
 use certistack_connector::action::Action;
-use certistack_connector::config::{Config, Limits, StatePaths, TlsFiles, ToolPaths};
+use certistack_connector::config::{Config, Limits, PvePaths, StatePaths, TlsFiles, ToolPaths};
 use certistack_connector::executor::{Caller, ExecFuture, Executor, Outcome, capability};
 use certistack_connector::server::Connector;
 use certistack_connector::service::{Clock, SystemClock};
@@ -170,6 +170,7 @@ pub fn node_config(dir: &Path, node: &str) -> Config {
             overlay_root: dir.join("overlays"),
         },
         tools: ToolPaths::default(),
+        pve: PvePaths::default(),
         limits: Limits::default(),
     }
 }

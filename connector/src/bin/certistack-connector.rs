@@ -4,14 +4,11 @@
 
 use anyhow::Context;
 use certistack_connector::config::{self, Config};
-use certistack_connector::executor::NodeExecutor;
 use certistack_connector::server::Connector;
-use certistack_connector::service::SystemClock;
 use certistack_connector::{enroll, tls};
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Arc;
 
 const EXIT_CODES: &str = "Exit codes: 0 success; 1 the daemon failed while running; \
 2 usage error; 3 refused to start (config, key or certificate missing, insecure or inconsistent).";
@@ -101,8 +98,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
     match cli.command.unwrap_or(Command::Serve) {
         Command::Serve => serve(config),
         Command::Check => {
-            Connector::new(config, Arc::new(NodeExecutor), Arc::new(SystemClock))
-                .map_err(|e| Failure::Refused(e.into()))?;
+            Connector::for_node(config).map_err(|e| Failure::Refused(e.into()))?;
             println!("configuration ok");
             Ok(())
         }
@@ -140,8 +136,7 @@ fn serve(config: Config) -> Result<(), Failure> {
         .context("starting the async runtime")
         .map_err(Failure::Runtime)?;
     runtime.block_on(async {
-        let connector = Connector::new(config, Arc::new(NodeExecutor), Arc::new(SystemClock))
-            .map_err(|e| Failure::Refused(e.into()))?;
+        let connector = Connector::for_node(config).map_err(|e| Failure::Refused(e.into()))?;
         let listener = connector
             .bind()
             .await

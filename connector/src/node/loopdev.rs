@@ -1,0 +1,119 @@
+//! Loop devices as the kernel reports them (`/sys/block/loopN`), and the names
+//! `proxmox-backup-client map` gives its backing files.
+
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoopDevice {
+    /// `/dev/loopN`
+    pub device: String,
+    pub read_only: bool,
+    pub backing_file: PathBuf,
+}
+
+/// `/dev/loopN` → `loopN`, refusing anything else.
+pub fn kernel_name(device: &str) -> Option<&str> {
+    let name = device.strip_prefix("/dev/")?;
+    let number = name.strip_prefix("loop")?;
+    (!number.is_empty() && number.len() <= 6 && number.bytes().all(|b| b.is_ascii_digit()))
+        .then_some(name)
+}
+
+/// Reads one loop device's state; `None` when it is not attached.
+pub fn inspect(sys_block: &Path, device: &str) -> Option<LoopDevice> {
+    let name = kernel_name(device)?;
+    let dir = sys_block.join(name);
+    let backing = std::fs::read_to_string(dir.join("loop/backing_file")).ok()?;
+    let backing = backing.trim_end_matches('\n');
+    let backing = backing.strip_suffix(" (deleted)").unwrap_or(backing);
+    let read_only = std::fs::read_to_string(dir.join("ro"))
+        .map(|s| s.trim() == "1")
+        .unwrap_or(false);
+    Some(LoopDevice {
+        device: device.to_owned(),
+        read_only,
+        backing_file: PathBuf::from(backing),
+    })
+}
+
+/// Every attached loop device.
+pub fn attached(sys_block: &Path) -> Vec<LoopDevice> {
+    let Ok(entries) = std::fs::read_dir(sys_block) else {
+        return Vec::new();
+    };
+    let mut devices: Vec<LoopDevice> = entries
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|name| name.starts_with("loop"))
+        .filter_map(|name| inspect(sys_block, &format!("/dev/{name}")))
+        .collect();
+    devices.sort_by(|a, b| a.device.cmp(&b.device));
+    devices
+}
+
+/// systemd's unit-name escaping (`systemd-escape`), which `proxmox-backup-client` applies to
+/// the name of a mapping: `/` → `-`; ASCII letters, digits, `:`, `_` and a non-leading `.`
+/// stay; every other byte becomes `\xNN`.
+pub fn systemd_escape(name: &str) -> String {
+    let mut out = String::with_capacity(name.len() * 2);
+    for (i, byte) in name.bytes().enumerate() {
+        match byte {
+            b'/' => out.push('-'),
+            b'.' if i > 0 => out.push('.'),
+            b if b.is_ascii_alphanumeric() || b == b':' || b == b'_' => out.push(char::from(b)),
+            b => out.push_str(&format!("\\x{b:02x}")),
+        }
+    }
+    out
+}
+
+/// The backing file a mapping of `archive` of `snapshot` from `repository` gets.
+pub fn backing_file_name(repository: &str, snapshot: &str, archive: &str) -> String {
+    systemd_escape(&format!("{repository}:{snapshot}/{archive}"))
+}
+
+/// The `/dev/loopN` of a `… mapped on /dev/loopN` line, if the output has exactly one.
+pub fn parse_mapped_on(stderr: &str) -> Option<String> {
+    let mut found = stderr.lines().filter_map(|line| {
+        let device = line.trim_end().rsplit_once(" mapped on ")?.1;
+        kernel_name(device).map(|_| device.to_owned())
+    });
+    let first = found.next()?;
+    found.next().is_none().then_some(first)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn escaping_matches_systemd_escape() {
+        // Checked against `systemd-escape 'certistack@pbs!restore@pbs.lab:8007:store1:vm/100/2026-11-01T02:00:00Z/drive-scsi0.img'`.
+        assert_eq!(
+            backing_file_name(
+                "certistack@pbs!restore@pbs.lab:8007:store1",
+                "vm/100/2026-11-01T02:00:00Z",
+                "drive-scsi0.img"
+            ),
+            "certistack\\x40pbs\\x21restore\\x40pbs.lab:8007:store1:vm-100-2026\\x2d11\\x2d01T02:00:00Z-drive\\x2dscsi0.img"
+        );
+        assert_eq!(systemd_escape(".hidden"), "\\x2ehidden");
+    }
+
+    #[test]
+    fn mapped_on_lines() {
+        let out = "some progress\nImage 'r:vm/100/2026-11-01T02:00:00Z/drive-scsi0.img' mapped on /dev/loop7\n";
+        assert_eq!(parse_mapped_on(out), Some("/dev/loop7".into()));
+        assert_eq!(
+            parse_mapped_on("Error: manifest does not contain file 'x.img.fidx'\n"),
+            None
+        );
+        assert_eq!(parse_mapped_on("x mapped on /dev/sda\n"), None);
+        assert_eq!(
+            parse_mapped_on("a mapped on /dev/loop1\nb mapped on /dev/loop2\n"),
+            None
+        );
+        assert_eq!(kernel_name("/dev/loop12"), Some("loop12"));
+        assert_eq!(kernel_name("/dev/loop1/../sda"), None);
+        assert_eq!(kernel_name("/dev/loop"), None);
+    }
+}

@@ -1,0 +1,124 @@
+//! What a run has on the node, as its journal says.
+//!
+//! Every side effect is journaled under a resource key (`backup:<archive>`,
+//! `overlay:<vmid>:<archive>`, `dir:overlays`, ...). A resource is open when its last record is
+//! not `undone`: an `intent` without an outcome (the daemon died in between), a `done`, or a
+//! `failed` that may have left something behind. Cleanup reverses open resources newest first.
+
+use crate::journal::{Phase, Record};
+use std::collections::BTreeMap;
+
+/// The last record of one resource.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ResourceState {
+    pub key: String,
+    pub last: Record,
+    /// The detail of the last `done` record of the creating operation, if any.
+    pub done_detail: Option<serde_json::Value>,
+}
+
+impl ResourceState {
+    pub fn is_open(&self) -> bool {
+        self.last.entry.phase != Phase::Undone
+    }
+}
+
+/// Every resource the journal mentions, keyed by resource.
+pub fn states(records: &[Record]) -> BTreeMap<String, ResourceState> {
+    let mut states: BTreeMap<String, ResourceState> = BTreeMap::new();
+    for record in records {
+        if record.entry.resource.starts_with("run:") || record.entry.op.starts_with("journal.") {
+            continue;
+        }
+        let state = states
+            .entry(record.entry.resource.clone())
+            .or_insert_with(|| ResourceState {
+                key: record.entry.resource.clone(),
+                last: record.clone(),
+                done_detail: None,
+            });
+        if record.entry.phase == Phase::Done
+            && !record.entry.op.ends_with(".delete")
+            && !record.entry.op.ends_with(".unmap")
+        {
+            state.done_detail = Some(record.entry.detail.clone());
+        }
+        state.last = record.clone();
+    }
+    states
+}
+
+/// Open resources, the most recently touched first: the order cleanup undoes them in.
+pub fn open_newest_first(records: &[Record]) -> Vec<ResourceState> {
+    let mut open: Vec<ResourceState> = states(records)
+        .into_values()
+        .filter(ResourceState::is_open)
+        .collect();
+    open.sort_by_key(|s| std::cmp::Reverse(s.last.entry.seq));
+    open
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::journal::Journal;
+    use serde_json::json;
+
+    #[test]
+    fn open_resources_follow_the_last_record() {
+        let dir = std::env::temp_dir().join(format!("certistack-resources-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let run = "0f0e1c2d-3b4a-4c5d-8e6f-7a8b9c0d1e2f";
+        let mut j = Journal::create(&dir, run).unwrap();
+        let mut records = Vec::new();
+        let mut add = |op: &str, res: &str, phase, detail| {
+            records.push(j.append(0, op, res, phase, detail).unwrap())
+        };
+        add("run.begin", "run:x", Phase::Done, json!(null));
+        add("backup.map", "backup:a.img", Phase::Intent, json!(null));
+        add(
+            "backup.map",
+            "backup:a.img",
+            Phase::Done,
+            json!({"loop_device": "/dev/loop3"}),
+        );
+        add(
+            "overlay.create",
+            "overlay:9100:a.img",
+            Phase::Intent,
+            json!(null),
+        );
+        add(
+            "overlay.create",
+            "overlay:9100:a.img",
+            Phase::Done,
+            json!({}),
+        );
+        add("backup.map", "backup:b.img", Phase::Intent, json!(null));
+        add(
+            "overlay.delete",
+            "overlay:9100:a.img",
+            Phase::Intent,
+            json!(null),
+        );
+        add(
+            "overlay.delete",
+            "overlay:9100:a.img",
+            Phase::Undone,
+            json!(null),
+        );
+        let open = open_newest_first(&records);
+        let keys: Vec<&str> = open.iter().map(|s| s.key.as_str()).collect();
+        assert_eq!(keys, ["backup:b.img", "backup:a.img"]);
+        assert_eq!(
+            open[1].done_detail,
+            Some(json!({"loop_device": "/dev/loop3"}))
+        );
+        assert_eq!(
+            open[0].done_detail, None,
+            "an intent without outcome has no detail"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
