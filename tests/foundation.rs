@@ -619,6 +619,60 @@ async fn run_is_refused_after_end_run_also_across_restart() {
     assert_eq!(runs[0].state, pb::RunState::Closed as i32);
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn a_run_nobody_ends_is_cleaned_up_and_closed_after_its_deadline() {
+    let dir = TempDir::new("expiry");
+    let authority = controller(&dir.0);
+    let mut config = enroll(&authority, &dir.0.join("node"), NODE);
+    config.limits.expiry_grace_secs = 0;
+    let clock = std::sync::Arc::new(ManualClock::default());
+    let executor = std::sync::Arc::new(RecordingExecutor::default());
+    let node = TestNode::serve(
+        dir.0.join("node"),
+        config.clone(),
+        executor.clone(),
+        clock.clone(),
+    )
+    .await;
+    let credentials = mint(&authority, &grant(RUN_ID, NODE));
+    let mut client = run_client(&authority, &node, &credentials).await;
+    client.begin_run(begin_request(&credentials)).await.unwrap();
+    client
+        .vm_status(pb::VmRequest { vmid: VMID })
+        .await
+        .unwrap();
+
+    clock.advance(time::Duration::hours(2));
+    let closed = config
+        .paths
+        .state_dir
+        .join("runs")
+        .join(RUN_ID)
+        .join("closed");
+    for _ in 0..50 {
+        if closed.exists() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert!(closed.exists(), "the expired run was not closed");
+    assert_eq!(executor.rpcs(), ["VmStatus", "Cleanup"]);
+    let journal = std::fs::read_to_string(
+        config
+            .paths
+            .state_dir
+            .join("runs")
+            .join(RUN_ID)
+            .join("journal"),
+    )
+    .unwrap();
+    let ops: Vec<&str> = journal
+        .lines()
+        .filter_map(|l| l.split("\"op\":\"").nth(1)?.split('"').next())
+        .collect();
+    assert_eq!(ops, ["run.begin", "run.expired"]);
+}
+
 #[tokio::test]
 async fn identities_are_confined_to_their_rpcs() {
     let (_dir, authority, node) = started("confined").await;
@@ -1031,6 +1085,11 @@ async fn the_shipped_executor_reports_its_capabilities_and_names_missing_ones() 
             "backup.unmap",
             "overlay.create",
             "overlay.delete",
+            "vm.create",
+            "vm.start",
+            "vm.stop",
+            "vm.destroy",
+            "vm.status",
             "journal.read",
             "recovery.cleanup"
         ]
@@ -1039,11 +1098,22 @@ async fn the_shipped_executor_reports_its_capabilities_and_names_missing_ones() 
     let results = call_every_operation(&mut c).await;
     for (result, rpc) in results.into_iter().zip(EVERY_OPERATION) {
         let missing = match rpc {
-            "CreateVm" => "vm.create",
-            "StartVm" => "vm.start",
-            "StopVm" => "vm.stop",
-            "DestroyVm" => "vm.destroy",
-            "VmStatus" => "vm.status",
+            "CreateVm" => {
+                assert_status(
+                    result,
+                    Code::FailedPrecondition,
+                    "VM 9100 has no overlay of drive-scsi0.img",
+                );
+                continue;
+            }
+            "StartVm" | "StopVm" | "DestroyVm" | "VmStatus" => {
+                assert_status(
+                    result,
+                    Code::FailedPrecondition,
+                    "VM 9100 was not created by this run",
+                );
+                continue;
+            }
             "Qmp" => "guest.qmp",
             "Qga" => "guest.qga",
             "PrepareSandbox" => "sandbox.prepare",

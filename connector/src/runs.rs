@@ -304,6 +304,15 @@ impl RunRegistry {
 
     /// Closes a run durably; refused for a run that is not open.
     pub async fn end(&self, run_id: &RunId, now_ms: i64) -> Result<i64, RunError> {
+        self.close(run_id, now_ms, "run.end").await
+    }
+
+    /// Closes a run the daemon cleaned up after its deadline passed.
+    pub async fn expire(&self, run_id: &RunId, now_ms: i64) -> Result<i64, RunError> {
+        self.close(run_id, now_ms, "run.expired").await
+    }
+
+    async fn close(&self, run_id: &RunId, now_ms: i64, op: &str) -> Result<i64, RunError> {
         let record = self
             .get(run_id)
             .ok_or_else(|| RunError::NotBegun(run_id.clone()))?;
@@ -314,7 +323,7 @@ impl RunRegistry {
             let mut run = record.handle.lock().await;
             run.append(
                 now_ms,
-                "run.end",
+                op,
                 &format!("run:{run_id}"),
                 Phase::Done,
                 serde_json::Value::Null,

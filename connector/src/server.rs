@@ -135,7 +135,15 @@ impl Connector {
             config.limits.max_concurrent_runs,
             clock.now_unix_ms(),
         )?);
-        let service = ConnectorService::new(node, gate, authority, runs, executor, clock);
+        let service = ConnectorService::new(
+            node,
+            gate,
+            authority,
+            runs,
+            executor,
+            clock,
+            config.limits.expiry_grace_secs,
+        );
         Ok(Self {
             config,
             tls,
@@ -165,16 +173,32 @@ impl Connector {
             .unwrap_or_default();
         tracing::info!(%address, node = %self.config.node_name, digest = certistack_proto::SURFACE_DIGEST, "serving");
         let limit = self.config.limits.max_request_bytes;
-        let service = ConnectorServer::new(self.service)
+        let service = Arc::new(self.service);
+        // Runs nobody ended are reclaimed after their deadline plus the grace.
+        let reaper = {
+            let service = service.clone();
+            let every =
+                Duration::from_secs((self.config.limits.expiry_grace_secs / 2).clamp(1, 30));
+            tokio::spawn(async move {
+                let mut ticks = tokio::time::interval(every);
+                loop {
+                    ticks.tick().await;
+                    service.reap_expired().await;
+                }
+            })
+        };
+        let service = ConnectorServer::from_arc(service)
             .max_decoding_message_size(limit)
             .max_encoding_message_size(4 * 1024 * 1024);
-        tonic::transport::Server::builder()
+        let served = tonic::transport::Server::builder()
             .concurrency_limit_per_connection(32)
             .http2_keepalive_interval(Some(Duration::from_secs(30)))
             .http2_keepalive_timeout(Some(Duration::from_secs(10)))
             .add_service(service)
             .serve_with_incoming_shutdown(tls::incoming(listener, self.tls), shutdown)
-            .await?;
+            .await;
+        reaper.abort();
+        served?;
         tracing::info!("stopped");
         Ok(())
     }

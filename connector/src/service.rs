@@ -53,6 +53,8 @@ pub struct ConnectorService {
     runs: Arc<RunRegistry>,
     executor: Arc<dyn Executor>,
     clock: Arc<dyn Clock>,
+    /// Seconds after a grant's deadline before the daemon cleans up a run nobody ended.
+    expiry_grace_secs: i64,
 }
 
 impl std::fmt::Debug for ConnectorService {
@@ -94,14 +96,72 @@ impl ConnectorService {
         runs: Arc<RunRegistry>,
         executor: Arc<dyn Executor>,
         clock: Arc<dyn Clock>,
+        expiry_grace_secs: u64,
     ) -> Self {
         Self {
+            expiry_grace_secs: i64::try_from(expiry_grace_secs).unwrap_or(i64::MAX),
             node,
             gate,
             authority,
             runs,
             executor,
             clock,
+        }
+    }
+
+    /// Cleans up every open run whose deadline plus the grace has passed, journals it as
+    /// expired and closes it. A run whose cleanup leaves residue stays open (and listed) for an
+    /// operator, and is retried on the next pass.
+    pub async fn reap_expired(&self) {
+        let now = self.clock.now_unix();
+        for record in self.runs.list() {
+            let deadline = record.grant().deadline_unix;
+            if record.state != RunState::Open
+                || now < deadline.saturating_add(self.expiry_grace_secs)
+            {
+                continue;
+            }
+            let run_id = record.grant().run_id.clone();
+            let caller = Caller::Operator {
+                name: "expiry".into(),
+                run: record.handle.clone(),
+            };
+            let result = self
+                .executor
+                .execute(
+                    &caller,
+                    Action::Cleanup {
+                        run_id: run_id.clone(),
+                    },
+                )
+                .await;
+            match result {
+                Ok(Outcome::Cleanup(reply))
+                    if reply.residue.is_empty()
+                        && !reply
+                            .resources
+                            .iter()
+                            .any(|r| r.end_state.starts_with("failed")) =>
+                {
+                    match self.runs.expire(&run_id, self.clock.now_unix_ms()).await {
+                        Ok(_) => {
+                            tracing::warn!(%run_id, deadline, "run passed its deadline without EndRun: cleaned up and closed as expired")
+                        }
+                        Err(error) => {
+                            tracing::error!(%run_id, %error, "cannot close the expired run")
+                        }
+                    }
+                }
+                Ok(Outcome::Cleanup(reply)) => {
+                    tracing::error!(%run_id, residue = ?reply.residue, "expired run left residue; an operator must look at it")
+                }
+                Ok(_) => {
+                    tracing::error!(%run_id, "the executor answered Cleanup with the wrong reply type")
+                }
+                Err(error) => {
+                    tracing::error!(%run_id, %error, "cleanup of the expired run failed; retrying on the next pass")
+                }
+            }
         }
     }
 
@@ -546,11 +606,24 @@ impl Connector for ConnectorService {
     ) -> Result<Response<pb::ListRunsReply>, Status> {
         let peer = self.authenticate(&request, Rpc::ListRuns)?;
         let now = self.clock.now_unix();
-        let runs = self
-            .runs
-            .list()
-            .into_iter()
-            .map(|record| pb::RunSummary {
+        let mut runs = Vec::new();
+        for record in self.runs.list() {
+            // What the run still has on the node, as its journal says.
+            let open_resources = match record.handle.records().await {
+                Ok(records) => crate::node::resources::open_newest_first(&records)
+                    .into_iter()
+                    .map(|state| {
+                        format!(
+                            "{} ({} {})",
+                            state.key,
+                            state.last.entry.op,
+                            state.last.entry.phase.name()
+                        )
+                    })
+                    .collect(),
+                Err(error) => vec![format!("journal unreadable: {error}")],
+            };
+            runs.push(pb::RunSummary {
                 run_id: record.grant().run_id.to_string(),
                 state: match record.state {
                     RunState::Closed { .. } => pb::RunState::Closed,
@@ -558,9 +631,9 @@ impl Connector for ConnectorService {
                     RunState::Open => pb::RunState::Open,
                 } as i32,
                 deadline_unix: record.grant().deadline_unix,
-                open_resources: Vec::new(),
-            })
-            .collect();
+                open_resources,
+            });
+        }
         tracing::info!(rpc = "ListRuns", peer = %peer.label(), "done");
         Ok(Response::new(pb::ListRunsReply { runs }))
     }

@@ -412,3 +412,181 @@ pub fn binary(name: &str) -> PathBuf {
     );
     path
 }
+
+/// Whether tests that need root, loop devices and the lab tools may run here. Elsewhere they
+/// skip with a printed reason, except under `CERTISTACK_REQUIRE_PRIVILEGED_TESTS=1` (CI), where
+/// a skip is a failure.
+pub fn privileged(test: &str, tools: &[&str]) -> bool {
+    let mut missing = Vec::new();
+    if rustix::process::geteuid().as_raw() != 0 {
+        missing.push("root".to_owned());
+    }
+    if !Path::new("/dev/loop-control").exists() {
+        missing.push("/dev/loop-control".to_owned());
+    }
+    for tool in tools {
+        let found = ["/usr/sbin", "/usr/bin", "/sbin", "/bin"]
+            .iter()
+            .any(|dir| Path::new(dir).join(tool).exists());
+        if !found {
+            missing.push((*tool).to_owned());
+        }
+    }
+    if missing.is_empty() {
+        return true;
+    }
+    let reason = format!("{test}: needs {}", missing.join(", "));
+    if std::env::var("CERTISTACK_REQUIRE_PRIVILEGED_TESTS").as_deref() == Ok("1") {
+        panic!("{reason}, and CERTISTACK_REQUIRE_PRIVILEGED_TESTS=1 forbids skipping it");
+    }
+    eprintln!("SKIPPED {reason}");
+    false
+}
+
+/// A simulated Proxmox VE node: the test doubles of `proxmox-backup-client` and `qm` under
+/// `<root>/bin`, their state under `<root>`, and a connector config pointing at both.
+pub struct Lab {
+    pub root: PathBuf,
+    pub _dir: TempDir,
+}
+
+pub const PBS_PASSWORD: &str = "correct horse battery staple";
+
+impl Lab {
+    pub fn new(tag: &str) -> Self {
+        let dir = TempDir::new(tag);
+        let root = dir.0.join("lab");
+        let bin = root.join("bin");
+        std::fs::create_dir_all(&bin).unwrap();
+        let doubles = Path::new(env!("CARGO_MANIFEST_DIR")).join("doubles");
+        for tool in ["proxmox-backup-client", "qm"] {
+            let target = bin.join(tool);
+            std::fs::copy(doubles.join(tool), &target).unwrap();
+            std::fs::set_permissions(&target, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+                .unwrap();
+        }
+        let fingerprint = ["ab"; 32].join(":");
+        let settings = serde_json::json!({
+            "node": NODE,
+            "pbs_password": PBS_PASSWORD,
+            "pbs_fingerprint": fingerprint,
+        });
+        std::fs::write(root.join("double.json"), settings.to_string()).unwrap();
+        Self { root, _dir: dir }
+    }
+
+    /// Stores a raw disk image as `<archive>` of `<snapshot>` in datastore `store1`; its first
+    /// bytes are `marker`.
+    pub fn add_backup(&self, snapshot: &str, archive: &str, marker: &[u8], size: u64) -> PathBuf {
+        let dir = self.root.join("pbs/store1").join(snapshot);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(archive);
+        let file = std::fs::File::create(&path).unwrap();
+        file.set_len(size).unwrap();
+        std::os::unix::fs::FileExt::write_all_at(&file, marker, 0).unwrap();
+        path
+    }
+
+    /// A connector config for this lab, in `node_dir`, enrolled with `authority`.
+    pub fn node_config(&self, authority: &Authority, node_dir: &Path) -> Config {
+        let mut config = enroll(authority, node_dir, NODE);
+        config.tools.proxmox_backup_client = self.root.join("bin/proxmox-backup-client");
+        config.tools.qm = self.root.join("bin/qm");
+        config.pve.qemu_server_run_dir = self.root.join("var/run/qemu-server");
+        config.pve.vm_config_dir = self.root.join("etc/pve/qemu-server");
+        config.pve.pbs_loopdev_dir = self.root.join("run/pbs-loopdev");
+        config.pve.pve_cluster_dir = self.root.join("var/lib/pve-cluster");
+        config.paths.overlay_root = self.root.join("overlays");
+        config
+    }
+
+    /// Every invocation the doubles logged.
+    pub fn calls(&self) -> Vec<serde_json::Value> {
+        std::fs::read_to_string(self.root.join("calls.log"))
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    }
+}
+
+impl Drop for Lab {
+    /// A test that failed half-way must not leave loop devices, VMs or agents behind: stop what
+    /// the doubles started under this root and detach its loop devices.
+    fn drop(&mut self) {
+        let conf_dir = self.root.join("etc/pve/qemu-server");
+        if let Ok(entries) = std::fs::read_dir(&conf_dir) {
+            for entry in entries.flatten() {
+                if let Some(vmid) = entry
+                    .file_name()
+                    .to_str()
+                    .and_then(|n| n.strip_suffix(".conf"))
+                {
+                    let _ = std::process::Command::new(self.root.join("bin/qm"))
+                        .args(["stop", vmid])
+                        .output();
+                }
+            }
+        }
+        for (device, _) in loops_under(&self.root) {
+            let _ = std::process::Command::new(self.root.join("bin/proxmox-backup-client"))
+                .args(["unmap", &device])
+                .output();
+            let _ = std::process::Command::new("losetup")
+                .args(["-d", &device])
+                .output();
+        }
+    }
+}
+
+/// Loop devices whose backing file lies under `dir`.
+pub fn loops_under(dir: &Path) -> Vec<(String, PathBuf)> {
+    certistack_connector::node::loopdev::attached(Path::new("/sys/block"))
+        .into_iter()
+        .filter(|l| l.backing_file.starts_with(dir))
+        .map(|l| (l.device, l.backing_file))
+        .collect()
+}
+
+/// The shipped connector (node executor, system clock) on loopback.
+pub async fn serve_node(
+    config: Config,
+) -> (
+    String,
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<()>,
+) {
+    let connector = Connector::for_node(config).unwrap();
+    let listener = connector.bind().await.unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        connector
+            .serve(listener, async {
+                let _ = rx.await;
+            })
+            .await
+            .unwrap();
+    });
+    (address, tx, task)
+}
+
+/// A clock that runs with the system clock plus an offset the test moves.
+#[derive(Default)]
+pub struct ManualClock {
+    pub offset_ms: std::sync::atomic::AtomicI64,
+}
+
+impl ManualClock {
+    pub fn advance(&self, by: time::Duration) {
+        let ms = i64::try_from(by.whole_milliseconds()).unwrap();
+        self.offset_ms
+            .fetch_add(ms, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Clock for ManualClock {
+    fn now_unix_ms(&self) -> i64 {
+        SystemClock.now_unix_ms() + self.offset_ms.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}

@@ -50,16 +50,17 @@ pub fn attached(sys_block: &Path) -> Vec<LoopDevice> {
     devices
 }
 
-/// systemd's unit-name escaping (`systemd-escape`), which `proxmox-backup-client` applies to
-/// the name of a mapping: `/` → `-`; ASCII letters, digits, `:`, `_` and a non-leading `.`
-/// stay; every other byte becomes `\xNN`.
-pub fn systemd_escape(name: &str) -> String {
+/// The unit-name escaping `proxmox-backup-client` applies to the name of a mapping
+/// (`proxmox_sys::systemd::escape_unit(name, false)`): `/` → `-`; ASCII letters, digits, `_` and
+/// a non-leading `.` stay; every other byte, `:` and `-` included, becomes `\xNN`. (Unlike
+/// `systemd-escape`, it escapes `:`.)
+pub fn escape_unit(name: &str) -> String {
     let mut out = String::with_capacity(name.len() * 2);
     for (i, byte) in name.bytes().enumerate() {
         match byte {
             b'/' => out.push('-'),
             b'.' if i > 0 => out.push('.'),
-            b if b.is_ascii_alphanumeric() || b == b':' || b == b'_' => out.push(char::from(b)),
+            b if b.is_ascii_alphanumeric() || b == b'_' => out.push(char::from(b)),
             b => out.push_str(&format!("\\x{b:02x}")),
         }
     }
@@ -68,7 +69,7 @@ pub fn systemd_escape(name: &str) -> String {
 
 /// The backing file a mapping of `archive` of `snapshot` from `repository` gets.
 pub fn backing_file_name(repository: &str, snapshot: &str, archive: &str) -> String {
-    systemd_escape(&format!("{repository}:{snapshot}/{archive}"))
+    escape_unit(&format!("{repository}:{snapshot}/{archive}"))
 }
 
 /// The `/dev/loopN` of a `… mapped on /dev/loopN` line, if the output has exactly one.
@@ -86,17 +87,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn escaping_matches_systemd_escape() {
-        // Checked against `systemd-escape 'certistack@pbs!restore@pbs.lab:8007:store1:vm/100/2026-11-01T02:00:00Z/drive-scsi0.img'`.
+    fn escaping_matches_proxmox_escape_unit() {
         assert_eq!(
             backing_file_name(
                 "certistack@pbs!restore@pbs.lab:8007:store1",
                 "vm/100/2026-11-01T02:00:00Z",
                 "drive-scsi0.img"
             ),
-            "certistack\\x40pbs\\x21restore\\x40pbs.lab:8007:store1:vm-100-2026\\x2d11\\x2d01T02:00:00Z-drive\\x2dscsi0.img"
+            "certistack\\x40pbs\\x21restore\\x40pbs.lab\\x3a8007\\x3astore1\\x3avm-100-2026\\x2d11\\x2d01T02\\x3a00\\x3a00Z-drive\\x2dscsi0.img"
         );
-        assert_eq!(systemd_escape(".hidden"), "\\x2ehidden");
+        assert_eq!(escape_unit(".hidden"), "\\x2ehidden");
     }
 
     #[test]

@@ -8,6 +8,7 @@
 
 pub mod loopdev;
 pub mod resources;
+pub mod vm;
 
 use crate::action::{Action, EncryptionKey};
 use crate::config::Config;
@@ -225,7 +226,8 @@ impl NodeExecutor {
             )));
         };
         let expected = self.expected_backing(grant, &archive);
-        let problem = match loopdev::inspect(&self.sys_block, &device) {
+        let observed = loopdev::inspect(&self.sys_block, &device);
+        let problem = match &observed {
             None => Some(format!("{device} is not attached")),
             Some(l) if l.backing_file != expected => Some(format!(
                 "{device} is backed by {}, not by {}",
@@ -238,10 +240,16 @@ impl NodeExecutor {
             Some(_) => None,
         };
         if let Some(reason) = problem {
-            let detail = tool_detail(
-                &output,
-                &[("loop_device", json!(device)), ("reason", json!(reason))],
-            );
+            // The client said it mapped this device for this call: record what backs it, so
+            // cleanup can undo exactly that mapping (and nothing else) later.
+            let pbs_backing = observed
+                .map(|l| l.backing_file)
+                .filter(|b| b.parent() == Some(self.config.pve.pbs_loopdev_dir.as_path()));
+            let mut extra = vec![("loop_device", json!(device)), ("reason", json!(reason))];
+            if let Some(backing) = pbs_backing {
+                extra.push(("backing_file", json!(backing.display().to_string())));
+            }
+            let detail = tool_detail(&output, &extra);
             guard.append(
                 self.now_ms(),
                 "backup.map",
@@ -292,18 +300,15 @@ impl NodeExecutor {
                 user.key
             )));
         }
-        let device = state
-            .done_detail
-            .as_ref()
-            .and_then(|d| d["loop_device"].as_str())
-            .map(str::to_owned);
+        let expected = self.expected_backing(grant, &archive);
+        let device = loop_device_of(state.done_detail.as_ref());
         let Some(device) = device else {
             return Err(ExecError::FailedPrecondition(format!(
                 "the mapping of {archive} never completed; Cleanup reconciles it"
             )));
         };
         let (output, end_state) = self
-            .unmap_if_ours(&mut guard, grant, &archive, &device)
+            .unmap_if_ours(&mut guard, &archive, &device, &expected)
             .await?;
         Ok(Outcome::UnmapBackup(pb::UnmapBackupReply {
             tool: output
@@ -316,16 +321,16 @@ impl NodeExecutor {
         }))
     }
 
-    /// Unmaps `device` only while it is still backed by this run's mapping of `archive`.
+    /// Unmaps `device` only while it is still backed by `expected`, the backing file of the
+    /// mapping this run made.
     async fn unmap_if_ours(
         &self,
         guard: &mut RunGuard<'_>,
-        grant: &Grant,
         archive: &ArchiveName,
         device: &str,
+        expected: &Path,
     ) -> Result<(Option<ToolOutput>, &'static str), ExecError> {
         let resource = format!("backup:{archive}");
-        let expected = self.expected_backing(grant, archive);
         match loopdev::inspect(&self.sys_block, device) {
             None => {
                 guard.append(
@@ -574,12 +579,18 @@ impl NodeExecutor {
         let grant = &run.grant;
         let mut guard = run.lock().await;
         let resource = format!("overlay:{vmid}:{archive}");
-        if resources::states(&guard.records()?)
-            .get(&resource)
-            .is_none_or(|s| !s.is_open())
-        {
+        let states = resources::states(&guard.records()?);
+        if states.get(&resource).is_none_or(|s| !s.is_open()) {
             return Err(ExecError::NotFound(format!(
                 "this run has no overlay of {archive} for VM {vmid}"
+            )));
+        }
+        if states
+            .get(&format!("vm:{vmid}"))
+            .is_some_and(|s| s.is_open())
+        {
+            return Err(ExecError::FailedPrecondition(format!(
+                "VM {vmid} still uses the overlay of {archive}; destroy it first"
             )));
         }
         let path = self.overlay_path(grant, vmid, &archive);
@@ -702,14 +713,25 @@ impl NodeExecutor {
         if let Some(archive) = key.strip_prefix("backup:") {
             let archive = <ArchiveName as crate::validate::Validated>::validate(archive)
                 .map_err(ExecError::Failed)?;
-            // The device from the journal, or, when the daemon died before it learnt it, every
-            // device backed by exactly this run's mapping name.
-            let mut devices: Vec<String> = loop_device_of(state.done_detail.as_ref())
-                .into_iter()
+            // Every (device, backing file) the journal says this run mapped, and, when the
+            // daemon died before it learnt the device, every device backed by exactly this
+            // run's mapping name.
+            let mut devices: Vec<(String, PathBuf)> = state
+                .history
+                .iter()
+                .filter(|r| r.entry.op == "backup.map")
+                .filter_map(|r| {
+                    let device = r.entry.detail.get("loop_device")?.as_str()?;
+                    let backing = r.entry.detail.get("backing_file")?.as_str()?;
+                    Some((device.to_owned(), PathBuf::from(backing)))
+                })
                 .collect();
             for l in self.our_loops(grant, &archive) {
-                if !devices.contains(&l.device) {
-                    devices.push(l.device);
+                if !devices
+                    .iter()
+                    .any(|(d, b)| d == &l.device && b == &l.backing_file)
+                {
+                    devices.push((l.device, l.backing_file));
                 }
             }
             if devices.is_empty() {
@@ -723,13 +745,23 @@ impl NodeExecutor {
                 return Ok("already gone");
             }
             let mut end = "already gone";
-            for device in devices {
-                let (_, state) = self.unmap_if_ours(guard, grant, &archive, &device).await?;
+            for (device, backing) in devices {
+                let (_, state) = self
+                    .unmap_if_ours(guard, &archive, &device, &backing)
+                    .await?;
                 if state == "unmapped" {
                     end = "unmapped";
                 }
             }
             return Ok(end);
+        }
+        if let Some(vmid) = key.strip_prefix("vm:") {
+            let vmid = vmid
+                .parse()
+                .ok()
+                .and_then(|v| Vmid::parse("journal", v).ok())
+                .ok_or_else(|| ExecError::Failed(format!("malformed resource {key}")))?;
+            return self.undo_vm(guard, grant, state, vmid).await;
         }
         if key == "dir:overlays" {
             let dir = self.overlay_dir(grant);
@@ -781,6 +813,11 @@ impl NodeExecutor {
         if dir.exists() {
             residue.push(format!("overlay directory {} still exists", dir.display()));
         }
+        for vmid in grant.sandbox_vms.keys() {
+            if self.ownership(grant, *vmid, None) == vm::Ownership::Ours {
+                residue.push(format!("VM {vmid} with this run's marker still exists"));
+            }
+        }
         residue
     }
 }
@@ -799,6 +836,11 @@ impl Executor for NodeExecutor {
             "backup.unmap",
             "overlay.create",
             "overlay.delete",
+            "vm.create",
+            "vm.start",
+            "vm.stop",
+            "vm.destroy",
+            "vm.status",
             "journal.read",
             "recovery.cleanup",
         ]
@@ -824,6 +866,18 @@ impl Executor for NodeExecutor {
                 Action::DeleteOverlay { vmid, archive } => {
                     self.delete_overlay(run, vmid, archive).await
                 }
+                Action::CreateVm {
+                    vmid,
+                    cores,
+                    memory_mib,
+                    archives,
+                } => self.create_vm(run, vmid, cores, memory_mib, archives).await,
+                Action::StartVm { vmid } => self.vm_lifecycle(run, vmid, "start", 0).await,
+                Action::StopVm { vmid, timeout_secs } => {
+                    self.vm_lifecycle(run, vmid, "stop", timeout_secs).await
+                }
+                Action::DestroyVm { vmid } => self.vm_lifecycle(run, vmid, "destroy", 0).await,
+                Action::VmStatus { vmid } => self.vm_status(run, vmid).await,
                 Action::ReadJournal { .. } => self.read_journal(run).await,
                 Action::Cleanup { .. } => self.cleanup(run).await,
                 other => Err(ExecError::Unimplemented {

@@ -15,6 +15,8 @@ pub struct ResourceState {
     pub last: Record,
     /// The detail of the last `done` record of the creating operation, if any.
     pub done_detail: Option<serde_json::Value>,
+    /// Every record of this resource, oldest first.
+    pub history: Vec<Record>,
 }
 
 impl ResourceState {
@@ -36,7 +38,9 @@ pub fn states(records: &[Record]) -> BTreeMap<String, ResourceState> {
                 key: record.entry.resource.clone(),
                 last: record.clone(),
                 done_detail: None,
+                history: Vec::new(),
             });
+        state.history.push(record.clone());
         if record.entry.phase == Phase::Done
             && !record.entry.op.ends_with(".delete")
             && !record.entry.op.ends_with(".unmap")
