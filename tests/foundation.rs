@@ -1090,6 +1090,8 @@ async fn the_shipped_executor_reports_its_capabilities_and_names_missing_ones() 
             "vm.stop",
             "vm.destroy",
             "vm.status",
+            "guest.qmp",
+            "guest.qga",
             "journal.read",
             "recovery.cleanup"
         ]
@@ -1106,7 +1108,7 @@ async fn the_shipped_executor_reports_its_capabilities_and_names_missing_ones() 
                 );
                 continue;
             }
-            "StartVm" | "StopVm" | "DestroyVm" | "VmStatus" => {
+            "StartVm" | "StopVm" | "DestroyVm" | "VmStatus" | "Qmp" | "Qga" => {
                 assert_status(
                     result,
                     Code::FailedPrecondition,
@@ -1114,8 +1116,6 @@ async fn the_shipped_executor_reports_its_capabilities_and_names_missing_ones() 
                 );
                 continue;
             }
-            "Qmp" => "guest.qmp",
-            "Qga" => "guest.qga",
             "PrepareSandbox" => "sandbox.prepare",
             "ReleaseSandbox" => "sandbox.release",
             "Probe" => "sandbox.probe",

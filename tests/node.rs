@@ -41,17 +41,30 @@ struct Run {
 
 impl Run {
     async fn begin(tag: &str, archives: &[&str]) -> Self {
+        Self::begin_with(tag, archives, |_| {}, |_| {}).await
+    }
+
+    /// A run whose lab and grant the test adjusts before the connector starts.
+    async fn begin_with(
+        tag: &str,
+        archives: &[&str],
+        prepare: impl FnOnce(&Lab),
+        edit: impl FnOnce(&mut pb::RunGrant),
+    ) -> Self {
         let serial = SERIAL.lock().await;
         let lab = Lab::new(tag);
         for archive in archives {
             lab.add_backup(SNAPSHOT, archive, MARKER, 8 << 20);
         }
+        prepare(&lab);
         let authority_dir = TempDir::new(&format!("{tag}-ctl"));
         let authority = controller(&authority_dir.0);
-        let config = lab.node_config(&authority, &lab.root.join("node"));
+        let mut config = lab.node_config(&authority, &lab.root.join("node"));
+        config.limits.guest_timeout_secs = 3;
         let (address, shutdown, task) = serve_node(config).await;
         let mut wire = grant(RUN_ID, NODE);
         wire.archives = archives.iter().map(|a| (*a).to_owned()).collect();
+        edit(&mut wire);
         let credentials = mint(&authority, &wire);
         let mut client = client(&authority, &address, NODE, &credentials.certificate)
             .await
@@ -517,4 +530,452 @@ fn assert_status<T: std::fmt::Debug>(result: Result<T, tonic::Status>, code: Cod
             );
         }
     }
+}
+
+const QEMU_TOOLS: &[&str] = &[
+    "losetup",
+    "qemu-img",
+    "qemu-system-x86_64",
+    "qemu-ga",
+    "python3",
+];
+
+fn sandbox_grant(wire: &mut pb::RunGrant) {
+    wire.sandbox_vms = [9100, 9101, 9102]
+        .into_iter()
+        .map(|vmid| pb::SandboxVm {
+            vmid,
+            max_cores: 2,
+            max_memory_mib: 512,
+        })
+        .collect();
+    wire.qga_assertions = vec![pb::QgaAssertion {
+        id: "restored-echo".into(),
+        program: "/bin/echo".into(),
+        args: vec!["restored".into(), "ok".into()],
+        expect_exit_code: 0,
+        expect_stdout_contains: "restored ok".into(),
+        timeout_seconds: 20,
+    }];
+}
+
+impl Run {
+    async fn sandbox_vm(&mut self, vmid: u32) -> String {
+        self.client
+            .map_backup(map_request(ARCHIVE, PBS_PASSWORD))
+            .await
+            .unwrap();
+        self.client
+            .create_overlay(pb::CreateOverlayRequest {
+                vmid,
+                archive: ARCHIVE.into(),
+            })
+            .await
+            .unwrap();
+        let created = self
+            .client
+            .create_vm(pb::CreateVmRequest {
+                vmid,
+                cores: 1,
+                memory_mib: 256,
+                archives: vec![ARCHIVE.into()],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        created.smbios_uuid
+    }
+
+    fn conf(&self, vmid: u32) -> String {
+        std::fs::read_to_string(
+            self.lab
+                .root
+                .join(format!("etc/pve/qemu-server/{vmid}.conf")),
+        )
+        .unwrap()
+    }
+
+    fn qemu_running(&self, vmid: u32) -> bool {
+        let pid = self
+            .lab
+            .root
+            .join(format!("var/run/qemu-server/{vmid}.pid"));
+        std::fs::read_to_string(pid)
+            .ok()
+            .and_then(|p| p.trim().parse::<i32>().ok())
+            .is_some_and(|p| std::path::Path::new(&format!("/proc/{p}")).exists())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn vm_lifecycle_with_qmp_and_a_real_guest_agent() {
+    if !privileged("vm_lifecycle_with_qmp_and_a_real_guest_agent", QEMU_TOOLS) {
+        return;
+    }
+    let mut run = Run::begin_with(
+        "vm",
+        &[ARCHIVE],
+        |lab| {
+            // The host's qemu-ga answers on the VM's agent socket; it may run exactly the
+            // harmless granted program and the read-only calls.
+            lab.settings(serde_json::json!({
+                "agent_mode": "host-qemu-ga",
+                "qga_allow_rpcs": ["guest-sync-delimited", "guest-ping", "guest-info", "guest-get-osinfo",
+                    "guest-get-host-name", "guest-network-get-interfaces", "guest-get-fsinfo", "guest-exec", "guest-exec-status"],
+            }))
+        },
+        sandbox_grant,
+    )
+    .await;
+    let uuid = run.sandbox_vm(9100).await;
+
+    // The sandbox shape: overlay as qcow2 without backup, empty CD-ROM, agent, isolated NIC,
+    // fresh SMBIOS UUID, run marker.
+    let conf = run.conf(9100);
+    for line in [
+        "#certistack-run=0f0e1c2d-3b4a-4c5d-8e6f-7a8b9c0d1e2f",
+        "agent: 1",
+        "tags: certistack",
+        "ide2: none,media=cdrom",
+        "cores: 1",
+        "memory: 256",
+        &format!("smbios1: uuid={uuid}"),
+    ] {
+        assert!(
+            conf.lines().any(|l| l == line),
+            "{line:?} missing from\n{conf}"
+        );
+    }
+    let scsi0 = conf.lines().find(|l| l.starts_with("scsi0: ")).unwrap();
+    assert!(
+        scsi0.contains(&format!("/overlays/{RUN_ID}/9100-drive-scsi0.qcow2,")),
+        "{scsi0}"
+    );
+    for option in ["format=qcow2", "backup=0"] {
+        assert!(
+            scsi0.split(',').any(|o| o == option),
+            "{option} missing: {scsi0}"
+        );
+    }
+    assert!(conf.contains("bridge=csbox1,firewall=0"), "{conf}");
+
+    let started = run
+        .client
+        .start_vm(pb::VmRequest { vmid: 9100 })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(started.state, pb::VmState::Running as i32);
+    assert!(run.qemu_running(9100));
+    let status = run
+        .client
+        .vm_status(pb::VmRequest { vmid: 9100 })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(status.state, pb::VmState::Running as i32);
+
+    let qmp = |command: pb::QmpCommand| pb::QmpRequest {
+        vmid: 9100,
+        command: command as i32,
+    };
+    let reply = run
+        .client
+        .qmp(qmp(pb::QmpCommand::QueryStatus))
+        .await
+        .unwrap()
+        .into_inner();
+    let value: serde_json::Value = serde_json::from_str(&reply.result_json).unwrap();
+    assert_eq!(value["status"], "running", "{value}");
+    let reply = run
+        .client
+        .qmp(qmp(pb::QmpCommand::QueryBlock))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        reply.result_json.contains("9100-drive-scsi0.qcow2"),
+        "the VM runs on the overlay: {}",
+        reply.result_json
+    );
+    run.client
+        .qmp(qmp(pb::QmpCommand::Screendump))
+        .await
+        .unwrap();
+    assert!(
+        run.lab
+            .root
+            .join(format!("overlays/{RUN_ID}/9100-screen.ppm"))
+            .exists()
+    );
+
+    let qga = |command: pb::QgaCommand| pb::QgaRequest {
+        vmid: 9100,
+        call: Some(pb::qga_request::Call::Command(command as i32)),
+    };
+    let reply = run
+        .client
+        .qga(qga(pb::QgaCommand::Ping))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(reply.result_json, "{}");
+    let reply = run
+        .client
+        .qga(qga(pb::QgaCommand::GetHostName))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        reply.result_json.contains("host-name"),
+        "{}",
+        reply.result_json
+    );
+    let reply = run
+        .client
+        .qga(pb::QgaRequest {
+            vmid: 9100,
+            call: Some(pb::qga_request::Call::AssertionId("restored-echo".into())),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(reply.assertion_passed, "{reply:?}");
+    assert_eq!(reply.exit_code, 0);
+    assert!(
+        reply.result_json.contains("restored ok"),
+        "{}",
+        reply.result_json
+    );
+
+    let stopped = run
+        .client
+        .stop_vm(pb::StopVmRequest {
+            vmid: 9100,
+            timeout_seconds: 10,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(stopped.state, pb::VmState::Stopped as i32);
+    assert!(!run.qemu_running(9100));
+    // The overlay cannot go while its VM exists.
+    assert_status(
+        run.client
+            .delete_overlay(pb::DeleteOverlayRequest {
+                vmid: 9100,
+                archive: ARCHIVE.into(),
+            })
+            .await,
+        Code::FailedPrecondition,
+        "still uses",
+    );
+    let destroyed = run
+        .client
+        .destroy_vm(pb::VmRequest { vmid: 9100 })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(destroyed.state, pb::VmState::Absent as i32);
+    assert!(!run.lab.root.join("etc/pve/qemu-server/9100.conf").exists());
+    run.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn vms_the_run_did_not_create_are_never_touched() {
+    if !privileged("vms_the_run_did_not_create_are_never_touched", QEMU_TOOLS) {
+        return;
+    }
+    let mut run = Run::begin_with("notours", &[ARCHIVE], |_| {}, sandbox_grant).await;
+    // A production VM already uses VMID 9101 (granted by mistake), and 9102 too.
+    for vmid in ["9101", "9102"] {
+        let out = run.lab.qm(&[
+            "create",
+            vmid,
+            "--name",
+            "production",
+            "--memory",
+            "256",
+            "--tags",
+            "prod",
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let before = run.conf(9101);
+    run.client
+        .map_backup(map_request(ARCHIVE, PBS_PASSWORD))
+        .await
+        .unwrap();
+    run.client
+        .create_overlay(pb::CreateOverlayRequest {
+            vmid: 9101,
+            archive: ARCHIVE.into(),
+        })
+        .await
+        .unwrap();
+    assert_status(
+        run.client
+            .create_vm(pb::CreateVmRequest {
+                vmid: 9101,
+                cores: 1,
+                memory_mib: 256,
+                archives: vec![ARCHIVE.into()],
+            })
+            .await,
+        Code::AlreadyExists,
+        "VM 9101 already exists on this node and is not this run's",
+    );
+    assert_eq!(
+        run.conf(9101),
+        before,
+        "the existing VM's config is untouched"
+    );
+    for result in [
+        ok(run.client.start_vm(pb::VmRequest { vmid: 9102 }).await),
+        ok(run
+            .client
+            .stop_vm(pb::StopVmRequest {
+                vmid: 9102,
+                timeout_seconds: 0,
+            })
+            .await),
+        ok(run.client.destroy_vm(pb::VmRequest { vmid: 9102 }).await),
+        ok(run
+            .client
+            .qmp(pb::QmpRequest {
+                vmid: 9102,
+                command: pb::QmpCommand::QueryStatus as i32,
+            })
+            .await),
+    ] {
+        assert_status(
+            result,
+            Code::FailedPrecondition,
+            "VM 9102 was not created by this run",
+        );
+    }
+
+    // A VM this run created whose marker was removed by someone else is left alone too.
+    run.client
+        .create_overlay(pb::CreateOverlayRequest {
+            vmid: 9100,
+            archive: ARCHIVE.into(),
+        })
+        .await
+        .unwrap();
+    run.client
+        .create_vm(pb::CreateVmRequest {
+            vmid: 9100,
+            cores: 1,
+            memory_mib: 256,
+            archives: vec![ARCHIVE.into()],
+        })
+        .await
+        .unwrap();
+    let conf_path = run.lab.root.join("etc/pve/qemu-server/9100.conf");
+    let edited = std::fs::read_to_string(&conf_path)
+        .unwrap()
+        .replace("#certistack-run=", "#adopted-by-admin=");
+    std::fs::write(&conf_path, &edited).unwrap();
+    assert_status(
+        run.client.destroy_vm(pb::VmRequest { vmid: 9100 }).await,
+        Code::FailedPrecondition,
+        "is not this run's (its description does not carry this run's marker)",
+    );
+    let reply = run
+        .client
+        .cleanup(pb::CleanupRequest {
+            run_id: RUN_ID.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let vm = reply
+        .resources
+        .iter()
+        .find(|r| r.resource == "vm:9100")
+        .unwrap();
+    assert_eq!(vm.end_state, "not this run's, left untouched");
+    assert_eq!(std::fs::read_to_string(&conf_path).unwrap(), edited);
+    for vmid in ["9100", "9101", "9102"] {
+        assert!(
+            run.lab
+                .root
+                .join(format!("etc/pve/qemu-server/{vmid}.conf"))
+                .exists(),
+            "VM {vmid} was touched"
+        );
+        run.lab.qm(&["destroy", vmid]);
+    }
+    run.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_silent_guest_agent_is_a_deadline_not_a_hang() {
+    if !privileged("a_silent_guest_agent_is_a_deadline_not_a_hang", QEMU_TOOLS) {
+        return;
+    }
+    // QEMU serves the agent socket, but no guest OS runs an agent behind it.
+    let mut run = Run::begin_with(
+        "silent",
+        &[ARCHIVE],
+        |lab| lab.settings(serde_json::json!({ "agent_mode": "qemu-chardev" })),
+        sandbox_grant,
+    )
+    .await;
+    run.sandbox_vm(9100).await;
+    run.client
+        .start_vm(pb::VmRequest { vmid: 9100 })
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let status = run
+        .client
+        .qga(pb::QgaRequest {
+            vmid: 9100,
+            call: Some(pb::qga_request::Call::Command(pb::QgaCommand::Ping as i32)),
+        })
+        .await
+        .unwrap_err();
+    let waited = started.elapsed();
+    assert_eq!(
+        status.code(),
+        Code::DeadlineExceeded,
+        "{}",
+        status.message()
+    );
+    assert!(
+        status.message().contains("the guest agent is not running"),
+        "{}",
+        status.message()
+    );
+    assert!(
+        waited >= std::time::Duration::from_secs(3) && waited < std::time::Duration::from_secs(10),
+        "{waited:?}"
+    );
+    // Cleanup stops and destroys the VM, deletes the overlay and unmaps the backup.
+    let reply = run
+        .client
+        .cleanup(pb::CleanupRequest {
+            run_id: RUN_ID.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let receipts: Vec<String> = reply
+        .resources
+        .iter()
+        .map(|r| format!("{} {}", r.resource, r.end_state))
+        .collect();
+    assert_eq!(receipts[0], "vm:9100 destroyed", "{receipts:?}");
+    assert!(!run.qemu_running(9100));
+    run.stop().await;
+}
+
+fn ok<T>(result: Result<T, tonic::Status>) -> Result<(), tonic::Status> {
+    result.map(|_| ())
 }

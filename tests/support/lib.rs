@@ -475,6 +475,25 @@ impl Lab {
         Self { root, _dir: dir }
     }
 
+    /// Changes settings of the doubles (`double.json`).
+    pub fn settings(&self, patch: serde_json::Value) {
+        let path = self.root.join("double.json");
+        let mut settings: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        for (key, value) in patch.as_object().unwrap() {
+            settings[key] = value.clone();
+        }
+        std::fs::write(path, settings.to_string()).unwrap();
+    }
+
+    /// Runs the `qm` double directly, as an administrator of the node would.
+    pub fn qm(&self, args: &[&str]) -> std::process::Output {
+        std::process::Command::new(self.root.join("bin/qm"))
+            .args(args)
+            .output()
+            .unwrap()
+    }
+
     /// Stores a raw disk image as `<archive>` of `<snapshot>` in datastore `store1`; its first
     /// bytes are `marker`.
     pub fn add_backup(&self, snapshot: &str, archive: &str, marker: &[u8], size: u64) -> PathBuf {

@@ -6,6 +6,7 @@
 //! device is unmapped only while its backing file is the mapping this run made; an overlay is
 //! only ever a path derived from the run id, VMID and archive under the overlay root.
 
+pub mod guest;
 pub mod loopdev;
 pub mod resources;
 pub mod vm;
@@ -763,6 +764,32 @@ impl NodeExecutor {
                 .ok_or_else(|| ExecError::Failed(format!("malformed resource {key}")))?;
             return self.undo_vm(guard, grant, state, vmid).await;
         }
+        if let Some(vmid) = key.strip_prefix("file:screendump:") {
+            let vmid = vmid
+                .parse()
+                .ok()
+                .and_then(|v| Vmid::parse("journal", v).ok())
+                .ok_or_else(|| ExecError::Failed(format!("malformed resource {key}")))?;
+            let path = self.overlay_dir(grant).join(format!("{vmid}-screen.ppm"));
+            let end = match std::fs::remove_file(&path) {
+                Ok(()) => "deleted",
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => "already gone",
+                Err(error) => {
+                    return Err(ExecError::Failed(format!(
+                        "cannot delete {}: {error}",
+                        path.display()
+                    )));
+                }
+            };
+            guard.append(
+                self.now_ms(),
+                "file.delete",
+                key,
+                Phase::Undone,
+                json!({ "end_state": end }),
+            )?;
+            return Ok(end);
+        }
         if key == "dir:overlays" {
             let dir = self.overlay_dir(grant);
             guard.append(
@@ -841,6 +868,8 @@ impl Executor for NodeExecutor {
             "vm.stop",
             "vm.destroy",
             "vm.status",
+            "guest.qmp",
+            "guest.qga",
             "journal.read",
             "recovery.cleanup",
         ]
@@ -878,6 +907,8 @@ impl Executor for NodeExecutor {
                 }
                 Action::DestroyVm { vmid } => self.vm_lifecycle(run, vmid, "destroy", 0).await,
                 Action::VmStatus { vmid } => self.vm_status(run, vmid).await,
+                Action::Qmp { vmid, command } => self.run_qmp(run, vmid, command).await,
+                Action::Qga { vmid, call } => self.run_qga(run, vmid, call).await,
                 Action::ReadJournal { .. } => self.read_journal(run).await,
                 Action::Cleanup { .. } => self.cleanup(run).await,
                 other => Err(ExecError::Unimplemented {

@@ -128,7 +128,7 @@ impl NodeExecutor {
     }
 
     /// The VM must be one this run created and still carry its marker.
-    fn require_ours(
+    pub(super) fn require_ours(
         &self,
         guard: &RunGuard<'_>,
         grant: &Grant,
