@@ -979,3 +979,373 @@ async fn a_silent_guest_agent_is_a_deadline_not_a_hang() {
 fn ok<T>(result: Result<T, tonic::Status>) -> Result<(), tonic::Status> {
     result.map(|_| ())
 }
+
+// ------------------------------------------------------------------------------------------
+// Crash matrix: kill -9 the daemon at each step, restart it, recover, and find zero residue.
+
+mod crash {
+    use super::*;
+    use std::path::{Path, PathBuf};
+    use std::process::{Child, Command, Stdio};
+
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Step {
+        AfterMap,
+        AfterOverlay,
+        AfterCreate,
+        AfterStart,
+        WhileQgaWaits,
+        DuringCleanup,
+    }
+
+    struct Daemon {
+        child: Child,
+    }
+
+    impl Daemon {
+        fn start(config: &Path) -> Self {
+            let child = Command::new(binary("certistack-connector"))
+                .args(["--config", config.to_str().unwrap()])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap();
+            Self { child }
+        }
+
+        fn kill9(&mut self) {
+            self.child.kill().unwrap(); // SIGKILL
+            self.child.wait().unwrap();
+        }
+    }
+
+    impl Drop for Daemon {
+        fn drop(&mut self) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+
+    fn write_config(
+        lab: &Lab,
+        config: &certistack_connector::config::Config,
+        port: u16,
+    ) -> PathBuf {
+        let path = lab.root.join("node/connector.toml");
+        let p = |p: &Path| p.display().to_string();
+        let text = format!(
+            "node_name = \"{NODE}\"\nlisten = \"127.0.0.1:{port}\"\n\
+             [tls]\ncertificate = \"{}\"\nprivate_key = \"{}\"\ncontroller_ca = \"{}\"\nrun_authority_public_key = \"{}\"\n\
+             [paths]\nstate_dir = \"{}\"\noverlay_root = \"{}\"\n\
+             [tools]\nproxmox_backup_client = \"{}\"\nqm = \"{}\"\nqemu_img = \"/usr/bin/qemu-img\"\n\
+             [pve]\nqemu_server_run_dir = \"{}\"\nvm_config_dir = \"{}\"\npbs_loopdev_dir = \"{}\"\npve_cluster_dir = \"{}\"\n\
+             [limits]\nguest_timeout_secs = 60\n",
+            p(&config.tls.certificate),
+            p(&config.tls.private_key),
+            p(&config.tls.controller_ca),
+            p(&config.tls.run_authority_public_key),
+            p(&config.paths.state_dir),
+            p(&config.paths.overlay_root),
+            p(&config.tools.proxmox_backup_client),
+            p(&config.tools.qm),
+            p(&config.pve.qemu_server_run_dir),
+            p(&config.pve.vm_config_dir),
+            p(&config.pve.pbs_loopdev_dir),
+            p(&config.pve.pve_cluster_dir),
+        );
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    async fn connect(
+        authority: &certistack_controller::authority::Authority,
+        address: &str,
+        identity: &certistack_controller::authority::IssuedCertificate,
+    ) -> ConnectorClient<Channel> {
+        for _ in 0..100 {
+            if let Ok(mut c) = client(authority, address, NODE, identity).await
+                && c.hello(pb::HelloRequest {}).await.is_ok()
+            {
+                return c;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        panic!("the connector at {address} did not come up");
+    }
+
+    /// Processes whose command line mentions `needle` (QEMU and agents of this lab).
+    fn processes_mentioning(needle: &str) -> Vec<String> {
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .filter_map(|e| std::fs::read(e.ok()?.path().join("cmdline")).ok())
+            .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+            .filter(|c| c.contains(needle) && !c.contains("certistack-connector"))
+            .collect()
+    }
+
+    fn files_containing(dir: &Path, needle: &[u8], found: &mut Vec<PathBuf>) {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            let Ok(kind) = entry.file_type() else {
+                continue;
+            };
+            if kind.is_dir() {
+                files_containing(&path, needle, found);
+            } else if kind.is_file()
+                && let Ok(bytes) = std::fs::read(&path)
+                && bytes.windows(needle.len()).any(|w| w == needle)
+            {
+                found.push(path);
+            }
+        }
+    }
+
+    /// Everything of the run that could be left on the node.
+    fn residue(lab: &Lab, state_dir: &Path) -> Vec<String> {
+        let mut residue: Vec<String> = loops_under(&lab.root)
+            .into_iter()
+            .map(|(d, b)| format!("loop {d} -> {}", b.display()))
+            .collect();
+        if lab.root.join("overlays").join(RUN_ID).exists() {
+            residue.push("overlay directory".into());
+        }
+        if lab.root.join("etc/pve/qemu-server/9100.conf").exists() {
+            residue.push("VM 9100 config".into());
+        }
+        residue.extend(
+            processes_mentioning(lab.root.to_str().unwrap())
+                .into_iter()
+                .map(|p| format!("process {p}")),
+        );
+        let mut secrets = Vec::new();
+        files_containing(&lab.root, PBS_PASSWORD.as_bytes(), &mut secrets);
+        files_containing(state_dir, PBS_PASSWORD.as_bytes(), &mut secrets);
+        // The double's own settings hold the expected password, as a PBS server would.
+        secrets.retain(|p| !p.ends_with("double.json"));
+        residue.extend(
+            secrets
+                .into_iter()
+                .map(|p| format!("secret in {}", p.display())),
+        );
+        residue
+    }
+
+    pub async fn run_case(step: Step) {
+        let lab = Lab::new("crash");
+        lab.add_backup(SNAPSHOT, ARCHIVE, MARKER, 8 << 20);
+        lab.settings(serde_json::json!({ "agent_mode": "qemu-chardev" }));
+        if step == Step::DuringCleanup {
+            // A slow `qm stop`, so the daemon dies with the stop under way.
+            lab.settings(serde_json::json!({ "delays": { "stop": 2.0 } }));
+        }
+        let authority_dir = TempDir::new("crash-ctl");
+        let authority = controller(&authority_dir.0);
+        let config = lab.node_config(&authority, &lab.root.join("node"));
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let config_path = write_config(&lab, &config, port);
+        let address = format!("127.0.0.1:{port}");
+
+        let mut wire = grant(RUN_ID, NODE);
+        sandbox_grant(&mut wire);
+        let credentials = mint(&authority, &wire);
+        let operator = authority.issue_operator("recovery", now()).unwrap();
+
+        let mut daemon = Daemon::start(&config_path);
+        let mut c = connect(&authority, &address, &credentials.certificate).await;
+        c.begin_run(begin_request(&credentials)).await.unwrap();
+        c.map_backup(map_request(ARCHIVE, PBS_PASSWORD))
+            .await
+            .unwrap();
+        if step != Step::AfterMap {
+            c.create_overlay(pb::CreateOverlayRequest {
+                vmid: 9100,
+                archive: ARCHIVE.into(),
+            })
+            .await
+            .unwrap();
+        }
+        if !matches!(step, Step::AfterMap | Step::AfterOverlay) {
+            c.create_vm(pb::CreateVmRequest {
+                vmid: 9100,
+                cores: 1,
+                memory_mib: 256,
+                archives: vec![ARCHIVE.into()],
+            })
+            .await
+            .unwrap();
+        }
+        if matches!(
+            step,
+            Step::AfterStart | Step::WhileQgaWaits | Step::DuringCleanup
+        ) {
+            c.start_vm(pb::VmRequest { vmid: 9100 }).await.unwrap();
+        }
+        match step {
+            Step::WhileQgaWaits => {
+                // The agent never answers; the daemon dies while the call waits.
+                let mut waiting = c.clone();
+                let call = tokio::spawn(async move {
+                    waiting
+                        .qga(pb::QgaRequest {
+                            vmid: 9100,
+                            call: Some(pb::qga_request::Call::Command(pb::QgaCommand::Ping as i32)),
+                        })
+                        .await
+                });
+                tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+                daemon.kill9();
+                assert!(
+                    call.await.unwrap().is_err(),
+                    "the waiting call ends with the daemon"
+                );
+            }
+            Step::DuringCleanup => {
+                let mut cleaning = c.clone();
+                let call = tokio::spawn(async move {
+                    cleaning
+                        .cleanup(pb::CleanupRequest {
+                            run_id: RUN_ID.into(),
+                        })
+                        .await
+                });
+                // Cleanup stops the VM first: die while `qm stop` runs.
+                tokio::time::sleep(std::time::Duration::from_millis(1000)).await;
+                daemon.kill9();
+                let _ = call.await.unwrap();
+            }
+            _ => daemon.kill9(),
+        }
+        let state_dir = config.paths.state_dir.clone();
+        assert!(
+            !residue(&lab, &state_dir).is_empty(),
+            "{step:?}: the step left nothing to recover"
+        );
+        let journal_path = state_dir.join("runs").join(RUN_ID).join("journal");
+        if step == Step::DuringCleanup {
+            let journal = std::fs::read_to_string(&journal_path).unwrap();
+            assert!(
+                journal
+                    .lines()
+                    .last()
+                    .unwrap()
+                    .contains("\"op\":\"vm.stop\",\"resource\":\"vm:9100\",\"phase\":\"intent\""),
+                "{journal}"
+            );
+        }
+        if step == Step::AfterOverlay {
+            // The crash also tore the record being written.
+            let mut file = std::fs::OpenOptions::new()
+                .append(true)
+                .open(&journal_path)
+                .unwrap();
+            std::io::Write::write_all(
+                &mut file,
+                b"5d41402abc4b2a76 0000 {\"seq\":9,\"op\":\"vm.cre",
+            )
+            .unwrap();
+        }
+
+        // Restart and recover as an operator would.
+        let _daemon = Daemon::start(&config_path);
+        let mut op = connect(&authority, &address, &operator).await;
+        let runs = op
+            .list_runs(pb::ListRunsRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .runs;
+        assert_eq!(runs.len(), 1, "{step:?}");
+        assert_eq!(runs[0].state, pb::RunState::Open as i32, "{step:?}");
+        let reply = op
+            .cleanup(pb::CleanupRequest {
+                run_id: RUN_ID.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(reply.residue.is_empty(), "{step:?}: {:?}", reply.residue);
+        assert!(
+            reply
+                .resources
+                .iter()
+                .all(|r| !r.end_state.starts_with("failed")),
+            "{step:?}: {:?}",
+            reply.resources
+        );
+        let left = residue(&lab, &state_dir);
+        assert!(
+            left.is_empty(),
+            "{step:?}: residue after recovery: {left:?}"
+        );
+        let runs = op
+            .list_runs(pb::ListRunsRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .runs;
+        assert!(
+            runs[0].open_resources.is_empty(),
+            "{step:?}: {:?}",
+            runs[0].open_resources
+        );
+
+        // The journal tells the story: the steps, then the recovery.
+        let mut stream = op
+            .read_journal(pb::ReadJournalRequest {
+                run_id: RUN_ID.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let mut ops = Vec::new();
+        while let Some(record) = stream.message().await.unwrap() {
+            ops.push(format!("{} {}", record.operation, record.phase));
+        }
+        assert_eq!(
+            ops.last().map(String::as_str),
+            Some("run.cleanup done"),
+            "{step:?}: {ops:?}"
+        );
+        assert!(
+            ops.contains(&"backup.unmap undone".to_owned()),
+            "{step:?}: {ops:?}"
+        );
+        if step == Step::AfterOverlay {
+            assert!(
+                ops.contains(&"journal.torn-tail done".to_owned()),
+                "{ops:?}"
+            );
+            let preserved = state_dir.join("runs").join(RUN_ID).join("journal.torn.1");
+            assert!(std::fs::read(preserved).unwrap().ends_with(b"vm.cre"));
+        }
+        eprintln!("crash {step:?}: recovered; journal: {}", ops.join(", "));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn crash_matrix_kill_9_restart_recover_zero_residue() {
+    if !privileged(
+        "crash_matrix_kill_9_restart_recover_zero_residue",
+        QEMU_TOOLS,
+    ) {
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    for step in [
+        crash::Step::AfterMap,
+        crash::Step::AfterOverlay,
+        crash::Step::AfterCreate,
+        crash::Step::AfterStart,
+        crash::Step::WhileQgaWaits,
+        crash::Step::DuringCleanup,
+    ] {
+        crash::run_case(step).await;
+    }
+}
