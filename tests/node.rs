@@ -477,6 +477,12 @@ async fn cleanup_undoes_everything_newest_first_and_is_idempotent() {
             .unwrap();
     }
     assert_eq!(run.loops().len(), 2);
+    // A run cannot end while it still holds resources on the node.
+    assert_status(
+        run.client.end_run(pb::EndRunRequest {}).await,
+        Code::FailedPrecondition,
+        "still has overlay:9100:drive-scsi1.img, backup:drive-scsi1.img, overlay:9100:drive-scsi0.img, dir:overlays, backup:drive-scsi0.img on this node; call Cleanup first",
+    );
     let reply = run
         .client
         .cleanup(pb::CleanupRequest {

@@ -113,6 +113,8 @@ pub enum RunError {
     OtherGrant(RunId),
     #[error("run {0} has not begun on this node; call BeginRun with its grant first")]
     NotBegun(RunId),
+    #[error("run {0} still has {1} on this node; call Cleanup first")]
+    OpenResources(RunId, String),
     #[error("{open} runs are open, the configured maximum is {max}; end or clean up a run first")]
     TooMany { open: usize, max: usize },
     #[error(transparent)]
@@ -321,6 +323,13 @@ impl RunRegistry {
         }
         {
             let mut run = record.handle.lock().await;
+            // A run ends clean: what it still has on the node must be cleaned up first, or it
+            // would outlive the run that owns it.
+            let open = crate::node::resources::open_newest_first(&run.records()?);
+            if !open.is_empty() {
+                let keys: Vec<&str> = open.iter().map(|s| s.key.as_str()).collect();
+                return Err(RunError::OpenResources(run_id.clone(), keys.join(", ")));
+            }
             run.append(
                 now_ms,
                 op,

@@ -438,7 +438,9 @@ impl Connector for ConnectorService {
                     &peer.label(),
                     run_id.as_str(),
                     match error {
-                        RunError::NotBegun(_) => Status::failed_precondition(error.to_string()),
+                        RunError::NotBegun(_) | RunError::OpenResources(..) => {
+                            Status::failed_precondition(error.to_string())
+                        }
                         RunError::Store(_) | RunError::Journal(_) => {
                             Status::internal(error.to_string())
                         }

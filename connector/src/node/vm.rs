@@ -340,10 +340,11 @@ impl NodeExecutor {
             phase,
             tool_detail(&output, &[]),
         )?;
-        let state = if verb == "destroy" {
-            pb::VmState::Absent
-        } else {
-            self.status(vmid).await?.0
+        // qm reports success only once the VM reached the state; VmStatus re-reads it on demand.
+        let state = match verb {
+            "destroy" => pb::VmState::Absent,
+            "start" => pb::VmState::Running,
+            _ => pb::VmState::Stopped,
         };
         Ok(Outcome::Vm(pb::VmReply {
             state: state as i32,
