@@ -674,6 +674,64 @@ async fn a_run_nobody_ends_is_cleaned_up_and_closed_after_its_deadline() {
 }
 
 #[tokio::test]
+async fn runs_on_one_node_never_overlap() {
+    let (_dir, authority, node) = started("overlap").await;
+    let first = mint(&authority, &grant(RUN_ID, NODE));
+    run_client(&authority, &node, &first)
+        .await
+        .begin_run(begin_request(&first))
+        .await
+        .unwrap();
+    let other_run = "11111111-2222-4333-8444-555555555555";
+    let disjoint = |edit: &dyn Fn(&mut pb::RunGrant)| {
+        let mut wire = grant(other_run, NODE);
+        wire.sandbox_vms = vec![pb::SandboxVm {
+            vmid: 9200,
+            max_cores: 1,
+            max_memory_mib: 512,
+        }];
+        wire.vnet = "csbox2".into();
+        wire.archives = vec!["drive-scsi1.img".into()];
+        edit(&mut wire);
+        wire
+    };
+    let cases: [(&dyn Fn(&mut pb::RunGrant), &str); 3] = [
+        (
+            &|g| g.sandbox_vms[0].vmid = VMID,
+            "would share VMID 9100 with open run 0f0e1c2d-3b4a-4c5d-8e6f-7a8b9c0d1e2f",
+        ),
+        (&|g| g.vnet = VNET.into(), "would share VNet csbox1"),
+        (
+            &|g| g.archives = vec![ARCHIVE.into()],
+            "would share archive drive-scsi0.img of vm/100/2026-11-01T02:00:00Z",
+        ),
+    ];
+    for (edit, needle) in cases {
+        let credentials = mint(&authority, &disjoint(edit));
+        let mut c = run_client(&authority, &node, &credentials).await;
+        assert_status(
+            c.begin_run(begin_request(&credentials)).await,
+            Code::FailedPrecondition,
+            needle,
+        );
+    }
+    // The same archive of another snapshot is another object.
+    let other_snapshot = mint(
+        &authority,
+        &disjoint(&|g| {
+            g.archives = vec![ARCHIVE.into()];
+            g.snapshot = "vm/100/2026-10-01T02:00:00Z".into();
+        }),
+    );
+    run_client(&authority, &node, &other_snapshot)
+        .await
+        .begin_run(begin_request(&other_snapshot))
+        .await
+        .unwrap();
+    assert_eq!(node.executor.count(), 0);
+}
+
+#[tokio::test]
 async fn identities_are_confined_to_their_rpcs() {
     let (_dir, authority, node) = started("confined").await;
     let credentials = mint(&authority, &grant(RUN_ID, NODE));

@@ -1355,3 +1355,117 @@ async fn crash_matrix_kill_9_restart_recover_zero_residue() {
         crash::run_case(step).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn one_runs_wait_does_not_block_another_run() {
+    if !privileged("one_runs_wait_does_not_block_another_run", QEMU_TOOLS) {
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    let lab = Lab::new("concurrent");
+    lab.add_backup(SNAPSHOT, ARCHIVE, MARKER, 8 << 20);
+    lab.add_backup(SNAPSHOT, "drive-scsi1.img", MARKER, 8 << 20);
+    lab.settings(serde_json::json!({ "agent_mode": "qemu-chardev" }));
+    let authority_dir = TempDir::new("concurrent-ctl");
+    let authority = controller(&authority_dir.0);
+    let mut config = lab.node_config(&authority, &lab.root.join("node"));
+    config.limits.guest_timeout_secs = 4;
+    let (address, shutdown, task) = serve_node(config).await;
+
+    let begin = |run_id: &str, archive: &str, vmid: u32| {
+        let mut wire = grant(run_id, NODE);
+        wire.archives = vec![archive.to_owned()];
+        wire.sandbox_vms = vec![pb::SandboxVm {
+            vmid,
+            max_cores: 1,
+            max_memory_mib: 256,
+        }];
+        mint(&authority, &wire)
+    };
+    let run_a = begin(RUN_ID, ARCHIVE, 9100);
+    let run_b = begin(
+        "11111111-2222-4333-8444-555555555555",
+        "drive-scsi1.img",
+        9200,
+    );
+    let mut a = client(&authority, &address, NODE, &run_a.certificate)
+        .await
+        .unwrap();
+    let mut b = client(&authority, &address, NODE, &run_b.certificate)
+        .await
+        .unwrap();
+    a.begin_run(begin_request(&run_a)).await.unwrap();
+    b.begin_run(begin_request(&run_b)).await.unwrap();
+
+    a.map_backup(map_request(ARCHIVE, PBS_PASSWORD))
+        .await
+        .unwrap();
+    a.create_overlay(pb::CreateOverlayRequest {
+        vmid: 9100,
+        archive: ARCHIVE.into(),
+    })
+    .await
+    .unwrap();
+    a.create_vm(pb::CreateVmRequest {
+        vmid: 9100,
+        cores: 1,
+        memory_mib: 256,
+        archives: vec![ARCHIVE.into()],
+    })
+    .await
+    .unwrap();
+    a.start_vm(pb::VmRequest { vmid: 9100 }).await.unwrap();
+    // Run A holds its run lock while its agent call waits for an answer that never comes.
+    let mut waiting = a.clone();
+    let waiter = tokio::spawn(async move {
+        waiting
+            .qga(pb::QgaRequest {
+                vmid: 9100,
+                call: Some(pb::qga_request::Call::Command(pb::QgaCommand::Ping as i32)),
+            })
+            .await
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+
+    let started = std::time::Instant::now();
+    let mut request = map_request("drive-scsi1.img", PBS_PASSWORD);
+    request.snapshot = SNAPSHOT.into();
+    b.map_backup(request).await.unwrap();
+    b.create_overlay(pb::CreateOverlayRequest {
+        vmid: 9200,
+        archive: "drive-scsi1.img".into(),
+    })
+    .await
+    .unwrap();
+    b.cleanup(pb::CleanupRequest {
+        run_id: "11111111-2222-4333-8444-555555555555".into(),
+    })
+    .await
+    .unwrap();
+    let b_took = started.elapsed();
+    assert!(
+        !waiter.is_finished(),
+        "run A's call should still be waiting"
+    );
+    assert!(
+        b_took < std::time::Duration::from_secs(3),
+        "run B waited for run A: {b_took:?}"
+    );
+
+    let status = waiter.await.unwrap().unwrap_err();
+    assert_eq!(status.code(), Code::DeadlineExceeded);
+    let reply = a
+        .cleanup(pb::CleanupRequest {
+            run_id: RUN_ID.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(reply.residue.is_empty(), "{:?}", reply.residue);
+    a.end_run(pb::EndRunRequest {}).await.unwrap();
+    b.end_run(pb::EndRunRequest {}).await.unwrap();
+    assert!(loops_under(&lab.root).is_empty());
+    let _ = shutdown.send(());
+    task.await.unwrap();
+    eprintln!("run B's map + overlay + cleanup took {b_took:?} while run A waited on its agent");
+}

@@ -115,6 +115,18 @@ pub enum RunError {
     NotBegun(RunId),
     #[error("run {0} still has {1} on this node; call Cleanup first")]
     OpenResources(RunId, String),
+    #[error(
+        "run {run} would share {shared} with open run {other} on this node; runs on one node must not overlap (end or clean up {other} first)"
+    )]
+    Overlap {
+        run: RunId,
+        other: RunId,
+        shared: String,
+    },
+    #[error(
+        "run {0} has a journal that cannot be used ({1}); inspect it before doing anything else with this run"
+    )]
+    Quarantined(RunId, String),
     #[error("{open} runs are open, the configured maximum is {max}; end or clean up a run first")]
     TooMany { open: usize, max: usize },
     #[error(transparent)]
@@ -128,6 +140,9 @@ struct Inner {
     runs: BTreeMap<RunId, RunRecord>,
     /// Closed runs, also those whose grant no longer verifies (e.g. after a key rotation).
     closed: BTreeSet<RunId>,
+    /// Open runs that could not be loaded (grant or journal unusable), with the reason: listed,
+    /// never resumed, left for an operator to inspect.
+    quarantined: BTreeMap<RunId, String>,
 }
 
 #[derive(Debug)]
@@ -135,6 +150,7 @@ pub struct RunRegistry {
     dir: PathBuf,
     max_open: usize,
     inner: Mutex<Inner>,
+    begin_lock: Mutex<()>,
 }
 
 impl RunRegistry {
@@ -171,10 +187,21 @@ impl RunRegistry {
                 Ok(grant) if grant.run_id == run_id => grant,
                 Ok(_) => {
                     tracing::error!(%run_id, "stored grant names another run; the run is not loaded");
+                    if closed.is_none() {
+                        inner
+                            .quarantined
+                            .insert(run_id, "its stored grant names another run".into());
+                    }
                     continue;
                 }
                 Err(reason) => {
                     tracing::error!(%run_id, %reason, "stored grant does not verify; the run is not loaded");
+                    if closed.is_none() {
+                        inner.quarantined.insert(
+                            run_id,
+                            format!("its stored grant does not verify: {reason}"),
+                        );
+                    }
                     continue;
                 }
             };
@@ -188,6 +215,7 @@ impl RunRegistry {
                     }
                     Err(error) => {
                         tracing::error!(%run_id, %error, "journal cannot be used; the run is not loaded");
+                        inner.quarantined.insert(run_id, error.to_string());
                         continue;
                     }
                 }
@@ -208,6 +236,7 @@ impl RunRegistry {
             dir,
             max_open,
             inner: Mutex::new(inner),
+            begin_lock: Mutex::new(()),
         })
     }
 
@@ -221,6 +250,15 @@ impl RunRegistry {
 
     pub fn get(&self, run_id: &RunId) -> Option<RunRecord> {
         self.lock().runs.get(run_id).cloned()
+    }
+
+    /// Runs that could not be loaded at start, with the reason.
+    pub fn quarantined(&self) -> Vec<(RunId, String)> {
+        self.lock()
+            .quarantined
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
     }
 
     pub fn is_closed(&self, run_id: &RunId) -> bool {
@@ -239,6 +277,9 @@ impl RunRegistry {
         grant: Grant,
         now_ms: i64,
     ) -> Result<bool, RunError> {
+        // One BeginRun at a time, so the checks below and the insert at the end see the same
+        // set of runs (the work in between is a few small fsync'd writes).
+        let _begin = self.begin_lock.lock().unwrap_or_else(|p| p.into_inner());
         let run_id = grant.run_id.clone();
         let now_unix = now_ms.div_euclid(1000);
         {
@@ -246,12 +287,26 @@ impl RunRegistry {
             if inner.closed.contains(&run_id) {
                 return Err(RunError::Closed(run_id));
             }
+            if let Some(reason) = inner.quarantined.get(&run_id) {
+                return Err(RunError::Quarantined(run_id, reason.clone()));
+            }
             if let Some(existing) = inner.runs.get(&run_id) {
                 return if existing.grant().digest == grant.digest {
                     Ok(true)
                 } else {
                     Err(RunError::OtherGrant(run_id))
                 };
+            }
+            // Runs on one node never share what they touch: two runs mapping the same archive,
+            // using the same VMID or the same VNet could undo or watch each other's resources.
+            for other in inner.runs.values().filter(|r| r.state == RunState::Open) {
+                if let Some(shared) = overlap(&grant, other.grant()) {
+                    return Err(RunError::Overlap {
+                        run: run_id,
+                        other: other.grant().run_id.clone(),
+                        shared,
+                    });
+                }
             }
             let open = inner
                 .runs
@@ -349,6 +404,26 @@ impl RunRegistry {
     }
 }
 
+/// What two grants would share on one node, if anything.
+pub fn overlap(a: &Grant, b: &Grant) -> Option<String> {
+    if let Some(vmid) = a.sandbox_vms.keys().find(|v| b.sandbox_vms.contains_key(v)) {
+        return Some(format!("VMID {vmid}"));
+    }
+    if a.vnet == b.vnet {
+        return Some(format!("VNet {}", a.vnet));
+    }
+    let (ra, rb) = (&a.repository, &b.repository);
+    let same_snapshot = a.snapshot == b.snapshot
+        && ra.server == rb.server
+        && ra.port == rb.port
+        && ra.datastore == rb.datastore
+        && ra.namespace == rb.namespace;
+    if same_snapshot && let Some(archive) = a.archives.intersection(&b.archives).next() {
+        return Some(format!("archive {archive} of {}", a.snapshot));
+    }
+    None
+}
+
 fn read_closed(run_dir: &Path) -> Result<Option<i64>, FileError> {
     let path = run_dir.join(CLOSED_FILE);
     match std::fs::read_to_string(&path) {
@@ -426,6 +501,56 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread")]
+    async fn a_run_with_a_corrupt_journal_is_quarantined() {
+        let dir =
+            std::env::temp_dir().join(format!("certistack-runs-corrupt-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let key = SigningKey::from_bytes(&[1; 32]);
+        let signed = sign(&key, &full_wire_grant());
+        let grant = crate::grant::verify(&signed, &key.verifying_key()).unwrap();
+        let run_id = grant.run_id.clone();
+        let registry = RunRegistry::open(&dir, &key.verifying_key(), 2, 0).unwrap();
+        registry.begin(&signed, grant.clone(), 2_000_000).unwrap();
+        {
+            let record = registry.get(&run_id).unwrap();
+            let mut run = record.handle.lock().await;
+            run.append(
+                1,
+                "backup.map",
+                "backup:a.img",
+                Phase::Intent,
+                serde_json::Value::Null,
+            )
+            .unwrap();
+        }
+        drop(registry);
+        // Alter the first record: the chain breaks before the last record.
+        let path = dir
+            .join("runs")
+            .join(run_id.as_str())
+            .join(journal::FILE_NAME);
+        let text =
+            std::fs::read_to_string(&path)
+                .unwrap()
+                .replacen("grant_sha256", "grant_sha257", 1);
+        std::fs::write(&path, text).unwrap();
+
+        let reopened = RunRegistry::open(&dir, &key.verifying_key(), 2, 0).unwrap();
+        assert!(reopened.get(&run_id).is_none());
+        let quarantined = reopened.quarantined();
+        assert_eq!(quarantined.len(), 1);
+        assert!(
+            quarantined[0].1.contains("record 1 is invalid"),
+            "{quarantined:?}"
+        );
+        assert!(matches!(
+            reopened.begin(&signed, grant, 2_000_000),
+            Err(RunError::Quarantined(..))
+        ));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
     async fn open_runs_are_bounded() {
         let dir = std::env::temp_dir().join(format!("certistack-runs-max-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -441,6 +566,9 @@ mod tests {
             .unwrap();
         let mut wire = full_wire_grant();
         wire.run_id = "11111111-2222-4333-8444-555555555555".into();
+        wire.vnet = "csbox2".into();
+        wire.sandbox_vms[0].vmid = 9200;
+        wire.snapshot = "vm/101/2026-11-01T02:00:00Z".into();
         let second = sign(&key, &wire);
         let grant = crate::grant::verify(&second, &key.verifying_key()).unwrap();
         assert!(matches!(

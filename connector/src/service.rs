@@ -251,11 +251,24 @@ impl ConnectorService {
                         )));
                     }
                 };
-                let record = self.runs.get(target).ok_or_else(|| {
-                    refuse(Status::not_found(format!(
-                        "no run {target} on this node (see ListRuns)"
-                    )))
-                })?;
+                let record = match self.runs.get(target) {
+                    Some(record) => record,
+                    None => {
+                        let quarantined = self
+                            .runs
+                            .quarantined()
+                            .into_iter()
+                            .find(|(id, _)| id == target);
+                        return Err(refuse(match quarantined {
+                            Some((id, reason)) => Status::failed_precondition(
+                                RunError::Quarantined(id, reason).to_string(),
+                            ),
+                            None => Status::not_found(format!(
+                                "no run {target} on this node (see ListRuns)"
+                            )),
+                        }));
+                    }
+                };
                 Caller::Operator {
                     name: name.clone(),
                     run: record.handle,
@@ -405,6 +418,9 @@ impl Connector for ConnectorService {
                     RunError::TooMany { .. } => Status::resource_exhausted(error.to_string()),
                     RunError::Store(_) | RunError::Journal(_) => {
                         Status::internal(error.to_string())
+                    }
+                    RunError::Overlap { .. } | RunError::Quarantined(..) => {
+                        Status::failed_precondition(error.to_string())
                     }
                     _ => Status::permission_denied(error.to_string()),
                 })
@@ -634,6 +650,14 @@ impl Connector for ConnectorService {
                 } as i32,
                 deadline_unix: record.grant().deadline_unix,
                 open_resources,
+            });
+        }
+        for (run_id, reason) in self.runs.quarantined() {
+            runs.push(pb::RunSummary {
+                run_id: run_id.to_string(),
+                state: pb::RunState::Open as i32,
+                deadline_unix: 0,
+                open_resources: vec![format!("unknown: {reason}")],
             });
         }
         tracing::info!(rpc = "ListRuns", peer = %peer.label(), "done");

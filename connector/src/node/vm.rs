@@ -151,7 +151,17 @@ impl NodeExecutor {
     }
 
     async fn qm(&self, args: &[String]) -> Result<process::ToolOutput, ExecError> {
-        let mut call = ToolCall::new(&self.config.tools.qm, self.tool_timeout());
+        // `qm stop --timeout N` may legitimately take N seconds before it kills the guest.
+        let stop_secs = args
+            .iter()
+            .position(|a| a == "--timeout")
+            .and_then(|i| args.get(i + 1))
+            .and_then(|t| t.parse::<u64>().ok())
+            .unwrap_or(0);
+        let timeout = self
+            .tool_timeout()
+            .max(std::time::Duration::from_secs(stop_secs + 30));
+        let mut call = ToolCall::new(&self.config.tools.qm, timeout);
         for arg in args {
             call = call.arg(arg);
         }
