@@ -695,7 +695,8 @@ async fn runs_on_one_node_never_overlap() {
         edit(&mut wire);
         wire
     };
-    let cases: [(&dyn Fn(&mut pb::RunGrant), &str); 3] = [
+    type Edit<'a> = &'a dyn Fn(&mut pb::RunGrant);
+    let cases: [(Edit, &str); 3] = [
         (
             &|g| g.sandbox_vms[0].vmid = VMID,
             "would share VMID 9100 with open run 0f0e1c2d-3b4a-4c5d-8e6f-7a8b9c0d1e2f",

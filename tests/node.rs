@@ -1380,6 +1380,7 @@ async fn one_runs_wait_does_not_block_another_run() {
             max_cores: 1,
             max_memory_mib: 256,
         }];
+        wire.vnet = format!("csbox{}", vmid / 100);
         mint(&authority, &wire)
     };
     let run_a = begin(RUN_ID, ARCHIVE, 9100);
