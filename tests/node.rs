@@ -215,6 +215,8 @@ async fn map_overlay_unmap_for_real() {
         "already mapped by this run",
     );
 
+    // The lab's "cluster database" lives on the same filesystem as the overlays: warned.
+    std::fs::create_dir_all(run.lab.root.join("var/lib/pve-cluster")).unwrap();
     let overlay = run
         .client
         .create_overlay(pb::CreateOverlayRequest {
@@ -225,6 +227,12 @@ async fn map_overlay_unmap_for_real() {
         .unwrap()
         .into_inner();
     assert_eq!(overlay.tool.unwrap().exit_code, 0);
+    assert_eq!(overlay.warnings.len(), 1, "{:?}", overlay.warnings);
+    assert!(
+        overlay.warnings[0].contains("same filesystem"),
+        "{:?}",
+        overlay.warnings
+    );
     let path = run
         .lab
         .root
@@ -1469,4 +1477,47 @@ async fn one_runs_wait_does_not_block_another_run() {
     let _ = shutdown.send(());
     task.await.unwrap();
     eprintln!("run B's map + overlay + cleanup took {b_took:?} while run A waited on its agent");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_encryption_key_reaches_the_client_without_touching_disk() {
+    if !privileged(
+        "an_encryption_key_reaches_the_client_without_touching_disk",
+        &["losetup", "python3"],
+    ) {
+        return;
+    }
+    let mut run = Run::begin("keyfile", &[ARCHIVE]).await;
+    let key =
+        br#"{"kdf":null,"created":"2026-11-01T02:00:00Z","data":"c2VjcmV0LWtleS1tYXRlcmlhbA=="}"#
+            .to_vec();
+    let mut request = map_request(ARCHIVE, PBS_PASSWORD);
+    request.encryption_key = key.clone();
+    run.client.map_backup(request).await.unwrap();
+    let calls = run.lab.calls();
+    let map_call = calls.iter().find(|c| c["command"] == "map").unwrap();
+    let argv: Vec<String> = serde_json::from_value(map_call["argv"].clone()).unwrap();
+    assert_eq!(&argv[argv.len() - 2..], ["--keyfile", "/proc/self/fd/4"]);
+    let result = calls.iter().find(|c| c.get("keyfile").is_some()).unwrap();
+    assert_eq!(result["keyfile"]["size"], key.len(), "{result}");
+    // Nothing under the lab or the node's state holds the key material.
+    let needle = b"c2VjcmV0LWtleS1tYXRlcmlhbA";
+    let mut found = Vec::new();
+    for dir in [run.lab.root.clone()] {
+        let mut stack = vec![dir];
+        while let Some(dir) = stack.pop() {
+            for entry in std::fs::read_dir(&dir).unwrap().flatten() {
+                let path = entry.path();
+                if entry.file_type().unwrap().is_dir() {
+                    stack.push(path);
+                } else if std::fs::read(&path)
+                    .is_ok_and(|b| b.windows(needle.len()).any(|w| w == needle))
+                {
+                    found.push(path);
+                }
+            }
+        }
+    }
+    assert!(found.is_empty(), "key material on disk: {found:?}");
+    run.stop().await;
 }
