@@ -1118,7 +1118,7 @@ async fn malformed_requests_are_invalid_arguments() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn the_shipped_executor_reports_its_capabilities_and_names_missing_ones() {
+async fn the_shipped_executor_refuses_precisely_on_a_node_without_the_tools() {
     let dir = TempDir::new("shipped");
     let authority = controller(&dir.0);
     let mut config = enroll(&authority, &dir.0.join("node"), NODE);
@@ -1151,6 +1151,9 @@ async fn the_shipped_executor_reports_its_capabilities_and_names_missing_ones() 
             "vm.status",
             "guest.qmp",
             "guest.qga",
+            "sandbox.prepare",
+            "sandbox.release",
+            "sandbox.probe",
             "journal.read",
             "recovery.cleanup"
         ]
@@ -1158,61 +1161,38 @@ async fn the_shipped_executor_reports_its_capabilities_and_names_missing_ones() 
     c.begin_run(begin_request(&credentials)).await.unwrap();
     let results = call_every_operation(&mut c).await;
     for (result, rpc) in results.into_iter().zip(EVERY_OPERATION) {
-        let missing = match rpc {
-            "CreateVm" => {
-                assert_status(
-                    result,
-                    Code::FailedPrecondition,
-                    "VM 9100 has no overlay of drive-scsi0.img",
-                );
-                continue;
-            }
-            "StartVm" | "StopVm" | "DestroyVm" | "VmStatus" | "Qmp" | "Qga" => {
-                assert_status(
-                    result,
-                    Code::FailedPrecondition,
-                    "VM 9100 was not created by this run",
-                );
-                continue;
-            }
-            "PrepareSandbox" => "sandbox.prepare",
-            "ReleaseSandbox" => "sandbox.release",
-            "Probe" => "sandbox.probe",
-            "MapBackup" => {
-                assert_status(
-                    result,
-                    Code::Internal,
-                    "check the tool path in the connector config",
-                );
-                continue;
-            }
-            "CreateOverlay" => {
-                assert_status(result, Code::FailedPrecondition, "not mapped by this run");
-                continue;
-            }
-            "UnmapBackup" => {
-                assert_status(
-                    result,
-                    Code::FailedPrecondition,
-                    "never completed; Cleanup reconciles it",
-                );
-                continue;
-            }
-            "DeleteOverlay" => {
-                assert_status(result, Code::NotFound, "has no overlay");
-                continue;
-            }
+        let (code, needle) = match rpc {
+            "MapBackup" => (
+                Code::Internal,
+                "check the tool path in the connector config",
+            ),
+            "CreateOverlay" => (Code::FailedPrecondition, "not mapped by this run"),
+            "CreateVm" => (
+                Code::FailedPrecondition,
+                "VM 9100 has no overlay of drive-scsi0.img",
+            ),
+            "StartVm" | "StopVm" | "DestroyVm" | "VmStatus" | "Qmp" | "Qga" => (
+                Code::FailedPrecondition,
+                "VM 9100 was not created by this run",
+            ),
+            "PrepareSandbox" => (
+                Code::FailedPrecondition,
+                "bridge csbox1 does not exist on this node",
+            ),
+            "ReleaseSandbox" => (Code::NotFound, "this run has no sandbox on csbox1"),
+            "Probe" => (Code::FailedPrecondition, "call PrepareSandbox first"),
+            "UnmapBackup" => (
+                Code::FailedPrecondition,
+                "never completed; Cleanup reconciles it",
+            ),
+            "DeleteOverlay" => (Code::NotFound, "has no overlay"),
             "ReadJournal" | "Cleanup" => {
                 result.unwrap();
                 continue;
             }
             other => panic!("unexpected {other}"),
         };
-        assert_status(
-            result,
-            Code::Unimplemented,
-            &format!("capability `{missing}`"),
-        );
+        assert_status(result, code, needle);
     }
     // The failed map is journaled: intent, then failed with the reason.
     let mut stream = c

@@ -83,6 +83,10 @@ pub struct ToolPaths {
     pub proxmox_backup_client: PathBuf,
     pub qm: PathBuf,
     pub qemu_img: PathBuf,
+    /// iproute2, for the probe address on the VNet.
+    pub ip: PathBuf,
+    /// nftables, for the run's containment table.
+    pub nft: PathBuf,
 }
 
 impl Default for ToolPaths {
@@ -91,6 +95,8 @@ impl Default for ToolPaths {
             proxmox_backup_client: "/usr/bin/proxmox-backup-client".into(),
             qm: "/usr/sbin/qm".into(),
             qemu_img: "/usr/bin/qemu-img".into(),
+            ip: "/usr/sbin/ip".into(),
+            nft: "/usr/sbin/nft".into(),
         }
     }
 }
@@ -110,6 +116,8 @@ pub struct Limits {
     pub guest_timeout_secs: u64,
     /// Seconds after a grant's deadline before the daemon cleans up a run that was not ended.
     pub expiry_grace_secs: u64,
+    /// Seconds one probe may take, connection and answer included.
+    pub probe_timeout_secs: u64,
 }
 
 impl Default for Limits {
@@ -121,6 +129,7 @@ impl Default for Limits {
             tool_timeout_secs: 60,
             guest_timeout_secs: 10,
             expiry_grace_secs: 300,
+            probe_timeout_secs: 5,
         }
     }
 }
@@ -159,7 +168,7 @@ impl Config {
             value: self.node_name.clone(),
             reason,
         })?;
-        let absolute: [(&'static str, &Path); 13] = [
+        let absolute: [(&'static str, &Path); 15] = [
             ("tls.certificate", &self.tls.certificate),
             ("tls.private_key", &self.tls.private_key),
             ("tls.controller_ca", &self.tls.controller_ca),
@@ -175,6 +184,8 @@ impl Config {
             ),
             ("tools.qm", &self.tools.qm),
             ("tools.qemu_img", &self.tools.qemu_img),
+            ("tools.ip", &self.tools.ip),
+            ("tools.nft", &self.tools.nft),
             ("pve.qemu_server_run_dir", &self.pve.qemu_server_run_dir),
             ("pve.vm_config_dir", &self.pve.vm_config_dir),
             ("pve.pbs_loopdev_dir", &self.pve.pbs_loopdev_dir),

@@ -8,7 +8,9 @@
 
 pub mod guest;
 pub mod loopdev;
+pub mod probe;
 pub mod resources;
+pub mod sandbox;
 pub mod vm;
 
 use crate::action::{Action, EncryptionKey};
@@ -652,7 +654,11 @@ impl NodeExecutor {
     async fn cleanup(&self, run: &RunHandle) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
         let mut guard = run.lock().await;
-        let open = resources::open_newest_first(&guard.records()?);
+        let records = guard.records()?;
+        let touched_network = records
+            .iter()
+            .any(|r| r.entry.resource.starts_with("nft:") || r.entry.resource.starts_with("addr:"));
+        let open = resources::open_newest_first(&records);
         let mut receipts = Vec::new();
         let mut failures = Vec::new();
         for state in open {
@@ -672,7 +678,7 @@ impl NodeExecutor {
                 }
             }
         }
-        let residue = self.residue(grant);
+        let residue = self.residue(grant, touched_network).await;
         if !residue.is_empty() || !failures.is_empty() {
             tracing::warn!(run_id = %grant.run_id, ?residue, ?failures, "cleanup left residue");
         }
@@ -764,6 +770,12 @@ impl NodeExecutor {
                 .ok_or_else(|| ExecError::Failed(format!("malformed resource {key}")))?;
             return self.undo_vm(guard, grant, state, vmid).await;
         }
+        if key.starts_with("nft:") {
+            return self.remove_table(guard, grant).await;
+        }
+        if key.starts_with("addr:") {
+            return self.remove_address(guard, grant).await;
+        }
         if let Some(vmid) = key.strip_prefix("file:screendump:") {
             let vmid = vmid
                 .parse()
@@ -829,8 +841,26 @@ impl NodeExecutor {
     }
 
     /// What of the run is still on the node, re-read from the node itself.
-    fn residue(&self, grant: &Grant) -> Vec<String> {
+    async fn residue(&self, grant: &Grant, touched_network: bool) -> Vec<String> {
         let mut residue = Vec::new();
+        if touched_network {
+            match self.table_present(grant).await {
+                Ok(true) => residue.push(format!(
+                    "nftables table inet {} still exists",
+                    sandbox::table_name(grant)
+                )),
+                Ok(false) => {}
+                Err(error) => residue.push(format!("cannot check the nftables table: {error}")),
+            }
+            match self.address_present(grant).await {
+                Ok(true) => residue.push(format!(
+                    "{} still carries {}",
+                    grant.vnet, grant.probe_source
+                )),
+                Ok(false) => {}
+                Err(error) => residue.push(format!("cannot check the probe address: {error}")),
+            }
+        }
         for archive in &grant.archives {
             for l in self.our_loops(grant, archive) {
                 residue.push(format!("loop device {} still maps {archive}", l.device));
@@ -870,6 +900,9 @@ impl Executor for NodeExecutor {
             "vm.status",
             "guest.qmp",
             "guest.qga",
+            "sandbox.prepare",
+            "sandbox.release",
+            "sandbox.probe",
             "journal.read",
             "recovery.cleanup",
         ]
@@ -909,11 +942,17 @@ impl Executor for NodeExecutor {
                 Action::VmStatus { vmid } => self.vm_status(run, vmid).await,
                 Action::Qmp { vmid, command } => self.run_qmp(run, vmid, command).await,
                 Action::Qga { vmid, call } => self.run_qga(run, vmid, call).await,
+                Action::PrepareSandbox { vnet, probe_source } => {
+                    self.prepare_sandbox(run, vnet, probe_source).await
+                }
+                Action::ReleaseSandbox { vnet } => self.release_sandbox(run, vnet).await,
+                Action::Probe {
+                    kind,
+                    address,
+                    port,
+                } => self.probe(run, kind, address, port).await,
                 Action::ReadJournal { .. } => self.read_journal(run).await,
                 Action::Cleanup { .. } => self.cleanup(run).await,
-                other => Err(ExecError::Unimplemented {
-                    capability: crate::executor::capability(&other),
-                }),
             }
         })
     }

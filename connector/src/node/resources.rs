@@ -29,7 +29,11 @@ impl ResourceState {
 pub fn states(records: &[Record]) -> BTreeMap<String, ResourceState> {
     let mut states: BTreeMap<String, ResourceState> = BTreeMap::new();
     for record in records {
-        if record.entry.resource.starts_with("run:") || record.entry.op.starts_with("journal.") {
+        // Run-level records and probes leave nothing on the node to undo.
+        if record.entry.resource.starts_with("run:")
+            || record.entry.op.starts_with("journal.")
+            || record.entry.op.starts_with("probe.")
+        {
             continue;
         }
         let state = states
