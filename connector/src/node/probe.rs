@@ -374,7 +374,10 @@ async fn dns(
     let socket = match UdpSocket::bind(SocketAddr::new(source, 0)).await {
         Ok(socket) => socket,
         Err(error) => {
-            return ProbeResult::failed(format!("cannot bind {source}: {error}"), started.elapsed());
+            return ProbeResult::failed(
+                format!("cannot bind {source}: {error}"),
+                started.elapsed(),
+            );
         }
     };
     if let Err(error) = socket.send_to(&bytes, target).await {

@@ -24,7 +24,6 @@ use certistack_proto::v1 as pb;
 use serde_json::json;
 use sha2::{Digest, Sha256};
 use std::net::IpAddr;
-use std::path::PathBuf;
 
 /// What the node shows about a VNet, read without changing anything.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -162,10 +161,6 @@ pub fn ruleset(grant: &Grant, vnet: &VnetName) -> String {
 }
 
 impl NodeExecutor {
-    fn sys_net(&self, vnet: &VnetName) -> PathBuf {
-        PathBuf::from("/sys/class/net").join(vnet.as_str())
-    }
-
     async fn tool(
         &self,
         program: &std::path::Path,
@@ -178,26 +173,50 @@ impl NodeExecutor {
         process::run(call).await.map_err(tool_error)
     }
 
-    /// Reads the VNet's isolation-relevant state.
+    /// Reads the VNet's isolation-relevant state. Links are read through netlink (`ip`), not
+    /// sysfs: sysfs shows the namespace it was mounted in, netlink the caller's.
     pub(super) async fn observe(
         &self,
         grant: &Grant,
         vnet: &VnetName,
     ) -> Result<Observation, ExecError> {
-        let sys = self.sys_net(vnet);
-        let mut seen = Observation {
-            is_bridge: sys.join("bridge").is_dir(),
-            ..Observation::default()
-        };
+        let mut seen = Observation::default();
+        let link = self
+            .tool(
+                &self.config.tools.ip,
+                &["-j", "-d", "link", "show", "dev", vnet.as_str()],
+            )
+            .await?;
+        if !link.success() {
+            return Ok(seen);
+        }
+        let link: serde_json::Value = serde_json::from_str(&link.stdout).map_err(|e| {
+            ExecError::Failed(format!("ip -j -d link show dev {vnet} gave no JSON: {e}"))
+        })?;
+        seen.is_bridge = link
+            .as_array()
+            .and_then(|links| links.first())
+            .and_then(|l| l.get("linkinfo")?.get("info_kind")?.as_str())
+            == Some("bridge");
         if !seen.is_bridge {
             return Ok(seen);
         }
-        if let Ok(entries) = std::fs::read_dir(sys.join("brif")) {
-            seen.ports = entries
-                .filter_map(|e| e.ok()?.file_name().into_string().ok())
-                .collect();
-            seen.ports.sort();
-        }
+        let ports = self
+            .tool(
+                &self.config.tools.ip,
+                &["-j", "link", "show", "master", vnet.as_str()],
+            )
+            .await?;
+        let ports: serde_json::Value = serde_json::from_str(&ports.stdout).map_err(|e| {
+            ExecError::Failed(format!("ip -j link show master {vnet} gave no JSON: {e}"))
+        })?;
+        seen.ports = ports
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|p| p.get("ifname")?.as_str().map(str::to_owned))
+            .collect();
+        seen.ports.sort();
         seen.forwarding =
             std::fs::read_to_string(format!("/proc/sys/net/ipv4/conf/{vnet}/forwarding"))
                 .ok()
@@ -514,15 +533,16 @@ impl NodeExecutor {
     }
 
     pub(super) async fn address_present(&self, grant: &Grant) -> Result<bool, ExecError> {
-        if !self.sys_net(&grant.vnet).exists() {
-            return Ok(false);
-        }
         let seen = self
             .tool(
                 &self.config.tools.ip,
                 &["-j", "address", "show", "dev", grant.vnet.as_str()],
             )
             .await?;
+        if !seen.success() {
+            // No such VNet: nothing can carry the address.
+            return Ok(false);
+        }
         let probe = grant.probe_source.address.to_string();
         Ok(seen.stdout.contains(&format!("\"local\":\"{probe}\"")))
     }
