@@ -290,7 +290,7 @@ impl Drop for Topology {
         // slapd and dnsmasq may fork; their pid files name the survivors.
         for pid_file in ["dnsmasq.pid", "slapd.pid"] {
             if let Ok(pid) = std::fs::read_to_string(self.dir.0.join(pid_file)) {
-                let _ = Command::new("kill").arg(pid.trim()).status();
+                let _ = Command::new("kill").arg(pid.trim()).stderr(Stdio::null()).status();
             }
         }
         for ns in [&self.node, &self.guest, &self.other] {
@@ -352,6 +352,11 @@ fn targets(pass: bool) -> Vec<pb::ProbeTarget> {
                 http_path: "/".into(),
                 http_status: 200,
                 body_contains: text("restored ok", "welcome"),
+                // SHA-256 of the served page, "restored ok\n".
+                body_sha256: text(
+                    "6cf0a0560dae9680b204d7ac4d8f132ddedb50ce9eda26801fac2176f0ff4e5a",
+                    "",
+                ),
                 ..Default::default()
             },
         ),
@@ -392,6 +397,13 @@ fn targets(pass: bool) -> Vec<pb::ProbeTarget> {
             pb::ProbeKind::Tcp,
             "198.51.100.11",
             22,
+            pb::ProbeExpectation::default(),
+        ));
+        // A port the guest refuses.
+        targets.push(target(
+            pb::ProbeKind::Tcp,
+            GUEST,
+            2222,
             pb::ProbeExpectation::default(),
         ));
     }
