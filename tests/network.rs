@@ -22,7 +22,7 @@
 use certistack_proto::v1 as pb;
 use certistack_proto::v1::connector_client::ConnectorClient;
 use certistack_tests::*;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use tonic::Code;
 use tonic::transport::Channel;
@@ -290,7 +290,10 @@ impl Drop for Topology {
         // slapd and dnsmasq may fork; their pid files name the survivors.
         for pid_file in ["dnsmasq.pid", "slapd.pid"] {
             if let Ok(pid) = std::fs::read_to_string(self.dir.0.join(pid_file)) {
-                let _ = Command::new("kill").arg(pid.trim()).stderr(Stdio::null()).status();
+                let _ = Command::new("kill")
+                    .arg(pid.trim())
+                    .stderr(Stdio::null())
+                    .status();
             }
         }
         for ns in [&self.node, &self.guest, &self.other] {
@@ -793,7 +796,8 @@ fn crash_after_prepare_sandbox_leaves_nothing_after_recovery() {
             .local_addr()
             .unwrap()
             .port();
-        let config_path = write_config(&lab.root, &config, port);
+        let config_path = lab.root.join("node/connector.toml");
+        write_config_file(&config_path, &config, port);
         let address = format!("127.0.0.1:{port}");
         let spawn = || {
             Command::new(binary("certistack-connector"))
@@ -809,7 +813,7 @@ fn crash_after_prepare_sandbox_leaves_nothing_after_recovery() {
         let operator = authority.issue_operator("recovery", now()).unwrap();
 
         let mut daemon = spawn();
-        let mut c = connect(&authority, &address, &credentials.certificate).await;
+        let mut c = client_when_up(&authority, &address, &credentials.certificate).await;
         c.begin_run(begin_request(&credentials)).await.unwrap();
         c.prepare_sandbox(prepare()).await.unwrap();
         daemon.kill().unwrap(); // SIGKILL
@@ -818,7 +822,7 @@ fn crash_after_prepare_sandbox_leaves_nothing_after_recovery() {
         assert!(bridge_addresses(&topology).contains("198.51.100.2"));
 
         let mut daemon = spawn();
-        let mut op = connect(&authority, &address, &operator).await;
+        let mut op = client_when_up(&authority, &address, &operator).await;
         let runs = op
             .list_runs(pb::ListRunsRequest {})
             .await
@@ -853,38 +857,4 @@ fn crash_after_prepare_sandbox_leaves_nothing_after_recovery() {
         daemon.wait().unwrap();
     });
     drop(topology);
-}
-
-async fn connect(
-    authority: &certistack_controller::authority::Authority,
-    address: &str,
-    identity: &certistack_controller::authority::IssuedCertificate,
-) -> ConnectorClient<Channel> {
-    for _ in 0..100 {
-        if let Ok(mut c) = client(authority, address, NODE, identity).await
-            && c.hello(pb::HelloRequest {}).await.is_ok()
-        {
-            return c;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    }
-    panic!("the connector at {address} did not come up");
-}
-
-fn write_config(root: &Path, config: &certistack_connector::config::Config, port: u16) -> PathBuf {
-    let path = root.join("node/connector.toml");
-    let p = |p: &Path| p.display().to_string();
-    let text = format!(
-        "node_name = \"{NODE}\"\nlisten = \"127.0.0.1:{port}\"\n\
-         [tls]\ncertificate = \"{}\"\nprivate_key = \"{}\"\ncontroller_ca = \"{}\"\nrun_authority_public_key = \"{}\"\n\
-         [paths]\nstate_dir = \"{}\"\noverlay_root = \"{}\"\n",
-        p(&config.tls.certificate),
-        p(&config.tls.private_key),
-        p(&config.tls.controller_ca),
-        p(&config.tls.run_authority_public_key),
-        p(&config.paths.state_dir),
-        p(&config.paths.overlay_root),
-    );
-    std::fs::write(&path, text).unwrap();
-    path
 }

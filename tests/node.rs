@@ -1040,53 +1040,6 @@ mod crash {
         }
     }
 
-    fn write_config(
-        lab: &Lab,
-        config: &certistack_connector::config::Config,
-        port: u16,
-    ) -> PathBuf {
-        let path = lab.root.join("node/connector.toml");
-        let p = |p: &Path| p.display().to_string();
-        let text = format!(
-            "node_name = \"{NODE}\"\nlisten = \"127.0.0.1:{port}\"\n\
-             [tls]\ncertificate = \"{}\"\nprivate_key = \"{}\"\ncontroller_ca = \"{}\"\nrun_authority_public_key = \"{}\"\n\
-             [paths]\nstate_dir = \"{}\"\noverlay_root = \"{}\"\n\
-             [tools]\nproxmox_backup_client = \"{}\"\nqm = \"{}\"\nqemu_img = \"/usr/bin/qemu-img\"\n\
-             [pve]\nqemu_server_run_dir = \"{}\"\nvm_config_dir = \"{}\"\npbs_loopdev_dir = \"{}\"\npve_cluster_dir = \"{}\"\n\
-             [limits]\nguest_timeout_secs = 60\n",
-            p(&config.tls.certificate),
-            p(&config.tls.private_key),
-            p(&config.tls.controller_ca),
-            p(&config.tls.run_authority_public_key),
-            p(&config.paths.state_dir),
-            p(&config.paths.overlay_root),
-            p(&config.tools.proxmox_backup_client),
-            p(&config.tools.qm),
-            p(&config.pve.qemu_server_run_dir),
-            p(&config.pve.vm_config_dir),
-            p(&config.pve.pbs_loopdev_dir),
-            p(&config.pve.pve_cluster_dir),
-        );
-        std::fs::write(&path, text).unwrap();
-        path
-    }
-
-    async fn connect(
-        authority: &certistack_controller::authority::Authority,
-        address: &str,
-        identity: &certistack_controller::authority::IssuedCertificate,
-    ) -> ConnectorClient<Channel> {
-        for _ in 0..100 {
-            if let Ok(mut c) = client(authority, address, NODE, identity).await
-                && c.hello(pb::HelloRequest {}).await.is_ok()
-            {
-                return c;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-        }
-        panic!("the connector at {address} did not come up");
-    }
-
     /// Processes whose command line mentions `needle` (QEMU and agents of this lab).
     fn processes_mentioning(needle: &str) -> Vec<String> {
         std::fs::read_dir("/proc")
@@ -1163,7 +1116,10 @@ mod crash {
             .local_addr()
             .unwrap()
             .port();
-        let config_path = write_config(&lab, &config, port);
+        let config_path = lab.root.join("node/connector.toml");
+        let mut config = config;
+        config.limits.guest_timeout_secs = 60;
+        write_config_file(&config_path, &config, port);
         let address = format!("127.0.0.1:{port}");
 
         let mut wire = grant(RUN_ID, NODE);
@@ -1172,7 +1128,7 @@ mod crash {
         let operator = authority.issue_operator("recovery", now()).unwrap();
 
         let mut daemon = Daemon::start(&config_path);
-        let mut c = connect(&authority, &address, &credentials.certificate).await;
+        let mut c = client_when_up(&authority, &address, &credentials.certificate).await;
         c.begin_run(begin_request(&credentials)).await.unwrap();
         c.map_backup(map_request(ARCHIVE, PBS_PASSWORD))
             .await
@@ -1268,7 +1224,7 @@ mod crash {
 
         // Restart and recover as an operator would.
         let _daemon = Daemon::start(&config_path);
-        let mut op = connect(&authority, &address, &operator).await;
+        let mut op = client_when_up(&authority, &address, &operator).await;
         let runs = op
             .list_runs(pb::ListRunsRequest {})
             .await

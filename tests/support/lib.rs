@@ -609,3 +609,59 @@ impl Clock for ManualClock {
         SystemClock.now_unix_ms() + self.offset_ms.load(std::sync::atomic::Ordering::SeqCst)
     }
 }
+
+/// Writes `config` as the TOML file the daemon reads, listening on 127.0.0.1:`port`.
+pub fn write_config_file(path: &Path, config: &Config, port: u16) {
+    let p = |p: &Path| p.display().to_string();
+    let l = &config.limits;
+    let text = format!(
+        "node_name = \"{}\"\nlisten = \"127.0.0.1:{port}\"\n\
+         [tls]\ncertificate = \"{}\"\nprivate_key = \"{}\"\ncontroller_ca = \"{}\"\nrun_authority_public_key = \"{}\"\n\
+         [paths]\nstate_dir = \"{}\"\noverlay_root = \"{}\"\n\
+         [tools]\nproxmox_backup_client = \"{}\"\nqm = \"{}\"\nqemu_img = \"{}\"\nip = \"{}\"\nnft = \"{}\"\n\
+         [pve]\nqemu_server_run_dir = \"{}\"\nvm_config_dir = \"{}\"\npbs_loopdev_dir = \"{}\"\npve_cluster_dir = \"{}\"\n\
+         [limits]\nmax_concurrent_runs = {}\nmax_request_bytes = {}\nmap_timeout_secs = {}\ntool_timeout_secs = {}\n\
+         guest_timeout_secs = {}\nexpiry_grace_secs = {}\nprobe_timeout_secs = {}\n",
+        config.node_name,
+        p(&config.tls.certificate),
+        p(&config.tls.private_key),
+        p(&config.tls.controller_ca),
+        p(&config.tls.run_authority_public_key),
+        p(&config.paths.state_dir),
+        p(&config.paths.overlay_root),
+        p(&config.tools.proxmox_backup_client),
+        p(&config.tools.qm),
+        p(&config.tools.qemu_img),
+        p(&config.tools.ip),
+        p(&config.tools.nft),
+        p(&config.pve.qemu_server_run_dir),
+        p(&config.pve.vm_config_dir),
+        p(&config.pve.pbs_loopdev_dir),
+        p(&config.pve.pve_cluster_dir),
+        l.max_concurrent_runs,
+        l.max_request_bytes,
+        l.map_timeout_secs,
+        l.tool_timeout_secs,
+        l.guest_timeout_secs,
+        l.expiry_grace_secs,
+        l.probe_timeout_secs,
+    );
+    std::fs::write(path, text).unwrap();
+}
+
+/// A client to a connector that is still starting: retried until `Hello` answers (10 s).
+pub async fn client_when_up(
+    authority: &Authority,
+    address: &str,
+    identity: &IssuedCertificate,
+) -> ConnectorClient<Channel> {
+    for _ in 0..100 {
+        if let Ok(mut c) = client(authority, address, NODE, identity).await
+            && c.hello(pb::HelloRequest {}).await.is_ok()
+        {
+            return c;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    panic!("the connector at {address} did not come up");
+}

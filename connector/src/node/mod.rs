@@ -609,36 +609,51 @@ impl NodeExecutor {
         resource: &str,
         path: &Path,
     ) -> Result<&'static str, ExecError> {
+        self.remove_path(guard, "overlay.delete", resource, path)
+    }
+
+    /// Removes one run-scoped file (or empty directory), journaled `intent` then `undone` with
+    /// its end state, or `failed`. A path that is already gone is recorded as such.
+    fn remove_path(
+        &self,
+        guard: &mut RunGuard<'_>,
+        op: &str,
+        resource: &str,
+        path: &Path,
+    ) -> Result<&'static str, ExecError> {
+        let shown = path.display().to_string();
         guard.append(
             self.now_ms(),
-            "overlay.delete",
+            op,
             resource,
             Phase::Intent,
-            json!({ "path": path.display().to_string() }),
+            json!({ "path": shown }),
         )?;
-        let end_state = match std::fs::remove_file(path) {
+        let removed = if path.is_dir() {
+            std::fs::remove_dir(path)
+        } else {
+            std::fs::remove_file(path)
+        };
+        let end_state = match removed {
             Ok(()) => "deleted",
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => "already gone",
             Err(error) => {
                 guard.append(
                     self.now_ms(),
-                    "overlay.delete",
+                    op,
                     resource,
                     Phase::Failed,
-                    json!({ "error": error.to_string() }),
+                    json!({ "path": shown, "error": error.to_string() }),
                 )?;
-                return Err(ExecError::Failed(format!(
-                    "cannot delete {}: {error}",
-                    path.display()
-                )));
+                return Err(ExecError::Failed(format!("cannot remove {shown}: {error}")));
             }
         };
         guard.append(
             self.now_ms(),
-            "overlay.delete",
+            op,
             resource,
             Phase::Undone,
-            json!({ "path": path.display().to_string(), "end_state": end_state }),
+            json!({ "path": shown, "end_state": end_state }),
         )?;
         Ok(end_state)
     }
@@ -783,59 +798,10 @@ impl NodeExecutor {
                 .and_then(|v| Vmid::parse("journal", v).ok())
                 .ok_or_else(|| ExecError::Failed(format!("malformed resource {key}")))?;
             let path = self.overlay_dir(grant).join(format!("{vmid}-screen.ppm"));
-            let end = match std::fs::remove_file(&path) {
-                Ok(()) => "deleted",
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => "already gone",
-                Err(error) => {
-                    return Err(ExecError::Failed(format!(
-                        "cannot delete {}: {error}",
-                        path.display()
-                    )));
-                }
-            };
-            guard.append(
-                self.now_ms(),
-                "file.delete",
-                key,
-                Phase::Undone,
-                json!({ "end_state": end }),
-            )?;
-            return Ok(end);
+            return self.remove_path(guard, "file.delete", key, &path);
         }
         if key == "dir:overlays" {
-            let dir = self.overlay_dir(grant);
-            guard.append(
-                self.now_ms(),
-                "overlay.dir.delete",
-                key,
-                Phase::Intent,
-                json!({ "path": dir.display().to_string() }),
-            )?;
-            let end = match std::fs::remove_dir(&dir) {
-                Ok(()) => "deleted",
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => "already gone",
-                Err(error) => {
-                    guard.append(
-                        self.now_ms(),
-                        "overlay.dir.delete",
-                        key,
-                        Phase::Failed,
-                        json!({ "error": error.to_string() }),
-                    )?;
-                    return Err(ExecError::Failed(format!(
-                        "cannot remove {}: {error} (something else is in it)",
-                        dir.display()
-                    )));
-                }
-            };
-            guard.append(
-                self.now_ms(),
-                "overlay.dir.delete",
-                key,
-                Phase::Undone,
-                json!({ "end_state": end }),
-            )?;
-            return Ok(end);
+            return self.remove_path(guard, "overlay.dir.delete", key, &self.overlay_dir(grant));
         }
         Err(ExecError::Failed(format!("no undo is known for {key}")))
     }

@@ -168,6 +168,74 @@ impl NodeExecutor {
         process::run(call).await.map_err(tool_error)
     }
 
+    /// `qm start|stop|destroy <vmid>`, journaled: `intent`, then `failed`, or `done` (`undone`
+    /// for destroy, which ends the VM resource).
+    async fn journaled_qm(
+        &self,
+        guard: &mut RunGuard<'_>,
+        vmid: Vmid,
+        verb: &'static str,
+        timeout_secs: u32,
+    ) -> Result<process::ToolOutput, ExecError> {
+        let resource = format!("vm:{vmid}");
+        let mut args = vec![verb.to_owned(), vmid.to_string()];
+        match verb {
+            "stop" if timeout_secs > 0 => {
+                args.extend(["--timeout".into(), timeout_secs.to_string()])
+            }
+            "destroy" => args.extend(["--purge".into(), "1".into()]),
+            _ => {}
+        }
+        let op = format!("vm.{verb}");
+        guard.append(
+            self.now_ms(),
+            &op,
+            &resource,
+            Phase::Intent,
+            json!({ "argv": args }),
+        )?;
+        let output = match self.qm(&args).await {
+            Ok(output) => output,
+            Err(error) => {
+                guard.append(
+                    self.now_ms(),
+                    &op,
+                    &resource,
+                    Phase::Failed,
+                    json!({ "error": error.to_string() }),
+                )?;
+                return Err(error);
+            }
+        };
+        if !output.success() {
+            guard.append(
+                self.now_ms(),
+                &op,
+                &resource,
+                Phase::Failed,
+                tool_detail(&output, &[]),
+            )?;
+            return Err(ExecError::FailedPrecondition(format!(
+                "qm {verb} {vmid} failed (exit {:?}): {}",
+                output.exit_code,
+                output.stderr_excerpt()
+            )));
+        }
+        let phase = if verb == "destroy" {
+            Phase::Undone
+        } else {
+            Phase::Done
+        };
+        guard.append(
+            self.now_ms(),
+            &op,
+            &resource,
+            phase,
+            tool_detail(&output, &[]),
+        )?;
+        Ok(output)
+    }
+
     pub(super) async fn create_vm(
         &self,
         run: &RunHandle,
@@ -294,62 +362,9 @@ impl NodeExecutor {
         let grant = &run.grant;
         let mut guard = run.lock().await;
         self.require_ours(&guard, grant, vmid)?;
-        let resource = format!("vm:{vmid}");
-        let mut args = vec![verb.to_owned(), vmid.to_string()];
-        match verb {
-            "stop" if timeout_secs > 0 => {
-                args.extend(["--timeout".into(), timeout_secs.to_string()])
-            }
-            "destroy" => args.extend(["--purge".into(), "1".into()]),
-            _ => {}
-        }
-        let op = format!("vm.{verb}");
-        guard.append(
-            self.now_ms(),
-            &op,
-            &resource,
-            Phase::Intent,
-            json!({ "argv": args }),
-        )?;
-        let output = match self.qm(&args).await {
-            Ok(output) => output,
-            Err(error) => {
-                guard.append(
-                    self.now_ms(),
-                    &op,
-                    &resource,
-                    Phase::Failed,
-                    json!({ "error": error.to_string() }),
-                )?;
-                return Err(error);
-            }
-        };
-        if !output.success() {
-            guard.append(
-                self.now_ms(),
-                &op,
-                &resource,
-                Phase::Failed,
-                tool_detail(&output, &[]),
-            )?;
-            return Err(ExecError::FailedPrecondition(format!(
-                "qm {verb} {vmid} failed (exit {:?}): {}",
-                output.exit_code,
-                output.stderr_excerpt()
-            )));
-        }
-        let phase = if verb == "destroy" {
-            Phase::Undone
-        } else {
-            Phase::Done
-        };
-        guard.append(
-            self.now_ms(),
-            &op,
-            &resource,
-            phase,
-            tool_detail(&output, &[]),
-        )?;
+        let output = self
+            .journaled_qm(&mut guard, vmid, verb, timeout_secs)
+            .await?;
         // qm reports success only once the VM reached the state; VmStatus re-reads it on demand.
         let state = match verb {
             "destroy" => pb::VmState::Absent,
@@ -447,44 +462,7 @@ impl NodeExecutor {
             }
             Ownership::Ours => {
                 for verb in ["stop", "destroy"] {
-                    let mut args = vec![verb.to_owned(), vmid.to_string()];
-                    if verb == "destroy" {
-                        args.extend(["--purge".into(), "1".into()]);
-                    }
-                    let op = format!("vm.{verb}");
-                    guard.append(
-                        self.now_ms(),
-                        &op,
-                        &resource,
-                        Phase::Intent,
-                        json!({ "argv": args }),
-                    )?;
-                    let output = self.qm(&args).await?;
-                    if !output.success() {
-                        guard.append(
-                            self.now_ms(),
-                            &op,
-                            &resource,
-                            Phase::Failed,
-                            tool_detail(&output, &[]),
-                        )?;
-                        return Err(ExecError::FailedPrecondition(format!(
-                            "qm {verb} {vmid} failed: {}",
-                            output.stderr_excerpt()
-                        )));
-                    }
-                    let phase = if verb == "destroy" {
-                        Phase::Undone
-                    } else {
-                        Phase::Done
-                    };
-                    guard.append(
-                        self.now_ms(),
-                        &op,
-                        &resource,
-                        phase,
-                        tool_detail(&output, &[("end_state", json!("destroyed"))]),
-                    )?;
+                    self.journaled_qm(guard, vmid, verb, 0).await?;
                 }
                 Ok("destroyed")
             }
