@@ -160,6 +160,13 @@ pub fn ruleset(grant: &Grant, vnet: &VnetName) -> String {
     )
 }
 
+/// What the sandbox adds to the node's network.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum NetworkObject {
+    Table,
+    Address,
+}
+
 impl NodeExecutor {
     async fn tool(
         &self,
@@ -424,72 +431,55 @@ impl NodeExecutor {
         guard: &mut RunGuard<'_>,
         grant: &Grant,
     ) -> Result<&'static str, ExecError> {
-        let table = table_name(grant);
-        let key = format!("nft:{table}");
-        let exists = self
-            .tool(&self.config.tools.nft, &["list", "table", "inet", &table])
-            .await?
-            .success();
-        if !exists {
-            guard.append(
-                self.now_ms(),
-                "sandbox.nft.delete",
-                &key,
-                Phase::Undone,
-                json!({ "end_state": "already gone" }),
-            )?;
-            return Ok("already gone");
-        }
-        guard.append(
-            self.now_ms(),
-            "sandbox.nft.delete",
-            &key,
-            Phase::Intent,
-            json!({ "table": table }),
-        )?;
-        let out = self
-            .tool(&self.config.tools.nft, &["delete", "table", "inet", &table])
-            .await?;
-        let still = self
-            .tool(&self.config.tools.nft, &["list", "table", "inet", &table])
-            .await?
-            .success();
-        if !out.success() || still {
-            guard.append(
-                self.now_ms(),
-                "sandbox.nft.delete",
-                &key,
-                Phase::Failed,
-                tool_detail(&out, &[]),
-            )?;
-            return Err(ExecError::Failed(format!(
-                "nft delete table inet {table} failed: {}",
-                out.stderr_excerpt()
-            )));
-        }
-        guard.append(
-            self.now_ms(),
-            "sandbox.nft.delete",
-            &key,
-            Phase::Undone,
-            json!({ "end_state": "deleted" }),
-        )?;
-        Ok("deleted")
+        self.remove_network_object(guard, grant, NetworkObject::Table)
+            .await
     }
 
-    /// Removes the probe address from the VNet if it is there.
+    /// Removes the probe address from the VNet if it is there, and checks that it is gone.
     pub(super) async fn remove_address(
         &self,
         guard: &mut RunGuard<'_>,
         grant: &Grant,
     ) -> Result<&'static str, ExecError> {
-        let vnet = &grant.vnet;
-        let key = format!("addr:{vnet}");
+        self.remove_network_object(guard, grant, NetworkObject::Address)
+            .await
+    }
+
+    async fn present(&self, grant: &Grant, object: NetworkObject) -> Result<bool, ExecError> {
+        match object {
+            NetworkObject::Table => self.table_present(grant).await,
+            NetworkObject::Address => self.address_present(grant).await,
+        }
+    }
+
+    /// Journaled removal: `undone` ("already gone") when absent; otherwise `intent`, the tool,
+    /// a re-read, then `undone` ("deleted") or `failed`.
+    async fn remove_network_object(
+        &self,
+        guard: &mut RunGuard<'_>,
+        grant: &Grant,
+        object: NetworkObject,
+    ) -> Result<&'static str, ExecError> {
+        let table = table_name(grant);
         let address = grant.probe_source.to_string();
-        if !self.address_present(grant).await? {
+        let (op, key, program, args): (&str, String, &std::path::Path, Vec<&str>) = match object {
+            NetworkObject::Table => (
+                "sandbox.nft.delete",
+                format!("nft:{table}"),
+                &self.config.tools.nft,
+                vec!["delete", "table", "inet", &table],
+            ),
+            NetworkObject::Address => (
+                "sandbox.address.delete",
+                format!("addr:{}", grant.vnet),
+                &self.config.tools.ip,
+                vec!["address", "del", &address, "dev", grant.vnet.as_str()],
+            ),
+        };
+        if !self.present(grant, object).await? {
             guard.append(
                 self.now_ms(),
-                "sandbox.address.delete",
+                op,
                 &key,
                 Phase::Undone,
                 json!({ "end_state": "already gone" }),
@@ -498,33 +488,30 @@ impl NodeExecutor {
         }
         guard.append(
             self.now_ms(),
-            "sandbox.address.delete",
+            op,
             &key,
             Phase::Intent,
-            json!({ "address": address }),
+            json!({ "argv": args }),
         )?;
-        let out = self
-            .tool(
-                &self.config.tools.ip,
-                &["address", "del", &address, "dev", vnet.as_str()],
-            )
-            .await?;
-        if !out.success() || self.address_present(grant).await? {
+        let out = self.tool(program, &args).await?;
+        if !out.success() || self.present(grant, object).await? {
             guard.append(
                 self.now_ms(),
-                "sandbox.address.delete",
+                op,
                 &key,
                 Phase::Failed,
                 tool_detail(&out, &[]),
             )?;
             return Err(ExecError::Failed(format!(
-                "ip address del {address} dev {vnet} failed: {}",
+                "{} {} failed: {}",
+                program.display(),
+                args.join(" "),
                 out.stderr_excerpt()
             )));
         }
         guard.append(
             self.now_ms(),
-            "sandbox.address.delete",
+            op,
             &key,
             Phase::Undone,
             json!({ "end_state": "deleted" }),
