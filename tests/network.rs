@@ -22,7 +22,6 @@
 use certistack_proto::v1 as pb;
 use certistack_proto::v1::connector_client::ConnectorClient;
 use certistack_tests::*;
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use tonic::Code;
 use tonic::transport::Channel;
@@ -299,31 +298,6 @@ impl Drop for Topology {
         for ns in [&self.node, &self.guest, &self.other] {
             let _ = Command::new("ip").args(["netns", "del", ns]).status();
         }
-    }
-}
-
-/// Runs `body` on a thread inside network namespace `ns`, on a runtime of that thread alone.
-fn inside<F, Fut>(ns: &str, body: F)
-where
-    F: FnOnce() -> Fut + Send + 'static,
-    Fut: std::future::Future<Output = ()>,
-{
-    let path = PathBuf::from("/run/netns").join(ns);
-    let handle = std::thread::spawn(move || {
-        let file = std::fs::File::open(&path).unwrap();
-        rustix::thread::move_into_link_name_space(
-            std::os::fd::AsFd::as_fd(&file),
-            Some(rustix::thread::LinkNameSpaceType::Network),
-        )
-        .unwrap();
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        runtime.block_on(body());
-    });
-    if let Err(panic) = handle.join() {
-        std::panic::resume_unwind(panic);
     }
 }
 

@@ -552,6 +552,8 @@ const QEMU_TOOLS: &[&str] = &[
     "qemu-system-x86_64",
     "qemu-ga",
     "python3",
+    "ip",
+    "nft",
 ];
 
 fn sandbox_grant(wire: &mut pb::RunGrant) {
@@ -575,6 +577,13 @@ fn sandbox_grant(wire: &mut pb::RunGrant) {
 
 impl Run {
     async fn sandbox_vm(&mut self, vmid: u32) -> String {
+        self.client
+            .prepare_sandbox(pb::PrepareSandboxRequest {
+                vnet: VNET.into(),
+                probe_source: PROBE_SOURCE.into(),
+            })
+            .await
+            .unwrap();
         self.client
             .map_backup(map_request(ARCHIVE, PBS_PASSWORD))
             .await
@@ -621,178 +630,181 @@ impl Run {
     }
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn vm_lifecycle_with_qmp_and_a_real_guest_agent() {
+#[test]
+fn vm_lifecycle_with_qmp_and_a_real_guest_agent() {
     if !privileged("vm_lifecycle_with_qmp_and_a_real_guest_agent", QEMU_TOOLS) {
         return;
     }
-    let mut run = Run::begin_with(
-        "vm",
-        &[ARCHIVE],
-        |lab| {
-            // The host's qemu-ga answers on the VM's agent socket; it may run exactly the
-            // harmless granted program and the read-only calls.
-            lab.settings(serde_json::json!({
-                "agent_mode": "host-qemu-ga",
-                "qga_allow_rpcs": ["guest-sync-delimited", "guest-ping", "guest-info", "guest-get-osinfo",
-                    "guest-get-host-name", "guest-network-get-interfaces", "guest-get-fsinfo", "guest-exec", "guest-exec-status"],
-            }))
-        },
-        sandbox_grant,
-    )
-    .await;
-    let uuid = run.sandbox_vm(9100).await;
+    let netns = Netns::new("vm", &["csbox1", "csbox91", "csbox92"]);
+    inside(&netns.name, || async {
+        let mut run = Run::begin_with(
+            "vm",
+            &[ARCHIVE],
+            |lab| {
+                // The host's qemu-ga answers on the VM's agent socket; it may run exactly the
+                // harmless granted program and the read-only calls.
+                lab.settings(serde_json::json!({
+                    "agent_mode": "host-qemu-ga",
+                    "qga_allow_rpcs": ["guest-sync-delimited", "guest-ping", "guest-info", "guest-get-osinfo",
+                        "guest-get-host-name", "guest-network-get-interfaces", "guest-get-fsinfo", "guest-exec", "guest-exec-status"],
+                }))
+            },
+            sandbox_grant,
+        )
+        .await;
+        let uuid = run.sandbox_vm(9100).await;
 
-    // The sandbox shape: overlay as qcow2 without backup, empty CD-ROM, agent, isolated NIC,
-    // fresh SMBIOS UUID, run marker.
-    let conf = run.conf(9100);
-    for line in [
-        "#certistack-run=0f0e1c2d-3b4a-4c5d-8e6f-7a8b9c0d1e2f",
-        "agent: 1",
-        "tags: certistack",
-        "ide2: none,media=cdrom",
-        "cores: 1",
-        "memory: 256",
-        &format!("smbios1: uuid={uuid}"),
-    ] {
+        // The sandbox shape: overlay as qcow2 without backup, empty CD-ROM, agent, isolated NIC,
+        // fresh SMBIOS UUID, run marker.
+        let conf = run.conf(9100);
+        for line in [
+            "#certistack-run=0f0e1c2d-3b4a-4c5d-8e6f-7a8b9c0d1e2f",
+            "agent: 1",
+            "tags: certistack",
+            "ide2: none,media=cdrom",
+            "cores: 1",
+            "memory: 256",
+            &format!("smbios1: uuid={uuid}"),
+        ] {
+            assert!(
+                conf.lines().any(|l| l == line),
+                "{line:?} missing from\n{conf}"
+            );
+        }
+        let scsi0 = conf.lines().find(|l| l.starts_with("scsi0: ")).unwrap();
         assert!(
-            conf.lines().any(|l| l == line),
-            "{line:?} missing from\n{conf}"
+            scsi0.contains(&format!("/overlays/{RUN_ID}/9100-drive-scsi0.qcow2,")),
+            "{scsi0}"
         );
-    }
-    let scsi0 = conf.lines().find(|l| l.starts_with("scsi0: ")).unwrap();
-    assert!(
-        scsi0.contains(&format!("/overlays/{RUN_ID}/9100-drive-scsi0.qcow2,")),
-        "{scsi0}"
-    );
-    for option in ["format=qcow2", "backup=0"] {
+        for option in ["format=qcow2", "backup=0"] {
+            assert!(
+                scsi0.split(',').any(|o| o == option),
+                "{option} missing: {scsi0}"
+            );
+        }
+        assert!(conf.contains("bridge=csbox1,firewall=0"), "{conf}");
+
+        let started = run
+            .client
+            .start_vm(pb::VmRequest { vmid: 9100 })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(started.state, pb::VmState::Running as i32);
+        assert!(run.qemu_running(9100));
+        let status = run
+            .client
+            .vm_status(pb::VmRequest { vmid: 9100 })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(status.state, pb::VmState::Running as i32);
+
+        let qmp = |command: pb::QmpCommand| pb::QmpRequest {
+            vmid: 9100,
+            command: command as i32,
+        };
+        let reply = run
+            .client
+            .qmp(qmp(pb::QmpCommand::QueryStatus))
+            .await
+            .unwrap()
+            .into_inner();
+        let value: serde_json::Value = serde_json::from_str(&reply.result_json).unwrap();
+        assert_eq!(value["status"], "running", "{value}");
+        let reply = run
+            .client
+            .qmp(qmp(pb::QmpCommand::QueryBlock))
+            .await
+            .unwrap()
+            .into_inner();
         assert!(
-            scsi0.split(',').any(|o| o == option),
-            "{option} missing: {scsi0}"
+            reply.result_json.contains("9100-drive-scsi0.qcow2"),
+            "the VM runs on the overlay: {}",
+            reply.result_json
         );
-    }
-    assert!(conf.contains("bridge=csbox1,firewall=0"), "{conf}");
-
-    let started = run
-        .client
-        .start_vm(pb::VmRequest { vmid: 9100 })
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(started.state, pb::VmState::Running as i32);
-    assert!(run.qemu_running(9100));
-    let status = run
-        .client
-        .vm_status(pb::VmRequest { vmid: 9100 })
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(status.state, pb::VmState::Running as i32);
-
-    let qmp = |command: pb::QmpCommand| pb::QmpRequest {
-        vmid: 9100,
-        command: command as i32,
-    };
-    let reply = run
-        .client
-        .qmp(qmp(pb::QmpCommand::QueryStatus))
-        .await
-        .unwrap()
-        .into_inner();
-    let value: serde_json::Value = serde_json::from_str(&reply.result_json).unwrap();
-    assert_eq!(value["status"], "running", "{value}");
-    let reply = run
-        .client
-        .qmp(qmp(pb::QmpCommand::QueryBlock))
-        .await
-        .unwrap()
-        .into_inner();
-    assert!(
-        reply.result_json.contains("9100-drive-scsi0.qcow2"),
-        "the VM runs on the overlay: {}",
-        reply.result_json
-    );
-    run.client
-        .qmp(qmp(pb::QmpCommand::Screendump))
-        .await
-        .unwrap();
-    assert!(
-        run.lab
-            .root
-            .join(format!("overlays/{RUN_ID}/9100-screen.ppm"))
-            .exists()
-    );
-
-    let qga = |command: pb::QgaCommand| pb::QgaRequest {
-        vmid: 9100,
-        call: Some(pb::qga_request::Call::Command(command as i32)),
-    };
-    let reply = run
-        .client
-        .qga(qga(pb::QgaCommand::Ping))
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(reply.result_json, "{}");
-    let reply = run
-        .client
-        .qga(qga(pb::QgaCommand::GetHostName))
-        .await
-        .unwrap()
-        .into_inner();
-    assert!(
-        reply.result_json.contains("host-name"),
-        "{}",
-        reply.result_json
-    );
-    let reply = run
-        .client
-        .qga(pb::QgaRequest {
-            vmid: 9100,
-            call: Some(pb::qga_request::Call::AssertionId("restored-echo".into())),
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    assert!(reply.assertion_passed, "{reply:?}");
-    assert_eq!(reply.exit_code, 0);
-    assert!(
-        reply.result_json.contains("restored ok"),
-        "{}",
-        reply.result_json
-    );
-
-    let stopped = run
-        .client
-        .stop_vm(pb::StopVmRequest {
-            vmid: 9100,
-            timeout_seconds: 10,
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(stopped.state, pb::VmState::Stopped as i32);
-    assert!(!run.qemu_running(9100));
-    // The overlay cannot go while its VM exists.
-    assert_status(
         run.client
-            .delete_overlay(pb::DeleteOverlayRequest {
+            .qmp(qmp(pb::QmpCommand::Screendump))
+            .await
+            .unwrap();
+        assert!(
+            run.lab
+                .root
+                .join(format!("overlays/{RUN_ID}/9100-screen.ppm"))
+                .exists()
+        );
+
+        let qga = |command: pb::QgaCommand| pb::QgaRequest {
+            vmid: 9100,
+            call: Some(pb::qga_request::Call::Command(command as i32)),
+        };
+        let reply = run
+            .client
+            .qga(qga(pb::QgaCommand::Ping))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(reply.result_json, "{}");
+        let reply = run
+            .client
+            .qga(qga(pb::QgaCommand::GetHostName))
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(
+            reply.result_json.contains("host-name"),
+            "{}",
+            reply.result_json
+        );
+        let reply = run
+            .client
+            .qga(pb::QgaRequest {
                 vmid: 9100,
-                archive: ARCHIVE.into(),
+                call: Some(pb::qga_request::Call::AssertionId("restored-echo".into())),
             })
-            .await,
-        Code::FailedPrecondition,
-        "still uses",
-    );
-    let destroyed = run
-        .client
-        .destroy_vm(pb::VmRequest { vmid: 9100 })
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(destroyed.state, pb::VmState::Absent as i32);
-    assert!(!run.lab.root.join("etc/pve/qemu-server/9100.conf").exists());
-    run.stop().await;
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(reply.assertion_passed, "{reply:?}");
+        assert_eq!(reply.exit_code, 0);
+        assert!(
+            reply.result_json.contains("restored ok"),
+            "{}",
+            reply.result_json
+        );
+
+        let stopped = run
+            .client
+            .stop_vm(pb::StopVmRequest {
+                vmid: 9100,
+                timeout_seconds: 10,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(stopped.state, pb::VmState::Stopped as i32);
+        assert!(!run.qemu_running(9100));
+        // The overlay cannot go while its VM exists.
+        assert_status(
+            run.client
+                .delete_overlay(pb::DeleteOverlayRequest {
+                    vmid: 9100,
+                    archive: ARCHIVE.into(),
+                })
+                .await,
+            Code::FailedPrecondition,
+            "still uses",
+        );
+        let destroyed = run
+            .client
+            .destroy_vm(pb::VmRequest { vmid: 9100 })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(destroyed.state, pb::VmState::Absent as i32);
+        assert!(!run.lab.root.join("etc/pve/qemu-server/9100.conf").exists());
+        run.stop().await;
+    });
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -928,66 +940,70 @@ async fn vms_the_run_did_not_create_are_never_touched() {
     run.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn a_silent_guest_agent_is_a_deadline_not_a_hang() {
+#[test]
+fn a_silent_guest_agent_is_a_deadline_not_a_hang() {
     if !privileged("a_silent_guest_agent_is_a_deadline_not_a_hang", QEMU_TOOLS) {
         return;
     }
-    // QEMU serves the agent socket, but no guest OS runs an agent behind it.
-    let mut run = Run::begin_with(
-        "silent",
-        &[ARCHIVE],
-        |lab| lab.settings(serde_json::json!({ "agent_mode": "qemu-chardev" })),
-        sandbox_grant,
-    )
-    .await;
-    run.sandbox_vm(9100).await;
-    run.client
-        .start_vm(pb::VmRequest { vmid: 9100 })
-        .await
-        .unwrap();
-    let started = std::time::Instant::now();
-    let status = run
-        .client
-        .qga(pb::QgaRequest {
-            vmid: 9100,
-            call: Some(pb::qga_request::Call::Command(pb::QgaCommand::Ping as i32)),
-        })
-        .await
-        .unwrap_err();
-    let waited = started.elapsed();
-    assert_eq!(
-        status.code(),
-        Code::DeadlineExceeded,
-        "{}",
-        status.message()
-    );
-    assert!(
-        status.message().contains("the guest agent is not running"),
-        "{}",
-        status.message()
-    );
-    assert!(
-        waited >= std::time::Duration::from_secs(3) && waited < std::time::Duration::from_secs(10),
-        "{waited:?}"
-    );
-    // Cleanup stops and destroys the VM, deletes the overlay and unmaps the backup.
-    let reply = run
-        .client
-        .cleanup(pb::CleanupRequest {
-            run_id: RUN_ID.into(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let receipts: Vec<String> = reply
-        .resources
-        .iter()
-        .map(|r| format!("{} {}", r.resource, r.end_state))
-        .collect();
-    assert_eq!(receipts[0], "vm:9100 destroyed", "{receipts:?}");
-    assert!(!run.qemu_running(9100));
-    run.stop().await;
+    let netns = Netns::new("vm", &["csbox1", "csbox91", "csbox92"]);
+    inside(&netns.name, || async {
+        // QEMU serves the agent socket, but no guest OS runs an agent behind it.
+        let mut run = Run::begin_with(
+            "silent",
+            &[ARCHIVE],
+            |lab| lab.settings(serde_json::json!({ "agent_mode": "qemu-chardev" })),
+            sandbox_grant,
+        )
+        .await;
+        run.sandbox_vm(9100).await;
+        run.client
+            .start_vm(pb::VmRequest { vmid: 9100 })
+            .await
+            .unwrap();
+        let started = std::time::Instant::now();
+        let status = run
+            .client
+            .qga(pb::QgaRequest {
+                vmid: 9100,
+                call: Some(pb::qga_request::Call::Command(pb::QgaCommand::Ping as i32)),
+            })
+            .await
+            .unwrap_err();
+        let waited = started.elapsed();
+        assert_eq!(
+            status.code(),
+            Code::DeadlineExceeded,
+            "{}",
+            status.message()
+        );
+        assert!(
+            status.message().contains("the guest agent is not running"),
+            "{}",
+            status.message()
+        );
+        assert!(
+            waited >= std::time::Duration::from_secs(3)
+                && waited < std::time::Duration::from_secs(10),
+            "{waited:?}"
+        );
+        // Cleanup stops and destroys the VM, deletes the overlay and unmaps the backup.
+        let reply = run
+            .client
+            .cleanup(pb::CleanupRequest {
+                run_id: RUN_ID.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let receipts: Vec<String> = reply
+            .resources
+            .iter()
+            .map(|r| format!("{} {}", r.resource, r.end_state))
+            .collect();
+        assert_eq!(receipts[0], "vm:9100 destroyed", "{receipts:?}");
+        assert!(!run.qemu_running(9100));
+        run.stop().await;
+    });
 }
 
 fn ok<T>(result: Result<T, tonic::Status>) -> Result<(), tonic::Status> {
@@ -1076,6 +1092,21 @@ mod crash {
             .into_iter()
             .map(|(d, b)| format!("loop {d} -> {}", b.display()))
             .collect();
+        // This thread's network namespace: the sandbox table and the probe address.
+        let tables = Command::new("nft")
+            .args(["list", "tables"])
+            .output()
+            .unwrap();
+        if String::from_utf8_lossy(&tables.stdout).contains("certistack_") {
+            residue.push("nftables table".into());
+        }
+        let addresses = Command::new("ip")
+            .args(["-brief", "address", "show", "dev", "csbox1"])
+            .output()
+            .unwrap();
+        if String::from_utf8_lossy(&addresses.stdout).contains("198.51.100.2") {
+            residue.push("probe address".into());
+        }
         if lab.root.join("overlays").join(RUN_ID).exists() {
             residue.push("overlay directory".into());
         }
@@ -1155,6 +1186,12 @@ mod crash {
             step,
             Step::AfterStart | Step::WhileQgaWaits | Step::DuringCleanup
         ) {
+            c.prepare_sandbox(pb::PrepareSandboxRequest {
+                vnet: VNET.into(),
+                probe_source: PROBE_SOURCE.into(),
+            })
+            .await
+            .unwrap();
             c.start_vm(pb::VmRequest { vmid: 9100 }).await.unwrap();
         }
         match step {
@@ -1299,140 +1336,154 @@ mod crash {
     }
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn crash_matrix_kill_9_restart_recover_zero_residue() {
+#[test]
+fn crash_matrix_kill_9_restart_recover_zero_residue() {
     if !privileged(
         "crash_matrix_kill_9_restart_recover_zero_residue",
         QEMU_TOOLS,
     ) {
         return;
     }
-    let _serial = SERIAL.lock().await;
-    for step in [
-        crash::Step::AfterMap,
-        crash::Step::AfterOverlay,
-        crash::Step::AfterCreate,
-        crash::Step::AfterStart,
-        crash::Step::WhileQgaWaits,
-        crash::Step::DuringCleanup,
-    ] {
-        crash::run_case(step).await;
-    }
+    let netns = Netns::new("vm", &["csbox1", "csbox91", "csbox92"]);
+    inside(&netns.name, || async {
+        let _serial = SERIAL.lock().await;
+        for step in [
+            crash::Step::AfterMap,
+            crash::Step::AfterOverlay,
+            crash::Step::AfterCreate,
+            crash::Step::AfterStart,
+            crash::Step::WhileQgaWaits,
+            crash::Step::DuringCleanup,
+        ] {
+            crash::run_case(step).await;
+        }
+    });
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn one_runs_wait_does_not_block_another_run() {
+#[test]
+fn one_runs_wait_does_not_block_another_run() {
     if !privileged("one_runs_wait_does_not_block_another_run", QEMU_TOOLS) {
         return;
     }
-    let _serial = SERIAL.lock().await;
-    let lab = Lab::new("concurrent");
-    lab.add_backup(SNAPSHOT, ARCHIVE, MARKER, 8 << 20);
-    lab.add_backup(SNAPSHOT, "drive-scsi1.img", MARKER, 8 << 20);
-    lab.settings(serde_json::json!({ "agent_mode": "qemu-chardev" }));
-    let authority_dir = TempDir::new("concurrent-ctl");
-    let authority = controller(&authority_dir.0);
-    let mut config = lab.node_config(&authority, &lab.root.join("node"));
-    config.limits.guest_timeout_secs = 4;
-    let (address, shutdown, task) = serve_node(config).await;
+    let netns = Netns::new("vm", &["csbox1", "csbox91", "csbox92"]);
+    inside(&netns.name, || async {
+        let _serial = SERIAL.lock().await;
+        let lab = Lab::new("concurrent");
+        lab.add_backup(SNAPSHOT, ARCHIVE, MARKER, 8 << 20);
+        lab.add_backup(SNAPSHOT, "drive-scsi1.img", MARKER, 8 << 20);
+        lab.settings(serde_json::json!({ "agent_mode": "qemu-chardev" }));
+        let authority_dir = TempDir::new("concurrent-ctl");
+        let authority = controller(&authority_dir.0);
+        let mut config = lab.node_config(&authority, &lab.root.join("node"));
+        config.limits.guest_timeout_secs = 4;
+        let (address, shutdown, task) = serve_node(config).await;
 
-    let begin = |run_id: &str, archive: &str, vmid: u32| {
-        let mut wire = grant(run_id, NODE);
-        wire.archives = vec![archive.to_owned()];
-        wire.sandbox_vms = vec![pb::SandboxVm {
-            vmid,
-            max_cores: 1,
-            max_memory_mib: 256,
-        }];
-        wire.vnet = format!("csbox{}", vmid / 100);
-        mint(&authority, &wire)
-    };
-    let run_a = begin(RUN_ID, ARCHIVE, 9100);
-    let run_b = begin(
-        "11111111-2222-4333-8444-555555555555",
-        "drive-scsi1.img",
-        9200,
-    );
-    let mut a = client(&authority, &address, NODE, &run_a.certificate)
-        .await
-        .unwrap();
-    let mut b = client(&authority, &address, NODE, &run_b.certificate)
-        .await
-        .unwrap();
-    a.begin_run(begin_request(&run_a)).await.unwrap();
-    b.begin_run(begin_request(&run_b)).await.unwrap();
-
-    a.map_backup(map_request(ARCHIVE, PBS_PASSWORD))
-        .await
-        .unwrap();
-    a.create_overlay(pb::CreateOverlayRequest {
-        vmid: 9100,
-        archive: ARCHIVE.into(),
-    })
-    .await
-    .unwrap();
-    a.create_vm(pb::CreateVmRequest {
-        vmid: 9100,
-        cores: 1,
-        memory_mib: 256,
-        archives: vec![ARCHIVE.into()],
-    })
-    .await
-    .unwrap();
-    a.start_vm(pb::VmRequest { vmid: 9100 }).await.unwrap();
-    // Run A holds its run lock while its agent call waits for an answer that never comes.
-    let mut waiting = a.clone();
-    let waiter = tokio::spawn(async move {
-        waiting
-            .qga(pb::QgaRequest {
-                vmid: 9100,
-                call: Some(pb::qga_request::Call::Command(pb::QgaCommand::Ping as i32)),
-            })
+        let begin = |run_id: &str, archive: &str, vmid: u32| {
+            let mut wire = grant(run_id, NODE);
+            wire.archives = vec![archive.to_owned()];
+            wire.sandbox_vms = vec![pb::SandboxVm {
+                vmid,
+                max_cores: 1,
+                max_memory_mib: 256,
+            }];
+            wire.vnet = format!("csbox{}", vmid / 100);
+            mint(&authority, &wire)
+        };
+        let run_a = begin(RUN_ID, ARCHIVE, 9100);
+        let run_b = begin(
+            "11111111-2222-4333-8444-555555555555",
+            "drive-scsi1.img",
+            9200,
+        );
+        let mut a = client(&authority, &address, NODE, &run_a.certificate)
             .await
-    });
-    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+            .unwrap();
+        let mut b = client(&authority, &address, NODE, &run_b.certificate)
+            .await
+            .unwrap();
+        a.begin_run(begin_request(&run_a)).await.unwrap();
+        b.begin_run(begin_request(&run_b)).await.unwrap();
 
-    let started = std::time::Instant::now();
-    let mut request = map_request("drive-scsi1.img", PBS_PASSWORD);
-    request.snapshot = SNAPSHOT.into();
-    b.map_backup(request).await.unwrap();
-    b.create_overlay(pb::CreateOverlayRequest {
-        vmid: 9200,
-        archive: "drive-scsi1.img".into(),
-    })
-    .await
-    .unwrap();
-    b.cleanup(pb::CleanupRequest {
-        run_id: "11111111-2222-4333-8444-555555555555".into(),
-    })
-    .await
-    .unwrap();
-    let b_took = started.elapsed();
-    assert!(
-        !waiter.is_finished(),
-        "run A's call should still be waiting"
-    );
-    assert!(
-        b_took < std::time::Duration::from_secs(3),
-        "run B waited for run A: {b_took:?}"
-    );
-
-    let status = waiter.await.unwrap().unwrap_err();
-    assert_eq!(status.code(), Code::DeadlineExceeded);
-    let reply = a
-        .cleanup(pb::CleanupRequest {
-            run_id: RUN_ID.into(),
+        a.map_backup(map_request(ARCHIVE, PBS_PASSWORD))
+            .await
+            .unwrap();
+        a.create_overlay(pb::CreateOverlayRequest {
+            vmid: 9100,
+            archive: ARCHIVE.into(),
         })
         .await
-        .unwrap()
-        .into_inner();
-    assert!(reply.residue.is_empty(), "{:?}", reply.residue);
-    a.end_run(pb::EndRunRequest {}).await.unwrap();
-    b.end_run(pb::EndRunRequest {}).await.unwrap();
-    assert!(loops_under(&lab.root).is_empty());
-    let _ = shutdown.send(());
-    task.await.unwrap();
-    eprintln!("run B's map + overlay + cleanup took {b_took:?} while run A waited on its agent");
+        .unwrap();
+        a.create_vm(pb::CreateVmRequest {
+            vmid: 9100,
+            cores: 1,
+            memory_mib: 256,
+            archives: vec![ARCHIVE.into()],
+        })
+        .await
+        .unwrap();
+        a.prepare_sandbox(pb::PrepareSandboxRequest {
+            vnet: "csbox91".into(),
+            probe_source: PROBE_SOURCE.into(),
+        })
+        .await
+        .unwrap();
+        a.start_vm(pb::VmRequest { vmid: 9100 }).await.unwrap();
+        // Run A holds its run lock while its agent call waits for an answer that never comes.
+        let mut waiting = a.clone();
+        let waiter = tokio::spawn(async move {
+            waiting
+                .qga(pb::QgaRequest {
+                    vmid: 9100,
+                    call: Some(pb::qga_request::Call::Command(pb::QgaCommand::Ping as i32)),
+                })
+                .await
+        });
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+
+        let started = std::time::Instant::now();
+        let mut request = map_request("drive-scsi1.img", PBS_PASSWORD);
+        request.snapshot = SNAPSHOT.into();
+        b.map_backup(request).await.unwrap();
+        b.create_overlay(pb::CreateOverlayRequest {
+            vmid: 9200,
+            archive: "drive-scsi1.img".into(),
+        })
+        .await
+        .unwrap();
+        b.cleanup(pb::CleanupRequest {
+            run_id: "11111111-2222-4333-8444-555555555555".into(),
+        })
+        .await
+        .unwrap();
+        let b_took = started.elapsed();
+        assert!(
+            !waiter.is_finished(),
+            "run A's call should still be waiting"
+        );
+        assert!(
+            b_took < std::time::Duration::from_secs(3),
+            "run B waited for run A: {b_took:?}"
+        );
+
+        let status = waiter.await.unwrap().unwrap_err();
+        assert_eq!(status.code(), Code::DeadlineExceeded);
+        let reply = a
+            .cleanup(pb::CleanupRequest {
+                run_id: RUN_ID.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(reply.residue.is_empty(), "{:?}", reply.residue);
+        a.end_run(pb::EndRunRequest {}).await.unwrap();
+        b.end_run(pb::EndRunRequest {}).await.unwrap();
+        assert!(loops_under(&lab.root).is_empty());
+        let _ = shutdown.send(());
+        task.await.unwrap();
+        eprintln!(
+            "run B's map + overlay + cleanup took {b_took:?} while run A waited on its agent"
+        );
+    });
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -1476,4 +1527,88 @@ async fn an_encryption_key_reaches_the_client_without_touching_disk() {
     }
     assert!(found.is_empty(), "key material on disk: {found:?}");
     run.stop().await;
+}
+
+#[test]
+fn a_guest_boots_only_on_a_prepared_sandbox() {
+    if !privileged("a_guest_boots_only_on_a_prepared_sandbox", QEMU_TOOLS) {
+        return;
+    }
+    let netns = Netns::new("boot", &["csbox1"]);
+    inside(&netns.name, || async {
+        let mut run = Run::begin_with("boot", &[ARCHIVE], |_| {}, sandbox_grant).await;
+        run.client
+            .map_backup(map_request(ARCHIVE, PBS_PASSWORD))
+            .await
+            .unwrap();
+        run.client
+            .create_overlay(pb::CreateOverlayRequest {
+                vmid: 9100,
+                archive: ARCHIVE.into(),
+            })
+            .await
+            .unwrap();
+        run.client
+            .create_vm(pb::CreateVmRequest {
+                vmid: 9100,
+                cores: 1,
+                memory_mib: 256,
+                archives: vec![ARCHIVE.into()],
+            })
+            .await
+            .unwrap();
+        assert_status(
+            run.client.start_vm(pb::VmRequest { vmid: 9100 }).await,
+            Code::FailedPrecondition,
+            "VM 9100 may boot only on a prepared sandbox: call PrepareSandbox for csbox1 first",
+        );
+        assert!(!run.qemu_running(9100));
+        let prepare = || pb::PrepareSandboxRequest {
+            vnet: VNET.into(),
+            probe_source: PROBE_SOURCE.into(),
+        };
+        run.client.prepare_sandbox(prepare()).await.unwrap();
+        assert_status(
+            run.client.prepare_sandbox(prepare()).await,
+            Code::AlreadyExists,
+            "already prepared",
+        );
+        run.client
+            .start_vm(pb::VmRequest { vmid: 9100 })
+            .await
+            .unwrap();
+        assert!(run.qemu_running(9100));
+        // The containment cannot be removed from under a guest.
+        assert_status(
+            run.client
+                .release_sandbox(pb::ReleaseSandboxRequest { vnet: VNET.into() })
+                .await,
+            Code::FailedPrecondition,
+            "vm:9100 still exists on the sandbox; destroy it before releasing csbox1",
+        );
+        let reply = run
+            .client
+            .cleanup(pb::CleanupRequest {
+                run_id: RUN_ID.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let receipts: Vec<String> = reply
+            .resources
+            .iter()
+            .map(|r| format!("{} {}", r.resource, r.end_state))
+            .collect();
+        assert_eq!(receipts[0], "vm:9100 destroyed", "{receipts:?}");
+        assert!(
+            receipts.contains(&"nft:certistack_0f0e1c2d deleted".to_owned()),
+            "{receipts:?}"
+        );
+        assert!(
+            receipts.contains(&"addr:csbox1 deleted".to_owned()),
+            "{receipts:?}"
+        );
+        assert!(!run.qemu_running(9100));
+        run.stop().await;
+    });
 }

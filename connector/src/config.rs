@@ -250,6 +250,12 @@ impl Config {
             0,
             86_400,
         )?;
+        limit(
+            "limits.probe_timeout_secs",
+            secs(self.limits.probe_timeout_secs),
+            1,
+            300,
+        )?;
         Ok(())
     }
 

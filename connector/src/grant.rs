@@ -262,6 +262,12 @@ fn parse(wire: &pb::RunGrant, digest: [u8; 32]) -> Result<Grant, GrantError> {
     let mut seen_targets = BTreeSet::new();
     for target in &wire.probe_targets {
         let parsed = parse_target(target)?;
+        if !within(&probe_source, parsed.address) {
+            return Err(inconsistent(format!(
+                "probe target {} is outside the probe network {probe_source}: probes leave only through the sandbox VNet",
+                parsed.address
+            )));
+        }
         if parsed.address == probe_source.address {
             return Err(inconsistent(format!(
                 "probe target {} is the probe source itself",
@@ -325,6 +331,26 @@ fn parse(wire: &pb::RunGrant, digest: [u8; 32]) -> Result<Grant, GrantError> {
         qga_assertions,
         digest,
     })
+}
+
+/// Whether `address` lies in the network of `interface`.
+fn within(interface: &IpInterface, address: UnicastIp) -> bool {
+    use std::net::IpAddr;
+    match (interface.address.0, address.0) {
+        (IpAddr::V4(net), IpAddr::V4(a)) => {
+            let mask = u32::MAX
+                .checked_shl(32 - u32::from(interface.prefix_len))
+                .unwrap_or(0);
+            u32::from(net) & mask == u32::from(a) & mask
+        }
+        (IpAddr::V6(net), IpAddr::V6(a)) => {
+            let mask = u128::MAX
+                .checked_shl(128 - u32::from(interface.prefix_len))
+                .unwrap_or(0);
+            u128::from(net) & mask == u128::from(a) & mask
+        }
+        _ => false,
+    }
 }
 
 fn parse_target(target: &pb::ProbeTarget) -> Result<ProbeTarget, GrantError> {
@@ -557,6 +583,11 @@ pub(crate) mod tests {
         assert!(matches!(
             check(&|g| g.probe_targets[0].address = "198.51.100.2".into()),
             Err(GrantError::Inconsistent(_))
+        ));
+        // A target outside the probe network would be probed through another interface.
+        assert!(matches!(
+            check(&|g| g.probe_targets[0].address = "192.0.2.10".into()),
+            Err(GrantError::Inconsistent(m)) if m.contains("outside the probe network")
         ));
         assert!(matches!(
             check(&|g| g.probe_targets[0].kind = 0),

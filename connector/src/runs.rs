@@ -412,6 +412,10 @@ pub fn overlap(a: &Grant, b: &Grant) -> Option<String> {
     if a.vnet == b.vnet {
         return Some(format!("VNet {}", a.vnet));
     }
+    let table = crate::node::sandbox::table_name(a);
+    if table == crate::node::sandbox::table_name(b) {
+        return Some(format!("the nftables table name {table}"));
+    }
     let (ra, rb) = (&a.repository, &b.repository);
     let same_snapshot = a.snapshot == b.snapshot
         && ra.server == rb.server

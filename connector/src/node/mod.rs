@@ -785,6 +785,24 @@ impl NodeExecutor {
                 .ok_or_else(|| ExecError::Failed(format!("malformed resource {key}")))?;
             return self.undo_vm(guard, grant, state, vmid).await;
         }
+        if (key.starts_with("nft:") || key.starts_with("addr:"))
+            && state.last.entry.phase == Phase::Failed
+            && matches!(
+                state.last.entry.op.as_str(),
+                "sandbox.nft" | "sandbox.address"
+            )
+        {
+            // The install itself failed (nft -f is all or nothing; ip refused the address):
+            // nothing of this run's is there to remove.
+            guard.append(
+                self.now_ms(),
+                "sandbox.undo",
+                key,
+                Phase::Undone,
+                json!({ "end_state": "never created" }),
+            )?;
+            return Ok("never created");
+        }
         if key.starts_with("nft:") {
             return self.remove_table(guard, grant).await;
         }

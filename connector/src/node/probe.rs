@@ -642,9 +642,9 @@ impl NodeExecutor {
                 ))
             })?;
         let source = grant.probe_source.address.0;
-        if !self.address_present(grant).await? {
+        if !self.address_present(grant).await? || !self.table_present(grant).await? {
             return Err(ExecError::FailedPrecondition(format!(
-                "the probe address {} is not on {}; call PrepareSandbox first",
+                "the probe address {} or the run's containment table is not on {}; call PrepareSandbox first",
                 grant.probe_source, grant.vnet
             )));
         }

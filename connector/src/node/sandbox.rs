@@ -32,6 +32,8 @@ pub struct Observation {
     pub ports: Vec<String>,
     /// `net.ipv4.conf.<vnet>.forwarding`, as read.
     pub forwarding: Option<String>,
+    /// `net.ipv6.conf.<vnet>.forwarding`, when IPv6 is enabled on the node.
+    pub forwarding_v6: Option<String>,
     /// Addresses with prefix length, e.g. `198.51.100.2/24`.
     pub addresses: Vec<String>,
     /// NAT rules that mention the VNet or its subnet.
@@ -106,10 +108,20 @@ pub fn violations(grant: &Grant, vnet: &VnetName, seen: &Observation) -> Vec<Str
         )),
         None => violations.push(format!("net.ipv4.conf.{vnet}.forwarding cannot be read")),
     }
+    if let Some(value) = seen.forwarding_v6.as_deref().filter(|v| *v != "0") {
+        violations.push(format!(
+            "IPv6 forwarding is on for {vnet} (net.ipv6.conf.{vnet}.forwarding = {value})"
+        ));
+    }
     let probe = grant.probe_source.to_string();
     for address in &seen.addresses {
         // Link-local IPv6 is every up interface's own; the containment table covers it.
-        if address != &probe && !address.starts_with("fe80:") {
+        if address == &probe {
+            // Somebody else added it: this run must not take it over or remove it later.
+            violations.push(format!(
+                "{vnet} already carries the probe address {address} (another run or an administrator added it)"
+            ));
+        } else if !address.starts_with("fe80:") {
             violations.push(format!(
                 "{vnet} carries address {address} (a gateway): the guest could be routed out"
             ));
@@ -226,6 +238,10 @@ impl NodeExecutor {
         seen.ports.sort();
         seen.forwarding =
             std::fs::read_to_string(format!("/proc/sys/net/ipv4/conf/{vnet}/forwarding"))
+                .ok()
+                .map(|v| v.trim().to_owned());
+        seen.forwarding_v6 =
+            std::fs::read_to_string(format!("/proc/sys/net/ipv6/conf/{vnet}/forwarding"))
                 .ok()
                 .map(|v| v.trim().to_owned());
         let out = self
@@ -418,6 +434,15 @@ impl NodeExecutor {
                 "this run has no sandbox on {vnet}"
             )));
         }
+        if let Some(vm) = states
+            .values()
+            .find(|s| s.is_open() && s.key.starts_with("vm:"))
+        {
+            return Err(ExecError::FailedPrecondition(format!(
+                "{} still exists on the sandbox; destroy it before releasing {vnet}",
+                vm.key
+            )));
+        }
         self.remove_table(&mut guard, grant).await?;
         self.remove_address(&mut guard, grant).await?;
         Ok(Outcome::ReleaseSandbox(pb::ReleaseSandboxReply {
@@ -562,6 +587,7 @@ mod tests {
             is_bridge: true,
             ports: vec!["tap9100i0".into(), "tap9100i1".into()],
             forwarding: Some("0".into()),
+            forwarding_v6: Some("0".into()),
             addresses: vec!["fe80::1/64".into()],
             nat_rules: vec![],
         }
@@ -573,7 +599,13 @@ mod tests {
         assert!(violations(&grant(), &vnet, &isolated()).is_empty());
         let mut with_probe = isolated();
         with_probe.addresses.push("198.51.100.2/24".into());
-        assert!(violations(&grant(), &vnet, &with_probe).is_empty());
+        assert!(
+            violations(&grant(), &vnet, &with_probe)[0]
+                .contains("already carries the probe address")
+        );
+        let mut v6 = isolated();
+        v6.forwarding_v6 = Some("1".into());
+        assert!(violations(&grant(), &vnet, &v6)[0].contains("IPv6 forwarding is on"));
     }
 
     #[test]

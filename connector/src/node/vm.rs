@@ -362,6 +362,22 @@ impl NodeExecutor {
         let grant = &run.grant;
         let mut guard = run.lock().await;
         self.require_ours(&guard, grant, vmid)?;
+        if verb == "start" {
+            // A restored guest boots only on a VNet that was checked and contained for this run.
+            let table = super::sandbox::table_name(grant);
+            let prepared = resources::states(&guard.records()?)
+                .get(&format!("nft:{table}"))
+                .is_some_and(|s| s.is_open() && s.last.entry.phase == Phase::Done);
+            if !prepared
+                || !self.table_present(grant).await?
+                || !self.address_present(grant).await?
+            {
+                return Err(ExecError::FailedPrecondition(format!(
+                    "VM {vmid} may boot only on a prepared sandbox: call PrepareSandbox for {} first",
+                    grant.vnet
+                )));
+            }
+        }
         let output = self
             .journaled_qm(&mut guard, vmid, verb, timeout_secs)
             .await?;
