@@ -603,7 +603,13 @@ fn containment_and_probes_against_real_services() {
         );
         let listed = String::from_utf8(
             topology
-                .node_sh(&["nft", "list", "table", "inet", "certistack_0f0e1c2d"])
+                .node_sh(&[
+                    "nft",
+                    "list",
+                    "table",
+                    "inet",
+                    "certistack_0f0e1c2d3b4a4c5d8e6f7a8b9c0d1e2f",
+                ])
                 .stdout,
         )
         .unwrap();
@@ -739,7 +745,10 @@ fn containment_and_probes_against_real_services() {
             .collect();
         assert_eq!(
             receipts,
-            ["nft:certistack_11111111 deleted", "addr:csbox1 deleted"]
+            [
+                "nft:certistack_11111111222243338444555555555555 deleted",
+                "addr:csbox1 deleted"
+            ]
         );
         assert!(reply.residue.is_empty(), "{:?}", reply.residue);
         node.stop().await;
@@ -792,7 +801,7 @@ fn crash_after_prepare_sandbox_leaves_nothing_after_recovery() {
         c.prepare_sandbox(prepare()).await.unwrap();
         daemon.kill().unwrap(); // SIGKILL
         daemon.wait().unwrap();
-        assert!(tables(&topology).contains("certistack_0f0e1c2d"));
+        assert!(tables(&topology).contains("certistack_0f0e1c2d3b4a4c5d8e6f7a8b9c0d1e2f"));
         assert!(bridge_addresses(&topology).contains("198.51.100.2"));
 
         let mut daemon = spawn();

@@ -1601,7 +1601,8 @@ fn a_guest_boots_only_on_a_prepared_sandbox() {
             .collect();
         assert_eq!(receipts[0], "vm:9100 destroyed", "{receipts:?}");
         assert!(
-            receipts.contains(&"nft:certistack_0f0e1c2d deleted".to_owned()),
+            receipts
+                .contains(&"nft:certistack_0f0e1c2d3b4a4c5d8e6f7a8b9c0d1e2f deleted".to_owned()),
             "{receipts:?}"
         );
         assert!(

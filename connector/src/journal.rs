@@ -88,6 +88,10 @@ pub enum JournalError {
     },
     #[error("journal {0} already exists")]
     Exists(PathBuf),
+    #[error(
+        "journal {0} could not be repaired after a failed write and accepts no more records; free space on the state disk and restart the connector"
+    )]
+    Poisoned(PathBuf),
     #[error("cannot encode a journal entry: {0}")]
     Encode(String),
 }
@@ -226,6 +230,10 @@ pub struct Journal {
     file: File,
     next_seq: u64,
     head: [u8; 32],
+    /// Length of the valid, synced journal; a failed append is cut back to it.
+    len: u64,
+    /// Set when a failed append could not be cut back: nothing more may be appended.
+    poisoned: bool,
 }
 
 impl Journal {
@@ -259,6 +267,8 @@ impl Journal {
             file,
             next_seq: 1,
             head: genesis(run_id),
+            len: 0,
+            poisoned: false,
         })
     }
 
@@ -284,6 +294,8 @@ impl Journal {
             file,
             next_seq: loaded.records.len() as u64 + 1,
             head: loaded.head(run_id),
+            len: loaded.valid_len,
+            poisoned: false,
         };
         let mut records = loaded.records;
         if let Some(torn) = &loaded.torn {
@@ -361,12 +373,31 @@ impl Journal {
             serde_json::to_string(&entry).map_err(|e| JournalError::Encode(e.to_string()))?;
         let hash = record_hash(&self.head, json.as_bytes());
         let line = format!("{} {} {json}\n", hex::encode(hash), hex::encode(self.head));
-        let err = |error| FileError::Write {
-            path: self.path.clone(),
-            error,
-        };
-        self.file.write_all(line.as_bytes()).map_err(err)?;
-        self.file.sync_data().map_err(err)?;
+        if self.poisoned {
+            return Err(JournalError::Poisoned(self.path.clone()));
+        }
+        let written = self
+            .file
+            .write_all(line.as_bytes())
+            .and_then(|()| self.file.sync_data());
+        if let Err(error) = written {
+            // Cut the partial or unsynced record off, so the chain stays whole; if even that
+            // fails, refuse every further append rather than fork the chain.
+            if self
+                .file
+                .set_len(self.len)
+                .and_then(|()| self.file.sync_all())
+                .is_err()
+            {
+                self.poisoned = true;
+            }
+            return Err(FileError::Write {
+                path: self.path.clone(),
+                error,
+            }
+            .into());
+        }
+        self.len += line.len() as u64;
         let record = Record {
             entry,
             previous: self.head,

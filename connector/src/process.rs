@@ -109,6 +109,9 @@ pub struct ToolOutput {
     pub stdout: String,
     pub stderr: String,
     pub elapsed: Duration,
+    /// Output beyond [`OUTPUT_CAP`] was dropped: a caller that parses all of it must not
+    /// trust a partial reading.
+    pub truncated: bool,
 }
 
 impl ToolOutput {
@@ -237,18 +240,25 @@ pub async fn run(call: ToolCall) -> Result<ToolOutput, ToolError> {
     // The child has its copies; ours close now so only the child holds the secret.
     drop(inherited);
     drop(call.secrets);
+    // If this future is dropped (the caller went away), the whole process group goes with it.
+    let mut group = GroupGuard(
+        child
+            .id()
+            .and_then(|id| rustix::process::Pid::from_raw(id as i32)),
+    );
 
     let stdout = Arc::new(Mutex::new(Vec::new()));
     let stderr = Arc::new(Mutex::new(Vec::new()));
+    let truncated = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let readers = [
         child
             .stdout
             .take()
-            .map(|pipe| tokio::spawn(capture(pipe, stdout.clone()))),
+            .map(|pipe| tokio::spawn(capture(pipe, stdout.clone(), truncated.clone()))),
         child
             .stderr
             .take()
-            .map(|pipe| tokio::spawn(capture(pipe, stderr.clone()))),
+            .map(|pipe| tokio::spawn(capture(pipe, stderr.clone(), truncated.clone()))),
     ];
     let text = |buffer: &Arc<Mutex<Vec<u8>>>| {
         String::from_utf8_lossy(&buffer.lock().unwrap_or_else(|p| p.into_inner())).into_owned()
@@ -260,12 +270,7 @@ pub async fn run(call: ToolCall) -> Result<ToolOutput, ToolError> {
             error,
         })?,
         Err(_) => {
-            if let Some(pid) = child
-                .id()
-                .and_then(|id| rustix::process::Pid::from_raw(id as i32))
-            {
-                let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
-            }
+            group.kill();
             let _ = child.kill().await;
             for reader in readers.into_iter().flatten() {
                 reader.abort();
@@ -277,6 +282,8 @@ pub async fn run(call: ToolCall) -> Result<ToolOutput, ToolError> {
             });
         }
     };
+    // The tool exited by itself: what it left running (a map's holder) is meant to stay.
+    group.0 = None;
     for reader in readers.into_iter().flatten() {
         if tokio::time::timeout(OUTPUT_GRACE, reader).await.is_err() {
             // A daemon the tool forked still holds the pipe: keep what arrived.
@@ -287,10 +294,32 @@ pub async fn run(call: ToolCall) -> Result<ToolOutput, ToolError> {
         stdout: text(&stdout),
         stderr: text(&stderr),
         elapsed: started.elapsed(),
+        truncated: truncated.load(std::sync::atomic::Ordering::SeqCst),
     })
 }
 
-async fn capture(mut pipe: impl tokio::io::AsyncRead + Unpin, buffer: Arc<Mutex<Vec<u8>>>) {
+/// Kills a tool's process group when dropped while armed.
+struct GroupGuard(Option<rustix::process::Pid>);
+
+impl GroupGuard {
+    fn kill(&mut self) {
+        if let Some(pid) = self.0.take() {
+            let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
+        }
+    }
+}
+
+impl Drop for GroupGuard {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+async fn capture(
+    mut pipe: impl tokio::io::AsyncRead + Unpin,
+    buffer: Arc<Mutex<Vec<u8>>>,
+    truncated: Arc<std::sync::atomic::AtomicBool>,
+) {
     let mut chunk = [0u8; 8192];
     loop {
         match pipe.read(&mut chunk).await {
@@ -298,6 +327,9 @@ async fn capture(mut pipe: impl tokio::io::AsyncRead + Unpin, buffer: Arc<Mutex<
             Ok(n) => {
                 let mut buffer = buffer.lock().unwrap_or_else(|p| p.into_inner());
                 let room = OUTPUT_CAP.saturating_sub(buffer.len());
+                if n > room {
+                    truncated.store(true, std::sync::atomic::Ordering::SeqCst);
+                }
                 buffer.extend_from_slice(chunk.get(..n.min(room)).unwrap_or_default());
             }
         }
@@ -431,6 +463,7 @@ mod tests {
         );
         let out = run(sh("head -c 200000 /dev/zero")).await.unwrap();
         assert_eq!(out.stdout.len(), OUTPUT_CAP);
+        assert!(out.truncated);
         assert!(out.success());
     }
 

@@ -36,6 +36,10 @@ pub struct RunHandle {
     pub grant: Arc<Grant>,
     pub dir: PathBuf,
     journal: tokio::sync::Mutex<Journal>,
+    journal_path: PathBuf,
+    /// Set under the run lock when the run closes, so an operation that waited for the lock
+    /// sees it before it acts.
+    closed: std::sync::atomic::AtomicBool,
 }
 
 impl RunHandle {
@@ -46,11 +50,29 @@ impl RunHandle {
         }
     }
 
-    /// Reads the journal as it is on disk.
+    /// Reads the journal as it is on disk, without waiting for a running operation: appends are
+    /// whole lines, so a concurrent reader sees at worst a torn tail, which it leaves out.
     pub async fn records(&self) -> Result<Vec<Record>, JournalError> {
-        let guard = self.journal.lock().await;
-        let loaded = journal::read(guard.path(), self.run_id.as_str())?;
-        Ok(loaded.records)
+        let path = self.journal_path.clone();
+        let run_id = self.run_id.to_string();
+        Ok(journal::read(&path, &run_id)?.records)
+    }
+
+    /// Whether the run was closed (by EndRun or by expiry).
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    fn new(run_id: RunId, grant: Grant, dir: PathBuf, journal: Journal, closed: bool) -> Self {
+        let journal_path = journal.path().to_owned();
+        Self {
+            run_id,
+            grant: Arc::new(grant),
+            dir,
+            journal: tokio::sync::Mutex::new(journal),
+            journal_path,
+            closed: std::sync::atomic::AtomicBool::new(closed),
+        }
     }
 }
 
@@ -143,6 +165,9 @@ struct Inner {
     /// Open runs that could not be loaded (grant or journal unusable), with the reason: listed,
     /// never resumed, left for an operator to inspect.
     quarantined: BTreeMap<RunId, String>,
+    /// The grants of quarantined runs whose grant still verifies: what they may have left on
+    /// the node, which new runs must not overlap.
+    quarantined_grants: Vec<Grant>,
 }
 
 #[derive(Debug)]
@@ -216,6 +241,7 @@ impl RunRegistry {
                     Err(error) => {
                         tracing::error!(%run_id, %error, "journal cannot be used; the run is not loaded");
                         inner.quarantined.insert(run_id, error.to_string());
+                        inner.quarantined_grants.push(grant);
                         continue;
                     }
                 }
@@ -224,12 +250,14 @@ impl RunRegistry {
                 Journal::create(&run_dir, run_id.as_str())?
             };
             let state = closed.map_or(RunState::Open, |at_unix_ms| RunState::Closed { at_unix_ms });
-            let handle = Arc::new(RunHandle {
-                run_id: run_id.clone(),
-                grant: Arc::new(grant),
-                dir: run_dir,
-                journal: tokio::sync::Mutex::new(journal),
-            });
+            let closed = state != RunState::Open;
+            let handle = Arc::new(RunHandle::new(
+                run_id.clone(),
+                grant,
+                run_dir,
+                journal,
+                closed,
+            ));
             inner.runs.insert(run_id, RunRecord { handle, state });
         }
         Ok(Self {
@@ -299,6 +327,15 @@ impl RunRegistry {
             }
             // Runs on one node never share what they touch: two runs mapping the same archive,
             // using the same VMID or the same VNet could undo or watch each other's resources.
+            for other in &inner.quarantined_grants {
+                if let Some(shared) = overlap(&grant, other) {
+                    return Err(RunError::Overlap {
+                        run: run_id,
+                        other: other.run_id.clone(),
+                        shared,
+                    });
+                }
+            }
             for other in inner.runs.values().filter(|r| r.state == RunState::Open) {
                 if let Some(shared) = overlap(&grant, other.grant()) {
                     return Err(RunError::Overlap {
@@ -337,12 +374,13 @@ impl RunRegistry {
             Phase::Done,
             detail,
         )?;
-        let handle = Arc::new(RunHandle {
-            run_id: run_id.clone(),
-            grant: Arc::new(grant),
-            dir: run_dir,
-            journal: tokio::sync::Mutex::new(journal),
-        });
+        let handle = Arc::new(RunHandle::new(
+            run_id.clone(),
+            grant,
+            run_dir,
+            journal,
+            false,
+        ));
         let mut inner = self.lock();
         if inner.closed.contains(&run_id) {
             return Err(RunError::Closed(run_id));
@@ -392,13 +430,18 @@ impl RunRegistry {
                 Phase::Done,
                 serde_json::Value::Null,
             )?;
-        }
-        let path = self.dir.join(run_id.as_str()).join(CLOSED_FILE);
-        files::write_atomic(&path, now_ms.to_string().as_bytes(), 0o600)?;
-        let mut inner = self.lock();
-        inner.closed.insert(run_id.clone());
-        if let Some(record) = inner.runs.get_mut(run_id) {
-            record.state = RunState::Closed { at_unix_ms: now_ms };
+            // Still under the run lock: an operation waiting for it must find the run closed.
+            let path = self.dir.join(run_id.as_str()).join(CLOSED_FILE);
+            files::write_atomic(&path, now_ms.to_string().as_bytes(), 0o600)?;
+            record
+                .handle
+                .closed
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+            let mut inner = self.lock();
+            inner.closed.insert(run_id.clone());
+            if let Some(record) = inner.runs.get_mut(run_id) {
+                record.state = RunState::Closed { at_unix_ms: now_ms };
+            }
         }
         Ok(now_ms)
     }
@@ -412,16 +455,13 @@ pub fn overlap(a: &Grant, b: &Grant) -> Option<String> {
     if a.vnet == b.vnet {
         return Some(format!("VNet {}", a.vnet));
     }
-    let table = crate::node::sandbox::table_name(a);
-    if table == crate::node::sandbox::table_name(b) {
-        return Some(format!("the nftables table name {table}"));
-    }
     let (ra, rb) = (&a.repository, &b.repository);
     let same_snapshot = a.snapshot == b.snapshot
         && ra.server == rb.server
         && ra.port == rb.port
-        && ra.datastore == rb.datastore
-        && ra.namespace == rb.namespace;
+        && ra.datastore == rb.datastore;
+    // The namespace is deliberately not compared: the client's mapping name leaves it out, so
+    // the same snapshot and archive in two namespaces would map under one name.
     if same_snapshot && let Some(archive) = a.archives.intersection(&b.archives).next() {
         return Some(format!("archive {archive} of {}", a.snapshot));
     }

@@ -280,9 +280,11 @@ impl ConnectorService {
                 ..
             } => {
                 let record = self.runs.get(id).ok_or_else(|| {
-                    refuse(Status::failed_precondition(
-                        RunError::NotBegun(id.clone()).to_string(),
-                    ))
+                    let quarantined = self.runs.quarantined().into_iter().find(|(q, _)| q == id);
+                    refuse(Status::failed_precondition(match quarantined {
+                        Some((q, reason)) => RunError::Quarantined(q, reason).to_string(),
+                        None => RunError::NotBegun(id.clone()).to_string(),
+                    }))
                 })?;
                 if record.state != RunState::Open {
                     return Err(refuse(Status::permission_denied(
@@ -439,11 +441,29 @@ impl Connector for ConnectorService {
     ) -> Result<Response<pb::EndRunReply>, Status> {
         let rpc = Rpc::EndRun;
         let peer = self.authenticate(&request, rpc)?;
-        let Identity::Run { run_id, .. } = &peer.client.identity else {
+        let Identity::Run {
+            run_id,
+            grant_sha256,
+            ..
+        } = &peer.client.identity
+        else {
             return Err(Status::internal(
                 "the policy admitted a non-run identity to EndRun",
             ));
         };
+        // Only the certificate of the grant the run began with may end it.
+        if let Some(record) = self.runs.get(run_id)
+            && &record.grant().digest != grant_sha256
+        {
+            return Err(self.refuse(
+                rpc,
+                &peer.label(),
+                run_id.as_str(),
+                Status::permission_denied(
+                    "the certificate's grant digest differs from the grant this run began with",
+                ),
+            ));
+        }
         let closed_unix_ms = self
             .runs
             .end(run_id, self.clock.now_unix_ms())

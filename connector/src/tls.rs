@@ -242,8 +242,9 @@ pub async fn connect(
     let connector = tokio_rustls::TlsConnector::from(config);
     let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{address}"))
         .map_err(|e| ConnectError::Address(address.clone(), e.to_string()))?
-        .connect_timeout(HANDSHAKE_TIMEOUT)
-        .timeout(Duration::from_secs(120));
+        .connect_timeout(HANDSHAKE_TIMEOUT);
+    // No per-request timeout here: every node operation has its own deadline on the node,
+    // and cutting a call short would only kill the tool mid-way.
     let target = address.clone();
     endpoint
         .connect_with_connector(tower::service_fn(move |_uri| {

@@ -117,21 +117,24 @@ impl Channel {
             if let Some(error) = message.get("error") {
                 return Err(GuestError::Command {
                     what,
-                    class: error
-                        .get("class")
-                        .and_then(Value::as_str)
-                        .unwrap_or("Error")
-                        .to_owned(),
-                    desc: error
-                        .get("desc")
-                        .and_then(Value::as_str)
-                        .unwrap_or_default()
-                        .to_owned(),
+                    class: bounded(
+                        error
+                            .get("class")
+                            .and_then(Value::as_str)
+                            .unwrap_or("Error"),
+                    ),
+                    desc: bounded(
+                        error
+                            .get("desc")
+                            .and_then(Value::as_str)
+                            .unwrap_or_default(),
+                    ),
                 });
             }
             if message.get("event").is_none() {
                 return Err(GuestError::Protocol(format!(
-                    "unexpected message: {message}"
+                    "unexpected message: {}",
+                    bounded(&message.to_string())
                 )));
             }
         }
@@ -155,6 +158,20 @@ impl Channel {
             }
         }
     }
+}
+
+/// Text that came from the guest, made safe for errors, logs and the journal: at most 200
+/// characters, control characters escaped. The guest is untrusted.
+fn bounded(text: &str) -> String {
+    let mut out: String = text
+        .chars()
+        .take(200)
+        .flat_map(char::escape_debug)
+        .collect();
+    if text.chars().count() > 200 {
+        out.push('…');
+    }
+    out
 }
 
 async fn with_deadline<T>(
@@ -184,7 +201,8 @@ pub async fn qmp(
         let greeting = channel.line().await?;
         if greeting.get("QMP").is_none() {
             return Err(GuestError::Protocol(format!(
-                "not a QMP greeting: {greeting}"
+                "not a QMP greeting: {}",
+                bounded(&greeting.to_string())
             )));
         }
         channel
@@ -212,7 +230,8 @@ async fn qga_channel(path: &Path) -> Result<Channel, GuestError> {
     let answer = channel.reply("guest agent").await?;
     if answer.as_u64() != Some(id) {
         return Err(GuestError::Protocol(format!(
-            "guest-sync answered {answer}, expected {id}"
+            "guest-sync answered {}, expected {id}",
+            bounded(&answer.to_string())
         )));
     }
     Ok(channel)
@@ -261,7 +280,7 @@ pub async fn qga_exec(
             }))
             .await?;
         let started = channel.reply("guest-exec").await?;
-        let pid = started.get("pid").and_then(Value::as_i64).ok_or_else(|| GuestError::Protocol(format!("guest-exec gave no pid: {started}")))?;
+        let pid = started.get("pid").and_then(Value::as_i64).ok_or_else(|| GuestError::Protocol(format!("guest-exec gave no pid: {}", bounded(&started.to_string()))))?;
         loop {
             channel.send(&json!({ "execute": "guest-exec-status", "arguments": { "pid": pid } })).await?;
             let status = channel.reply("guest-exec-status").await?;
@@ -317,7 +336,7 @@ impl NodeExecutor {
         vmid: Vmid,
         command: QmpCommand,
     ) -> Result<Outcome, ExecError> {
-        let mut guard = run.lock().await;
+        let mut guard = self.lock_open(run).await?;
         self.require_ours(&guard, &run.grant, vmid)?;
         let resource = format!("vm:{vmid}");
         let mut arguments = None;
@@ -390,7 +409,7 @@ impl NodeExecutor {
         vmid: Vmid,
         call: QgaCall,
     ) -> Result<Outcome, ExecError> {
-        let mut guard = run.lock().await;
+        let mut guard = self.lock_open(run).await?;
         self.require_ours(&guard, &run.grant, vmid)?;
         let resource = format!("vm:{vmid}");
         let path = self.socket(vmid, "qga");

@@ -9,6 +9,15 @@ pub struct LoopDevice {
     pub device: String,
     pub read_only: bool,
     pub backing_file: PathBuf,
+    /// The kernel reports the backing file as deleted: the mapping's process is gone.
+    pub backing_deleted: bool,
+}
+
+impl LoopDevice {
+    /// A live, read-only mapping backed by exactly `expected`: safe to build on or boot from.
+    pub fn serves(&self, expected: &Path) -> bool {
+        self.read_only && !self.backing_deleted && self.backing_file == expected
+    }
 }
 
 /// `/dev/loopN` → `loopN`, refusing anything else.
@@ -25,6 +34,7 @@ pub fn inspect(sys_block: &Path, device: &str) -> Option<LoopDevice> {
     let dir = sys_block.join(name);
     let backing = std::fs::read_to_string(dir.join("loop/backing_file")).ok()?;
     let backing = backing.trim_end_matches('\n');
+    let backing_deleted = backing.ends_with(" (deleted)");
     let backing = backing.strip_suffix(" (deleted)").unwrap_or(backing);
     let read_only = std::fs::read_to_string(dir.join("ro"))
         .map(|s| s.trim() == "1")
@@ -33,6 +43,7 @@ pub fn inspect(sys_block: &Path, device: &str) -> Option<LoopDevice> {
         device: device.to_owned(),
         read_only,
         backing_file: PathBuf::from(backing),
+        backing_deleted,
     })
 }
 

@@ -50,7 +50,7 @@ impl std::fmt::Debug for dyn Clock {
 impl From<JournalError> for ExecError {
     fn from(error: JournalError) -> Self {
         ExecError::Failed(format!(
-            "the run's journal cannot be written, so nothing was done: {error}"
+            "the run's journal failed ({error}); a step it does not record as done may still have happened: read the journal and clean up"
         ))
     }
 }
@@ -108,6 +108,25 @@ impl NodeExecutor {
         self.clock.now_unix_ms()
     }
 
+    /// Locks the run for an operation, then re-checks what authorization saw before the wait:
+    /// the run may have been closed, or its deadline passed, while another operation held it.
+    async fn lock_open<'a>(&self, run: &'a RunHandle) -> Result<RunGuard<'a>, ExecError> {
+        let guard = run.lock().await;
+        if run.is_closed() {
+            return Err(ExecError::FailedPrecondition(format!(
+                "run {} was closed while this call waited; nothing was done",
+                run.run_id
+            )));
+        }
+        if self.clock.now_unix() >= run.grant.deadline_unix {
+            return Err(ExecError::FailedPrecondition(format!(
+                "run {} passed its grant deadline while this call waited; nothing was done",
+                run.run_id
+            )));
+        }
+        Ok(guard)
+    }
+
     fn tool_timeout(&self) -> Duration {
         Duration::from_secs(self.config.limits.tool_timeout_secs)
     }
@@ -132,6 +151,23 @@ impl NodeExecutor {
         self.config.pve.pbs_loopdev_dir.join(name)
     }
 
+    /// Ownership re-check before building on or booting from a mapping: `device` must still be
+    /// this run's live, read-only mapping of `archive` (a dead mapping's number can be reused).
+    fn check_mapping(
+        &self,
+        grant: &Grant,
+        archive: &ArchiveName,
+        device: &str,
+    ) -> Result<(), ExecError> {
+        let expected = self.expected_backing(grant, archive);
+        match loopdev::inspect(&self.sys_block, device) {
+            Some(l) if l.serves(&expected) => Ok(()),
+            _ => Err(ExecError::FailedPrecondition(format!(
+                "{device} is no longer this run's read-only mapping of {archive}; clean up and map again"
+            ))),
+        }
+    }
+
     /// Loop devices currently backed by this run's mapping of `archive`.
     fn our_loops(&self, grant: &Grant, archive: &ArchiveName) -> Vec<loopdev::LoopDevice> {
         let expected = self.expected_backing(grant, archive);
@@ -150,7 +186,7 @@ impl NodeExecutor {
         key: Option<EncryptionKey>,
     ) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
-        let mut guard = run.lock().await;
+        let mut guard = self.lock_open(run).await?;
         let resource = format!("backup:{archive}");
         if let Some(state) = resources::states(&guard.records()?)
             .get(&resource)
@@ -285,7 +321,7 @@ impl NodeExecutor {
         archive: ArchiveName,
     ) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
-        let mut guard = run.lock().await;
+        let mut guard = self.lock_open(run).await?;
         let records = guard.records()?;
         let states = resources::states(&records);
         let resource = format!("backup:{archive}");
@@ -424,7 +460,7 @@ impl NodeExecutor {
         archive: ArchiveName,
     ) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
-        let mut guard = run.lock().await;
+        let mut guard = self.lock_open(run).await?;
         let states = resources::states(&guard.records()?);
         let backup = format!("backup:{archive}");
         let device = states
@@ -436,16 +472,7 @@ impl NodeExecutor {
                     "{archive} is not mapped by this run; call MapBackup first"
                 ))
             })?;
-        // Ownership re-check: the device must still be this run's read-only mapping.
-        let expected = self.expected_backing(grant, &archive);
-        match loopdev::inspect(&self.sys_block, &device) {
-            Some(l) if l.backing_file == expected && l.read_only => {}
-            _ => {
-                return Err(ExecError::FailedPrecondition(format!(
-                    "{device} is no longer this run's read-only mapping of {archive}; clean up and map again"
-                )));
-            }
-        }
+        self.check_mapping(grant, &archive, &device)?;
         let resource = format!("overlay:{vmid}:{archive}");
         if states.get(&resource).is_some_and(|s| s.is_open()) {
             return Err(ExecError::AlreadyExists(format!(
@@ -580,7 +607,7 @@ impl NodeExecutor {
         archive: ArchiveName,
     ) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
-        let mut guard = run.lock().await;
+        let mut guard = self.lock_open(run).await?;
         let resource = format!("overlay:{vmid}:{archive}");
         let states = resources::states(&guard.records()?);
         if states.get(&resource).is_none_or(|s| !s.is_open()) {
@@ -678,6 +705,18 @@ impl NodeExecutor {
         let mut failures = Vec::new();
         for state in open {
             let key = state.key.clone();
+            // Containment stays while any VM of the run may still run.
+            let vm_left = failures.iter().any(|f: &String| f.starts_with("vm:"));
+            if vm_left && (key.starts_with("nft:") || key.starts_with("addr:")) {
+                failures.push(format!(
+                    "{key}: kept, a VM of the run could not be destroyed"
+                ));
+                receipts.push(pb::ResourceReceipt {
+                    resource: key,
+                    end_state: "failed: kept while a VM of the run remains".into(),
+                });
+                continue;
+            }
             let result = self.undo(&mut guard, grant, &state).await;
             match result {
                 Ok(end_state) => receipts.push(pb::ResourceReceipt {
@@ -741,14 +780,24 @@ impl NodeExecutor {
             let mut devices: Vec<(String, PathBuf)> = state
                 .history
                 .iter()
-                .filter(|r| r.entry.op == "backup.map")
+                .filter(|r| r.entry.op == "backup.map" && r.entry.phase == Phase::Done)
                 .filter_map(|r| {
                     let device = r.entry.detail.get("loop_device")?.as_str()?;
                     let backing = r.entry.detail.get("backing_file")?.as_str()?;
                     Some((device.to_owned(), PathBuf::from(backing)))
                 })
                 .collect();
-            for l in self.our_loops(grant, &archive) {
+            // Only when the daemon died between a map's intent and its outcome may a device
+            // exist that the journal does not name: then, and only then, look for this run's
+            // mapping name (runs on one node never share it, see `runs::overlap`). A map that
+            // failed mapped nothing of this run's, whatever device the client named.
+            let outcome_unknown =
+                state.last.entry.op == "backup.map" && state.last.entry.phase == Phase::Intent;
+            for l in self
+                .our_loops(grant, &archive)
+                .into_iter()
+                .filter(|_| outcome_unknown)
+            {
                 if !devices
                     .iter()
                     .any(|(d, b)| d == &l.device && b == &l.backing_file)
@@ -855,6 +904,9 @@ impl NodeExecutor {
             residue.push(format!("overlay directory {} still exists", dir.display()));
         }
         for vmid in grant.sandbox_vms.keys() {
+            if let vm::Ownership::Unknown(reason) = self.ownership(grant, *vmid, None) {
+                residue.push(format!("VM {vmid}: {reason}"));
+            }
             if self.ownership(grant, *vmid, None) == vm::Ownership::Ours {
                 residue.push(format!("VM {vmid} with this run's marker still exists"));
             }

@@ -631,7 +631,7 @@ impl NodeExecutor {
         port: u16,
     ) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
-        let mut guard = run.lock().await;
+        let mut guard = self.lock_open(run).await?;
         let target = grant
             .probe_targets
             .iter()

@@ -40,14 +40,14 @@ pub struct Observation {
     pub nat_rules: Vec<String>,
 }
 
-/// The table name of a run: `certistack_` and the first 8 hex digits of the run id.
+/// The table name of a run: `certistack_` and the run id's 32 hex digits, so no two runs can
+/// ever share (and merge into, or delete) one table.
 pub fn table_name(grant: &Grant) -> String {
     let id: String = grant
         .run_id
         .as_str()
         .chars()
         .filter(char::is_ascii_hexdigit)
-        .take(8)
         .collect();
     format!("certistack_{id}")
 }
@@ -277,6 +277,12 @@ impl NodeExecutor {
                 out.stderr_excerpt()
             )));
         }
+        if out.truncated {
+            // A NAT rule past the cut could go unseen: refuse rather than call the VNet isolated.
+            return Err(ExecError::FailedPrecondition(
+                "the node's nftables ruleset is larger than the connector reads (64 KiB), so the NAT check cannot be completed".into(),
+            ));
+        }
         let subnet = network(&grant.probe_source);
         let quoted = format!("\"{vnet}\"");
         let mut in_nat_chain = false;
@@ -302,7 +308,7 @@ impl NodeExecutor {
         probe_source: IpInterface,
     ) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
-        let mut guard = run.lock().await;
+        let mut guard = self.lock_open(run).await?;
         let states = resources::states(&guard.records()?);
         let table = table_name(grant);
         if states
@@ -319,6 +325,11 @@ impl NodeExecutor {
             return Err(ExecError::FailedPrecondition(format!(
                 "VNet {vnet} is not isolated, so no guest may boot on it: {}",
                 violations.join("; ")
+            )));
+        }
+        if self.table_present(grant).await? {
+            return Err(ExecError::FailedPrecondition(format!(
+                "a table inet {table} already exists on this node but this run did not install it; inspect it before preparing"
             )));
         }
         let address = probe_source.to_string();
@@ -423,7 +434,7 @@ impl NodeExecutor {
         vnet: VnetName,
     ) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
-        let mut guard = run.lock().await;
+        let mut guard = self.lock_open(run).await?;
         let states = resources::states(&guard.records()?);
         let nft_key = format!("nft:{}", table_name(grant));
         let addr_key = format!("addr:{vnet}");
@@ -552,21 +563,36 @@ impl NodeExecutor {
             )
             .await?;
         if !seen.success() {
-            // No such VNet: nothing can carry the address.
-            return Ok(false);
+            if seen.stderr.contains("does not exist") {
+                // No such VNet: nothing can carry the address.
+                return Ok(false);
+            }
+            return Err(ExecError::Failed(format!(
+                "ip address show dev {} failed: {}",
+                grant.vnet,
+                seen.stderr_excerpt()
+            )));
         }
         let probe = grant.probe_source.address.to_string();
         Ok(seen.stdout.contains(&format!("\"local\":\"{probe}\"")))
     }
 
     pub(super) async fn table_present(&self, grant: &Grant) -> Result<bool, ExecError> {
-        Ok(self
-            .tool(
-                &self.config.tools.nft,
-                &["list", "table", "inet", &table_name(grant)],
-            )
-            .await?
-            .success())
+        let table = table_name(grant);
+        let out = self
+            .tool(&self.config.tools.nft, &["list", "table", "inet", &table])
+            .await?;
+        if out.success() {
+            return Ok(true);
+        }
+        if out.stderr.contains("No such file or directory") {
+            return Ok(false);
+        }
+        // Neither present nor absent: a failure must never be read as "already gone".
+        Err(ExecError::Failed(format!(
+            "nft list table inet {table} failed: {}",
+            out.stderr_excerpt()
+        )))
     }
 }
 
@@ -644,7 +670,7 @@ mod tests {
     fn ruleset_contains_only_the_granted_targets() {
         let vnet = VnetName::validate("csbox1").unwrap();
         let text = ruleset(&grant(), &vnet);
-        assert!(text.starts_with("table inet certistack_0f0e1c2d {"));
+        assert!(text.starts_with("table inet certistack_0f0e1c2d3b4a4c5d8e6f7a8b9c0d1e2f {"));
         assert!(text.contains(
             "oifname \"csbox1\" ip saddr 198.51.100.2 ip daddr 198.51.100.10 tcp dport 80 accept"
         ));

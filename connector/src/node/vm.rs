@@ -31,6 +31,8 @@ pub enum Ownership {
     Absent,
     Ours,
     NotOurs(String),
+    /// The config could not be read: neither ours nor gone, so nothing may be decided.
+    Unknown(String),
 }
 
 /// PVE's config: `#` lines (percent-encoded) are the description, then `key: value` lines;
@@ -85,7 +87,7 @@ impl NodeExecutor {
         let text = match std::fs::read_to_string(self.vm_config_path(vmid)) {
             Ok(text) => text,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ownership::Absent,
-            Err(e) => return Ownership::NotOurs(format!("its config cannot be read: {e}")),
+            Err(e) => return Ownership::Unknown(format!("its config cannot be read: {e}")),
         };
         let (description, keys) = parse_config(&text);
         if !description
@@ -144,6 +146,7 @@ impl NodeExecutor {
         match self.ownership(grant, vmid, Some(&uuid)) {
             Ownership::Ours => Ok(uuid),
             Ownership::Absent => Err(ExecError::NotFound(format!("VM {vmid} no longer exists"))),
+            Ownership::Unknown(reason) => Err(ExecError::Failed(format!("VM {vmid}: {reason}"))),
             Ownership::NotOurs(reason) => Err(ExecError::FailedPrecondition(format!(
                 "VM {vmid} is not this run's ({reason}); it is never touched"
             ))),
@@ -245,7 +248,7 @@ impl NodeExecutor {
         archives: Vec<ArchiveName>,
     ) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
-        let mut guard = run.lock().await;
+        let mut guard = self.lock_open(run).await?;
         let states = resources::states(&guard.records()?);
         let resource = format!("vm:{vmid}");
         if states.get(&resource).is_some_and(|s| s.is_open()) {
@@ -360,7 +363,7 @@ impl NodeExecutor {
         timeout_secs: u32,
     ) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
-        let mut guard = run.lock().await;
+        let mut guard = self.lock_open(run).await?;
         self.require_ours(&guard, grant, vmid)?;
         if verb == "start" {
             // A restored guest boots only on a VNet that was checked and contained for this run.
@@ -368,6 +371,27 @@ impl NodeExecutor {
             let prepared = resources::states(&guard.records()?)
                 .get(&format!("nft:{table}"))
                 .is_some_and(|s| s.is_open() && s.last.entry.phase == Phase::Done);
+            // And it boots only from this run's live mappings: re-check every disk's loop device.
+            let states = resources::states(&guard.records()?);
+            let prefix = format!("overlay:{vmid}:");
+            for key in states
+                .iter()
+                .filter(|(k, s)| k.starts_with(&prefix) && s.is_open())
+                .map(|(k, _)| k)
+            {
+                let archive = key.rsplit(':').next().unwrap_or_default();
+                let archive = <ArchiveName as crate::validate::Validated>::validate(archive)
+                    .map_err(ExecError::Failed)?;
+                let device = states
+                    .get(&format!("backup:{archive}"))
+                    .and_then(|s| super::loop_device_of(s.done_detail.as_ref()))
+                    .ok_or_else(|| {
+                        ExecError::FailedPrecondition(format!(
+                            "{archive} is no longer mapped by this run"
+                        ))
+                    })?;
+                self.check_mapping(grant, &archive, &device)?;
+            }
             if !prepared
                 || !self.table_present(grant).await?
                 || !self.address_present(grant).await?
@@ -427,7 +451,7 @@ impl NodeExecutor {
         vmid: Vmid,
     ) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
-        let guard = run.lock().await;
+        let guard = self.lock_open(run).await?;
         self.require_ours(&guard, grant, vmid)?;
         let (state, output) = self.status(vmid).await?;
         Ok(Outcome::Vm(pb::VmReply {
@@ -450,10 +474,7 @@ impl NodeExecutor {
         let ownership = match &uuid {
             Some(uuid) => self.ownership(grant, vmid, Some(uuid)),
             // The daemon died before it recorded the create: the marker alone must match.
-            None => match self.ownership(grant, vmid, None) {
-                Ownership::Ours => Ownership::Ours,
-                other => other,
-            },
+            None => self.ownership(grant, vmid, None),
         };
         match ownership {
             Ownership::Absent => {
@@ -466,6 +487,9 @@ impl NodeExecutor {
                 )?;
                 Ok("already gone")
             }
+            Ownership::Unknown(reason) => Err(ExecError::Failed(format!(
+                "VM {vmid}: {reason}; it stays recorded as open until its config can be read"
+            ))),
             Ownership::NotOurs(reason) => {
                 guard.append(
                     self.now_ms(),
