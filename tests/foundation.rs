@@ -496,7 +496,25 @@ async fn grant_digest_must_match_the_certificate() {
     assert_status(result, Code::PermissionDenied, "differs from the digest");
     let result = client.begin_run(pb::BeginRunRequest { grant: None }).await;
     assert_status(result, Code::InvalidArgument, "grant is missing");
+
+    // The run begins with its grant; a certificate minted for another grant of the same run
+    // id can neither operate nor end it.
+    client.begin_run(begin_request(&credentials)).await.unwrap();
+    let stray = mint(&authority, &wider);
+    let mut stray_client = run_client(&authority, &node, &stray).await;
+    let denied = "the certificate's grant digest differs from the grant this run began with";
+    assert_status(
+        stray_client.vm_status(pb::VmRequest { vmid: VMID }).await,
+        Code::PermissionDenied,
+        denied,
+    );
+    assert_status(
+        stray_client.end_run(pb::EndRunRequest {}).await,
+        Code::PermissionDenied,
+        denied,
+    );
     assert_eq!(node.executor.count(), 0);
+    client.end_run(pb::EndRunRequest {}).await.unwrap();
 }
 
 #[tokio::test]

@@ -506,3 +506,19 @@ impl NodeExecutor {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::bounded;
+
+    #[test]
+    fn guest_text_is_bounded_and_escaped() {
+        assert_eq!(bounded("fine"), "fine");
+        assert_eq!(
+            bounded("a\nforged: log line\u{1b}[31m"),
+            "a\\nforged: log line\\u{1b}[31m"
+        );
+        let long = "x".repeat(5000);
+        assert_eq!(bounded(&long).chars().count(), 201);
+    }
+}
