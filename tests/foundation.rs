@@ -22,20 +22,6 @@ use std::collections::{BTreeMap, BTreeSet};
 use tonic::Code;
 use tonic::transport::Channel;
 
-fn assert_status<T: std::fmt::Debug>(result: Result<T, tonic::Status>, code: Code, needle: &str) {
-    match result {
-        Ok(reply) => panic!("expected {code:?} containing {needle:?}, got {reply:?}"),
-        Err(status) => {
-            assert_eq!(status.code(), code, "message: {}", status.message());
-            assert!(
-                status.message().contains(needle),
-                "{:?} does not contain {needle:?}",
-                status.message()
-            );
-        }
-    }
-}
-
 async fn started(
     tag: &str,
 ) -> (

@@ -532,20 +532,6 @@ async fn cleanup_undoes_everything_newest_first_and_is_idempotent() {
     run.stop().await;
 }
 
-fn assert_status<T: std::fmt::Debug>(result: Result<T, tonic::Status>, code: Code, needle: &str) {
-    match result {
-        Ok(reply) => panic!("expected {code:?} containing {needle:?}, got {reply:?}"),
-        Err(status) => {
-            assert_eq!(status.code(), code, "message: {}", status.message());
-            assert!(
-                status.message().contains(needle),
-                "{:?} does not contain {needle:?}",
-                status.message()
-            );
-        }
-    }
-}
-
 const QEMU_TOOLS: &[&str] = &[
     "losetup",
     "qemu-img",

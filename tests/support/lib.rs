@@ -732,3 +732,22 @@ where
         std::panic::resume_unwind(panic);
     }
 }
+
+/// The call was refused with `code` and a message containing `needle`.
+pub fn assert_status<T: std::fmt::Debug>(
+    result: Result<T, tonic::Status>,
+    code: tonic::Code,
+    needle: &str,
+) {
+    match result {
+        Ok(reply) => panic!("expected {code:?} containing {needle:?}, got {reply:?}"),
+        Err(status) => {
+            assert_eq!(status.code(), code, "message: {}", status.message());
+            assert!(
+                status.message().contains(needle),
+                "{:?} does not contain {needle:?}",
+                status.message()
+            );
+        }
+    }
+}
