@@ -910,6 +910,26 @@ impl NodeExecutor {
             if self.ownership(grant, *vmid, None) == vm::Ownership::Ours {
                 residue.push(format!("VM {vmid} with this run's marker still exists"));
             }
+            // A QEMU process outliving its config would hold the overlay and the loop device
+            // (not reported for a VM that is not this run's: its process is not ours to judge).
+            let pid_file = self
+                .config
+                .pve
+                .qemu_server_run_dir
+                .join(format!("{vmid}.pid"));
+            if let Some(pid) = std::fs::read_to_string(&pid_file)
+                .ok()
+                .and_then(|p| p.trim().parse::<u32>().ok())
+                && std::path::Path::new(&format!("/proc/{pid}")).exists()
+                && matches!(
+                    self.ownership(grant, *vmid, None),
+                    vm::Ownership::Ours | vm::Ownership::Absent
+                )
+            {
+                residue.push(format!(
+                    "the QEMU process {pid} of VM {vmid} is still running"
+                ));
+            }
         }
         residue
     }
