@@ -1199,20 +1199,7 @@ async fn the_shipped_executor_refuses_precisely_on_a_node_without_the_tools() {
         assert_status(result, code, needle);
     }
     // The failed map is journaled: intent, then failed with the reason.
-    let mut stream = c
-        .read_journal(pb::ReadJournalRequest {
-            run_id: RUN_ID.into(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let mut steps = Vec::new();
-    while let Some(record) = stream.message().await.unwrap() {
-        steps.push(format!(
-            "{} {} {}",
-            record.operation, record.resource, record.phase
-        ));
-    }
+    let steps = journal_steps(&mut c, RUN_ID).await;
     assert_eq!(
         &steps[..3],
         [

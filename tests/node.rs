@@ -85,22 +85,7 @@ impl Run {
     }
 
     async fn journal(&mut self) -> Vec<String> {
-        let mut stream = self
-            .client
-            .read_journal(pb::ReadJournalRequest {
-                run_id: RUN_ID.into(),
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        let mut steps = Vec::new();
-        while let Some(record) = stream.message().await.unwrap() {
-            steps.push(format!(
-                "{} {} {}",
-                record.operation, record.resource, record.phase
-            ));
-        }
-        steps
+        journal_steps(&mut self.client, RUN_ID).await
     }
 
     async fn stop(mut self) {

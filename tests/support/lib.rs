@@ -751,3 +751,22 @@ pub fn assert_status<T: std::fmt::Debug>(
         }
     }
 }
+
+/// A run's journal as `<operation> <resource> <phase>` lines, read through `ReadJournal`.
+pub async fn journal_steps(client: &mut ConnectorClient<Channel>, run_id: &str) -> Vec<String> {
+    let mut stream = client
+        .read_journal(pb::ReadJournalRequest {
+            run_id: run_id.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut steps = Vec::new();
+    while let Some(record) = stream.message().await.unwrap() {
+        steps.push(format!(
+            "{} {} {}",
+            record.operation, record.resource, record.phase
+        ));
+    }
+    steps
+}
