@@ -236,19 +236,9 @@ impl NodeExecutor {
             Phase::Intent,
             json!({ "snapshot": snapshot.as_str(), "archive": archive.as_str(), "repository": repository, "command": call.display() }),
         )?;
-        let output = match process::run(call).await {
-            Ok(output) => output,
-            Err(error) => {
-                guard.append(
-                    self.now_ms(),
-                    "backup.map",
-                    &resource,
-                    Phase::Failed,
-                    json!({ "error": error.to_string() }),
-                )?;
-                return Err(tool_error(error));
-            }
-        };
+        let output = self
+            .run_step(&mut guard, "backup.map", &resource, call)
+            .await?;
         // Success is the "mapped on" line: the client exits 0 even when its mapping child fails.
         let Some(device) = loopdev::parse_mapped_on(&output.stderr) else {
             guard.append(
@@ -407,19 +397,9 @@ impl NodeExecutor {
         )
         .arg("unmap")
         .arg(device);
-        let output = match process::run(call).await {
-            Ok(output) => output,
-            Err(error) => {
-                guard.append(
-                    self.now_ms(),
-                    "backup.unmap",
-                    &resource,
-                    Phase::Failed,
-                    json!({ "error": error.to_string() }),
-                )?;
-                return Err(tool_error(error));
-            }
-        };
+        let output = self
+            .run_step(guard, "backup.unmap", &resource, call)
+            .await?;
         let still_ours =
             loopdev::inspect(&self.sys_block, device).is_some_and(|l| l.backing_file == expected);
         if !output.success() || still_ours {
@@ -530,19 +510,9 @@ impl NodeExecutor {
             .arg("raw")
             .arg(&path);
         guard.append(self.now_ms(), "overlay.create", &resource, Phase::Intent, json!({ "path": path.display().to_string(), "backing": device, "command": call.display() }))?;
-        let output = match process::run(call).await {
-            Ok(output) => output,
-            Err(error) => {
-                guard.append(
-                    self.now_ms(),
-                    "overlay.create",
-                    &resource,
-                    Phase::Failed,
-                    json!({ "error": error.to_string() }),
-                )?;
-                return Err(tool_error(error));
-            }
-        };
+        let output = self
+            .run_step(&mut guard, "overlay.create", &resource, call)
+            .await?;
         if !output.success() || !path.is_file() {
             guard.append(
                 self.now_ms(),
@@ -787,12 +757,12 @@ impl NodeExecutor {
                     Some((device.to_owned(), PathBuf::from(backing)))
                 })
                 .collect();
-            // Only when the daemon died between a map's intent and its outcome may a device
-            // exist that the journal does not name: then, and only then, look for this run's
-            // mapping name (runs on one node never share it, see `runs::overlap`). A map that
-            // failed mapped nothing of this run's, whatever device the client named.
-            let outcome_unknown =
-                state.last.entry.op == "backup.map" && state.last.entry.phase == Phase::Intent;
+            // Only when a map's outcome is unknown (the daemon died, or the client was killed at
+            // its deadline) may a device exist that the journal does not name: then, and only
+            // then, look for this run's mapping name (runs on one node never share it, see
+            // `runs::overlap`). A map that reported failure mapped nothing of this run's,
+            // whatever device the client named.
+            let outcome_unknown = state.last.entry.op == "backup.map" && state.outcome_unknown();
             for l in self
                 .our_loops(grant, &archive)
                 .into_iter()
@@ -836,6 +806,7 @@ impl NodeExecutor {
         }
         if (key.starts_with("nft:") || key.starts_with("addr:"))
             && state.last.entry.phase == Phase::Failed
+            && !state.outcome_unknown()
             && matches!(
                 state.last.entry.op.as_str(),
                 "sandbox.nft" | "sandbox.address"
@@ -932,6 +903,33 @@ impl NodeExecutor {
             }
         }
         residue
+    }
+}
+
+impl NodeExecutor {
+    /// Runs the tool of a journaled step whose `intent` is already recorded. When the tool does
+    /// not finish by itself, the step is recorded `failed`: with `"outcome_unknown": true` when
+    /// it was killed at its deadline or lost while running (it may have done its work), without
+    /// when it never started. Cleanup reads that flag (see `ResourceState::outcome_unknown`).
+    async fn run_step(
+        &self,
+        guard: &mut RunGuard<'_>,
+        op: &str,
+        resource: &str,
+        call: ToolCall,
+    ) -> Result<ToolOutput, ExecError> {
+        match process::run(call).await {
+            Ok(output) => Ok(output),
+            Err(error) => {
+                let unknown = matches!(
+                    error,
+                    process::ToolError::Timeout { .. } | process::ToolError::Wait { .. }
+                );
+                let detail = json!({ "error": error.to_string(), "outcome_unknown": unknown });
+                guard.append(self.now_ms(), op, resource, Phase::Failed, detail)?;
+                Err(tool_error(error))
+            }
+        }
     }
 }
 

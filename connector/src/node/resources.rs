@@ -23,6 +23,19 @@ impl ResourceState {
     pub fn is_open(&self) -> bool {
         self.last.entry.phase != Phase::Undone
     }
+
+    /// Whether the last step's effect on the node is unknown: its `intent` has no outcome (the
+    /// daemon died), or its tool was killed or lost before it reported (`outcome_unknown`).
+    pub fn outcome_unknown(&self) -> bool {
+        let entry = &self.last.entry;
+        entry.phase == Phase::Intent
+            || (entry.phase == Phase::Failed
+                && entry
+                    .detail
+                    .get("outcome_unknown")
+                    .and_then(serde_json::Value::as_bool)
+                    == Some(true))
+    }
 }
 
 /// Every resource the journal mentions, keyed by resource.
@@ -126,6 +139,25 @@ mod tests {
         assert_eq!(
             open[0].done_detail, None,
             "an intent without outcome has no detail"
+        );
+        assert!(open[0].outcome_unknown(), "an intent without outcome");
+        assert!(!open[1].outcome_unknown(), "a done map");
+        let failed = |detail| {
+            let mut j = Journal::create(&dir.join("x"), run).unwrap();
+            let record = j
+                .append(0, "backup.map", "backup:c.img", Phase::Failed, detail)
+                .unwrap();
+            states(&[record]).remove("backup:c.img").unwrap()
+        };
+        std::fs::create_dir_all(dir.join("x")).unwrap();
+        assert!(
+            failed(json!({ "outcome_unknown": true })).outcome_unknown(),
+            "killed at its deadline"
+        );
+        std::fs::remove_file(dir.join("x").join(crate::journal::FILE_NAME)).unwrap();
+        assert!(
+            !failed(json!({ "exit_code": 0 })).outcome_unknown(),
+            "reported failure"
         );
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -341,11 +341,14 @@ impl NodeExecutor {
             Phase::Intent,
             json!({ "address": address }),
         )?;
+        let call = ToolCall::new(&self.config.tools.ip, self.tool_timeout())
+            .arg("address")
+            .arg("add")
+            .arg(&address)
+            .arg("dev")
+            .arg(vnet.as_str());
         let out = self
-            .tool(
-                &self.config.tools.ip,
-                &["address", "add", &address, "dev", vnet.as_str()],
-            )
+            .run_step(&mut guard, "sandbox.address", &addr_key, call)
             .await?;
         if !out.success() {
             guard.append(
@@ -386,7 +389,9 @@ impl NodeExecutor {
                 bytes: zeroize::Zeroizing::new(rules.clone().into_bytes()),
                 kind: SecretKind::Pipe,
             });
-        let out = process::run(call).await.map_err(tool_error)?;
+        let out = self
+            .run_step(&mut guard, "sandbox.nft", &nft_key, call)
+            .await?;
         if !out.success() {
             guard.append(
                 self.now_ms(),

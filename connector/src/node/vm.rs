@@ -153,8 +153,9 @@ impl NodeExecutor {
         }
     }
 
-    async fn qm(&self, args: &[String]) -> Result<process::ToolOutput, ExecError> {
-        // `qm stop --timeout N` may legitimately take N seconds before it kills the guest.
+    /// A `qm` call. `qm stop --timeout N` may legitimately take N seconds before it kills the
+    /// guest, so it gets that much more than the tool timeout.
+    fn qm_call(&self, args: &[String]) -> ToolCall {
         let stop_secs = args
             .iter()
             .position(|a| a == "--timeout")
@@ -164,11 +165,15 @@ impl NodeExecutor {
         let timeout = self
             .tool_timeout()
             .max(std::time::Duration::from_secs(stop_secs + 30));
-        let mut call = ToolCall::new(&self.config.tools.qm, timeout);
-        for arg in args {
-            call = call.arg(arg);
-        }
-        process::run(call).await.map_err(tool_error)
+        args.iter().fold(
+            ToolCall::new(&self.config.tools.qm, timeout),
+            |call, arg| call.arg(arg),
+        )
+    }
+
+    /// A `qm` call that is not a journaled step (reading the status).
+    async fn qm(&self, args: &[String]) -> Result<process::ToolOutput, ExecError> {
+        process::run(self.qm_call(args)).await.map_err(tool_error)
     }
 
     /// `qm start|stop|destroy <vmid>`, journaled: `intent`, then `failed`, or `done` (`undone`
@@ -197,19 +202,9 @@ impl NodeExecutor {
             Phase::Intent,
             json!({ "argv": args }),
         )?;
-        let output = match self.qm(&args).await {
-            Ok(output) => output,
-            Err(error) => {
-                guard.append(
-                    self.now_ms(),
-                    &op,
-                    &resource,
-                    Phase::Failed,
-                    json!({ "error": error.to_string() }),
-                )?;
-                return Err(error);
-            }
-        };
+        let output = self
+            .run_step(guard, &op, &resource, self.qm_call(&args))
+            .await?;
         if !output.success() {
             guard.append(
                 self.now_ms(),
@@ -307,19 +302,9 @@ impl NodeExecutor {
             Phase::Intent,
             json!({ "smbios_uuid": smbios_uuid, "argv": args }),
         )?;
-        let output = match self.qm(&args).await {
-            Ok(output) => output,
-            Err(error) => {
-                guard.append(
-                    self.now_ms(),
-                    "vm.create",
-                    &resource,
-                    Phase::Failed,
-                    json!({ "smbios_uuid": smbios_uuid, "error": error.to_string() }),
-                )?;
-                return Err(error);
-            }
-        };
+        let output = self
+            .run_step(&mut guard, "vm.create", &resource, self.qm_call(&args))
+            .await?;
         if !output.success() {
             guard.append(
                 self.now_ms(),
