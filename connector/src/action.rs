@@ -844,6 +844,15 @@ mod tests {
         assert_eq!(covered.len(), actionable);
     }
 
+    #[test]
+    fn every_action_names_one_of_the_reported_capabilities() {
+        use crate::executor::{CAPABILITIES, capability};
+        let named: std::collections::BTreeSet<&str> =
+            cases().iter().map(|(a, _)| capability(a)).collect();
+        let reported: std::collections::BTreeSet<&str> = CAPABILITIES.into_iter().collect();
+        assert_eq!(named, reported);
+    }
+
     /// Requests that set every field, so the validator-usage test sees them all.
     fn full_requests() -> Vec<Result<Action, FieldError>> {
         vec![

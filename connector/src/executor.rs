@@ -1,9 +1,8 @@
 //! The executor interface: where an authorized [`Action`] becomes a side effect on the node.
 //!
 //! The service hands every operation to an [`Executor`] only after authentication, parsing and
-//! authorization succeeded. The daemon ships [`crate::node::NodeExecutor`]; operations it does
-//! not implement yet answer `UNIMPLEMENTED` naming the missing capability, so a controller never
-//! mistakes an absent operation for a successful one.
+//! authorization succeeded. The daemon ships [`crate::node::NodeExecutor`]; `Hello` reports the
+//! capabilities an executor implements ([`CAPABILITIES`] for the shipped one).
 
 use crate::action::Action;
 use crate::runs::RunHandle;
@@ -41,10 +40,6 @@ pub enum Outcome {
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ExecError {
-    #[error(
-        "this connector does not implement capability `{capability}` yet; upgrade the node's certistack-connector package"
-    )]
-    Unimplemented { capability: &'static str },
     #[error("{0}")]
     FailedPrecondition(String),
     #[error("{0}")]
@@ -61,7 +56,6 @@ impl From<ExecError> for tonic::Status {
     fn from(error: ExecError) -> Self {
         let message = error.to_string();
         match error {
-            ExecError::Unimplemented { .. } => tonic::Status::unimplemented(message),
             ExecError::FailedPrecondition(_) => tonic::Status::failed_precondition(message),
             ExecError::NotFound(_) => tonic::Status::not_found(message),
             ExecError::AlreadyExists(_) => tonic::Status::already_exists(message),
@@ -79,7 +73,27 @@ pub trait Executor: Send + Sync + 'static {
     fn execute<'a>(&'a self, caller: &'a Caller, action: Action) -> ExecFuture<'a>;
 }
 
-/// The capability an action needs, as reported by `Hello` and named by `UNIMPLEMENTED`.
+/// Every capability, in the order `Hello` reports them.
+pub const CAPABILITIES: [&str; 16] = [
+    "backup.map",
+    "backup.unmap",
+    "overlay.create",
+    "overlay.delete",
+    "vm.create",
+    "vm.start",
+    "vm.stop",
+    "vm.destroy",
+    "vm.status",
+    "guest.qmp",
+    "guest.qga",
+    "sandbox.prepare",
+    "sandbox.release",
+    "sandbox.probe",
+    "journal.read",
+    "recovery.cleanup",
+];
+
+/// The capability an action needs, one of [`CAPABILITIES`].
 pub fn capability(action: &Action) -> &'static str {
     match action {
         Action::MapBackup { .. } => "backup.map",

@@ -280,6 +280,12 @@ impl RunRegistry {
         self.lock().runs.get(run_id).cloned()
     }
 
+    /// Why `run_id` is quarantined, as a refusal, if it is.
+    pub fn quarantine(&self, run_id: &RunId) -> Option<RunError> {
+        let reason = self.lock().quarantined.get(run_id).cloned()?;
+        Some(RunError::Quarantined(run_id.clone(), reason))
+    }
+
     /// Runs that could not be loaded at start, with the reason.
     pub fn quarantined(&self) -> Vec<(RunId, String)> {
         self.lock()

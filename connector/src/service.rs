@@ -254,15 +254,10 @@ impl ConnectorService {
                 let record = match self.runs.get(target) {
                     Some(record) => record,
                     None => {
-                        let quarantined = self
-                            .runs
-                            .quarantined()
-                            .into_iter()
-                            .find(|(id, _)| id == target);
-                        return Err(refuse(match quarantined {
-                            Some((id, reason)) => Status::failed_precondition(
-                                RunError::Quarantined(id, reason).to_string(),
-                            ),
+                        return Err(refuse(match self.runs.quarantine(target) {
+                            Some(quarantined) => {
+                                Status::failed_precondition(quarantined.to_string())
+                            }
                             None => Status::not_found(format!(
                                 "no run {target} on this node (see ListRuns)"
                             )),
@@ -280,11 +275,11 @@ impl ConnectorService {
                 ..
             } => {
                 let record = self.runs.get(id).ok_or_else(|| {
-                    let quarantined = self.runs.quarantined().into_iter().find(|(q, _)| q == id);
-                    refuse(Status::failed_precondition(match quarantined {
-                        Some((q, reason)) => RunError::Quarantined(q, reason).to_string(),
-                        None => RunError::NotBegun(id.clone()).to_string(),
-                    }))
+                    let refusal = self
+                        .runs
+                        .quarantine(id)
+                        .unwrap_or_else(|| RunError::NotBegun(id.clone()));
+                    refuse(Status::failed_precondition(refusal.to_string()))
                 })?;
                 if record.state != RunState::Open {
                     return Err(refuse(Status::permission_denied(

@@ -875,11 +875,13 @@ impl NodeExecutor {
             residue.push(format!("overlay directory {} still exists", dir.display()));
         }
         for vmid in grant.sandbox_vms.keys() {
-            if let vm::Ownership::Unknown(reason) = self.ownership(grant, *vmid, None) {
-                residue.push(format!("VM {vmid}: {reason}"));
-            }
-            if self.ownership(grant, *vmid, None) == vm::Ownership::Ours {
-                residue.push(format!("VM {vmid} with this run's marker still exists"));
+            let ownership = self.ownership(grant, *vmid, None);
+            match &ownership {
+                vm::Ownership::Unknown(reason) => residue.push(format!("VM {vmid}: {reason}")),
+                vm::Ownership::Ours => {
+                    residue.push(format!("VM {vmid} with this run's marker still exists"))
+                }
+                vm::Ownership::Absent | vm::Ownership::NotOurs(_) => {}
             }
             // A QEMU process outliving its config would hold the overlay and the loop device
             // (not reported for a VM that is not this run's: its process is not ours to judge).
@@ -892,10 +894,7 @@ impl NodeExecutor {
                 .ok()
                 .and_then(|p| p.trim().parse::<u32>().ok())
                 && std::path::Path::new(&format!("/proc/{pid}")).exists()
-                && matches!(
-                    self.ownership(grant, *vmid, None),
-                    vm::Ownership::Ours | vm::Ownership::Absent
-                )
+                && matches!(ownership, vm::Ownership::Ours | vm::Ownership::Absent)
             {
                 residue.push(format!(
                     "the QEMU process {pid} of VM {vmid} is still running"
@@ -942,24 +941,7 @@ fn tool_error(error: process::ToolError) -> ExecError {
 
 impl Executor for NodeExecutor {
     fn capabilities(&self) -> Vec<&'static str> {
-        vec![
-            "backup.map",
-            "backup.unmap",
-            "overlay.create",
-            "overlay.delete",
-            "vm.create",
-            "vm.start",
-            "vm.stop",
-            "vm.destroy",
-            "vm.status",
-            "guest.qmp",
-            "guest.qga",
-            "sandbox.prepare",
-            "sandbox.release",
-            "sandbox.probe",
-            "journal.read",
-            "recovery.cleanup",
-        ]
+        crate::executor::CAPABILITIES.to_vec()
     }
 
     fn execute<'a>(&'a self, caller: &'a Caller, action: Action) -> ExecFuture<'a> {
