@@ -383,6 +383,24 @@ fn issue_with_uris(
 // ----------------------------------------------------------------------------------------------
 // Refused by identity, grant and policy
 
+/// A run certificate bound to whatever grant bytes `signed` carries (signed by any key, for any
+/// node) on this node, valid from a minute ago until `not_after`: the controller's own minting
+/// refuses such grants, these tests need them.
+fn run_certificate(
+    authority: &certistack_controller::authority::Authority,
+    signed: &pb::SignedRunGrant,
+    not_after: time::OffsetDateTime,
+) -> certistack_controller::authority::IssuedCertificate {
+    let identity = Identity::Run {
+        run_id: RunId::validate(RUN_ID).unwrap(),
+        grant_sha256: certistack_connector::grant::digest(&signed.grant),
+        node: NodeName::validate(NODE).unwrap(),
+    };
+    authority
+        .issue_client(&identity, now() - time::Duration::minutes(1), not_after)
+        .unwrap()
+}
+
 #[tokio::test]
 async fn run_certificate_for_another_node_is_refused() {
     let (_dir, authority, node) = started("othernode").await;
@@ -407,15 +425,8 @@ async fn grant_for_another_node_is_refused() {
     // The certificate is bound to this node, the grant it carries names another.
     let wire = grant(RUN_ID, "pve2");
     let signed = sign_grant(authority.run_authority(), &wire);
-    let identity = Identity::Run {
-        run_id: RunId::validate(RUN_ID).unwrap(),
-        grant_sha256: certistack_connector::grant::digest(&signed.grant),
-        node: NodeName::validate(NODE).unwrap(),
-    };
     let deadline = time::OffsetDateTime::from_unix_timestamp(wire.deadline_unix).unwrap();
-    let cert = authority
-        .issue_client(&identity, now() - time::Duration::minutes(1), deadline)
-        .unwrap();
+    let cert = run_certificate(&authority, &signed, deadline);
     let mut client = client(&authority, &node.address, NODE, &cert)
         .await
         .unwrap();
@@ -440,15 +451,8 @@ async fn grant_signed_by_another_key_is_refused() {
     let other = controller(&dir.0.join("other"));
     let wire = grant(RUN_ID, NODE);
     let signed = sign_grant(other.run_authority(), &wire);
-    let identity = Identity::Run {
-        run_id: RunId::validate(RUN_ID).unwrap(),
-        grant_sha256: certistack_connector::grant::digest(&signed.grant),
-        node: NodeName::validate(NODE).unwrap(),
-    };
     let deadline = time::OffsetDateTime::from_unix_timestamp(wire.deadline_unix).unwrap();
-    let cert = authority
-        .issue_client(&identity, now() - time::Duration::minutes(1), deadline)
-        .unwrap();
+    let cert = run_certificate(&authority, &signed, deadline);
     let mut client = client(&authority, &node.address, NODE, &cert)
         .await
         .unwrap();
@@ -508,15 +512,8 @@ async fn run_certificate_must_not_outlive_its_grant() {
     let (_dir, authority, node) = started("outlive").await;
     let wire = grant(RUN_ID, NODE);
     let signed = sign_grant(authority.run_authority(), &wire);
-    let identity = Identity::Run {
-        run_id: RunId::validate(RUN_ID).unwrap(),
-        grant_sha256: certistack_connector::grant::digest(&signed.grant),
-        node: NodeName::validate(NODE).unwrap(),
-    };
     let late = time::OffsetDateTime::from_unix_timestamp(wire.deadline_unix + 3600).unwrap();
-    let cert = authority
-        .issue_client(&identity, now() - time::Duration::minutes(1), late)
-        .unwrap();
+    let cert = run_certificate(&authority, &signed, late);
     let mut client = client(&authority, &node.address, NODE, &cert)
         .await
         .unwrap();
@@ -535,19 +532,8 @@ async fn expired_grant_is_refused() {
     wire.not_before_unix = now().unix_timestamp() - 7200;
     wire.deadline_unix = now().unix_timestamp() - 3600;
     let signed = sign_grant(authority.run_authority(), &wire);
-    let identity = Identity::Run {
-        run_id: RunId::validate(RUN_ID).unwrap(),
-        grant_sha256: certistack_connector::grant::digest(&signed.grant),
-        node: NodeName::validate(NODE).unwrap(),
-    };
     // A certificate that is itself still valid, to reach the grant's own time check.
-    let cert = authority
-        .issue_client(
-            &identity,
-            now() - time::Duration::minutes(1),
-            now() + time::Duration::minutes(5),
-        )
-        .unwrap();
+    let cert = run_certificate(&authority, &signed, now() + time::Duration::minutes(5));
     let mut client = client(&authority, &node.address, NODE, &cert)
         .await
         .unwrap();
