@@ -731,18 +731,7 @@ fn containment_and_probes_against_real_services() {
             latencies.push(format!("{kind:?} {} -> {}", target.address, reply.detail));
         }
         eprintln!("failing probes: {}", latencies.join(" | "));
-        let reply = c
-            .cleanup(pb::CleanupRequest {
-                run_id: second.into(),
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        let receipts: Vec<String> = reply
-            .resources
-            .iter()
-            .map(|r| format!("{} {}", r.resource, r.end_state))
-            .collect();
+        let (receipts, residue) = cleanup_receipts(&mut c, second).await;
         assert_eq!(
             receipts,
             [
@@ -750,7 +739,7 @@ fn containment_and_probes_against_real_services() {
                 "addr:csbox1 deleted"
             ]
         );
-        assert!(reply.residue.is_empty(), "{:?}", reply.residue);
+        assert!(residue.is_empty(), "{residue:?}");
         node.stop().await;
     });
     drop(topology);

@@ -476,19 +476,7 @@ async fn cleanup_undoes_everything_newest_first_and_is_idempotent() {
         Code::FailedPrecondition,
         "still has overlay:9100:drive-scsi1.img, backup:drive-scsi1.img, overlay:9100:drive-scsi0.img, dir:overlays, backup:drive-scsi0.img on this node; call Cleanup first",
     );
-    let reply = run
-        .client
-        .cleanup(pb::CleanupRequest {
-            run_id: RUN_ID.into(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let receipts: Vec<String> = reply
-        .resources
-        .iter()
-        .map(|r| format!("{} {}", r.resource, r.end_state))
-        .collect();
+    let (receipts, residue) = cleanup_receipts(&mut run.client, RUN_ID).await;
     assert_eq!(
         receipts,
         [
@@ -499,7 +487,7 @@ async fn cleanup_undoes_everything_newest_first_and_is_idempotent() {
             "backup:drive-scsi0.img unmapped",
         ]
     );
-    assert!(reply.residue.is_empty(), "{:?}", reply.residue);
+    assert!(residue.is_empty(), "{residue:?}");
     assert!(run.loops().is_empty());
     assert!(!run.lab.root.join("overlays").join(RUN_ID).exists());
     let again = run
@@ -958,19 +946,8 @@ fn a_silent_guest_agent_is_a_deadline_not_a_hang() {
             "{waited:?}"
         );
         // Cleanup stops and destroys the VM, deletes the overlay and unmaps the backup.
-        let reply = run
-            .client
-            .cleanup(pb::CleanupRequest {
-                run_id: RUN_ID.into(),
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        let receipts: Vec<String> = reply
-            .resources
-            .iter()
-            .map(|r| format!("{} {}", r.resource, r.end_state))
-            .collect();
+        let (receipts, residue) = cleanup_receipts(&mut run.client, RUN_ID).await;
+        assert!(residue.is_empty(), "{residue:?}");
         assert_eq!(receipts[0], "vm:9100 destroyed", "{receipts:?}");
         assert!(!run.qemu_running(9100));
         run.stop().await;
@@ -1557,19 +1534,8 @@ fn a_guest_boots_only_on_a_prepared_sandbox() {
             Code::FailedPrecondition,
             "vm:9100 still exists on the sandbox; destroy it before releasing csbox1",
         );
-        let reply = run
-            .client
-            .cleanup(pb::CleanupRequest {
-                run_id: RUN_ID.into(),
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        let receipts: Vec<String> = reply
-            .resources
-            .iter()
-            .map(|r| format!("{} {}", r.resource, r.end_state))
-            .collect();
+        let (receipts, residue) = cleanup_receipts(&mut run.client, RUN_ID).await;
+        assert!(residue.is_empty(), "{residue:?}");
         assert_eq!(receipts[0], "vm:9100 destroyed", "{receipts:?}");
         assert!(
             receipts

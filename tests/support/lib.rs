@@ -770,3 +770,23 @@ pub async fn journal_steps(client: &mut ConnectorClient<Channel>, run_id: &str) 
     }
     steps
 }
+
+/// What `Cleanup` of `run_id` did: each receipt as `<resource> <end state>`, and the residue.
+pub async fn cleanup_receipts(
+    client: &mut ConnectorClient<Channel>,
+    run_id: &str,
+) -> (Vec<String>, Vec<String>) {
+    let reply = client
+        .cleanup(pb::CleanupRequest {
+            run_id: run_id.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let receipts = reply
+        .resources
+        .iter()
+        .map(|r| format!("{} {}", r.resource, r.end_state))
+        .collect();
+    (receipts, reply.residue)
+}
