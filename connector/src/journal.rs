@@ -234,6 +234,8 @@ pub struct Journal {
     len: u64,
     /// Set when a failed append could not be cut back: nothing more may be appended.
     poisoned: bool,
+    /// Every record, as written: operations decide from these without re-reading the file.
+    records: Vec<Record>,
 }
 
 impl Journal {
@@ -269,6 +271,7 @@ impl Journal {
             head: genesis(run_id),
             len: 0,
             poisoned: false,
+            records: Vec::new(),
         })
     }
 
@@ -296,8 +299,8 @@ impl Journal {
             head: loaded.head(run_id),
             len: loaded.valid_len,
             poisoned: false,
+            records: loaded.records,
         };
-        let mut records = loaded.records;
         if let Some(torn) = &loaded.torn {
             let preserved = journal.preserve_torn(dir, torn)?;
             journal
@@ -314,14 +317,9 @@ impl Journal {
                 "reason": torn.reason,
                 "preserved_as": preserved,
             });
-            records.push(journal.append(
-                time_ms,
-                "journal.torn-tail",
-                "journal",
-                Phase::Done,
-                detail,
-            )?);
+            journal.append(time_ms, "journal.torn-tail", "journal", Phase::Done, detail)?;
         }
+        let records = journal.records.clone();
         Ok((journal, records, loaded.torn))
     }
 
@@ -405,11 +403,17 @@ impl Journal {
         };
         self.head = hash;
         self.next_seq += 1;
+        self.records.push(record.clone());
         Ok(record)
     }
 
     pub fn run_id(&self) -> &str {
         &self.run_id
+    }
+
+    /// Every record of the journal, oldest first.
+    pub fn records(&self) -> &[Record] {
+        &self.records
     }
 }
 
@@ -601,6 +605,7 @@ mod tests {
             head: genesis(RUN),
             len: 0,
             poisoned: false,
+            records: Vec::new(),
         };
         assert!(matches!(
             journal.append(1, "backup.map", "backup:a.img", Phase::Intent, json!(null)),

@@ -108,8 +108,9 @@ impl RunGuard<'_> {
         self.journal.head_hex()
     }
 
-    pub fn records(&self) -> Result<Vec<Record>, JournalError> {
-        Ok(journal::read(self.journal.path(), self.journal.run_id())?.records)
+    /// The run's records as this daemon wrote or loaded them (no file read).
+    pub fn records(&self) -> Vec<Record> {
+        self.journal.records().to_vec()
     }
 }
 
@@ -424,7 +425,7 @@ impl RunRegistry {
             let mut run = record.handle.lock().await;
             // A run ends clean: what it still has on the node must be cleaned up first, or it
             // would outlive the run that owns it.
-            let open = crate::node::resources::open_newest_first(&run.records()?);
+            let open = crate::node::resources::open_newest_first(&run.records());
             if !open.is_empty() {
                 let keys: Vec<&str> = open.iter().map(|s| s.key.as_str()).collect();
                 return Err(RunError::OpenResources(run_id.clone(), keys.join(", ")));

@@ -343,7 +343,7 @@ impl NodeExecutor {
         if command == QmpCommand::Screendump {
             let path = self.screendump_path(run, vmid);
             let key = format!("file:screendump:{vmid}");
-            if !resources::states(&guard.records()?)
+            if !resources::states(&guard.records())
                 .get("dir:overlays")
                 .is_some_and(|s| s.is_open())
             {

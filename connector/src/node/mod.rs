@@ -188,7 +188,7 @@ impl NodeExecutor {
         let grant = &run.grant;
         let mut guard = self.lock_open(run).await?;
         let resource = format!("backup:{archive}");
-        if let Some(state) = resources::states(&guard.records()?)
+        if let Some(state) = resources::states(&guard.records())
             .get(&resource)
             .filter(|s| s.is_open())
         {
@@ -312,7 +312,7 @@ impl NodeExecutor {
     ) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
         let mut guard = self.lock_open(run).await?;
-        let records = guard.records()?;
+        let records = guard.records();
         let states = resources::states(&records);
         let resource = format!("backup:{archive}");
         let Some(state) = states.get(&resource).filter(|s| s.is_open()) else {
@@ -441,7 +441,7 @@ impl NodeExecutor {
     ) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
         let mut guard = self.lock_open(run).await?;
-        let states = resources::states(&guard.records()?);
+        let states = resources::states(&guard.records());
         let backup = format!("backup:{archive}");
         let device = states
             .get(&backup)
@@ -579,7 +579,7 @@ impl NodeExecutor {
         let grant = &run.grant;
         let mut guard = self.lock_open(run).await?;
         let resource = format!("overlay:{vmid}:{archive}");
-        let states = resources::states(&guard.records()?);
+        let states = resources::states(&guard.records());
         if states.get(&resource).is_none_or(|s| !s.is_open()) {
             return Err(ExecError::NotFound(format!(
                 "this run has no overlay of {archive} for VM {vmid}"
@@ -666,7 +666,7 @@ impl NodeExecutor {
     async fn cleanup(&self, run: &RunHandle) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
         let mut guard = run.lock().await;
-        let records = guard.records()?;
+        let records = guard.records();
         let touched_network = records
             .iter()
             .any(|r| r.entry.resource.starts_with("nft:") || r.entry.resource.starts_with("addr:"));

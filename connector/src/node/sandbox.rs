@@ -309,7 +309,7 @@ impl NodeExecutor {
     ) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
         let mut guard = self.lock_open(run).await?;
-        let states = resources::states(&guard.records()?);
+        let states = resources::states(&guard.records());
         let table = table_name(grant);
         if states
             .get(&format!("nft:{table}"))
@@ -440,7 +440,7 @@ impl NodeExecutor {
     ) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
         let mut guard = self.lock_open(run).await?;
-        let states = resources::states(&guard.records()?);
+        let states = resources::states(&guard.records());
         let nft_key = format!("nft:{}", table_name(grant));
         let addr_key = format!("addr:{vnet}");
         if !states.get(&nft_key).is_some_and(|s| s.is_open())

@@ -136,7 +136,7 @@ impl NodeExecutor {
         grant: &Grant,
         vmid: Vmid,
     ) -> Result<String, ExecError> {
-        let states = resources::states(&guard.records()?);
+        let states = resources::states(&guard.records());
         let state = states.get(&format!("vm:{vmid}")).filter(|s| s.is_open());
         let Some(uuid) = Self::created_uuid(state) else {
             return Err(ExecError::FailedPrecondition(format!(
@@ -244,7 +244,7 @@ impl NodeExecutor {
     ) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
         let mut guard = self.lock_open(run).await?;
-        let states = resources::states(&guard.records()?);
+        let states = resources::states(&guard.records());
         let resource = format!("vm:{vmid}");
         if states.get(&resource).is_some_and(|s| s.is_open()) {
             return Err(ExecError::AlreadyExists(format!(
@@ -353,11 +353,11 @@ impl NodeExecutor {
         if verb == "start" {
             // A restored guest boots only on a VNet that was checked and contained for this run.
             let table = super::sandbox::table_name(grant);
-            let prepared = resources::states(&guard.records()?)
+            let prepared = resources::states(&guard.records())
                 .get(&format!("nft:{table}"))
                 .is_some_and(|s| s.is_open() && s.last.entry.phase == Phase::Done);
             // And it boots only from this run's live mappings: re-check every disk's loop device.
-            let states = resources::states(&guard.records()?);
+            let states = resources::states(&guard.records());
             let prefix = format!("overlay:{vmid}:");
             for key in states
                 .iter()
