@@ -101,7 +101,7 @@ impl Default for ToolPaths {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Limits {
     /// Runs that may be open at once.
@@ -118,6 +118,44 @@ pub struct Limits {
     pub expiry_grace_secs: u64,
     /// Seconds one probe may take, connection and answer included.
     pub probe_timeout_secs: u64,
+    /// Bytes one probe may read from its target (LDAP, DNS, HTTP body, TCP banner together).
+    pub max_probe_response_bytes: usize,
+    /// Entries or answer records one probe may collect (LDAP entries, DNS answers).
+    pub max_probe_entries: usize,
+    /// Shortest probe-network prefix (IPv4; IPv6 uses this plus 96) a grant may name: a short
+    /// prefix installs a connected route that can beat the node's default route.
+    pub min_probe_prefix: u8,
+    /// Records one run's journal may hold; operations past it are refused with
+    /// RESOURCE_EXHAUSTED while cleanup keeps a reserved budget.
+    pub max_journal_records: usize,
+    /// Bytes one run's journal may hold (same rule as the record cap).
+    pub max_journal_bytes: u64,
+    /// Days a closed run stays on disk before it is pruned (never one that holds resources or
+    /// is quarantined).
+    pub closed_run_retention_days: u64,
+    /// vCPUs all open runs' sandbox VMs may ask for together.
+    pub max_sandbox_cores: u32,
+    /// MiB of memory all open runs' sandbox VMs may ask for together.
+    pub max_sandbox_memory_mib: u64,
+    /// Longest validity accepted on an operator certificate, in seconds.
+    pub max_operator_cert_secs: u64,
+    /// Milliseconds a peer has to complete its TLS handshake.
+    pub handshake_timeout_ms: u64,
+    /// Handshakes in progress at once, over all peers.
+    pub max_pending_handshakes: usize,
+    /// Handshakes in progress at once from one source address.
+    pub max_pending_handshakes_per_source: usize,
+    /// Established connections at once, over all peers.
+    pub max_connections: usize,
+    /// Established connections at once for one client identity (certificate).
+    pub max_connections_per_identity: usize,
+    /// HTTP/2 streams one connection may have open at once.
+    pub max_streams_per_connection: u32,
+    /// Seconds an established connection may stay without a request before it is closed.
+    pub idle_timeout_secs: u64,
+    /// File descriptors kept in reserve for the tools and journals: connections are not
+    /// accepted when fewer than this remain below RLIMIT_NOFILE.
+    pub reserved_fds: usize,
 }
 
 impl Default for Limits {
@@ -130,6 +168,23 @@ impl Default for Limits {
             guest_timeout_secs: 10,
             expiry_grace_secs: 300,
             probe_timeout_secs: 5,
+            max_probe_response_bytes: 256 * 1024,
+            max_probe_entries: 64,
+            min_probe_prefix: 24,
+            max_journal_records: 10_000,
+            max_journal_bytes: 16 * 1024 * 1024,
+            closed_run_retention_days: 90,
+            max_sandbox_cores: 16,
+            max_sandbox_memory_mib: 32 * 1024,
+            max_operator_cert_secs: 3600,
+            handshake_timeout_ms: 3000,
+            max_pending_handshakes: 256,
+            max_pending_handshakes_per_source: 16,
+            max_connections: 256,
+            max_connections_per_identity: 16,
+            max_streams_per_connection: 64,
+            idle_timeout_secs: 300,
+            reserved_fds: 128,
         }
     }
 }
@@ -256,6 +311,94 @@ impl Config {
             1,
             300,
         )?;
+        let l = &self.limits;
+        limit(
+            "limits.max_probe_response_bytes",
+            l.max_probe_response_bytes,
+            1024,
+            16 * 1024 * 1024,
+        )?;
+        limit("limits.max_probe_entries", l.max_probe_entries, 1, 4096)?;
+        limit(
+            "limits.min_probe_prefix",
+            usize::from(l.min_probe_prefix),
+            8,
+            30,
+        )?;
+        limit(
+            "limits.max_journal_records",
+            l.max_journal_records,
+            1000,
+            1_000_000,
+        )?;
+        limit(
+            "limits.max_journal_bytes",
+            secs(l.max_journal_bytes),
+            1024 * 1024,
+            1024 * 1024 * 1024,
+        )?;
+        limit(
+            "limits.closed_run_retention_days",
+            secs(l.closed_run_retention_days),
+            1,
+            36_500,
+        )?;
+        limit(
+            "limits.max_sandbox_cores",
+            usize::try_from(l.max_sandbox_cores).unwrap_or(usize::MAX),
+            1,
+            4096,
+        )?;
+        limit(
+            "limits.max_sandbox_memory_mib",
+            secs(l.max_sandbox_memory_mib),
+            64,
+            64 * 1024 * 1024,
+        )?;
+        limit(
+            "limits.max_operator_cert_secs",
+            secs(l.max_operator_cert_secs),
+            60,
+            7 * 86_400,
+        )?;
+        limit(
+            "limits.handshake_timeout_ms",
+            secs(l.handshake_timeout_ms),
+            100,
+            60_000,
+        )?;
+        limit(
+            "limits.max_pending_handshakes",
+            l.max_pending_handshakes,
+            1,
+            65_536,
+        )?;
+        limit(
+            "limits.max_pending_handshakes_per_source",
+            l.max_pending_handshakes_per_source,
+            1,
+            l.max_pending_handshakes,
+        )?;
+        limit("limits.max_connections", l.max_connections, 1, 65_536)?;
+        limit(
+            "limits.max_connections_per_identity",
+            l.max_connections_per_identity,
+            1,
+            l.max_connections,
+        )?;
+        limit(
+            "limits.max_streams_per_connection",
+            usize::try_from(l.max_streams_per_connection).unwrap_or(usize::MAX),
+            1,
+            1024,
+        )?;
+        limit(
+            "limits.idle_timeout_secs",
+            secs(l.idle_timeout_secs),
+            10,
+            86_400,
+        )?;
+        limit("limits.reserved_fds", l.reserved_fds, 16, 65_536)?;
         Ok(())
     }
 

@@ -613,15 +613,13 @@ impl Clock for ManualClock {
 /// Writes `config` as the TOML file the daemon reads, listening on 127.0.0.1:`port`.
 pub fn write_config_file(path: &Path, config: &Config, port: u16) {
     let p = |p: &Path| p.display().to_string();
-    let l = &config.limits;
     let text = format!(
         "node_name = \"{}\"\nlisten = \"127.0.0.1:{port}\"\n\
          [tls]\ncertificate = \"{}\"\nprivate_key = \"{}\"\ncontroller_ca = \"{}\"\nrun_authority_public_key = \"{}\"\n\
          [paths]\nstate_dir = \"{}\"\noverlay_root = \"{}\"\n\
          [tools]\nproxmox_backup_client = \"{}\"\nqm = \"{}\"\nqemu_img = \"{}\"\nip = \"{}\"\nnft = \"{}\"\n\
          [pve]\nqemu_server_run_dir = \"{}\"\nvm_config_dir = \"{}\"\npbs_loopdev_dir = \"{}\"\npve_cluster_dir = \"{}\"\n\
-         [limits]\nmax_concurrent_runs = {}\nmax_request_bytes = {}\nmap_timeout_secs = {}\ntool_timeout_secs = {}\n\
-         guest_timeout_secs = {}\nexpiry_grace_secs = {}\nprobe_timeout_secs = {}\n",
+         [limits]\n{}",
         config.node_name,
         p(&config.tls.certificate),
         p(&config.tls.private_key),
@@ -638,13 +636,7 @@ pub fn write_config_file(path: &Path, config: &Config, port: u16) {
         p(&config.pve.vm_config_dir),
         p(&config.pve.pbs_loopdev_dir),
         p(&config.pve.pve_cluster_dir),
-        l.max_concurrent_runs,
-        l.max_request_bytes,
-        l.map_timeout_secs,
-        l.tool_timeout_secs,
-        l.guest_timeout_secs,
-        l.expiry_grace_secs,
-        l.probe_timeout_secs,
+        toml::to_string(&config.limits).unwrap(),
     );
     std::fs::write(path, text).unwrap();
 }
