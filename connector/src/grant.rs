@@ -6,6 +6,7 @@
 //! every field with its validator into [`Grant`]. The run certificate carries SHA-256(bytes),
 //! binding the TLS identity to exactly this grant.
 
+use crate::net::IpNetwork;
 use crate::validate::{
     self, ArchiveName, AssertionId, AuthId, Datastore, ExpectedText, Fingerprint, GuestArgument,
     GuestProgram, Host, HttpPath, IpInterface, Namespace, NodeName, RunId, Sha256Hex, Snapshot,
@@ -262,7 +263,7 @@ fn parse(wire: &pb::RunGrant, digest: [u8; 32]) -> Result<Grant, GrantError> {
     let mut seen_targets = BTreeSet::new();
     for target in &wire.probe_targets {
         let parsed = parse_target(target)?;
-        if !within(&probe_source, parsed.address) {
+        if !IpNetwork::of(&probe_source).contains(parsed.address.0) {
             return Err(inconsistent(format!(
                 "probe target {} is outside the probe network {probe_source}: probes leave only through the sandbox VNet",
                 parsed.address
@@ -331,26 +332,6 @@ fn parse(wire: &pb::RunGrant, digest: [u8; 32]) -> Result<Grant, GrantError> {
         qga_assertions,
         digest,
     })
-}
-
-/// Whether `address` lies in the network of `interface`.
-fn within(interface: &IpInterface, address: UnicastIp) -> bool {
-    use std::net::IpAddr;
-    match (interface.address.0, address.0) {
-        (IpAddr::V4(net), IpAddr::V4(a)) => {
-            let mask = u32::MAX
-                .checked_shl(32 - u32::from(interface.prefix_len))
-                .unwrap_or(0);
-            u32::from(net) & mask == u32::from(a) & mask
-        }
-        (IpAddr::V6(net), IpAddr::V6(a)) => {
-            let mask = u128::MAX
-                .checked_shl(128 - u32::from(interface.prefix_len))
-                .unwrap_or(0);
-            u128::from(net) & mask == u128::from(a) & mask
-        }
-        _ => false,
-    }
 }
 
 fn parse_target(target: &pb::ProbeTarget) -> Result<ProbeTarget, GrantError> {
@@ -433,6 +414,22 @@ impl Grant {
                 deadline: self.deadline_unix,
                 now: now_unix,
             });
+        }
+        Ok(())
+    }
+
+    /// Refuses a probe network wider than this node allows: its connected route could beat a
+    /// route the node depends on (a `/1` beats the default route). `min_ipv4_prefix` is
+    /// `limits.min_probe_prefix`; IPv6 networks must be [`crate::net::IPV6_PREFIX_OFFSET`]
+    /// bits longer.
+    pub fn check_probe_prefix(&self, min_ipv4_prefix: u8) -> Result<(), String> {
+        let shortest =
+            crate::net::min_probe_prefix_len(self.probe_source.address.0, min_ipv4_prefix);
+        if self.probe_source.prefix_len < shortest {
+            return Err(format!(
+                "the probe network {} is wider than this node allows (prefix at least /{shortest}, limits.min_probe_prefix): its route could take over the node's own traffic; grant a narrower probe network",
+                IpNetwork::of(&self.probe_source)
+            ));
         }
         Ok(())
     }
@@ -601,6 +598,35 @@ pub(crate) mod tests {
             check(&|g| g.repository = None),
             Err(GrantError::Inconsistent(_))
         ));
+    }
+
+    #[test]
+    fn probe_prefix_minimum() {
+        let key = SigningKey::from_bytes(&[1; 32]);
+        let mut wire = full_wire_grant();
+        let grant = verify(&sign(&key, &wire), &key.verifying_key()).unwrap();
+        assert_eq!(grant.check_probe_prefix(24), Ok(()));
+        assert!(
+            grant
+                .check_probe_prefix(25)
+                .unwrap_err()
+                .contains("prefix at least /25"),
+            "a /24 is refused under a /25 minimum"
+        );
+        wire.probe_source = "128.0.0.2/1".into();
+        wire.probe_targets.clear();
+        let wide = verify(&sign(&key, &wire), &key.verifying_key()).unwrap();
+        assert!(
+            wide.check_probe_prefix(24)
+                .unwrap_err()
+                .contains("128.0.0.0/1")
+        );
+        wire.probe_source = "2001:db8::2/64".into();
+        let v6 = verify(&sign(&key, &wire), &key.verifying_key()).unwrap();
+        assert!(v6.check_probe_prefix(24).unwrap_err().contains("/120"));
+        wire.probe_source = "2001:db8::2/120".into();
+        let v6 = verify(&sign(&key, &wire), &key.verifying_key()).unwrap();
+        assert_eq!(v6.check_probe_prefix(24), Ok(()));
     }
 
     #[test]

@@ -143,7 +143,8 @@ impl Connector {
             executor,
             clock,
             config.limits.expiry_grace_secs,
-        );
+        )
+        .with_min_probe_prefix(config.limits.min_probe_prefix);
         Ok(Self {
             config,
             tls,

@@ -55,6 +55,8 @@ pub struct ConnectorService {
     clock: Arc<dyn Clock>,
     /// Seconds after a grant's deadline before the daemon cleans up a run nobody ended.
     expiry_grace_secs: i64,
+    /// `limits.min_probe_prefix`: grants with a wider probe network are refused at BeginRun.
+    min_probe_prefix: u8,
 }
 
 impl std::fmt::Debug for ConnectorService {
@@ -106,7 +108,14 @@ impl ConnectorService {
             runs,
             executor,
             clock,
+            min_probe_prefix: crate::config::Limits::default().min_probe_prefix,
         }
+    }
+
+    /// Sets the shortest probe-network prefix a grant may name (`limits.min_probe_prefix`).
+    pub fn with_min_probe_prefix(mut self, min_probe_prefix: u8) -> Self {
+        self.min_probe_prefix = min_probe_prefix;
+        self
     }
 
     /// Cleans up every open run whose deadline plus the grace has passed, journals it as
@@ -400,6 +409,9 @@ impl Connector for ConnectorService {
         grant
             .check_applicable(&self.node, now)
             .map_err(|e| refuse(Status::permission_denied(e.to_string())))?;
+        grant
+            .check_probe_prefix(self.min_probe_prefix)
+            .map_err(|e| refuse(Status::failed_precondition(e)))?;
         if peer.client.not_after_unix > grant.deadline_unix {
             return Err(refuse(Status::permission_denied(format!(
                 "the run certificate is valid until {}, after the grant's deadline {}; a run certificate must not outlive its grant",

@@ -17,6 +17,7 @@ use super::{NodeExecutor, resources, tool_detail, tool_error};
 use crate::executor::{ExecError, Outcome};
 use crate::grant::{Grant, ProbeKind};
 use crate::journal::Phase;
+use crate::net::IpNetwork;
 use crate::process::{self, SecretInput, SecretKind, ToolCall, ToolOutput};
 use crate::runs::{RunGuard, RunHandle};
 use crate::validate::{IpInterface, VnetName};
@@ -38,6 +39,37 @@ pub struct Observation {
     pub addresses: Vec<String>,
     /// NAT rules that mention the VNet or its subnet.
     pub nat_rules: Vec<String>,
+    /// Links stacked on the VNet or on one of its ports (VLAN, macvlan, macvtap, a veth
+    /// peer): frames they take never reach the VNet's rules.
+    pub upper_devices: Vec<String>,
+    /// Every address of the node, on any device, with the device it is on.
+    pub node_addresses: Vec<NodeAddress>,
+    /// Every route of the node (all tables, both families) but default routes.
+    pub node_routes: Vec<NodeRoute>,
+}
+
+/// One address the node carries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeAddress {
+    pub device: String,
+    pub address: IpAddr,
+    pub prefix_len: u8,
+}
+
+/// One route the node has, with what `ip -j route` said about it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeRoute {
+    pub destination: IpNetwork,
+    pub device: String,
+    pub table: String,
+}
+
+/// When the VNet is checked: before the probe address exists, or before a guest boots (when it
+/// must be there).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    Prepare,
+    Boot,
 }
 
 /// The table name of a run: `certistack_` and the run id's 32 hex digits, so no two runs can
@@ -52,34 +84,8 @@ pub fn table_name(grant: &Grant) -> String {
     format!("certistack_{id}")
 }
 
-/// The network an interface address lies in, e.g. `198.51.100.0/24`.
-pub fn network(interface: &IpInterface) -> String {
-    match interface.address.0 {
-        IpAddr::V4(v4) => {
-            let mask = u32::MAX
-                .checked_shl(32 - u32::from(interface.prefix_len))
-                .unwrap_or(0);
-            format!(
-                "{}/{}",
-                std::net::Ipv4Addr::from(u32::from(v4) & mask),
-                interface.prefix_len
-            )
-        }
-        IpAddr::V6(v6) => {
-            let mask = u128::MAX
-                .checked_shl(128 - u32::from(interface.prefix_len))
-                .unwrap_or(0);
-            format!(
-                "{}/{}",
-                std::net::Ipv6Addr::from(u128::from(v6) & mask),
-                interface.prefix_len
-            )
-        }
-    }
-}
-
 /// Every way the observed VNet breaks isolation, each naming the property.
-pub fn violations(grant: &Grant, vnet: &VnetName, seen: &Observation) -> Vec<String> {
+pub fn violations(grant: &Grant, vnet: &VnetName, seen: &Observation, stage: Stage) -> Vec<String> {
     let mut violations = Vec::new();
     if !seen.is_bridge {
         violations.push(format!("bridge {vnet} does not exist on this node"));
@@ -116,7 +122,9 @@ pub fn violations(grant: &Grant, vnet: &VnetName, seen: &Observation) -> Vec<Str
     let probe = grant.probe_source.to_string();
     for address in &seen.addresses {
         // Link-local IPv6 is every up interface's own; the containment table covers it.
-        if address == &probe {
+        if address == &probe && stage == Stage::Boot {
+            // This run added it at PrepareSandbox.
+        } else if address == &probe {
             // Somebody else added it: this run must not take it over or remove it later.
             violations.push(format!(
                 "{vnet} already carries the probe address {address} (another run or an administrator added it)"
@@ -130,7 +138,146 @@ pub fn violations(grant: &Grant, vnet: &VnetName, seen: &Observation) -> Vec<Str
     for rule in &seen.nat_rules {
         violations.push(format!("a NAT rule references {vnet}: {rule}"));
     }
+    for upper in &seen.upper_devices {
+        violations.push(format!(
+            "link {upper} is stacked on the VNet (a VLAN, macvlan or similar upper device): its frames bypass the containment table"
+        ));
+    }
     violations
+}
+
+/// Conflicts at most listed in one refusal; the rest are counted.
+const MAX_LISTED_CONFLICTS: usize = 8;
+
+/// Every way the probe network would change how the node routes its own traffic: a prefix
+/// wider than `limits.min_probe_prefix`, a probe address the node already has, a network that
+/// overlaps an address or a route of the node (its connected route would take that traffic).
+pub fn probe_network_conflicts(
+    grant: &Grant,
+    min_probe_prefix: u8,
+    seen: &Observation,
+) -> Vec<String> {
+    let mut conflicts = Vec::new();
+    if let Err(wide) = grant.check_probe_prefix(min_probe_prefix) {
+        conflicts.push(wide);
+    }
+    let probe = grant.probe_source.address.0;
+    let network = IpNetwork::of(&grant.probe_source);
+    for node in &seen.node_addresses {
+        if node.address == probe {
+            conflicts.push(format!(
+                "the probe address {probe} is already an address of this node (on {}): guest packets could pass as replies to the node",
+                node.device
+            ));
+        } else if node.device != grant.vnet.as_str()
+            && IpNetwork::new(node.address, node.prefix_len)
+                .is_some_and(|theirs| theirs.overlaps(&network))
+        {
+            conflicts.push(format!(
+                "the probe network {network} overlaps the node's address {}/{} on {}",
+                node.address, node.prefix_len, node.device
+            ));
+        }
+    }
+    for route in &seen.node_routes {
+        if route.destination.overlaps(&network) {
+            conflicts.push(format!(
+                "the probe network {network} overlaps the node's route {} dev {} table {}",
+                route.destination, route.device, route.table
+            ));
+        }
+    }
+    if conflicts.len() > MAX_LISTED_CONFLICTS {
+        let more = conflicts.len() - MAX_LISTED_CONFLICTS;
+        conflicts.truncate(MAX_LISTED_CONFLICTS);
+        conflicts.push(format!("and {more} more"));
+    }
+    conflicts
+}
+
+/// Links whose lower device (`link` in `ip -j -br link`) is the VNet or one of its ports. A
+/// lower device in another namespace is printed as `link_index` instead and is not ours.
+pub fn stacked_links(links: &serde_json::Value, vnet: &VnetName, ports: &[String]) -> Vec<String> {
+    links
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|link| {
+            let name = link.get("ifname")?.as_str()?;
+            let lower = link.get("link")?.as_str()?;
+            let stacked = lower == vnet.as_str() || ports.iter().any(|p| p == lower);
+            (stacked && name != vnet.as_str()).then(|| format!("{name} (on {lower})"))
+        })
+        .collect()
+}
+
+/// The node's addresses as `ip -j address show` prints them.
+fn parse_addresses(parsed: &serde_json::Value) -> Vec<NodeAddress> {
+    let mut addresses = Vec::new();
+    for link in parsed.as_array().into_iter().flatten() {
+        let device = link
+            .get("ifname")
+            .and_then(|n| n.as_str())
+            .unwrap_or_default();
+        for info in link
+            .get("addr_info")
+            .and_then(|a| a.as_array())
+            .into_iter()
+            .flatten()
+        {
+            let address = info
+                .get("local")
+                .and_then(|l| l.as_str())
+                .and_then(|l| l.parse::<IpAddr>().ok());
+            let prefix_len = info
+                .get("prefixlen")
+                .and_then(|p| p.as_u64())
+                .and_then(|p| u8::try_from(p).ok());
+            if let (Some(address), Some(prefix_len)) = (address, prefix_len) {
+                addresses.push(NodeAddress {
+                    device: device.to_owned(),
+                    address,
+                    prefix_len,
+                });
+            }
+        }
+    }
+    addresses
+}
+
+/// The node's routes as `ip -j route show table all` prints them; default routes are left out
+/// (every network overlaps them, and a connected route is meant to beat them within itself).
+fn parse_routes(parsed: &serde_json::Value) -> Vec<NodeRoute> {
+    parsed
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|route| {
+            let destination = IpNetwork::parse(route.get("dst")?.as_str()?)?;
+            if destination.prefix_len() == 0 {
+                return None;
+            }
+            let text = |field: &str| {
+                route
+                    .get(field)
+                    .and_then(|v| {
+                        v.as_str()
+                            .map(str::to_owned)
+                            .or_else(|| Some(v.to_string()))
+                    })
+                    .unwrap_or_else(|| "main".into())
+            };
+            Some(NodeRoute {
+                destination,
+                device: route
+                    .get("dev")
+                    .and_then(|d| d.as_str())
+                    .unwrap_or("-")
+                    .to_owned(),
+                table: text("table"),
+            })
+        })
+        .collect()
 }
 
 /// The containment table for a run, in `nft -f` syntax.
@@ -192,12 +339,34 @@ impl NodeExecutor {
         process::run(call).await.map_err(tool_error)
     }
 
-    /// Reads the VNet's isolation-relevant state. Links are read through netlink (`ip`), not
-    /// sysfs: sysfs shows the namespace it was mounted in, netlink the caller's.
+    /// Runs `ip` for JSON; a failure or an answer cut at the output cap is an error, since a
+    /// check that saw only part of the node must not pass.
+    async fn ip_json(&self, args: &[&str]) -> Result<serde_json::Value, ExecError> {
+        let out = self.tool(&self.config.tools.ip, args).await?;
+        let command = format!("ip {}", args.join(" "));
+        if !out.success() {
+            return Err(ExecError::Failed(format!(
+                "{command} failed: {}",
+                out.stderr_excerpt()
+            )));
+        }
+        if out.truncated {
+            return Err(ExecError::FailedPrecondition(format!(
+                "{command} printed more than the connector reads (64 KiB), so the isolation check cannot be completed"
+            )));
+        }
+        serde_json::from_str(&out.stdout)
+            .map_err(|e| ExecError::Failed(format!("{command} gave no JSON: {e}")))
+    }
+
+    /// Reads the VNet's isolation-relevant state (and, before the probe address is added, the
+    /// node's addresses and routes). Links are read through netlink (`ip`), not sysfs: sysfs
+    /// shows the namespace it was mounted in, netlink the caller's.
     pub(super) async fn observe(
         &self,
         grant: &Grant,
         vnet: &VnetName,
+        stage: Stage,
     ) -> Result<Observation, ExecError> {
         let mut seen = Observation::default();
         let link = self
@@ -221,14 +390,8 @@ impl NodeExecutor {
             return Ok(seen);
         }
         let ports = self
-            .tool(
-                &self.config.tools.ip,
-                &["-j", "link", "show", "master", vnet.as_str()],
-            )
+            .ip_json(&["-j", "link", "show", "master", vnet.as_str()])
             .await?;
-        let ports: serde_json::Value = serde_json::from_str(&ports.stdout).map_err(|e| {
-            ExecError::Failed(format!("ip -j link show master {vnet} gave no JSON: {e}"))
-        })?;
         seen.ports = ports
             .as_array()
             .into_iter()
@@ -236,6 +399,8 @@ impl NodeExecutor {
             .filter_map(|p| p.get("ifname")?.as_str().map(str::to_owned))
             .collect();
         seen.ports.sort();
+        let links = self.ip_json(&["-j", "-br", "link", "show"]).await?;
+        seen.upper_devices = stacked_links(&links, vnet, &seen.ports);
         seen.forwarding =
             std::fs::read_to_string(format!("/proc/sys/net/ipv4/conf/{vnet}/forwarding"))
                 .ok()
@@ -244,28 +409,20 @@ impl NodeExecutor {
             std::fs::read_to_string(format!("/proc/sys/net/ipv6/conf/{vnet}/forwarding"))
                 .ok()
                 .map(|v| v.trim().to_owned());
-        let out = self
-            .tool(
-                &self.config.tools.ip,
-                &["-j", "address", "show", "dev", vnet.as_str()],
-            )
+        let parsed = self
+            .ip_json(&["-j", "address", "show", "dev", vnet.as_str()])
             .await?;
-        let parsed: serde_json::Value = serde_json::from_str(&out.stdout).map_err(|e| {
-            ExecError::Failed(format!("ip -j address show dev {vnet} gave no JSON: {e}"))
-        })?;
-        for link in parsed.as_array().into_iter().flatten() {
-            for info in link
-                .get("addr_info")
-                .and_then(|a| a.as_array())
-                .into_iter()
-                .flatten()
-            {
-                if let (Some(local), Some(prefix)) = (
-                    info.get("local").and_then(|l| l.as_str()),
-                    info.get("prefixlen").and_then(|p| p.as_u64()),
-                ) {
-                    seen.addresses.push(format!("{local}/{prefix}"));
-                }
+        seen.addresses = parse_addresses(&parsed)
+            .into_iter()
+            .map(|a| format!("{}/{}", a.address, a.prefix_len))
+            .collect();
+        if stage == Stage::Prepare {
+            seen.node_addresses = parse_addresses(&self.ip_json(&["-j", "address", "show"]).await?);
+            for family in ["-4", "-6"] {
+                let routes = self
+                    .ip_json(&["-j", family, "route", "show", "table", "all"])
+                    .await?;
+                seen.node_routes.extend(parse_routes(&routes));
             }
         }
         let out = self
@@ -283,7 +440,7 @@ impl NodeExecutor {
                 "the node's nftables ruleset is larger than the connector reads (64 KiB), so the NAT check cannot be completed".into(),
             ));
         }
-        let subnet = network(&grant.probe_source);
+        let subnet = IpNetwork::of(&grant.probe_source).to_string();
         let quoted = format!("\"{vnet}\"");
         let mut in_nat_chain = false;
         for line in out.stdout.lines() {
@@ -299,6 +456,21 @@ impl NodeExecutor {
             }
         }
         Ok(seen)
+    }
+
+    /// The re-check before a guest boots: the VNet must still be what PrepareSandbox found,
+    /// with the probe address and the run's table on it, and nothing stacked on it since.
+    pub(super) async fn recheck_sandbox(&self, grant: &Grant) -> Result<(), ExecError> {
+        let seen = self.observe(grant, &grant.vnet, Stage::Boot).await?;
+        let violations = violations(grant, &grant.vnet, &seen, Stage::Boot);
+        if !violations.is_empty() {
+            return Err(ExecError::FailedPrecondition(format!(
+                "VNet {} is no longer isolated, so no guest may boot on it: {}",
+                grant.vnet,
+                violations.join("; ")
+            )));
+        }
+        Ok(())
     }
 
     pub(super) async fn prepare_sandbox(
@@ -319,12 +491,20 @@ impl NodeExecutor {
                 "the sandbox on {vnet} is already prepared for this run"
             )));
         }
-        let seen = self.observe(grant, &vnet).await?;
-        let violations = violations(grant, &vnet, &seen);
+        let seen = self.observe(grant, &vnet, Stage::Prepare).await?;
+        let violations = violations(grant, &vnet, &seen, Stage::Prepare);
         if !violations.is_empty() {
             return Err(ExecError::FailedPrecondition(format!(
                 "VNet {vnet} is not isolated, so no guest may boot on it: {}",
                 violations.join("; ")
+            )));
+        }
+        let conflicts = probe_network_conflicts(grant, self.config.limits.min_probe_prefix, &seen);
+        if !conflicts.is_empty() {
+            return Err(ExecError::FailedPrecondition(format!(
+                "the probe network {} cannot be added to this node: {}",
+                grant.probe_source,
+                conflicts.join("; ")
             )));
         }
         if self.table_present(grant).await? {
@@ -332,45 +512,9 @@ impl NodeExecutor {
                 "a table inet {table} already exists on this node but this run did not install it; inspect it before preparing"
             )));
         }
-        let address = probe_source.to_string();
-        let addr_key = format!("addr:{vnet}");
-        guard.append(
-            self.now_ms(),
-            "sandbox.address",
-            &addr_key,
-            Phase::Intent,
-            json!({ "address": address }),
-        )?;
-        let call = ToolCall::new(&self.config.tools.ip, self.tool_timeout())
-            .arg("address")
-            .arg("add")
-            .arg(&address)
-            .arg("dev")
-            .arg(vnet.as_str());
-        let out = self
-            .run_step(&mut guard, "sandbox.address", &addr_key, call)
-            .await?;
-        if !out.success() {
-            guard.append(
-                self.now_ms(),
-                "sandbox.address",
-                &addr_key,
-                Phase::Failed,
-                tool_detail(&out, &[]),
-            )?;
-            return Err(ExecError::FailedPrecondition(format!(
-                "ip address add {address} dev {vnet} failed: {}",
-                out.stderr_excerpt()
-            )));
-        }
-        guard.append(
-            self.now_ms(),
-            "sandbox.address",
-            &addr_key,
-            Phase::Done,
-            json!({ "address": address }),
-        )?;
 
+        // The table first: the probe address never exists on the VNet without the rules that
+        // keep the guest from using it.
         let rules = ruleset(grant, &vnet);
         let nft_key = format!("nft:{table}");
         guard.append(
@@ -408,6 +552,29 @@ impl NodeExecutor {
         let listed = self
             .tool(&self.config.tools.nft, &["list", "table", "inet", &table])
             .await?;
+        if !listed.success() || listed.truncated {
+            // The table is installed but its evidence cannot be produced: no run proceeds
+            // without the evidence. Record it as installed so Cleanup removes it, and try now.
+            guard.append(
+                self.now_ms(),
+                "sandbox.nft",
+                &nft_key,
+                Phase::Done,
+                json!({ "table": table, "ruleset_sha256": null, "evidence": "unavailable" }),
+            )?;
+            let reason = if listed.truncated {
+                "the listing is larger than the connector reads (64 KiB)".to_owned()
+            } else {
+                listed.stderr_excerpt()
+            };
+            let removal = match self.remove_table(&mut guard, grant).await {
+                Ok(end_state) => format!("the table was removed ({end_state})"),
+                Err(error) => format!("the table is still installed ({error}); call Cleanup"),
+            };
+            return Err(ExecError::Failed(format!(
+                "nft list table inet {table} failed, so the containment evidence cannot be produced: {reason}; {removal}"
+            )));
+        }
         let sha256 = hex::encode(Sha256::digest(listed.stdout.as_bytes()));
         guard.append(
             self.now_ms(),
@@ -415,6 +582,51 @@ impl NodeExecutor {
             &nft_key,
             Phase::Done,
             json!({ "table": table, "ruleset_sha256": sha256 }),
+        )?;
+
+        let address = probe_source.to_string();
+        let addr_key = format!("addr:{vnet}");
+        guard.append(
+            self.now_ms(),
+            "sandbox.address",
+            &addr_key,
+            Phase::Intent,
+            json!({ "address": address }),
+        )?;
+        let call = ToolCall::new(&self.config.tools.ip, self.tool_timeout())
+            .arg("address")
+            .arg("add")
+            .arg(&address)
+            .arg("dev")
+            .arg(vnet.as_str());
+        let out = self
+            .run_step(&mut guard, "sandbox.address", &addr_key, call)
+            .await?;
+        if !out.success() {
+            guard.append(
+                self.now_ms(),
+                "sandbox.address",
+                &addr_key,
+                Phase::Failed,
+                tool_detail(&out, &[]),
+            )?;
+            let removal = match self.remove_table(&mut guard, grant).await {
+                Ok(end_state) => format!("the containment table was removed ({end_state})"),
+                Err(error) => {
+                    format!("the containment table is still installed ({error}); call Cleanup")
+                }
+            };
+            return Err(ExecError::FailedPrecondition(format!(
+                "ip address add {address} dev {vnet} failed: {}; {removal}",
+                out.stderr_excerpt()
+            )));
+        }
+        guard.append(
+            self.now_ms(),
+            "sandbox.address",
+            &addr_key,
+            Phase::Done,
+            json!({ "address": address }),
         )?;
         Ok(Outcome::PrepareSandbox(pb::PrepareSandboxReply {
             bridge_ports: seen.ports,
@@ -459,8 +671,9 @@ impl NodeExecutor {
                 vm.key
             )));
         }
-        self.remove_table(&mut guard, grant).await?;
+        // The address first: it never stays on the VNet without the table.
         self.remove_address(&mut guard, grant).await?;
+        self.remove_table(&mut guard, grant).await?;
         Ok(Outcome::ReleaseSandbox(pb::ReleaseSandboxReply {
             journal_head: guard.head_hex(),
         }))
@@ -620,23 +833,25 @@ mod tests {
             forwarding: Some("0".into()),
             forwarding_v6: Some("0".into()),
             addresses: vec!["fe80::1/64".into()],
-            nat_rules: vec![],
+            ..Observation::default()
         }
     }
 
     #[test]
     fn an_isolated_vnet_passes() {
         let vnet = VnetName::validate("csbox1").unwrap();
-        assert!(violations(&grant(), &vnet, &isolated()).is_empty());
+        assert!(violations(&grant(), &vnet, &isolated(), Stage::Prepare).is_empty());
         let mut with_probe = isolated();
         with_probe.addresses.push("198.51.100.2/24".into());
         assert!(
-            violations(&grant(), &vnet, &with_probe)[0]
+            violations(&grant(), &vnet, &with_probe, Stage::Prepare)[0]
                 .contains("already carries the probe address")
         );
         let mut v6 = isolated();
         v6.forwarding_v6 = Some("1".into());
-        assert!(violations(&grant(), &vnet, &v6)[0].contains("IPv6 forwarding is on"));
+        assert!(
+            violations(&grant(), &vnet, &v6, Stage::Prepare)[0].contains("IPv6 forwarding is on")
+        );
     }
 
     #[test]
@@ -646,7 +861,7 @@ mod tests {
         let check = |edit: &dyn Fn(&mut Observation), needle: &str| {
             let mut seen = isolated();
             edit(&mut seen);
-            let found = violations(&grant, &vnet, &seen);
+            let found = violations(&grant, &vnet, &seen, Stage::Prepare);
             assert!(
                 found.len() == 1 && found[0].contains(needle),
                 "{found:?} lacks {needle:?}"
@@ -669,6 +884,74 @@ mod tests {
             &|s| s.nat_rules.push("oifname \"csbox1\" masquerade".into()),
             "a NAT rule references csbox1",
         );
+        check(
+            &|s| s.upper_devices.push("csbox1.50 (on csbox1)".into()),
+            "link csbox1.50 (on csbox1) is stacked on the VNet",
+        );
+    }
+
+    #[test]
+    fn the_probe_address_is_expected_only_before_boot() {
+        let vnet = VnetName::validate("csbox1").unwrap();
+        let mut prepared = isolated();
+        prepared.addresses.push("198.51.100.2/24".into());
+        assert!(violations(&grant(), &vnet, &prepared, Stage::Boot).is_empty());
+        prepared.addresses.push("198.51.100.1/24".into());
+        assert_eq!(violations(&grant(), &vnet, &prepared, Stage::Boot).len(), 1);
+    }
+
+    #[test]
+    fn links_stacked_on_the_vnet_or_its_ports_are_found_by_their_lower_device() {
+        let vnet = VnetName::validate("csbox1").unwrap();
+        // As `ip -j -br link show` prints them; a lower device in another namespace appears
+        // only as `link_index`.
+        let links: serde_json::Value = serde_json::from_str(
+            r#"[{"ifname":"lo"},{"ifname":"csbox1"},
+                {"link_index":2,"ifname":"tap9100i0"},
+                {"link":"csbox1","ifname":"csbox1.50"},
+                {"link":"csbox1","ifname":"mv0"},
+                {"link":"tap9100i0","ifname":"tap9100i0.7"},
+                {"link":"eno1","ifname":"eno1.100"}]"#,
+        )
+        .unwrap();
+        assert_eq!(
+            stacked_links(&links, &vnet, &["tap9100i0".into()]),
+            [
+                "csbox1.50 (on csbox1)",
+                "mv0 (on csbox1)",
+                "tap9100i0.7 (on tap9100i0)"
+            ]
+        );
+    }
+
+    #[test]
+    fn probe_network_conflicts_name_the_address_or_route() {
+        let grant = grant();
+        let mut seen = isolated();
+        assert!(probe_network_conflicts(&grant, 24, &seen).is_empty());
+        seen.node_addresses.push(NodeAddress {
+            device: "vmbr0".into(),
+            address: "198.51.100.2".parse().unwrap(),
+            prefix_len: 32,
+        });
+        seen.node_routes = parse_routes(
+            &serde_json::from_str(
+                r#"[{"dst":"default","gateway":"203.0.113.1","dev":"vmbr0"},
+                    {"dst":"198.51.0.0/16","gateway":"203.0.113.1","dev":"vmbr0"},
+                    {"type":"local","dst":"203.0.113.2","dev":"vmbr0","table":"local"},
+                    {"dst":"203.0.113.0/24","dev":"vmbr0"}]"#,
+            )
+            .unwrap(),
+        );
+        let found = probe_network_conflicts(&grant, 24, &seen);
+        assert_eq!(found.len(), 2, "{found:?}");
+        assert!(found[0].contains(
+            "the probe address 198.51.100.2 is already an address of this node (on vmbr0)"
+        ));
+        assert!(found[1].contains("overlaps the node's route 198.51.0.0/16 dev vmbr0 table main"));
+        assert!(
+            probe_network_conflicts(&grant, 25, &isolated())[0].contains("prefix at least /25")
+        );
     }
 
     #[test]
@@ -686,13 +969,5 @@ mod tests {
         );
         assert!(text.contains("iifname \"csbox1\" counter drop"));
         assert!(text.contains("oifname \"csbox1\" counter drop"));
-        assert_eq!(
-            network(&IpInterface::validate("198.51.100.2/24").unwrap()),
-            "198.51.100.0/24"
-        );
-        assert_eq!(
-            network(&IpInterface::validate("2001:db8::2/64").unwrap()),
-            "2001:db8::/64"
-        );
     }
 }

@@ -386,6 +386,7 @@ impl NodeExecutor {
                     grant.vnet
                 )));
             }
+            self.recheck_sandbox(grant).await?;
         }
         let output = self
             .journaled_qm(&mut guard, vmid, verb, timeout_secs)
