@@ -23,4 +23,5 @@ pub mod runs;
 pub mod server;
 pub mod service;
 pub mod tls;
+pub mod untrusted;
 pub mod validate;

@@ -1,0 +1,59 @@
+//! Text from a peer the node does not trust (a restored guest answering a probe), made safe to
+//! put in a log line, a reply or the journal.
+//!
+//! Every such string passes through [`printable`]: invalid UTF-8 is replaced, control and other
+//! non-printable characters (and the backslash) are escaped as Rust escapes them (`\n`,
+//! `\u{1b}`), and the result is cut to a number of characters with what was left out counted,
+//! so a guest can neither forge log lines or terminal sequences nor grow a record.
+
+/// Characters kept of one guest-derived value (a banner, an LDAP value, a DNS answer).
+pub const MAX_VALUE_CHARS: usize = 256;
+
+/// Characters kept of one whole probe detail, all its values together.
+pub const MAX_DETAIL_CHARS: usize = 2048;
+
+/// `bytes` as escaped text of at most `max_chars` characters (plus a marker counting the bytes
+/// left out).
+pub fn printable(bytes: &[u8], max_chars: usize) -> String {
+    let text = String::from_utf8_lossy(bytes);
+    let mut out = String::new();
+    let mut kept_chars = 0usize;
+    for (offset, c) in text.char_indices() {
+        let escaped: String = if c == '"' || c == '\'' {
+            c.to_string()
+        } else {
+            c.escape_debug().collect()
+        };
+        let width = escaped.chars().count();
+        if kept_chars + width > max_chars {
+            let left = text.len().saturating_sub(offset);
+            out.push_str(&format!("…[{left} more bytes]"));
+            return out;
+        }
+        kept_chars += width;
+        out.push_str(&escaped);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn escapes_controls_and_caps() {
+        assert_eq!(printable(b"SSH-2.0-x", 64), "SSH-2.0-x");
+        assert_eq!(
+            printable(b"a\nFAKE LOG\x1b[31m\\\"", 64),
+            "a\\nFAKE LOG\\u{1b}[31m\\\\\""
+        );
+        assert_eq!(printable(b"\xff\xfe", 64), "\u{fffd}\u{fffd}");
+        assert_eq!(printable(&[b'x'; 10], 4), "xxxx…[6 more bytes]");
+        // An escape is kept whole or not at all.
+        assert_eq!(printable(b"ab\x07", 4), "ab…[1 more bytes]");
+        // Bidirectional overrides would reorder what an operator reads.
+        assert_eq!(printable("a\u{202e}b".as_bytes(), 64), "a\\u{202e}b");
+        assert!(!printable(&[0u8; 4096], MAX_VALUE_CHARS).contains('\0'));
+        assert!(printable(&[0u8; 4096], MAX_VALUE_CHARS).chars().count() < MAX_VALUE_CHARS + 32);
+    }
+}
