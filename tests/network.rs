@@ -735,8 +735,8 @@ fn containment_and_probes_against_real_services() {
         assert_eq!(
             receipts,
             [
-                "nft:certistack_11111111222243338444555555555555 deleted",
-                "addr:csbox1 deleted"
+                "addr:csbox1 deleted",
+                "nft:certistack_11111111222243338444555555555555 deleted"
             ]
         );
         assert!(residue.is_empty(), "{residue:?}");
@@ -827,6 +827,634 @@ fn crash_after_prepare_sandbox_leaves_nothing_after_recovery() {
         );
         daemon.kill().unwrap();
         daemon.wait().unwrap();
+    });
+    drop(topology);
+}
+
+/// Creates `name` stacked on `lower` in the node namespace: a VLAN where the kernel has 802.1Q,
+/// else a macvtap (the check reads the lower device, which every stacked kind reports).
+fn add_vlan_upper(topology: &Topology, lower: &str, name: &str) -> &'static str {
+    let vlan = topology
+        .in_ns(
+            &topology.node,
+            &[
+                "ip", "link", "add", "link", lower, "name", name, "type", "vlan", "id", "50",
+            ],
+        )
+        .output()
+        .unwrap();
+    if vlan.status.success() {
+        return "vlan";
+    }
+    let reason = String::from_utf8_lossy(&vlan.stderr);
+    assert!(
+        reason.contains("Unknown device type"),
+        "ip link add type vlan: {reason}"
+    );
+    eprintln!(
+        "NOTE: this kernel has no 802.1Q (CONFIG_VLAN_8021Q); {name} is a macvtap on {lower} instead"
+    );
+    topology.node_sh(&[
+        "ip", "link", "add", "link", lower, "name", name, "type", "macvtap",
+    ]);
+    "macvtap"
+}
+
+#[test]
+fn links_stacked_on_the_vnet_are_refused_by_name() {
+    if !privileged("links_stacked_on_the_vnet_are_refused_by_name", TOOLS) {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let topology = std::sync::Arc::new(Topology::new("upper"));
+    let t = topology.clone();
+    let node_ns = topology.node.clone();
+    inside(&node_ns, move || async move {
+        let topology = t;
+        let node = Node::start(3).await;
+        let mut c = node.run(RUN_ID, targets(true)).await;
+        let kind = add_vlan_upper(&topology, "csbox1", "csbox1.50");
+        topology.node_sh(&["ip", "address", "add", "192.0.2.50/24", "dev", "csbox1.50"]);
+        topology.node_sh(&["ip", "link", "set", "csbox1.50", "up"]);
+        let stacked: [(&str, &[&str]); 2] = [
+            ("csbox1.50", &[]),
+            (
+                "mvl0",
+                &[
+                    "ip", "link", "add", "link", "csbox1", "name", "mvl0", "type", "macvlan",
+                    "mode", "bridge",
+                ],
+            ),
+        ];
+        for (name, make) in stacked {
+            if !make.is_empty() {
+                topology.node_sh(make);
+            }
+            let status = c.prepare_sandbox(prepare()).await.unwrap_err();
+            assert_eq!(
+                status.code(),
+                Code::FailedPrecondition,
+                "{}",
+                status.message()
+            );
+            let needle = format!("link {name} (on csbox1) is stacked on the VNet");
+            assert!(
+                status.message().contains(&needle),
+                "{name} ({kind}): {:?} lacks {needle:?}",
+                status.message()
+            );
+            assert!(
+                !tables(&topology).contains("certistack_"),
+                "a table was installed"
+            );
+            assert!(
+                !bridge_addresses(&topology).contains("198.51.100.2"),
+                "the probe address was added"
+            );
+            topology.node_sh(&["ip", "link", "del", name]);
+        }
+        // Control: with both gone the same VNet passes.
+        c.prepare_sandbox(prepare()).await.unwrap();
+        let (_, residue) = cleanup_receipts(&mut c, RUN_ID).await;
+        assert!(residue.is_empty(), "{residue:?}");
+        node.stop().await;
+    });
+    drop(topology);
+}
+
+/// A grant for `run_id` whose probe source is `probe_source`.
+async fn run_with_source(
+    node: &Node,
+    run_id: &str,
+    probe_source: &str,
+    targets: Vec<pb::ProbeTarget>,
+) -> (
+    ConnectorClient<Channel>,
+    Result<tonic::Response<pb::BeginRunReply>, tonic::Status>,
+) {
+    let mut wire = grant(run_id, NODE);
+    wire.probe_source = probe_source.into();
+    wire.probe_targets = targets;
+    let credentials = mint(&node.authority, &wire);
+    let mut c = client(
+        &node.authority,
+        &node.address,
+        NODE,
+        &credentials.certificate,
+    )
+    .await
+    .unwrap();
+    let begun = c.begin_run(begin_request(&credentials)).await;
+    (c, begun)
+}
+
+#[test]
+fn probe_networks_that_would_take_over_the_nodes_routing_are_refused() {
+    if !privileged(
+        "probe_networks_that_would_take_over_the_nodes_routing_are_refused",
+        TOOLS,
+    ) {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let topology = std::sync::Arc::new(Topology::new("route"));
+    let t = topology.clone();
+    let node_ns = topology.node.clone();
+    inside(&node_ns, move || async move {
+        let topology = t;
+        let node = Node::start(3).await;
+        // A /1 would beat the default route for half the Internet: refused when the run begins.
+        let (_, begun) = run_with_source(
+            &node,
+            "22222222-3333-4444-8555-666666666666",
+            "198.51.100.2/1",
+            targets(true),
+        )
+        .await;
+        let status = begun.unwrap_err();
+        assert_eq!(
+            status.code(),
+            Code::FailedPrecondition,
+            "{}",
+            status.message()
+        );
+        assert!(
+            status.message().contains(
+                "the probe network 128.0.0.0/1 is wider than this node allows (prefix at least /24"
+            ),
+            "{}",
+            status.message()
+        );
+
+        let mut c = node.run(RUN_ID, targets(true)).await;
+        type Conflict = (
+            &'static [&'static str],
+            &'static [&'static str],
+            &'static str,
+        );
+        let conflicts: [Conflict; 3] = [
+            (
+                &["ip", "route", "add", "198.51.0.0/16", "via", "203.0.113.5"],
+                &["ip", "route", "del", "198.51.0.0/16"],
+                "the probe network 198.51.100.0/24 overlaps the node's route 198.51.0.0/16 dev uplink0 table main",
+            ),
+            (
+                &["ip", "address", "add", "198.51.100.2/32", "dev", "uplink0"],
+                &["ip", "address", "del", "198.51.100.2/32", "dev", "uplink0"],
+                "the probe address 198.51.100.2 is already an address of this node (on uplink0)",
+            ),
+            (
+                &["ip", "address", "add", "198.51.100.77/28", "dev", "uplink0"],
+                &["ip", "address", "del", "198.51.100.77/28", "dev", "uplink0"],
+                "overlaps the node's address 198.51.100.77/28 on uplink0",
+            ),
+        ];
+        for (make, undo, reason) in conflicts {
+            topology.node_sh(make);
+            let status = c.prepare_sandbox(prepare()).await.unwrap_err();
+            assert_eq!(
+                status.code(),
+                Code::FailedPrecondition,
+                "{}",
+                status.message()
+            );
+            assert!(
+                status
+                    .message()
+                    .contains("the probe network 198.51.100.2/24 cannot be added to this node"),
+                "{}",
+                status.message()
+            );
+            assert!(
+                status.message().contains(reason),
+                "{:?} lacks {reason:?}",
+                status.message()
+            );
+            assert!(
+                !tables(&topology).contains("certistack_"),
+                "a table was installed"
+            );
+            assert!(
+                !bridge_addresses(&topology).contains("198.51.100.2"),
+                "the probe address was added"
+            );
+            topology.node_sh(undo);
+        }
+
+        // Control: without them the same request passes; the table is in place before the
+        // probe address is added.
+        c.prepare_sandbox(prepare()).await.unwrap();
+        let steps = journal_steps(&mut c, RUN_ID).await;
+        let at = |step: &str| {
+            steps
+                .iter()
+                .position(|s| s == step)
+                .unwrap_or_else(|| panic!("{step:?} not in {steps:?}"))
+        };
+        assert!(
+            at("sandbox.nft nft:certistack_0f0e1c2d3b4a4c5d8e6f7a8b9c0d1e2f done")
+                < at("sandbox.address addr:csbox1 intent"),
+            "{steps:?}"
+        );
+        let (receipts, residue) = cleanup_receipts(&mut c, RUN_ID).await;
+        assert_eq!(
+            receipts,
+            [
+                "addr:csbox1 deleted",
+                "nft:certistack_0f0e1c2d3b4a4c5d8e6f7a8b9c0d1e2f deleted"
+            ]
+        );
+        assert!(residue.is_empty(), "{residue:?}");
+        node.stop().await;
+    });
+    drop(topology);
+}
+
+#[test]
+fn a_probe_never_leaves_through_another_interface() {
+    if !privileged("a_probe_never_leaves_through_another_interface", TOOLS) {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let mut topology = Topology::new("bind");
+    // "Production": the target address exists only in the other network, behind uplink0.
+    let other = topology.other.clone();
+    sh(&[
+        "ip",
+        "-n",
+        &other,
+        "address",
+        "add",
+        "198.51.100.20/32",
+        "dev",
+        "eth0",
+    ]);
+    let log = topology.dir.0.join("accepted.log");
+    let listener = format!(
+        "import socket\ns=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\ns.bind(('198.51.100.20',8080));s.listen()\nwhile True:\n c,a=s.accept();open('{}','a').write(a[0]+'\\n');c.close()",
+        log.display()
+    );
+    topology.serve(&other, &["python3", "-c", &listener]);
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let topology = std::sync::Arc::new(topology);
+    let t = topology.clone();
+    let node_ns = topology.node.clone();
+    inside(&node_ns, move || async move {
+        let topology = t;
+        let node = Node::start(3).await;
+        let target = pb::ProbeTarget {
+            kind: pb::ProbeKind::Tcp as i32,
+            address: "198.51.100.20".into(),
+            port: 8080,
+            expect: Some(pb::ProbeExpectation::default()),
+        };
+        let mut c = node.run(RUN_ID, vec![target.clone()]).await;
+        c.prepare_sandbox(prepare()).await.unwrap();
+        // A route added after the checks sends the target's address out of uplink0.
+        topology.node_sh(&[
+            "ip",
+            "route",
+            "add",
+            "198.51.100.20/32",
+            "via",
+            "203.0.113.5",
+            "dev",
+            "uplink0",
+        ]);
+        // Control: from the probe address, without the device binding, the route reaches it.
+        let control = "import socket\ns=socket.socket();s.settimeout(2);s.bind(('198.51.100.2',0));s.connect(('198.51.100.20',8080))";
+        assert!(
+            topology
+                .in_ns(&topology.node, &["python3", "-c", control])
+                .status()
+                .unwrap()
+                .success(),
+            "control: the route through uplink0 reaches the target"
+        );
+        let reply = c
+            .probe(pb::ProbeRequest {
+                kind: target.kind,
+                address: target.address.clone(),
+                port: target.port,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            reply.outcome,
+            pb::ProbeOutcome::Failed as i32,
+            "the probe reached the target through another interface: {}",
+            reply.detail
+        );
+        let accepted = std::fs::read_to_string(&log).unwrap_or_default();
+        assert_eq!(
+            accepted.lines().count(),
+            1,
+            "only the control connected: {accepted:?}"
+        );
+        eprintln!("probe over a foreign route: {}", reply.detail);
+        topology.node_sh(&["ip", "route", "del", "198.51.100.20/32"]);
+        let (_, residue) = cleanup_receipts(&mut c, RUN_ID).await;
+        assert!(residue.is_empty(), "{residue:?}");
+        node.stop().await;
+    });
+    drop(topology);
+}
+
+#[test]
+fn prepare_sandbox_fails_without_the_table_listing() {
+    if !privileged("prepare_sandbox_fails_without_the_table_listing", TOOLS) {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let topology = std::sync::Arc::new(Topology::new("list"));
+    let t = topology.clone();
+    let node_ns = topology.node.clone();
+    inside(&node_ns, move || async move {
+        let topology = t;
+        let real_nft = String::from_utf8(sh(&["sh", "-c", "command -v nft"]).stdout).unwrap();
+        let flag = topology.dir.0.join("fail-list");
+        let wrapper = topology.dir.0.join("nft");
+        // Fails `nft list table` of a table that exists while the flag file is there.
+        std::fs::write(
+            &wrapper,
+            format!(
+                "#!/bin/sh\nif [ \"$1\" = list ] && [ \"$2\" = table ] && [ -e {flag} ] && {nft} list table \"$3\" \"$4\" >/dev/null 2>&1; then\n echo 'Error: cannot list (simulated)' >&2; exit 1\nfi\nexec {nft} \"$@\"\n",
+                flag = flag.display(),
+                nft = real_nft.trim()
+            ),
+        )
+        .unwrap();
+        sh(&["chmod", "755", wrapper.to_str().unwrap()]);
+        std::fs::write(&flag, "").unwrap();
+
+        let lab = Lab::new("netlist");
+        let authority_dir = TempDir::new("netlist-ctl");
+        let authority = controller(&authority_dir.0);
+        let mut config = lab.node_config(&authority, &lab.root.join("node"));
+        config.tools.nft = wrapper.clone();
+        let (address, shutdown, task) = serve_node(config).await;
+        let mut wire = grant(RUN_ID, NODE);
+        wire.probe_targets = targets(true);
+        let credentials = mint(&authority, &wire);
+        let mut c = client(&authority, &address, NODE, &credentials.certificate)
+            .await
+            .unwrap();
+        c.begin_run(begin_request(&credentials)).await.unwrap();
+
+        let status = c.prepare_sandbox(prepare()).await.unwrap_err();
+        assert_eq!(status.code(), Code::Internal, "{}", status.message());
+        assert!(
+            status.message().contains(
+                "nft list table inet certistack_0f0e1c2d3b4a4c5d8e6f7a8b9c0d1e2f failed, so the containment evidence cannot be produced: Error: cannot list (simulated)"
+            ),
+            "{}",
+            status.message()
+        );
+        // The probe address was never added: the table comes first and the step failed there.
+        assert!(
+            !bridge_addresses(&topology).contains("198.51.100.2"),
+            "{}",
+            bridge_addresses(&topology)
+        );
+        let steps = journal_steps(&mut c, RUN_ID).await;
+        assert!(
+            !steps.iter().any(|s| s.starts_with("sandbox.address ")),
+            "{steps:?}"
+        );
+        // The listing works again: Cleanup removes the table the failed step left.
+        std::fs::remove_file(&flag).unwrap();
+        let (receipts, residue) = cleanup_receipts(&mut c, RUN_ID).await;
+        assert_eq!(
+            receipts,
+            ["nft:certistack_0f0e1c2d3b4a4c5d8e6f7a8b9c0d1e2f deleted"]
+        );
+        assert!(residue.is_empty(), "{residue:?}");
+        assert!(
+            !tables(&topology).contains("certistack_"),
+            "{}",
+            tables(&topology)
+        );
+        let _ = shutdown.send(());
+        task.await.unwrap();
+    });
+    drop(topology);
+}
+
+/// Guest services that never stop talking: an LDAP server streaming entries (small ones on 389,
+/// 8 KiB ones on 3389) mixed with referrals, a DNS server answering with a 64 KiB message of
+/// 4,000 records, an HTTP body without end, a banner without a line end. What they send
+/// carries terminal escapes and line breaks.
+const HOSTILE_GUEST: &str = r#"
+import socket, struct, threading
+G = '198.51.100.10'
+EVIL = b'dc=evil\x1b[31m\nFAKE LOG LINE\x07'
+def ln(n):
+    if n < 0x80: return bytes([n])
+    b = n.to_bytes((n.bit_length() + 7) // 8, 'big'); return bytes([0x80 | len(b)]) + b
+def tlv(tag, body): return bytes([tag]) + ln(len(body)) + body
+def entry(value):
+    attr = tlv(0x30, tlv(0x04, b'namingContexts') + tlv(0x31, tlv(0x04, value)))
+    return tlv(0x30, tlv(0x02, b'\x02') + tlv(0x64, tlv(0x04, b'') + tlv(0x30, attr)))
+REF = tlv(0x30, tlv(0x02, b'\x02') + tlv(0x73, tlv(0x04, b'ldap://evil/\x1b[0m')))
+BIND = tlv(0x30, tlv(0x02, b'\x01') + tlv(0x61, tlv(0x0a, b'\x00') + tlv(0x04, b'') + tlv(0x04, b'')))
+def listen(port):
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((G, port)); s.listen(); return s
+def forever(port, handle):
+    s = listen(port)
+    def loop():
+        while True:
+            c, _ = s.accept()
+            threading.Thread(target=guard, args=(handle, c), daemon=True).start()
+    threading.Thread(target=loop, daemon=True).start()
+def guard(handle, c):
+    try: handle(c)
+    except OSError: pass
+    finally: c.close()
+def ldap(value):
+    def handle(c):
+        c.recv(4096); c.sendall(BIND); c.recv(4096)
+        chunk = (entry(value) + REF) * 16
+        while True: c.sendall(chunk)
+    return handle
+def http(c):
+    c.recv(4096)
+    c.sendall(b'HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\n')
+    block = EVIL * 4096
+    while True: c.sendall(block)
+def banner(c):
+    while True: c.sendall(b'SSX\x1b[2J\x07' * 1024)
+forever(389, ldap(EVIL))
+forever(3389, ldap(EVIL * 400))
+forever(80, http)
+forever(22, banner)
+u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u.bind((G, 53))
+while True:
+    q, a = u.recvfrom(4096)
+    qid, qd = q[:2], q[12:]
+    count = 4000
+    rr = b'\xc0\x0c' + struct.pack('>HHIH', 1, 1, 60, 4) + bytes([198, 51, 100, 10])
+    u.sendto(qid + struct.pack('>HHHHH', 0x8180, 1, count, 0, 0) + qd + rr * count, a)
+"#;
+
+fn rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}
+
+#[test]
+fn hostile_guest_answers_are_bounded_escaped_and_capped() {
+    if !privileged(
+        "hostile_guest_answers_are_bounded_escaped_and_capped",
+        TOOLS,
+    ) {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let mut topology = Topology::new("hostile");
+    let guest = topology.guest.clone();
+    topology.serve(&guest, &["python3", "-c", HOSTILE_GUEST]);
+    std::thread::sleep(std::time::Duration::from_millis(800));
+    let topology = std::sync::Arc::new(topology);
+    let t = topology.clone();
+    let node_ns = topology.node.clone();
+    inside(&node_ns, move || async move {
+        let _topology = t;
+        let node = Node::start(5).await;
+        let target =
+            |kind: pb::ProbeKind, port: u32, expect: pb::ProbeExpectation| pb::ProbeTarget {
+                kind: kind as i32,
+                address: GUEST.into(),
+                port,
+                expect: Some(expect),
+            };
+        let hostile = vec![
+            target(
+                pb::ProbeKind::Ldap,
+                389,
+                pb::ProbeExpectation {
+                    ldap_naming_context: "dc=example,dc=test".into(),
+                    ..Default::default()
+                },
+            ),
+            target(pb::ProbeKind::Ldap, 3389, pb::ProbeExpectation::default()),
+            target(
+                pb::ProbeKind::Dns,
+                53,
+                pb::ProbeExpectation {
+                    dns_name: "www.example.test".into(),
+                    dns_type: pb::DnsRecordType::A as i32,
+                    ..Default::default()
+                },
+            ),
+            target(
+                pb::ProbeKind::Http,
+                80,
+                pb::ProbeExpectation {
+                    http_path: "/".into(),
+                    http_status: 200,
+                    ..Default::default()
+                },
+            ),
+            target(
+                pb::ProbeKind::Tcp,
+                22,
+                pb::ProbeExpectation {
+                    banner_prefix: "SSH-2.0-".into(),
+                    ..Default::default()
+                },
+            ),
+        ];
+        let mut c = node.run(RUN_ID, hostile.clone()).await;
+        c.prepare_sandbox(prepare()).await.unwrap();
+        let expected_reason = [
+            "stopped reading: 198.51.100.10:389 sent more than 64 LDAP messages (limits.max_probe_entries)",
+            "stopped reading: 198.51.100.10:3389 sent more than 262144 bytes (limits.max_probe_response_bytes)",
+            "stopped reading: 198.51.100.10:53 sent more than 64 DNS records (limits.max_probe_entries): the answer announces 4000 records",
+            "stopped reading: 198.51.100.10:80 sent more than 262144 bytes (limits.max_probe_response_bytes)",
+            "banner \"SSX\\u{1b}[2J\\u{7}SSX\\u{1b}[2J\\u{7}",
+        ];
+        let before = rss_kib();
+        let mut peak = before;
+        let mut measured = Vec::new();
+        for (target, reason) in hostile.iter().zip(expected_reason) {
+            let started = std::time::Instant::now();
+            let at_start = rss_kib();
+            let reply = c
+                .probe(pb::ProbeRequest {
+                    kind: target.kind,
+                    address: target.address.clone(),
+                    port: target.port,
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            let elapsed = started.elapsed();
+            let rss = rss_kib();
+            peak = peak.max(rss);
+            assert_eq!(
+                reply.outcome,
+                pb::ProbeOutcome::Failed as i32,
+                "{}",
+                reply.detail
+            );
+            assert!(
+                reply.detail.contains(reason),
+                "port {}: {:?} lacks {reason:?}",
+                target.port,
+                reply.detail
+            );
+            assert!(
+                elapsed < std::time::Duration::from_secs(5),
+                "port {} took {elapsed:?}, past its timeout",
+                target.port
+            );
+            assert!(
+                !reply.detail.chars().any(char::is_control),
+                "an unescaped control character: {:?}",
+                reply.detail
+            );
+            assert!(reply.detail.len() <= 2200, "{} bytes", reply.detail.len());
+            measured.push(format!(
+                "port {}: {elapsed:.2?}, RSS {at_start} -> {rss} KiB",
+                target.port
+            ));
+        }
+        let growth = peak.saturating_sub(before);
+        eprintln!(
+            "hostile probes: {}; test process RSS {before} KiB before, peak {peak} KiB (+{growth} KiB)",
+            measured.join("; ")
+        );
+        assert!(growth < 32 * 1024, "memory grew by {growth} KiB");
+
+        // The journal holds the same escaped, capped text.
+        let mut stream = c
+            .read_journal(pb::ReadJournalRequest {
+                run_id: RUN_ID.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let mut probe_records = 0;
+        while let Some(record) = stream.message().await.unwrap() {
+            if record.operation == "probe.run" && record.phase == "done" {
+                probe_records += 1;
+                let detail: serde_json::Value = serde_json::from_str(&record.detail).unwrap();
+                let text = detail["detail"].as_str().unwrap();
+                assert!(!text.chars().any(char::is_control), "{text:?}");
+                assert!(text.len() <= 2200, "{} bytes", text.len());
+                assert!(record.detail.len() <= 4096, "{} bytes", record.detail.len());
+            }
+        }
+        assert_eq!(probe_records, hostile.len());
+        let (_, residue) = cleanup_receipts(&mut c, RUN_ID).await;
+        assert!(residue.is_empty(), "{residue:?}");
+        node.stop().await;
     });
     drop(topology);
 }
