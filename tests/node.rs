@@ -1521,6 +1521,28 @@ fn a_guest_boots_only_on_a_prepared_sandbox() {
             Code::AlreadyExists,
             "already prepared",
         );
+        // A link stacked on the VNet after PrepareSandbox is caught by the re-check before boot.
+        let ip = |args: &[&str]| {
+            let out = std::process::Command::new("ip")
+                .args(args)
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "ip {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        ip(&[
+            "link", "add", "link", "csbox1", "name", "mvl9", "type", "macvlan", "mode", "bridge",
+        ]);
+        assert_status(
+            run.client.start_vm(pb::VmRequest { vmid: 9100 }).await,
+            Code::FailedPrecondition,
+            "VNet csbox1 is no longer isolated, so no guest may boot on it: link mvl9 (on csbox1) is stacked on the VNet",
+        );
+        assert!(!run.qemu_running(9100));
+        ip(&["link", "del", "mvl9"]);
         run.client
             .start_vm(pb::VmRequest { vmid: 9100 })
             .await
