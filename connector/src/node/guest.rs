@@ -160,18 +160,10 @@ impl Channel {
     }
 }
 
-/// Text that came from the guest, made safe for errors, logs and the journal: at most 200
-/// characters, control characters escaped. The guest is untrusted.
+/// Text that came from the guest, made safe for errors, logs and the journal. The guest is
+/// untrusted.
 fn bounded(text: &str) -> String {
-    let mut out: String = text
-        .chars()
-        .take(200)
-        .flat_map(char::escape_debug)
-        .collect();
-    if text.chars().count() > 200 {
-        out.push('…');
-    }
-    out
+    crate::untrusted::printable(text.as_bytes(), crate::untrusted::MAX_VALUE_CHARS)
 }
 
 async fn with_deadline<T>(
@@ -519,6 +511,7 @@ mod tests {
             "a\\nforged: log line\\u{1b}[31m"
         );
         let long = "x".repeat(5000);
-        assert_eq!(bounded(&long).chars().count(), 201);
+        assert!(bounded(&long).starts_with(&"x".repeat(crate::untrusted::MAX_VALUE_CHARS)));
+        assert!(bounded(&long).ends_with("…[4744 more bytes]"));
     }
 }
