@@ -1242,7 +1242,7 @@ fn prepare_sandbox_fails_without_the_table_listing() {
 }
 
 /// Guest services that never stop talking: an LDAP server streaming entries (small ones on 389,
-/// 8 KiB ones on 3389) mixed with referrals, a DNS server answering with a 64 KiB message of
+/// 10 KiB ones on 3389) mixed with referrals, a DNS server answering with a 64 KiB message of
 /// 4,000 records, an HTTP body without end, a banner without a line end. What they send
 /// carries terminal escapes and line breaks.
 const HOSTILE_GUEST: &str = r#"
@@ -1429,8 +1429,8 @@ fn hostile_guest_answers_are_bounded_escaped_and_capped() {
             );
             assert!(reply.detail.len() <= 2200, "{} bytes", reply.detail.len());
             measured.push(format!(
-                "port {}: {elapsed:.2?}, peak RSS +{growth} KiB over {before} KiB",
-                target.port
+                "port {}: {elapsed:.2?}, peak RSS +{growth} KiB over {before} KiB, detail {:?}",
+                target.port, reply.detail
             ));
         }
         eprintln!("hostile probes: {}", measured.join("; "));
