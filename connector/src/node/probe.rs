@@ -1,10 +1,15 @@
 //! Probes from the run's probe address to the grant's targets: TCP, HTTP(S), DNS, LDAP.
 //!
-//! Every probe binds its socket to the probe address on the VNet (so it leaves through the
-//! sandbox, under the run's containment table), runs under one deadline, and reports a
-//! result: a refused or silent target is a `failed` outcome with a reason, not an RPC error.
-//! Targets and expectations come only from the grant. What was received is digested
-//! (SHA-256) so a report can show what answered without storing it.
+//! Every probe binds its socket to the probe address and to the VNet device (so it leaves
+//! through the sandbox, under the run's containment table, whatever the node's routes say),
+//! runs under one deadline, and reports a result: a refused or silent target is a `failed`
+//! outcome with a reason, not an RPC error. Targets and expectations come only from the grant.
+//! What was received is digested (SHA-256) so a report can show what answered without storing
+//! it.
+//!
+//! The guest is hostile until shown otherwise: every probe reads at most
+//! `limits.max_probe_response_bytes` and takes at most `limits.max_probe_entries` LDAP messages
+//! or DNS records, and every string it keeps passes through [`crate::untrusted::printable`].
 //!
 //! HTTPS: the restored guest is untrusted, so its certificate is not verified against any
 //! root; it is recorded (SHA-256 of the DER) instead. Nothing the probe learns is trusted or

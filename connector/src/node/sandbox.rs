@@ -2,16 +2,23 @@
 //!
 //! `PrepareSandbox` first reads the VNet's state and refuses the run when it is not isolated:
 //! the bridge must exist; its only ports may be taps of this run's sandbox VMs
-//! (`tap<vmid>i<N>`); IPv4 forwarding must be off on it; it must carry no address but the
-//! probe address (a gateway would route the guest out); no NAT rule may mention it. The
-//! connector never creates or changes SDN configuration. Only then it adds the probe address
-//! and installs one nftables table per run, atomically (`nft -f`), that
+//! (`tap<vmid>i<N>`); no link may be stacked on it or on a port (a VLAN or macvlan takes frames
+//! the table never sees); IPv4 forwarding must be off on it; it must carry no address but the
+//! probe address (a gateway would route the guest out); no NAT rule may mention it. It then
+//! refuses a probe network that would change how the node routes its own traffic: wider than
+//! `limits.min_probe_prefix`, overlapping an address or route of the node, or a probe address
+//! the node already has. The connector never creates or changes SDN configuration. Only then
+//! it installs one nftables table per run, atomically (`nft -f`), that
 //! - drops every packet from the VNet to the node but replies to the connector's own probes,
 //! - drops all forwarding into and out of the VNet,
-//! - lets the probe address send only to the grant's probe targets.
+//! - lets the probe address send only to the grant's probe targets,
+//!
+//! and after it the probe address, so the address never exists without the table. `StartVm`
+//! repeats the isolation checks before every boot.
 //!
 //! The reply carries the evidence: the ports, addresses and sysctl observed and the installed
 //! ruleset with its SHA-256, so a report can show what protected the network during the run.
+//! Without that listing the step fails.
 
 use super::{NodeExecutor, resources, tool_detail, tool_error};
 use crate::executor::{ExecError, Outcome};
