@@ -202,6 +202,9 @@ impl ConnectorService {
                 peer.client.serial_hex, peer.client.not_before_unix, peer.client.not_after_unix
             ))));
         }
+        self.gate
+            .admits(&peer.client)
+            .map_err(|reason| refuse(Status::unauthenticated(reason)))?;
         let kind = peer.client.identity.kind();
         if !self.gate.allows(rpc, kind) {
             return Err(refuse(Status::permission_denied(format!(
