@@ -109,7 +109,9 @@ pub enum IdentityError {
 
 /// Why a node certificate does not fit the node profile.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("the node certificate is not a CertiStack node certificate: {0}; sign the node's CSR with certistack-ctl node sign")]
+#[error(
+    "the node certificate is not a CertiStack node certificate: {0}; sign the node's CSR with certistack-ctl node sign"
+)]
 pub struct NodeProfileError(pub String);
 
 /// Operator names: `[a-z0-9][a-z0-9._-]{0,63}`.
@@ -138,9 +140,7 @@ pub fn parse_client_certificate(der: &[u8]) -> Result<ClientIdentity, IdentityEr
         .map_err(|e| IdentityError::Unparsable(e.to_string()))?
         .ok_or_else(|| profile("it has no extended key usage (clientAuth is required)"))?;
     if !usage.value.client_auth {
-        return Err(profile(
-            "its extended key usage does not list clientAuth",
-        ));
+        return Err(profile("its extended key usage does not list clientAuth"));
     }
     let names = cert
         .subject_alternative_name()

@@ -149,9 +149,9 @@ impl rustls::client::danger::ServerCertVerifier for NodeCertificateVerifier {
             now,
         )?;
         crate::identity::check_node_certificate(end_entity).map_err(|error| {
-            rustls::Error::InvalidCertificate(rustls::CertificateError::Other(
-                rustls::OtherError(Arc::new(error)),
-            ))
+            rustls::Error::InvalidCertificate(rustls::CertificateError::Other(rustls::OtherError(
+                Arc::new(error),
+            )))
         })?;
         Ok(verified)
     }
@@ -342,7 +342,9 @@ fn classify(address: String, error: &(dyn std::error::Error + 'static)) -> Conne
                     ConnectError::WrongNode(address, certificate_error.to_string())
                 }
                 E::UnknownIssuer | E::BadSignature => ConnectError::UnknownIssuer(address),
-                E::Other(other) => ConnectError::NotANode(address, other.to_string()),
+                E::Other(_) | E::InvalidPurpose | E::InvalidPurposeContext { .. } => {
+                    ConnectError::NotANode(address, certificate_error.to_string())
+                }
                 _ => ConnectError::Transport(
                     address,
                     rustls_error.map(|e| e.to_string()).unwrap_or_default(),

@@ -182,8 +182,8 @@ fn hello(args: HelloArgs, now: OffsetDateTime) -> Result<(), Failure> {
         | client::NodeError::NodeName { .. }
         | client::NodeError::Connect(
             ConnectError::WrongNode(..)
-                | ConnectError::UnknownIssuer(_)
-                | ConnectError::NotANode(..),
+            | ConnectError::UnknownIssuer(_)
+            | ConnectError::NotANode(..),
         ) => Failure::Mismatch(error.to_string()),
         client::NodeError::Tls(_) => Failure::Local(error.to_string()),
         _ => Failure::Unreachable(error.to_string()),
