@@ -1353,16 +1353,67 @@ fn surface() -> prost_types::FileDescriptorProto {
     prost_types::FileDescriptorProto::decode(certistack_proto::SURFACE_DESCRIPTOR).unwrap()
 }
 
+/// The workspace root, where `policy/` lives.
+fn workspace_root() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_owned()
+}
+
+const DIGEST_POLICY_FILES: [&str; 4] = [
+    "policy/rpc-surface.toml",
+    "policy/field-validators.toml",
+    "policy/qmp-allowlist.toml",
+    "policy/qga-allowlist.toml",
+];
+
 #[test]
-fn surface_digest_is_sha256_of_the_compiled_descriptor() {
+fn surface_digest_covers_the_descriptor_and_the_policy_files() {
     use sha2::{Digest, Sha256};
-    let digest = format!(
-        "sha256:{}",
-        hex::encode(Sha256::digest(certistack_proto::SURFACE_DESCRIPTOR))
-    );
+    // Recomputed here from the documented definition: labelled, length-prefixed parts.
+    let mut parts = vec![(
+        "proto/certistack/connector/v1/connector.proto#descriptor".to_owned(),
+        certistack_proto::SURFACE_DESCRIPTOR.to_vec(),
+    )];
+    for file in DIGEST_POLICY_FILES {
+        let text = std::fs::read_to_string(workspace_root().join(file)).unwrap();
+        parts.push((file.to_owned(), text.replace("\r\n", "\n").into_bytes()));
+    }
+    let mut hasher = Sha256::new();
+    for (label, content) in &parts {
+        hasher.update((label.len() as u32).to_be_bytes());
+        hasher.update(label.as_bytes());
+        hasher.update((content.len() as u64).to_be_bytes());
+        hasher.update(content);
+    }
+    let digest = format!("sha256:{}", hex::encode(hasher.finalize()));
     assert_eq!(digest, certistack_proto::SURFACE_DIGEST);
+    let listed: Vec<(String, String)> = parts
+        .iter()
+        .map(|(label, content)| {
+            (
+                label.clone(),
+                format!("sha256:{}", hex::encode(Sha256::digest(content))),
+            )
+        })
+        .collect();
+    let compiled: Vec<(String, String)> = certistack_proto::SURFACE_PARTS
+        .iter()
+        .map(|(l, d)| ((*l).to_owned(), (*d).to_owned()))
+        .collect();
+    assert_eq!(listed, compiled);
     // Comments are not part of the surface: the canonical descriptor carries no source info.
     assert!(surface().source_code_info.is_none());
+    // A change to a policy file changes the digest: the old definition (the descriptor alone)
+    // no longer gives it.
+    assert_ne!(
+        format!(
+            "sha256:{}",
+            hex::encode(Sha256::digest(certistack_proto::SURFACE_DESCRIPTOR))
+        ),
+        certistack_proto::SURFACE_DIGEST
+    );
 }
 
 #[test]
@@ -1504,7 +1555,7 @@ fn ctl_surface_prints_every_rpc_and_the_digest() {
     let lines: Vec<&str> = text.lines().collect();
     assert_eq!(
         lines.len(),
-        certistack_connector::policy::Rpc::ALL.len() + 1
+        certistack_connector::policy::Rpc::ALL.len() + certistack_proto::SURFACE_PARTS.len() + 1
     );
     for (line, rpc) in lines.iter().zip(certistack_connector::policy::Rpc::ALL) {
         assert!(
@@ -1519,6 +1570,14 @@ fn ctl_surface_prints_every_rpc_and_the_digest() {
         lines.last().unwrap(),
         &format!("digest: {}", certistack_proto::SURFACE_DIGEST)
     );
+    for file in DIGEST_POLICY_FILES {
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.starts_with(&format!("part: {file} sha256:"))),
+            "{text}"
+        );
+    }
     assert!(text.contains(
         "/certistack.connector.v1.Connector/ReadJournal ReadJournalRequest -> stream JournalRecord"
     ));
@@ -1697,6 +1756,13 @@ mod cli {
             hello.1
         );
         assert!(hello.1.contains("seen as: operator:ctl"), "{}", hello.1);
+        assert!(
+            hello
+                .1
+                .contains(&format!("(source {}", certistack_proto::SOURCE_COMMIT)),
+            "{}",
+            hello.1
+        );
 
         let (code, _, err) = run(
             "certistack-ctl",
@@ -2265,5 +2331,102 @@ mod enrollment {
         let (code, _, err) = install(&state, Some(&format!("sha256:{colons}")));
         assert_eq!(code, 0, "{err}");
         assert!(installed());
+    }
+}
+
+// ----------------------------------------------------------------------------------------------
+// The surface digest recomputed by a second implementation, and the build Hello reports
+
+/// The digest definition of docs/architecture.md ("Surface digest"), in Python, from the files
+/// and the canonical descriptor alone.
+const PYTHON_SURFACE_DIGEST: &str = r#"
+import hashlib, struct, sys
+root, descriptor_path = sys.argv[1], sys.argv[2]
+descriptor = open(descriptor_path, "rb").read()
+try:
+    from google.protobuf import descriptor_pb2
+    parsed = descriptor_pb2.FileDescriptorProto.FromString(descriptor)
+    assert parsed.name == "certistack/connector/v1/connector.proto", parsed.name
+    assert not parsed.HasField("source_code_info")
+    # Another protobuf implementation re-encodes the descriptor to the same bytes.
+    assert parsed.SerializeToString(deterministic=True) == descriptor, "not canonical"
+    print("descriptor checked with google.protobuf", file=sys.stderr)
+except ImportError:
+    print("google.protobuf missing: descriptor not re-encoded", file=sys.stderr)
+parts = [("proto/certistack/connector/v1/connector.proto#descriptor", descriptor)]
+for name in ["policy/rpc-surface.toml", "policy/field-validators.toml",
+             "policy/qmp-allowlist.toml", "policy/qga-allowlist.toml"]:
+    parts.append((name, open(root + "/" + name, "rb").read().replace(b"\r\n", b"\n")))
+h = hashlib.sha256()
+for label, content in parts:
+    label = label.encode("ascii")
+    h.update(struct.pack(">I", len(label)) + label + struct.pack(">Q", len(content)) + content)
+print("sha256:" + h.hexdigest())
+"#;
+
+#[test]
+fn a_second_implementation_recomputes_the_surface_digest() {
+    let dir = TempDir::new("digest");
+    let descriptor = dir.0.join("connector.descriptor");
+    std::fs::write(&descriptor, certistack_proto::SURFACE_DESCRIPTOR).unwrap();
+    let out = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(PYTHON_SURFACE_DIGEST)
+        .arg(workspace_root())
+        .arg(&descriptor)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    eprintln!("{stderr}");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        certistack_proto::SURFACE_DIGEST
+    );
+}
+
+#[tokio::test]
+async fn hello_reports_the_source_commit_the_daemon_was_built_from() {
+    let (_dir, authority, node) = started("source").await;
+    let reply = operator(&authority, &node)
+        .await
+        .hello(pb::HelloRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(reply.daemon_version, env!("CARGO_PKG_VERSION"));
+    assert_eq!(reply.source_commit, certistack_proto::SOURCE_COMMIT);
+    assert_eq!(reply.source_tree_dirty, certistack_proto::SOURCE_TREE_DIRTY);
+    let git = |args: &[&str]| {
+        std::process::Command::new("git")
+            .arg("-C")
+            .arg(workspace_root())
+            .args(args)
+            .output()
+            .ok()
+            .filter(|out| out.status.success())
+            .map(|out| String::from_utf8_lossy(&out.stdout).trim().to_owned())
+    };
+    match git(&["rev-parse", "HEAD"]) {
+        Some(head) => {
+            // Built from this checkout: the commit is HEAD's, and the dirty flag is what git
+            // says about the sources of the binaries.
+            assert_eq!(reply.source_commit, head);
+            let changes = git(&[
+                "--no-optional-locks",
+                "status",
+                "--porcelain",
+                "--",
+                "connector",
+                "controller",
+                "proto",
+                "policy",
+                "Cargo.toml",
+                "Cargo.lock",
+            ])
+            .unwrap();
+            assert_eq!(reply.source_tree_dirty, !changes.is_empty(), "{changes}");
+        }
+        None => assert_eq!(reply.source_commit, "unknown"),
     }
 }

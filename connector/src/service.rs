@@ -356,6 +356,8 @@ impl Connector for ConnectorService {
             capabilities: capabilities.into_iter().map(str::to_owned).collect(),
             node_time_unix_ms: self.clock.now_unix_ms(),
             peer_identity: peer.client.identity.to_string(),
+            source_commit: certistack_proto::SOURCE_COMMIT.to_owned(),
+            source_tree_dirty: certistack_proto::SOURCE_TREE_DIRTY,
         }))
     }
 

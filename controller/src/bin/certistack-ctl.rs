@@ -190,7 +190,16 @@ fn hello(args: HelloArgs, now: OffsetDateTime) -> Result<(), Failure> {
     })?;
     let skew_ms = reply.node_time_unix_ms - (now.unix_timestamp_nanos() / 1_000_000) as i64;
     println!("node: {}", reply.node_name);
-    println!("version: {}", reply.daemon_version);
+    println!(
+        "version: {} (source {}{})",
+        reply.daemon_version,
+        reply.source_commit,
+        if reply.source_tree_dirty {
+            ", with uncommitted changes"
+        } else {
+            ""
+        }
+    );
     println!("surface: {} (matches)", reply.surface_digest);
     println!("capabilities: {}", reply.capabilities.join(" "));
     println!(
