@@ -16,6 +16,7 @@ use prost::Message;
 use prost_types::field_descriptor_proto::{Label, Type};
 use prost_types::{DescriptorProto, FileDescriptorProto};
 use std::collections::BTreeSet;
+use std::sync::OnceLock;
 
 /// Nesting deeper than this is refused; the surface nests three levels at most.
 const MAX_DEPTH: usize = 8;
@@ -44,9 +45,13 @@ pub enum UnknownFieldError {
 /// Checks that `bytes`, an encoding of the surface message `full_name` (e.g.
 /// `.certistack.connector.v1.RunGrant`), carries only fields the compiled surface declares.
 pub fn check(full_name: &str, bytes: &[u8]) -> Result<(), UnknownFieldError> {
-    let file = FileDescriptorProto::decode(certistack_proto::SURFACE_DESCRIPTOR)
-        .map_err(|_| UnknownFieldError::NoDescriptor(full_name.to_owned()))?;
-    walk(&file, full_name, bytes, 0)
+    // Decoded once: every stored grant is checked again when the daemon starts.
+    static SURFACE: OnceLock<Option<FileDescriptorProto>> = OnceLock::new();
+    let file = SURFACE
+        .get_or_init(|| FileDescriptorProto::decode(certistack_proto::SURFACE_DESCRIPTOR).ok())
+        .as_ref()
+        .ok_or_else(|| UnknownFieldError::NoDescriptor(full_name.to_owned()))?;
+    walk(file, full_name, bytes, 0)
 }
 
 fn find_message<'a>(file: &'a FileDescriptorProto, full_name: &str) -> Option<&'a DescriptorProto> {
