@@ -1353,16 +1353,67 @@ fn surface() -> prost_types::FileDescriptorProto {
     prost_types::FileDescriptorProto::decode(certistack_proto::SURFACE_DESCRIPTOR).unwrap()
 }
 
+/// The workspace root, where `policy/` lives.
+fn workspace_root() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_owned()
+}
+
+const DIGEST_POLICY_FILES: [&str; 4] = [
+    "policy/rpc-surface.toml",
+    "policy/field-validators.toml",
+    "policy/qmp-allowlist.toml",
+    "policy/qga-allowlist.toml",
+];
+
 #[test]
-fn surface_digest_is_sha256_of_the_compiled_descriptor() {
+fn surface_digest_covers_the_descriptor_and_the_policy_files() {
     use sha2::{Digest, Sha256};
-    let digest = format!(
-        "sha256:{}",
-        hex::encode(Sha256::digest(certistack_proto::SURFACE_DESCRIPTOR))
-    );
+    // Recomputed here from the documented definition: labelled, length-prefixed parts.
+    let mut parts = vec![(
+        "proto/certistack/connector/v1/connector.proto#descriptor".to_owned(),
+        certistack_proto::SURFACE_DESCRIPTOR.to_vec(),
+    )];
+    for file in DIGEST_POLICY_FILES {
+        let text = std::fs::read_to_string(workspace_root().join(file)).unwrap();
+        parts.push((file.to_owned(), text.replace("\r\n", "\n").into_bytes()));
+    }
+    let mut hasher = Sha256::new();
+    for (label, content) in &parts {
+        hasher.update((label.len() as u32).to_be_bytes());
+        hasher.update(label.as_bytes());
+        hasher.update((content.len() as u64).to_be_bytes());
+        hasher.update(content);
+    }
+    let digest = format!("sha256:{}", hex::encode(hasher.finalize()));
     assert_eq!(digest, certistack_proto::SURFACE_DIGEST);
+    let listed: Vec<(String, String)> = parts
+        .iter()
+        .map(|(label, content)| {
+            (
+                label.clone(),
+                format!("sha256:{}", hex::encode(Sha256::digest(content))),
+            )
+        })
+        .collect();
+    let compiled: Vec<(String, String)> = certistack_proto::SURFACE_PARTS
+        .iter()
+        .map(|(l, d)| ((*l).to_owned(), (*d).to_owned()))
+        .collect();
+    assert_eq!(listed, compiled);
     // Comments are not part of the surface: the canonical descriptor carries no source info.
     assert!(surface().source_code_info.is_none());
+    // A change to a policy file changes the digest: the old definition (the descriptor alone)
+    // no longer gives it.
+    assert_ne!(
+        format!(
+            "sha256:{}",
+            hex::encode(Sha256::digest(certistack_proto::SURFACE_DESCRIPTOR))
+        ),
+        certistack_proto::SURFACE_DIGEST
+    );
 }
 
 #[test]
@@ -1504,7 +1555,7 @@ fn ctl_surface_prints_every_rpc_and_the_digest() {
     let lines: Vec<&str> = text.lines().collect();
     assert_eq!(
         lines.len(),
-        certistack_connector::policy::Rpc::ALL.len() + 1
+        certistack_connector::policy::Rpc::ALL.len() + certistack_proto::SURFACE_PARTS.len() + 1
     );
     for (line, rpc) in lines.iter().zip(certistack_connector::policy::Rpc::ALL) {
         assert!(
@@ -1519,6 +1570,14 @@ fn ctl_surface_prints_every_rpc_and_the_digest() {
         lines.last().unwrap(),
         &format!("digest: {}", certistack_proto::SURFACE_DIGEST)
     );
+    for file in DIGEST_POLICY_FILES {
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.starts_with(&format!("part: {file} sha256:"))),
+            "{text}"
+        );
+    }
     assert!(text.contains(
         "/certistack.connector.v1.Connector/ReadJournal ReadJournalRequest -> stream JournalRecord"
     ));
@@ -1554,8 +1613,13 @@ mod cli {
         let dir = TempDir::new("cli");
         let state = dir.0.join("ctl");
         let s = state.to_str().unwrap();
-        let (code, _, err) = run("certistack-ctl", &["ca", "init", "--state-dir", s]);
+        let (code, out, err) = run("certistack-ctl", &["ca", "init", "--state-dir", s]);
         assert_eq!(code, 0, "{err}");
+        let fingerprint = out
+            .lines()
+            .find_map(|l| l.strip_prefix("CA fingerprint: "))
+            .unwrap()
+            .to_owned();
         assert_eq!(mode(&state), 0o700);
         for key in ["ca.key", "run-authority.key", "report-signing.key"] {
             assert_eq!(mode(&state.join(key)), 0o600, "{key}");
@@ -1624,6 +1688,8 @@ mod cli {
             cert_path.to_str().unwrap(),
             "--ca",
             state.join("ca.crt").to_str().unwrap().to_owned().leak(),
+            "--ca-fingerprint",
+            fingerprint.clone().leak(),
             "--run-authority",
             state
                 .join("run-authority.pub")
@@ -1690,6 +1756,13 @@ mod cli {
             hello.1
         );
         assert!(hello.1.contains("seen as: operator:ctl"), "{}", hello.1);
+        assert!(
+            hello
+                .1
+                .contains(&format!("(source {}", certistack_proto::SOURCE_COMMIT)),
+            "{}",
+            hello.1
+        );
 
         let (code, _, err) = run(
             "certistack-ctl",
@@ -1788,5 +1861,572 @@ mod cli {
         );
         assert_eq!(code, 3);
         assert!(err.contains("/nonexistent/connector.toml"), "{err}");
+    }
+}
+
+// ----------------------------------------------------------------------------------------------
+// The certificate profile, operator certificate lifetime and CA pinning at enrollment
+
+/// A certificate from the controller CA with exactly the given subject alternative names and
+/// extended key usages, valid from a minute ago for `lifetime`.
+fn issue_with_profile(
+    authority: &certistack_controller::authority::Authority,
+    names: Vec<rcgen::SanType>,
+    usages: Vec<rcgen::ExtendedKeyUsagePurpose>,
+    lifetime: time::Duration,
+) -> certistack_controller::authority::IssuedCertificate {
+    use rcgen::{CertificateParams, Issuer, KeyPair};
+    let ca_key =
+        KeyPair::from_pem(&std::fs::read_to_string(authority.dir().join("ca.key")).unwrap())
+            .unwrap();
+    let issuer = Issuer::from_ca_cert_pem(authority.ca_pem(), ca_key).unwrap();
+    let key = KeyPair::generate().unwrap();
+    let mut params = CertificateParams::default();
+    params.subject_alt_names = names;
+    params.extended_key_usages = usages;
+    params.not_before = now() - time::Duration::minutes(1);
+    params.not_after = params.not_before + lifetime;
+    let cert = params.signed_by(&key, &issuer).unwrap();
+    certistack_controller::authority::IssuedCertificate {
+        certificate_pem: cert.pem(),
+        key_pem: zeroize::Zeroizing::new(key.serialize_pem()),
+    }
+}
+
+fn uri(text: &str) -> rcgen::SanType {
+    rcgen::SanType::URI(text.to_owned().try_into().unwrap())
+}
+
+fn dns(text: &str) -> rcgen::SanType {
+    rcgen::SanType::DnsName(text.to_owned().try_into().unwrap())
+}
+
+#[tokio::test]
+async fn client_certificates_outside_the_profile_are_unauthenticated() {
+    use rcgen::ExtendedKeyUsagePurpose::{ClientAuth, CodeSigning};
+    let (_dir, authority, node) = started("profile").await;
+    let ten_minutes = time::Duration::minutes(10);
+    let alice = "urn:certistack:operator:alice";
+    let hello = |certificate| {
+        let config = raw_client_config(&authority, &[&rustls::version::TLS13], Some(&certificate));
+        let address = node.address.clone();
+        async move { hello_with(&address, config).await }
+    };
+    let refused = |result: Result<pb::HelloReply, String>, needle: &str| {
+        let error = result.unwrap_err();
+        assert!(
+            error.contains("Unauthenticated") && error.contains(needle),
+            "{error:?} does not mention {needle:?}"
+        );
+    };
+
+    // No extended key usage at all: webpki accepts it for any purpose, the profile does not.
+    refused(
+        hello(issue_with_profile(
+            &authority,
+            vec![uri(alice)],
+            vec![],
+            ten_minutes,
+        ))
+        .await,
+        "clientAuth",
+    );
+    // An extended key usage without clientAuth: webpki already refuses it in the handshake.
+    let error = hello(issue_with_profile(
+        &authority,
+        vec![uri(alice)],
+        vec![CodeSigning],
+        ten_minutes,
+    ))
+    .await
+    .unwrap_err();
+    assert!(error.contains("UnsupportedCertificate"), "{error}");
+    // A DNS name next to the identity.
+    refused(
+        hello(issue_with_profile(
+            &authority,
+            vec![uri(alice), dns("pve1")],
+            vec![ClientAuth],
+            ten_minutes,
+        ))
+        .await,
+        "subject alternative name",
+    );
+    // A URI that is no part of an identity.
+    refused(
+        hello(issue_with_profile(
+            &authority,
+            vec![uri(alice), uri("https://example.org/")],
+            vec![ClientAuth],
+            ten_minutes,
+        ))
+        .await,
+        "not part of a CertiStack identity",
+    );
+    // A run identity whose grant digest is upper-case hex.
+    let run = [
+        uri(&format!("urn:certistack:run:{RUN_ID}")),
+        uri(&format!("urn:certistack:grant:sha256:{}", "AB".repeat(32))),
+        uri(&format!("urn:certistack:node:{NODE}")),
+    ];
+    refused(
+        hello(issue_with_profile(
+            &authority,
+            run.to_vec(),
+            vec![ClientAuth],
+            ten_minutes,
+        ))
+        .await,
+        "lower-case hex",
+    );
+    assert_eq!(node.executor.count(), 0);
+
+    // The same construction inside the profile is accepted.
+    let reply = hello(issue_with_profile(
+        &authority,
+        vec![uri(alice)],
+        vec![ClientAuth],
+        ten_minutes,
+    ))
+    .await
+    .unwrap();
+    assert_eq!(reply.peer_identity, "operator:alice");
+}
+
+#[tokio::test]
+async fn operator_certificates_valid_longer_than_the_limit_are_refused() {
+    use rcgen::ExtendedKeyUsagePurpose::ClientAuth;
+    let (_dir, authority, node) = started("oplife").await;
+    let limit = certistack_connector::config::Limits::default().max_operator_cert_secs;
+    assert_eq!(limit, 600, "the documented ten minutes");
+    let alice = || vec![uri("urn:certistack:operator:alice")];
+    let hello = |certificate| {
+        let config = raw_client_config(&authority, &[&rustls::version::TLS13], Some(&certificate));
+        let address = node.address.clone();
+        async move { hello_with(&address, config).await }
+    };
+    let over = time::Duration::seconds(i64::try_from(limit).unwrap() + 1);
+    let error = hello(issue_with_profile(
+        &authority,
+        alice(),
+        vec![ClientAuth],
+        over,
+    ))
+    .await
+    .unwrap_err();
+    assert!(
+        error.contains("Unauthenticated") && error.contains("limits.max_operator_cert_secs"),
+        "{error}"
+    );
+    let day = hello(issue_with_profile(
+        &authority,
+        alice(),
+        vec![ClientAuth],
+        time::Duration::days(1),
+    ))
+    .await
+    .unwrap_err();
+    assert!(day.contains("longer than the 600 s"), "{day}");
+    assert_eq!(node.executor.count(), 0);
+
+    let at_limit = time::Duration::seconds(i64::try_from(limit).unwrap());
+    hello(issue_with_profile(
+        &authority,
+        alice(),
+        vec![ClientAuth],
+        at_limit,
+    ))
+    .await
+    .unwrap();
+    // What the controller mints for an invocation is within the limit.
+    let minted = authority.issue_operator("alice", now()).unwrap();
+    hello(minted).await.unwrap();
+}
+
+/// A TLS server presenting `certificate` (issued by the controller CA) that completes
+/// handshakes and nothing else: enough for the controller's verifier to judge it.
+async fn tls_server_presenting(
+    authority: &certistack_controller::authority::Authority,
+    certificate: &certistack_controller::authority::IssuedCertificate,
+) -> String {
+    use certistack_connector::tls;
+    let chain = tls::parse_certificates(&certificate.certificate_pem, "node").unwrap();
+    let key = tls::parse_private_key(&certificate.key_pem, "key").unwrap();
+    let ca = tls::parse_certificates(authority.ca_pem(), "ca").unwrap();
+    let config = tls::server_config(chain, key, tls::ca_roots(&ca).unwrap()).unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(config);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                let _ = acceptor.accept(tcp).await;
+            });
+        }
+    });
+    address
+}
+
+#[tokio::test]
+async fn controller_refuses_node_certificates_outside_the_node_profile() {
+    use rcgen::ExtendedKeyUsagePurpose::{ClientAuth, ServerAuth};
+    let dir = TempDir::new("nodeprofile");
+    let authority = controller(&dir.0);
+    let identity = authority.issue_operator("alice", now()).unwrap();
+    let year = time::Duration::days(365);
+    let cases = [
+        (vec![dns(NODE)], vec![], "no extended key usage"),
+        (vec![dns(NODE)], vec![ClientAuth], "server authentication"),
+        (
+            vec![dns(NODE), dns("pbs.lab")],
+            vec![ServerAuth],
+            "2 subject alternative names",
+        ),
+        (
+            vec![dns(NODE), uri("urn:certistack:operator:alice")],
+            vec![ServerAuth],
+            "2 subject alternative names",
+        ),
+    ];
+    for (names, usages, needle) in cases {
+        let certificate = issue_with_profile(&authority, names, usages, year);
+        let address = tls_server_presenting(&authority, &certificate).await;
+        let error = client(&authority, &address, NODE, &identity)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                &error,
+                NodeError::Connect(certistack_connector::tls::ConnectError::NotANode(..))
+            ) && error.to_string().contains(needle),
+            "{needle}: {error}"
+        );
+    }
+    // A certificate the way `node sign` issues it passes the verifier.
+    let good = issue_with_profile(&authority, vec![dns(NODE)], vec![ServerAuth], year);
+    let address = tls_server_presenting(&authority, &good).await;
+    let connected = client(&authority, &address, NODE, &identity).await;
+    assert!(
+        !matches!(
+            &connected,
+            Err(NodeError::Connect(
+                certistack_connector::tls::ConnectError::NotANode(..)
+            ))
+        ),
+        "{:?}",
+        connected.err()
+    );
+}
+
+mod enrollment {
+    use super::*;
+    use std::process::Command;
+
+    fn run(bin: &str, args: &[&str]) -> (i32, String, String) {
+        let out = Command::new(binary(bin))
+            .args(args)
+            .env_remove("CERTISTACK_LOG")
+            .output()
+            .unwrap();
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+
+    fn openssl(args: &[&str]) -> String {
+        let out = Command::new("openssl").args(args).output().unwrap();
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    fn ca_init(state: &std::path::Path) -> String {
+        let (code, out, err) = run(
+            "certistack-ctl",
+            &["ca", "init", "--state-dir", state.to_str().unwrap()],
+        );
+        assert_eq!(code, 0, "{err}");
+        out.lines()
+            .find_map(|l| l.strip_prefix("CA fingerprint: "))
+            .unwrap_or_else(|| panic!("ca init prints no fingerprint: {out}"))
+            .to_owned()
+    }
+
+    #[test]
+    fn keys_written_by_ca_init_load_in_openssl() {
+        let dir = TempDir::new("pkcs8");
+        let state = dir.0.join("ctl");
+        ca_init(&state);
+        for (key, public) in [
+            ("run-authority.key", "run-authority.pub"),
+            ("report-signing.key", "report-signing.pub"),
+        ] {
+            let key = state.join(key);
+            let key = key.to_str().unwrap();
+            // OpenSSL 3 loads the private key and derives the same public key the file beside
+            // it holds.
+            let derived = openssl(&["pkey", "-in", key, "-pubout"]);
+            assert_eq!(
+                derived,
+                std::fs::read_to_string(state.join(public)).unwrap(),
+                "{key}"
+            );
+            let text = openssl(&["pkey", "-in", key, "-noout", "-text"]);
+            assert!(text.contains("ED25519 Private-Key"), "{text}");
+            // PKCS#8 v1 (RFC 8410): version 0, no embedded public key: 48 bytes of DER, as
+            // `openssl genpkey -algorithm ed25519` writes.
+            let pem = std::fs::read_to_string(key).unwrap();
+            let body: String = pem.lines().filter(|l| !l.starts_with("-----")).collect();
+            let written = base64_len(&body);
+            assert_eq!(written, 48, "{pem}");
+        }
+        openssl(&[
+            "pkey",
+            "-in",
+            state.join("ca.key").to_str().unwrap(),
+            "-noout",
+        ]);
+        // The controller still loads what it wrote.
+        certistack_controller::authority::Authority::load(&state).unwrap();
+    }
+
+    fn base64_len(body: &str) -> usize {
+        let padding = body.chars().rev().take_while(|c| *c == '=').count();
+        body.len() / 4 * 3 - padding
+    }
+
+    #[test]
+    fn keys_in_the_older_pkcs8_v2_form_still_load() {
+        use ed25519_dalek::pkcs8::{EncodePrivateKey, spki::der::pem::LineEnding};
+        let dir = TempDir::new("pkcs8v2");
+        let state = dir.0.join("ctl");
+        ca_init(&state);
+        let key = ed25519_dalek::SigningKey::from_bytes(&[7; 32]);
+        // ed25519-dalek's own encoding embeds the public key (PKCS#8 v2).
+        let v2 = key.to_pkcs8_pem(LineEnding::LF).unwrap();
+        let path = state.join("run-authority.key");
+        std::fs::remove_file(&path).unwrap();
+        certistack_connector::files::write_new(&path, v2.as_bytes(), 0o600).unwrap();
+        let loaded = certistack_controller::authority::Authority::load(&state).unwrap();
+        assert_eq!(loaded.run_authority().to_bytes(), key.to_bytes());
+    }
+
+    #[test]
+    fn enroll_install_requires_the_ca_fingerprint() {
+        let dir = TempDir::new("capin");
+        let state = dir.0.join("ctl");
+        let fingerprint = ca_init(&state);
+        // What ca init prints is what OpenSSL computes over the CA certificate.
+        let openssl_view = openssl(&[
+            "x509",
+            "-in",
+            state.join("ca.crt").to_str().unwrap(),
+            "-noout",
+            "-fingerprint",
+            "-sha256",
+        ]);
+        let openssl_hex = openssl_view
+            .trim()
+            .rsplit('=')
+            .next()
+            .unwrap()
+            .replace(':', "")
+            .to_lowercase();
+        assert_eq!(fingerprint, format!("sha256:{openssl_hex}"));
+
+        // Another controller's CA: what an attacker would hand the node.
+        let other_state = dir.0.join("other");
+        let other_fingerprint = ca_init(&other_state);
+        assert_ne!(fingerprint, other_fingerprint);
+
+        let node_dir = dir.0.join("node");
+        std::fs::create_dir_all(&node_dir).unwrap();
+        let n = node_dir.display();
+        let config_path = node_dir.join("connector.toml");
+        std::fs::write(
+            &config_path,
+            format!(
+                "node_name = \"pve1\"\nlisten = \"127.0.0.1:1\"\n[tls]\ncertificate = \"{n}/node.crt\"\nprivate_key = \"{n}/node.key\"\ncontroller_ca = \"{n}/ca.crt\"\nrun_authority_public_key = \"{n}/run-authority.pub\"\n[paths]\nstate_dir = \"{n}/state\"\noverlay_root = \"{n}/overlays\"\n"
+            ),
+        )
+        .unwrap();
+        let c = config_path.to_str().unwrap();
+        let (code, csr, err) = run("certistack-connector", &["--config", c, "enroll", "--csr"]);
+        assert_eq!(code, 0, "{err}");
+        let csr_path = dir.0.join("node.csr");
+        std::fs::write(&csr_path, &csr).unwrap();
+        let cert_path = dir.0.join("node.crt");
+        let (code, out, err) = run(
+            "certistack-ctl",
+            &[
+                "node",
+                "sign",
+                "--state-dir",
+                state.to_str().unwrap(),
+                "--node",
+                "pve1",
+                "--csr",
+                csr_path.to_str().unwrap(),
+                "--out",
+                cert_path.to_str().unwrap(),
+            ],
+        );
+        assert_eq!(code, 0, "{err}");
+        assert!(
+            out.contains(&format!("--ca-fingerprint {fingerprint}")),
+            "node sign prints the install command with the pin: {out}"
+        );
+
+        let install = |ca_dir: &std::path::Path, pin: Option<&str>| {
+            let ca = ca_dir.join("ca.crt");
+            let authority = state.join("run-authority.pub");
+            let mut args = vec![
+                "--config",
+                c,
+                "enroll",
+                "--install",
+                "--certificate",
+                cert_path.to_str().unwrap(),
+                "--ca",
+                ca.to_str().unwrap(),
+                "--run-authority",
+                authority.to_str().unwrap(),
+            ];
+            if let Some(pin) = pin {
+                args.extend(["--ca-fingerprint", pin]);
+            }
+            run("certistack-connector", &args)
+        };
+        let installed = || node_dir.join("ca.crt").exists() || node_dir.join("node.crt").exists();
+
+        // Without a pin: a usage error, nothing installed.
+        let (code, _, err) = install(&state, None);
+        assert_eq!(code, 2, "{err}");
+        assert!(err.contains("--ca-fingerprint"), "{err}");
+        // A malformed pin.
+        let (code, _, err) = install(&state, Some("md5:abcd"));
+        assert_eq!(code, 2, "{err}");
+        assert!(err.contains("sha256:"), "{err}");
+        // The right CA file, but the pin of another CA.
+        let (code, _, err) = install(&state, Some(&other_fingerprint));
+        assert_eq!(code, 3, "{err}");
+        assert!(
+            err.contains("this is not the controller's CA") && err.contains(&fingerprint),
+            "{err}"
+        );
+        // Another CA file presented with the pin the operator read off the real controller.
+        let (code, _, err) = install(&other_state, Some(&fingerprint));
+        assert_eq!(code, 3, "{err}");
+        assert!(err.contains("this is not the controller's CA"), "{err}");
+        assert!(!installed(), "nothing is installed after a refusal");
+
+        // The pin as OpenSSL prints it (upper case, colons) is accepted.
+        let colons = openssl_view.trim().rsplit('=').next().unwrap().to_owned();
+        let (code, _, err) = install(&state, Some(&format!("sha256:{colons}")));
+        assert_eq!(code, 0, "{err}");
+        assert!(installed());
+    }
+}
+
+// ----------------------------------------------------------------------------------------------
+// The surface digest recomputed by a second implementation, and the build Hello reports
+
+/// The digest definition of docs/architecture.md ("Surface digest"), in Python, from the files
+/// and the canonical descriptor alone.
+const PYTHON_SURFACE_DIGEST: &str = r#"
+import hashlib, struct, sys
+root, descriptor_path = sys.argv[1], sys.argv[2]
+descriptor = open(descriptor_path, "rb").read()
+try:
+    from google.protobuf import descriptor_pb2
+    parsed = descriptor_pb2.FileDescriptorProto.FromString(descriptor)
+    assert parsed.name == "certistack/connector/v1/connector.proto", parsed.name
+    assert not parsed.HasField("source_code_info")
+    # Another protobuf implementation re-encodes the descriptor to the same bytes.
+    assert parsed.SerializeToString(deterministic=True) == descriptor, "not canonical"
+    print("descriptor checked with google.protobuf", file=sys.stderr)
+except ImportError:
+    print("google.protobuf missing: descriptor not re-encoded", file=sys.stderr)
+parts = [("proto/certistack/connector/v1/connector.proto#descriptor", descriptor)]
+for name in ["policy/rpc-surface.toml", "policy/field-validators.toml",
+             "policy/qmp-allowlist.toml", "policy/qga-allowlist.toml"]:
+    parts.append((name, open(root + "/" + name, "rb").read().replace(b"\r\n", b"\n")))
+h = hashlib.sha256()
+for label, content in parts:
+    label = label.encode("ascii")
+    h.update(struct.pack(">I", len(label)) + label + struct.pack(">Q", len(content)) + content)
+print("sha256:" + h.hexdigest())
+"#;
+
+#[test]
+fn a_second_implementation_recomputes_the_surface_digest() {
+    let dir = TempDir::new("digest");
+    let descriptor = dir.0.join("connector.descriptor");
+    std::fs::write(&descriptor, certistack_proto::SURFACE_DESCRIPTOR).unwrap();
+    let out = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(PYTHON_SURFACE_DIGEST)
+        .arg(workspace_root())
+        .arg(&descriptor)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    eprintln!("{stderr}");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        certistack_proto::SURFACE_DIGEST
+    );
+}
+
+#[tokio::test]
+async fn hello_reports_the_source_commit_the_daemon_was_built_from() {
+    let (_dir, authority, node) = started("source").await;
+    let reply = operator(&authority, &node)
+        .await
+        .hello(pb::HelloRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(reply.daemon_version, env!("CARGO_PKG_VERSION"));
+    assert_eq!(reply.source_commit, certistack_proto::SOURCE_COMMIT);
+    assert_eq!(reply.source_tree_dirty, certistack_proto::SOURCE_TREE_DIRTY);
+    let git = |args: &[&str]| {
+        std::process::Command::new("git")
+            .arg("-C")
+            .arg(workspace_root())
+            .args(args)
+            .output()
+            .ok()
+            .filter(|out| out.status.success())
+            .map(|out| String::from_utf8_lossy(&out.stdout).trim().to_owned())
+    };
+    match git(&["rev-parse", "HEAD"]) {
+        Some(head) => {
+            // Built from this checkout: the commit is HEAD's, and the dirty flag is what git
+            // says about the sources of the binaries.
+            assert_eq!(reply.source_commit, head);
+            let changes = git(&[
+                "--no-optional-locks",
+                "status",
+                "--porcelain",
+                "--",
+                "connector",
+                "controller",
+                "proto",
+                "policy",
+                "Cargo.toml",
+                "Cargo.lock",
+            ])
+            .unwrap();
+            assert_eq!(reply.source_tree_dirty, !changes.is_empty(), "{changes}");
+        }
+        None => assert_eq!(reply.source_commit, "unknown"),
     }
 }

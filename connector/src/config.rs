@@ -137,7 +137,9 @@ pub struct Limits {
     pub max_sandbox_cores: u32,
     /// MiB of memory all open runs' sandbox VMs may ask for together.
     pub max_sandbox_memory_mib: u64,
-    /// Longest validity accepted on an operator certificate, in seconds.
+    /// Longest validity accepted on an operator certificate, in seconds (from not_before to
+    /// not_after). Ten minutes by default: operator certificates are minted per CLI invocation
+    /// and cannot be revoked.
     pub max_operator_cert_secs: u64,
     /// Milliseconds a peer has to complete its TLS handshake.
     pub handshake_timeout_ms: u64,
@@ -176,7 +178,7 @@ impl Default for Limits {
             closed_run_retention_days: 90,
             max_sandbox_cores: 16,
             max_sandbox_memory_mib: 32 * 1024,
-            max_operator_cert_secs: 3600,
+            max_operator_cert_secs: 600,
             handshake_timeout_ms: 3000,
             max_pending_handshakes: 256,
             max_pending_handshakes_per_source: 16,

@@ -2,8 +2,12 @@
 //!
 //! `enroll --csr` creates the key (0600; an existing key is reused, never replaced) and prints
 //! a CSR whose only SAN is the node name. The controller signs it (`certistack-ctl node sign`);
-//! `enroll --install` checks that the certificate matches the key, names this node and chains
-//! to the given CA, then installs certificate, CA and run-authority public key.
+//! `enroll --install` checks that the CA file is the one the operator read off the controller
+//! (`--ca-fingerprint sha256:<hex>`, the SHA-256 of the CA certificate's DER, as `ca init` and
+//! `node sign` print it and `openssl x509 -noout -fingerprint -sha256` shows it), that the
+//! certificate fits the node profile, matches the key, names this node and chains to that CA,
+//! then installs certificate, CA and run-authority public key. The fingerprint is what makes
+//! the CA file trustworthy: it may have come over any channel.
 
 use crate::config::Config;
 use crate::files::{self, FileError};
@@ -27,6 +31,56 @@ pub enum EnrollError {
     Mismatch(String),
     #[error("{path}: not an Ed25519 public key in PEM: {reason}")]
     Authority { path: String, reason: String },
+    #[error(
+        "--ca-fingerprint {0:?} is not sha256:<64 hex digits> (colons allowed, as openssl prints it)"
+    )]
+    FingerprintSyntax(String),
+    #[error(
+        "{path} must hold exactly the controller CA certificate, it holds {count}; copy ca.crt from the controller's state directory"
+    )]
+    CaCount { path: String, count: usize },
+    #[error(
+        "{path} has fingerprint {actual}, not the {expected} given; this is not the controller's CA, do not install it"
+    )]
+    FingerprintMismatch {
+        path: String,
+        actual: String,
+        expected: String,
+    },
+}
+
+/// `sha256:<hex>` of a certificate's DER: the CA fingerprint `enroll --install` requires.
+pub fn ca_fingerprint(der: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    format!("sha256:{}", hex::encode(Sha256::digest(der)))
+}
+
+/// A CA fingerprint as an operator types it: `sha256:` and 64 hex digits, either case, with or
+/// without the colons OpenSSL puts between bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CaFingerprint([u8; 32]);
+
+impl std::str::FromStr for CaFingerprint {
+    type Err = EnrollError;
+    fn from_str(text: &str) -> Result<Self, EnrollError> {
+        let syntax = || EnrollError::FingerprintSyntax(text.to_owned());
+        let digits: String = text
+            .strip_prefix("sha256:")
+            .or_else(|| text.strip_prefix("SHA256:"))
+            .ok_or_else(syntax)?
+            .chars()
+            .filter(|c| *c != ':')
+            .collect();
+        let mut bytes = [0u8; 32];
+        hex::decode_to_slice(&digits, &mut bytes).map_err(|_| syntax())?;
+        Ok(Self(bytes))
+    }
+}
+
+impl std::fmt::Display for CaFingerprint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "sha256:{}", hex::encode(self.0))
+    }
 }
 
 /// Creates the node key if absent and returns a PEM CSR for `config.node_name`.
@@ -70,6 +124,7 @@ pub fn install(
     config: &Config,
     certificate: &Path,
     ca: &Path,
+    expected_ca: &CaFingerprint,
     authority: &Path,
 ) -> Result<(), EnrollError> {
     let cert_pem = std::fs::read_to_string(certificate).map_err(|error| FileError::Read {
@@ -91,6 +146,24 @@ pub fn install(
 
     let chain = tls::parse_certificates(&cert_pem, &certificate.display().to_string())?;
     let ca_certs = tls::parse_certificates(&ca_pem, &ca.display().to_string())?;
+    let [ca_cert] = ca_certs.as_slice() else {
+        return Err(EnrollError::CaCount {
+            path: ca.display().to_string(),
+            count: ca_certs.len(),
+        });
+    };
+    let actual = ca_fingerprint(ca_cert);
+    if actual != expected_ca.to_string() {
+        return Err(EnrollError::FingerprintMismatch {
+            path: ca.display().to_string(),
+            actual,
+            expected: expected_ca.to_string(),
+        });
+    }
+    if let Some(leaf) = chain.first() {
+        crate::identity::check_node_certificate(leaf)
+            .map_err(|e| EnrollError::Mismatch(e.to_string()))?;
+    }
     let names = chain
         .first()
         .map(|leaf| crate::server::dns_names(leaf))

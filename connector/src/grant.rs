@@ -20,6 +20,8 @@ use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, BTreeSet};
 
 pub const GRANT_VERSION: u32 = 1;
+/// The surface message a signed grant's bytes encode.
+const RUN_GRANT_MESSAGE: &str = ".certistack.connector.v1.RunGrant";
 pub const MAX_GRANT_BYTES: usize = 32 * 1024;
 /// The longest window a grant may span; a run that needs longer gets a new grant.
 pub const MAX_GRANT_LIFETIME_SECS: i64 = 24 * 3600;
@@ -145,6 +147,8 @@ pub enum GrantError {
     BadSignature,
     #[error("the grant cannot be decoded: {0}")]
     Decode(String),
+    #[error(transparent)]
+    UnknownField(#[from] crate::known_fields::UnknownFieldError),
     #[error("grant version {0} is not supported (this connector accepts {GRANT_VERSION})")]
     Version(u32),
     #[error("the grant is inconsistent: {0}")]
@@ -181,6 +185,7 @@ pub fn verify(signed: &pb::SignedRunGrant, authority: &VerifyingKey) -> Result<G
     authority
         .verify_strict(&signing_input(bytes), &signature)
         .map_err(|_| GrantError::BadSignature)?;
+    crate::known_fields::check(RUN_GRANT_MESSAGE, bytes)?;
     let wire = pb::RunGrant::decode(bytes).map_err(|e| GrantError::Decode(e.to_string()))?;
     parse(&wire, digest(bytes))
 }
@@ -203,10 +208,14 @@ fn parse(wire: &pb::RunGrant, digest: [u8; 32]) -> Result<Grant, GrantError> {
     if wire.deadline_unix <= wire.not_before_unix {
         return Err(inconsistent("the deadline is not after not_before".into()));
     }
-    if wire.deadline_unix - wire.not_before_unix > MAX_GRANT_LIFETIME_SECS {
-        return Err(inconsistent(format!(
-            "the grant spans more than {MAX_GRANT_LIFETIME_SECS} s"
-        )));
+    // Both ends come from the wire: the span of i64::MIN..i64::MAX does not fit an i64.
+    match wire.deadline_unix.checked_sub(wire.not_before_unix) {
+        Some(span) if span <= MAX_GRANT_LIFETIME_SECS => {}
+        _ => {
+            return Err(inconsistent(format!(
+                "the grant spans more than {MAX_GRANT_LIFETIME_SECS} s"
+            )));
+        }
     }
     let repo = wire
         .repository
@@ -557,6 +566,21 @@ pub(crate) mod tests {
             check(&|g| g.deadline_unix = g.not_before_unix + 90_000),
             Err(GrantError::Inconsistent(_))
         ));
+        // A span that does not fit an i64 is refused, not wrapped into a short one.
+        assert!(matches!(
+            check(&|g| {
+                g.not_before_unix = i64::MIN;
+                g.deadline_unix = i64::MAX;
+            }),
+            Err(GrantError::Inconsistent(m)) if m.contains("spans more than")
+        ));
+        assert!(matches!(
+            check(&|g| {
+                g.not_before_unix = -1;
+                g.deadline_unix = i64::MAX;
+            }),
+            Err(GrantError::Inconsistent(m)) if m.contains("spans more than")
+        ));
         assert!(matches!(
             check(&|g| g.snapshot = "vm/100".into()),
             Err(GrantError::Field(_))
@@ -627,6 +651,25 @@ pub(crate) mod tests {
         wire.probe_source = "2001:db8::2/120".into();
         let v6 = verify(&sign(&key, &wire), &key.verifying_key()).unwrap();
         assert_eq!(v6.check_probe_prefix(24), Ok(()));
+    }
+
+    #[test]
+    fn a_signed_field_this_connector_does_not_know_is_refused() {
+        let key = SigningKey::from_bytes(&[1; 32]);
+        let mut grant = full_wire_grant().encode_to_vec();
+        // Field 14 of RunGrant, length-delimited: what a newer controller's restriction
+        // (say, "no probes before 06:00") would look like to this connector.
+        grant.extend([14 << 3 | 2, 3, b'x', b'y', b'z']);
+        let signature = key.sign(&signing_input(&grant)).to_bytes().to_vec();
+        let signed = pb::SignedRunGrant { grant, signature };
+        // prost alone would accept it and drop the field.
+        assert!(pb::RunGrant::decode(signed.grant.as_slice()).is_ok());
+        let error = verify(&signed, &key.verifying_key()).unwrap_err();
+        assert!(
+            matches!(error, GrantError::UnknownField(_))
+                && error.to_string().contains("field number 14"),
+            "{error}"
+        );
     }
 
     #[test]

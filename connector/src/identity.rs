@@ -4,13 +4,23 @@
 //! - run: `urn:certistack:run:<uuid>` + `urn:certistack:grant:sha256:<hex>` +
 //!   `urn:certistack:node:<node>`: one run's operations on one node, within one grant.
 //!
-//! A certificate must carry exactly one identity; anything else is refused. The chain and the
-//! validity window are checked by rustls during the handshake; the validity window is checked
-//! again on every call, because a connection can outlive its certificate.
+//! The certificate profile, enforced on every client certificate after the handshake:
+//!
+//! - the extended key usage extension is present and lists `clientAuth` (webpki alone accepts a
+//!   certificate without the extension for any purpose);
+//! - the subject alternative names are URIs only, and exactly the identity's: one operator URI,
+//!   or exactly the run, grant and node URIs, with the grant digest in lower-case hex. A DNS,
+//!   IP or e-mail name, or any other URI, is refused.
+//!
+//! Node certificates ([`check_node_certificate`], checked by the controller when it connects and
+//! by `enroll --install`) list `serverAuth` and carry exactly one DNS name, the node's.
+//!
+//! The chain and the validity window are checked by rustls during the handshake; the validity
+//! window is checked again on every call, because a connection can outlive its certificate.
 
 use crate::validate::{NodeName, RunId, Validated};
 use std::fmt;
-use x509_parser::prelude::{FromDer, GeneralName, ParsedExtension, X509Certificate};
+use x509_parser::prelude::{FromDer, GeneralName, X509Certificate};
 
 pub const OPERATOR_PREFIX: &str = "urn:certistack:operator:";
 pub const RUN_PREFIX: &str = "urn:certistack:run:";
@@ -91,7 +101,18 @@ pub enum IdentityError {
     Ambiguous(String),
     #[error("the client certificate's identity is malformed: {0}")]
     Malformed(String),
+    #[error(
+        "the client certificate is not a CertiStack client certificate: {0}; issue it with certistack-ctl"
+    )]
+    Profile(String),
 }
+
+/// Why a node certificate does not fit the node profile.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the node certificate is not a CertiStack node certificate: {0}; sign the node's CSR with certistack-ctl node sign"
+)]
+pub struct NodeProfileError(pub String);
 
 /// Operator names: `[a-z0-9][a-z0-9._-]{0,63}`.
 pub fn check_operator_name(name: &str) -> Result<(), String> {
@@ -113,15 +134,38 @@ pub fn check_operator_name(name: &str) -> Result<(), String> {
 pub fn parse_client_certificate(der: &[u8]) -> Result<ClientIdentity, IdentityError> {
     let (_, cert) =
         X509Certificate::from_der(der).map_err(|e| IdentityError::Unparsable(e.to_string()))?;
+    let profile = |reason: &str| IdentityError::Profile(reason.to_owned());
+    let usage = cert
+        .extended_key_usage()
+        .map_err(|e| IdentityError::Unparsable(e.to_string()))?
+        .ok_or_else(|| profile("it has no extended key usage (clientAuth is required)"))?;
+    if !usage.value.client_auth {
+        return Err(profile("its extended key usage does not list clientAuth"));
+    }
+    let names = cert
+        .subject_alternative_name()
+        .map_err(|e| IdentityError::Unparsable(e.to_string()))?
+        .map(|san| san.value.general_names.as_slice())
+        .unwrap_or_default();
     let mut uris = Vec::new();
-    for ext in cert.extensions() {
-        if let ParsedExtension::SubjectAlternativeName(san) = ext.parsed_extension() {
-            for name in &san.general_names {
-                if let GeneralName::URI(uri) = name {
-                    uris.push(*uri);
-                }
+    for name in names {
+        match name {
+            GeneralName::URI(uri) => uris.push(*uri),
+            other => {
+                return Err(IdentityError::Profile(format!(
+                    "it carries the subject alternative name {other}; only the identity's URIs are allowed"
+                )));
             }
         }
+    }
+    if let Some(other) = uris.iter().find(|uri| {
+        ![OPERATOR_PREFIX, RUN_PREFIX, GRANT_PREFIX, NODE_PREFIX]
+            .iter()
+            .any(|prefix| uri.starts_with(prefix))
+    }) {
+        return Err(IdentityError::Profile(format!(
+            "it carries the URI {other:?}, which is not part of a CertiStack identity"
+        )));
     }
     let identity = identity_from_uris(&uris)?;
     Ok(ClientIdentity {
@@ -130,6 +174,40 @@ pub fn parse_client_certificate(der: &[u8]) -> Result<ClientIdentity, IdentityEr
         not_after_unix: cert.validity().not_after.timestamp(),
         serial_hex: hex::encode(cert.raw_serial()),
     })
+}
+
+/// Checks a node certificate (DER) against the node profile: `serverAuth` listed, and exactly one
+/// subject alternative name, a DNS name. That it is the expected node's name is the TLS server
+/// name check's business.
+pub fn check_node_certificate(der: &[u8]) -> Result<(), NodeProfileError> {
+    let fail = |reason: String| NodeProfileError(reason);
+    let (_, cert) = X509Certificate::from_der(der).map_err(|e| fail(e.to_string()))?;
+    let usage = cert
+        .extended_key_usage()
+        .map_err(|e| fail(e.to_string()))?
+        .ok_or_else(|| fail("it has no extended key usage (serverAuth is required)".into()))?;
+    if !usage.value.server_auth {
+        return Err(fail(
+            "its extended key usage does not list serverAuth".into(),
+        ));
+    }
+    let names = cert
+        .subject_alternative_name()
+        .map_err(|e| fail(e.to_string()))?
+        .map(|san| san.value.general_names.as_slice())
+        .unwrap_or_default();
+    match names {
+        [GeneralName::DNSName(_)] => Ok(()),
+        _ => Err(fail(format!(
+            "it carries {} subject alternative names ({}); a node certificate carries exactly its node name",
+            names.len(),
+            names
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))),
+    }
 }
 
 fn single<'a>(
@@ -178,8 +256,18 @@ fn identity_from_uris(uris: &[&str]) -> Result<Identity, IdentityError> {
                 IdentityError::Malformed("a run certificate must name its node".into())
             })?;
             let mut grant_sha256 = [0u8; 32];
+            let lower_hex = grant
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+            if !lower_hex {
+                return Err(IdentityError::Malformed(format!(
+                    "grant digest {grant:?} is not 64 lower-case hex characters"
+                )));
+            }
             hex::decode_to_slice(grant, &mut grant_sha256).map_err(|_| {
-                IdentityError::Malformed(format!("grant digest {grant:?} is not 64 hex characters"))
+                IdentityError::Malformed(format!(
+                    "grant digest {grant:?} is not 64 lower-case hex characters"
+                ))
             })?;
             let node = NodeName::validate(node).map_err(IdentityError::Malformed)?;
             Ok(Identity::Run {
@@ -220,6 +308,11 @@ mod tests {
         assert!(matches!(
             identity_from_uris(&[RUN, RUN, &grant, NODE]),
             Err(IdentityError::Ambiguous(_))
+        ));
+        let upper = format!("{GRANT_PREFIX}{}", "AB".repeat(32));
+        assert!(matches!(
+            identity_from_uris(&[RUN, &upper, NODE]),
+            Err(IdentityError::Malformed(m)) if m.contains("lower-case")
         ));
         let short = format!("{GRANT_PREFIX}abcd");
         assert!(matches!(

@@ -15,6 +15,7 @@ pub mod files;
 pub mod grant;
 pub mod identity;
 pub mod journal;
+pub mod known_fields;
 pub mod net;
 pub mod node;
 pub mod policy;

@@ -4,7 +4,7 @@
 //! authorizes it. The identity gate reads this data at run time; tests check that it agrees with
 //! the proto (every method has exactly one entry) and with the code (each action's rule name).
 
-use crate::identity::IdentityKind;
+use crate::identity::{ClientIdentity, IdentityKind};
 use std::collections::BTreeMap;
 
 pub const RPC_SURFACE_TOML: &str = include_str!("../../policy/rpc-surface.toml");
@@ -129,10 +129,12 @@ pub enum PolicyError {
     Inconsistent(String),
 }
 
-/// The identity gate built from the policy: which identity kinds may call which RPC.
+/// The identity gate built from the policy: which identity kinds may call which RPC, and how
+/// long an operator certificate may be valid (`limits.max_operator_cert_secs`).
 #[derive(Debug, Clone)]
 pub struct Gate {
     callers: BTreeMap<Rpc, Vec<IdentityKind>>,
+    max_operator_cert_secs: u64,
 }
 
 impl SurfacePolicy {
@@ -178,11 +180,44 @@ impl SurfacePolicy {
                 missing.name()
             )));
         }
-        Ok(Gate { callers })
+        Ok(Gate {
+            callers,
+            max_operator_cert_secs: crate::config::Limits::default().max_operator_cert_secs,
+        })
     }
 }
 
 impl Gate {
+    /// Operator certificates valid longer than `secs` (from `not_before` to `not_after`) are
+    /// refused, however much of that validity is left.
+    pub fn with_max_operator_cert_secs(mut self, secs: u64) -> Self {
+        self.max_operator_cert_secs = secs;
+        self
+    }
+
+    /// Refuses a certificate the node must not accept whatever it calls: an operator
+    /// certificate valid longer than the limit. Operator certificates cannot be revoked, so
+    /// only a short life bounds what a leaked one is worth.
+    pub fn admits(&self, client: &ClientIdentity) -> Result<(), String> {
+        if client.identity.kind() != IdentityKind::Operator {
+            return Ok(());
+        }
+        let span = client
+            .not_after_unix
+            .checked_sub(client.not_before_unix)
+            .and_then(|span| u64::try_from(span).ok());
+        match span {
+            Some(span) if span <= self.max_operator_cert_secs => Ok(()),
+            _ => Err(format!(
+                "the operator certificate (serial {}) is valid from {} to {}, longer than the {} s this node accepts (limits.max_operator_cert_secs); mint a fresh one with certistack-ctl",
+                client.serial_hex,
+                client.not_before_unix,
+                client.not_after_unix,
+                self.max_operator_cert_secs
+            )),
+        }
+    }
+
     pub fn allows(&self, rpc: Rpc, kind: IdentityKind) -> bool {
         self.callers
             .get(&rpc)
@@ -193,6 +228,7 @@ impl Gate {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::identity::Identity;
 
     #[test]
     fn compiled_policy_builds_a_gate() {
@@ -215,6 +251,40 @@ mod tests {
             .map(Rpc::name)
             .collect();
         assert_eq!(operator, ["Hello", "ReadJournal", "ListRuns", "Cleanup"]);
+    }
+
+    #[test]
+    fn operator_certificates_longer_than_the_limit_are_refused() {
+        let gate = SurfacePolicy::compiled()
+            .unwrap()
+            .gate()
+            .unwrap()
+            .with_max_operator_cert_secs(600);
+        let operator = |not_before_unix, not_after_unix| ClientIdentity {
+            identity: Identity::Operator {
+                name: "alice".into(),
+            },
+            not_before_unix,
+            not_after_unix,
+            serial_hex: "01".into(),
+        };
+        assert_eq!(gate.admits(&operator(1_000, 1_600)), Ok(()));
+        let refused = gate.admits(&operator(1_000, 1_601)).unwrap_err();
+        assert!(refused.contains("max_operator_cert_secs"), "{refused}");
+        assert!(gate.admits(&operator(i64::MIN, i64::MAX)).is_err());
+        assert!(gate.admits(&operator(1_600, 1_000)).is_err());
+        // Run certificates live until their grant's deadline, checked by BeginRun instead.
+        let run = ClientIdentity {
+            identity: Identity::Run {
+                run_id: crate::validate::Validated::validate(crate::grant::tests::RUN).unwrap(),
+                grant_sha256: [0; 32],
+                node: crate::validate::Validated::validate("pve1").unwrap(),
+            },
+            not_before_unix: 0,
+            not_after_unix: 86_400,
+            serial_hex: "02".into(),
+        };
+        assert_eq!(gate.admits(&run), Ok(()));
     }
 
     #[test]

@@ -161,16 +161,73 @@ struct Inherited {
     child_fd: RawFd,
 }
 
+/// Secrets one call may pass: the child-side move list is a fixed array, because the code
+/// between fork and exec must not allocate.
+pub const MAX_SECRETS: usize = 8;
+
+/// Checks the descriptor numbers the child is to receive before anything is created: at most
+/// [`MAX_SECRETS`], none of them 0–2 (stdio), no number twice.
+fn check_targets(secrets: &[SecretInput]) -> std::io::Result<()> {
+    if secrets.len() > MAX_SECRETS {
+        return Err(std::io::Error::other(format!(
+            "{} secrets for one call; at most {MAX_SECRETS}",
+            secrets.len()
+        )));
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    for secret in secrets {
+        if secret.child_fd < 3 {
+            return Err(std::io::Error::other(format!(
+                "descriptor {} is stdio; a secret goes on 3 or above",
+                secret.child_fd
+            )));
+        }
+        if !seen.insert(secret.child_fd) {
+            return Err(std::io::Error::other(format!(
+                "two secrets for descriptor {}",
+                secret.child_fd
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Checks, then creates, the descriptors for every secret of a call.
+fn prepare_secrets(secrets: &[SecretInput]) -> std::io::Result<Vec<Inherited>> {
+    check_targets(secrets)?;
+    secrets.iter().map(prepare_secret).collect()
+}
+
+/// Writes all of `bytes` into the pipe, or fails: a password cut short would be a wrong
+/// password, and the tool would say only that authentication failed.
+fn fill_pipe(write: &OwnedFd, bytes: &[u8]) -> std::io::Result<()> {
+    // Non-blocking: the only reader is a child not started yet, so a pipe that cannot take the
+    // whole secret (a pipe shrunk by fs.pipe-user-pages-soft holds one page) must fail, not hang.
+    rustix::fs::fcntl_setfl(write, rustix::fs::OFlags::NONBLOCK)?;
+    let mut written = 0;
+    while let Some(rest) = bytes.get(written..).filter(|rest| !rest.is_empty()) {
+        match rustix::io::write(write, rest) {
+            Ok(0) => return Err(std::io::Error::from(std::io::ErrorKind::WriteZero)),
+            Ok(n) => written += n,
+            Err(rustix::io::Errno::INTR) => {}
+            Err(rustix::io::Errno::AGAIN) => {
+                return Err(std::io::Error::other(format!(
+                    "the pipe took {written} of the secret's {} bytes",
+                    bytes.len()
+                )));
+            }
+            Err(error) => return Err(error.into()),
+        }
+    }
+    Ok(())
+}
+
 fn prepare_secret(secret: &SecretInput) -> std::io::Result<Inherited> {
     let fd = match secret.kind {
         SecretKind::Pipe => {
             let (read, write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
-            // A password is far below the pipe buffer (64 KiB), so this never blocks; the
-            // write end is closed before the child starts, so the child reads to EOF.
-            if secret.bytes.len() >= 64 * 1024 {
-                return Err(std::io::Error::other("secret larger than a pipe buffer"));
-            }
-            rustix::io::write(&write, &secret.bytes)?;
+            fill_pipe(&write, &secret.bytes)?;
+            // Closed before the child starts, so the child reads to EOF.
             drop(write);
             read
         }
@@ -181,8 +238,13 @@ fn prepare_secret(secret: &SecretInput) -> std::io::Result<Inherited> {
                 MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
             )?;
             let mut written = 0;
-            while written < secret.bytes.len() {
-                written += rustix::io::write(&fd, secret.bytes.get(written..).unwrap_or_default())?;
+            while let Some(rest) = secret.bytes.get(written..).filter(|rest| !rest.is_empty()) {
+                match rustix::io::write(&fd, rest) {
+                    Ok(0) => return Err(std::io::Error::from(std::io::ErrorKind::WriteZero)),
+                    Ok(n) => written += n,
+                    Err(rustix::io::Errno::INTR) => {}
+                    Err(error) => return Err(error.into()),
+                }
             }
             rustix::fs::fcntl_add_seals(
                 &fd,
@@ -212,26 +274,14 @@ pub async fn run(call: ToolCall) -> Result<ToolOutput, ToolError> {
         .stderr(Stdio::piped())
         .process_group(0)
         .kill_on_drop(true);
-    let inherited = call
-        .secrets
-        .iter()
-        .map(prepare_secret)
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|error| ToolError::Secret {
-            program: name.clone(),
-            error,
-        })?;
-    if inherited.len() > 8 {
-        return Err(ToolError::Secret {
-            program: name,
-            error: std::io::Error::other("at most 8 secrets per call"),
-        });
-    }
-    let moves: Vec<(RawFd, RawFd)> = inherited
-        .iter()
-        .map(|i| (i.fd.as_raw_fd(), i.child_fd))
-        .collect();
-    install_descriptors(&mut command, moves);
+    let inherited = prepare_secrets(&call.secrets).map_err(|error| ToolError::Secret {
+        program: name.clone(),
+        error,
+    })?;
+    install_descriptors(&mut command, &inherited).map_err(|error| ToolError::Secret {
+        program: name.clone(),
+        error,
+    })?;
     let started = Instant::now();
     let mut child = command.spawn().map_err(|error| ToolError::Spawn {
         program: name.clone(),
@@ -336,57 +386,76 @@ async fn capture(
     }
 }
 
-/// Moves each prepared descriptor to the number the child expects, between fork and exec,
-/// and marks every other descriptor above them close-on-exec, so the child inherits exactly
-/// 0, 1, 2 and the secrets (whatever the daemon itself inherited, e.g. a jobserver pipe).
+/// Moves each prepared descriptor to the number the child expects, between fork and exec, so the
+/// child inherits exactly 0, 1, 2 and the secrets' descriptors: every other descriptor from 3
+/// up — below, between and above the targets, whatever the daemon itself inherited (a
+/// jobserver pipe, a descriptor a library opened without close-on-exec) — is marked
+/// close-on-exec first.
 #[allow(unsafe_code)]
-fn install_descriptors(command: &mut tokio::process::Command, moves: Vec<(RawFd, RawFd)>) {
-    const PARKING: libc::c_int = 1000;
+fn install_descriptors(
+    command: &mut tokio::process::Command,
+    inherited: &[Inherited],
+) -> std::io::Result<()> {
     const CLOSE_RANGE_CLOEXEC: libc::c_uint = 1 << 2;
-    let first_free = moves
+    // A fixed array: the child must not allocate. `prepare_secrets` already refused more.
+    let mut moves = [(-1 as libc::c_int, -1 as libc::c_int); MAX_SECRETS];
+    if inherited.len() > moves.len() {
+        return Err(std::io::Error::other(format!(
+            "{} descriptors for one call; at most {MAX_SECRETS}",
+            inherited.len()
+        )));
+    }
+    for (slot, descriptor) in moves.iter_mut().zip(inherited) {
+        *slot = (descriptor.fd.as_raw_fd(), descriptor.child_fd);
+    }
+    let count = inherited.len();
+    // Sources are parked at or above this, above every target, so no move overwrites a source
+    // still to be moved. F_DUPFD takes the lowest free number from here: under a low
+    // RLIMIT_NOFILE a fixed high floor (say 1000) would fail with EINVAL.
+    let park_floor = inherited
         .iter()
-        .map(|&(_, target)| target + 1)
+        .map(|descriptor| descriptor.child_fd)
         .max()
-        .unwrap_or(3)
-        .max(3);
+        .map_or(3, |highest| highest.saturating_add(1));
     // SAFETY: the closure runs in the forked child before exec, where only async-signal-safe
-    // functions may be called. It calls only fcntl(2), dup2(2), close(2) and close_range(2) (Linux 5.11+),
-    // which are; it touches no allocator or lock (`moves` was allocated before the fork and
-    // is only read); it reports failure through the returned io::Error, which the standard
-    // library forwards to the parent.
+    // functions may be called. It calls only fcntl(2), dup2(2), close(2) and close_range(2)
+    // (Linux 5.11+), which are; it touches no allocator or lock (`moves` is a copied array);
+    // it reports failure through the returned io::Error, which the standard library forwards to
+    // the parent.
     unsafe {
         command.pre_exec(move || {
-            // Park every source above the targets first, so a move cannot overwrite a source
-            // that is still to be moved.
-            let mut parked = [0 as libc::c_int; 8];
-            for (slot, &(fd, _)) in parked.iter_mut().zip(&moves) {
-                let high = libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, PARKING);
-                if high == -1 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                *slot = high;
-            }
-            for (&high, &(_, target)) in parked.iter().zip(&moves) {
-                // dup2 clears close-on-exec on the new descriptor.
-                if libc::dup2(high, target) == -1 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                libc::close(high);
-            }
-            // Mark the rest close-on-exec rather than closing it: the standard library reports
-            // a failed exec through a close-on-exec pipe that must stay open until exec.
+            let moves = moves.get(..count).unwrap_or_default();
+            // Everything from 3 up becomes close-on-exec (not closed: the standard library
+            // reports a failed exec through a close-on-exec pipe that must stay open until
+            // exec). dup2 below clears the flag on exactly the targets.
             if libc::syscall(
                 libc::SYS_close_range,
-                first_free as libc::c_uint,
+                3 as libc::c_uint,
                 libc::c_uint::MAX,
                 CLOSE_RANGE_CLOEXEC,
             ) == -1
             {
                 return Err(std::io::Error::last_os_error());
             }
+            let mut parked = [-1 as libc::c_int; MAX_SECRETS];
+            for (slot, &(fd, _)) in parked.iter_mut().zip(moves) {
+                let high = libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, park_floor);
+                if high == -1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                *slot = high;
+            }
+            for (&high, &(_, target)) in parked.iter().zip(moves) {
+                // dup2 clears close-on-exec on the new descriptor.
+                if libc::dup2(high, target) == -1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                libc::close(high);
+            }
             Ok(())
         });
     }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -444,6 +513,143 @@ mod tests {
             ["0", "1", "2", "3", "4"],
             "descriptors in the child: {fds:?}"
         );
+    }
+
+    fn pipe_secret(child_fd: RawFd, bytes: &[u8]) -> SecretInput {
+        SecretInput {
+            child_fd,
+            bytes: Zeroizing::new(bytes.to_vec()),
+            kind: SecretKind::Pipe,
+        }
+    }
+
+    /// The shell's descriptors (`ls /proc/$$/fd`), sorted numerically.
+    fn listed_fds(listing: &str) -> Vec<RawFd> {
+        let mut fds: Vec<RawFd> = listing
+            .split_whitespace()
+            .map(|n| n.parse().unwrap())
+            .collect();
+        fds.sort_unstable();
+        fds
+    }
+
+    #[tokio::test]
+    async fn inheritable_descriptors_below_the_highest_target_do_not_leak() {
+        // Descriptors the daemon holds without close-on-exec, as a library or an inherited
+        // jobserver might leave them. Their numbers lie below the highest target.
+        let null = std::fs::File::open("/dev/null").unwrap();
+        let leaky_a = rustix::io::dup(&null).unwrap();
+        let leaky_b = rustix::io::dup(&null).unwrap();
+        let highest_leaky = leaky_a.as_raw_fd().max(leaky_b.as_raw_fd());
+        let (first, second) = (highest_leaky + 1, highest_leaky + 3);
+        let call = sh(&format!(
+            "ls /proc/$$/fd; printf '|'; cat /proc/self/fd/{first}; printf '|'; cat /proc/self/fd/{second}"
+        ))
+        .secret(pipe_secret(first, b"hunter2"))
+        .secret(SecretInput {
+            child_fd: second,
+            bytes: Zeroizing::new(b"key".to_vec()),
+            kind: SecretKind::Memfd,
+        });
+        let out = run(call).await.unwrap();
+        let parts: Vec<&str> = out.stdout.split('|').collect();
+        assert_eq!(parts[1], "hunter2", "{}", out.stderr);
+        assert_eq!(parts[2], "key");
+        assert_eq!(
+            listed_fds(parts[0]),
+            [0, 1, 2, first, second],
+            "{} and {} were open in the parent without close-on-exec",
+            leaky_a.as_raw_fd(),
+            leaky_b.as_raw_fd()
+        );
+    }
+
+    #[tokio::test]
+    #[allow(unsafe_code)]
+    async fn descriptors_are_placed_under_a_low_open_file_limit() {
+        let secrets = [pipe_secret(3, b"hunter2"), pipe_secret(5, b"second")];
+        let inherited = prepare_secrets(&secrets).unwrap();
+        let mut command = tokio::process::Command::new("/bin/sh");
+        command
+            .arg("-c")
+            .arg("ls /proc/$$/fd; printf '|'; cat <&3; printf '|'; cat <&5")
+            .env_clear()
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        // SAFETY: setrlimit(2) is async-signal-safe and the closure allocates nothing. It runs
+        // before the descriptor moves registered below, so they happen under a limit of 64
+        // open files, as in a daemon started with `LimitNOFILE=64`.
+        unsafe {
+            command.pre_exec(|| {
+                let limit = libc::rlimit {
+                    rlim_cur: 64,
+                    rlim_max: 64,
+                };
+                if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) == -1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        install_descriptors(&mut command, &inherited).unwrap();
+        let out = command.output().await.unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let stdout = String::from_utf8(out.stdout).unwrap();
+        let parts: Vec<&str> = stdout.split('|').collect();
+        assert_eq!(listed_fds(parts[0]), [0, 1, 2, 3, 5]);
+        assert_eq!((parts[1], parts[2]), ("hunter2", "second"));
+    }
+
+    #[test]
+    fn targets_are_checked_before_any_descriptor_is_made() {
+        let nine: Vec<SecretInput> = (3..12).map(|fd| pipe_secret(fd, b"x")).collect();
+        let error = prepare_secrets(&nine).err().unwrap();
+        assert!(error.to_string().contains("at most 8"), "{error}");
+        let error = prepare_secrets(&[pipe_secret(1, b"x")]).err().unwrap();
+        assert!(error.to_string().contains("stdio"), "{error}");
+        let error = prepare_secrets(&[pipe_secret(3, b"x"), pipe_secret(3, b"y")])
+            .err()
+            .unwrap();
+        assert!(error.to_string().contains("two secrets"), "{error}");
+        // The move list itself refuses a ninth descriptor instead of dropping it.
+        let inherited: Vec<Inherited> = (3..12)
+            .map(|child_fd| Inherited {
+                fd: rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
+                    .unwrap()
+                    .0,
+                child_fd,
+            })
+            .collect();
+        let mut command = tokio::process::Command::new("/bin/true");
+        assert!(install_descriptors(&mut command, &inherited).is_err());
+    }
+
+    #[test]
+    fn a_secret_the_pipe_cannot_hold_is_an_error_not_a_short_write() {
+        let (read, write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).unwrap();
+        // The smallest pipe the kernel makes: one page, as under fs.pipe-user-pages-soft.
+        rustix::pipe::fcntl_setpipe_size(&write, 4096).unwrap();
+        let capacity = rustix::pipe::fcntl_getpipe_size(&write).unwrap();
+        let error = fill_pipe(&write, &vec![b'x'; capacity + 1]).unwrap_err();
+        assert!(
+            error.to_string().contains(&format!(
+                "took {capacity} of the secret's {} bytes",
+                capacity + 1
+            )),
+            "{error}"
+        );
+        drop(read);
+        let (read, write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).unwrap();
+        fill_pipe(&write, b"hunter2").unwrap();
+        drop(write);
+        let mut buffer = [0u8; 16];
+        let n = rustix::io::read(&read, &mut buffer).unwrap();
+        assert_eq!(&buffer[..n], b"hunter2");
     }
 
     #[tokio::test]

@@ -127,7 +127,9 @@ impl Connector {
         )?;
         let tls = tls::server_config(chain, key, tls::ca_roots(&ca)?)?;
         let authority = load_authority_key(&config.tls.run_authority_public_key)?;
-        let gate = SurfacePolicy::compiled()?.gate()?;
+        let gate = SurfacePolicy::compiled()?
+            .gate()?
+            .with_max_operator_cert_secs(config.limits.max_operator_cert_secs);
         files::create_private_dir(&config.paths.state_dir)?;
         let runs = Arc::new(RunRegistry::open(
             &config.paths.state_dir,

@@ -211,6 +211,9 @@ impl ConnectorService {
                 peer.client.serial_hex, peer.client.not_before_unix, peer.client.not_after_unix
             ))));
         }
+        self.gate
+            .admits(&peer.client)
+            .map_err(|reason| refuse(Status::unauthenticated(reason)))?;
         let kind = peer.client.identity.kind();
         if !self.gate.allows(rpc, kind) {
             return Err(refuse(Status::permission_denied(format!(
@@ -362,6 +365,8 @@ impl Connector for ConnectorService {
             capabilities: capabilities.into_iter().map(str::to_owned).collect(),
             node_time_unix_ms: self.clock.now_unix_ms(),
             peer_identity: peer.client.identity.to_string(),
+            source_commit: certistack_proto::SOURCE_COMMIT.to_owned(),
+            source_tree_dirty: certistack_proto::SOURCE_TREE_DIRTY,
         }))
     }
 

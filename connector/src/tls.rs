@@ -3,7 +3,9 @@
 //! - TLS 1.3 only, the ring provider only, installed once per process;
 //! - the connector requires a client certificate chaining to the controller CA (no anonymous
 //!   clients, no other roots) and reads the client's identity from it after the handshake;
-//! - the controller verifies the node's chain against the same CA and the node's name.
+//! - the controller verifies the node's chain against the same CA and the node's name, and that
+//!   the certificate fits the node profile (`serverAuth`, exactly one DNS name; see
+//!   [`crate::identity`]).
 //!
 //! There is no option to skip verification, in any build.
 
@@ -103,18 +105,78 @@ pub fn server_config(
     Ok(Arc::new(config))
 }
 
-/// The controller's client config: TLS 1.3, the node verified against `ca`, our identity presented.
+/// The controller's client config: TLS 1.3, the node verified against `ca` and the node
+/// profile, our identity presented.
 pub fn client_config(
     ca: Arc<RootCertStore>,
     chain: Vec<CertificateDer<'static>>,
     key: PrivateKeyDer<'static>,
 ) -> Result<Arc<ClientConfig>, TlsError> {
+    let chain_check = rustls::client::WebPkiServerVerifier::builder_with_provider(ca, provider())
+        .build()
+        .map_err(|e| TlsError::Verifier(e.to_string()))?;
     let mut config = ClientConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])?
-        .with_root_certificates(ca)
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(NodeCertificateVerifier { chain_check }))
         .with_client_auth_cert(chain, key)?;
     config.alpn_protocols = vec![ALPN_H2.to_vec()];
     Ok(Arc::new(config))
+}
+
+/// The controller's view of a node certificate: webpki's chain, validity and name checks, then
+/// the node profile, which webpki does not enforce (it accepts a certificate without an
+/// extended key usage for any purpose).
+#[derive(Debug)]
+struct NodeCertificateVerifier {
+    chain_check: Arc<rustls::client::WebPkiServerVerifier>,
+}
+
+impl rustls::client::danger::ServerCertVerifier for NodeCertificateVerifier {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp_response: &[u8],
+        now: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        let verified = self.chain_check.verify_server_cert(
+            end_entity,
+            intermediates,
+            server_name,
+            ocsp_response,
+            now,
+        )?;
+        crate::identity::check_node_certificate(end_entity).map_err(|error| {
+            rustls::Error::InvalidCertificate(rustls::CertificateError::Other(rustls::OtherError(
+                Arc::new(error),
+            )))
+        })?;
+        Ok(verified)
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.chain_check.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.chain_check.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.chain_check.supported_verify_schemes()
+    }
 }
 
 /// What the connector learned about the client during the handshake; tonic hands it to every
@@ -280,6 +342,9 @@ fn classify(address: String, error: &(dyn std::error::Error + 'static)) -> Conne
                     ConnectError::WrongNode(address, certificate_error.to_string())
                 }
                 E::UnknownIssuer | E::BadSignature => ConnectError::UnknownIssuer(address),
+                E::Other(_) | E::InvalidPurpose | E::InvalidPurposeContext { .. } => {
+                    ConnectError::NotANode(address, certificate_error.to_string())
+                }
                 _ => ConnectError::Transport(
                     address,
                     rustls_error.map(|e| e.to_string()).unwrap_or_default(),
@@ -316,4 +381,6 @@ pub enum ConnectError {
         "the connector at {0} presents a certificate not issued by this controller's CA; enroll the node with this CA"
     )]
     UnknownIssuer(String),
+    #[error("the connector at {0} is refused: {1}")]
+    NotANode(String, String),
 }

@@ -4,13 +4,17 @@
 //! the run-authority key (Ed25519; signs run grants) and the report-signing key (Ed25519; signs
 //! reports). Private keys are PKCS#8 PEM files of mode 0600 and are refused when group- or
 //! world-accessible. The node never receives any of them.
+//!
+//! Ed25519 keys are written as PKCS#8 v1 (RFC 8410: the private key alone, what `openssl genpkey
+//! -algorithm ed25519` writes), which OpenSSL 3 and Python's `cryptography` load; v2 files with
+//! an embedded public key, as earlier releases wrote, are still read.
 
 use certistack_connector::files::{self, FileError};
 use certistack_connector::identity::Identity;
 use certistack_connector::validate::Validated;
 use ed25519_dalek::SigningKey;
 use ed25519_dalek::pkcs8::{
-    DecodePrivateKey, EncodePrivateKey, EncodePublicKey, spki::der::pem::LineEnding,
+    DecodePrivateKey, EncodePrivateKey, EncodePublicKey, KeypairBytes, spki::der::pem::LineEnding,
 };
 use rand_core::{OsRng, RngCore};
 use rcgen::{
@@ -29,7 +33,8 @@ pub const REPORT_PUB: &str = "report-signing.pub";
 
 const CA_LIFETIME: Duration = Duration::days(3650);
 pub const NODE_CERT_LIFETIME: Duration = Duration::days(397);
-/// Operator certificates minted for one CLI invocation.
+/// Operator certificates minted for one CLI invocation: the whole validity, clock-skew margin
+/// included, so that nodes enforcing `limits.max_operator_cert_secs` (default 600) accept it.
 pub const OPERATOR_CERT_LIFETIME: Duration = Duration::minutes(10);
 /// Tolerated clock difference between controller and node when a certificate starts.
 const CLOCK_SKEW: Duration = Duration::seconds(60);
@@ -89,9 +94,12 @@ fn ed25519_pem(
         path: path.to_owned(),
         reason,
     };
-    let private = key
-        .to_pkcs8_pem(LineEnding::LF)
-        .map_err(|e| err(e.to_string()))?;
+    let private = KeypairBytes {
+        secret_key: key.to_bytes(),
+        public_key: None,
+    }
+    .to_pkcs8_pem(LineEnding::LF)
+    .map_err(|e| err(e.to_string()))?;
     let public = key
         .verifying_key()
         .to_public_key_pem(LineEnding::LF)
@@ -99,8 +107,9 @@ fn ed25519_pem(
     Ok((private, public))
 }
 
-/// Creates the state directory with a new CA, run-authority key and report-signing key.
-pub fn init(dir: &Path, now: OffsetDateTime) -> Result<(), AuthorityError> {
+/// Creates the state directory with a new CA, run-authority key and report-signing key, and
+/// returns the CA fingerprint nodes pin when they enroll.
+pub fn init(dir: &Path, now: OffsetDateTime) -> Result<String, AuthorityError> {
     files::create_private_dir(dir)?;
     for name in [
         CA_KEY,
@@ -146,7 +155,19 @@ pub fn init(dir: &Path, now: OffsetDateTime) -> Result<(), AuthorityError> {
     files::write_new(&dir.join(RUN_AUTHORITY_PUB), run_public.as_bytes(), 0o644)?;
     files::write_new(&dir.join(REPORT_KEY), report_private.as_bytes(), 0o600)?;
     files::write_new(&dir.join(REPORT_PUB), report_public.as_bytes(), 0o644)?;
-    Ok(())
+    Ok(certistack_connector::enroll::ca_fingerprint(ca_cert.der()))
+}
+
+/// `sha256:<hex>` of the DER of the one certificate in `ca_pem`.
+pub fn ca_fingerprint_of(ca_pem: &str) -> Result<String, AuthorityError> {
+    let certs = certistack_connector::tls::parse_certificates(ca_pem, CA_CERT).map_err(cert_err)?;
+    match certs.as_slice() {
+        [ca] => Ok(certistack_connector::enroll::ca_fingerprint(ca)),
+        _ => Err(AuthorityError::Certificate(format!(
+            "{CA_CERT} holds {} certificates, expected the CA alone",
+            certs.len()
+        ))),
+    }
 }
 
 fn load_ed25519(path: &Path) -> Result<SigningKey, AuthorityError> {
@@ -199,6 +220,12 @@ impl Authority {
 
     pub fn ca_pem(&self) -> &str {
         &self.ca_pem
+    }
+
+    /// `sha256:<hex>` of the CA certificate's DER, which `enroll --install --ca-fingerprint`
+    /// requires.
+    pub fn ca_fingerprint(&self) -> Result<String, AuthorityError> {
+        ca_fingerprint_of(&self.ca_pem)
     }
 
     pub fn run_authority(&self) -> &SigningKey {
@@ -292,7 +319,7 @@ impl Authority {
                 name: name.to_owned(),
             },
             now - CLOCK_SKEW,
-            now + OPERATOR_CERT_LIFETIME,
+            now - CLOCK_SKEW + OPERATOR_CERT_LIFETIME,
         )
     }
 }

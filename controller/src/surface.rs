@@ -1,9 +1,10 @@
 //! The compiled RPC surface, as `certistack-ctl surface` prints it.
 
-use certistack_proto::{SERVICE_NAME, SURFACE_DESCRIPTOR, SURFACE_DIGEST};
+use certistack_proto::{SERVICE_NAME, SURFACE_DESCRIPTOR, SURFACE_DIGEST, SURFACE_PARTS};
 use prost::Message;
 
-/// One line per RPC (`/service/Method request -> reply`), then `digest: sha256:<hex>`.
+/// One line per RPC (`/service/Method request -> reply`), one line per part the digest covers
+/// (`part: <label> sha256:<hex of its content>`), then `digest: sha256:<hex>`.
 pub fn describe() -> Result<String, prost::DecodeError> {
     let file = prost_types::FileDescriptorProto::decode(SURFACE_DESCRIPTOR)?;
     let mut out = String::new();
@@ -21,6 +22,9 @@ pub fn describe() -> Result<String, prost::DecodeError> {
                 short(method.input_type())
             ));
         }
+    }
+    for (label, digest) in SURFACE_PARTS {
+        out.push_str(&format!("part: {label} {digest}\n"));
     }
     out.push_str(&format!("digest: {SURFACE_DIGEST}\n"));
     Ok(out)

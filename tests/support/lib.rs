@@ -187,6 +187,7 @@ pub fn enroll(authority: &Authority, dir: &Path, node: &str) -> Config {
         &config,
         &cert_file,
         &authority.dir().join(authority::CA_CERT),
+        &authority.ca_fingerprint().unwrap().parse().unwrap(),
         &authority.dir().join(authority::RUN_AUTHORITY_PUB),
     )
     .unwrap();

@@ -43,12 +43,16 @@ struct EnrollArgs {
     #[arg(long)]
     csr: bool,
     /// Install the certificate signed by `certistack-ctl node sign`, the CA and the run-authority key.
-    #[arg(long, requires_all = ["certificate", "ca", "run_authority"])]
+    #[arg(long, requires_all = ["certificate", "ca", "ca_fingerprint", "run_authority"])]
     install: bool,
     #[arg(long, requires = "install")]
     certificate: Option<PathBuf>,
     #[arg(long, requires = "install")]
     ca: Option<PathBuf>,
+    /// The CA certificate's fingerprint as `certistack-ctl ca init` printed it (sha256:<hex>);
+    /// the CA file is installed only if it matches.
+    #[arg(long, requires = "install")]
+    ca_fingerprint: Option<enroll::CaFingerprint>,
     #[arg(long, requires = "install")]
     run_authority: Option<PathBuf>,
 }
@@ -109,14 +113,17 @@ fn run(cli: Cli) -> Result<(), Failure> {
             Ok(())
         }
         Command::Enroll(args) => {
-            let (Some(certificate), Some(ca), Some(authority)) =
-                (args.certificate, args.ca, args.run_authority)
-            else {
+            let (Some(certificate), Some(ca), Some(fingerprint), Some(authority)) = (
+                args.certificate,
+                args.ca,
+                args.ca_fingerprint,
+                args.run_authority,
+            ) else {
                 return Err(Failure::Refused(anyhow::anyhow!(
-                    "--install needs --certificate, --ca and --run-authority"
+                    "--install needs --certificate, --ca, --ca-fingerprint and --run-authority"
                 )));
             };
-            enroll::install(&config, &certificate, &ca, &authority)
+            enroll::install(&config, &certificate, &ca, &fingerprint, &authority)
                 .map_err(|e| Failure::Refused(e.into()))?;
             println!(
                 "installed {}, {} and {}",

@@ -111,11 +111,12 @@ fn run(cli: Cli) -> Result<(), Failure> {
     let now = OffsetDateTime::now_utc();
     match cli.command {
         Command::Ca(CaCommand::Init { state_dir }) => {
-            authority::init(&state_dir, now).map_err(local)?;
+            let fingerprint = authority::init(&state_dir, now).map_err(local)?;
             println!(
                 "created CA, run-authority and report-signing keys in {}",
                 state_dir.display()
             );
+            println!("CA fingerprint: {fingerprint}");
             Ok(())
         }
         Command::Node(NodeCommand::Sign {
@@ -128,19 +129,23 @@ fn run(cli: Cli) -> Result<(), Failure> {
             let csr = std::fs::read_to_string(&csr)
                 .map_err(|e| local(format!("cannot read {}: {e}", csr.display())))?;
             let certificate = authority.sign_node_csr(&csr, &node, now).map_err(local)?;
+            let fingerprint = authority.ca_fingerprint().map_err(local)?;
             match out {
                 Some(path) => {
                     std::fs::write(&path, certificate)
                         .map_err(|e| local(format!("cannot write {}: {e}", path.display())))?;
                     println!(
-                        "issued {} for node {node}; install it on the node with\n  certistack-connector enroll --install --certificate {} --ca {} --run-authority {}",
+                        "issued {} for node {node}; install it on the node with\n  certistack-connector enroll --install --certificate {} --ca {} --ca-fingerprint {fingerprint} --run-authority {}",
                         path.display(),
                         path.display(),
                         state_dir.join(authority::CA_CERT).display(),
                         state_dir.join(authority::RUN_AUTHORITY_PUB).display()
                     );
                 }
-                None => print!("{certificate}"),
+                None => {
+                    print!("{certificate}");
+                    eprintln!("CA fingerprint: {fingerprint}");
+                }
             }
             Ok(())
         }
@@ -176,14 +181,25 @@ fn hello(args: HelloArgs, now: OffsetDateTime) -> Result<(), Failure> {
         client::NodeError::SurfaceDigest { .. }
         | client::NodeError::NodeName { .. }
         | client::NodeError::Connect(
-            ConnectError::WrongNode(..) | ConnectError::UnknownIssuer(_),
+            ConnectError::WrongNode(..)
+            | ConnectError::UnknownIssuer(_)
+            | ConnectError::NotANode(..),
         ) => Failure::Mismatch(error.to_string()),
         client::NodeError::Tls(_) => Failure::Local(error.to_string()),
         _ => Failure::Unreachable(error.to_string()),
     })?;
     let skew_ms = reply.node_time_unix_ms - (now.unix_timestamp_nanos() / 1_000_000) as i64;
     println!("node: {}", reply.node_name);
-    println!("version: {}", reply.daemon_version);
+    println!(
+        "version: {} (source {}{})",
+        reply.daemon_version,
+        reply.source_commit,
+        if reply.source_tree_dirty {
+            ", with uncommitted changes"
+        } else {
+            ""
+        }
+    );
     println!("surface: {} (matches)", reply.surface_digest);
     println!("capabilities: {}", reply.capabilities.join(" "));
     println!(
