@@ -289,17 +289,14 @@ impl NodeExecutor {
         let touched_network = records
             .iter()
             .any(|r| Resource::parse(&r.entry.resource).is_network());
-        let mut residue: Vec<String> = resources::open_newest_first(&records)
+        let open: Vec<String> = resources::open_newest_first(&records)
             .into_iter()
-            .map(|s| {
-                format!(
-                    "{} is still open ({} {})",
-                    s.key,
-                    s.last.entry.op,
-                    s.last.entry.phase.name()
-                )
-            })
+            .map(|s| s.key)
             .collect();
+        let mut residue = Vec::new();
+        if !open.is_empty() {
+            residue.push(format!("open in its journal: {}", open.join(", ")));
+        }
         residue.extend(self.residue(&run.grant, touched_network).await);
         Ok(residue)
     }

@@ -22,7 +22,7 @@ use certistack_proto::v1 as pb;
 use rustix::fs::{AtFlags, Mode, OFlags};
 use serde_json::json;
 use std::os::fd::OwnedFd;
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
 /// Refuses a directory that another user could change under the daemon.
@@ -278,11 +278,22 @@ impl NodeExecutor {
         }))
     }
 
-    /// Opens the overlay root, checked (the run directory may not exist yet).
+    /// Opens the overlay root, checked (the run directory may not exist yet). A missing root
+    /// is created, private to the connector.
     fn open_overlay_root(&self) -> Result<OwnedFd, ExecError> {
         let root_path = &self.config.paths.overlay_root;
-        let root = rustix::fs::open(root_path, DIRECTORY_FLAGS, Mode::empty())
-            .map_err(|e| io_refusal("overlay root", root_path, e))?;
+        let root = match rustix::fs::open(root_path, DIRECTORY_FLAGS, Mode::empty()) {
+            Err(rustix::io::Errno::NOENT) => {
+                std::fs::DirBuilder::new()
+                    .recursive(true)
+                    .mode(0o700)
+                    .create(root_path)
+                    .map_err(|e| io_refusal("overlay root", root_path, e))?;
+                rustix::fs::open(root_path, DIRECTORY_FLAGS, Mode::empty())
+            }
+            opened => opened,
+        }
+        .map_err(|e| io_refusal("overlay root", root_path, e))?;
         let stat = rustix::fs::fstat(&root).map_err(|e| io_refusal("overlay root", root_path, e))?;
         check_directory(
             "overlay root",

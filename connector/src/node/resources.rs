@@ -171,7 +171,7 @@ impl EndState {
             EndState::AlreadyGone => "already gone".into(),
             EndState::NeverCreated => "never created".into(),
             EndState::NotOurs => "not this run's, left untouched".into(),
-            EndState::Kept(reason) => format!("failed: kept, {reason}"),
+            EndState::Kept(reason) => format!("failed: kept while {reason}"),
             EndState::Failed(reason) => format!("failed: {reason}"),
         }
     }
