@@ -1148,9 +1148,8 @@ async fn a_vm_that_cannot_be_destroyed_keeps_everything_beneath_it() {
         })
         .await
         .unwrap();
-    run.lab.settings(
-        serde_json::json!({ "failures": { "destroy": "VM 9100 is locked (backup)" } }),
-    );
+    run.lab
+        .settings(serde_json::json!({ "failures": { "destroy": "VM 9100 is locked (backup)" } }));
     let (receipts, residue) = cleanup_receipts(&mut run.client, RUN_ID).await;
     assert!(
         receipts[0].starts_with("vm:9100 failed: qm destroy 9100 failed"),
@@ -1171,7 +1170,11 @@ async fn a_vm_that_cannot_be_destroyed_keeps_everything_beneath_it() {
         .root
         .join(format!("overlays/{RUN_ID}/9100-drive-scsi0.qcow2"));
     assert!(overlay.exists(), "the overlay beneath the VM stays");
-    assert_eq!(run.loops().len(), 1, "the mapping beneath the overlay stays");
+    assert_eq!(
+        run.loops().len(),
+        1,
+        "the mapping beneath the overlay stays"
+    );
     // Once the VM can be destroyed, the next Cleanup removes everything.
     run.lab.settings(serde_json::json!({ "failures": {} }));
     run.end().await;

@@ -449,8 +449,7 @@ impl RunningTool {
     /// the leader's descendants) is killed and proven gone before this returns.
     pub async fn wait(mut self) -> Result<ToolOutput, ToolError> {
         let text = |buffer: &Arc<Mutex<Vec<u8>>>| {
-            String::from_utf8_lossy(&buffer.lock().unwrap_or_else(|p| p.into_inner()))
-                .into_owned()
+            String::from_utf8_lossy(&buffer.lock().unwrap_or_else(|p| p.into_inner())).into_owned()
         };
         let status = match tokio::time::timeout(self.timeout, self.child.wait()).await {
             Ok(status) => status.map_err(|error| ToolError::Wait {
@@ -694,6 +693,56 @@ mod tests {
             .collect();
         assert!(survivors.is_empty(), "left behind: {survivors:?}");
         assert!(!marker.exists());
+    }
+
+    fn processes_mentioning(needle: &str) -> Vec<String> {
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .filter_map(|e| std::fs::read(e.ok()?.path().join("cmdline")).ok())
+            .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+            .filter(|c| c.contains(needle))
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn a_tools_processes_are_killed_even_after_they_left_its_group() {
+        // Like a map's holder: a child that starts a session of its own.
+        let needle = format!("certistack-reap-{}", std::process::id());
+        let script = format!("setsid sh -c 'sleep 30; : {needle}' & sleep 30");
+        let call = ToolCall::new("/bin/sh", Duration::from_millis(500))
+            .arg("-c")
+            .arg(&script);
+        let tool = start(call).unwrap();
+        let identity = tool.identity().unwrap();
+        assert_eq!(identity.process_group, identity.pid);
+        assert!(identity.start_time > 0);
+        assert!(matches!(tool.wait().await, Err(ToolError::Timeout { .. })));
+        let left = processes_mentioning(&needle);
+        assert!(left.is_empty(), "left behind at the timeout: {left:?}");
+
+        // The same, from the journaled identity alone (a daemon that restarted mid-step).
+        let call = ToolCall::new("/bin/sh", Duration::from_secs(60))
+            .arg("-c")
+            .arg(&script);
+        let tool = start(call).unwrap();
+        let identity = tool.identity().unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(
+            processes_mentioning(&needle).len(),
+            2,
+            "sh -c and its setsid child"
+        );
+        let killed = identity.reap(Duration::from_secs(5)).await.unwrap();
+        assert!(killed >= 2, "{killed}");
+        let left = processes_mentioning(&needle);
+        assert!(left.is_empty(), "left behind by reap: {left:?}");
+        drop(tool);
+        // A pid that is now another process (different start time) is never touched.
+        let stranger = ToolIdentity {
+            start_time: identity.start_time.saturating_add(1),
+            ..ToolIdentity::of(std::process::id() as i32).unwrap()
+        };
+        assert_eq!(stranger.reap(Duration::from_secs(1)).await, Ok(0));
     }
 
     #[tokio::test]

@@ -87,7 +87,11 @@ impl NodeExecutor {
     }
 
     /// Loop devices currently backed by this run's mapping of `archive`, read-only or not.
-    pub(super) fn our_loops(&self, grant: &Grant, archive: &ArchiveName) -> Vec<loopdev::LoopDevice> {
+    pub(super) fn our_loops(
+        &self,
+        grant: &Grant,
+        archive: &ArchiveName,
+    ) -> Vec<loopdev::LoopDevice> {
         let expected = self.expected_backing(grant, archive);
         loopdev::attached(&self.sys_block)
             .into_iter()
@@ -308,7 +312,11 @@ impl NodeExecutor {
         // run's (another holder of the same name, if any, is not this run's).
         let outcome_unknown = maps().any(|r| {
             r.entry.phase == Phase::Intent
-                || r.entry.detail.get("outcome_unknown").and_then(|u| u.as_bool()) == Some(true)
+                || r.entry
+                    .detail
+                    .get("outcome_unknown")
+                    .and_then(|u| u.as_bool())
+                    == Some(true)
         }) || state.standing() == Standing::Interrupted;
         self.unmap_mappings(guard, grant, archive, devices, outcome_unknown)
             .await

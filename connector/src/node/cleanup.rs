@@ -188,7 +188,8 @@ impl NodeExecutor {
         touched_network: bool,
     ) -> Vec<(String, EndState)> {
         let mut receipts = Vec::new();
-        let mut receipt = |resource: String, end_state: EndState| receipts.push((resource, end_state));
+        let mut receipt =
+            |resource: String, end_state: EndState| receipts.push((resource, end_state));
         if touched_network {
             let table = Resource::NftTable(sandbox::table_name(grant)).key();
             if self.table_present(grant).await.unwrap_or(false) {
@@ -259,10 +260,7 @@ impl NodeExecutor {
                 )?;
                 Ok(EndState::NeverCreated)
             }
-            Resource::NftTable(_) => self
-                .remove_table(guard, grant)
-                .await
-                .map(network_end_state),
+            Resource::NftTable(_) => self.remove_table(guard, grant).await.map(network_end_state),
             Resource::ProbeAddress(_) => self
                 .remove_address(guard, grant)
                 .await

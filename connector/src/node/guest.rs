@@ -356,9 +356,11 @@ impl NodeExecutor {
             // QEMU opens the path it is given and follows links: it gets a file created here,
             // without following any, in the run's checked directory (a previous screendump of
             // the run is replaced).
-            if let Err(error) =
-                self.create_run_file(&run.grant, &super::overlay::screendump_file_name(vmid), true)
-            {
+            if let Err(error) = self.create_run_file(
+                &run.grant,
+                &super::overlay::screendump_file_name(vmid),
+                true,
+            ) {
                 guard.append(
                     self.now_ms(),
                     Op::FileScreendump.as_str(),
@@ -391,7 +393,9 @@ impl NodeExecutor {
                 guard.append(self.now_ms(), "guest.qmp", &resource, Phase::Done, json!({ "command": command.wire_name(), "return": value, "elapsed_ms": elapsed_ms }))?;
                 if command == QmpCommand::Screendump {
                     let path = self.screendump_path(&run.grant, vmid);
-                    let bytes = std::fs::symlink_metadata(&path).map(|m| m.len()).unwrap_or(0);
+                    let bytes = std::fs::symlink_metadata(&path)
+                        .map(|m| m.len())
+                        .unwrap_or(0);
                     guard.append(
                         self.now_ms(),
                         Op::FileScreendump.as_str(),

@@ -64,7 +64,10 @@ const DIRECTORY_FLAGS: OFlags = OFlags::DIRECTORY
     .union(OFlags::RDONLY);
 
 fn io_refusal(what: &str, path: &Path, error: impl std::fmt::Display) -> ExecError {
-    ExecError::FailedPrecondition(format!("cannot open the {what} {}: {error}", path.display()))
+    ExecError::FailedPrecondition(format!(
+        "cannot open the {what} {}: {error}",
+        path.display()
+    ))
 }
 
 impl NodeExecutor {
@@ -75,7 +78,8 @@ impl NodeExecutor {
 
     /// The one path an overlay of `archive` for `vmid` can have.
     pub(super) fn overlay_path(&self, grant: &Grant, vmid: Vmid, archive: &ArchiveName) -> PathBuf {
-        self.overlay_dir(grant).join(overlay_file_name(vmid, archive))
+        self.overlay_dir(grant)
+            .join(overlay_file_name(vmid, archive))
     }
 
     pub(super) fn screendump_path(&self, grant: &Grant, vmid: Vmid) -> PathBuf {
@@ -102,7 +106,8 @@ impl NodeExecutor {
         }
         let dir = rustix::fs::openat(&root, name, DIRECTORY_FLAGS, Mode::empty())
             .map_err(|e| io_refusal("run directory", &dir_path, e))?;
-        let stat = rustix::fs::fstat(&dir).map_err(|e| io_refusal("run directory", &dir_path, e))?;
+        let stat =
+            rustix::fs::fstat(&dir).map_err(|e| io_refusal("run directory", &dir_path, e))?;
         check_directory(
             "run directory",
             &dir_path,
@@ -137,7 +142,8 @@ impl NodeExecutor {
                 }
             }
         }
-        let flags = OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::WRONLY;
+        let flags =
+            OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::WRONLY;
         match rustix::fs::openat(&dir, name, flags, Mode::from_raw_mode(0o600)) {
             Ok(_file) => Ok(path),
             Err(rustix::io::Errno::EXIST) => Err(ExecError::AlreadyExists(format!(
@@ -294,7 +300,8 @@ impl NodeExecutor {
             opened => opened,
         }
         .map_err(|e| io_refusal("overlay root", root_path, e))?;
-        let stat = rustix::fs::fstat(&root).map_err(|e| io_refusal("overlay root", root_path, e))?;
+        let stat =
+            rustix::fs::fstat(&root).map_err(|e| io_refusal("overlay root", root_path, e))?;
         check_directory(
             "overlay root",
             root_path,

@@ -27,7 +27,9 @@ const CPU_UNITS: u32 = 100;
 pub enum Verb {
     Start,
     /// `qm stop`, with `--timeout` when not zero.
-    Stop { timeout_secs: u32 },
+    Stop {
+        timeout_secs: u32,
+    },
     /// `qm destroy --purge 1`: ends the VM resource.
     Destroy,
 }
@@ -414,20 +416,21 @@ impl NodeExecutor {
                 .get(&table)
                 .is_some_and(|s| s.is_open() && s.standing() == Standing::Done);
             // And it boots only from this run's live mappings: re-check every disk's loop device.
-            let archives = states.values().filter(|s| s.is_open()).filter_map(|s| {
-                match &s.resource {
-                    Resource::Overlay { vmid: v, archive } if *v == vmid => Some(archive),
-                    _ => None,
-                }
-            });
+            let archives =
+                states
+                    .values()
+                    .filter(|s| s.is_open())
+                    .filter_map(|s| match &s.resource {
+                        Resource::Overlay { vmid: v, archive } if *v == vmid => Some(archive),
+                        _ => None,
+                    });
             for archive in archives {
                 let backup = Resource::Backup(archive.clone()).key();
-                let device = Self::mapped_device(states.get(&backup))
-                    .ok_or_else(|| {
-                        ExecError::FailedPrecondition(format!(
-                            "{archive} is no longer mapped by this run"
-                        ))
-                    })?;
+                let device = Self::mapped_device(states.get(&backup)).ok_or_else(|| {
+                    ExecError::FailedPrecondition(format!(
+                        "{archive} is no longer mapped by this run"
+                    ))
+                })?;
                 self.check_mapping(grant, archive, &device)?;
             }
             if !prepared
