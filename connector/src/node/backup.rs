@@ -176,7 +176,28 @@ impl NodeExecutor {
             Phase::Intent,
             json!({ "snapshot": snapshot.as_str(), "archive": archive.as_str(), "repository": repository, "command": call.display() }),
         )?;
-        let output = self.run_step(&mut guard, op, &resource, call).await?;
+        let output = match self.run_step(&mut guard, op, &resource, call).await {
+            Ok(output) => output,
+            Err(error) => {
+                // A client that never started mapped nothing: close the resource, so the map
+                // may be retried. (A client killed at its deadline leaves the outcome unknown.)
+                let never_started = super::resources::state_of(
+                    &guard.records(),
+                    &Resource::Backup(archive.clone()),
+                )
+                .is_some_and(|s| s.standing() == Standing::Failed);
+                if never_started {
+                    guard.append(
+                        self.now_ms(),
+                        op,
+                        &resource,
+                        Phase::Undone,
+                        json!({ "end_state": EndState::NeverCreated.wire() }),
+                    )?;
+                }
+                return Err(error);
+            }
+        };
         // Success is the "mapped on" line: the client exits 0 even when its mapping child fails.
         let Some(device) = loopdev::parse_mapped_on(&output.stderr) else {
             guard.append(
