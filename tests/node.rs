@@ -1403,15 +1403,21 @@ mod crash {
         let mut daemon = Daemon::start(&config_path);
         let mut c = client_when_up(&authority, &address, &credentials.certificate).await;
         c.begin_run(begin_request(&credentials)).await.unwrap();
+        let prepare = || pb::PrepareSandboxRequest {
+            vnet: VNET.into(),
+            probe_source: PROBE_SOURCE.into(),
+        };
+        // A caller that gives up mid-step leaves no unknown outcome: the step completes, and
+        // ReleaseSandbox, waiting for it, removes what it installed.
+        assert_cut(c.prepare_sandbox(cut(prepare(), 250)).await);
+        c.release_sandbox(pb::ReleaseSandboxRequest { vnet: VNET.into() })
+            .await
+            .unwrap();
+        let left = residue(&lab, &config.paths.state_dir);
+        assert!(left.is_empty(), "{left:?}");
+
         let mut preparing = c.clone();
-        let call = tokio::spawn(async move {
-            preparing
-                .prepare_sandbox(pb::PrepareSandboxRequest {
-                    vnet: VNET.into(),
-                    probe_source: PROBE_SOURCE.into(),
-                })
-                .await
-        });
+        let call = tokio::spawn(async move { preparing.prepare_sandbox(prepare()).await });
         tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
         daemon.kill9();
         let _ = call.await.unwrap();
