@@ -126,25 +126,6 @@ impl Op {
             Op::VmDestroy => "vm.destroy",
         }
     }
-
-    pub fn parse(op: &str) -> Option<Self> {
-        [
-            Op::BackupMap,
-            Op::BackupUnmap,
-            Op::OverlayDir,
-            Op::OverlayDirDelete,
-            Op::OverlayCreate,
-            Op::OverlayDelete,
-            Op::FileScreendump,
-            Op::FileDelete,
-            Op::VmCreate,
-            Op::VmStart,
-            Op::VmStop,
-            Op::VmDestroy,
-        ]
-        .into_iter()
-        .find(|o| o.as_str() == op)
-    }
 }
 
 /// How cleanup left one resource, as its receipt says.
@@ -237,11 +218,6 @@ impl ResourceState {
             self.standing(),
             Standing::Interrupted | Standing::OutcomeUnknown
         )
-    }
-
-    /// The operation of the last record, when it is one of the node executor's.
-    pub fn last_op(&self) -> Option<Op> {
-        Op::parse(&self.last.entry.op)
     }
 
     /// The tools the interrupted last step started (journaled with its `intent`).
@@ -412,9 +388,5 @@ mod tests {
             Resource::parse("backup:../x"),
             Resource::Unrecognized("backup:../x".into())
         );
-        for op in ["backup.map", "overlay.dir.delete", "vm.destroy"] {
-            assert_eq!(Op::parse(op).map(Op::as_str), Some(op));
-        }
-        assert_eq!(Op::parse("sandbox.nft"), None);
     }
 }
