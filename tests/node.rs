@@ -1120,6 +1120,43 @@ async fn a_writable_mapping_of_the_runs_own_name_is_unmapped_by_cleanup() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_mapping_on_a_loop_device_above_255_is_unmapped_by_name() {
+    if !privileged(
+        "a_mapping_on_a_loop_device_above_255_is_unmapped_by_name",
+        &["losetup", "python3"],
+    ) {
+        return;
+    }
+    let first = 300 + std::process::id() % 500;
+    let mut run = Run::begin_with(
+        "loop256",
+        &[ARCHIVE],
+        |lab| lab.settings(serde_json::json!({ "loop_device_min": first })),
+        |_| {},
+    )
+    .await;
+    let device = run
+        .client
+        .map_backup(map_request(ARCHIVE, PBS_PASSWORD))
+        .await
+        .unwrap()
+        .into_inner()
+        .loop_device;
+    let number: u32 = device.trim_start_matches("/dev/loop").parse().unwrap();
+    assert!(number >= 256, "{device}");
+    assert_eq!(run.loops().len(), 1);
+    // `unmap /dev/loopN` cannot name it (N is read as a u8); the mapping name can.
+    run.client
+        .unmap_backup(pb::UnmapBackupRequest {
+            archive: ARCHIVE.into(),
+        })
+        .await
+        .unwrap();
+    assert!(run.loops().is_empty(), "{device} unmapped");
+    run.end().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn a_vm_that_cannot_be_destroyed_keeps_everything_beneath_it() {
     if !privileged(
         "a_vm_that_cannot_be_destroyed_keeps_everything_beneath_it",
