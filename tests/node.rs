@@ -698,16 +698,20 @@ fn vm_lifecycle_with_qmp_and_a_real_guest_agent() {
             "the VM runs on the overlay: {}",
             reply.result_json
         );
+        // A link planted where the screendump goes is removed, never written through.
+        let screen = run
+            .lab
+            .root
+            .join(format!("overlays/{RUN_ID}/9100-screen.ppm"));
+        let victim = run.lab.root.join("screen-victim");
+        std::os::unix::fs::symlink(&victim, &screen).unwrap();
         run.client
             .qmp(qmp(pb::QmpCommand::Screendump))
             .await
             .unwrap();
-        assert!(
-            run.lab
-                .root
-                .join(format!("overlays/{RUN_ID}/9100-screen.ppm"))
-                .exists()
-        );
+        assert!(screen.is_file() && !screen.is_symlink());
+        assert!(std::fs::metadata(&screen).unwrap().len() > 0);
+        assert!(!victim.exists(), "nothing was written through the link");
 
         let qga = |command: pb::QgaCommand| pb::QgaRequest {
             vmid: 9100,
