@@ -1171,9 +1171,10 @@ async fn the_shipped_executor_refuses_precisely_on_a_node_without_the_tools() {
             ),
             "ReleaseSandbox" => (Code::NotFound, "this run has no sandbox on csbox1"),
             "Probe" => (Code::FailedPrecondition, "call PrepareSandbox first"),
+            // The client never started: nothing was mapped, and the journal says so.
             "UnmapBackup" => (
                 Code::FailedPrecondition,
-                "never completed; Cleanup reconciles it",
+                "drive-scsi0.img is not mapped by this run",
             ),
             "DeleteOverlay" => (Code::NotFound, "has no overlay"),
             "ReadJournal" | "Cleanup" => {
@@ -1184,14 +1185,15 @@ async fn the_shipped_executor_refuses_precisely_on_a_node_without_the_tools() {
         };
         assert_status(result, code, needle);
     }
-    // The failed map is journaled: intent, then failed with the reason.
+    // The failed map is journaled: intent, then failed with the reason, then closed.
     let steps = journal_steps(&mut c, RUN_ID).await;
     assert_eq!(
-        &steps[..3],
+        &steps[..4],
         [
             "run.begin run:0f0e1c2d-3b4a-4c5d-8e6f-7a8b9c0d1e2f done",
             "backup.map backup:drive-scsi0.img intent",
-            "backup.map backup:drive-scsi0.img failed"
+            "backup.map backup:drive-scsi0.img failed",
+            "backup.map backup:drive-scsi0.img undone"
         ]
     );
     c.end_run(pb::EndRunRequest {}).await.unwrap();

@@ -88,6 +88,20 @@ impl Run {
         journal_steps(&mut self.client, RUN_ID).await
     }
 
+    /// Cleans up, checks that nothing is left, then ends the run (which must now succeed).
+    async fn end(mut self) {
+        let (receipts, residue) = cleanup_receipts(&mut self.client, RUN_ID).await;
+        assert!(residue.is_empty(), "{receipts:?} {residue:?}");
+        assert!(self.loops().is_empty());
+        self.client.end_run(pb::EndRunRequest {}).await.unwrap();
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Some(task) = self.task.take() {
+            task.await.unwrap();
+        }
+    }
+
     async fn stop(mut self) {
         // Whatever a test left mapped is cleaned up by the run itself, then checked.
         let reply = self
@@ -273,13 +287,17 @@ async fn map_overlay_unmap_for_real() {
     let expected = [
         "run.begin run:0f0e1c2d-3b4a-4c5d-8e6f-7a8b9c0d1e2f done",
         "backup.map backup:drive-scsi0.img intent",
+        // The second intent names the tool's processes (pid, start time, process group).
+        "backup.map backup:drive-scsi0.img intent",
         "backup.map backup:drive-scsi0.img done",
         "overlay.dir dir:overlays intent",
         "overlay.dir dir:overlays done",
         "overlay.create overlay:9100:drive-scsi0.img intent",
+        "overlay.create overlay:9100:drive-scsi0.img intent",
         "overlay.create overlay:9100:drive-scsi0.img done",
         "overlay.delete overlay:9100:drive-scsi0.img intent",
         "overlay.delete overlay:9100:drive-scsi0.img undone",
+        "backup.unmap backup:drive-scsi0.img intent",
         "backup.unmap backup:drive-scsi0.img intent",
         "backup.unmap backup:drive-scsi0.img undone",
     ];
@@ -342,42 +360,40 @@ async fn map_failures_are_reported_from_the_output_not_the_exit_code() {
     );
     assert!(run.loops().is_empty());
     let steps = run.journal().await;
+    // A map that finished and named no device mapped nothing: the journal closes it at once.
     assert_eq!(
         &steps[1..],
         [
             "backup.map backup:drive-scsi0.img intent",
+            "backup.map backup:drive-scsi0.img intent",
             "backup.map backup:drive-scsi0.img failed",
+            "backup.map backup:drive-scsi0.img undone",
+            "backup.map backup:drive-scsi1.img intent",
             "backup.map backup:drive-scsi1.img intent",
             "backup.map backup:drive-scsi1.img failed",
+            "backup.map backup:drive-scsi1.img undone",
         ]
     );
-    // Cleanup reconciles the failed attempts: nothing was left, each is recorded as gone.
-    let reply = run
+    // So the failed map can be retried, and the retry unmapped: map, fail, map, unmap.
+    let device = run
         .client
-        .cleanup(pb::CleanupRequest {
-            run_id: RUN_ID.into(),
-        })
+        .map_backup(map_request(ARCHIVE, PBS_PASSWORD))
         .await
         .unwrap()
-        .into_inner();
-    let receipts: Vec<(String, String)> = reply
-        .resources
-        .into_iter()
-        .map(|r| (r.resource, r.end_state))
-        .collect();
-    assert_eq!(
-        receipts,
-        [
-            (
-                "backup:drive-scsi1.img".to_owned(),
-                "already gone".to_owned()
-            ),
-            (
-                "backup:drive-scsi0.img".to_owned(),
-                "already gone".to_owned()
-            )
-        ]
-    );
+        .into_inner()
+        .loop_device;
+    assert_eq!(run.loops().len(), 1, "{device} mapped");
+    run.client
+        .unmap_backup(pb::UnmapBackupRequest {
+            archive: ARCHIVE.into(),
+        })
+        .await
+        .unwrap();
+    assert!(run.loops().is_empty(), "{device} unmapped");
+    // Nothing is left for Cleanup.
+    let (receipts, residue) = cleanup_receipts(&mut run.client, RUN_ID).await;
+    assert!(receipts.is_empty(), "{receipts:?}");
+    assert!(residue.is_empty(), "{residue:?}");
     run.stop().await;
 }
 
@@ -474,7 +490,7 @@ async fn cleanup_undoes_everything_newest_first_and_is_idempotent() {
     assert_status(
         run.client.end_run(pb::EndRunRequest {}).await,
         Code::FailedPrecondition,
-        "still has overlay:9100:drive-scsi1.img, backup:drive-scsi1.img, overlay:9100:drive-scsi0.img, dir:overlays, backup:drive-scsi0.img on this node; call Cleanup first",
+        "still holds on this node: open in its journal: overlay:9100:drive-scsi1.img, backup:drive-scsi1.img, overlay:9100:drive-scsi0.img, dir:overlays, backup:drive-scsi0.img; loop device",
     );
     let (receipts, residue) = cleanup_receipts(&mut run.client, RUN_ID).await;
     assert_eq!(
@@ -682,16 +698,20 @@ fn vm_lifecycle_with_qmp_and_a_real_guest_agent() {
             "the VM runs on the overlay: {}",
             reply.result_json
         );
+        // A link planted where the screendump goes is removed, never written through.
+        let screen = run
+            .lab
+            .root
+            .join(format!("overlays/{RUN_ID}/9100-screen.ppm"));
+        let victim = run.lab.root.join("screen-victim");
+        std::os::unix::fs::symlink(&victim, &screen).unwrap();
         run.client
             .qmp(qmp(pb::QmpCommand::Screendump))
             .await
             .unwrap();
-        assert!(
-            run.lab
-                .root
-                .join(format!("overlays/{RUN_ID}/9100-screen.ppm"))
-                .exists()
-        );
+        assert!(screen.is_file() && !screen.is_symlink());
+        assert!(std::fs::metadata(&screen).unwrap().len() > 0);
+        assert!(!victim.exists(), "nothing was written through the link");
 
         let qga = |command: pb::QgaCommand| pb::QgaRequest {
             vmid: 9100,
@@ -954,6 +974,308 @@ fn a_silent_guest_agent_is_a_deadline_not_a_hang() {
     });
 }
 
+/// A map request the caller gives up on after `ms` milliseconds.
+fn cut<T>(message: T, ms: u64) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    request.set_timeout(std::time::Duration::from_millis(ms));
+    request
+}
+
+fn assert_cut<T: std::fmt::Debug>(result: Result<T, tonic::Status>) {
+    let status = result.unwrap_err();
+    assert!(
+        matches!(status.code(), Code::DeadlineExceeded | Code::Cancelled),
+        "{status:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_step_runs_to_its_end_when_its_caller_goes_away() {
+    if !privileged(
+        "a_step_runs_to_its_end_when_its_caller_goes_away",
+        &["losetup", "python3", "qemu-img"],
+    ) {
+        return;
+    }
+    let mut run = Run::begin_with(
+        "cut",
+        &[ARCHIVE],
+        |lab| lab.settings(serde_json::json!({ "delays": { "map": 2.0 } })),
+        sandbox_grant,
+    )
+    .await;
+    // The caller gives up after 250 ms; the holder attaches the device about 2 s later.
+    assert_cut(
+        run.client
+            .map_backup(cut(map_request(ARCHIVE, PBS_PASSWORD), 250))
+            .await,
+    );
+    assert!(run.loops().is_empty(), "not attached yet");
+    // Cleanup waits for the step, which journals the device it mapped, and unmaps it.
+    let started = std::time::Instant::now();
+    let (receipts, residue) = cleanup_receipts(&mut run.client, RUN_ID).await;
+    assert_eq!(receipts, ["backup:drive-scsi0.img unmapped"]);
+    assert!(residue.is_empty(), "{residue:?}");
+    assert!(started.elapsed() > std::time::Duration::from_secs(1));
+    // Nothing lands after cleanup said it was gone.
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    assert!(run.loops().is_empty(), "{:?}", run.loops());
+
+    // A step retried after a cut finds the recorded outcome.
+    assert_cut(
+        run.client
+            .map_backup(cut(map_request(ARCHIVE, PBS_PASSWORD), 250))
+            .await,
+    );
+    assert_status(
+        run.client
+            .map_backup(map_request(ARCHIVE, PBS_PASSWORD))
+            .await,
+        Code::AlreadyExists,
+        "already mapped by this run (last step: backup.map done)",
+    );
+    assert_eq!(run.loops().len(), 1);
+    run.client
+        .unmap_backup(pb::UnmapBackupRequest {
+            archive: ARCHIVE.into(),
+        })
+        .await
+        .unwrap();
+    assert!(run.loops().is_empty());
+
+    // CreateVm cut short: the VM is still created and recorded; StartVm-ready, destroyable.
+    run.lab
+        .settings(serde_json::json!({ "delays": { "create": 1.5 } }));
+    run.client
+        .map_backup(map_request(ARCHIVE, PBS_PASSWORD))
+        .await
+        .unwrap();
+    run.client
+        .create_overlay(pb::CreateOverlayRequest {
+            vmid: 9100,
+            archive: ARCHIVE.into(),
+        })
+        .await
+        .unwrap();
+    let create = || pb::CreateVmRequest {
+        vmid: 9100,
+        cores: 1,
+        memory_mib: 256,
+        archives: vec![ARCHIVE.into()],
+    };
+    assert_cut(run.client.create_vm(cut(create(), 250)).await);
+    assert_status(
+        run.client.create_vm(create()).await,
+        Code::AlreadyExists,
+        "this run already created VM 9100",
+    );
+    assert!(run.lab.root.join("etc/pve/qemu-server/9100.conf").exists());
+    let destroyed = run
+        .client
+        .destroy_vm(pb::VmRequest { vmid: 9100 })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(destroyed.state, pb::VmState::Absent as i32);
+    // Asked again after DestroyVm, the VM is gone, not "not this run's".
+    let status = run
+        .client
+        .vm_status(pb::VmRequest { vmid: 9100 })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(status.state, pb::VmState::Absent as i32);
+    assert_status(
+        run.client.start_vm(pb::VmRequest { vmid: 9100 }).await,
+        Code::NotFound,
+        "VM 9100 was destroyed by this run",
+    );
+    run.end().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_writable_mapping_of_the_runs_own_name_is_unmapped_by_cleanup() {
+    if !privileged(
+        "a_writable_mapping_of_the_runs_own_name_is_unmapped_by_cleanup",
+        &["losetup", "python3"],
+    ) {
+        return;
+    }
+    let mut run = Run::begin_with(
+        "writable",
+        &[ARCHIVE],
+        |lab| lab.settings(serde_json::json!({ "map_writable": true })),
+        |_| {},
+    )
+    .await;
+    assert_status(
+        run.client
+            .map_backup(map_request(ARCHIVE, PBS_PASSWORD))
+            .await,
+        Code::FailedPrecondition,
+        "is writable; a backup must be mapped read-only",
+    );
+    assert_eq!(run.loops().len(), 1, "the refused mapping is still there");
+    let (receipts, residue) = cleanup_receipts(&mut run.client, RUN_ID).await;
+    assert_eq!(receipts, ["backup:drive-scsi0.img unmapped"]);
+    assert!(residue.is_empty(), "{residue:?}");
+    assert!(run.loops().is_empty());
+    run.end().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_mapping_on_a_loop_device_above_255_is_unmapped_by_name() {
+    if !privileged(
+        "a_mapping_on_a_loop_device_above_255_is_unmapped_by_name",
+        &["losetup", "python3"],
+    ) {
+        return;
+    }
+    let first = 300 + std::process::id() % 500;
+    let mut run = Run::begin_with(
+        "loop256",
+        &[ARCHIVE],
+        |lab| lab.settings(serde_json::json!({ "loop_device_min": first })),
+        |_| {},
+    )
+    .await;
+    let device = run
+        .client
+        .map_backup(map_request(ARCHIVE, PBS_PASSWORD))
+        .await
+        .unwrap()
+        .into_inner()
+        .loop_device;
+    let number: u32 = device.trim_start_matches("/dev/loop").parse().unwrap();
+    assert!(number >= 256, "{device}");
+    assert_eq!(run.loops().len(), 1);
+    // `unmap /dev/loopN` cannot name it (N is read as a u8); the mapping name can.
+    run.client
+        .unmap_backup(pb::UnmapBackupRequest {
+            archive: ARCHIVE.into(),
+        })
+        .await
+        .unwrap();
+    assert!(run.loops().is_empty(), "{device} unmapped");
+    run.end().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_vm_that_cannot_be_destroyed_keeps_everything_beneath_it() {
+    if !privileged(
+        "a_vm_that_cannot_be_destroyed_keeps_everything_beneath_it",
+        &["losetup", "python3", "qemu-img"],
+    ) {
+        return;
+    }
+    let mut run = Run::begin_with("keep", &[ARCHIVE], |_| {}, sandbox_grant).await;
+    run.client
+        .map_backup(map_request(ARCHIVE, PBS_PASSWORD))
+        .await
+        .unwrap();
+    run.client
+        .create_overlay(pb::CreateOverlayRequest {
+            vmid: 9100,
+            archive: ARCHIVE.into(),
+        })
+        .await
+        .unwrap();
+    run.client
+        .create_vm(pb::CreateVmRequest {
+            vmid: 9100,
+            cores: 1,
+            memory_mib: 256,
+            archives: vec![ARCHIVE.into()],
+        })
+        .await
+        .unwrap();
+    run.lab
+        .settings(serde_json::json!({ "failures": { "destroy": "VM 9100 is locked (backup)" } }));
+    let (receipts, residue) = cleanup_receipts(&mut run.client, RUN_ID).await;
+    assert!(
+        receipts[0].starts_with("vm:9100 failed: qm destroy 9100 failed"),
+        "{receipts:?}"
+    );
+    let kept = "failed: kept while a VM of the run remains (VM 9100 could not be destroyed)";
+    assert_eq!(
+        &receipts[1..],
+        [
+            format!("overlay:9100:drive-scsi0.img {kept}"),
+            format!("dir:overlays {kept}"),
+            format!("backup:drive-scsi0.img {kept}"),
+        ]
+    );
+    assert!(!residue.is_empty());
+    let overlay = run
+        .lab
+        .root
+        .join(format!("overlays/{RUN_ID}/9100-drive-scsi0.qcow2"));
+    assert!(overlay.exists(), "the overlay beneath the VM stays");
+    assert_eq!(
+        run.loops().len(),
+        1,
+        "the mapping beneath the overlay stays"
+    );
+    // Once the VM can be destroyed, the next Cleanup removes everything.
+    run.lab.settings(serde_json::json!({ "failures": {} }));
+    run.end().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn run_files_are_created_only_in_checked_directories_and_never_through_links() {
+    if !privileged(
+        "run_files_are_created_only_in_checked_directories_and_never_through_links",
+        &["losetup", "python3", "qemu-img"],
+    ) {
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let mut run = Run::begin("perm", &[ARCHIVE]).await;
+    run.client
+        .map_backup(map_request(ARCHIVE, PBS_PASSWORD))
+        .await
+        .unwrap();
+    let root = run.lab.root.join("overlays");
+    let create = || pb::CreateOverlayRequest {
+        vmid: VMID,
+        archive: ARCHIVE.into(),
+    };
+    std::fs::create_dir_all(&root).unwrap();
+    std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o775)).unwrap();
+    assert_status(
+        run.client.create_overlay(create()).await,
+        Code::FailedPrecondition,
+        "is writable by its group or others (mode 775); make it a directory owned by root",
+    );
+    assert!(!root.join(RUN_ID).exists());
+    std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o755)).unwrap();
+    // A link planted where the overlay will be: never followed, never written through.
+    let dir = root.join(RUN_ID);
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let target = run.lab.root.join("victim");
+    let planted = dir.join(format!("{VMID}-drive-scsi0.qcow2"));
+    std::os::unix::fs::symlink(&target, &planted).unwrap();
+    assert_status(
+        run.client.create_overlay(create()).await,
+        Code::AlreadyExists,
+        "already exists; it was not created by this call",
+    );
+    assert!(!target.exists(), "nothing was written through the link");
+    std::fs::remove_file(&planted).unwrap();
+    // A run directory others can write to is refused too.
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o770)).unwrap();
+    assert_status(
+        run.client.create_overlay(create()).await,
+        Code::FailedPrecondition,
+        "is writable by its group or others (mode 770)",
+    );
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+    run.client.create_overlay(create()).await.unwrap();
+    assert!(planted.is_file() && !planted.is_symlink());
+    run.end().await;
+}
+
 fn ok<T>(result: Result<T, tonic::Status>) -> Result<(), tonic::Status> {
     result.map(|_| ())
 }
@@ -1077,6 +1399,107 @@ mod crash {
                 .map(|p| format!("secret in {}", p.display())),
         );
         residue
+    }
+
+    /// The daemon is killed while PrepareSandbox's `ip address add` / `nft -f` (slowed by a
+    /// wrapper that sleeps, then runs the real tool) is still running, and restarted at once.
+    pub async fn run_interrupted_network_tool() {
+        let lab = Lab::new("slowtool");
+        let authority_dir = TempDir::new("slowtool-ctl");
+        let authority = controller(&authority_dir.0);
+        let mut config = lab.node_config(&authority, &lab.root.join("node"));
+        let wrappers = lab.root.join("slow-bin");
+        std::fs::create_dir_all(&wrappers).unwrap();
+        for (name, real, slow_when) in [
+            ("nft", "/usr/sbin/nft", r#"[ "$1" = "-f" ]"#),
+            ("ip", "/usr/sbin/ip", r#"[ "$1 $2" = "address add" ]"#),
+        ] {
+            let path = wrappers.join(name);
+            std::fs::write(
+                &path,
+                format!("#!/bin/sh\nif {slow_when}; then sleep 3; fi\nexec {real} \"$@\"\n"),
+            )
+            .unwrap();
+            std::fs::set_permissions(
+                &path,
+                <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o755),
+            )
+            .unwrap();
+        }
+        config.tools.nft = wrappers.join("nft");
+        config.tools.ip = wrappers.join("ip");
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let config_path = lab.root.join("node/connector.toml");
+        write_config_file(&config_path, &config, port);
+        let address = format!("127.0.0.1:{port}");
+        let mut wire = grant(RUN_ID, NODE);
+        sandbox_grant(&mut wire);
+        let credentials = mint(&authority, &wire);
+        let operator = authority.issue_operator("recovery", now()).unwrap();
+
+        let mut daemon = Daemon::start(&config_path);
+        let mut c = client_when_up(&authority, &address, &credentials.certificate).await;
+        c.begin_run(begin_request(&credentials)).await.unwrap();
+        let prepare = || pb::PrepareSandboxRequest {
+            vnet: VNET.into(),
+            probe_source: PROBE_SOURCE.into(),
+        };
+        // A caller that gives up mid-step leaves no unknown outcome: the step completes, and
+        // ReleaseSandbox, waiting for it, removes what it installed.
+        assert_cut(c.prepare_sandbox(cut(prepare(), 250)).await);
+        c.release_sandbox(pb::ReleaseSandboxRequest { vnet: VNET.into() })
+            .await
+            .unwrap();
+        let left = residue(&lab, &config.paths.state_dir);
+        assert!(left.is_empty(), "{left:?}");
+
+        let mut preparing = c.clone();
+        let call = tokio::spawn(async move { preparing.prepare_sandbox(prepare()).await });
+        tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+        daemon.kill9();
+        let _ = call.await.unwrap();
+        let needle = wrappers.display().to_string();
+        assert!(
+            !processes_mentioning(&needle).is_empty(),
+            "a slowed tool outlived the daemon"
+        );
+
+        let _daemon = Daemon::start(&config_path);
+        let mut op = client_when_up(&authority, &address, &operator).await;
+        let (_, reported) = cleanup_receipts(&mut op, RUN_ID).await;
+        assert!(reported.is_empty(), "{reported:?}");
+        // Wait past the slowed tool: nothing lands after cleanup said it was gone.
+        tokio::time::sleep(std::time::Duration::from_secs(4)).await;
+        let left = residue(&lab, &config.paths.state_dir);
+        assert!(left.is_empty(), "{left:?}");
+        assert!(processes_mentioning(&needle).is_empty());
+
+        // The node holds something named for the run the journal does not know: EndRun
+        // refuses until Cleanup removed it.
+        let table: String = RUN_ID.chars().filter(char::is_ascii_hexdigit).collect();
+        let table = format!("certistack_{table}");
+        let added = Command::new("nft")
+            .args(["add", "table", "inet", &table])
+            .status()
+            .unwrap();
+        assert!(added.success());
+        let mut c = client_when_up(&authority, &address, &credentials.certificate).await;
+        assert_status(
+            c.end_run(pb::EndRunRequest {}).await,
+            Code::FailedPrecondition,
+            "run Cleanup first",
+        );
+        let (receipts, reported) = cleanup_receipts(&mut op, RUN_ID).await;
+        assert!(reported.is_empty(), "{reported:?}");
+        assert!(
+            receipts.contains(&format!("nft:{table} deleted")),
+            "{receipts:?}"
+        );
+        c.end_run(pb::EndRunRequest {}).await.unwrap();
     }
 
     pub async fn run_case(step: Step) {
@@ -1305,6 +1728,21 @@ fn crash_matrix_kill_9_restart_recover_zero_residue() {
         ] {
             crash::run_case(step).await;
         }
+    });
+}
+
+#[test]
+fn a_tool_that_outlives_the_daemon_never_lands_after_cleanup() {
+    if !privileged(
+        "a_tool_that_outlives_the_daemon_never_lands_after_cleanup",
+        &["nft", "ip", "python3"],
+    ) {
+        return;
+    }
+    let netns = Netns::new("slow", &["csbox1"]);
+    inside(&netns.name, || async {
+        let _serial = SERIAL.lock().await;
+        crash::run_interrupted_network_tool().await;
     });
 }
 

@@ -66,11 +66,26 @@ impl From<ExecError> for tonic::Status {
 }
 
 pub type ExecFuture<'a> = Pin<Box<dyn Future<Output = Result<Outcome, ExecError>> + Send + 'a>>;
+pub type ResidueFuture<'a> =
+    Pin<Box<dyn Future<Output = Result<Vec<String>, ExecError>> + Send + 'a>>;
+pub type RecoverFuture<'a> = Pin<Box<dyn Future<Output = Result<(), ExecError>> + Send + 'a>>;
 
 pub trait Executor: Send + Sync + 'static {
     /// The capabilities (see [`capability`]) this executor implements; reported by `Hello`.
     fn capabilities(&self) -> Vec<&'static str>;
     fn execute<'a>(&'a self, caller: &'a Caller, action: Action) -> ExecFuture<'a>;
+
+    /// What the node still holds for the run (read from the node, not only from the journal);
+    /// a run may end only when this is empty. An executor without side effects holds nothing.
+    fn residue<'a>(&'a self, _run: &'a RunHandle) -> ResidueFuture<'a> {
+        Box::pin(async { Ok(Vec::new()) })
+    }
+
+    /// Settles the steps of the run a previous daemon was interrupted in (their tools killed
+    /// and proven gone), when the daemon starts.
+    fn recover<'a>(&'a self, _run: &'a RunHandle) -> RecoverFuture<'a> {
+        Box::pin(async { Ok(()) })
+    }
 }
 
 /// Every capability, in the order `Hello` reports them.

@@ -259,8 +259,166 @@ fn prepare_secret(secret: &SecretInput) -> std::io::Result<Inherited> {
     })
 }
 
+/// What identifies a started tool's processes on this node, across a restart of the daemon:
+/// the leader's pid with its start time (`/proc/<pid>/stat` field 22, clock ticks since boot),
+/// so a reused pid is never mistaken for it, and its process group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ToolIdentity {
+    pub pid: i32,
+    pub start_time: u64,
+    pub process_group: i32,
+}
+
+/// One process as `/proc/<pid>/stat` shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct ProcStat {
+    pid: i32,
+    parent: i32,
+    process_group: i32,
+    start_time: u64,
+    /// A zombie (or dead) process can no longer act: it counts as gone.
+    exited: bool,
+}
+
+fn proc_stat(pid: i32) -> Option<ProcStat> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may itself contain ") ": the fields
+    // after it start at the last ')'.
+    let rest = text.get(text.rfind(')')?.saturating_add(1)..)?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // rest starts at field 3 (state): field N is at index N - 3.
+    let state = fields.first()?;
+    Some(ProcStat {
+        pid,
+        parent: fields.get(1)?.parse().ok()?,
+        process_group: fields.get(2)?.parse().ok()?,
+        start_time: fields.get(19)?.parse().ok()?,
+        exited: matches!(*state, "Z" | "X" | "x"),
+    })
+}
+
+fn all_processes() -> Vec<ProcStat> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .filter_map(proc_stat)
+        .collect()
+}
+
+impl ToolIdentity {
+    fn of(pid: i32) -> Option<Self> {
+        let stat = proc_stat(pid)?;
+        Some(Self {
+            pid,
+            start_time: stat.start_time,
+            process_group: stat.process_group,
+        })
+    }
+
+    /// The live processes that belong to this tool: its leader while it is still the same
+    /// process, the leader's descendants (a child that left the group with `setsid`, as a
+    /// map's holder does, is still a descendant while the leader lives), and every member of
+    /// its process group that started no earlier than the leader. A process group id cannot be
+    /// reused while any member lives, so members are the tool's unless the leader's pid now
+    /// names a different process.
+    fn survivors(&self) -> Vec<(i32, u64)> {
+        let processes = all_processes();
+        let leader = processes.iter().find(|p| p.pid == self.pid);
+        if leader.is_some_and(|l| l.start_time != self.start_time) {
+            return Vec::new();
+        }
+        let mut ours: Vec<ProcStat> = processes
+            .iter()
+            .filter(|p| p.process_group == self.process_group && p.start_time >= self.start_time)
+            .copied()
+            .collect();
+        if leader.is_some() {
+            let mut frontier = vec![self.pid];
+            while let Some(parent) = frontier.pop() {
+                for child in processes.iter().filter(|p| p.parent == parent) {
+                    if !ours.iter().any(|o| o.pid == child.pid) {
+                        ours.push(*child);
+                    }
+                    if ours.len() < 4096 {
+                        frontier.push(child.pid);
+                    }
+                }
+            }
+        }
+        ours.iter()
+            .filter(|p| !p.exited)
+            .map(|p| (p.pid, p.start_time))
+            .collect()
+    }
+
+    /// Kills every surviving process of the tool and waits until none is left, for at most
+    /// `within`. Returns how many processes were killed, or what is still running.
+    pub async fn reap(&self, within: Duration) -> Result<usize, String> {
+        let started = Instant::now();
+        let mut killed = 0usize;
+        loop {
+            let survivors = self.survivors();
+            if survivors.is_empty() {
+                return Ok(killed);
+            }
+            if started.elapsed() >= within {
+                return Err(format!(
+                    "processes {:?} of the tool started as pid {} (group {}) are still running {:?} after SIGKILL",
+                    survivors.iter().map(|(pid, _)| pid).collect::<Vec<_>>(),
+                    self.pid,
+                    self.process_group,
+                    within
+                ));
+            }
+            for (pid, start_time) in survivors {
+                // Re-check just before the signal: the pid must still be the same process.
+                if proc_stat(pid).is_some_and(|p| p.start_time == start_time)
+                    && let Some(pid) = rustix::process::Pid::from_raw(pid)
+                    && rustix::process::kill_process(pid, rustix::process::Signal::KILL).is_ok()
+                {
+                    killed = killed.saturating_add(1);
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// How long a killed tool's processes get to disappear before the kill is reported as failed.
+pub const REAP_WITHIN: Duration = Duration::from_secs(10);
+
+/// A started tool: its identity can be journaled before waiting for it.
+pub struct RunningTool {
+    child: tokio::process::Child,
+    identity: Option<ToolIdentity>,
+    group: GroupGuard,
+    program: String,
+    timeout: Duration,
+    started: Instant,
+    stdout: Arc<Mutex<Vec<u8>>>,
+    stderr: Arc<Mutex<Vec<u8>>>,
+    truncated: Arc<std::sync::atomic::AtomicBool>,
+    readers: [Option<tokio::task::JoinHandle<()>>; 2],
+}
+
+impl std::fmt::Debug for RunningTool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunningTool")
+            .field("program", &self.program)
+            .field("identity", &self.identity)
+            .finish_non_exhaustive()
+    }
+}
+
 /// Runs the call to completion or timeout.
 pub async fn run(call: ToolCall) -> Result<ToolOutput, ToolError> {
+    start(call)?.wait().await
+}
+
+/// Starts the call's program in a process group of its own.
+pub fn start(call: ToolCall) -> Result<RunningTool, ToolError> {
     let program = call.display();
     let name = call.program.display().to_string();
     let mut command = tokio::process::Command::new(&call.program);
@@ -290,12 +448,19 @@ pub async fn run(call: ToolCall) -> Result<ToolOutput, ToolError> {
     // The child has its copies; ours close now so only the child holds the secret.
     drop(inherited);
     drop(call.secrets);
-    // If this future is dropped (the caller went away), the whole process group goes with it.
-    let mut group = GroupGuard(
-        child
-            .id()
-            .and_then(|id| rustix::process::Pid::from_raw(id as i32)),
-    );
+    let pid = child.id().and_then(|id| i32::try_from(id).ok());
+    // If the running tool is dropped (the daemon shuts down mid-step), the whole process group
+    // goes with it.
+    let group = GroupGuard(pid.and_then(rustix::process::Pid::from_raw));
+    // The child is its own group leader (process_group(0)), so its pid is the group id even
+    // when /proc cannot be read.
+    let identity = pid.map(|pid| {
+        ToolIdentity::of(pid).unwrap_or(ToolIdentity {
+            pid,
+            start_time: 0,
+            process_group: pid,
+        })
+    });
 
     let stdout = Arc::new(Mutex::new(Vec::new()));
     let stderr = Arc::new(Mutex::new(Vec::new()));
@@ -310,42 +475,81 @@ pub async fn run(call: ToolCall) -> Result<ToolOutput, ToolError> {
             .take()
             .map(|pipe| tokio::spawn(capture(pipe, stderr.clone(), truncated.clone()))),
     ];
-    let text = |buffer: &Arc<Mutex<Vec<u8>>>| {
-        String::from_utf8_lossy(&buffer.lock().unwrap_or_else(|p| p.into_inner())).into_owned()
-    };
-
-    let status = match tokio::time::timeout(call.timeout, child.wait()).await {
-        Ok(status) => status.map_err(|error| ToolError::Wait {
-            program: name.clone(),
-            error,
-        })?,
-        Err(_) => {
-            group.kill();
-            let _ = child.kill().await;
-            for reader in readers.into_iter().flatten() {
-                reader.abort();
-            }
-            return Err(ToolError::Timeout {
-                program,
-                timeout: call.timeout,
-                stderr: text(&stderr),
-            });
-        }
-    };
-    // The tool exited by itself: what it left running (a map's holder) is meant to stay.
-    group.0 = None;
-    for reader in readers.into_iter().flatten() {
-        if tokio::time::timeout(OUTPUT_GRACE, reader).await.is_err() {
-            // A daemon the tool forked still holds the pipe: keep what arrived.
-        }
-    }
-    Ok(ToolOutput {
-        exit_code: status.code(),
-        stdout: text(&stdout),
-        stderr: text(&stderr),
-        elapsed: started.elapsed(),
-        truncated: truncated.load(std::sync::atomic::Ordering::SeqCst),
+    Ok(RunningTool {
+        child,
+        identity,
+        group,
+        program,
+        timeout: call.timeout,
+        started,
+        stdout,
+        stderr,
+        truncated,
+        readers,
     })
+}
+
+impl RunningTool {
+    /// What identifies the tool's processes, to journal before waiting.
+    pub fn identity(&self) -> Option<ToolIdentity> {
+        self.identity
+    }
+
+    /// Waits for the tool to exit. At the timeout every process of the tool (its group and
+    /// the leader's descendants) is killed and proven gone before this returns.
+    pub async fn wait(mut self) -> Result<ToolOutput, ToolError> {
+        let text = |buffer: &Arc<Mutex<Vec<u8>>>| {
+            String::from_utf8_lossy(&buffer.lock().unwrap_or_else(|p| p.into_inner())).into_owned()
+        };
+        let status = match tokio::time::timeout(self.timeout, self.child.wait()).await {
+            Ok(status) => status.map_err(|error| ToolError::Wait {
+                program: self.program.clone(),
+                error,
+            })?,
+            Err(_) => {
+                // Collect the tree while the leader still lives: a child that left the group
+                // is found only as the leader's descendant.
+                let reaped = match self.identity {
+                    Some(identity) => {
+                        let reaped = identity.reap(REAP_WITHIN).await;
+                        self.group.kill();
+                        let _ = self.child.kill().await;
+                        reaped
+                    }
+                    None => {
+                        self.group.kill();
+                        let _ = self.child.kill().await;
+                        Ok(0)
+                    }
+                };
+                for reader in self.readers.iter().flatten() {
+                    reader.abort();
+                }
+                return Err(ToolError::Timeout {
+                    program: self.program.clone(),
+                    timeout: self.timeout,
+                    stderr: match reaped {
+                        Ok(_) => text(&self.stderr),
+                        Err(left) => format!("{}; {left}", text(&self.stderr)),
+                    },
+                });
+            }
+        };
+        // The tool exited by itself: what it left running (a map's holder) is meant to stay.
+        self.group.0 = None;
+        for reader in std::mem::take(&mut self.readers).into_iter().flatten() {
+            if tokio::time::timeout(OUTPUT_GRACE, reader).await.is_err() {
+                // A daemon the tool forked still holds the pipe: keep what arrived.
+            }
+        }
+        Ok(ToolOutput {
+            exit_code: status.code(),
+            stdout: text(&self.stdout),
+            stderr: text(&self.stderr),
+            elapsed: self.started.elapsed(),
+            truncated: self.truncated.load(std::sync::atomic::Ordering::SeqCst),
+        })
+    }
 }
 
 /// Kills a tool's process group when dropped while armed.
@@ -695,6 +899,56 @@ mod tests {
             .collect();
         assert!(survivors.is_empty(), "left behind: {survivors:?}");
         assert!(!marker.exists());
+    }
+
+    fn processes_mentioning(needle: &str) -> Vec<String> {
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .filter_map(|e| std::fs::read(e.ok()?.path().join("cmdline")).ok())
+            .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+            .filter(|c| c.contains(needle))
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn a_tools_processes_are_killed_even_after_they_left_its_group() {
+        // Like a map's holder: a child that starts a session of its own.
+        let needle = format!("certistack-reap-{}", std::process::id());
+        let script = format!("setsid sh -c 'sleep 30; : {needle}' & sleep 30");
+        let call = ToolCall::new("/bin/sh", Duration::from_millis(500))
+            .arg("-c")
+            .arg(&script);
+        let tool = start(call).unwrap();
+        let identity = tool.identity().unwrap();
+        assert_eq!(identity.process_group, identity.pid);
+        assert!(identity.start_time > 0);
+        assert!(matches!(tool.wait().await, Err(ToolError::Timeout { .. })));
+        let left = processes_mentioning(&needle);
+        assert!(left.is_empty(), "left behind at the timeout: {left:?}");
+
+        // The same, from the journaled identity alone (a daemon that restarted mid-step).
+        let call = ToolCall::new("/bin/sh", Duration::from_secs(60))
+            .arg("-c")
+            .arg(&script);
+        let tool = start(call).unwrap();
+        let identity = tool.identity().unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(
+            processes_mentioning(&needle).len(),
+            2,
+            "sh -c and its setsid child"
+        );
+        let killed = identity.reap(Duration::from_secs(5)).await.unwrap();
+        assert!(killed >= 2, "{killed}");
+        let left = processes_mentioning(&needle);
+        assert!(left.is_empty(), "left behind by reap: {left:?}");
+        drop(tool);
+        // A pid that is now another process (different start time) is never touched.
+        let stranger = ToolIdentity {
+            start_time: identity.start_time.saturating_add(1),
+            ..ToolIdentity::of(std::process::id() as i32).unwrap()
+        };
+        assert_eq!(stranger.reap(Duration::from_secs(1)).await, Ok(0));
     }
 
     #[tokio::test]

@@ -183,6 +183,8 @@ impl Connector {
             let every =
                 Duration::from_secs((self.config.limits.expiry_grace_secs / 2).clamp(1, 30));
             tokio::spawn(async move {
+                // First, before any run is cleaned up: tools a previous daemon left running.
+                service.recover_interrupted().await;
                 let mut ticks = tokio::time::interval(every);
                 loop {
                     ticks.tick().await;

@@ -12,7 +12,7 @@
 //! logged once with the RPC, the peer and the reason.
 
 use crate::action::{Action, authorize, parse};
-use crate::executor::{Caller, Executor, Outcome};
+use crate::executor::{Caller, ExecError, Executor, Outcome};
 use crate::grant::{self, GrantError};
 use crate::identity::{ClientIdentity, Identity};
 use crate::policy::{Gate, Rpc};
@@ -144,14 +144,16 @@ impl ConnectorService {
                     },
                 )
                 .await;
-            match result {
-                Ok(Outcome::Cleanup(reply))
-                    if reply.residue.is_empty()
-                        && !reply
-                            .resources
-                            .iter()
-                            .any(|r| r.end_state.starts_with("failed")) =>
-                {
+            // The run closes only when the node holds nothing named for it any more.
+            let residue = match result {
+                Ok(Outcome::Cleanup(_)) => self.executor.residue(&record.handle).await,
+                Ok(_) => Err(ExecError::Failed(
+                    "the executor answered Cleanup with the wrong reply type".into(),
+                )),
+                Err(error) => Err(error),
+            };
+            match residue {
+                Ok(residue) if residue.is_empty() => {
                     match self.runs.expire(&run_id, self.clock.now_unix_ms()).await {
                         Ok(_) => {
                             tracing::warn!(%run_id, deadline, "run passed its deadline without EndRun: cleaned up and closed as expired")
@@ -161,11 +163,8 @@ impl ConnectorService {
                         }
                     }
                 }
-                Ok(Outcome::Cleanup(reply)) => {
-                    tracing::error!(%run_id, residue = ?reply.residue, "expired run left residue; an operator must look at it")
-                }
-                Ok(_) => {
-                    tracing::error!(%run_id, "the executor answered Cleanup with the wrong reply type")
+                Ok(residue) => {
+                    tracing::error!(%run_id, ?residue, "expired run left residue; an operator must look at it")
                 }
                 Err(error) => {
                     tracing::error!(%run_id, %error, "cleanup of the expired run failed; retrying on the next pass")
@@ -174,6 +173,18 @@ impl ConnectorService {
         }
     }
 
+    /// Settles, for every open run, the steps a previous daemon was interrupted in: their
+    /// tools are killed and proven gone before anything else is decided.
+    pub async fn recover_interrupted(&self) {
+        for record in self.runs.list() {
+            if record.state != RunState::Open {
+                continue;
+            }
+            if let Err(error) = self.executor.recover(&record.handle).await {
+                tracing::error!(run_id = %record.grant().run_id, %error, "cannot settle an interrupted step");
+            }
+        }
+    }
     fn refuse(&self, rpc: Rpc, peer: &str, run_id: &str, status: Status) -> Status {
         tracing::warn!(rpc = rpc.name(), peer, run_id, code = ?status.code(), reason = status.message(), "refused");
         status
@@ -475,6 +486,28 @@ impl Connector for ConnectorService {
                     "the certificate's grant digest differs from the grant this run began with",
                 ),
             ));
+        }
+        // A run ends clean: what the node still holds under the run's names (not only what
+        // its journal has open) must be cleaned up first.
+        if let Some(record) = self.runs.get(run_id)
+            && record.state == RunState::Open
+        {
+            let residue = self
+                .executor
+                .residue(&record.handle)
+                .await
+                .map_err(|error| self.refuse(rpc, &peer.label(), run_id.as_str(), error.into()))?;
+            if !residue.is_empty() {
+                return Err(self.refuse(
+                    rpc,
+                    &peer.label(),
+                    run_id.as_str(),
+                    Status::failed_precondition(format!(
+                        "run {run_id} still holds on this node: {}; run Cleanup first",
+                        residue.join("; ")
+                    )),
+                ));
+            }
         }
         let closed_unix_ms = self
             .runs

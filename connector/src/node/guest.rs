@@ -9,7 +9,8 @@
 //! - QGA: `guest-sync-delimited` with a random id (the reply follows a 0xFF byte, which also
 //!   flushes whatever a previous client left in the channel), then the command.
 
-use super::{NodeExecutor, resources};
+use super::NodeExecutor;
+use super::resources::{self, Op, Resource};
 use crate::action::{QgaCall, QgaCommand, QmpCommand};
 use crate::executor::{ExecError, Outcome};
 use crate::grant::QgaAssertion;
@@ -317,11 +318,6 @@ impl NodeExecutor {
         Duration::from_secs(self.config.limits.guest_timeout_secs)
     }
 
-    fn screendump_path(&self, run: &RunHandle, vmid: Vmid) -> PathBuf {
-        self.overlay_dir(&run.grant)
-            .join(format!("{vmid}-screen.ppm"))
-    }
-
     pub(super) async fn run_qmp(
         &self,
         run: &RunHandle,
@@ -330,13 +326,12 @@ impl NodeExecutor {
     ) -> Result<Outcome, ExecError> {
         let mut guard = self.lock_open(run).await?;
         self.require_ours(&guard, &run.grant, vmid)?;
-        let resource = format!("vm:{vmid}");
+        let resource = Resource::Vm(vmid).key();
         let mut arguments = None;
         if command == QmpCommand::Screendump {
-            let path = self.screendump_path(run, vmid);
-            let key = format!("file:screendump:{vmid}");
-            if !resources::states(&guard.records())
-                .get("dir:overlays")
+            let path = self.screendump_path(&run.grant, vmid);
+            let key = Resource::Screendump(vmid).key();
+            if !resources::state_of(&guard.records(), &Resource::OverlayDir)
                 .is_some_and(|s| s.is_open())
             {
                 return Err(ExecError::FailedPrecondition(
@@ -345,11 +340,28 @@ impl NodeExecutor {
             }
             guard.append(
                 self.now_ms(),
-                "file.screendump",
+                Op::FileScreendump.as_str(),
                 &key,
                 Phase::Intent,
                 json!({ "path": path.display().to_string() }),
             )?;
+            // QEMU opens the path it is given and follows links: it gets a file created here,
+            // without following any, in the run's checked directory (a previous screendump of
+            // the run is replaced).
+            if let Err(error) = self.create_run_file(
+                &run.grant,
+                &super::overlay::screendump_file_name(vmid),
+                true,
+            ) {
+                guard.append(
+                    self.now_ms(),
+                    Op::FileScreendump.as_str(),
+                    &key,
+                    Phase::Failed,
+                    json!({ "error": error.to_string() }),
+                )?;
+                return Err(error);
+            }
             arguments = Some(json!({ "filename": path.display().to_string() }));
         }
         let started = Instant::now();
@@ -372,12 +384,14 @@ impl NodeExecutor {
             Ok(value) => {
                 guard.append(self.now_ms(), "guest.qmp", &resource, Phase::Done, json!({ "command": command.wire_name(), "return": value, "elapsed_ms": elapsed_ms }))?;
                 if command == QmpCommand::Screendump {
-                    let path = self.screendump_path(run, vmid);
-                    let bytes = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+                    let path = self.screendump_path(&run.grant, vmid);
+                    let bytes = std::fs::symlink_metadata(&path)
+                        .map(|m| m.len())
+                        .unwrap_or(0);
                     guard.append(
                         self.now_ms(),
-                        "file.screendump",
-                        &format!("file:screendump:{vmid}"),
+                        Op::FileScreendump.as_str(),
+                        &Resource::Screendump(vmid).key(),
                         Phase::Done,
                         json!({ "path": path.display().to_string(), "bytes": bytes }),
                     )?;
@@ -403,7 +417,7 @@ impl NodeExecutor {
     ) -> Result<Outcome, ExecError> {
         let mut guard = self.lock_open(run).await?;
         self.require_ours(&guard, &run.grant, vmid)?;
-        let resource = format!("vm:{vmid}");
+        let resource = Resource::Vm(vmid).key();
         let path = self.socket(vmid, "qga");
         let started = Instant::now();
         match call {

@@ -1,17 +1,185 @@
 //! What a run has on the node, as its journal says.
 //!
 //! Every side effect is journaled under a resource key (`backup:<archive>`,
-//! `overlay:<vmid>:<archive>`, `dir:overlays`, ...). A resource is open when its last record is
-//! not `undone`: an `intent` without an outcome (the daemon died in between), a `done`, or a
-//! `failed` that may have left something behind. Cleanup reverses open resources newest first.
+//! `overlay:<vmid>:<archive>`, `dir:overlays`, ...). Keys are parsed once, here, into
+//! [`Resource`]; the strings stay the journal's wire format. A resource is open when its last
+//! record is not `undone`: an `intent` without an outcome (the daemon died in between), a
+//! `done`, or a `failed` that may have left something behind. Cleanup reverses open resources
+//! newest first.
 
 use crate::journal::{Phase, Record};
+use crate::process::ToolIdentity;
+use crate::validate::{ArchiveName, Validated, Vmid, VnetName};
 use std::collections::BTreeMap;
+use std::fmt;
+
+/// One thing a run can leave on the node, named as its journal key names it.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Resource {
+    /// `backup:<archive>`: a read-only loop device mapped by `proxmox-backup-client map`.
+    Backup(ArchiveName),
+    /// `dir:overlays`: the run's directory under the overlay root.
+    OverlayDir,
+    /// `overlay:<vmid>:<archive>`: a qcow2 overlay on a mapping.
+    Overlay { vmid: Vmid, archive: ArchiveName },
+    /// `vm:<vmid>`: a sandbox VM.
+    Vm(Vmid),
+    /// `nft:<table>`: the run's nftables table.
+    NftTable(String),
+    /// `addr:<vnet>`: the probe address on the VNet.
+    ProbeAddress(VnetName),
+    /// `file:screendump:<vmid>`: a screendump in the run's directory.
+    Screendump(Vmid),
+    /// A key this connector does not know (a journal written by a newer version).
+    Unrecognized(String),
+}
+
+fn vmid(text: &str) -> Option<Vmid> {
+    Vmid::parse("journal", text.parse().ok()?).ok()
+}
+
+impl Resource {
+    /// Parses a journal key; unknown or malformed keys stay [`Resource::Unrecognized`].
+    pub fn parse(key: &str) -> Self {
+        let parsed = if let Some(archive) = key.strip_prefix("backup:") {
+            ArchiveName::validate(archive).ok().map(Resource::Backup)
+        } else if key == "dir:overlays" {
+            Some(Resource::OverlayDir)
+        } else if let Some(rest) = key.strip_prefix("overlay:") {
+            rest.split_once(':').and_then(|(v, a)| {
+                Some(Resource::Overlay {
+                    vmid: vmid(v)?,
+                    archive: ArchiveName::validate(a).ok()?,
+                })
+            })
+        } else if let Some(v) = key.strip_prefix("vm:") {
+            vmid(v).map(Resource::Vm)
+        } else if let Some(table) = key.strip_prefix("nft:") {
+            Some(Resource::NftTable(table.to_owned()))
+        } else if let Some(vnet) = key.strip_prefix("addr:") {
+            VnetName::validate(vnet).ok().map(Resource::ProbeAddress)
+        } else if let Some(v) = key.strip_prefix("file:screendump:") {
+            vmid(v).map(Resource::Screendump)
+        } else {
+            None
+        };
+        parsed.unwrap_or_else(|| Resource::Unrecognized(key.to_owned()))
+    }
+
+    /// The journal key.
+    pub fn key(&self) -> String {
+        self.to_string()
+    }
+
+    /// Whether undoing this resource touches the sandbox network.
+    pub fn is_network(&self) -> bool {
+        matches!(self, Resource::NftTable(_) | Resource::ProbeAddress(_))
+    }
+}
+
+impl fmt::Display for Resource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Resource::Backup(archive) => write!(f, "backup:{archive}"),
+            Resource::OverlayDir => f.write_str("dir:overlays"),
+            Resource::Overlay { vmid, archive } => write!(f, "overlay:{vmid}:{archive}"),
+            Resource::Vm(vmid) => write!(f, "vm:{vmid}"),
+            Resource::NftTable(table) => write!(f, "nft:{table}"),
+            Resource::ProbeAddress(vnet) => write!(f, "addr:{vnet}"),
+            Resource::Screendump(vmid) => write!(f, "file:screendump:{vmid}"),
+            Resource::Unrecognized(key) => f.write_str(key),
+        }
+    }
+}
+
+/// The journaled operations of the node executor, as their `op` strings are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    BackupMap,
+    BackupUnmap,
+    OverlayDir,
+    OverlayDirDelete,
+    OverlayCreate,
+    OverlayDelete,
+    FileScreendump,
+    FileDelete,
+    VmCreate,
+    VmStart,
+    VmStop,
+    VmDestroy,
+}
+
+impl Op {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Op::BackupMap => "backup.map",
+            Op::BackupUnmap => "backup.unmap",
+            Op::OverlayDir => "overlay.dir",
+            Op::OverlayDirDelete => "overlay.dir.delete",
+            Op::OverlayCreate => "overlay.create",
+            Op::OverlayDelete => "overlay.delete",
+            Op::FileScreendump => "file.screendump",
+            Op::FileDelete => "file.delete",
+            Op::VmCreate => "vm.create",
+            Op::VmStart => "vm.start",
+            Op::VmStop => "vm.stop",
+            Op::VmDestroy => "vm.destroy",
+        }
+    }
+}
+
+/// How cleanup left one resource, as its receipt says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EndState {
+    Unmapped,
+    Deleted,
+    Destroyed,
+    AlreadyGone,
+    NeverCreated,
+    NotOurs,
+    /// Deliberately left in place: something above it could not be undone.
+    Kept(String),
+    Failed(String),
+}
+
+impl EndState {
+    /// The receipt's `end_state` and the journal's `end_state` detail.
+    pub fn wire(&self) -> String {
+        match self {
+            EndState::Unmapped => "unmapped".into(),
+            EndState::Deleted => "deleted".into(),
+            EndState::Destroyed => "destroyed".into(),
+            EndState::AlreadyGone => "already gone".into(),
+            EndState::NeverCreated => "never created".into(),
+            EndState::NotOurs => "not this run's, left untouched".into(),
+            EndState::Kept(reason) => format!("failed: kept while {reason}"),
+            EndState::Failed(reason) => format!("failed: {reason}"),
+        }
+    }
+
+    pub fn is_failure(&self) -> bool {
+        matches!(self, EndState::Kept(_) | EndState::Failed(_))
+    }
+}
+
+/// Where a resource stands after its last record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Standing {
+    /// An `intent` without outcome: the daemon stopped during the step.
+    Interrupted,
+    Done,
+    /// The step failed and said so: its effect is known.
+    Failed,
+    /// The step's tool was killed at its deadline or lost: it may have done its work.
+    OutcomeUnknown,
+    Undone,
+}
 
 /// The last record of one resource.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ResourceState {
     pub key: String,
+    pub resource: Resource,
     pub last: Record,
     /// The detail of the last `done` record of the creating operation, if any.
     pub done_detail: Option<serde_json::Value>,
@@ -24,17 +192,42 @@ impl ResourceState {
         self.last.entry.phase != Phase::Undone
     }
 
-    /// Whether the last step's effect on the node is unknown: its `intent` has no outcome (the
-    /// daemon died), or its tool was killed or lost before it reported (`outcome_unknown`).
-    pub fn outcome_unknown(&self) -> bool {
+    pub fn standing(&self) -> Standing {
         let entry = &self.last.entry;
-        entry.phase == Phase::Intent
-            || (entry.phase == Phase::Failed
-                && entry
+        match entry.phase {
+            Phase::Intent => Standing::Interrupted,
+            Phase::Done => Standing::Done,
+            Phase::Undone => Standing::Undone,
+            Phase::Failed
+                if entry
                     .detail
                     .get("outcome_unknown")
                     .and_then(serde_json::Value::as_bool)
-                    == Some(true))
+                    == Some(true) =>
+            {
+                Standing::OutcomeUnknown
+            }
+            Phase::Failed => Standing::Failed,
+        }
+    }
+
+    /// Whether the last step's effect on the node is unknown: its `intent` has no outcome (the
+    /// daemon died), or its tool was killed or lost before it reported (`outcome_unknown`).
+    pub fn outcome_unknown(&self) -> bool {
+        matches!(
+            self.standing(),
+            Standing::Interrupted | Standing::OutcomeUnknown
+        )
+    }
+
+    /// The tools the interrupted last step started (journaled with its `intent`).
+    pub fn interrupted_tools(&self) -> Vec<ToolIdentity> {
+        self.history
+            .iter()
+            .rev()
+            .take_while(|r| r.entry.phase == Phase::Intent)
+            .filter_map(|r| serde_json::from_value(r.entry.detail.get("tool")?.clone()).ok())
+            .collect()
     }
 }
 
@@ -53,6 +246,7 @@ pub fn states(records: &[Record]) -> BTreeMap<String, ResourceState> {
             .entry(record.entry.resource.clone())
             .or_insert_with(|| ResourceState {
                 key: record.entry.resource.clone(),
+                resource: Resource::parse(&record.entry.resource),
                 last: record.clone(),
                 done_detail: None,
                 history: Vec::new(),
@@ -67,6 +261,11 @@ pub fn states(records: &[Record]) -> BTreeMap<String, ResourceState> {
         state.last = record.clone();
     }
     states
+}
+
+/// The state of one resource, if the journal mentions it.
+pub fn state_of(records: &[Record], resource: &Resource) -> Option<ResourceState> {
+    states(records).remove(&resource.key())
 }
 
 /// Open resources, the most recently touched first: the order cleanup undoes them in.
@@ -160,5 +359,34 @@ mod tests {
             "reported failure"
         );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn keys_parse_into_resources_and_back() {
+        for key in [
+            "backup:drive-scsi0.img",
+            "dir:overlays",
+            "overlay:9100:drive-scsi0.img",
+            "vm:9100",
+            "nft:certistack_0f0e",
+            "addr:csbox1",
+            "file:screendump:9100",
+        ] {
+            let resource = Resource::parse(key);
+            assert!(
+                !matches!(resource, Resource::Unrecognized(_)),
+                "{key} not recognized"
+            );
+            assert_eq!(resource.key(), key);
+        }
+        assert_eq!(
+            Resource::parse("overlay:12:x.img"),
+            Resource::Unrecognized("overlay:12:x.img".into()),
+            "a VMID below 100 is malformed"
+        );
+        assert_eq!(
+            Resource::parse("backup:../x"),
+            Resource::Unrecognized("backup:../x".into())
+        );
     }
 }

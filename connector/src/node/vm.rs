@@ -6,7 +6,8 @@
 //! stop and destroy, and before cleanup undoes anything, the VM config is re-read: only a VM
 //! carrying this run's description, tag and journaled SMBIOS UUID is ever touched.
 
-use super::{NodeExecutor, resources, tool_detail, tool_error, tool_result};
+use super::resources::{self, EndState, Op, Resource, ResourceState, Standing};
+use super::{NodeExecutor, tool_detail, tool_error, tool_result};
 use crate::executor::{ExecError, Outcome};
 use crate::grant::Grant;
 use crate::journal::Phase;
@@ -20,6 +21,47 @@ use std::collections::BTreeMap;
 pub const TAG: &str = "certistack";
 /// Shares below the default (1024), so sandboxes yield to production VMs under contention.
 const CPU_UNITS: u32 = 100;
+
+/// A `qm` lifecycle step on a VM of the run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verb {
+    Start,
+    /// `qm stop`, with `--timeout` when not zero.
+    Stop {
+        timeout_secs: u32,
+    },
+    /// `qm destroy --purge 1`: ends the VM resource.
+    Destroy,
+}
+
+impl Verb {
+    fn name(self) -> &'static str {
+        match self {
+            Verb::Start => "start",
+            Verb::Stop { .. } => "stop",
+            Verb::Destroy => "destroy",
+        }
+    }
+
+    fn op(self) -> Op {
+        match self {
+            Verb::Start => Op::VmStart,
+            Verb::Stop { .. } => Op::VmStop,
+            Verb::Destroy => Op::VmDestroy,
+        }
+    }
+
+    /// How long the guest may legitimately take beyond the tool timeout: `qm stop --timeout N`
+    /// waits N seconds before it kills the guest.
+    fn grace(self) -> std::time::Duration {
+        match self {
+            Verb::Stop { timeout_secs } if timeout_secs > 0 => {
+                std::time::Duration::from_secs(u64::from(timeout_secs).saturating_add(30))
+            }
+            _ => std::time::Duration::ZERO,
+        }
+    }
+}
 
 pub fn marker(run_id: &str) -> String {
     format!("certistack-run={run_id}")
@@ -116,12 +158,12 @@ impl NodeExecutor {
         Ownership::Ours
     }
 
-    fn created_uuid(state: Option<&resources::ResourceState>) -> Option<String> {
+    fn created_uuid(state: Option<&ResourceState>) -> Option<String> {
         state?
             .history
             .iter()
             .rev()
-            .find(|r| r.entry.op == "vm.create")?
+            .find(|r| r.entry.op == Op::VmCreate.as_str())?
             .entry
             .detail
             .get("smbios_uuid")?
@@ -136,9 +178,15 @@ impl NodeExecutor {
         grant: &Grant,
         vmid: Vmid,
     ) -> Result<String, ExecError> {
-        let states = resources::states(&guard.records());
-        let state = states.get(&format!("vm:{vmid}")).filter(|s| s.is_open());
-        let Some(uuid) = Self::created_uuid(state) else {
+        let state = resources::state_of(&guard.records(), &Resource::Vm(vmid));
+        if state.as_ref().is_some_and(|s| {
+            s.standing() == Standing::Undone && s.last.entry.op == Op::VmDestroy.as_str()
+        }) {
+            return Err(ExecError::NotFound(format!(
+                "VM {vmid} was destroyed by this run"
+            )));
+        }
+        let Some(uuid) = Self::created_uuid(state.as_ref().filter(|s| s.is_open())) else {
             return Err(ExecError::FailedPrecondition(format!(
                 "VM {vmid} was not created by this run"
             )));
@@ -153,18 +201,9 @@ impl NodeExecutor {
         }
     }
 
-    /// A `qm` call. `qm stop --timeout N` may legitimately take N seconds before it kills the
-    /// guest, so it gets that much more than the tool timeout.
-    fn qm_call(&self, args: &[String]) -> ToolCall {
-        let stop_secs = args
-            .iter()
-            .position(|a| a == "--timeout")
-            .and_then(|i| args.get(i + 1))
-            .and_then(|t| t.parse::<u64>().ok())
-            .unwrap_or(0);
-        let timeout = self
-            .tool_timeout()
-            .max(std::time::Duration::from_secs(stop_secs + 30));
+    /// A `qm` call, given `grace` beyond the tool timeout.
+    fn qm_call(&self, args: &[String], grace: std::time::Duration) -> ToolCall {
+        let timeout = self.tool_timeout().saturating_add(grace);
         args.iter().fold(
             ToolCall::new(&self.config.tools.qm, timeout),
             |call, arg| call.arg(arg),
@@ -173,7 +212,9 @@ impl NodeExecutor {
 
     /// A `qm` call that is not a journaled step (reading the status).
     async fn qm(&self, args: &[String]) -> Result<process::ToolOutput, ExecError> {
-        process::run(self.qm_call(args)).await.map_err(tool_error)
+        process::run(self.qm_call(args, std::time::Duration::ZERO))
+            .await
+            .map_err(tool_error)
     }
 
     /// `qm start|stop|destroy <vmid>`, journaled: `intent`, then `failed`, or `done` (`undone`
@@ -182,51 +223,51 @@ impl NodeExecutor {
         &self,
         guard: &mut RunGuard<'_>,
         vmid: Vmid,
-        verb: &'static str,
-        timeout_secs: u32,
+        verb: Verb,
     ) -> Result<process::ToolOutput, ExecError> {
-        let resource = format!("vm:{vmid}");
-        let mut args = vec![verb.to_owned(), vmid.to_string()];
+        let resource = Resource::Vm(vmid).key();
+        let mut args = vec![verb.name().to_owned(), vmid.to_string()];
         match verb {
-            "stop" if timeout_secs > 0 => {
+            Verb::Stop { timeout_secs } if timeout_secs > 0 => {
                 args.extend(["--timeout".into(), timeout_secs.to_string()])
             }
-            "destroy" => args.extend(["--purge".into(), "1".into()]),
+            Verb::Destroy => args.extend(["--purge".into(), "1".into()]),
             _ => {}
         }
-        let op = format!("vm.{verb}");
+        let op = verb.op().as_str();
         guard.append(
             self.now_ms(),
-            &op,
+            op,
             &resource,
             Phase::Intent,
             json!({ "argv": args }),
         )?;
         let output = self
-            .run_step(guard, &op, &resource, self.qm_call(&args))
+            .run_step(guard, op, &resource, self.qm_call(&args, verb.grace()))
             .await?;
         if !output.success() {
             guard.append(
                 self.now_ms(),
-                &op,
+                op,
                 &resource,
                 Phase::Failed,
                 tool_detail(&output, &[]),
             )?;
             return Err(ExecError::FailedPrecondition(format!(
-                "qm {verb} {vmid} failed (exit {:?}): {}",
+                "qm {} {vmid} failed (exit {:?}): {}",
+                verb.name(),
                 output.exit_code,
                 output.stderr_excerpt()
             )));
         }
-        let phase = if verb == "destroy" {
+        let phase = if verb == Verb::Destroy {
             Phase::Undone
         } else {
             Phase::Done
         };
         guard.append(
             self.now_ms(),
-            &op,
+            op,
             &resource,
             phase,
             tool_detail(&output, &[]),
@@ -245,11 +286,19 @@ impl NodeExecutor {
         let grant = &run.grant;
         let mut guard = self.lock_open(run).await?;
         let states = resources::states(&guard.records());
-        let resource = format!("vm:{vmid}");
-        if states.get(&resource).is_some_and(|s| s.is_open()) {
-            return Err(ExecError::AlreadyExists(format!(
-                "this run already created VM {vmid}"
-            )));
+        let resource = Resource::Vm(vmid).key();
+        if let Some(state) = states.get(&resource).filter(|s| s.is_open()) {
+            let uuid = Self::created_uuid(Some(state)).unwrap_or_default();
+            return Err(ExecError::AlreadyExists(match state.standing() {
+                Standing::Done => format!(
+                    "this run already created VM {vmid} (SMBIOS UUID {uuid}); it is ready for StartVm"
+                ),
+                _ => format!(
+                    "this run already tried to create VM {vmid} and its last step ({} {}) did not complete; destroy it or clean up first",
+                    state.last.entry.op,
+                    state.last.entry.phase.name()
+                ),
+            }));
         }
         if self.vm_config_path(vmid).exists() {
             return Err(ExecError::AlreadyExists(format!(
@@ -258,10 +307,14 @@ impl NodeExecutor {
         }
         let mut disks = Vec::new();
         for (slot, archive) in archives.iter().enumerate() {
-            let key = format!("overlay:{vmid}:{archive}");
+            let key = Resource::Overlay {
+                vmid,
+                archive: archive.clone(),
+            }
+            .key();
             if !states
                 .get(&key)
-                .is_some_and(|s| s.is_open() && s.last.entry.phase == Phase::Done)
+                .is_some_and(|s| s.is_open() && s.standing() == Standing::Done)
             {
                 return Err(ExecError::FailedPrecondition(format!(
                     "VM {vmid} has no overlay of {archive}; call CreateOverlay first"
@@ -295,20 +348,26 @@ impl NodeExecutor {
         push("--boot", "order=scsi0".into());
         push("--tags", TAG.into());
         push("--description", marker(grant.run_id.as_str()));
+        let op = Op::VmCreate.as_str();
         guard.append(
             self.now_ms(),
-            "vm.create",
+            op,
             &resource,
             Phase::Intent,
             json!({ "smbios_uuid": smbios_uuid, "argv": args }),
         )?;
         let output = self
-            .run_step(&mut guard, "vm.create", &resource, self.qm_call(&args))
+            .run_step(
+                &mut guard,
+                op,
+                &resource,
+                self.qm_call(&args, std::time::Duration::ZERO),
+            )
             .await?;
         if !output.success() {
             guard.append(
                 self.now_ms(),
-                "vm.create",
+                op,
                 &resource,
                 Phase::Failed,
                 tool_detail(&output, &[("smbios_uuid", json!(smbios_uuid))]),
@@ -327,7 +386,7 @@ impl NodeExecutor {
         }
         guard.append(
             self.now_ms(),
-            "vm.create",
+            op,
             &resource,
             Phase::Done,
             tool_detail(&output, &[("smbios_uuid", json!(smbios_uuid))]),
@@ -344,38 +403,35 @@ impl NodeExecutor {
         &self,
         run: &RunHandle,
         vmid: Vmid,
-        verb: &'static str,
-        timeout_secs: u32,
+        verb: Verb,
     ) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
         let mut guard = self.lock_open(run).await?;
         self.require_ours(&guard, grant, vmid)?;
-        if verb == "start" {
+        if verb == Verb::Start {
             // A restored guest boots only on a VNet that was checked and contained for this run.
-            let table = super::sandbox::table_name(grant);
-            let prepared = resources::states(&guard.records())
-                .get(&format!("nft:{table}"))
-                .is_some_and(|s| s.is_open() && s.last.entry.phase == Phase::Done);
-            // And it boots only from this run's live mappings: re-check every disk's loop device.
             let states = resources::states(&guard.records());
-            let prefix = format!("overlay:{vmid}:");
-            for key in states
-                .iter()
-                .filter(|(k, s)| k.starts_with(&prefix) && s.is_open())
-                .map(|(k, _)| k)
-            {
-                let archive = key.rsplit(':').next().unwrap_or_default();
-                let archive = <ArchiveName as crate::validate::Validated>::validate(archive)
-                    .map_err(ExecError::Failed)?;
-                let device = states
-                    .get(&format!("backup:{archive}"))
-                    .and_then(|s| super::loop_device_of(s.done_detail.as_ref()))
-                    .ok_or_else(|| {
-                        ExecError::FailedPrecondition(format!(
-                            "{archive} is no longer mapped by this run"
-                        ))
-                    })?;
-                self.check_mapping(grant, &archive, &device)?;
+            let table = Resource::NftTable(super::sandbox::table_name(grant)).key();
+            let prepared = states
+                .get(&table)
+                .is_some_and(|s| s.is_open() && s.standing() == Standing::Done);
+            // And it boots only from this run's live mappings: re-check every disk's loop device.
+            let archives =
+                states
+                    .values()
+                    .filter(|s| s.is_open())
+                    .filter_map(|s| match &s.resource {
+                        Resource::Overlay { vmid: v, archive } if *v == vmid => Some(archive),
+                        _ => None,
+                    });
+            for archive in archives {
+                let backup = Resource::Backup(archive.clone()).key();
+                let device = Self::mapped_device(states.get(&backup)).ok_or_else(|| {
+                    ExecError::FailedPrecondition(format!(
+                        "{archive} is no longer mapped by this run"
+                    ))
+                })?;
+                self.check_mapping(grant, archive, &device)?;
             }
             if !prepared
                 || !self.table_present(grant).await?
@@ -388,18 +444,16 @@ impl NodeExecutor {
             }
             self.recheck_sandbox(grant).await?;
         }
-        let output = self
-            .journaled_qm(&mut guard, vmid, verb, timeout_secs)
-            .await?;
+        let output = self.journaled_qm(&mut guard, vmid, verb).await?;
         // qm reports success only once the VM reached the state; VmStatus re-reads it on demand.
         let state = match verb {
-            "destroy" => pb::VmState::Absent,
-            "start" => pb::VmState::Running,
-            _ => pb::VmState::Stopped,
+            Verb::Destroy => pb::VmState::Absent,
+            Verb::Start => pb::VmState::Running,
+            Verb::Stop { .. } => pb::VmState::Stopped,
         };
         Ok(Outcome::Vm(pb::VmReply {
             state: state as i32,
-            tool: Some(tool_result(&format!("qm {verb}"), &output)),
+            tool: Some(tool_result(&format!("qm {}", verb.name()), &output)),
             journal_head: guard.head_hex(),
         }))
     }
@@ -438,7 +492,18 @@ impl NodeExecutor {
     ) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
         let guard = self.lock_open(run).await?;
-        self.require_ours(&guard, grant, vmid)?;
+        match self.require_ours(&guard, grant, vmid) {
+            Ok(_) => {}
+            // Destroyed by this run: the answer is that it is gone.
+            Err(ExecError::NotFound(_)) => {
+                return Ok(Outcome::Vm(pb::VmReply {
+                    state: pb::VmState::Absent as i32,
+                    tool: None,
+                    journal_head: guard.head_hex(),
+                }));
+            }
+            Err(error) => return Err(error),
+        }
         let (state, output) = self.status(vmid).await?;
         Ok(Outcome::Vm(pb::VmReply {
             state: state as i32,
@@ -452,10 +517,11 @@ impl NodeExecutor {
         &self,
         guard: &mut RunGuard<'_>,
         grant: &Grant,
-        state: &resources::ResourceState,
+        state: &ResourceState,
         vmid: Vmid,
-    ) -> Result<&'static str, ExecError> {
-        let resource = format!("vm:{vmid}");
+    ) -> Result<EndState, ExecError> {
+        let resource = Resource::Vm(vmid).key();
+        let op = Op::VmDestroy.as_str();
         let uuid = Self::created_uuid(Some(state));
         let ownership = match &uuid {
             Some(uuid) => self.ownership(grant, vmid, Some(uuid)),
@@ -466,12 +532,12 @@ impl NodeExecutor {
             Ownership::Absent => {
                 guard.append(
                     self.now_ms(),
-                    "vm.destroy",
+                    op,
                     &resource,
                     Phase::Undone,
-                    json!({ "end_state": "already gone" }),
+                    json!({ "end_state": EndState::AlreadyGone.wire() }),
                 )?;
-                Ok("already gone")
+                Ok(EndState::AlreadyGone)
             }
             Ownership::Unknown(reason) => Err(ExecError::Failed(format!(
                 "VM {vmid}: {reason}; it stays recorded as open until its config can be read"
@@ -479,18 +545,18 @@ impl NodeExecutor {
             Ownership::NotOurs(reason) => {
                 guard.append(
                     self.now_ms(),
-                    "vm.destroy",
+                    op,
                     &resource,
                     Phase::Undone,
-                    json!({ "end_state": "not this run's, left untouched", "reason": reason }),
+                    json!({ "end_state": EndState::NotOurs.wire(), "reason": reason }),
                 )?;
-                Ok("not this run's, left untouched")
+                Ok(EndState::NotOurs)
             }
             Ownership::Ours => {
-                for verb in ["stop", "destroy"] {
-                    self.journaled_qm(guard, vmid, verb, 0).await?;
+                for verb in [Verb::Stop { timeout_secs: 0 }, Verb::Destroy] {
+                    self.journaled_qm(guard, vmid, verb).await?;
                 }
-                Ok("destroyed")
+                Ok(EndState::Destroyed)
             }
         }
     }

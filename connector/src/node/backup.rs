@@ -1,0 +1,457 @@
+//! Backups mapped read-only by `proxmox-backup-client map`, the run's `backup:<archive>`.
+//!
+//! A mapping is named by PBS `<repository>:<snapshot>/<archive>`; its backing file under the
+//! PBS loop-device directory carries that name, escaped. Runs on one node never share a
+//! mapping name (see `runs::overlap`), so the name identifies the run's mapping even when the
+//! journal does not know the device: after a step whose outcome is unknown, cleanup finds the
+//! mapping by name. Unmapping goes by name whenever the name matches exactly one mapping
+//! (the client matches names by suffix), which needs no read-then-unmap of a device number
+//! and works for loop devices the client cannot name by number (>= 256); otherwise by device,
+//! only while the device is still backed by this run's mapping.
+
+use super::resources::{EndState, Op, Resource, ResourceState, Standing};
+use super::{NodeExecutor, loopdev, repository_string, tool_detail, tool_result};
+use crate::action::EncryptionKey;
+use crate::executor::{ExecError, Outcome};
+use crate::grant::Grant;
+use crate::journal::{Phase, Record};
+use crate::process::{SecretInput, SecretKind, ToolCall, ToolOutput};
+use crate::runs::{RunGuard, RunHandle};
+use crate::validate::{ArchiveName, Secret, Snapshot};
+use certistack_proto::v1 as pb;
+use serde_json::json;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// The descriptor `proxmox-backup-client` reads the password from (`PBS_PASSWORD_FD`).
+const PASSWORD_FD: i32 = 3;
+/// The descriptor the encryption key is passed on (`--keyfile /proc/self/fd/4`).
+const KEYFILE_FD: i32 = 4;
+
+fn loop_device_of(detail: Option<&serde_json::Value>) -> Option<String> {
+    detail?.get("loop_device")?.as_str().map(str::to_owned)
+}
+
+/// The records since the resource was last undone: the current life of the mapping.
+fn current_life(state: &ResourceState) -> &[Record] {
+    let start = state
+        .history
+        .iter()
+        .rposition(|r| r.entry.phase == Phase::Undone)
+        .map_or(0, |i| i.saturating_add(1));
+    state.history.get(start..).unwrap_or_default()
+}
+
+impl NodeExecutor {
+    /// The mapping name PBS gives this run's mapping of `archive`, unescaped, as `unmap` takes it.
+    fn mapping_name(&self, grant: &Grant, archive: &ArchiveName) -> String {
+        format!(
+            "{}:{}/{}",
+            repository_string(&grant.repository),
+            grant.snapshot.as_str(),
+            archive.as_str()
+        )
+    }
+
+    pub(super) fn expected_backing(&self, grant: &Grant, archive: &ArchiveName) -> PathBuf {
+        let name = loopdev::backing_file_name(
+            &repository_string(&grant.repository),
+            grant.snapshot.as_str(),
+            archive.as_str(),
+        );
+        self.config.pve.pbs_loopdev_dir.join(name)
+    }
+
+    /// The device of the run's live, completed mapping of `archive`, from the journal.
+    pub(super) fn mapped_device(state: Option<&ResourceState>) -> Option<String> {
+        state
+            .filter(|s| s.is_open() && s.standing() == Standing::Done)
+            .and_then(|s| loop_device_of(s.done_detail.as_ref()))
+    }
+
+    /// Ownership re-check before building on or booting from a mapping: `device` must still be
+    /// this run's live, read-only mapping of `archive` (a dead mapping's number can be reused).
+    pub(super) fn check_mapping(
+        &self,
+        grant: &Grant,
+        archive: &ArchiveName,
+        device: &str,
+    ) -> Result<(), ExecError> {
+        let expected = self.expected_backing(grant, archive);
+        match loopdev::inspect(&self.sys_block, device) {
+            Some(l) if l.serves(&expected) => Ok(()),
+            _ => Err(ExecError::FailedPrecondition(format!(
+                "{device} is no longer this run's read-only mapping of {archive}; clean up and map again"
+            ))),
+        }
+    }
+
+    /// Loop devices currently backed by this run's mapping of `archive`, read-only or not.
+    pub(super) fn our_loops(
+        &self,
+        grant: &Grant,
+        archive: &ArchiveName,
+    ) -> Vec<loopdev::LoopDevice> {
+        let expected = self.expected_backing(grant, archive);
+        loopdev::attached(&self.sys_block)
+            .into_iter()
+            .filter(|l| l.backing_file == expected)
+            .collect()
+    }
+
+    /// Whether `unmap <name>` would pick exactly this run's mapping: the client takes the first
+    /// mapping whose escaped name ends with the escaped name given.
+    fn name_is_unique(&self, grant: &Grant, archive: &ArchiveName) -> bool {
+        let expected = self.expected_backing(grant, archive);
+        let Some(ours) = expected.file_name().and_then(|n| n.to_str()) else {
+            return false;
+        };
+        let Ok(entries) = std::fs::read_dir(&self.config.pve.pbs_loopdev_dir) else {
+            return false;
+        };
+        let matching: Vec<String> = entries
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|n| !n.ends_with(".pid") && n.ends_with(ours))
+            .collect();
+        matching == [ours]
+    }
+
+    pub(super) async fn map_backup(
+        &self,
+        run: &RunHandle,
+        snapshot: Snapshot,
+        archive: ArchiveName,
+        secret: Secret,
+        key: Option<EncryptionKey>,
+    ) -> Result<Outcome, ExecError> {
+        let grant = &run.grant;
+        let mut guard = self.lock_open(run).await?;
+        let resource = Resource::Backup(archive.clone()).key();
+        if let Some(state) = super::resources::states(&guard.records())
+            .get(&resource)
+            .filter(|s| s.is_open())
+        {
+            return Err(ExecError::AlreadyExists(format!(
+                "{archive} is already mapped by this run (last step: {} {}); unmap it or clean up first",
+                state.last.entry.op,
+                state.last.entry.phase.name()
+            )));
+        }
+        let op = Op::BackupMap.as_str();
+        let repository = repository_string(&grant.repository);
+        let mut call = ToolCall::new(
+            &self.config.tools.proxmox_backup_client,
+            Duration::from_secs(self.config.limits.map_timeout_secs),
+        )
+        .arg("map")
+        .arg(snapshot.as_str())
+        .arg(archive.as_str())
+        .arg("--repository")
+        .arg(&repository)
+        .env("PBS_PASSWORD_FD", PASSWORD_FD.to_string())
+        .env("PBS_FINGERPRINT", grant.repository.fingerprint.to_string())
+        .secret(SecretInput {
+            child_fd: PASSWORD_FD,
+            bytes: zeroize::Zeroizing::new(secret.expose().as_bytes().to_vec()),
+            kind: SecretKind::Pipe,
+        });
+        drop(secret);
+        if !grant.repository.namespace.as_str().is_empty() {
+            call = call.arg("--ns").arg(grant.repository.namespace.as_str());
+        }
+        if let Some(key) = key {
+            call = call
+                .arg("--keyfile")
+                .arg(format!("/proc/self/fd/{KEYFILE_FD}"))
+                .secret(SecretInput {
+                    child_fd: KEYFILE_FD,
+                    bytes: key.0,
+                    kind: SecretKind::Memfd,
+                });
+        }
+        guard.append(
+            self.now_ms(),
+            op,
+            &resource,
+            Phase::Intent,
+            json!({ "snapshot": snapshot.as_str(), "archive": archive.as_str(), "repository": repository, "command": call.display() }),
+        )?;
+        let output = match self.run_step(&mut guard, op, &resource, call).await {
+            Ok(output) => output,
+            Err(error) => {
+                // A client that never started mapped nothing: close the resource, so the map
+                // may be retried. (A client killed at its deadline leaves the outcome unknown.)
+                let never_started = super::resources::state_of(
+                    &guard.records(),
+                    &Resource::Backup(archive.clone()),
+                )
+                .is_some_and(|s| s.standing() == Standing::Failed);
+                if never_started {
+                    guard.append(
+                        self.now_ms(),
+                        op,
+                        &resource,
+                        Phase::Undone,
+                        json!({ "end_state": EndState::NeverCreated.wire() }),
+                    )?;
+                }
+                return Err(error);
+            }
+        };
+        // Success is the "mapped on" line: the client exits 0 even when its mapping child fails.
+        let Some(device) = loopdev::parse_mapped_on(&output.stderr) else {
+            guard.append(
+                self.now_ms(),
+                op,
+                &resource,
+                Phase::Failed,
+                tool_detail(&output, &[]),
+            )?;
+            // The client finished and named no device: this call mapped nothing, so the
+            // resource is closed and the map may be retried.
+            guard.append(
+                self.now_ms(),
+                op,
+                &resource,
+                Phase::Undone,
+                json!({ "end_state": EndState::NeverCreated.wire() }),
+            )?;
+            return Err(ExecError::FailedPrecondition(format!(
+                "proxmox-backup-client map did not map {archive} (exit {:?}): {}; nothing is left mapped, the map may be retried",
+                output.exit_code,
+                output.stderr_excerpt()
+            )));
+        };
+        let expected = self.expected_backing(grant, &archive);
+        let observed = loopdev::inspect(&self.sys_block, &device);
+        let problem = match &observed {
+            None => Some(format!("{device} is not attached")),
+            Some(l) if l.backing_file != expected => Some(format!(
+                "{device} is backed by {}, not by {}",
+                l.backing_file.display(),
+                expected.display()
+            )),
+            Some(l) if !l.read_only => Some(format!(
+                "{device} is writable; a backup must be mapped read-only"
+            )),
+            Some(_) => None,
+        };
+        if let Some(reason) = problem {
+            // The client said it mapped this device for this call: record what backs it, so
+            // cleanup can undo exactly that mapping (and nothing else) later.
+            let pbs_backing = observed
+                .map(|l| l.backing_file)
+                .filter(|b| b.parent() == Some(self.config.pve.pbs_loopdev_dir.as_path()));
+            let mut extra = vec![("loop_device", json!(device)), ("reason", json!(reason))];
+            if let Some(backing) = pbs_backing {
+                extra.push(("backing_file", json!(backing.display().to_string())));
+            }
+            let detail = tool_detail(&output, &extra);
+            guard.append(self.now_ms(), op, &resource, Phase::Failed, detail)?;
+            return Err(ExecError::FailedPrecondition(format!(
+                "the mapping of {archive} failed verification: {reason}; call Cleanup to remove it"
+            )));
+        }
+        let detail = tool_detail(
+            &output,
+            &[
+                ("loop_device", json!(device)),
+                ("backing_file", json!(expected.display().to_string())),
+            ],
+        );
+        guard.append(self.now_ms(), op, &resource, Phase::Done, detail)?;
+        Ok(Outcome::MapBackup(pb::MapBackupReply {
+            loop_device: device,
+            tool: Some(tool_result("proxmox-backup-client map", &output)),
+            journal_head: guard.head_hex(),
+        }))
+    }
+
+    pub(super) async fn unmap_backup(
+        &self,
+        run: &RunHandle,
+        archive: ArchiveName,
+    ) -> Result<Outcome, ExecError> {
+        let grant = &run.grant;
+        let mut guard = self.lock_open(run).await?;
+        let states = super::resources::states(&guard.records());
+        let resource = Resource::Backup(archive.clone());
+        let Some(state) = states.get(&resource.key()).filter(|s| s.is_open()) else {
+            return Err(ExecError::FailedPrecondition(format!(
+                "{archive} is not mapped by this run"
+            )));
+        };
+        if let Some(user) = states.values().find(|s| {
+            s.is_open()
+                && matches!(&s.resource, Resource::Overlay { archive: a, .. } if a == &archive)
+        }) {
+            return Err(ExecError::FailedPrecondition(format!(
+                "{} still uses {archive}; delete it first",
+                user.key
+            )));
+        }
+        let state = state.clone();
+        let (end_state, output) = self
+            .undo_backup(&mut guard, grant, &state, &archive)
+            .await?;
+        if let EndState::Failed(reason) = end_state {
+            return Err(ExecError::FailedPrecondition(reason));
+        }
+        Ok(Outcome::UnmapBackup(pb::UnmapBackupReply {
+            tool: output
+                .as_ref()
+                .map(|o| tool_result("proxmox-backup-client unmap", o)),
+            journal_head: guard.head_hex(),
+        }))
+    }
+
+    /// Removes every mapping of `archive` this run made: the devices its map calls reported
+    /// (completed, or refused after the client mapped them), and, when a map's outcome is
+    /// unknown, whatever carries the run's mapping name. Journals `undone` with the end state.
+    pub(super) async fn undo_backup(
+        &self,
+        guard: &mut RunGuard<'_>,
+        grant: &Grant,
+        state: &ResourceState,
+        archive: &ArchiveName,
+    ) -> Result<(EndState, Option<ToolOutput>), ExecError> {
+        let expected_text = self.expected_backing(grant, archive).display().to_string();
+        let life = current_life(state);
+        let maps = || life.iter().filter(|r| r.entry.op == Op::BackupMap.as_str());
+        // Devices a map call of this run reported and that were backed by the run's own
+        // mapping name when it reported them (a refused writable mapping included).
+        let devices: Vec<String> = maps()
+            .filter(|r| matches!(r.entry.phase, Phase::Done | Phase::Failed))
+            .filter(|r| {
+                r.entry.detail.get("backing_file").and_then(|b| b.as_str())
+                    == Some(expected_text.as_str())
+            })
+            .filter_map(|r| loop_device_of(Some(&r.entry.detail)))
+            .collect();
+        // Only when a map's outcome is unknown may something exist that the journal does not
+        // name; a map that reported failure without naming a device mapped nothing of this
+        // run's (another holder of the same name, if any, is not this run's).
+        let outcome_unknown = maps().any(|r| {
+            r.entry.phase == Phase::Intent
+                || r.entry
+                    .detail
+                    .get("outcome_unknown")
+                    .and_then(|u| u.as_bool())
+                    == Some(true)
+        }) || state.standing() == Standing::Interrupted;
+        self.unmap_mappings(guard, grant, archive, devices, outcome_unknown)
+            .await
+    }
+
+    /// Unmaps `devices` (each only while still backed by the run's mapping) and, with
+    /// `search`, every mapping carrying the run's mapping name, attached or not yet.
+    pub(super) async fn unmap_mappings(
+        &self,
+        guard: &mut RunGuard<'_>,
+        grant: &Grant,
+        archive: &ArchiveName,
+        mut devices: Vec<String>,
+        search: bool,
+    ) -> Result<(EndState, Option<ToolOutput>), ExecError> {
+        let resource = Resource::Backup(archive.clone()).key();
+        let op = Op::BackupUnmap.as_str();
+        let expected = self.expected_backing(grant, archive);
+        let dangling = search && expected.exists();
+        if search {
+            for l in self.our_loops(grant, archive) {
+                if !devices.contains(&l.device) {
+                    devices.push(l.device);
+                }
+            }
+        }
+        devices.retain(|d| {
+            loopdev::inspect(&self.sys_block, d).is_some_and(|l| l.backing_file == expected)
+        });
+        devices.dedup();
+        if devices.is_empty() && !dangling {
+            guard.append(
+                self.now_ms(),
+                op,
+                &resource,
+                Phase::Undone,
+                json!({ "end_state": EndState::AlreadyGone.wire() }),
+            )?;
+            return Ok((EndState::AlreadyGone, None));
+        }
+        let by_name = self.name_is_unique(grant, archive);
+        let targets: Vec<String> = if by_name {
+            vec![self.mapping_name(grant, archive)]
+        } else {
+            devices.clone()
+        };
+        guard.append(
+            self.now_ms(),
+            op,
+            &resource,
+            Phase::Intent,
+            json!({ "loop_devices": devices, "unmap": targets }),
+        )?;
+        let mut last_output = None;
+        for target in &targets {
+            if !by_name {
+                // By number: only while the device is still this run's mapping.
+                let still_ours = loopdev::inspect(&self.sys_block, target)
+                    .is_some_and(|l| l.backing_file == expected);
+                if !still_ours {
+                    continue;
+                }
+            }
+            let call = ToolCall::new(
+                &self.config.tools.proxmox_backup_client,
+                self.tool_timeout(),
+            )
+            .arg("unmap")
+            .arg(target);
+            let output = self.run_step(guard, op, &resource, call).await?;
+            let failed = !output.success();
+            last_output = Some(output);
+            if failed {
+                break;
+            }
+        }
+        let left: Vec<String> = self
+            .our_loops(grant, archive)
+            .into_iter()
+            .map(|l| l.device)
+            .collect();
+        let holder_left = expected.exists();
+        let failed = last_output.as_ref().is_some_and(|o| !o.success());
+        if !left.is_empty() || holder_left || failed {
+            let mut detail = last_output
+                .as_ref()
+                .map(|o| tool_detail(o, &[]))
+                .unwrap_or_else(|| json!({}));
+            if let Some(map) = detail.as_object_mut() {
+                map.insert("loop_devices_left".into(), json!(left));
+                map.insert("backing_file_left".into(), json!(holder_left));
+            }
+            guard.append(self.now_ms(), op, &resource, Phase::Failed, detail)?;
+            let reason = format!(
+                "proxmox-backup-client unmap did not remove the mapping of {archive} (devices left: {left:?}; backing file left: {holder_left}): {}",
+                last_output
+                    .as_ref()
+                    .map(ToolOutput::stderr_excerpt)
+                    .unwrap_or_default()
+            );
+            return Ok((EndState::Failed(reason), last_output));
+        }
+        let mut extra = vec![
+            ("loop_devices", json!(devices)),
+            ("end_state", json!(EndState::Unmapped.wire())),
+        ];
+        if by_name {
+            extra.push(("by_name", json!(true)));
+        }
+        let detail = match &last_output {
+            Some(output) => tool_detail(output, &extra),
+            None => json!({ "loop_devices": devices, "end_state": EndState::Unmapped.wire() }),
+        };
+        guard.append(self.now_ms(), op, &resource, Phase::Undone, detail)?;
+        Ok((EndState::Unmapped, last_output))
+    }
+}

@@ -1,0 +1,382 @@
+//! Cleanup, recovery of interrupted steps, and residue: what of a run is still on the node.
+//!
+//! - Recovery: a step whose `intent` has no outcome was interrupted by the daemon's end. The
+//!   tools it started (journaled with the intent: pid, start time, process group) are killed
+//!   and proven gone, then the step is journaled `failed` with `outcome_unknown`, before any
+//!   decision is taken on what it left. This runs when the daemon starts and whenever a run
+//!   is locked, so a tool that outlived the daemon can never land after cleanup decided.
+//! - Cleanup undoes VMs first, then every other open resource newest first. A VM that cannot
+//!   be destroyed keeps everything beneath it: its overlays, the run directory, the backups
+//!   those overlays use, the containment table and the probe address.
+//! - Residue is read from the node by what names it for the run (the mapping name, the table
+//!   name, the probe address, the run directory, the VM marker), not from the journal alone.
+
+use super::NodeExecutor;
+use super::resources::{self, EndState, Op, Resource, ResourceState, Standing};
+use super::sandbox;
+use crate::executor::{ExecError, Outcome};
+use crate::grant::Grant;
+use crate::journal::Phase;
+use crate::process::REAP_WITHIN;
+use crate::runs::{RunGuard, RunHandle};
+use crate::validate::{ArchiveName, Vmid};
+use certistack_proto::v1 as pb;
+use serde_json::json;
+use std::collections::BTreeSet;
+
+/// What must stay because a VM of the run could not be destroyed.
+#[derive(Debug, Default)]
+struct Kept {
+    vms: BTreeSet<Vmid>,
+    archives: BTreeSet<ArchiveName>,
+}
+
+impl Kept {
+    fn reason(&self, resource: &Resource) -> Option<String> {
+        if self.vms.is_empty() {
+            return None;
+        }
+        let vms = self
+            .vms
+            .iter()
+            .map(|v| format!("VM {v}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let beneath = match resource {
+            Resource::NftTable(_) | Resource::ProbeAddress(_) | Resource::OverlayDir => true,
+            Resource::Overlay { vmid, .. } => self.vms.contains(vmid),
+            Resource::Backup(archive) => self.archives.contains(archive),
+            Resource::Vm(_) | Resource::Screendump(_) | Resource::Unrecognized(_) => false,
+        };
+        beneath.then(|| format!("a VM of the run remains ({vms} could not be destroyed)"))
+    }
+}
+
+impl NodeExecutor {
+    /// Settles steps the daemon was interrupted in: kills and waits for the tools they
+    /// started, then journals each step `failed` with `outcome_unknown`. A tool that cannot be
+    /// proven gone leaves its step undecided and is reported.
+    pub(super) async fn settle_interrupted(
+        &self,
+        guard: &mut RunGuard<'_>,
+    ) -> Result<(), ExecError> {
+        let records = guard.records();
+        let interrupted: Vec<ResourceState> = resources::states(&records)
+            .into_values()
+            .filter(|s| s.standing() == Standing::Interrupted)
+            .collect();
+        let mut problems = Vec::new();
+        for state in interrupted {
+            let tools = state.interrupted_tools();
+            let mut killed = 0usize;
+            let mut left = Vec::new();
+            for tool in &tools {
+                match tool.reap(REAP_WITHIN).await {
+                    Ok(n) => killed = killed.saturating_add(n),
+                    Err(reason) => left.push(reason),
+                }
+            }
+            if !left.is_empty() {
+                problems.push(format!("{}: {}", state.key, left.join("; ")));
+                continue;
+            }
+            guard.append(
+                self.now_ms(),
+                &state.last.entry.op,
+                &state.key,
+                Phase::Failed,
+                json!({
+                    "error": "the connector stopped during this step",
+                    "outcome_unknown": true,
+                    "tools": tools,
+                    "processes_killed": killed,
+                }),
+            )?;
+            if killed > 0 {
+                tracing::warn!(resource = %state.key, killed, "killed the tools of a step the connector was interrupted in");
+            }
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(ExecError::Failed(format!(
+                "a tool of an interrupted step is still running and could not be stopped ({}); nothing is decided until it is gone: retry, or stop it by hand",
+                problems.join("; ")
+            )))
+        }
+    }
+
+    /// Undoes every open resource of the run (VMs first, then newest first), sweeps what is
+    /// named for the run on the node, then re-reads the node for residue.
+    pub(super) async fn cleanup(&self, run: &RunHandle) -> Result<Outcome, ExecError> {
+        let grant = &run.grant;
+        let mut guard = run.lock().await;
+        self.settle_interrupted(&mut guard).await?;
+        let records = guard.records();
+        let touched_network = records
+            .iter()
+            .any(|r| Resource::parse(&r.entry.resource).is_network());
+        let mut open = resources::open_newest_first(&records);
+        // Stable: VMs first, each group newest first. Everything else may lie beneath a VM.
+        open.sort_by_key(|s| !matches!(s.resource, Resource::Vm(_)));
+        let mut receipts = Vec::new();
+        let mut failed = false;
+        let mut kept = Kept::default();
+        for state in &open {
+            let end_state = match kept.reason(&state.resource) {
+                Some(reason) => EndState::Kept(reason),
+                None => match self.undo(&mut guard, grant, state).await {
+                    Ok(end_state) => end_state,
+                    Err(error) => EndState::Failed(error.to_string()),
+                },
+            };
+            if let (Resource::Vm(vmid), true) = (&state.resource, end_state.is_failure()) {
+                kept.vms.insert(*vmid);
+                for other in &open {
+                    if let Resource::Overlay { vmid: v, archive } = &other.resource
+                        && v == vmid
+                    {
+                        kept.archives.insert(archive.clone());
+                    }
+                }
+            }
+            failed |= end_state.is_failure();
+            receipts.push(pb::ResourceReceipt {
+                resource: state.key.clone(),
+                end_state: end_state.wire(),
+            });
+        }
+        if kept.vms.is_empty() {
+            for (resource, end_state) in self.sweep_named(&mut guard, grant, touched_network).await
+            {
+                failed |= end_state.is_failure();
+                receipts.push(pb::ResourceReceipt {
+                    resource,
+                    end_state: end_state.wire(),
+                });
+            }
+        }
+        let residue = self.residue(grant, touched_network).await;
+        if !residue.is_empty() || failed {
+            tracing::warn!(run_id = %grant.run_id, ?residue, ?receipts, "cleanup left residue");
+        }
+        guard.append(
+            self.now_ms(),
+            "run.cleanup",
+            &format!("run:{}", grant.run_id),
+            if residue.is_empty() && !failed {
+                Phase::Done
+            } else {
+                Phase::Failed
+            },
+            json!({ "receipts": receipts.iter().map(|r| json!({"resource": r.resource, "end_state": r.end_state})).collect::<Vec<_>>(), "residue": residue }),
+        )?;
+        Ok(Outcome::Cleanup(pb::CleanupReply {
+            resources: receipts,
+            residue,
+            journal_head: guard.head_hex(),
+        }))
+    }
+
+    /// Removes what the node still holds under the run's names although the journal has it
+    /// closed (a tool that landed after its step was decided): the run's table and probe
+    /// address, and mappings carrying the run's mapping name.
+    async fn sweep_named(
+        &self,
+        guard: &mut RunGuard<'_>,
+        grant: &Grant,
+        touched_network: bool,
+    ) -> Vec<(String, EndState)> {
+        let mut receipts = Vec::new();
+        let mut receipt =
+            |resource: String, end_state: EndState| receipts.push((resource, end_state));
+        if touched_network {
+            let table = Resource::NftTable(sandbox::table_name(grant)).key();
+            if self.table_present(grant).await.unwrap_or(false) {
+                let end = match self.remove_table(guard, grant).await {
+                    Ok(state) => network_end_state(state),
+                    Err(error) => EndState::Failed(error.to_string()),
+                };
+                receipt(table, end);
+            }
+            let address = Resource::ProbeAddress(grant.vnet.clone()).key();
+            if self.address_present(grant).await.unwrap_or(false) {
+                let end = match self.remove_address(guard, grant).await {
+                    Ok(state) => network_end_state(state),
+                    Err(error) => EndState::Failed(error.to_string()),
+                };
+                receipt(address, end);
+            }
+        }
+        for archive in &grant.archives {
+            if self.our_loops(grant, archive).is_empty() {
+                continue;
+            }
+            // Whatever carries the run's mapping name is the run's.
+            let end = match self
+                .unmap_mappings(guard, grant, archive, Vec::new(), true)
+                .await
+            {
+                Ok((end, _)) => end,
+                Err(error) => EndState::Failed(error.to_string()),
+            };
+            receipt(Resource::Backup(archive.clone()).key(), end);
+        }
+        receipts
+    }
+
+    async fn undo(
+        &self,
+        guard: &mut RunGuard<'_>,
+        grant: &Grant,
+        state: &ResourceState,
+    ) -> Result<EndState, ExecError> {
+        let key = state.key.as_str();
+        match &state.resource {
+            Resource::Overlay { vmid, archive } => {
+                let path = self.overlay_path(grant, *vmid, archive);
+                self.remove_path(guard, Op::OverlayDelete, key, &path)
+            }
+            Resource::Backup(archive) => self
+                .undo_backup(guard, grant, state, archive)
+                .await
+                .map(|(end, _)| end),
+            Resource::Vm(vmid) => self.undo_vm(guard, grant, state, *vmid).await,
+            Resource::NftTable(_) | Resource::ProbeAddress(_)
+                if state.standing() == Standing::Failed
+                    && matches!(
+                        state.last.entry.op.as_str(),
+                        "sandbox.nft" | "sandbox.address"
+                    ) =>
+            {
+                // The install itself failed and said so (nft -f is all or nothing; ip refused
+                // the address): nothing of this run's is there to remove.
+                guard.append(
+                    self.now_ms(),
+                    "sandbox.undo",
+                    key,
+                    Phase::Undone,
+                    json!({ "end_state": EndState::NeverCreated.wire() }),
+                )?;
+                Ok(EndState::NeverCreated)
+            }
+            Resource::NftTable(_) => self.remove_table(guard, grant).await.map(network_end_state),
+            Resource::ProbeAddress(_) => self
+                .remove_address(guard, grant)
+                .await
+                .map(network_end_state),
+            Resource::Screendump(vmid) => {
+                let path = self.screendump_path(grant, *vmid);
+                self.remove_path(guard, Op::FileDelete, key, &path)
+            }
+            Resource::OverlayDir => {
+                self.remove_path(guard, Op::OverlayDirDelete, key, &self.overlay_dir(grant))
+            }
+            Resource::Unrecognized(_) => Err(ExecError::Failed(format!(
+                "no undo is known for {key}; it was written by another version of the connector"
+            ))),
+        }
+    }
+
+    /// What the node still holds that is named for the run, plus what the journal still has
+    /// open: the run may end only when this is empty.
+    pub(super) async fn run_residue(&self, run: &RunHandle) -> Result<Vec<String>, ExecError> {
+        let mut guard = run.lock().await;
+        self.settle_interrupted(&mut guard).await?;
+        let records = guard.records();
+        let touched_network = records
+            .iter()
+            .any(|r| Resource::parse(&r.entry.resource).is_network());
+        let open: Vec<String> = resources::open_newest_first(&records)
+            .into_iter()
+            .map(|s| s.key)
+            .collect();
+        let mut residue = Vec::new();
+        if !open.is_empty() {
+            residue.push(format!("open in its journal: {}", open.join(", ")));
+        }
+        residue.extend(self.residue(&run.grant, touched_network).await);
+        Ok(residue)
+    }
+
+    /// What of the run is still on the node, re-read from the node itself.
+    pub(super) async fn residue(&self, grant: &Grant, touched_network: bool) -> Vec<String> {
+        let mut residue = Vec::new();
+        if touched_network {
+            match self.table_present(grant).await {
+                Ok(true) => residue.push(format!(
+                    "nftables table inet {} still exists",
+                    sandbox::table_name(grant)
+                )),
+                Ok(false) => {}
+                Err(error) => residue.push(format!("cannot check the nftables table: {error}")),
+            }
+            match self.address_present(grant).await {
+                Ok(true) => residue.push(format!(
+                    "{} still carries {}",
+                    grant.vnet, grant.probe_source
+                )),
+                Ok(false) => {}
+                Err(error) => residue.push(format!("cannot check the probe address: {error}")),
+            }
+        }
+        for archive in &grant.archives {
+            for l in self.our_loops(grant, archive) {
+                residue.push(format!("loop device {} still maps {archive}", l.device));
+            }
+            let backing = self.expected_backing(grant, archive);
+            if backing.exists() {
+                residue.push(format!(
+                    "the mapping {} of {archive} still exists",
+                    backing.display()
+                ));
+            }
+        }
+        let dir = self.overlay_dir(grant);
+        if dir.symlink_metadata().is_ok() {
+            residue.push(format!("overlay directory {} still exists", dir.display()));
+        }
+        for vmid in grant.sandbox_vms.keys() {
+            let ownership = self.ownership(grant, *vmid, None);
+            match &ownership {
+                super::vm::Ownership::Unknown(reason) => {
+                    residue.push(format!("VM {vmid}: {reason}"))
+                }
+                super::vm::Ownership::Ours => {
+                    residue.push(format!("VM {vmid} with this run's marker still exists"))
+                }
+                super::vm::Ownership::Absent | super::vm::Ownership::NotOurs(_) => {}
+            }
+            // A QEMU process outliving its config would hold the overlay and the loop device
+            // (not reported for a VM that is not this run's: its process is not ours to judge).
+            let pid_file = self
+                .config
+                .pve
+                .qemu_server_run_dir
+                .join(format!("{vmid}.pid"));
+            if let Some(pid) = std::fs::read_to_string(&pid_file)
+                .ok()
+                .and_then(|p| p.trim().parse::<u32>().ok())
+                && std::path::Path::new(&format!("/proc/{pid}")).exists()
+                && matches!(
+                    ownership,
+                    super::vm::Ownership::Ours | super::vm::Ownership::Absent
+                )
+            {
+                residue.push(format!(
+                    "the QEMU process {pid} of VM {vmid} is still running"
+                ));
+            }
+        }
+        residue
+    }
+}
+
+/// The end state the sandbox's removal functions report, as a typed end state.
+fn network_end_state(state: &'static str) -> EndState {
+    if state == "deleted" {
+        EndState::Deleted
+    } else {
+        EndState::AlreadyGone
+    }
+}
