@@ -246,6 +246,7 @@ where
 /// One call from its request to its outcome.
 #[derive(Debug)]
 struct Call {
+    finished: bool,
     rpc: String,
     peer: Option<PeerInfo>,
     started: Instant,
@@ -264,6 +265,7 @@ impl Call {
         let peer = request.extensions().get::<PeerInfo>().cloned();
         let busy = peer.as_ref().map(|p| p.activity.begin_call());
         Self {
+            finished: false,
             rpc: printable(method),
             peer,
             started: Instant::now(),
@@ -275,7 +277,7 @@ impl Call {
     /// The outcome is in the response headers when the call was answered trailers-only (every
     /// refusal), else in the trailers at the end of the body.
     fn watch(
-        self,
+        mut self,
         response: http::Response<tonic::body::Body>,
     ) -> http::Response<tonic::body::Body> {
         if let Some(status) = tonic::Status::from_header_map(response.headers()) {
@@ -290,7 +292,10 @@ impl Call {
         })
     }
 
-    fn finish(self, code: Code, reason: &str) {
+    fn finish(&mut self, code: Code, reason: &str) {
+        if std::mem::replace(&mut self.finished, true) {
+            return;
+        }
         let ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
         let (id, from) = match &self.peer {
             Some(peer) => (
@@ -316,6 +321,17 @@ impl Call {
     }
 }
 
+impl Drop for Call {
+    /// A call dropped before its outcome was known: the client reset the stream or the
+    /// connection closed while the request was still being read or handled.
+    fn drop(&mut self) {
+        self.finish(
+            Code::Cancelled,
+            "the client went away before the call ended",
+        );
+    }
+}
+
 /// A response body whose trailers carry the call's outcome.
 struct WatchedBody {
     inner: tonic::body::Body,
@@ -324,7 +340,7 @@ struct WatchedBody {
 
 impl WatchedBody {
     fn finish(&mut self, code: Code, reason: &str) {
-        if let Some(call) = self.call.take() {
+        if let Some(mut call) = self.call.take() {
             call.finish(code, reason);
         }
     }
@@ -364,15 +380,6 @@ impl Body for WatchedBody {
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
-    }
-}
-
-impl Drop for WatchedBody {
-    fn drop(&mut self) {
-        self.finish(
-            Code::Cancelled,
-            "the client went away before the call ended",
-        );
     }
 }
 

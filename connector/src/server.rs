@@ -19,6 +19,12 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use x509_parser::prelude::{FromDer, GeneralName, ParsedExtension, X509Certificate};
 
+/// Connections the kernel completes and queues before the daemon accepts them (capped by
+/// `net.core.somaxconn`). A burst that overflows the queue has the kernel drop new SYNs, and a
+/// legitimate client's dropped SYN is retried only after a second: the queue is sized to absorb
+/// bursts of thousands while the accept loop drains it.
+const LISTEN_BACKLOG: u32 = 4096;
+
 /// Streams of one connection the client may reset before they were accepted, and streams the
 /// server may reset for a client's protocol errors, before the connection is closed with
 /// GOAWAY: hyper's guards against reset floods (tonic leaves the second unset, disabling it).
@@ -161,12 +167,21 @@ impl Connector {
 
     /// Binds the configured address.
     pub async fn bind(&self) -> Result<TcpListener, ServeError> {
-        TcpListener::bind(self.config.listen)
-            .await
-            .map_err(|source| ServeError::Listen {
-                address: self.config.listen.to_string(),
-                source,
-            })
+        let address = self.config.listen;
+        let listen = || {
+            let socket = if address.is_ipv4() {
+                tokio::net::TcpSocket::new_v4()?
+            } else {
+                tokio::net::TcpSocket::new_v6()?
+            };
+            socket.set_reuseaddr(true)?;
+            socket.bind(address)?;
+            socket.listen(LISTEN_BACKLOG)
+        };
+        listen().map_err(|source| ServeError::Listen {
+            address: address.to_string(),
+            source,
+        })
     }
 
     /// Serves on `listener` until `shutdown` completes, then drains in-flight calls.

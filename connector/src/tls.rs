@@ -114,6 +114,22 @@ pub fn client_config(
 // `connection`; the types are named here too, where the rest of TLS is.
 pub use crate::connection::{PeerInfo, PeerStream};
 
+/// The connections a server on `listener` accepts, with the default `[limits]`.
+pub fn incoming(
+    listener: tokio::net::TcpListener,
+    config: Arc<ServerConfig>,
+) -> tokio_stream::wrappers::ReceiverStream<std::io::Result<PeerStream>> {
+    crate::connection::incoming(
+        listener,
+        config,
+        crate::connection::ConnectionLimits::from(&crate::config::Limits::default()),
+        Arc::new(crate::call_log::RefusalLog::new(
+            "handshakes",
+            crate::connection::DETAILED_HANDSHAKE_REFUSALS,
+        )),
+    )
+}
+
 /// Opens a gRPC channel to a node over mTLS; `node_name` is the name its certificate must carry.
 pub async fn connect(
     address: String,
