@@ -316,7 +316,16 @@ impl Call {
         let kind = format!("{} {code:?}", self.rpc);
         if self.refusals.record(source, &kind) {
             let reason = printable(reason);
-            tracing::warn!(rpc = %self.rpc, %id, from = %from_text, ?code, %reason, ms, "refused");
+            let outcome = match code {
+                Code::Cancelled => "cancelled",
+                Code::Internal
+                | Code::Unknown
+                | Code::Unavailable
+                | Code::DataLoss
+                | Code::DeadlineExceeded => "failed",
+                _ => "refused",
+            };
+            tracing::warn!(rpc = %self.rpc, %id, from = %from_text, ?code, %reason, ms, "{outcome}");
         }
     }
 }

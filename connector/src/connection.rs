@@ -240,6 +240,7 @@ struct Pending {
 enum Refusal {
     EvictedBySource,
     EvictedByTotal,
+    EvictedForDescriptors,
     TooManyConnections,
     TooManyForIdentity,
 }
@@ -252,6 +253,9 @@ impl Refusal {
             }
             Refusal::EvictedByTotal => {
                 "pending handshake evicted: too many in all (limits.max_pending_handshakes)"
+            }
+            Refusal::EvictedForDescriptors => {
+                "pending handshake evicted: descriptors within limits.reserved_fds of RLIMIT_NOFILE"
             }
             Refusal::TooManyConnections => {
                 "connection closed: too many established (limits.max_connections)"
@@ -364,6 +368,20 @@ impl Admission {
     fn held(&self) -> usize {
         self.lock().held()
     }
+
+    /// Evicts the oldest pending handshake; false when there is none.
+    fn evict_oldest_pending(&self) -> bool {
+        let mut state = self.lock();
+        let Some(oldest) = state.pending.keys().next().copied() else {
+            return false;
+        };
+        let evicted = state.remove_pending(oldest);
+        drop(state);
+        if let Some(pending) = evicted {
+            let _ = pending.evict.send(Refusal::EvictedForDescriptors);
+        }
+        true
+    }
 }
 
 /// A handshake in progress; dropping it frees its slot.
@@ -453,6 +471,26 @@ fn open_descriptors() -> Option<usize> {
     Some(entries.count().saturating_sub(1))
 }
 
+/// Says at start when `RLIMIT_NOFILE` is too low for the connection limits plus the reserve:
+/// the daemon then refuses connections before the limits are reached.
+fn warn_if_descriptors_cannot_cover(limits: &ConnectionLimits) {
+    let Some(limit) = rustix::process::getrlimit(rustix::process::Resource::Nofile).current else {
+        return;
+    };
+    let needed = limits
+        .max_pending_handshakes
+        .saturating_add(limits.max_connections)
+        .saturating_add(limits.reserved_fds)
+        .saturating_add(open_descriptors().unwrap_or(0));
+    if usize::try_from(limit).is_ok_and(|limit| limit < needed) {
+        tracing::warn!(
+            limit,
+            needed,
+            "RLIMIT_NOFILE is below limits.max_pending_handshakes + limits.max_connections + limits.reserved_fds + the descriptors open at start; connections will be refused before those limits are reached (raise LimitNOFILE= or lower the limits)"
+        );
+    }
+}
+
 /// Whether an `accept` error means the process or system is out of a resource (as opposed to
 /// one connection having failed), so accepting again at once would spin.
 fn out_of_resources(error: &std::io::Error) -> bool {
@@ -488,6 +526,7 @@ pub fn incoming(
         limits,
         state: Mutex::new(AdmissionState::default()),
     });
+    warn_if_descriptors_cannot_cover(&admission.limits);
     tokio::spawn(async move {
         let mut budget = DescriptorBudget::new(admission.limits.reserved_fds);
         let mut backoff = Duration::from_millis(50);
@@ -503,6 +542,13 @@ pub fn incoming(
                         reserved = admission.limits.reserved_fds,
                         "not accepting connections: the open descriptors are within limits.reserved_fds of RLIMIT_NOFILE"
                     );
+                }
+                // Pending handshakes are the descriptors a peer can hold without a
+                // certificate: give the oldest up so a new peer can be accepted; with none
+                // pending, wait for connections to close.
+                if admission.evict_oldest_pending() {
+                    tokio::task::yield_now().await;
+                    continue;
                 }
                 tokio::select! {
                     _ = tx.closed() => return,
@@ -613,4 +659,108 @@ async fn handshake(
     };
     // The server stopped accepting: the connection is dropped, which closes it.
     let _ = tx.send(Ok(stream)).await;
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
+    use super::*;
+
+    fn admission(
+        per_source: usize,
+        total: usize,
+        connections: usize,
+        per_identity: usize,
+    ) -> Arc<Admission> {
+        Arc::new(Admission {
+            limits: ConnectionLimits {
+                handshake_timeout: Duration::from_secs(1),
+                max_pending_handshakes: total,
+                max_pending_handshakes_per_source: per_source,
+                max_connections: connections,
+                max_connections_per_identity: per_identity,
+                idle_timeout: Duration::from_secs(10),
+                reserved_fds: 0,
+            },
+            state: Mutex::new(AdmissionState::default()),
+        })
+    }
+
+    #[test]
+    fn a_new_handshake_evicts_the_oldest_of_its_source_then_the_oldest_of_all() {
+        let admission = admission(2, 3, 8, 8);
+        let a: IpAddr = "192.0.2.1".parse().unwrap();
+        let b: IpAddr = "192.0.2.2".parse().unwrap();
+        let (_a1, mut a1_evicted) = admission.begin_handshake(a);
+        let (_a2, mut a2_evicted) = admission.begin_handshake(a);
+        // A third from `a` displaces a's oldest, nobody else's.
+        let (_a3, mut a3_evicted) = admission.begin_handshake(a);
+        assert!(matches!(
+            a1_evicted.try_recv(),
+            Ok(Refusal::EvictedBySource)
+        ));
+        assert!(a2_evicted.try_recv().is_err());
+        // `b` gets in: the table is not full yet (a2, a3, b1).
+        let (_b1, mut b1_evicted) = admission.begin_handshake(b);
+        assert!(a2_evicted.try_recv().is_err());
+        // Full: the next one, from a new source, displaces the oldest of all (a2).
+        let (_c1, _) = admission.begin_handshake("192.0.2.3".parse().unwrap());
+        assert!(matches!(a2_evicted.try_recv(), Ok(Refusal::EvictedByTotal)));
+        assert!(a3_evicted.try_recv().is_err());
+        assert!(b1_evicted.try_recv().is_err());
+        assert_eq!(admission.lock().pending.len(), 3);
+        // With descriptors short, the oldest pending (a3) is given up.
+        assert!(admission.evict_oldest_pending());
+        assert!(matches!(
+            a3_evicted.try_recv(),
+            Ok(Refusal::EvictedForDescriptors)
+        ));
+    }
+
+    #[test]
+    fn a_finished_handshake_frees_its_slot() {
+        let admission = admission(1, 1, 8, 8);
+        let a: IpAddr = "192.0.2.1".parse().unwrap();
+        let (first, _) = admission.begin_handshake(a);
+        drop(first);
+        let (_second, mut second_evicted) = admission.begin_handshake(a);
+        assert!(second_evicted.try_recv().is_err());
+        assert_eq!(admission.held(), 1);
+    }
+
+    #[test]
+    fn established_connections_are_bounded_in_all_and_per_identity() {
+        let admission = admission(4, 4, 3, 2);
+        let alice1 = admission.establish("operator:alice".into()).unwrap();
+        let _alice2 = admission.establish("operator:alice".into()).unwrap();
+        assert!(matches!(
+            admission.establish("operator:alice".into()),
+            Err(Refusal::TooManyForIdentity)
+        ));
+        let _bob = admission.establish("operator:bob".into()).unwrap();
+        assert!(matches!(
+            admission.establish("operator:carol".into()),
+            Err(Refusal::TooManyConnections)
+        ));
+        drop(alice1);
+        let _alice3 = admission.establish("operator:alice".into()).unwrap();
+        assert_eq!(admission.held(), 3);
+    }
+
+    #[test]
+    fn the_descriptor_reserve_stops_accepting_before_the_limit() {
+        let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile)
+            .current
+            .unwrap();
+        let limit = usize::try_from(limit).unwrap();
+        let open = open_descriptors().unwrap();
+        // A reserve that leaves room for more connections, and one that does not (with a
+        // margin for descriptors other tests open or close meanwhile).
+        assert_eq!(DescriptorBudget::new(limit - open - 64).exhausted(0), None);
+        let (counted, reported) = DescriptorBudget::new(limit - open + 64)
+            .exhausted(0)
+            .unwrap();
+        assert_eq!(reported, limit);
+        assert!(counted + 64 >= open, "{counted} open, {open} before");
+    }
 }
