@@ -2010,6 +2010,8 @@ mod connections {
     /// ignoring the server's stream limit as an attacker would, and never sends their bodies.
     /// It answers SETTINGS and PING so the server keeps it, and counts what the server does.
     struct StreamFlood {
+        /// SETTINGS_MAX_CONCURRENT_STREAMS as the server advertised it (0: not advertised).
+        max_streams: Arc<AtomicUsize>,
         resets: Arc<AtomicUsize>,
         goaway: Arc<AtomicBool>,
         closed: Arc<AtomicBool>,
@@ -2025,6 +2027,7 @@ mod connections {
             let (mut reader, writer) = tokio::io::split(tls);
             let writer = Arc::new(tokio::sync::Mutex::new(writer));
             let resets = Arc::new(AtomicUsize::new(0));
+            let max_streams = Arc::new(AtomicUsize::new(0));
             let goaway = Arc::new(AtomicBool::new(false));
             let closed = Arc::new(AtomicBool::new(false));
             let mut opening = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
@@ -2035,11 +2038,12 @@ mod connections {
             }
             writer.lock().await.write_all(&opening).await.unwrap();
             let reader = {
-                let (writer, resets, goaway, closed) = (
+                let (writer, resets, goaway, closed, max_streams) = (
                     writer.clone(),
                     resets.clone(),
                     goaway.clone(),
                     closed.clone(),
+                    max_streams.clone(),
                 );
                 tokio::spawn(async move {
                     let mut header = [0u8; 9];
@@ -2051,7 +2055,16 @@ mod connections {
                         }
                         let (kind, flags) = (header[3], header[4]);
                         let answer = match kind {
-                            0x4 if flags & 1 == 0 => Some(frame(0x4, 1, 0, &[])),
+                            0x4 if flags & 1 == 0 => {
+                                for setting in payload.chunks_exact(6) {
+                                    if setting[..2] == [0, 3] {
+                                        let value =
+                                            u32::from_be_bytes(setting[2..].try_into().unwrap());
+                                        max_streams.store(value as usize, Ordering::Relaxed);
+                                    }
+                                }
+                                Some(frame(0x4, 1, 0, &[]))
+                            }
                             0x6 if flags & 1 == 0 => Some(frame(0x6, 1, 0, &payload)),
                             0x3 => {
                                 resets.fetch_add(1, Ordering::Relaxed);
@@ -2071,6 +2084,7 @@ mod connections {
                 })
             };
             Self {
+                max_streams,
                 resets,
                 goaway,
                 closed,
@@ -2184,6 +2198,15 @@ mod connections {
             flood.closed.load(Ordering::Relaxed)
         );
         let attack_log = daemon.log_bytes() - idle_log;
+        // The node advertises its stream limit, refuses the streams over it, and closes a
+        // connection that keeps opening them (hyper's reset-flood guard, which tonic leaves
+        // off unless set).
+        assert_eq!(
+            flood.max_streams.load(Ordering::Relaxed),
+            config.limits.max_streams_per_connection as usize
+        );
+        assert!(flood.resets.load(Ordering::Relaxed) > 0);
+        assert!(flood.goaway.load(Ordering::Relaxed));
 
         drop((idle, stalled, flood));
         let after_fds = settle(&daemon, idle_fds, 2).await;
