@@ -30,7 +30,7 @@ const MAX_REASONS: usize = 16;
 /// Distinct sources counted per window; beyond this the summary says "at least".
 const MAX_SOURCES: usize = 4096;
 /// Characters of a peer-derived reason kept in a log line.
-const MAX_REASON_CHARS: usize = 120;
+const MAX_REASON_CHARS: usize = 240;
 
 /// Refusals of one kind (handshakes, calls), logged one by one up to a budget per window and
 /// summarized beyond it.
