@@ -3,12 +3,14 @@
 //! Nothing a peer does before its handshake completes may make the accept loop wait:
 //! - every handshake has `limits.handshake_timeout_ms`;
 //! - at most `limits.max_pending_handshakes_per_source` handshakes are in progress from one
-//!   source address and `limits.max_pending_handshakes` in all; a new connection over either
-//!   limit evicts the oldest pending handshake (of its source, else of all), so a legitimate
-//!   peer always gets a slot and an idle peer only ever displaces its own or older ones;
+//!   source (an IPv4 address or an IPv6 /64) and `limits.max_pending_handshakes` in all; a new
+//!   connection over either limit evicts the oldest pending handshake (of its source, else of
+//!   all), so a legitimate peer always gets a slot and an idle peer only ever displaces its
+//!   own or older ones;
 //! - connections are not accepted while fewer than `limits.reserved_fds` descriptors remain
-//!   below `RLIMIT_NOFILE` (the tools and journals need them), and a failing `accept` (EMFILE)
-//!   backs off instead of spinning.
+//!   below `RLIMIT_NOFILE` (the tools and journals need them): the oldest pending handshake is
+//!   given up instead, or, with none pending, accepting waits for connections to close; a
+//!   failing `accept` (EMFILE) backs off instead of spinning.
 //!
 //! After the handshake, `limits.max_connections` established connections are served in all
 //! and `limits.max_connections_per_identity` per client identity; more are closed at once. An
@@ -500,13 +502,16 @@ fn out_of_resources(error: &std::io::Error) -> bool {
     )
 }
 
-/// An IPv4 peer reaching an IPv6 socket counts as its IPv4 address.
+/// The source a peer's pending handshakes are counted under: its IPv4 address (also when it
+/// reaches an IPv6 socket), or its IPv6 /64, since one host commonly holds a whole /64.
 fn source_of(remote: &SocketAddr) -> IpAddr {
     match remote.ip() {
-        IpAddr::V6(v6) => v6
-            .to_ipv4_mapped()
-            .map(IpAddr::V4)
-            .unwrap_or(IpAddr::V6(v6)),
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6(std::net::Ipv6Addr::from_bits(
+                v6.to_bits() & !u128::from(u64::MAX),
+            )),
+        },
         v4 => v4,
     }
 }
@@ -715,6 +720,27 @@ mod tests {
             a3_evicted.try_recv(),
             Ok(Refusal::EvictedForDescriptors)
         ));
+    }
+
+    #[test]
+    fn sources_are_ipv4_addresses_and_ipv6_prefixes() {
+        let source = |text: &str| source_of(&text.parse().unwrap());
+        assert_eq!(
+            source("192.0.2.1:443"),
+            "192.0.2.1".parse::<IpAddr>().unwrap()
+        );
+        assert_eq!(
+            source("[::ffff:192.0.2.1]:443"),
+            "192.0.2.1".parse::<IpAddr>().unwrap()
+        );
+        assert_eq!(
+            source("[2001:db8:1:2:3:4:5:6]:443"),
+            source("[2001:db8:1:2::9]:80")
+        );
+        assert_ne!(
+            source("[2001:db8:1:2::1]:443"),
+            source("[2001:db8:1:3::1]:443")
+        );
     }
 
     #[test]
