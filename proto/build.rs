@@ -123,7 +123,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut descriptors = protox::compile([SURFACE_FILE], ["."])?;
     tonic_prost_build::configure()
         .build_client(true)
+        .build_server(false)
+        .emit_rerun_if_changed(false)
+        .compile_fds(descriptors.clone())?;
+    // The server is generated on its own so that it decodes requests with the codec that
+    // answers an undecodable request INVALID_ARGUMENT; it reuses the messages generated above.
+    let server_dir = out_dir.join("server");
+    std::fs::create_dir_all(&server_dir)?;
+    tonic_prost_build::configure()
+        .build_client(false)
         .build_server(true)
+        .codec_path("crate::codec::RequestCodec")
+        .extern_path(".certistack.connector.v1", "crate::v1")
+        .out_dir(&server_dir)
         .emit_rerun_if_changed(false)
         .compile_fds(descriptors.clone())?;
 

@@ -1,6 +1,6 @@
 //! The CertiStack node connector: a fixed gRPC surface over mTLS, authorized per run.
 //!
-//! Request path: [`tls`] (who is connecting) → [`service`] (authenticate, parse into an
+//! Request path: [`connection`] and [`tls`] (who is connecting, within the connection limits) → [`service`] (authenticate, parse into an
 //! [`action::Action`], [`action::authorize`] against the run's [`grant::Grant`]) →
 //! [`executor::Executor`] (the side effect). Policy data lives in `policy/` and is compiled in
 //! ([`policy`]).
@@ -8,7 +8,9 @@
 #![deny(unsafe_code)]
 
 pub mod action;
+pub mod call_log;
 pub mod config;
+pub mod connection;
 pub mod enroll;
 pub mod executor;
 pub mod files;

@@ -1,6 +1,8 @@
 //! Assembles the daemon from its config and serves the surface until shutdown.
 
+use crate::call_log::{CallLogLayer, DETAILED_CALL_REFUSALS, REFUSAL_WINDOW, RefusalLog};
 use crate::config::Config;
+use crate::connection::{self, ConnectionLimits};
 use crate::executor::Executor;
 use crate::files::{self, FileError};
 use crate::policy::{PolicyError, SurfacePolicy};
@@ -16,6 +18,18 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
 use x509_parser::prelude::{FromDer, GeneralName, ParsedExtension, X509Certificate};
+
+/// Connections the kernel completes and queues before the daemon accepts them (capped by
+/// `net.core.somaxconn`). A burst that overflows the queue has the kernel drop new SYNs, and a
+/// legitimate client's dropped SYN is retried only after a second: the queue is sized to absorb
+/// bursts of thousands while the accept loop drains it.
+const LISTEN_BACKLOG: u32 = 4096;
+
+/// Streams of one connection the client may reset before they were accepted, and streams the
+/// server may reset for a client's protocol errors, before the connection is closed with
+/// GOAWAY: hyper's guards against reset floods (tonic leaves the second unset, disabling it).
+const MAX_PENDING_ACCEPT_RESET_STREAMS: usize = 20;
+const MAX_LOCAL_ERROR_RESET_STREAMS: usize = 256;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -156,12 +170,21 @@ impl Connector {
 
     /// Binds the configured address.
     pub async fn bind(&self) -> Result<TcpListener, ServeError> {
-        TcpListener::bind(self.config.listen)
-            .await
-            .map_err(|source| ServeError::Listen {
-                address: self.config.listen.to_string(),
-                source,
-            })
+        let address = self.config.listen;
+        let listen = || {
+            let socket = if address.is_ipv4() {
+                tokio::net::TcpSocket::new_v4()?
+            } else {
+                tokio::net::TcpSocket::new_v6()?
+            };
+            socket.set_reuseaddr(true)?;
+            socket.bind(address)?;
+            socket.listen(LISTEN_BACKLOG)
+        };
+        listen().map_err(|source| ServeError::Listen {
+            address: address.to_string(),
+            source,
+        })
     }
 
     /// Serves on `listener` until `shutdown` completes, then drains in-flight calls.
@@ -195,13 +218,42 @@ impl Connector {
         let service = ConnectorServer::from_arc(service)
             .max_decoding_message_size(limit)
             .max_encoding_message_size(4 * 1024 * 1024);
+        let limits = &self.config.limits;
+        let handshake_refusals = Arc::new(RefusalLog::new(
+            "handshakes",
+            connection::DETAILED_HANDSHAKE_REFUSALS,
+        ));
+        let call_refusals = Arc::new(RefusalLog::new("calls", DETAILED_CALL_REFUSALS));
+        // Summaries of the refusal windows appear even when no further refusal arrives.
+        let summaries = {
+            let (handshakes, calls) = (handshake_refusals.clone(), call_refusals.clone());
+            tokio::spawn(async move {
+                let mut ticks = tokio::time::interval(REFUSAL_WINDOW);
+                loop {
+                    ticks.tick().await;
+                    handshakes.flush();
+                    calls.flush();
+                }
+            })
+        };
+        let incoming = connection::incoming(
+            listener,
+            self.tls,
+            ConnectionLimits::from(limits),
+            handshake_refusals,
+        );
         let served = tonic::transport::Server::builder()
             .concurrency_limit_per_connection(32)
+            .max_concurrent_streams(limits.max_streams_per_connection)
+            .http2_max_pending_accept_reset_streams(Some(MAX_PENDING_ACCEPT_RESET_STREAMS))
+            .http2_max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESET_STREAMS))
             .http2_keepalive_interval(Some(Duration::from_secs(30)))
             .http2_keepalive_timeout(Some(Duration::from_secs(10)))
+            .layer(CallLogLayer::new(call_refusals))
             .add_service(service)
-            .serve_with_incoming_shutdown(tls::incoming(listener, self.tls), shutdown)
+            .serve_with_incoming_shutdown(incoming, shutdown)
             .await;
+        summaries.abort();
         reaper.abort();
         served?;
         tracing::info!("stopped");

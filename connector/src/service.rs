@@ -8,8 +8,10 @@
 //!    object and the rule);
 //! 4. execute: hand the action to the [`Executor`].
 //!
-//! A refusal at any step returns before the next, so it changes nothing; every refusal is
-//! logged once with the RPC, the peer and the reason.
+//! A refusal at any step returns before the next, so it changes nothing. Calls are logged
+//! where their outcome is known, by [`crate::call_log`]: every call once, refusals
+//! rate-limited, including those tonic answers before the service sees the request
+//! (oversized, undecodable, compressed).
 
 use crate::action::{Action, authorize, parse};
 use crate::executor::{Caller, ExecError, Executor, Outcome};
@@ -185,8 +187,10 @@ impl ConnectorService {
             }
         }
     }
+
+    /// A refusal of `rpc`; the call log records it with the peer once the status is sent.
     fn refuse(&self, rpc: Rpc, peer: &str, run_id: &str, status: Status) -> Status {
-        tracing::warn!(rpc = rpc.name(), peer, run_id, code = ?status.code(), reason = status.message(), "refused");
+        tracing::debug!(rpc = rpc.name(), peer, run_id, code = ?status.code(), "refusing");
         status
     }
 
@@ -326,17 +330,10 @@ impl ConnectorService {
                 Caller::Run(record.handle.clone())
             }
         };
-        let started = std::time::Instant::now();
-        let result = self.executor.execute(&caller, action).await;
-        match &result {
-            Ok(_) => {
-                tracing::info!(rpc = rpc.name(), peer = %peer.label(), run_id, elapsed_ms = started.elapsed().as_millis() as u64, "done")
-            }
-            Err(error) => {
-                tracing::warn!(rpc = rpc.name(), peer = %peer.label(), run_id, %error, "failed")
-            }
-        }
-        result.map_err(Status::from)
+        self.executor
+            .execute(&caller, action)
+            .await
+            .map_err(Status::from)
     }
 }
 
@@ -368,7 +365,6 @@ impl Connector for ConnectorService {
         let peer = self.authenticate(&request, Rpc::Hello)?;
         let mut capabilities = vec!["run.lifecycle"];
         capabilities.extend(self.executor.capabilities());
-        tracing::info!(rpc = "Hello", peer = %peer.label(), "done");
         Ok(Response::new(pb::HelloReply {
             daemon_version: env!("CARGO_PKG_VERSION").to_owned(),
             node_name: self.node.to_string(),
@@ -687,7 +683,7 @@ impl Connector for ConnectorService {
         &self,
         request: Request<pb::ListRunsRequest>,
     ) -> Result<Response<pb::ListRunsReply>, Status> {
-        let peer = self.authenticate(&request, Rpc::ListRuns)?;
+        self.authenticate(&request, Rpc::ListRuns)?;
         let now = self.clock.now_unix();
         let mut runs = Vec::new();
         for record in self.runs.list() {
@@ -725,7 +721,6 @@ impl Connector for ConnectorService {
                 open_resources: vec![format!("unknown: {reason}")],
             });
         }
-        tracing::info!(rpc = "ListRuns", peer = %peer.label(), "done");
         Ok(Response::new(pb::ListRunsReply { runs }))
     }
 

@@ -9,24 +9,17 @@
 //!
 //! There is no option to skip verification, in any build.
 
-use crate::identity::{ClientIdentity, IdentityError, parse_client_certificate};
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, pem::PemObject};
 use rustls::server::WebPkiClientVerifier;
 use rustls::{ClientConfig, RootCertStore, ServerConfig};
-use std::net::SocketAddr;
-use std::pin::Pin;
 use std::sync::{Arc, OnceLock};
-use std::task::{Context, Poll};
 use std::time::Duration;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 
 const ALPN_H2: &[u8] = b"h2";
-/// How long a peer may take to finish its handshake before the connection is dropped.
+/// How long the controller waits for a node's TCP connection and TLS handshake.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Handshakes in flight at once; more wait in the listen backlog.
-const MAX_PENDING_HANDSHAKES: usize = 64;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
@@ -179,118 +172,24 @@ impl rustls::client::danger::ServerCertVerifier for NodeCertificateVerifier {
     }
 }
 
-/// What the connector learned about the client during the handshake; tonic hands it to every
-/// request of the connection as a request extension.
-#[derive(Debug, Clone)]
-pub struct PeerInfo {
-    pub remote: SocketAddr,
-    pub identity: Result<ClientIdentity, IdentityError>,
-}
+// The connections the server accepts, their limits and their handshakes live in
+// `connection`; the types are named here too, where the rest of TLS is.
+pub use crate::connection::{PeerInfo, PeerStream};
 
-/// A TLS connection whose handshake succeeded.
-#[derive(Debug)]
-pub struct PeerStream {
-    stream: tokio_rustls::server::TlsStream<TcpStream>,
-    info: PeerInfo,
-}
-
-impl tonic::transport::server::Connected for PeerStream {
-    type ConnectInfo = PeerInfo;
-    fn connect_info(&self) -> PeerInfo {
-        self.info.clone()
-    }
-}
-
-impl AsyncRead for PeerStream {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().stream).poll_read(cx, buf)
-    }
-}
-
-impl AsyncWrite for PeerStream {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.get_mut().stream).poll_write(cx, buf)
-    }
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().stream).poll_flush(cx)
-    }
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
-    }
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[std::io::IoSlice<'_>],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.get_mut().stream).poll_write_vectored(cx, bufs)
-    }
-    fn is_write_vectored(&self) -> bool {
-        self.stream.is_write_vectored()
-    }
-}
-
-/// Accepts TCP connections, runs the TLS handshakes concurrently (bounded, with a timeout) and
-/// yields the connections that completed one. Failed handshakes are logged with the peer's
-/// address and the reason, and never reach the gRPC layer.
+/// The connections a server on `listener` accepts, with the default `[limits]`.
 pub fn incoming(
-    listener: TcpListener,
+    listener: tokio::net::TcpListener,
     config: Arc<ServerConfig>,
 ) -> tokio_stream::wrappers::ReceiverStream<std::io::Result<PeerStream>> {
-    let (tx, rx) = tokio::sync::mpsc::channel(MAX_PENDING_HANDSHAKES);
-    let acceptor = tokio_rustls::TlsAcceptor::from(config);
-    let permits = Arc::new(tokio::sync::Semaphore::new(MAX_PENDING_HANDSHAKES));
-    tokio::spawn(async move {
-        loop {
-            let Ok(permit) = permits.clone().acquire_owned().await else {
-                return;
-            };
-            let (tcp, remote) = match listener.accept().await {
-                Ok(conn) => conn,
-                Err(error) => {
-                    tracing::warn!(%error, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            };
-            let acceptor = acceptor.clone();
-            let tx = tx.clone();
-            tokio::spawn(async move {
-                let _permit = permit;
-                let _ = tcp.set_nodelay(true);
-                match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-                    Ok(Ok(stream)) => {
-                        let identity = stream
-                            .get_ref()
-                            .1
-                            .peer_certificates()
-                            .and_then(|certs| certs.first())
-                            .ok_or(IdentityError::Missing)
-                            .and_then(|leaf| parse_client_certificate(leaf));
-                        if let Err(reason) = &identity {
-                            tracing::warn!(%remote, %reason, "client certificate carries no usable identity");
-                        }
-                        let _ = tx
-                            .send(Ok(PeerStream {
-                                stream,
-                                info: PeerInfo { remote, identity },
-                            }))
-                            .await;
-                    }
-                    Ok(Err(error)) => tracing::warn!(%remote, %error, "TLS handshake refused"),
-                    Err(_) => tracing::warn!(%remote, "TLS handshake timed out"),
-                }
-            });
-        }
-    });
-    tokio_stream::wrappers::ReceiverStream::new(rx)
+    crate::connection::incoming(
+        listener,
+        config,
+        crate::connection::ConnectionLimits::from(&crate::config::Limits::default()),
+        Arc::new(crate::call_log::RefusalLog::new(
+            "handshakes",
+            crate::connection::DETAILED_HANDSHAKE_REFUSALS,
+        )),
+    )
 }
 
 /// Opens a gRPC channel to a node over mTLS; `node_name` is the name its certificate must carry.

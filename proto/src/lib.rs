@@ -18,7 +18,13 @@
 /// Generated messages, client and server for `certistack.connector.v1`.
 pub mod v1 {
     tonic::include_proto!("certistack.connector.v1");
+    include!(concat!(
+        env!("OUT_DIR"),
+        "/server/certistack.connector.v1.rs"
+    ));
 }
+
+pub mod codec;
 
 /// `sha256:<hex>` over the canonical surface descriptor and the policy files (see `build.rs`).
 pub const SURFACE_DIGEST: &str = include_str!(concat!(env!("OUT_DIR"), "/surface_digest.txt"));

@@ -1,0 +1,792 @@
+//! Accepting connections: TLS handshakes and the bounds that keep the daemon reachable.
+//!
+//! Nothing a peer does before its handshake completes may make the accept loop wait:
+//! - every handshake has `limits.handshake_timeout_ms`;
+//! - at most `limits.max_pending_handshakes_per_source` handshakes are in progress from one
+//!   source (an IPv4 address or an IPv6 /64) and `limits.max_pending_handshakes` in all; a new
+//!   connection over either limit evicts the oldest pending handshake (of its source, else of
+//!   all), so a legitimate peer always gets a slot and an idle peer only ever displaces its
+//!   own or older ones;
+//! - connections are not accepted while fewer than `limits.reserved_fds` descriptors remain
+//!   below `RLIMIT_NOFILE` (the tools and journals need them): the oldest pending handshake is
+//!   given up instead, or, with none pending, accepting waits for connections to close; a
+//!   failing `accept` (EMFILE) backs off instead of spinning.
+//!
+//! After the handshake, `limits.max_connections` established connections are served in all
+//! and `limits.max_connections_per_identity` per client identity; more are closed at once. An
+//! established connection with no call for `limits.idle_timeout_secs` is closed.
+//!
+//! Refused handshakes are logged through a [`RefusalLog`]: a peer needs no certificate to
+//! cause one.
+
+use crate::call_log::{RefusalLog, printable};
+use crate::config::Limits;
+use crate::identity::{ClientIdentity, IdentityError, parse_client_certificate};
+use rustls::ServerConfig;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::future::Future;
+use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+
+/// Refused handshakes logged one by one per window before they are only counted.
+pub const DETAILED_HANDSHAKE_REFUSALS: u32 = 5;
+/// Longest pause of the accept loop after `accept` fails for lack of resources.
+const MAX_ACCEPT_BACKOFF: Duration = Duration::from_secs(1);
+/// How often the descriptor count is re-read from `/proc/self/fd`; between reads it is
+/// estimated from the connections opened and closed.
+const FD_RECOUNT: Duration = Duration::from_secs(1);
+
+/// The connection bounds, from `[limits]`.
+#[derive(Debug, Clone)]
+pub struct ConnectionLimits {
+    pub handshake_timeout: Duration,
+    pub max_pending_handshakes: usize,
+    pub max_pending_handshakes_per_source: usize,
+    pub max_connections: usize,
+    pub max_connections_per_identity: usize,
+    pub idle_timeout: Duration,
+    pub reserved_fds: usize,
+}
+
+impl From<&Limits> for ConnectionLimits {
+    fn from(limits: &Limits) -> Self {
+        Self {
+            handshake_timeout: Duration::from_millis(limits.handshake_timeout_ms),
+            max_pending_handshakes: limits.max_pending_handshakes.max(1),
+            max_pending_handshakes_per_source: limits.max_pending_handshakes_per_source.max(1),
+            max_connections: limits.max_connections.max(1),
+            max_connections_per_identity: limits.max_connections_per_identity.max(1),
+            idle_timeout: Duration::from_secs(limits.idle_timeout_secs),
+            reserved_fds: limits.reserved_fds,
+        }
+    }
+}
+
+/// Whether a connection has calls in progress and since when it has had none.
+#[derive(Debug)]
+pub struct Activity {
+    origin: Instant,
+    in_flight: AtomicUsize,
+    /// Milliseconds after `origin` when the last call began or ended.
+    last_ms: AtomicU64,
+}
+
+impl Activity {
+    fn new() -> Self {
+        Self {
+            origin: Instant::now(),
+            in_flight: AtomicUsize::new(0),
+            last_ms: AtomicU64::new(0),
+        }
+    }
+
+    fn touch(&self) {
+        let ms = u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.last_ms.store(ms, Ordering::Relaxed);
+    }
+
+    /// Marks a call in progress until the guard is dropped.
+    pub fn begin_call(self: &Arc<Self>) -> CallGuard {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        self.touch();
+        CallGuard(self.clone())
+    }
+
+    /// How long the connection has been without a call; `None` while a call is in progress.
+    fn idle_for(&self) -> Option<Duration> {
+        if self.in_flight.load(Ordering::Relaxed) > 0 {
+            return None;
+        }
+        let last = Duration::from_millis(self.last_ms.load(Ordering::Relaxed));
+        Some(self.origin.elapsed().saturating_sub(last))
+    }
+}
+
+/// A call in progress on a connection.
+#[derive(Debug)]
+pub struct CallGuard(Arc<Activity>);
+
+impl Drop for CallGuard {
+    fn drop(&mut self) {
+        self.0.touch();
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// What the connector learned about the client during the handshake; tonic hands it to every
+/// request of the connection as a request extension.
+#[derive(Debug, Clone)]
+pub struct PeerInfo {
+    pub remote: SocketAddr,
+    pub identity: Result<ClientIdentity, IdentityError>,
+    pub activity: Arc<Activity>,
+}
+
+/// A TLS connection whose handshake succeeded, counted against the connection limits until
+/// it is dropped, and ended (reads fail) once it has been idle for the idle timeout.
+#[derive(Debug)]
+pub struct PeerStream {
+    stream: tokio_rustls::server::TlsStream<TcpStream>,
+    info: PeerInfo,
+    idle_timeout: Duration,
+    idle_check: Pin<Box<tokio::time::Sleep>>,
+    _slot: ConnectionSlot,
+}
+
+impl tonic::transport::server::Connected for PeerStream {
+    type ConnectInfo = PeerInfo;
+    fn connect_info(&self) -> PeerInfo {
+        self.info.clone()
+    }
+}
+
+impl PeerStream {
+    /// Fails the read once the connection has had no call for the idle timeout; otherwise
+    /// re-arms the check for when it could first be idle that long.
+    fn poll_idle(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Error> {
+        while self.idle_check.as_mut().poll(cx).is_ready() {
+            let wait = match self.info.activity.idle_for() {
+                Some(idle) if idle >= self.idle_timeout => {
+                    return Poll::Ready(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!(
+                            "no call for {} s: connection closed as idle",
+                            self.idle_timeout.as_secs()
+                        ),
+                    ));
+                }
+                Some(idle) => self.idle_timeout.saturating_sub(idle),
+                None => self.idle_timeout,
+            };
+            self.idle_check
+                .as_mut()
+                .reset(tokio::time::Instant::now() + wait);
+        }
+        Poll::Pending
+    }
+}
+
+impl AsyncRead for PeerStream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        if let Poll::Ready(error) = this.poll_idle(cx) {
+            tracing::debug!(remote = %this.info.remote, %error, "closing");
+            return Poll::Ready(Err(error));
+        }
+        Pin::new(&mut this.stream).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for PeerStream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().stream).poll_write(cx, buf)
+    }
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_flush(cx)
+    }
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
+    }
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().stream).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+}
+
+/// Pending handshakes and established connections, counted against the limits.
+#[derive(Debug)]
+struct Admission {
+    limits: ConnectionLimits,
+    state: Mutex<AdmissionState>,
+}
+
+#[derive(Debug, Default)]
+struct AdmissionState {
+    next_id: u64,
+    /// Pending handshakes by id; ids grow, so the first is the oldest.
+    pending: BTreeMap<u64, Pending>,
+    pending_by_source: HashMap<IpAddr, BTreeSet<u64>>,
+    established: usize,
+    established_by_identity: HashMap<String, usize>,
+}
+
+#[derive(Debug)]
+struct Pending {
+    source: IpAddr,
+    /// Tells the handshake it was evicted, and why.
+    evict: tokio::sync::oneshot::Sender<Refusal>,
+}
+
+/// Why an accepted connection was closed before it was served.
+#[derive(Debug, Clone, Copy)]
+enum Refusal {
+    EvictedBySource,
+    EvictedByTotal,
+    EvictedForDescriptors,
+    TooManyConnections,
+    TooManyForIdentity,
+}
+
+impl Refusal {
+    fn reason(self) -> &'static str {
+        match self {
+            Refusal::EvictedBySource => {
+                "pending handshake evicted: too many from this source (limits.max_pending_handshakes_per_source)"
+            }
+            Refusal::EvictedByTotal => {
+                "pending handshake evicted: too many in all (limits.max_pending_handshakes)"
+            }
+            Refusal::EvictedForDescriptors => {
+                "pending handshake evicted: descriptors within limits.reserved_fds of RLIMIT_NOFILE"
+            }
+            Refusal::TooManyConnections => {
+                "connection closed: too many established (limits.max_connections)"
+            }
+            Refusal::TooManyForIdentity => {
+                "connection closed: too many for this identity (limits.max_connections_per_identity)"
+            }
+        }
+    }
+}
+
+impl AdmissionState {
+    fn remove_pending(&mut self, id: u64) -> Option<Pending> {
+        let pending = self.pending.remove(&id)?;
+        if let Some(ids) = self.pending_by_source.get_mut(&pending.source) {
+            ids.remove(&id);
+            if ids.is_empty() {
+                self.pending_by_source.remove(&pending.source);
+            }
+        }
+        Some(pending)
+    }
+
+    fn held(&self) -> usize {
+        self.pending.len().saturating_add(self.established)
+    }
+}
+
+impl Admission {
+    fn lock(&self) -> std::sync::MutexGuard<'_, AdmissionState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Registers a new handshake from `source`, first evicting the oldest pending handshakes
+    /// that would put it over a limit; the evicted are told why through their channel.
+    fn begin_handshake(
+        self: &Arc<Self>,
+        source: IpAddr,
+    ) -> (PendingHandshake, tokio::sync::oneshot::Receiver<Refusal>) {
+        let mut state = self.lock();
+        let mut evicted = Vec::new();
+        loop {
+            let oldest_of_source = state
+                .pending_by_source
+                .get(&source)
+                .filter(|ids| ids.len() >= self.limits.max_pending_handshakes_per_source)
+                .and_then(|ids| ids.first().copied());
+            let Some(oldest) = oldest_of_source else {
+                break;
+            };
+            if let Some(pending) = state.remove_pending(oldest) {
+                evicted.push((pending, Refusal::EvictedBySource));
+            }
+        }
+        while state.pending.len() >= self.limits.max_pending_handshakes {
+            let Some(oldest) = state.pending.keys().next().copied() else {
+                break;
+            };
+            if let Some(pending) = state.remove_pending(oldest) {
+                evicted.push((pending, Refusal::EvictedByTotal));
+            }
+        }
+        let id = state.next_id;
+        state.next_id = state.next_id.wrapping_add(1);
+        let (evict, evicted_rx) = tokio::sync::oneshot::channel();
+        state.pending.insert(id, Pending { source, evict });
+        state
+            .pending_by_source
+            .entry(source)
+            .or_default()
+            .insert(id);
+        drop(state);
+        for (pending, refusal) in evicted {
+            // The handshake may have just ended on its own; then nobody is listening.
+            let _ = pending.evict.send(refusal);
+        }
+        (
+            PendingHandshake {
+                admission: self.clone(),
+                id,
+            },
+            evicted_rx,
+        )
+    }
+
+    /// Counts an established connection for `identity`, or says which limit it is over.
+    fn establish(self: &Arc<Self>, identity: String) -> Result<ConnectionSlot, Refusal> {
+        let mut state = self.lock();
+        if state.established >= self.limits.max_connections {
+            return Err(Refusal::TooManyConnections);
+        }
+        let count = state
+            .established_by_identity
+            .get(&identity)
+            .copied()
+            .unwrap_or(0);
+        if count >= self.limits.max_connections_per_identity {
+            return Err(Refusal::TooManyForIdentity);
+        }
+        state.established = state.established.saturating_add(1);
+        state
+            .established_by_identity
+            .insert(identity.clone(), count.saturating_add(1));
+        Ok(ConnectionSlot {
+            admission: self.clone(),
+            identity,
+        })
+    }
+
+    fn held(&self) -> usize {
+        self.lock().held()
+    }
+
+    /// Evicts the oldest pending handshake; false when there is none.
+    fn evict_oldest_pending(&self) -> bool {
+        let mut state = self.lock();
+        let Some(oldest) = state.pending.keys().next().copied() else {
+            return false;
+        };
+        let evicted = state.remove_pending(oldest);
+        drop(state);
+        if let Some(pending) = evicted {
+            let _ = pending.evict.send(Refusal::EvictedForDescriptors);
+        }
+        true
+    }
+}
+
+/// A handshake in progress; dropping it frees its slot.
+#[derive(Debug)]
+struct PendingHandshake {
+    admission: Arc<Admission>,
+    id: u64,
+}
+
+impl Drop for PendingHandshake {
+    fn drop(&mut self) {
+        self.admission.lock().remove_pending(self.id);
+    }
+}
+
+/// An established connection, counted until dropped.
+#[derive(Debug)]
+struct ConnectionSlot {
+    admission: Arc<Admission>,
+    identity: String,
+}
+
+impl Drop for ConnectionSlot {
+    fn drop(&mut self) {
+        let mut state = self.admission.lock();
+        state.established = state.established.saturating_sub(1);
+        if let Some(count) = state.established_by_identity.get_mut(&self.identity) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                state.established_by_identity.remove(&self.identity);
+            }
+        }
+    }
+}
+
+/// The descriptors this process may still open before it reaches the reserve.
+#[derive(Debug)]
+struct DescriptorBudget {
+    reserved: usize,
+    counted_at: Option<Instant>,
+    open_at_count: usize,
+    held_at_count: usize,
+}
+
+impl DescriptorBudget {
+    fn new(reserved: usize) -> Self {
+        Self {
+            reserved,
+            counted_at: None,
+            open_at_count: 0,
+            held_at_count: 0,
+        }
+    }
+
+    /// `None` when one more connection fits above the reserve, else (open, limit).
+    fn exhausted(&mut self, held: usize) -> Option<(usize, usize)> {
+        let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile).current?;
+        let limit = usize::try_from(limit).unwrap_or(usize::MAX);
+        let stale = self.counted_at.is_none_or(|at| at.elapsed() >= FD_RECOUNT);
+        let estimate = |budget: &Self| {
+            budget
+                .open_at_count
+                .saturating_add(held)
+                .saturating_sub(budget.held_at_count)
+        };
+        let fits = |open: usize| open.saturating_add(1).saturating_add(self.reserved) <= limit;
+        if !stale && fits(estimate(self)) {
+            return None;
+        }
+        // Stale, or near the limit by the estimate: count precisely.
+        let open = open_descriptors()?;
+        self.counted_at = Some(Instant::now());
+        self.open_at_count = open;
+        self.held_at_count = held;
+        if fits(open) {
+            None
+        } else {
+            Some((open, limit))
+        }
+    }
+}
+
+/// Descriptors this process has open, from `/proc/self/fd` (the directory's own descriptor
+/// not counted); `None` where that is unreadable.
+fn open_descriptors() -> Option<usize> {
+    let entries = std::fs::read_dir("/proc/self/fd").ok()?;
+    Some(entries.count().saturating_sub(1))
+}
+
+/// Says at start when `RLIMIT_NOFILE` is too low for the connection limits plus the reserve:
+/// the daemon then refuses connections before the limits are reached.
+fn warn_if_descriptors_cannot_cover(limits: &ConnectionLimits) {
+    let Some(limit) = rustix::process::getrlimit(rustix::process::Resource::Nofile).current else {
+        return;
+    };
+    let needed = limits
+        .max_pending_handshakes
+        .saturating_add(limits.max_connections)
+        .saturating_add(limits.reserved_fds)
+        .saturating_add(open_descriptors().unwrap_or(0));
+    if usize::try_from(limit).is_ok_and(|limit| limit < needed) {
+        tracing::warn!(
+            limit,
+            needed,
+            "RLIMIT_NOFILE is below limits.max_pending_handshakes + limits.max_connections + limits.reserved_fds + the descriptors open at start; connections will be refused before those limits are reached (raise LimitNOFILE= or lower the limits)"
+        );
+    }
+}
+
+/// Whether an `accept` error means the process or system is out of a resource (as opposed to
+/// one connection having failed), so accepting again at once would spin.
+fn out_of_resources(error: &std::io::Error) -> bool {
+    matches!(
+        error.raw_os_error(),
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+    )
+}
+
+/// The source a peer's pending handshakes are counted under: its IPv4 address (also when it
+/// reaches an IPv6 socket), or its IPv6 /64, since one host commonly holds a whole /64.
+fn source_of(remote: &SocketAddr) -> IpAddr {
+    match remote.ip() {
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6(std::net::Ipv6Addr::from_bits(
+                v6.to_bits() & !u128::from(u64::MAX),
+            )),
+        },
+        v4 => v4,
+    }
+}
+
+/// Accepts TCP connections, runs the TLS handshakes concurrently within the limits and yields
+/// the connections that completed one and fit the connection limits. Refusals are logged
+/// through `handshake_refusals` and never reach the gRPC layer.
+pub fn incoming(
+    listener: TcpListener,
+    config: Arc<ServerConfig>,
+    limits: ConnectionLimits,
+    handshake_refusals: Arc<RefusalLog>,
+) -> tokio_stream::wrappers::ReceiverStream<std::io::Result<PeerStream>> {
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    let acceptor = tokio_rustls::TlsAcceptor::from(config);
+    let admission = Arc::new(Admission {
+        limits,
+        state: Mutex::new(AdmissionState::default()),
+    });
+    warn_if_descriptors_cannot_cover(&admission.limits);
+    tokio::spawn(async move {
+        let mut budget = DescriptorBudget::new(admission.limits.reserved_fds);
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            if let Some((open, limit)) = budget.exhausted(admission.held()) {
+                if handshake_refusals.record(
+                    IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
+                    "not accepting: descriptors within limits.reserved_fds of RLIMIT_NOFILE",
+                ) {
+                    tracing::warn!(
+                        open,
+                        limit,
+                        reserved = admission.limits.reserved_fds,
+                        "not accepting connections: the open descriptors are within limits.reserved_fds of RLIMIT_NOFILE"
+                    );
+                }
+                // Pending handshakes are the descriptors a peer can hold without a
+                // certificate: give the oldest up so a new peer can be accepted; with none
+                // pending, wait for connections to close.
+                if admission.evict_oldest_pending() {
+                    tokio::task::yield_now().await;
+                    continue;
+                }
+                tokio::select! {
+                    _ = tx.closed() => return,
+                    _ = tokio::time::sleep(Duration::from_millis(100)) => continue,
+                }
+            }
+            let accepted = tokio::select! {
+                _ = tx.closed() => return,
+                accepted = listener.accept() => accepted,
+            };
+            let (tcp, remote) = match accepted {
+                Ok(conn) => {
+                    backoff = Duration::from_millis(50);
+                    conn
+                }
+                Err(error) if out_of_resources(&error) => {
+                    if handshake_refusals.record(
+                        IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
+                        "accept failed: out of descriptors or memory",
+                    ) {
+                        tracing::warn!(%error, pause_ms = backoff.as_millis() as u64, "accept failed; pausing before accepting again");
+                    }
+                    tokio::time::sleep(backoff).await;
+                    backoff = backoff.saturating_mul(2).min(MAX_ACCEPT_BACKOFF);
+                    continue;
+                }
+                Err(error) => {
+                    tracing::debug!(%error, "accept failed for one connection");
+                    continue;
+                }
+            };
+            let source = source_of(&remote);
+            let (pending, evicted) = admission.begin_handshake(source);
+            tokio::spawn(handshake(
+                tcp,
+                remote,
+                pending,
+                evicted,
+                acceptor.clone(),
+                handshake_refusals.clone(),
+                tx.clone(),
+            ));
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(rx)
+}
+
+/// One connection from its TCP accept to its hand-over to the gRPC server.
+async fn handshake(
+    tcp: TcpStream,
+    remote: SocketAddr,
+    pending: PendingHandshake,
+    evicted: tokio::sync::oneshot::Receiver<Refusal>,
+    acceptor: tokio_rustls::TlsAcceptor,
+    refusals: Arc<RefusalLog>,
+    tx: tokio::sync::mpsc::Sender<std::io::Result<PeerStream>>,
+) {
+    let source = source_of(&remote);
+    let refuse = |reason: &str| {
+        if refusals.record(source, reason) {
+            tracing::warn!(%remote, reason = %printable(reason), "TLS handshake refused");
+        }
+    };
+    let _ = tcp.set_nodelay(true);
+    let admission = pending.admission.clone();
+    let limits = &admission.limits;
+    let stream = tokio::select! {
+        result = tokio::time::timeout(limits.handshake_timeout, acceptor.accept(tcp)) => match result {
+            Ok(Ok(stream)) => stream,
+            Ok(Err(error)) => return refuse(&error.to_string()),
+            Err(_) => return refuse("timed out (limits.handshake_timeout_ms)"),
+        },
+        Ok(refusal) = evicted => return refuse(refusal.reason()),
+    };
+    drop(pending);
+    let identity = stream
+        .get_ref()
+        .1
+        .peer_certificates()
+        .and_then(|certs| certs.first())
+        .ok_or(IdentityError::Missing)
+        .and_then(|leaf| parse_client_certificate(leaf));
+    if let Err(reason) = &identity
+        && refusals.record(source, "client certificate without a usable identity")
+    {
+        tracing::warn!(%remote, %reason, "client certificate carries no usable identity");
+    }
+    // Connections whose certificate names no identity share one count: each of their calls
+    // is refused, so together they need no more room than one identity.
+    let key = match &identity {
+        Ok(client) => client.identity.to_string(),
+        Err(_) => "unidentified".to_owned(),
+    };
+    let slot = match admission.establish(key) {
+        Ok(slot) => slot,
+        Err(refusal) => return refuse(refusal.reason()),
+    };
+    let stream = PeerStream {
+        stream,
+        info: PeerInfo {
+            remote,
+            identity,
+            activity: Arc::new(Activity::new()),
+        },
+        idle_timeout: limits.idle_timeout,
+        idle_check: Box::pin(tokio::time::sleep(limits.idle_timeout)),
+        _slot: slot,
+    };
+    // The server stopped accepting: the connection is dropped, which closes it.
+    let _ = tx.send(Ok(stream)).await;
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
+    use super::*;
+
+    fn admission(
+        per_source: usize,
+        total: usize,
+        connections: usize,
+        per_identity: usize,
+    ) -> Arc<Admission> {
+        Arc::new(Admission {
+            limits: ConnectionLimits {
+                handshake_timeout: Duration::from_secs(1),
+                max_pending_handshakes: total,
+                max_pending_handshakes_per_source: per_source,
+                max_connections: connections,
+                max_connections_per_identity: per_identity,
+                idle_timeout: Duration::from_secs(10),
+                reserved_fds: 0,
+            },
+            state: Mutex::new(AdmissionState::default()),
+        })
+    }
+
+    #[test]
+    fn a_new_handshake_evicts_the_oldest_of_its_source_then_the_oldest_of_all() {
+        let admission = admission(2, 3, 8, 8);
+        let a: IpAddr = "192.0.2.1".parse().unwrap();
+        let b: IpAddr = "192.0.2.2".parse().unwrap();
+        let (_a1, mut a1_evicted) = admission.begin_handshake(a);
+        let (_a2, mut a2_evicted) = admission.begin_handshake(a);
+        // A third from `a` displaces a's oldest, nobody else's.
+        let (_a3, mut a3_evicted) = admission.begin_handshake(a);
+        assert!(matches!(
+            a1_evicted.try_recv(),
+            Ok(Refusal::EvictedBySource)
+        ));
+        assert!(a2_evicted.try_recv().is_err());
+        // `b` gets in: the table is not full yet (a2, a3, b1).
+        let (_b1, mut b1_evicted) = admission.begin_handshake(b);
+        assert!(a2_evicted.try_recv().is_err());
+        // Full: the next one, from a new source, displaces the oldest of all (a2).
+        let (_c1, _) = admission.begin_handshake("192.0.2.3".parse().unwrap());
+        assert!(matches!(a2_evicted.try_recv(), Ok(Refusal::EvictedByTotal)));
+        assert!(a3_evicted.try_recv().is_err());
+        assert!(b1_evicted.try_recv().is_err());
+        assert_eq!(admission.lock().pending.len(), 3);
+        // With descriptors short, the oldest pending (a3) is given up.
+        assert!(admission.evict_oldest_pending());
+        assert!(matches!(
+            a3_evicted.try_recv(),
+            Ok(Refusal::EvictedForDescriptors)
+        ));
+    }
+
+    #[test]
+    fn sources_are_ipv4_addresses_and_ipv6_prefixes() {
+        let source = |text: &str| source_of(&text.parse().unwrap());
+        assert_eq!(
+            source("192.0.2.1:443"),
+            "192.0.2.1".parse::<IpAddr>().unwrap()
+        );
+        assert_eq!(
+            source("[::ffff:192.0.2.1]:443"),
+            "192.0.2.1".parse::<IpAddr>().unwrap()
+        );
+        assert_eq!(
+            source("[2001:db8:1:2:3:4:5:6]:443"),
+            source("[2001:db8:1:2::9]:80")
+        );
+        assert_ne!(
+            source("[2001:db8:1:2::1]:443"),
+            source("[2001:db8:1:3::1]:443")
+        );
+    }
+
+    #[test]
+    fn a_finished_handshake_frees_its_slot() {
+        let admission = admission(1, 1, 8, 8);
+        let a: IpAddr = "192.0.2.1".parse().unwrap();
+        let (first, _) = admission.begin_handshake(a);
+        drop(first);
+        let (_second, mut second_evicted) = admission.begin_handshake(a);
+        assert!(second_evicted.try_recv().is_err());
+        assert_eq!(admission.held(), 1);
+    }
+
+    #[test]
+    fn established_connections_are_bounded_in_all_and_per_identity() {
+        let admission = admission(4, 4, 3, 2);
+        let alice1 = admission.establish("operator:alice".into()).unwrap();
+        let _alice2 = admission.establish("operator:alice".into()).unwrap();
+        assert!(matches!(
+            admission.establish("operator:alice".into()),
+            Err(Refusal::TooManyForIdentity)
+        ));
+        let _bob = admission.establish("operator:bob".into()).unwrap();
+        assert!(matches!(
+            admission.establish("operator:carol".into()),
+            Err(Refusal::TooManyConnections)
+        ));
+        drop(alice1);
+        let _alice3 = admission.establish("operator:alice".into()).unwrap();
+        assert_eq!(admission.held(), 3);
+    }
+
+    #[test]
+    fn the_descriptor_reserve_stops_accepting_before_the_limit() {
+        let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile)
+            .current
+            .unwrap();
+        let limit = usize::try_from(limit).unwrap();
+        let open = open_descriptors().unwrap();
+        // A reserve that leaves room for more connections, and one that does not (with a
+        // margin for descriptors other tests open or close meanwhile).
+        assert_eq!(DescriptorBudget::new(limit - open - 64).exhausted(0), None);
+        let (counted, reported) = DescriptorBudget::new(limit - open + 64)
+            .exhausted(0)
+            .unwrap();
+        assert_eq!(reported, limit);
+        assert!(counted + 64 >= open, "{counted} open, {open} before");
+    }
+}
