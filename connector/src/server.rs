@@ -132,7 +132,7 @@ impl Connector {
         let runs = Arc::new(RunRegistry::open(
             &config.paths.state_dir,
             &authority,
-            config.limits.max_concurrent_runs,
+            crate::runs::RegistryLimits::from_config(&config.limits),
             clock.now_unix_ms(),
         )?);
         let service = ConnectorService::new(

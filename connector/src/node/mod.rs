@@ -49,6 +49,9 @@ impl std::fmt::Debug for dyn Clock {
 
 impl From<JournalError> for ExecError {
     fn from(error: JournalError) -> Self {
+        if let JournalError::Full { .. } = error {
+            return ExecError::ResourceExhausted(error.to_string());
+        }
         ExecError::Failed(format!(
             "the run's journal failed ({error}); a step it does not record as done may still have happened: read the journal and clean up"
         ))
@@ -235,19 +238,21 @@ impl NodeExecutor {
             &resource,
             Phase::Intent,
             json!({ "snapshot": snapshot.as_str(), "archive": archive.as_str(), "repository": repository, "command": call.display() }),
-        )?;
+        ).await?;
         let output = self
             .run_step(&mut guard, "backup.map", &resource, call)
             .await?;
         // Success is the "mapped on" line: the client exits 0 even when its mapping child fails.
         let Some(device) = loopdev::parse_mapped_on(&output.stderr) else {
-            guard.append(
-                self.now_ms(),
-                "backup.map",
-                &resource,
-                Phase::Failed,
-                tool_detail(&output, &[]),
-            )?;
+            guard
+                .append(
+                    self.now_ms(),
+                    "backup.map",
+                    &resource,
+                    Phase::Failed,
+                    tool_detail(&output, &[]),
+                )
+                .await?;
             return Err(ExecError::FailedPrecondition(format!(
                 "proxmox-backup-client map did not map {archive} (exit {:?}): {}",
                 output.exit_code,
@@ -279,13 +284,15 @@ impl NodeExecutor {
                 extra.push(("backing_file", json!(backing.display().to_string())));
             }
             let detail = tool_detail(&output, &extra);
-            guard.append(
-                self.now_ms(),
-                "backup.map",
-                &resource,
-                Phase::Failed,
-                detail,
-            )?;
+            guard
+                .append(
+                    self.now_ms(),
+                    "backup.map",
+                    &resource,
+                    Phase::Failed,
+                    detail,
+                )
+                .await?;
             return Err(ExecError::FailedPrecondition(format!(
                 "the mapping of {archive} failed verification: {reason}"
             )));
@@ -297,7 +304,9 @@ impl NodeExecutor {
                 ("backing_file", json!(expected.display().to_string())),
             ],
         );
-        guard.append(self.now_ms(), "backup.map", &resource, Phase::Done, detail)?;
+        guard
+            .append(self.now_ms(), "backup.map", &resource, Phase::Done, detail)
+            .await?;
         Ok(Outcome::MapBackup(pb::MapBackupReply {
             loop_device: device,
             tool: Some(tool_result("proxmox-backup-client map", &output)),
@@ -312,8 +321,7 @@ impl NodeExecutor {
     ) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
         let mut guard = self.lock_open(run).await?;
-        let records = guard.records();
-        let states = resources::states(&records);
+        let states = resources::states(&guard.records());
         let resource = format!("backup:{archive}");
         let Some(state) = states.get(&resource).filter(|s| s.is_open()) else {
             return Err(ExecError::FailedPrecondition(format!(
@@ -362,13 +370,15 @@ impl NodeExecutor {
         let resource = format!("backup:{archive}");
         match loopdev::inspect(&self.sys_block, device) {
             None => {
-                guard.append(
-                    self.now_ms(),
-                    "backup.unmap",
-                    &resource,
-                    Phase::Undone,
-                    json!({ "loop_device": device, "end_state": "already gone" }),
-                )?;
+                guard
+                    .append(
+                        self.now_ms(),
+                        "backup.unmap",
+                        &resource,
+                        Phase::Undone,
+                        json!({ "loop_device": device, "end_state": "already gone" }),
+                    )
+                    .await?;
                 return Ok((None, "already gone"));
             }
             Some(l) if l.backing_file != expected => {
@@ -379,18 +389,20 @@ impl NodeExecutor {
                     &resource,
                     Phase::Undone,
                     json!({ "loop_device": device, "end_state": "already gone", "note": format!("{device} now backs {}; left untouched", l.backing_file.display()) }),
-                )?;
+                ).await?;
                 return Ok((None, "already gone"));
             }
             Some(_) => {}
         }
-        guard.append(
-            self.now_ms(),
-            "backup.unmap",
-            &resource,
-            Phase::Intent,
-            json!({ "loop_device": device }),
-        )?;
+        guard
+            .append(
+                self.now_ms(),
+                "backup.unmap",
+                &resource,
+                Phase::Intent,
+                json!({ "loop_device": device }),
+            )
+            .await?;
         let call = ToolCall::new(
             &self.config.tools.proxmox_backup_client,
             self.tool_timeout(),
@@ -403,13 +415,15 @@ impl NodeExecutor {
         let still_ours =
             loopdev::inspect(&self.sys_block, device).is_some_and(|l| l.backing_file == expected);
         if !output.success() || still_ours {
-            guard.append(
-                self.now_ms(),
-                "backup.unmap",
-                &resource,
-                Phase::Failed,
-                tool_detail(&output, &[]),
-            )?;
+            guard
+                .append(
+                    self.now_ms(),
+                    "backup.unmap",
+                    &resource,
+                    Phase::Failed,
+                    tool_detail(&output, &[]),
+                )
+                .await?;
             return Err(ExecError::FailedPrecondition(format!(
                 "proxmox-backup-client unmap {device} failed (exit {:?}): {}",
                 output.exit_code,
@@ -423,13 +437,15 @@ impl NodeExecutor {
                 ("end_state", json!("unmapped")),
             ],
         );
-        guard.append(
-            self.now_ms(),
-            "backup.unmap",
-            &resource,
-            Phase::Undone,
-            detail,
-        )?;
+        guard
+            .append(
+                self.now_ms(),
+                "backup.unmap",
+                &resource,
+                Phase::Undone,
+                detail,
+            )
+            .await?;
         Ok((Some(output), "unmapped"))
     }
 
@@ -462,37 +478,43 @@ impl NodeExecutor {
         let dir = self.overlay_dir(grant);
         let path = self.overlay_path(grant, vmid, &archive);
         if states.get("dir:overlays").is_none_or(|s| !s.is_open()) {
-            guard.append(
-                self.now_ms(),
-                "overlay.dir",
-                "dir:overlays",
-                Phase::Intent,
-                json!({ "path": dir.display().to_string() }),
-            )?;
+            guard
+                .append(
+                    self.now_ms(),
+                    "overlay.dir",
+                    "dir:overlays",
+                    Phase::Intent,
+                    json!({ "path": dir.display().to_string() }),
+                )
+                .await?;
             let created = std::fs::DirBuilder::new()
                 .recursive(true)
                 .mode(0o700)
                 .create(&dir);
             if let Err(error) = created {
-                guard.append(
-                    self.now_ms(),
-                    "overlay.dir",
-                    "dir:overlays",
-                    Phase::Failed,
-                    json!({ "error": error.to_string() }),
-                )?;
+                guard
+                    .append(
+                        self.now_ms(),
+                        "overlay.dir",
+                        "dir:overlays",
+                        Phase::Failed,
+                        json!({ "error": error.to_string() }),
+                    )
+                    .await?;
                 return Err(ExecError::FailedPrecondition(format!(
                     "cannot create {}: {error}",
                     dir.display()
                 )));
             }
-            guard.append(
-                self.now_ms(),
-                "overlay.dir",
-                "dir:overlays",
-                Phase::Done,
-                json!({ "path": dir.display().to_string() }),
-            )?;
+            guard
+                .append(
+                    self.now_ms(),
+                    "overlay.dir",
+                    "dir:overlays",
+                    Phase::Done,
+                    json!({ "path": dir.display().to_string() }),
+                )
+                .await?;
         }
         if path.exists() {
             return Err(ExecError::AlreadyExists(format!(
@@ -509,18 +531,20 @@ impl NodeExecutor {
             .arg("-F")
             .arg("raw")
             .arg(&path);
-        guard.append(self.now_ms(), "overlay.create", &resource, Phase::Intent, json!({ "path": path.display().to_string(), "backing": device, "command": call.display() }))?;
+        guard.append(self.now_ms(), "overlay.create", &resource, Phase::Intent, json!({ "path": path.display().to_string(), "backing": device, "command": call.display() })).await?;
         let output = self
             .run_step(&mut guard, "overlay.create", &resource, call)
             .await?;
         if !output.success() || !path.is_file() {
-            guard.append(
-                self.now_ms(),
-                "overlay.create",
-                &resource,
-                Phase::Failed,
-                tool_detail(&output, &[]),
-            )?;
+            guard
+                .append(
+                    self.now_ms(),
+                    "overlay.create",
+                    &resource,
+                    Phase::Failed,
+                    tool_detail(&output, &[]),
+                )
+                .await?;
             return Err(ExecError::FailedPrecondition(format!(
                 "qemu-img create failed (exit {:?}): {}",
                 output.exit_code,
@@ -541,13 +565,15 @@ impl NodeExecutor {
                 ("backing", json!(device)),
             ],
         );
-        guard.append(
-            self.now_ms(),
-            "overlay.create",
-            &resource,
-            Phase::Done,
-            detail,
-        )?;
+        guard
+            .append(
+                self.now_ms(),
+                "overlay.create",
+                &resource,
+                Phase::Done,
+                detail,
+            )
+            .await?;
         Ok(Outcome::CreateOverlay(pb::CreateOverlayReply {
             tool: Some(tool_result("qemu-img create", &output)),
             warnings,
@@ -594,24 +620,25 @@ impl NodeExecutor {
             )));
         }
         let path = self.overlay_path(grant, vmid, &archive);
-        self.remove_overlay(&mut guard, &resource, &path)?;
+        self.remove_overlay(&mut guard, &resource, &path).await?;
         Ok(Outcome::DeleteOverlay(pb::DeleteOverlayReply {
             journal_head: guard.head_hex(),
         }))
     }
 
-    fn remove_overlay(
+    async fn remove_overlay(
         &self,
         guard: &mut RunGuard<'_>,
         resource: &str,
         path: &Path,
     ) -> Result<&'static str, ExecError> {
         self.remove_path(guard, "overlay.delete", resource, path)
+            .await
     }
 
     /// Removes one run-scoped file (or empty directory), journaled `intent` then `undone` with
     /// its end state, or `failed`. A path that is already gone is recorded as such.
-    fn remove_path(
+    async fn remove_path(
         &self,
         guard: &mut RunGuard<'_>,
         op: &str,
@@ -619,13 +646,15 @@ impl NodeExecutor {
         path: &Path,
     ) -> Result<&'static str, ExecError> {
         let shown = path.display().to_string();
-        guard.append(
-            self.now_ms(),
-            op,
-            resource,
-            Phase::Intent,
-            json!({ "path": shown }),
-        )?;
+        guard
+            .append(
+                self.now_ms(),
+                op,
+                resource,
+                Phase::Intent,
+                json!({ "path": shown }),
+            )
+            .await?;
         let removed = if path.is_dir() {
             std::fs::remove_dir(path)
         } else {
@@ -635,23 +664,27 @@ impl NodeExecutor {
             Ok(()) => "deleted",
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => "already gone",
             Err(error) => {
-                guard.append(
-                    self.now_ms(),
-                    op,
-                    resource,
-                    Phase::Failed,
-                    json!({ "path": shown, "error": error.to_string() }),
-                )?;
+                guard
+                    .append(
+                        self.now_ms(),
+                        op,
+                        resource,
+                        Phase::Failed,
+                        json!({ "path": shown, "error": error.to_string() }),
+                    )
+                    .await?;
                 return Err(ExecError::Failed(format!("cannot remove {shown}: {error}")));
             }
         };
-        guard.append(
-            self.now_ms(),
-            op,
-            resource,
-            Phase::Undone,
-            json!({ "path": shown, "end_state": end_state }),
-        )?;
+        guard
+            .append(
+                self.now_ms(),
+                op,
+                resource,
+                Phase::Undone,
+                json!({ "path": shown, "end_state": end_state }),
+            )
+            .await?;
         Ok(end_state)
     }
 
@@ -666,11 +699,13 @@ impl NodeExecutor {
     async fn cleanup(&self, run: &RunHandle) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
         let mut guard = run.lock().await;
-        let records = guard.records();
-        let touched_network = records
-            .iter()
-            .any(|r| r.entry.resource.starts_with("nft:") || r.entry.resource.starts_with("addr:"));
-        let open = resources::open_newest_first(&records);
+        let (touched_network, open) = {
+            let records = guard.records();
+            let touched_network = records.iter().any(|r| {
+                r.entry.resource.starts_with("nft:") || r.entry.resource.starts_with("addr:")
+            });
+            (touched_network, resources::open_newest_first(&records))
+        };
         let mut receipts = Vec::new();
         let mut failures = Vec::new();
         for state in open {
@@ -706,13 +741,14 @@ impl NodeExecutor {
         if !residue.is_empty() || !failures.is_empty() {
             tracing::warn!(run_id = %grant.run_id, ?residue, ?failures, "cleanup left residue");
         }
-        guard.append(
+        // The same residue found again (the expiry reaper retrying) is not journaled again.
+        guard.append_if_changed(
             self.now_ms(),
             "run.cleanup",
             &format!("run:{}", grant.run_id),
             if residue.is_empty() && failures.is_empty() { Phase::Done } else { Phase::Failed },
             json!({ "receipts": receipts.iter().map(|r| json!({"resource": r.resource, "end_state": r.end_state})).collect::<Vec<_>>(), "residue": residue }),
-        )?;
+        ).await?;
         Ok(Outcome::Cleanup(pb::CleanupReply {
             resources: receipts,
             residue,
@@ -739,7 +775,7 @@ impl NodeExecutor {
             let archive = <ArchiveName as crate::validate::Validated>::validate(archive)
                 .map_err(ExecError::Failed)?;
             let path = self.overlay_path(grant, vmid, &archive);
-            return self.remove_overlay(guard, key, &path);
+            return self.remove_overlay(guard, key, &path).await;
         }
         if let Some(archive) = key.strip_prefix("backup:") {
             let archive = <ArchiveName as crate::validate::Validated>::validate(archive)
@@ -776,13 +812,15 @@ impl NodeExecutor {
                 }
             }
             if devices.is_empty() {
-                guard.append(
-                    self.now_ms(),
-                    "backup.unmap",
-                    key,
-                    Phase::Undone,
-                    json!({ "end_state": "already gone" }),
-                )?;
+                guard
+                    .append(
+                        self.now_ms(),
+                        "backup.unmap",
+                        key,
+                        Phase::Undone,
+                        json!({ "end_state": "already gone" }),
+                    )
+                    .await?;
                 return Ok("already gone");
             }
             let mut end = "already gone";
@@ -814,13 +852,15 @@ impl NodeExecutor {
         {
             // The install itself failed (nft -f is all or nothing; ip refused the address):
             // nothing of this run's is there to remove.
-            guard.append(
-                self.now_ms(),
-                "sandbox.undo",
-                key,
-                Phase::Undone,
-                json!({ "end_state": "never created" }),
-            )?;
+            guard
+                .append(
+                    self.now_ms(),
+                    "sandbox.undo",
+                    key,
+                    Phase::Undone,
+                    json!({ "end_state": "never created" }),
+                )
+                .await?;
             return Ok("never created");
         }
         if key.starts_with("nft:") {
@@ -836,10 +876,12 @@ impl NodeExecutor {
                 .and_then(|v| Vmid::parse("journal", v).ok())
                 .ok_or_else(|| ExecError::Failed(format!("malformed resource {key}")))?;
             let path = self.overlay_dir(grant).join(format!("{vmid}-screen.ppm"));
-            return self.remove_path(guard, "file.delete", key, &path);
+            return self.remove_path(guard, "file.delete", key, &path).await;
         }
         if key == "dir:overlays" {
-            return self.remove_path(guard, "overlay.dir.delete", key, &self.overlay_dir(grant));
+            return self
+                .remove_path(guard, "overlay.dir.delete", key, &self.overlay_dir(grant))
+                .await;
         }
         Err(ExecError::Failed(format!("no undo is known for {key}")))
     }
@@ -925,7 +967,9 @@ impl NodeExecutor {
                     process::ToolError::Timeout { .. } | process::ToolError::Wait { .. }
                 );
                 let detail = json!({ "error": error.to_string(), "outcome_unknown": unknown });
-                guard.append(self.now_ms(), op, resource, Phase::Failed, detail)?;
+                guard
+                    .append(self.now_ms(), op, resource, Phase::Failed, detail)
+                    .await?;
                 Err(tool_error(error))
             }
         }

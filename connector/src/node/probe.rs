@@ -649,28 +649,32 @@ impl NodeExecutor {
             )));
         }
         let resource = format!("probe:{}:{address}:{port}", kind.name());
-        guard.append(
-            self.now_ms(),
-            "probe.run",
-            &resource,
-            Phase::Intent,
-            json!({ "source": source.to_string() }),
-        )?;
+        guard
+            .append(
+                self.now_ms(),
+                "probe.run",
+                &resource,
+                Phase::Intent,
+                json!({ "source": source.to_string() }),
+            )
+            .await?;
         let timeout = Duration::from_secs(self.config.limits.probe_timeout_secs);
         let result = probe_target(source, target, timeout).await;
-        guard.append(
-            self.now_ms(),
-            "probe.run",
-            &resource,
-            Phase::Done,
-            json!({
-                "passed": result.passed,
-                "detail": result.detail,
-                "latency_us": result.latency.as_micros() as u64,
-                "received_sha256": result.received_sha256,
-                "tls_certificate_sha256": result.tls_certificate_sha256,
-            }),
-        )?;
+        guard
+            .append(
+                self.now_ms(),
+                "probe.run",
+                &resource,
+                Phase::Done,
+                json!({
+                    "passed": result.passed,
+                    "detail": result.detail,
+                    "latency_us": result.latency.as_micros() as u64,
+                    "received_sha256": result.received_sha256,
+                    "tls_certificate_sha256": result.tls_certificate_sha256,
+                }),
+            )
+            .await?;
         Ok(Outcome::Probe(pb::ProbeReply {
             outcome: if result.passed {
                 pb::ProbeOutcome::Passed

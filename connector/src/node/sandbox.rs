@@ -334,13 +334,15 @@ impl NodeExecutor {
         }
         let address = probe_source.to_string();
         let addr_key = format!("addr:{vnet}");
-        guard.append(
-            self.now_ms(),
-            "sandbox.address",
-            &addr_key,
-            Phase::Intent,
-            json!({ "address": address }),
-        )?;
+        guard
+            .append(
+                self.now_ms(),
+                "sandbox.address",
+                &addr_key,
+                Phase::Intent,
+                json!({ "address": address }),
+            )
+            .await?;
         let call = ToolCall::new(&self.config.tools.ip, self.tool_timeout())
             .arg("address")
             .arg("add")
@@ -351,35 +353,41 @@ impl NodeExecutor {
             .run_step(&mut guard, "sandbox.address", &addr_key, call)
             .await?;
         if !out.success() {
-            guard.append(
-                self.now_ms(),
-                "sandbox.address",
-                &addr_key,
-                Phase::Failed,
-                tool_detail(&out, &[]),
-            )?;
+            guard
+                .append(
+                    self.now_ms(),
+                    "sandbox.address",
+                    &addr_key,
+                    Phase::Failed,
+                    tool_detail(&out, &[]),
+                )
+                .await?;
             return Err(ExecError::FailedPrecondition(format!(
                 "ip address add {address} dev {vnet} failed: {}",
                 out.stderr_excerpt()
             )));
         }
-        guard.append(
-            self.now_ms(),
-            "sandbox.address",
-            &addr_key,
-            Phase::Done,
-            json!({ "address": address }),
-        )?;
+        guard
+            .append(
+                self.now_ms(),
+                "sandbox.address",
+                &addr_key,
+                Phase::Done,
+                json!({ "address": address }),
+            )
+            .await?;
 
         let rules = ruleset(grant, &vnet);
         let nft_key = format!("nft:{table}");
-        guard.append(
-            self.now_ms(),
-            "sandbox.nft",
-            &nft_key,
-            Phase::Intent,
-            json!({ "table": table, "ruleset": rules }),
-        )?;
+        guard
+            .append(
+                self.now_ms(),
+                "sandbox.nft",
+                &nft_key,
+                Phase::Intent,
+                json!({ "table": table, "ruleset": rules }),
+            )
+            .await?;
         // One `nft -f` transaction: the whole table or nothing. The ruleset travels on a pipe.
         let call = ToolCall::new(&self.config.tools.nft, self.tool_timeout())
             .arg("-f")
@@ -393,13 +401,15 @@ impl NodeExecutor {
             .run_step(&mut guard, "sandbox.nft", &nft_key, call)
             .await?;
         if !out.success() {
-            guard.append(
-                self.now_ms(),
-                "sandbox.nft",
-                &nft_key,
-                Phase::Failed,
-                tool_detail(&out, &[]),
-            )?;
+            guard
+                .append(
+                    self.now_ms(),
+                    "sandbox.nft",
+                    &nft_key,
+                    Phase::Failed,
+                    tool_detail(&out, &[]),
+                )
+                .await?;
             return Err(ExecError::FailedPrecondition(format!(
                 "nft -f refused the containment table: {}",
                 out.stderr_excerpt()
@@ -409,13 +419,15 @@ impl NodeExecutor {
             .tool(&self.config.tools.nft, &["list", "table", "inet", &table])
             .await?;
         let sha256 = hex::encode(Sha256::digest(listed.stdout.as_bytes()));
-        guard.append(
-            self.now_ms(),
-            "sandbox.nft",
-            &nft_key,
-            Phase::Done,
-            json!({ "table": table, "ruleset_sha256": sha256 }),
-        )?;
+        guard
+            .append(
+                self.now_ms(),
+                "sandbox.nft",
+                &nft_key,
+                Phase::Done,
+                json!({ "table": table, "ruleset_sha256": sha256 }),
+            )
+            .await?;
         Ok(Outcome::PrepareSandbox(pb::PrepareSandboxReply {
             bridge_ports: seen.ports,
             bridge_addresses: seen
@@ -518,31 +530,37 @@ impl NodeExecutor {
             ),
         };
         if !self.present(grant, object).await? {
-            guard.append(
-                self.now_ms(),
-                op,
-                &key,
-                Phase::Undone,
-                json!({ "end_state": "already gone" }),
-            )?;
+            guard
+                .append(
+                    self.now_ms(),
+                    op,
+                    &key,
+                    Phase::Undone,
+                    json!({ "end_state": "already gone" }),
+                )
+                .await?;
             return Ok("already gone");
         }
-        guard.append(
-            self.now_ms(),
-            op,
-            &key,
-            Phase::Intent,
-            json!({ "argv": args }),
-        )?;
-        let out = self.tool(program, &args).await?;
-        if !out.success() || self.present(grant, object).await? {
-            guard.append(
+        guard
+            .append(
                 self.now_ms(),
                 op,
                 &key,
-                Phase::Failed,
-                tool_detail(&out, &[]),
-            )?;
+                Phase::Intent,
+                json!({ "argv": args }),
+            )
+            .await?;
+        let out = self.tool(program, &args).await?;
+        if !out.success() || self.present(grant, object).await? {
+            guard
+                .append(
+                    self.now_ms(),
+                    op,
+                    &key,
+                    Phase::Failed,
+                    tool_detail(&out, &[]),
+                )
+                .await?;
             return Err(ExecError::Failed(format!(
                 "{} {} failed: {}",
                 program.display(),
@@ -550,13 +568,15 @@ impl NodeExecutor {
                 out.stderr_excerpt()
             )));
         }
-        guard.append(
-            self.now_ms(),
-            op,
-            &key,
-            Phase::Undone,
-            json!({ "end_state": "deleted" }),
-        )?;
+        guard
+            .append(
+                self.now_ms(),
+                op,
+                &key,
+                Phase::Undone,
+                json!({ "end_state": "deleted" }),
+            )
+            .await?;
         Ok("deleted")
     }
 

@@ -195,24 +195,28 @@ impl NodeExecutor {
             _ => {}
         }
         let op = format!("vm.{verb}");
-        guard.append(
-            self.now_ms(),
-            &op,
-            &resource,
-            Phase::Intent,
-            json!({ "argv": args }),
-        )?;
+        guard
+            .append(
+                self.now_ms(),
+                &op,
+                &resource,
+                Phase::Intent,
+                json!({ "argv": args }),
+            )
+            .await?;
         let output = self
             .run_step(guard, &op, &resource, self.qm_call(&args))
             .await?;
         if !output.success() {
-            guard.append(
-                self.now_ms(),
-                &op,
-                &resource,
-                Phase::Failed,
-                tool_detail(&output, &[]),
-            )?;
+            guard
+                .append(
+                    self.now_ms(),
+                    &op,
+                    &resource,
+                    Phase::Failed,
+                    tool_detail(&output, &[]),
+                )
+                .await?;
             return Err(ExecError::FailedPrecondition(format!(
                 "qm {verb} {vmid} failed (exit {:?}): {}",
                 output.exit_code,
@@ -224,13 +228,15 @@ impl NodeExecutor {
         } else {
             Phase::Done
         };
-        guard.append(
-            self.now_ms(),
-            &op,
-            &resource,
-            phase,
-            tool_detail(&output, &[]),
-        )?;
+        guard
+            .append(
+                self.now_ms(),
+                &op,
+                &resource,
+                phase,
+                tool_detail(&output, &[]),
+            )
+            .await?;
         Ok(output)
     }
 
@@ -295,24 +301,28 @@ impl NodeExecutor {
         push("--boot", "order=scsi0".into());
         push("--tags", TAG.into());
         push("--description", marker(grant.run_id.as_str()));
-        guard.append(
-            self.now_ms(),
-            "vm.create",
-            &resource,
-            Phase::Intent,
-            json!({ "smbios_uuid": smbios_uuid, "argv": args }),
-        )?;
+        guard
+            .append(
+                self.now_ms(),
+                "vm.create",
+                &resource,
+                Phase::Intent,
+                json!({ "smbios_uuid": smbios_uuid, "argv": args }),
+            )
+            .await?;
         let output = self
             .run_step(&mut guard, "vm.create", &resource, self.qm_call(&args))
             .await?;
         if !output.success() {
-            guard.append(
-                self.now_ms(),
-                "vm.create",
-                &resource,
-                Phase::Failed,
-                tool_detail(&output, &[("smbios_uuid", json!(smbios_uuid))]),
-            )?;
+            guard
+                .append(
+                    self.now_ms(),
+                    "vm.create",
+                    &resource,
+                    Phase::Failed,
+                    tool_detail(&output, &[("smbios_uuid", json!(smbios_uuid))]),
+                )
+                .await?;
             if output.stderr.contains("already exists") {
                 return Err(ExecError::AlreadyExists(format!(
                     "qm refused: {}; the existing VM is left untouched",
@@ -325,13 +335,15 @@ impl NodeExecutor {
                 output.stderr_excerpt()
             )));
         }
-        guard.append(
-            self.now_ms(),
-            "vm.create",
-            &resource,
-            Phase::Done,
-            tool_detail(&output, &[("smbios_uuid", json!(smbios_uuid))]),
-        )?;
+        guard
+            .append(
+                self.now_ms(),
+                "vm.create",
+                &resource,
+                Phase::Done,
+                tool_detail(&output, &[("smbios_uuid", json!(smbios_uuid))]),
+            )
+            .await?;
         Ok(Outcome::CreateVm(pb::CreateVmReply {
             smbios_uuid,
             tool: Some(tool_result("qm create", &output)),
@@ -463,26 +475,30 @@ impl NodeExecutor {
         };
         match ownership {
             Ownership::Absent => {
-                guard.append(
-                    self.now_ms(),
-                    "vm.destroy",
-                    &resource,
-                    Phase::Undone,
-                    json!({ "end_state": "already gone" }),
-                )?;
+                guard
+                    .append(
+                        self.now_ms(),
+                        "vm.destroy",
+                        &resource,
+                        Phase::Undone,
+                        json!({ "end_state": "already gone" }),
+                    )
+                    .await?;
                 Ok("already gone")
             }
             Ownership::Unknown(reason) => Err(ExecError::Failed(format!(
                 "VM {vmid}: {reason}; it stays recorded as open until its config can be read"
             ))),
             Ownership::NotOurs(reason) => {
-                guard.append(
-                    self.now_ms(),
-                    "vm.destroy",
-                    &resource,
-                    Phase::Undone,
-                    json!({ "end_state": "not this run's, left untouched", "reason": reason }),
-                )?;
+                guard
+                    .append(
+                        self.now_ms(),
+                        "vm.destroy",
+                        &resource,
+                        Phase::Undone,
+                        json!({ "end_state": "not this run's, left untouched", "reason": reason }),
+                    )
+                    .await?;
                 Ok("not this run's, left untouched")
             }
             Ownership::Ours => {
