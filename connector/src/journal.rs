@@ -1038,4 +1038,127 @@ mod tests {
         assert_eq!(wire.detail, "{\"exit_code\":255}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
+
+    #[test]
+    fn a_full_journal_refuses_intents_first_then_outcomes_and_always_takes_the_close() {
+        let dir = dir("cap");
+        let limits = JournalLimits::new(40, 1024 * 1024);
+        let mut journal = Journal::create(&dir, RUN).unwrap().with_limits(limits);
+        let mut seq = 0;
+        let intent = |journal: &mut Journal, seq: i64| {
+            journal.append(seq, "guest.qmp", "vm:9100", Phase::Intent, json!(null))
+        };
+        while intent(&mut journal, seq).is_ok() {
+            seq += 1;
+            assert!(seq < 40, "intents were never refused");
+        }
+        // 40 records, minus one for the close and 16 for outcomes: 23 intents.
+        assert_eq!(seq, 23);
+        assert!(matches!(
+            intent(&mut journal, seq),
+            Err(JournalError::Full {
+                records: 23,
+                max_records: 40,
+                ..
+            })
+        ));
+        for n in 0..16 {
+            journal
+                .append(n, "guest.qmp", "vm:9100", Phase::Done, json!(null))
+                .unwrap();
+        }
+        assert!(matches!(
+            journal.append(99, "guest.qmp", "vm:9100", Phase::Done, json!(null)),
+            Err(JournalError::Full { .. })
+        ));
+        journal
+            .append(100, "run.end", "run:x", Phase::Done, json!(null))
+            .unwrap();
+        assert_eq!(journal.usage().get().0, 40);
+        assert!(matches!(
+            journal.append(101, "run.end", "run:x", Phase::Done, json!(null)),
+            Err(JournalError::Closed(_))
+        ));
+        assert_eq!(read(&dir.join(FILE_NAME), RUN).unwrap().records.len(), 40);
+        // The operation budget leaves a tenth (at least 100 records, 256 KiB) for cleanup.
+        assert_eq!(
+            JournalLimits::new(10_000, 16 << 20).operation_budget(),
+            (9_000, (16 << 20) - (16 << 20) / 10)
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_byte_cap_counts_what_is_on_disk() {
+        let dir = dir("bytecap");
+        let limits = JournalLimits::new(1000, 100 * 1024);
+        let mut journal = Journal::create(&dir, RUN).unwrap().with_limits(limits);
+        let detail = json!({ "padding": "p".repeat(1000) });
+        let refused = loop {
+            if let Err(error) =
+                journal.append(1, "guest.qmp", "vm:9100", Phase::Intent, detail.clone())
+            {
+                break error;
+            }
+        };
+        assert!(matches!(refused, JournalError::Full { .. }), "{refused}");
+        let on_disk = std::fs::metadata(dir.join(FILE_NAME)).unwrap().len();
+        assert_eq!(journal.usage().get().1, on_disk);
+        assert!(on_disk + OUTCOME_RESERVE.1 + CLOSE_RESERVE.1 <= 100 * 1024);
+        assert!(on_disk + OUTCOME_RESERVE.1 + CLOSE_RESERVE.1 + 1200 > 100 * 1024);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_reader_streams_verifies_and_stops_at_a_torn_tail_or_corruption() {
+        let dir = dir("reader");
+        drop(three(&dir));
+        let path = dir.join(FILE_NAME);
+        let whole = std::fs::read(&path).unwrap();
+        let stream = |bytes: &[u8]| {
+            let mut reader = Reader::new(bytes, &path, RUN, 4096);
+            let records: Vec<Result<Record, JournalError>> = reader.by_ref().collect();
+            (records, reader.torn().cloned())
+        };
+        let (records, torn) = stream(&whole);
+        assert_eq!(records.len(), 3);
+        assert!(records.iter().all(Result::is_ok) && torn.is_none());
+        let expected = read(&path, RUN).unwrap();
+        assert_eq!(
+            records.into_iter().map(Result::unwrap).collect::<Vec<_>>(),
+            expected.records
+        );
+
+        let torn_bytes = [whole.clone(), b"9f3a 00 {\"seq\":4".to_vec()].concat();
+        let (records, torn) = stream(&torn_bytes);
+        assert_eq!(records.len(), 3);
+        assert_eq!(torn.unwrap().offset, whole.len() as u64);
+
+        let altered =
+            String::from_utf8(whole.clone())
+                .unwrap()
+                .replacen("/dev/loop7", "/dev/loop8", 1);
+        let (records, _) = stream(altered.as_bytes());
+        assert_eq!(records.len(), 2, "one good record, then the error");
+        assert!(matches!(
+            records[1],
+            Err(JournalError::Corrupt { line: 2, .. })
+        ));
+
+        // A line longer than the reader accepts is not buffered whole.
+        let (records, _) = {
+            let mut reader = Reader::new(&whole[..], &path, RUN, 100);
+            let records: Vec<_> = reader.by_ref().collect();
+            (records, reader.torn().cloned())
+        };
+        assert!(matches!(records[0], Err(JournalError::Corrupt { .. })));
+
+        let summary = summarize(&path, RUN, 4096).unwrap();
+        assert_eq!(
+            (summary.records, summary.bytes, summary.head, summary.torn),
+            (3, whole.len() as u64, expected.head(RUN), false)
+        );
+        assert_eq!(summary.last_op.as_deref(), Some("overlay.create"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

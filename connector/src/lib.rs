@@ -8,6 +8,7 @@
 #![deny(unsafe_code)]
 
 pub mod action;
+pub mod check;
 pub mod config;
 pub mod enroll;
 pub mod executor;

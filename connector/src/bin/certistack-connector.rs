@@ -4,8 +4,9 @@
 
 use anyhow::Context;
 use certistack_connector::config::{self, Config};
+use certistack_connector::runs::StateLock;
 use certistack_connector::server::Connector;
-use certistack_connector::{enroll, tls};
+use certistack_connector::{check, enroll, tls};
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -30,7 +31,8 @@ struct Cli {
 enum Command {
     /// Serve the connector surface (the default).
     Serve,
-    /// Check the config and every file it names, then exit.
+    /// Check the config and every file, tool and directory it names, changing nothing, then
+    /// exit (3 when anything would stop or break `serve`).
     Check,
     /// Enroll this node with a controller.
     Enroll(EnrollArgs),
@@ -98,9 +100,22 @@ fn run(cli: Cli) -> Result<(), Failure> {
     match cli.command.unwrap_or(Command::Serve) {
         Command::Serve => serve(config),
         Command::Check => {
-            Connector::for_node(config).map_err(|e| Failure::Refused(e.into()))?;
-            println!("configuration ok");
-            Ok(())
+            let report = check::check(&config).map_err(|e| Failure::Refused(e.into()))?;
+            for note in &report.notes {
+                println!("ok: {note}");
+            }
+            if report.problems.is_empty() {
+                println!("configuration ok");
+                return Ok(());
+            }
+            for problem in &report.problems {
+                println!("problem: {problem}");
+            }
+            Err(Failure::Refused(anyhow::anyhow!(
+                "{} problem(s): {}",
+                report.problems.len(),
+                report.problems.join("; ")
+            )))
         }
         Command::Enroll(args) if args.csr => {
             let csr =
@@ -135,6 +150,10 @@ fn serve(config: Config) -> Result<(), Failure> {
         .build()
         .context("starting the async runtime")
         .map_err(Failure::Runtime)?;
+    // One connector per state directory, before any journal is opened (opening repairs them).
+    let _lock = StateLock::acquire(&config.paths.state_dir)
+        .context("locking the state directory")
+        .map_err(Failure::Refused)?;
     runtime.block_on(async {
         let connector = Connector::for_node(config).map_err(|e| Failure::Refused(e.into()))?;
         let listener = connector
