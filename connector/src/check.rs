@@ -49,17 +49,14 @@ fn check_tools(config: &Config, report: &mut Report) {
         ("tools.nft", &tools.nft),
     ] {
         match std::fs::metadata(path) {
-            Ok(meta) if !meta.is_file() => report.problems.push(format!(
-                "{key} = {}: not a regular file",
-                path.display()
+            Ok(meta) if !meta.is_file() => report
+                .problems
+                .push(format!("{key} = {}: not a regular file", path.display())),
+            Ok(meta) if meta.permissions().mode() & 0o111 == 0 => report.problems.push(format!(
+                "{key} = {}: not executable (mode {:04o}); install the tool or fix its mode",
+                path.display(),
+                meta.permissions().mode() & 0o7777
             )),
-            Ok(meta) if meta.permissions().mode() & 0o111 == 0 => {
-                report.problems.push(format!(
-                    "{key} = {}: not executable (mode {:04o}); install the tool or fix its mode",
-                    path.display(),
-                    meta.permissions().mode() & 0o7777
-                ))
-            }
             Ok(_) => report.notes.push(format!("{key} = {}", path.display())),
             Err(error) => report.problems.push(format!(
                 "{key} = {}: {error}; install the tool or set the path in [tools]",
@@ -80,16 +77,15 @@ fn check_pve(config: &Config, report: &mut Report) {
     ] {
         match std::fs::metadata(path) {
             Ok(meta) if meta.is_dir() => report.notes.push(format!("{key} = {}", path.display())),
-            Ok(_) => report.problems.push(format!(
-                "{key} = {}: not a directory",
-                path.display()
-            )),
-            Err(error) if error.kind() == std::io::ErrorKind::NotFound && !must_exist => report
-                .notes
-                .push(format!(
+            Ok(_) => report
+                .problems
+                .push(format!("{key} = {}: not a directory", path.display())),
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound && !must_exist => {
+                report.notes.push(format!(
                     "{key} = {}: absent until the first map creates it",
                     path.display()
-                )),
+                ))
+            }
             Err(error) => report.problems.push(format!(
                 "{key} = {}: {error}; is this a Proxmox VE node, and is [pve] right?",
                 path.display()
@@ -167,9 +163,10 @@ fn check_state(config: &Config, report: &mut Report) {
     };
     let runs = state.join("runs");
     let Ok(entries) = std::fs::read_dir(&runs) else {
-        report
-            .notes
-            .push(format!("paths.state_dir = {}: no runs yet", state.display()));
+        report.notes.push(format!(
+            "paths.state_dir = {}: no runs yet",
+            state.display()
+        ));
         return;
     };
     let (mut open, mut closed) = (0usize, 0usize);
