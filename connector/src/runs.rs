@@ -55,6 +55,10 @@ pub struct RunHandle {
     operation: tokio::sync::Mutex<()>,
     /// Locked only for an append (on the blocking pool) or a short read of the records.
     journal: Arc<Mutex<Journal>>,
+    /// Held by an append from before its write is handed to the blocking pool until it is on
+    /// disk, also when its caller went away: appends, and the next operation, wait for it, so
+    /// records keep the order of the calls that made them.
+    writer: Arc<tokio::sync::Mutex<()>>,
     usage: Arc<JournalUsage>,
     journal_path: PathBuf,
     /// Set under the operation lock when the run closes, so an operation that waited for the
@@ -73,9 +77,12 @@ fn lock_journal(journal: &Mutex<Journal>) -> std::sync::MutexGuard<'_, Journal> 
 impl RunHandle {
     /// Locks the run for one operation.
     pub async fn lock(&self) -> RunGuard<'_> {
+        let operation = self.operation.lock().await;
+        // A write whose caller went away may still be in flight: decide from it, not without.
+        drop(self.writer.lock().await);
         RunGuard {
             run: self,
-            _operation: self.operation.lock().await,
+            _operation: operation,
         }
     }
 
@@ -133,6 +140,7 @@ impl RunHandle {
             dir,
             operation: tokio::sync::Mutex::new(()),
             journal: Arc::new(Mutex::new(journal)),
+            writer: Arc::default(),
             usage,
             journal_path,
             closed: std::sync::atomic::AtomicBool::new(false),
@@ -205,7 +213,9 @@ impl RunGuard<'_> {
     ) -> Result<Option<Record>, JournalError> {
         let journal = self.run.journal.clone();
         let (op, resource) = (op.to_owned(), resource.to_owned());
+        let writing = self.run.writer.clone().lock_owned().await;
         tokio::task::spawn_blocking(move || {
+            let _writing = writing;
             let mut journal = lock_journal(&journal);
             if unless_repeated && journal.last_is(&op, &resource, phase, &detail) {
                 return Ok(None);
@@ -1395,7 +1405,7 @@ pub(crate) mod tests {
         assert!(registry.prune(2_000_500 + day_ms - 1).unwrap().is_empty());
         assert_eq!(
             registry.prune(2_000_501 + day_ms).unwrap(),
-            [closed_id.clone()]
+            std::slice::from_ref(&closed_id)
         );
         assert!(!dir.join("runs").join(closed_id.as_str()).exists());
         assert!(!registry.is_closed(&closed_id));
@@ -1445,6 +1455,137 @@ pub(crate) mod tests {
         assert!(StateLock::probe(&dir).unwrap().is_some());
         assert!(StateLock::acquire(&dir).is_ok());
         assert!(StateLock::probe(&state_dir("lock-none")).unwrap().is_none());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_repeated_observation_is_journaled_once() {
+        let dir = state_dir("repeat");
+        let registry = RunRegistry::open(&dir, &key().verifying_key(), limits(1), 0).unwrap();
+        let (signed, grant) = nth_grant(0);
+        let run_id = grant.run_id.clone();
+        registry.begin(&signed, grant, 2_000_000).await.unwrap();
+        let run = registry.get(&run_id).unwrap();
+        let mut guard = run.lock().await;
+        let residue = |what: &str| serde_json::json!({ "residue": [what] });
+        let mut written = Vec::new();
+        for (time, what) in [(1, "table"), (2, "table"), (3, "table"), (4, "address")] {
+            written.push(
+                guard
+                    .append_if_changed(time, "run.cleanup", "run:x", Phase::Failed, residue(what))
+                    .await
+                    .unwrap()
+                    .is_some(),
+            );
+        }
+        assert_eq!(written, [true, false, false, true]);
+        assert_eq!(guard.records().len(), 3);
+        drop(guard);
+        assert_eq!(
+            journal_ops(&dir, &run_id),
+            ["run.begin", "run.cleanup", "run.cleanup"]
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// An append whose caller went away (the RPC was cancelled) still lands, off the async
+    /// worker, and the next append continues the same chain.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_dropped_append_completes_and_the_chain_stays_whole() {
+        let dir = state_dir("dropped");
+        let registry = RunRegistry::open(&dir, &key().verifying_key(), limits(1), 0).unwrap();
+        let (signed, grant) = nth_grant(0);
+        let run_id = grant.run_id.clone();
+        registry.begin(&signed, grant, 2_000_000).await.unwrap();
+        let run = registry.get(&run_id).unwrap();
+        for n in 0..20 {
+            {
+                let mut guard = run.lock().await;
+                let append = guard.append(
+                    n,
+                    "backup.map",
+                    "backup:a.img",
+                    Phase::Intent,
+                    serde_json::Value::Null,
+                );
+                // Polled once, then dropped, as when the caller of the RPC goes away.
+                let _ = tokio::time::timeout(std::time::Duration::ZERO, append).await;
+            }
+            let mut guard = run.lock().await;
+            guard
+                .append(
+                    n,
+                    "backup.map",
+                    "backup:a.img",
+                    Phase::Done,
+                    serde_json::Value::Null,
+                )
+                .await
+                .unwrap();
+        }
+        let in_memory: Vec<Record> = run.lock().await.records().to_vec();
+        let path = dir
+            .join("runs")
+            .join(run_id.as_str())
+            .join(journal::FILE_NAME);
+        let on_disk = journal::read(&path, run_id.as_str()).unwrap();
+        assert!(on_disk.torn.is_none());
+        assert_eq!(on_disk.records, in_memory);
+        let phases: Vec<Phase> = on_disk
+            .records
+            .iter()
+            .skip(1)
+            .map(|r| r.entry.phase)
+            .collect();
+        assert_eq!(
+            phases,
+            [Phase::Intent, Phase::Done].repeat(20),
+            "order of the calls"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The next operation waits for a write whose caller went away before it decides from
+    /// the records, so it sees the step that write records.
+    #[tokio::test(flavor = "current_thread")]
+    async fn the_next_operation_waits_for_an_abandoned_write() {
+        let dir = state_dir("abandoned");
+        let registry = RunRegistry::open(&dir, &key().verifying_key(), limits(1), 0).unwrap();
+        let (signed, grant) = nth_grant(0);
+        let run_id = grant.run_id.clone();
+        registry.begin(&signed, grant, 2_000_000).await.unwrap();
+        let run = registry.get(&run_id).unwrap();
+        // A slow disk: the write cannot finish while this is held.
+        let slow_disk = lock_journal(&run.journal);
+        {
+            let mut guard = run.lock().await;
+            let append = guard.append(
+                1,
+                "backup.map",
+                "backup:a.img",
+                Phase::Intent,
+                serde_json::Value::Null,
+            );
+            let abandoned =
+                tokio::time::timeout(std::time::Duration::from_millis(20), append).await;
+            assert!(
+                abandoned.is_err(),
+                "the write finished with the disk blocked"
+            );
+        }
+        let next = tokio::time::timeout(std::time::Duration::from_millis(100), run.lock()).await;
+        assert!(
+            next.is_err(),
+            "the next operation started before the abandoned write ended"
+        );
+        drop(slow_disk);
+        let guard = run.lock().await;
+        let last = guard
+            .records()
+            .last()
+            .map(|r| (r.entry.op.clone(), r.entry.phase));
+        assert_eq!(last, Some(("backup.map".to_owned(), Phase::Intent)));
+        drop(guard);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
