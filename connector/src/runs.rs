@@ -1548,6 +1548,7 @@ pub(crate) mod tests {
     /// The next operation waits for a write whose caller went away before it decides from
     /// the records, so it sees the step that write records.
     #[tokio::test(flavor = "current_thread")]
+    #[allow(clippy::await_holding_lock)] // The held lock is the slow disk this test needs.
     async fn the_next_operation_waits_for_an_abandoned_write() {
         let dir = state_dir("abandoned");
         let registry = RunRegistry::open(&dir, &key().verifying_key(), limits(1), 0).unwrap();
