@@ -2253,4 +2253,41 @@ mod state_dir {
             .unwrap();
         assert_eq!(executor.rpcs(), ["UnmapBackup", "Cleanup"]);
     }
+
+    /// What open runs together may ask of the node is bounded at BeginRun.
+    #[tokio::test]
+    async fn open_runs_together_may_not_ask_for_more_sandbox_cores_or_memory_than_the_node_allows()
+    {
+        let dir = TempDir::new("sandbox-cap");
+        let authority = controller(&dir.0);
+        let mut config = enroll(&authority, &dir.0.join("node"), NODE);
+        // Each test grant asks for one VM of 2 vCPUs and 2048 MiB.
+        config.limits.max_sandbox_cores = 3;
+        let node = TestNode::serve(
+            dir.0.join("node"),
+            config,
+            std::sync::Arc::new(RecordingExecutor::default()),
+            std::sync::Arc::new(certistack_connector::service::SystemClock),
+        )
+        .await;
+        let first = mint(&authority, &grant(RUN_ID, NODE));
+        let mut first_client = run_client(&authority, &node, &first).await;
+        first_client.begin_run(begin_request(&first)).await.unwrap();
+        let mut wire = grant("11111111-2222-4333-8444-555555555555", NODE);
+        wire.vnet = "csbox2".into();
+        wire.sandbox_vms[0].vmid = 9200;
+        wire.snapshot = "vm/101/2026-11-01T02:00:00Z".into();
+        let second = mint(&authority, &wire);
+        let mut second_client = run_client(&authority, &node, &second).await;
+        assert_status(
+            second_client.begin_run(begin_request(&second)).await,
+            Code::ResourceExhausted,
+            "asks for 2 vCPUs and 2048 MiB for its sandbox VMs; open runs already hold 2 vCPUs and 2048 MiB of the node's 3 vCPUs",
+        );
+        first_client.end_run(pb::EndRunRequest {}).await.unwrap();
+        second_client
+            .begin_run(begin_request(&second))
+            .await
+            .unwrap();
+    }
 }
