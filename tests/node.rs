@@ -1563,7 +1563,7 @@ async fn a_repeated_cleanup_finding_is_journaled_once() {
     }
     let mut run = Run::begin("cleanup-once", &[ARCHIVE]).await;
     run.client
-        .map_backup(map_request(ARCHIVE, "secret"))
+        .map_backup(map_request(ARCHIVE, PBS_PASSWORD))
         .await
         .unwrap();
     for _ in 0..4 {
