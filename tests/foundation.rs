@@ -2290,4 +2290,75 @@ mod state_dir {
             .await
             .unwrap();
     }
+
+    /// ListRuns does not read journals (an open run's is answered from memory, a closed run's
+    /// from its index entry); ReadJournal streams the file and verifies the chain as it goes.
+    #[tokio::test]
+    async fn list_runs_reads_no_journal_and_read_journal_verifies_while_streaming() {
+        let dir = TempDir::new("list-stream");
+        let authority = controller(&dir.0);
+        let node = TestNode::start(&authority, &dir.0.join("node"), NODE).await;
+        let state = node.config.paths.state_dir.clone();
+        let closed = mint(&authority, &grant(RUN_ID, NODE));
+        let mut closed_client = run_client(&authority, &node, &closed).await;
+        closed_client
+            .begin_run(begin_request(&closed))
+            .await
+            .unwrap();
+        closed_client.end_run(pb::EndRunRequest {}).await.unwrap();
+        let open_id = "11111111-2222-4333-8444-555555555555";
+        let mut wire = grant(open_id, NODE);
+        wire.vnet = "csbox2".into();
+        wire.sandbox_vms[0].vmid = 9200;
+        wire.snapshot = "vm/101/2026-11-01T02:00:00Z".into();
+        let open = mint(&authority, &wire);
+        run_client(&authority, &node, &open)
+            .await
+            .begin_run(begin_request(&open))
+            .await
+            .unwrap();
+        // Both journals become unreadable on disk.
+        let closed_journal = state.join("runs").join(RUN_ID).join(journal::FILE_NAME);
+        let text = std::fs::read_to_string(&closed_journal).unwrap();
+        std::fs::write(
+            &closed_journal,
+            text.replacen("grant_sha256", "grant_sha257", 1),
+        )
+        .unwrap();
+        std::fs::remove_file(state.join("runs").join(open_id).join(journal::FILE_NAME)).unwrap();
+
+        let mut operator = operator(&authority, &node).await;
+        let runs = operator
+            .list_runs(pb::ListRunsRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .runs;
+        let listed: Vec<(&str, i32, usize)> = runs
+            .iter()
+            .map(|r| (r.run_id.as_str(), r.state, r.open_resources.len()))
+            .collect();
+        assert_eq!(
+            listed,
+            [
+                (RUN_ID, pb::RunState::Closed as i32, 0),
+                (open_id, pb::RunState::Open as i32, 0)
+            ],
+            "{runs:?}"
+        );
+
+        let mut stream = operator
+            .read_journal(pb::ReadJournalRequest {
+                run_id: RUN_ID.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let status = stream.message().await.unwrap_err();
+        assert_eq!(status.code(), Code::DataLoss, "{status:?}");
+        assert!(
+            status.message().contains("record 1 is invalid"),
+            "{status:?}"
+        );
+    }
 }
