@@ -969,6 +969,13 @@ mod tests {
         service.reap_expired().await;
         assert!(runs.is_closed(&run_id));
         assert_eq!(service.reap_retry_at(&run_id), None);
+        // The reaper's passes also prune closed runs past their retention (90 days).
+        clock
+            .0
+            .store((5_900 + 91 * 86_400) * 1000, Ordering::SeqCst);
+        service.reap_expired().await;
+        assert!(runs.closed_runs().is_empty());
+        assert!(!dir.join("runs").join(run_id.as_str()).exists());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
