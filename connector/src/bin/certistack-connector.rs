@@ -12,7 +12,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 const EXIT_CODES: &str = "Exit codes: 0 success; 1 the daemon failed while running; \
-2 usage error; 3 refused to start (config, key or certificate missing, insecure or inconsistent).";
+2 usage error; 3 refused to start (config, key or certificate missing, insecure or inconsistent; \
+state directory in use by another connector) or `check` found a problem.";
 
 #[derive(Parser, Debug)]
 #[command(name = "certistack-connector", version, about = "CertiStack node connector", after_help = EXIT_CODES)]
@@ -57,6 +58,8 @@ struct EnrollArgs {
 
 enum Failure {
     Refused(anyhow::Error),
+    /// `check` found problems; it printed each one.
+    CheckFailed(usize),
     Runtime(anyhow::Error),
 }
 
@@ -67,6 +70,10 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(Failure::Refused(error)) => {
             tracing::error!("refusing to start: {error:#}");
+            ExitCode::from(3)
+        }
+        Err(Failure::CheckFailed(problems)) => {
+            tracing::error!("check found {problems} problem(s); `serve` would refuse or fail");
             ExitCode::from(3)
         }
         Err(Failure::Runtime(error)) => {
@@ -111,11 +118,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
             for problem in &report.problems {
                 println!("problem: {problem}");
             }
-            Err(Failure::Refused(anyhow::anyhow!(
-                "{} problem(s): {}",
-                report.problems.len(),
-                report.problems.join("; ")
-            )))
+            Err(Failure::CheckFailed(report.problems.len()))
         }
         Command::Enroll(args) if args.csr => {
             let csr =
