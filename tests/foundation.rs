@@ -184,7 +184,12 @@ async fn matching_run_calls_its_own_operations() {
     for result in call_every_operation(&mut client).await {
         result.unwrap();
     }
-    assert_eq!(node.executor.rpcs(), EVERY_OPERATION);
+    // ReadJournal is answered from the journal file, not by the executor.
+    let executed: Vec<&str> = EVERY_OPERATION
+        .into_iter()
+        .filter(|rpc| *rpc != "ReadJournal")
+        .collect();
+    assert_eq!(node.executor.rpcs(), executed);
 
     let journal: Vec<pb::JournalRecord> = {
         let mut stream = client
@@ -200,8 +205,11 @@ async fn matching_run_calls_its_own_operations() {
         }
         records
     };
-    assert_eq!(journal.len(), 1);
-    assert_eq!(journal[0].operation, "recorded:journal.read");
+    assert_eq!(journal.len(), 1, "the recording executor journals nothing");
+    assert_eq!(
+        (journal[0].operation.as_str(), journal[0].sequence),
+        ("run.begin", 1)
+    );
     client.end_run(pb::EndRunRequest {}).await.unwrap();
 }
 
@@ -247,7 +255,7 @@ async fn operator_reaches_hello_list_journal_and_cleanup() {
         })
         .await
         .unwrap();
-    assert_eq!(node.executor.rpcs(), ["ReadJournal", "Cleanup"]);
+    assert_eq!(node.executor.rpcs(), ["Cleanup"]);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -754,7 +762,7 @@ async fn identities_are_confined_to_their_rpcs() {
             _ => assert_status(result, Code::PermissionDenied, denied),
         }
     }
-    assert_eq!(node.executor.rpcs(), ["ReadJournal", "Cleanup"]);
+    assert_eq!(node.executor.rpcs(), ["Cleanup"]);
 }
 
 #[tokio::test]
@@ -1606,6 +1614,18 @@ mod cli {
         )
     }
 
+    /// `[tools]` and `[pve]` sections naming what exists here, so `check` passes.
+    fn present_tools_and_pve(dir: &std::path::Path) -> String {
+        let pve = dir.join("pve");
+        for sub in ["run", "conf", "cluster"] {
+            std::fs::create_dir_all(pve.join(sub)).unwrap();
+        }
+        let p = pve.display();
+        format!(
+            "[tools]\nproxmox_backup_client = \"/bin/true\"\nqm = \"/bin/true\"\nqemu_img = \"/bin/true\"\nip = \"/bin/true\"\nnft = \"/bin/true\"\n[pve]\nqemu_server_run_dir = \"{p}/run\"\nvm_config_dir = \"{p}/conf\"\npbs_loopdev_dir = \"{p}/loopdev\"\npve_cluster_dir = \"{p}/cluster\"\n"
+        )
+    }
+
     fn mode(path: &std::path::Path) -> u32 {
         std::fs::metadata(path).unwrap().permissions().mode() & 0o777
     }
@@ -1642,7 +1662,8 @@ mod cli {
         std::fs::write(
             &config_path,
             format!(
-                "node_name = \"pve1\"\nlisten = \"127.0.0.1:{port}\"\n[tls]\ncertificate = \"{n}/node.crt\"\nprivate_key = \"{n}/node.key\"\ncontroller_ca = \"{n}/ca.crt\"\nrun_authority_public_key = \"{n}/run-authority.pub\"\n[paths]\nstate_dir = \"{n}/state\"\noverlay_root = \"{n}/overlays\"\n"
+                "node_name = \"pve1\"\nlisten = \"127.0.0.1:{port}\"\n[tls]\ncertificate = \"{n}/node.crt\"\nprivate_key = \"{n}/node.key\"\ncontroller_ca = \"{n}/ca.crt\"\nrun_authority_public_key = \"{n}/run-authority.pub\"\n[paths]\nstate_dir = \"{n}/state\"\noverlay_root = \"{n}/overlays\"\n{}",
+                present_tools_and_pve(&node_dir)
             ),
         )
         .unwrap();
@@ -3216,5 +3237,556 @@ mod descriptor_reserve {
         assert!(log.contains("RLIMIT_NOFILE is below"), "{log}");
         assert!(log.contains("within limits.reserved_fds"), "{log}");
         assert!(!log.contains("accept failed"), "{log}");
+    }
+}
+
+// ----------------------------------------------------------------------------------------------
+// The state directory: one connector at a time, a read-only check, bounded runs and journals
+
+mod state_dir {
+    use super::*;
+    use certistack_connector::config::Config;
+    use certistack_connector::journal::{self, Journal, Phase};
+    use certistack_connector::runs::{RegistryLimits, RunRegistry};
+    use certistack_connector::server::load_authority_key;
+    use certistack_controller::authority::Authority;
+    use std::os::unix::fs::PermissionsExt;
+    use std::path::{Path, PathBuf};
+    use std::process::{Command, Stdio};
+
+    fn free_port() -> u16 {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap().port()
+    }
+
+    fn connector(args: &[&str]) -> (i32, String) {
+        let out = Command::new(binary("certistack-connector"))
+            .args(args)
+            .env_remove("CERTISTACK_LOG")
+            .output()
+            .unwrap();
+        (
+            out.status.code().unwrap_or(-1),
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        )
+    }
+
+    /// Opens the run registry of `config` in this process and begins `count` runs, ending
+    /// every one when `end` is set: the on-disk format, written by the connector's own code.
+    async fn runs_on_disk(
+        authority: &Authority,
+        config: &Config,
+        count: usize,
+        end: bool,
+    ) -> Vec<String> {
+        let key = load_authority_key(&config.tls.run_authority_public_key).unwrap();
+        let now_ms = now().unix_timestamp() * 1000;
+        let registry = RunRegistry::open(
+            &config.paths.state_dir,
+            &key,
+            RegistryLimits::from_config(&config.limits),
+            now_ms,
+        )
+        .unwrap();
+        let mut ids = Vec::new();
+        // Verifying a signature takes milliseconds in a debug build: verify one grant and
+        // give each run its own run id and digest of its own signed bytes.
+        let template = {
+            let signed = sign_grant(authority.run_authority(), &grant(RUN_ID, NODE));
+            certistack_connector::grant::verify(&signed, &key).unwrap()
+        };
+        for _ in 0..count {
+            let run_id = uuid::Uuid::new_v4().to_string();
+            let signed = sign_grant(authority.run_authority(), &grant(&run_id, NODE));
+            let mut verified = template.clone();
+            verified.run_id = RunId::validate(&run_id).unwrap();
+            verified.digest = certistack_connector::grant::digest(&signed.grant);
+            let id = verified.run_id.clone();
+            registry.begin(&signed, verified, now_ms).await.unwrap();
+            if end {
+                registry.end(&id, now_ms).await.unwrap();
+            }
+            ids.push(run_id);
+        }
+        ids
+    }
+
+    fn journal_of(config: &Config, run_id: &str) -> PathBuf {
+        config
+            .paths
+            .state_dir
+            .join("runs")
+            .join(run_id)
+            .join(journal::FILE_NAME)
+    }
+
+    const TORN: &[u8] = b"9f3a 00 {\"seq\":3,\"time_ms\":4,\"op\":\"vm.cre";
+
+    #[tokio::test]
+    async fn check_changes_nothing_and_checks_tools_pve_and_overlay_root() {
+        let dir = TempDir::new("check-ro");
+        let authority = controller(&dir.0);
+        let node_dir = dir.0.join("node");
+        let mut config = enroll(&authority, &node_dir, NODE);
+        let tools = dir.0.join("tools");
+        std::fs::create_dir_all(&tools).unwrap();
+        let not_executable = tools.join("qemu-img");
+        std::fs::write(&not_executable, "#!/bin/sh\n").unwrap();
+        std::fs::set_permissions(&not_executable, std::fs::Permissions::from_mode(0o644)).unwrap();
+        config.tools.proxmox_backup_client = "/bin/true".into();
+        config.tools.qm = tools.join("qm");
+        config.tools.qemu_img = not_executable.clone();
+        config.tools.ip = "/bin/true".into();
+        config.tools.nft = "/bin/true".into();
+        let pve = dir.0.join("pve");
+        for sub in ["run", "cluster"] {
+            std::fs::create_dir_all(pve.join(sub)).unwrap();
+        }
+        config.pve.qemu_server_run_dir = pve.join("run");
+        config.pve.vm_config_dir = pve.join("conf");
+        config.pve.pbs_loopdev_dir = pve.join("loopdev");
+        config.pve.pve_cluster_dir = pve.join("cluster");
+        std::fs::create_dir_all(&config.paths.overlay_root).unwrap();
+        std::fs::set_permissions(
+            &config.paths.overlay_root,
+            std::fs::Permissions::from_mode(0o777),
+        )
+        .unwrap();
+        let config_path = dir.0.join("connector.toml");
+        write_config_file(&config_path, &config, free_port());
+        let c = config_path.to_str().unwrap();
+
+        let (code, out) = connector(&["--config", c, "check"]);
+        assert_eq!(code, 3, "{out}");
+        for needle in [
+            "tools.qm",
+            "No such file",
+            "tools.qemu_img",
+            "not executable (mode 0644)",
+            "pve.vm_config_dir",
+            "paths.overlay_root",
+            "chmod go-w",
+        ] {
+            assert!(out.contains(needle), "{needle}: {out}");
+        }
+        assert!(
+            out.contains("ok: pve.pbs_loopdev_dir")
+                && !out.contains("problem: pve.pbs_loopdev_dir"),
+            "created by the first map: {out}"
+        );
+        assert!(
+            !config.paths.state_dir.exists(),
+            "check created the state directory"
+        );
+
+        std::fs::set_permissions(&not_executable, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::copy("/bin/true", tools.join("qm")).unwrap();
+        std::fs::create_dir_all(pve.join("conf")).unwrap();
+        std::fs::set_permissions(
+            &config.paths.overlay_root,
+            std::fs::Permissions::from_mode(0o700),
+        )
+        .unwrap();
+        let (code, out) = connector(&["--config", c, "check"]);
+        assert_eq!(code, 0, "{out}");
+        assert!(out.contains("configuration ok"), "{out}");
+        assert!(
+            !config.paths.state_dir.exists(),
+            "check created the state directory"
+        );
+
+        // An open run whose journal has a torn tail: check reports it and repairs nothing.
+        let runs = runs_on_disk(&authority, &config, 1, false).await;
+        let journal = journal_of(&config, &runs[0]);
+        let mut bytes = std::fs::read(&journal).unwrap();
+        bytes.extend_from_slice(TORN);
+        std::fs::write(&journal, &bytes).unwrap();
+        let (code, out) = connector(&["--config", c, "check"]);
+        assert_eq!(code, 0, "{out}");
+        assert!(out.contains("torn last record after 1 records"), "{out}");
+        assert!(out.contains("1 open and 0 closed runs"), "{out}");
+        assert_eq!(
+            std::fs::read(&journal).unwrap(),
+            bytes,
+            "check repaired the journal"
+        );
+        assert!(!journal.with_file_name("journal.torn.1").exists());
+        // Nor does it create runs/.
+        std::fs::remove_dir_all(config.paths.state_dir.join("runs")).unwrap();
+        let (code, out) = connector(&["--config", c, "check"]);
+        assert_eq!(code, 0, "{out}");
+        assert!(!config.paths.state_dir.join("runs").exists());
+    }
+
+    #[tokio::test]
+    async fn a_second_serve_or_check_names_the_pid_holding_the_state_directory() {
+        let dir = TempDir::new("state-lock");
+        let authority = controller(&dir.0);
+        let config = enroll(&authority, &dir.0.join("node"), NODE);
+        let runs = runs_on_disk(&authority, &config, 1, false).await;
+        let port = free_port();
+        let config_path = dir.0.join("connector.toml");
+        write_config_file(&config_path, &config, port);
+        let c = config_path.to_str().unwrap();
+        let mut first = Command::new(binary("certistack-connector"))
+            .args(["--config", c, "serve"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let operator = authority.issue_operator("alice", now()).unwrap();
+        client_when_up(&authority, &format!("127.0.0.1:{port}"), &operator).await;
+        let pid = first.id().to_string();
+        assert_eq!(
+            std::fs::read_to_string(config.paths.state_dir.join("lock"))
+                .unwrap()
+                .trim(),
+            pid
+        );
+        // The running connector is in the middle of an append.
+        let journal = journal_of(&config, &runs[0]);
+        let mut bytes = std::fs::read(&journal).unwrap();
+        bytes.extend_from_slice(TORN);
+        std::fs::write(&journal, &bytes).unwrap();
+
+        for verb in ["serve", "check"] {
+            let (code, out) = connector(&["--config", c, verb]);
+            assert_eq!(code, 3, "{verb}: {out}");
+            assert!(
+                out.contains(&format!("in use by another connector (process {pid}")),
+                "{verb}: {out}"
+            );
+            assert_eq!(
+                std::fs::read(&journal).unwrap(),
+                bytes,
+                "a second {verb} touched the live journal"
+            );
+        }
+        Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+        assert!(first.wait().unwrap().success());
+        // Once it stopped, the lock is free again.
+        let (code, out) = connector(&["--config", c, "check"]);
+        assert!(
+            !out.contains("in use by another connector"),
+            "{code}: {out}"
+        );
+    }
+
+    fn descriptors(pid: u32) -> usize {
+        std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .unwrap()
+            .count()
+    }
+
+    fn rss_kib(pid: u32) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap()
+    }
+
+    async fn begin_and_end(authority: &Authority, address: &str) {
+        let credentials = mint(authority, &grant(&uuid::Uuid::new_v4().to_string(), NODE));
+        let mut run = client(authority, address, NODE, &credentials.certificate)
+            .await
+            .unwrap();
+        run.begin_run(begin_request(&credentials)).await.unwrap();
+        run.end_run(pb::EndRunRequest {}).await.unwrap();
+    }
+
+    /// 5,000 closed runs on disk: the connector starts under a limit of 1,024 descriptors
+    /// (it used to open every journal), serves new runs, and its descriptors and memory stay
+    /// flat while it does. The state directory is on tmpfs so writing the runs is quick.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn thousands_of_closed_runs_start_under_1024_descriptors_and_stay_flat() {
+        const CLOSED: usize = 5000;
+        let dir = TempDir::new("closed-runs");
+        let shm = TempDirAt::new(Path::new("/dev/shm"), "closed-runs-state");
+        let authority = controller(&dir.0);
+        let mut config = enroll(&authority, &dir.0.join("node"), NODE);
+        config.paths.state_dir = shm.0.join("state");
+        let started = std::time::Instant::now();
+        let closed = runs_on_disk(&authority, &config, CLOSED, true).await;
+        eprintln!("wrote {CLOSED} closed runs in {:?}", started.elapsed());
+        let port = free_port();
+        let address = format!("127.0.0.1:{port}");
+        let config_path = dir.0.join("connector.toml");
+        write_config_file(&config_path, &config, port);
+        let mut daemon = Command::new("prlimit")
+            .args(["--nofile=1024:1024", "--"])
+            .arg(binary("certistack-connector"))
+            .args(["--config", config_path.to_str().unwrap(), "serve"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        struct Stop(u32);
+        impl Drop for Stop {
+            fn drop(&mut self) {
+                let _ = Command::new("kill")
+                    .args(["-TERM", &self.0.to_string()])
+                    .status();
+            }
+        }
+        let pid = daemon.id();
+        let _stop = Stop(pid);
+        let identity = authority.issue_operator("alice", now()).unwrap();
+        let mut operator = client_when_up(&authority, &address, &identity).await;
+        let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+        assert!(
+            limits
+                .lines()
+                .any(|l| l.starts_with("Max open files") && l.contains(" 1024 ")),
+            "{limits}"
+        );
+        let at_start = (descriptors(pid), rss_kib(pid));
+        for _ in 0..10 {
+            begin_and_end(&authority, &address).await;
+        }
+        let warm = (descriptors(pid), rss_kib(pid));
+        for _ in 0..50 {
+            begin_and_end(&authority, &address).await;
+        }
+        let after = (descriptors(pid), rss_kib(pid));
+        eprintln!(
+            "descriptors / VmRSS KiB: at start {at_start:?}, after 10 runs {warm:?}, after 60 runs {after:?}"
+        );
+        assert!(at_start.0 < 64, "descriptors at start: {at_start:?}");
+        assert!(
+            after.0 <= warm.0 + 4,
+            "descriptors grew: {warm:?} -> {after:?}"
+        );
+        assert!(
+            after.1 <= warm.1 + 4096,
+            "memory grew: {warm:?} -> {after:?}"
+        );
+
+        // ListRuns answers from the index; a closed run's journal still streams.
+        let runs = operator
+            .list_runs(pb::ListRunsRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .runs;
+        let closed_count = runs
+            .iter()
+            .filter(|r| r.state == pb::RunState::Closed as i32)
+            .count();
+        assert_eq!(closed_count, CLOSED + 60);
+        let mut stream = operator
+            .read_journal(pb::ReadJournalRequest {
+                run_id: closed[0].clone(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let mut ops = Vec::new();
+        while let Some(record) = stream.message().await.unwrap() {
+            ops.push(record.operation);
+        }
+        assert_eq!(ops, ["run.begin", "run.end"]);
+        assert!(daemon.try_wait().unwrap().is_none(), "the daemon stopped");
+    }
+
+    /// A temporary directory under `parent`, removed on drop.
+    struct TempDirAt(PathBuf);
+
+    impl TempDirAt {
+        fn new(parent: &Path, tag: &str) -> Self {
+            let path = parent.join(format!("certistack-{tag}-{}", uuid::Uuid::new_v4()));
+            std::fs::create_dir_all(&path).unwrap();
+            Self(path)
+        }
+    }
+
+    impl Drop for TempDirAt {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    /// A run whose journal reached its operation budget: operations that add to the node are
+    /// refused with RESOURCE_EXHAUSTED, naming the numbers; undoing and cleanup still run.
+    #[tokio::test]
+    async fn a_full_journal_refuses_new_operations_and_keeps_room_for_cleanup() {
+        let dir = TempDir::new("journal-cap");
+        let authority = controller(&dir.0);
+        let mut node = TestNode::start(&authority, &dir.0.join("node"), NODE).await;
+        node.stop().await;
+        let mut config = node.config.clone();
+        config.limits.max_journal_records = 1000;
+        let credentials = mint(&authority, &grant(RUN_ID, NODE));
+        let node = TestNode::serve(
+            node.dir.clone(),
+            config.clone(),
+            std::sync::Arc::new(RecordingExecutor::default()),
+            std::sync::Arc::new(certistack_connector::service::SystemClock),
+        )
+        .await;
+        let mut run = run_client(&authority, &node, &credentials).await;
+        run.begin_run(begin_request(&credentials)).await.unwrap();
+        let mut node = node;
+        node.stop().await;
+        // 900 records: the budget of a 1,000-record journal, the last 100 kept for cleanup.
+        {
+            let run_dir = config.paths.state_dir.join("runs").join(RUN_ID);
+            let (mut journal, _, _) = Journal::open(&run_dir, RUN_ID, 1).unwrap();
+            for n in 0..899 {
+                journal
+                    .append(
+                        n,
+                        "guest.qmp",
+                        &format!("vm:{VMID}"),
+                        Phase::Done,
+                        serde_json::Value::Null,
+                    )
+                    .unwrap();
+            }
+        }
+        let executor = std::sync::Arc::new(RecordingExecutor::default());
+        let node = TestNode::serve(
+            node.dir.clone(),
+            config,
+            executor.clone(),
+            std::sync::Arc::new(certistack_connector::service::SystemClock),
+        )
+        .await;
+        let mut run = run_client(&authority, &node, &credentials).await;
+        assert_status(
+            run.create_overlay(pb::CreateOverlayRequest {
+                vmid: VMID,
+                archive: ARCHIVE.into(),
+            })
+            .await,
+            Code::ResourceExhausted,
+            "journaled 900 records",
+        );
+        run.unmap_backup(pb::UnmapBackupRequest {
+            archive: ARCHIVE.into(),
+        })
+        .await
+        .unwrap();
+        let mut operator = operator(&authority, &node).await;
+        operator
+            .cleanup(pb::CleanupRequest {
+                run_id: RUN_ID.into(),
+            })
+            .await
+            .unwrap();
+        assert_eq!(executor.rpcs(), ["UnmapBackup", "Cleanup"]);
+    }
+
+    /// What open runs together may ask of the node is bounded at BeginRun.
+    #[tokio::test]
+    async fn open_runs_together_may_not_ask_for_more_sandbox_cores_or_memory_than_the_node_allows()
+    {
+        let dir = TempDir::new("sandbox-cap");
+        let authority = controller(&dir.0);
+        let mut config = enroll(&authority, &dir.0.join("node"), NODE);
+        // Each test grant asks for one VM of 2 vCPUs and 2048 MiB.
+        config.limits.max_sandbox_cores = 3;
+        let node = TestNode::serve(
+            dir.0.join("node"),
+            config,
+            std::sync::Arc::new(RecordingExecutor::default()),
+            std::sync::Arc::new(certistack_connector::service::SystemClock),
+        )
+        .await;
+        let first = mint(&authority, &grant(RUN_ID, NODE));
+        let mut first_client = run_client(&authority, &node, &first).await;
+        first_client.begin_run(begin_request(&first)).await.unwrap();
+        let mut wire = grant("11111111-2222-4333-8444-555555555555", NODE);
+        wire.vnet = "csbox2".into();
+        wire.sandbox_vms[0].vmid = 9200;
+        wire.snapshot = "vm/101/2026-11-01T02:00:00Z".into();
+        let second = mint(&authority, &wire);
+        let mut second_client = run_client(&authority, &node, &second).await;
+        assert_status(
+            second_client.begin_run(begin_request(&second)).await,
+            Code::ResourceExhausted,
+            "asks for 2 vCPUs and 2048 MiB for its sandbox VMs; open runs already hold 2 vCPUs and 2048 MiB of the node's 3 vCPUs",
+        );
+        first_client.end_run(pb::EndRunRequest {}).await.unwrap();
+        second_client
+            .begin_run(begin_request(&second))
+            .await
+            .unwrap();
+    }
+
+    /// ListRuns does not read journals (an open run's is answered from memory, a closed run's
+    /// from its index entry); ReadJournal streams the file and verifies the chain as it goes.
+    #[tokio::test]
+    async fn list_runs_reads_no_journal_and_read_journal_verifies_while_streaming() {
+        let dir = TempDir::new("list-stream");
+        let authority = controller(&dir.0);
+        let node = TestNode::start(&authority, &dir.0.join("node"), NODE).await;
+        let state = node.config.paths.state_dir.clone();
+        let closed = mint(&authority, &grant(RUN_ID, NODE));
+        let mut closed_client = run_client(&authority, &node, &closed).await;
+        closed_client
+            .begin_run(begin_request(&closed))
+            .await
+            .unwrap();
+        closed_client.end_run(pb::EndRunRequest {}).await.unwrap();
+        let open_id = "11111111-2222-4333-8444-555555555555";
+        let mut wire = grant(open_id, NODE);
+        wire.vnet = "csbox2".into();
+        wire.sandbox_vms[0].vmid = 9200;
+        wire.snapshot = "vm/101/2026-11-01T02:00:00Z".into();
+        let open = mint(&authority, &wire);
+        run_client(&authority, &node, &open)
+            .await
+            .begin_run(begin_request(&open))
+            .await
+            .unwrap();
+        // Both journals become unreadable on disk.
+        let closed_journal = state.join("runs").join(RUN_ID).join(journal::FILE_NAME);
+        let text = std::fs::read_to_string(&closed_journal).unwrap();
+        std::fs::write(
+            &closed_journal,
+            text.replacen("grant_sha256", "grant_sha257", 1),
+        )
+        .unwrap();
+        std::fs::remove_file(state.join("runs").join(open_id).join(journal::FILE_NAME)).unwrap();
+
+        let mut operator = operator(&authority, &node).await;
+        let runs = operator
+            .list_runs(pb::ListRunsRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .runs;
+        let listed: Vec<(&str, i32, usize)> = runs
+            .iter()
+            .map(|r| (r.run_id.as_str(), r.state, r.open_resources.len()))
+            .collect();
+        assert_eq!(
+            listed,
+            [
+                (RUN_ID, pb::RunState::Closed as i32, 0),
+                (open_id, pb::RunState::Open as i32, 0)
+            ],
+            "{runs:?}"
+        );
+
+        let mut stream = operator
+            .read_journal(pb::ReadJournalRequest {
+                run_id: RUN_ID.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let status = stream.message().await.unwrap_err();
+        assert_eq!(status.code(), Code::DataLoss, "{status:?}");
+        assert!(
+            status.message().contains("record 1 is invalid"),
+            "{status:?}"
+        );
     }
 }

@@ -2010,3 +2010,34 @@ fn a_guest_boots_only_on_a_prepared_sandbox() {
         run.stop().await;
     });
 }
+
+/// Cleanup retried on a run that has nothing left (as the expiry reaper retries a run) does
+/// not journal the same finding again: the journal records changes, not a heartbeat.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_repeated_cleanup_finding_is_journaled_once() {
+    if !privileged(
+        "a_repeated_cleanup_finding_is_journaled_once",
+        &["losetup", "python3"],
+    ) {
+        return;
+    }
+    let mut run = Run::begin("cleanup-once", &[ARCHIVE]).await;
+    run.client
+        .map_backup(map_request(ARCHIVE, PBS_PASSWORD))
+        .await
+        .unwrap();
+    for _ in 0..4 {
+        let (_, residue) = cleanup_receipts(&mut run.client, RUN_ID).await;
+        assert!(residue.is_empty(), "{residue:?}");
+    }
+    let cleanups: Vec<String> = run
+        .journal()
+        .await
+        .into_iter()
+        .filter(|step| step.starts_with("run.cleanup"))
+        .collect();
+    // The first undid the mapping; the second found nothing; the third and fourth found the
+    // same nothing.
+    assert_eq!(cleanups.len(), 2, "{cleanups:?}");
+    run.stop().await;
+}

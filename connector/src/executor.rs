@@ -49,6 +49,8 @@ pub enum ExecError {
     #[error("{0}")]
     DeadlineExceeded(String),
     #[error("{0}")]
+    ResourceExhausted(String),
+    #[error("{0}")]
     Failed(String),
 }
 
@@ -60,6 +62,7 @@ impl From<ExecError> for tonic::Status {
             ExecError::NotFound(_) => tonic::Status::not_found(message),
             ExecError::AlreadyExists(_) => tonic::Status::already_exists(message),
             ExecError::DeadlineExceeded(_) => tonic::Status::deadline_exceeded(message),
+            ExecError::ResourceExhausted(_) => tonic::Status::resource_exhausted(message),
             ExecError::Failed(_) => tonic::Status::internal(message),
         }
     }

@@ -14,17 +14,89 @@
 //! truncates the journal to its last valid record and appends a record saying so; nothing is
 //! dropped silently. A bad record that is not the last one means tampering or disk corruption:
 //! the journal is refused ([`JournalError::Corrupt`]) and an operator must look at it.
+//!
+//! A journal is bounded ([`JournalLimits`]): an `intent` is refused once the journal is close to
+//! its cap, so the outcome of a step that started can still be written, and the record that
+//! closes the run (`run.end`, `run.expired`) always fits. The service refuses new operations
+//! earlier still ([`JournalLimits::operation_budget`]), keeping room for cleanup.
+//!
+//! [`Reader`] verifies a journal record by record from any reader, so a journal is streamed or
+//! summarized in bounded memory.
 
 use crate::files::{self, FileError};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::fs::{File, OpenOptions};
-use std::io::Write;
+use std::io::{BufRead, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 pub const FILE_NAME: &str = "journal";
 const GENESIS_CONTEXT: &[u8] = b"certistack-journal-v1:";
+/// The operations whose record closes a run; nothing is appended after one.
+pub const CLOSING_OPS: [&str; 2] = ["run.end", "run.expired"];
+/// Kept below the cap for the record that closes the run.
+const CLOSE_RESERVE: (u64, u64) = (1, 4096);
+/// Kept below the close reserve for the outcomes of steps whose intent was written.
+const OUTCOME_RESERVE: (u64, u64) = (16, 64 * 1024);
+
+/// How much one run's journal may hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct JournalLimits {
+    pub max_records: u64,
+    pub max_bytes: u64,
+}
+
+impl Default for JournalLimits {
+    fn default() -> Self {
+        let limits = crate::config::Limits::default();
+        Self::new(limits.max_journal_records, limits.max_journal_bytes)
+    }
+}
+
+impl JournalLimits {
+    pub fn new(max_records: usize, max_bytes: u64) -> Self {
+        Self {
+            max_records: u64::try_from(max_records).unwrap_or(u64::MAX),
+            max_bytes,
+        }
+    }
+
+    /// Records and bytes up to which operations that add to the node are admitted; the rest
+    /// (a tenth, at least 100 records and 256 KiB) is kept for undoing, cleanup and closing.
+    pub fn operation_budget(&self) -> (u64, u64) {
+        let records = (self.max_records / 10).max(100);
+        let bytes = (self.max_bytes / 10).max(256 * 1024);
+        (
+            self.max_records.saturating_sub(records),
+            self.max_bytes.saturating_sub(bytes),
+        )
+    }
+}
+
+/// What a journal holds, readable without its lock.
+#[derive(Debug, Default)]
+pub struct JournalUsage {
+    records: AtomicU64,
+    bytes: AtomicU64,
+}
+
+impl JournalUsage {
+    /// Records and bytes of the journal's valid prefix.
+    pub fn get(&self) -> (u64, u64) {
+        (
+            self.records.load(Ordering::SeqCst),
+            self.bytes.load(Ordering::SeqCst),
+        )
+    }
+
+    fn set(&self, records: u64, bytes: u64) {
+        self.records.store(records, Ordering::SeqCst);
+        self.bytes.store(bytes, Ordering::SeqCst);
+    }
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -94,6 +166,20 @@ pub enum JournalError {
     Poisoned(PathBuf),
     #[error("cannot encode a journal entry: {0}")]
     Encode(String),
+    #[error(
+        "journal {path} holds {records} records and {bytes} bytes; its cap is {max_records} records and {max_bytes} bytes (limits.max_journal_records, limits.max_journal_bytes): clean up and end the run"
+    )]
+    Full {
+        path: PathBuf,
+        records: u64,
+        bytes: u64,
+        max_records: u64,
+        max_bytes: u64,
+    },
+    #[error("the run of journal {0} is closed; nothing more is recorded for it")]
+    Closed(PathBuf),
+    #[error("the journal writer of {path} stopped: {reason}")]
+    Writer { path: PathBuf, reason: String },
 }
 
 pub fn genesis(run_id: &str) -> [u8; 32] {
@@ -236,6 +322,8 @@ pub struct Journal {
     poisoned: bool,
     /// Every record, as written: operations decide from these without re-reading the file.
     records: Vec<Record>,
+    limits: JournalLimits,
+    usage: Arc<JournalUsage>,
 }
 
 impl Journal {
@@ -272,7 +360,20 @@ impl Journal {
             len: 0,
             poisoned: false,
             records: Vec::new(),
+            limits: JournalLimits::default(),
+            usage: Arc::default(),
         })
+    }
+
+    /// The same journal, bounded by `limits`.
+    pub fn with_limits(mut self, limits: JournalLimits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// What the journal holds, readable without its lock.
+    pub fn usage(&self) -> Arc<JournalUsage> {
+        self.usage.clone()
     }
 
     /// Opens an existing journal for appending, repairing a torn tail as described above.
@@ -300,7 +401,10 @@ impl Journal {
             len: loaded.valid_len,
             poisoned: false,
             records: loaded.records,
+            limits: JournalLimits::default(),
+            usage: Arc::default(),
         };
+        journal.usage.set(journal.next_seq - 1, journal.len);
         if let Some(torn) = &loaded.torn {
             let preserved = journal.preserve_torn(dir, torn)?;
             journal
@@ -374,6 +478,7 @@ impl Journal {
         if self.poisoned {
             return Err(JournalError::Poisoned(self.path.clone()));
         }
+        self.admit(&entry, line.len() as u64)?;
         let written = self
             .file
             .write_all(line.as_bytes())
@@ -404,7 +509,60 @@ impl Journal {
         self.head = hash;
         self.next_seq += 1;
         self.records.push(record.clone());
+        self.usage.set(self.next_seq - 1, self.len);
         Ok(record)
+    }
+
+    /// Refuses a record the cap has no room for: an intent must leave room for outcomes and
+    /// the closing record, an outcome for the closing record.
+    fn admit(&self, entry: &Entry, line_len: u64) -> Result<(), JournalError> {
+        if self
+            .records
+            .last()
+            .is_some_and(|r| CLOSING_OPS.contains(&r.entry.op.as_str()))
+        {
+            return Err(JournalError::Closed(self.path.clone()));
+        }
+        let (mut keep_records, mut keep_bytes) = (0, 0);
+        if !CLOSING_OPS.contains(&entry.op.as_str()) {
+            (keep_records, keep_bytes) = CLOSE_RESERVE;
+            if entry.phase == Phase::Intent {
+                keep_records += OUTCOME_RESERVE.0;
+                keep_bytes += OUTCOME_RESERVE.1;
+            }
+        }
+        let records = self.next_seq - 1;
+        let fits = records.saturating_add(1).saturating_add(keep_records)
+            <= self.limits.max_records
+            && self.len.saturating_add(line_len).saturating_add(keep_bytes)
+                <= self.limits.max_bytes;
+        if fits {
+            Ok(())
+        } else {
+            Err(JournalError::Full {
+                path: self.path.clone(),
+                records,
+                bytes: self.len,
+                max_records: self.limits.max_records,
+                max_bytes: self.limits.max_bytes,
+            })
+        }
+    }
+
+    /// Whether the journal's last record says exactly this.
+    pub fn last_is(
+        &self,
+        op: &str,
+        resource: &str,
+        phase: Phase,
+        detail: &serde_json::Value,
+    ) -> bool {
+        self.records.last().is_some_and(|r| {
+            r.entry.op == op
+                && r.entry.resource == resource
+                && r.entry.phase == phase
+                && &r.entry.detail == detail
+        })
     }
 
     pub fn run_id(&self) -> &str {
@@ -415,6 +573,161 @@ impl Journal {
     pub fn records(&self) -> &[Record] {
         &self.records
     }
+}
+
+/// Verifies a journal record by record, holding one line at a time. A bad last line is a torn
+/// tail: reading ends there and [`Reader::torn`] reports it; a bad line followed by another is
+/// corruption.
+#[derive(Debug)]
+pub struct Reader<R> {
+    input: R,
+    path: PathBuf,
+    previous: [u8; 32],
+    next_seq: u64,
+    line_number: usize,
+    offset: u64,
+    max_line: u64,
+    torn: Option<TornTail>,
+    done: bool,
+}
+
+impl<R: BufRead> Reader<R> {
+    /// Reads the journal of `run_id` from `input` (named `path` in errors); a line longer than
+    /// `max_line` bytes is treated as a bad record.
+    pub fn new(input: R, path: &Path, run_id: &str, max_line: u64) -> Self {
+        Self {
+            input,
+            path: path.to_owned(),
+            previous: genesis(run_id),
+            next_seq: 1,
+            line_number: 0,
+            offset: 0,
+            max_line,
+            torn: None,
+            done: false,
+        }
+    }
+
+    /// The tail set aside as torn, once reading ended.
+    pub fn torn(&self) -> Option<&TornTail> {
+        self.torn.as_ref()
+    }
+
+    /// The hash of the last valid record read (the genesis before any).
+    pub fn head(&self) -> [u8; 32] {
+        self.previous
+    }
+
+    /// Valid records read so far.
+    pub fn records_read(&self) -> u64 {
+        self.next_seq - 1
+    }
+
+    /// Length of the valid prefix read so far, in bytes.
+    pub fn valid_len(&self) -> u64 {
+        self.offset
+    }
+
+    /// One line, its newline included; empty at the end.
+    fn line(&mut self) -> Result<Vec<u8>, JournalError> {
+        let mut line = Vec::new();
+        let limit = self.max_line.saturating_add(1);
+        std::io::Read::take(&mut self.input, limit)
+            .read_until(b'\n', &mut line)
+            .map_err(|error| FileError::Read {
+                path: self.path.clone(),
+                error,
+            })?;
+        Ok(line)
+    }
+}
+
+impl<R: BufRead> Iterator for Reader<R> {
+    type Item = Result<Record, JournalError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.done {
+            return None;
+        }
+        let line = match self.line() {
+            Ok(line) if line.is_empty() => {
+                self.done = true;
+                return None;
+            }
+            Ok(line) => line,
+            Err(error) => {
+                self.done = true;
+                return Some(Err(error));
+            }
+        };
+        self.line_number += 1;
+        let result = match line.strip_suffix(b"\n") {
+            Some(body) => parse_line(body, &self.previous, self.next_seq),
+            None if line.len() as u64 > self.max_line => {
+                Err(format!("longer than {} bytes", self.max_line))
+            }
+            None => Err("no line end".into()),
+        };
+        match result {
+            Ok(record) => {
+                self.previous = record.hash;
+                self.next_seq += 1;
+                self.offset += line.len() as u64;
+                Some(Ok(record))
+            }
+            Err(reason) => {
+                self.done = true;
+                // Only the last line may be bad: look one line ahead.
+                match self.line() {
+                    Ok(next) if next.is_empty() => {
+                        self.torn = Some(TornTail {
+                            offset: self.offset,
+                            bytes: line,
+                            reason,
+                        });
+                        None
+                    }
+                    Ok(_) => Some(Err(JournalError::Corrupt {
+                        path: self.path.clone(),
+                        line: self.line_number,
+                        reason,
+                    })),
+                    Err(error) => Some(Err(error)),
+                }
+            }
+        }
+    }
+}
+
+/// What a journal file holds, read in bounded memory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Summary {
+    pub records: u64,
+    pub bytes: u64,
+    pub head: [u8; 32],
+    /// The operation of the last valid record.
+    pub last_op: Option<String>,
+    pub torn: bool,
+}
+
+/// Verifies the journal at `path` without keeping its records.
+pub fn summarize(path: &Path, run_id: &str, max_line: u64) -> Result<Summary, JournalError> {
+    let file = File::open(path).map_err(|error| FileError::Read {
+        path: path.to_owned(),
+        error,
+    })?;
+    let mut reader = Reader::new(std::io::BufReader::new(file), path, run_id, max_line);
+    let mut last_op = None;
+    for record in reader.by_ref() {
+        last_op = Some(record?.entry.op);
+    }
+    Ok(Summary {
+        records: reader.records_read(),
+        bytes: reader.valid_len(),
+        head: reader.head(),
+        last_op,
+        torn: reader.torn().is_some(),
+    })
 }
 
 impl Record {
@@ -606,6 +919,8 @@ mod tests {
             len: 0,
             poisoned: false,
             records: Vec::new(),
+            limits: JournalLimits::default(),
+            usage: Arc::default(),
         };
         assert!(matches!(
             journal.append(1, "backup.map", "backup:a.img", Phase::Intent, json!(null)),
@@ -721,6 +1036,129 @@ mod tests {
         assert_eq!(wire.record_sha256, journal.head_hex());
         assert_eq!(wire.previous_sha256, hex::encode(genesis(RUN)));
         assert_eq!(wire.detail, "{\"exit_code\":255}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_full_journal_refuses_intents_first_then_outcomes_and_always_takes_the_close() {
+        let dir = dir("cap");
+        let limits = JournalLimits::new(40, 1024 * 1024);
+        let mut journal = Journal::create(&dir, RUN).unwrap().with_limits(limits);
+        let mut seq = 0;
+        let intent = |journal: &mut Journal, seq: i64| {
+            journal.append(seq, "guest.qmp", "vm:9100", Phase::Intent, json!(null))
+        };
+        while intent(&mut journal, seq).is_ok() {
+            seq += 1;
+            assert!(seq < 40, "intents were never refused");
+        }
+        // 40 records, minus one for the close and 16 for outcomes: 23 intents.
+        assert_eq!(seq, 23);
+        assert!(matches!(
+            intent(&mut journal, seq),
+            Err(JournalError::Full {
+                records: 23,
+                max_records: 40,
+                ..
+            })
+        ));
+        for n in 0..16 {
+            journal
+                .append(n, "guest.qmp", "vm:9100", Phase::Done, json!(null))
+                .unwrap();
+        }
+        assert!(matches!(
+            journal.append(99, "guest.qmp", "vm:9100", Phase::Done, json!(null)),
+            Err(JournalError::Full { .. })
+        ));
+        journal
+            .append(100, "run.end", "run:x", Phase::Done, json!(null))
+            .unwrap();
+        assert_eq!(journal.usage().get().0, 40);
+        assert!(matches!(
+            journal.append(101, "run.end", "run:x", Phase::Done, json!(null)),
+            Err(JournalError::Closed(_))
+        ));
+        assert_eq!(read(&dir.join(FILE_NAME), RUN).unwrap().records.len(), 40);
+        // The operation budget leaves a tenth (at least 100 records, 256 KiB) for cleanup.
+        assert_eq!(
+            JournalLimits::new(10_000, 16 << 20).operation_budget(),
+            (9_000, (16 << 20) - (16 << 20) / 10)
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_byte_cap_counts_what_is_on_disk() {
+        let dir = dir("bytecap");
+        let limits = JournalLimits::new(1000, 100 * 1024);
+        let mut journal = Journal::create(&dir, RUN).unwrap().with_limits(limits);
+        let detail = json!({ "padding": "p".repeat(1000) });
+        let refused = loop {
+            if let Err(error) =
+                journal.append(1, "guest.qmp", "vm:9100", Phase::Intent, detail.clone())
+            {
+                break error;
+            }
+        };
+        assert!(matches!(refused, JournalError::Full { .. }), "{refused}");
+        let on_disk = std::fs::metadata(dir.join(FILE_NAME)).unwrap().len();
+        assert_eq!(journal.usage().get().1, on_disk);
+        assert!(on_disk + OUTCOME_RESERVE.1 + CLOSE_RESERVE.1 <= 100 * 1024);
+        assert!(on_disk + OUTCOME_RESERVE.1 + CLOSE_RESERVE.1 + 1200 > 100 * 1024);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_reader_streams_verifies_and_stops_at_a_torn_tail_or_corruption() {
+        let dir = dir("reader");
+        drop(three(&dir));
+        let path = dir.join(FILE_NAME);
+        let whole = std::fs::read(&path).unwrap();
+        let stream = |bytes: &[u8]| {
+            let mut reader = Reader::new(bytes, &path, RUN, 4096);
+            let records: Vec<Result<Record, JournalError>> = reader.by_ref().collect();
+            (records, reader.torn().cloned())
+        };
+        let (records, torn) = stream(&whole);
+        assert_eq!(records.len(), 3);
+        assert!(records.iter().all(Result::is_ok) && torn.is_none());
+        let expected = read(&path, RUN).unwrap();
+        assert_eq!(
+            records.into_iter().map(Result::unwrap).collect::<Vec<_>>(),
+            expected.records
+        );
+
+        let torn_bytes = [whole.clone(), b"9f3a 00 {\"seq\":4".to_vec()].concat();
+        let (records, torn) = stream(&torn_bytes);
+        assert_eq!(records.len(), 3);
+        assert_eq!(torn.unwrap().offset, whole.len() as u64);
+
+        let altered =
+            String::from_utf8(whole.clone())
+                .unwrap()
+                .replacen("/dev/loop7", "/dev/loop8", 1);
+        let (records, _) = stream(altered.as_bytes());
+        assert_eq!(records.len(), 2, "one good record, then the error");
+        assert!(matches!(
+            records[1],
+            Err(JournalError::Corrupt { line: 2, .. })
+        ));
+
+        // A line longer than the reader accepts is not buffered whole.
+        let (records, _) = {
+            let mut reader = Reader::new(&whole[..], &path, RUN, 100);
+            let records: Vec<_> = reader.by_ref().collect();
+            (records, reader.torn().cloned())
+        };
+        assert!(matches!(records[0], Err(JournalError::Corrupt { .. })));
+
+        let summary = summarize(&path, RUN, 4096).unwrap();
+        assert_eq!(
+            (summary.records, summary.bytes, summary.head, summary.torn),
+            (3, whole.len() as u64, expected.head(RUN), false)
+        );
+        assert_eq!(summary.last_op.as_deref(), Some("overlay.create"));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

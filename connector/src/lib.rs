@@ -9,6 +9,7 @@
 
 pub mod action;
 pub mod call_log;
+pub mod check;
 pub mod config;
 pub mod connection;
 pub mod enroll;

@@ -1,26 +1,42 @@
 //! The durable registry of runs on this node, and each run's journal.
 //!
 //! `BeginRun` stores the signed grant under `<state>/runs/<run id>/grant.pb` and creates the
-//! run's journal there; `EndRun` journals the end and writes `<state>/runs/<run id>/closed`.
-//! Everything is written atomically or appended and fsync'd before the reply, so a closed run
-//! stays closed across a crash or restart: its certificate and grant are refused even before
-//! they expire. At start the registry reopens every run's journal (setting a torn tail aside,
-//! see [`crate::journal`]) so recovery knows what each run left on the node. The registry
-//! never holds a secret.
+//! run's journal there; `EndRun` journals the end, then writes `<state>/runs/<run id>/summary.json`
+//! (the closed run's index entry) and `<state>/runs/<run id>/closed`. Everything is written
+//! atomically or appended and fsync'd before the reply, and a new run's directory entry is
+//! fsync'd in `runs/`, so a run survives a power loss and a closed run stays closed across a
+//! crash or restart: its certificate and grant are refused even before they expire.
+//!
+//! A run is closed once its journal's last record closes it (`run.end`, `run.expired`); the
+//! marker and the summary are what a restart reads instead of the journal, and a restart that
+//! finds a closing record without a marker writes it. Closed runs hold no file open and no
+//! records in memory: only their summary. At start the registry reopens the journals of open
+//! runs only (setting a torn tail aside, see [`crate::journal`]) so recovery knows what each
+//! run left on the node. Closed runs are pruned after `limits.closed_run_retention_days` once
+//! their grant expired. The registry never holds a secret.
+//!
+//! Journal appends run on the blocking pool, never on an async worker; the run's operation lock
+//! orders them, and a write whose caller went away still completes and is kept in memory.
 
+use crate::config::Limits;
 use crate::files::{self, FileError};
 use crate::grant::{self, Grant};
-use crate::journal::{self, Journal, JournalError, Phase, Record};
+use crate::journal::{self, Journal, JournalError, JournalLimits, JournalUsage, Phase, Record};
 use crate::validate::{RunId, Validated};
 use certistack_proto::v1 as pb;
 use ed25519_dalek::VerifyingKey;
 use prost::Message;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{Read, Seek, Write};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 const GRANT_FILE: &str = "grant.pb";
 const CLOSED_FILE: &str = "closed";
+const SUMMARY_FILE: &str = "summary.json";
+const LOCK_FILE: &str = "lock";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RunState {
@@ -28,25 +44,45 @@ pub enum RunState {
     Closed { at_unix_ms: i64 },
 }
 
-/// One run: its grant, its directory and its journal. Holding the journal lock serializes the
-/// run's operations, so journal order is operation order; other runs are not affected.
+/// One open run: its grant, its directory and its journal. Holding the operation lock
+/// serializes the run's operations, so journal order is operation order; other runs are not
+/// affected.
 #[derive(Debug)]
 pub struct RunHandle {
     pub run_id: RunId,
     pub grant: Arc<Grant>,
     pub dir: PathBuf,
-    journal: tokio::sync::Mutex<Journal>,
+    operation: tokio::sync::Mutex<()>,
+    /// Locked only for an append (on the blocking pool) or a short read of the records.
+    journal: Arc<Mutex<Journal>>,
+    /// Held by an append from before its write is handed to the blocking pool until it is on
+    /// disk, also when its caller went away: appends, and the next operation, wait for it, so
+    /// records keep the order of the calls that made them.
+    writer: Arc<tokio::sync::Mutex<()>>,
+    usage: Arc<JournalUsage>,
     journal_path: PathBuf,
-    /// Set under the run lock when the run closes, so an operation that waited for the lock
-    /// sees it before it acts.
+    /// Set under the operation lock when the run closes, so an operation that waited for the
+    /// lock sees it before it acts.
     closed: std::sync::atomic::AtomicBool,
+}
+
+fn lock_journal(journal: &Mutex<Journal>) -> std::sync::MutexGuard<'_, Journal> {
+    // A poisoned lock means a panic during an append; the journal's own state (cut back to
+    // its last record, or poisoned) is still consistent.
+    journal
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl RunHandle {
     /// Locks the run for one operation.
     pub async fn lock(&self) -> RunGuard<'_> {
+        let operation = self.operation.lock().await;
+        // A write whose caller went away may still be in flight: decide from it, not without.
+        drop(self.writer.lock().await);
         RunGuard {
-            journal: self.journal.lock().await,
+            run: self,
+            _operation: operation,
         }
     }
 
@@ -55,7 +91,13 @@ impl RunHandle {
     pub async fn records(&self) -> Result<Vec<Record>, JournalError> {
         let path = self.journal_path.clone();
         let run_id = self.run_id.to_string();
-        Ok(journal::read(&path, &run_id)?.records)
+        tokio::task::spawn_blocking(move || journal::read(&path, &run_id))
+            .await
+            .map_err(|error| JournalError::Writer {
+                path: self.journal_path.clone(),
+                reason: error.to_string(),
+            })?
+            .map(|loaded| loaded.records)
     }
 
     /// Whether the run was closed (by EndRun or by expiry).
@@ -63,15 +105,45 @@ impl RunHandle {
         self.closed.load(std::sync::atomic::Ordering::SeqCst)
     }
 
-    fn new(run_id: RunId, grant: Grant, dir: PathBuf, journal: Journal, closed: bool) -> Self {
+    pub fn journal_path(&self) -> &Path {
+        &self.journal_path
+    }
+
+    /// Records and bytes the journal holds, without waiting for a running operation.
+    pub fn journal_usage(&self) -> (u64, u64) {
+        self.usage.get()
+    }
+
+    /// What the journal says the run still has on the node, as `key (op phase)`. Takes the
+    /// journal lock: call it off the async workers.
+    pub fn open_resources(&self) -> Vec<String> {
+        let journal = lock_journal(&self.journal);
+        crate::node::resources::open_newest_first(journal.records())
+            .into_iter()
+            .map(|state| {
+                format!(
+                    "{} ({} {})",
+                    state.key,
+                    state.last.entry.op,
+                    state.last.entry.phase.name()
+                )
+            })
+            .collect()
+    }
+
+    fn new(run_id: RunId, grant: Grant, dir: PathBuf, journal: Journal) -> Self {
         let journal_path = journal.path().to_owned();
+        let usage = journal.usage();
         Self {
             run_id,
             grant: Arc::new(grant),
             dir,
-            journal: tokio::sync::Mutex::new(journal),
+            operation: tokio::sync::Mutex::new(()),
+            journal: Arc::new(Mutex::new(journal)),
+            writer: Arc::default(),
+            usage,
             journal_path,
-            closed: std::sync::atomic::AtomicBool::new(closed),
+            closed: std::sync::atomic::AtomicBool::new(false),
         }
     }
 }
@@ -79,11 +151,27 @@ impl RunHandle {
 /// A locked run: appends go to its journal, fsync'd before they return.
 #[derive(Debug)]
 pub struct RunGuard<'a> {
-    journal: tokio::sync::MutexGuard<'a, Journal>,
+    run: &'a RunHandle,
+    _operation: tokio::sync::MutexGuard<'a, ()>,
+}
+
+/// A borrowed view of a run's records; holds the journal lock, so keep it short and never
+/// across an `.await`.
+#[derive(Debug)]
+pub struct Records<'a>(std::sync::MutexGuard<'a, Journal>);
+
+impl std::ops::Deref for Records<'_> {
+    type Target = [Record];
+    fn deref(&self) -> &[Record] {
+        self.0.records()
+    }
 }
 
 impl RunGuard<'_> {
-    pub fn append(
+    /// Appends one record; returns once it is on disk. The write and its fsync run on the
+    /// blocking pool; if this call is dropped meanwhile, the write still completes and the
+    /// record is kept, so the chain never forks.
+    pub async fn append(
         &mut self,
         time_ms: i64,
         op: &str,
@@ -91,39 +179,79 @@ impl RunGuard<'_> {
         phase: Phase,
         detail: serde_json::Value,
     ) -> Result<Record, JournalError> {
-        // fsync blocks: on the daemon's multi-threaded runtime, tell it so other tasks move to
-        // another worker meanwhile.
-        let multi_thread = tokio::runtime::Handle::try_current()
-            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
-        if multi_thread {
-            tokio::task::block_in_place(|| {
-                self.journal.append(time_ms, op, resource, phase, detail)
+        self.write(time_ms, op, resource, phase, detail, false)
+            .await
+            .and_then(|written| {
+                written.ok_or_else(|| JournalError::Writer {
+                    path: self.run.journal_path.clone(),
+                    reason: "the record was not written".into(),
+                })
             })
-        } else {
-            self.journal.append(time_ms, op, resource, phase, detail)
-        }
+    }
+
+    /// Appends a record unless the journal's last record says exactly the same: a repeated
+    /// observation (the same residue found again) is not journaled twice.
+    pub async fn append_if_changed(
+        &mut self,
+        time_ms: i64,
+        op: &str,
+        resource: &str,
+        phase: Phase,
+        detail: serde_json::Value,
+    ) -> Result<Option<Record>, JournalError> {
+        self.write(time_ms, op, resource, phase, detail, true).await
+    }
+
+    async fn write(
+        &mut self,
+        time_ms: i64,
+        op: &str,
+        resource: &str,
+        phase: Phase,
+        detail: serde_json::Value,
+        unless_repeated: bool,
+    ) -> Result<Option<Record>, JournalError> {
+        let journal = self.run.journal.clone();
+        let (op, resource) = (op.to_owned(), resource.to_owned());
+        let writing = self.run.writer.clone().lock_owned().await;
+        tokio::task::spawn_blocking(move || {
+            let _writing = writing;
+            let mut journal = lock_journal(&journal);
+            if unless_repeated && journal.last_is(&op, &resource, phase, &detail) {
+                return Ok(None);
+            }
+            journal
+                .append(time_ms, &op, &resource, phase, detail)
+                .map(Some)
+        })
+        .await
+        .map_err(|error| JournalError::Writer {
+            path: self.run.journal_path.clone(),
+            reason: error.to_string(),
+        })?
     }
 
     pub fn head_hex(&self) -> String {
-        self.journal.head_hex()
+        lock_journal(&self.run.journal).head_hex()
     }
 
-    /// The run's records as this daemon wrote or loaded them (no file read).
-    pub fn records(&self) -> Vec<Record> {
-        self.journal.records().to_vec()
+    /// The run's records as this daemon wrote or loaded them (no file read, no copy).
+    pub fn records(&self) -> Records<'_> {
+        Records(lock_journal(&self.run.journal))
     }
 }
 
-#[derive(Debug, Clone)]
-pub struct RunRecord {
-    pub handle: Arc<RunHandle>,
-    pub state: RunState,
-}
-
-impl RunRecord {
-    pub fn grant(&self) -> &Arc<Grant> {
-        &self.handle.grant
-    }
+/// The index entry of a closed run: what is listed and checked without reading its journal.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClosedRun {
+    pub closed_unix_ms: i64,
+    pub deadline_unix: i64,
+    /// The closing operation (`run.end` or `run.expired`).
+    pub closed_by: String,
+    pub records: u64,
+    pub bytes: u64,
+    pub head_sha256: String,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -150,19 +278,71 @@ pub enum RunError {
         "run {0} has a journal that cannot be used ({1}); inspect it before doing anything else with this run"
     )]
     Quarantined(RunId, String),
-    #[error("{open} runs are open, the configured maximum is {max}; end or clean up a run first")]
+    #[error(
+        "{open} runs are open or still hold resources past their deadline, the configured maximum is {max} (limits.max_concurrent_runs); end or clean up a run first"
+    )]
     TooMany { open: usize, max: usize },
+    #[error(
+        "run {run} asks for {asked_cores} vCPUs and {asked_memory_mib} MiB for its sandbox VMs; open runs already hold {used_cores} vCPUs and {used_memory_mib} MiB of the node's {max_cores} vCPUs and {max_memory_mib} MiB (limits.max_sandbox_cores, limits.max_sandbox_memory_mib): end a run first"
+    )]
+    SandboxExhausted {
+        run: RunId,
+        asked_cores: u64,
+        asked_memory_mib: u64,
+        used_cores: u64,
+        used_memory_mib: u64,
+        max_cores: u64,
+        max_memory_mib: u64,
+    },
+    #[error(
+        "the state directory {path} is in use by another connector (process {holder}, lock file {lock}); stop it first"
+    )]
+    Locked {
+        path: PathBuf,
+        lock: PathBuf,
+        holder: String,
+    },
+    #[error("the run registry's background work stopped: {0}")]
+    Background(String),
     #[error(transparent)]
     Store(#[from] FileError),
     #[error(transparent)]
     Journal(#[from] JournalError),
 }
 
+/// What the registry bounds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RegistryLimits {
+    pub max_open: usize,
+    pub journal: JournalLimits,
+    pub max_sandbox_cores: u64,
+    pub max_sandbox_memory_mib: u64,
+    pub closed_run_retention_days: u64,
+}
+
+impl RegistryLimits {
+    pub fn from_config(limits: &Limits) -> Self {
+        Self {
+            max_open: limits.max_concurrent_runs,
+            journal: JournalLimits::new(limits.max_journal_records, limits.max_journal_bytes),
+            max_sandbox_cores: u64::from(limits.max_sandbox_cores),
+            max_sandbox_memory_mib: limits.max_sandbox_memory_mib,
+            closed_run_retention_days: limits.closed_run_retention_days,
+        }
+    }
+}
+
+impl Default for RegistryLimits {
+    fn default() -> Self {
+        Self::from_config(&Limits::default())
+    }
+}
+
 #[derive(Debug, Default)]
 struct Inner {
-    runs: BTreeMap<RunId, RunRecord>,
+    open: BTreeMap<RunId, Arc<RunHandle>>,
     /// Closed runs, also those whose grant no longer verifies (e.g. after a key rotation).
-    closed: BTreeSet<RunId>,
+    closed: BTreeMap<RunId, ClosedRun>,
     /// Open runs that could not be loaded (grant or journal unusable), with the reason: listed,
     /// never resumed, left for an operator to inspect.
     quarantined: BTreeMap<RunId, String>,
@@ -174,17 +354,23 @@ struct Inner {
 #[derive(Debug)]
 pub struct RunRegistry {
     dir: PathBuf,
-    max_open: usize,
+    limits: RegistryLimits,
     inner: Mutex<Inner>,
-    begin_lock: Mutex<()>,
+    begin_lock: tokio::sync::Mutex<()>,
+}
+
+/// The longest journal line read back: one record can never be longer than the journal.
+fn max_line(limits: &JournalLimits) -> u64 {
+    limits.max_bytes
 }
 
 impl RunRegistry {
-    /// Loads the registry from `<state_dir>/runs`, creating it (0700) if needed.
+    /// Loads the registry from `<state_dir>/runs`, creating it (0700) if needed. Take the
+    /// [`StateLock`] first: opening repairs torn journals.
     pub fn open(
         state_dir: &Path,
         authority: &VerifyingKey,
-        max_open: usize,
+        limits: RegistryLimits,
         now_ms: i64,
     ) -> Result<Self, RunError> {
         let dir = state_dir.join("runs");
@@ -205,29 +391,26 @@ impl RunRegistry {
                 continue;
             };
             let run_dir = entry.path();
-            let closed = read_closed(&run_dir)?;
-            if closed.is_some() {
-                inner.closed.insert(run_id.clone());
+            if let Some(closed_unix_ms) = read_closed(&run_dir)? {
+                let summary = closed_summary(&run_dir, &run_id, closed_unix_ms, authority, &limits);
+                inner.closed.insert(run_id, summary);
+                continue;
             }
             let grant = match load_grant(&run_dir, authority) {
                 Ok(grant) if grant.run_id == run_id => grant,
                 Ok(_) => {
                     tracing::error!(%run_id, "stored grant names another run; the run is not loaded");
-                    if closed.is_none() {
-                        inner
-                            .quarantined
-                            .insert(run_id, "its stored grant names another run".into());
-                    }
+                    inner
+                        .quarantined
+                        .insert(run_id, "its stored grant names another run".into());
                     continue;
                 }
                 Err(reason) => {
                     tracing::error!(%run_id, %reason, "stored grant does not verify; the run is not loaded");
-                    if closed.is_none() {
-                        inner.quarantined.insert(
-                            run_id,
-                            format!("its stored grant does not verify: {reason}"),
-                        );
-                    }
+                    inner.quarantined.insert(
+                        run_id,
+                        format!("its stored grant does not verify: {reason}"),
+                    );
                     continue;
                 }
             };
@@ -250,35 +433,53 @@ impl RunRegistry {
                 // A crash between storing the grant and creating the journal: nothing was done yet.
                 Journal::create(&run_dir, run_id.as_str())?
             };
-            let state = closed.map_or(RunState::Open, |at_unix_ms| RunState::Closed { at_unix_ms });
-            let closed = state != RunState::Open;
-            let handle = Arc::new(RunHandle::new(
-                run_id.clone(),
-                grant,
-                run_dir,
-                journal,
-                closed,
-            ));
-            inner.runs.insert(run_id, RunRecord { handle, state });
+            let journal = journal.with_limits(limits.journal);
+            // A crash (or a failed write) after the closing record but before the marker: the
+            // journal says closed, so the run is closed; finish writing what says so.
+            if let Some(last) = journal.records().last()
+                && journal::CLOSING_OPS.contains(&last.entry.op.as_str())
+            {
+                let summary = ClosedRun {
+                    closed_unix_ms: last.entry.time_ms,
+                    deadline_unix: grant.deadline_unix,
+                    closed_by: last.entry.op.clone(),
+                    records: journal.usage().get().0,
+                    bytes: journal.usage().get().1,
+                    head_sha256: journal.head_hex(),
+                };
+                write_closed(&run_dir, &summary)?;
+                tracing::warn!(%run_id, "the run's journal ends with {} but its closed marker was missing; wrote it", summary.closed_by);
+                inner.closed.insert(run_id, summary);
+                continue;
+            }
+            let handle = Arc::new(RunHandle::new(run_id.clone(), grant, run_dir, journal));
+            inner.open.insert(run_id, handle);
         }
-        Ok(Self {
+        let registry = Self {
             dir,
-            max_open,
+            limits,
             inner: Mutex::new(inner),
-            begin_lock: Mutex::new(()),
-        })
+            begin_lock: tokio::sync::Mutex::new(()),
+        };
+        registry.prune(now_ms)?;
+        Ok(registry)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        // A poisoned lock only means another request panicked; the map itself stays consistent
-        // because every update is a single insert.
+        // A poisoned lock only means another request panicked; the maps stay consistent
+        // because every update is a single insert or remove.
         self.inner
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    pub fn get(&self, run_id: &RunId) -> Option<RunRecord> {
-        self.lock().runs.get(run_id).cloned()
+    pub fn limits(&self) -> &RegistryLimits {
+        &self.limits
+    }
+
+    /// An open run.
+    pub fn get(&self, run_id: &RunId) -> Option<Arc<RunHandle>> {
+        self.lock().open.get(run_id).cloned()
     }
 
     /// Why `run_id` is quarantined, as a refusal, if it is.
@@ -297,36 +498,63 @@ impl RunRegistry {
     }
 
     pub fn is_closed(&self, run_id: &RunId) -> bool {
-        self.lock().closed.contains(run_id)
+        self.lock().closed.contains_key(run_id)
     }
 
-    pub fn list(&self) -> Vec<RunRecord> {
-        self.lock().runs.values().cloned().collect()
+    /// The open runs.
+    pub fn open_runs(&self) -> Vec<Arc<RunHandle>> {
+        self.lock().open.values().cloned().collect()
+    }
+
+    /// The closed runs' index entries.
+    pub fn closed_runs(&self) -> Vec<(RunId, ClosedRun)> {
+        self.lock()
+            .closed
+            .iter()
+            .map(|(id, run)| (id.clone(), run.clone()))
+            .collect()
+    }
+
+    /// The journal file of an open or closed run.
+    pub fn journal_path(&self, run_id: &RunId) -> Option<PathBuf> {
+        let inner = self.lock();
+        if let Some(handle) = inner.open.get(run_id) {
+            return Some(handle.journal_path.clone());
+        }
+        inner
+            .closed
+            .contains_key(run_id)
+            .then(|| self.dir.join(run_id.as_str()).join(journal::FILE_NAME))
+    }
+
+    /// The longest journal line a reader accepts.
+    pub fn max_journal_line(&self) -> u64 {
+        max_line(&self.limits.journal)
     }
 
     /// Opens a run, or resumes it when it is already open with the same grant. Returns whether
     /// it resumed.
-    pub fn begin(
+    pub async fn begin(
         &self,
         signed: &pb::SignedRunGrant,
         grant: Grant,
         now_ms: i64,
     ) -> Result<bool, RunError> {
         // One BeginRun at a time, so the checks below and the insert at the end see the same
-        // set of runs (the work in between is a few small fsync'd writes).
-        let _begin = self.begin_lock.lock().unwrap_or_else(|p| p.into_inner());
+        // set of runs.
+        let _begin = self.begin_lock.lock().await;
         let run_id = grant.run_id.clone();
         let now_unix = now_ms.div_euclid(1000);
-        {
+        let others = {
             let inner = self.lock();
-            if inner.closed.contains(&run_id) {
+            if inner.closed.contains_key(&run_id) {
                 return Err(RunError::Closed(run_id));
             }
             if let Some(reason) = inner.quarantined.get(&run_id) {
                 return Err(RunError::Quarantined(run_id, reason.clone()));
             }
-            if let Some(existing) = inner.runs.get(&run_id) {
-                return if existing.grant().digest == grant.digest {
+            if let Some(existing) = inner.open.get(&run_id) {
+                return if existing.grant.digest == grant.digest {
                     Ok(true)
                 } else {
                     Err(RunError::OtherGrant(run_id))
@@ -343,65 +571,85 @@ impl RunRegistry {
                     });
                 }
             }
-            for other in inner.runs.values().filter(|r| r.state == RunState::Open) {
-                if let Some(shared) = overlap(&grant, other.grant()) {
+            for other in inner.open.values() {
+                if let Some(shared) = overlap(&grant, &other.grant) {
                     return Err(RunError::Overlap {
                         run: run_id,
-                        other: other.grant().run_id.clone(),
+                        other: other.grant.run_id.clone(),
                         shared,
                     });
                 }
             }
-            let open = inner
-                .runs
-                .values()
-                .filter(|r| r.state == RunState::Open && r.grant().deadline_unix > now_unix)
-                .count();
-            if open >= self.max_open {
-                return Err(RunError::TooMany {
-                    open,
-                    max: self.max_open,
-                });
-            }
+            inner.open.values().cloned().collect::<Vec<_>>()
+        };
+        // A run counts while its deadline has not passed, and after it as long as its journal
+        // says it still holds something on the node (reading that takes the journal locks).
+        let counted = tokio::task::spawn_blocking(move || {
+            others
+                .into_iter()
+                .filter(|run| {
+                    run.grant.deadline_unix > now_unix || !run.open_resources().is_empty()
+                })
+                .collect::<Vec<_>>()
+        })
+        .await
+        .map_err(|error| RunError::Background(error.to_string()))?;
+        if counted.len() >= self.limits.max_open {
+            return Err(RunError::TooMany {
+                open: counted.len(),
+                max: self.limits.max_open,
+            });
+        }
+        let (used_cores, used_memory_mib) = counted
+            .iter()
+            .map(|run| sandbox_demand(&run.grant))
+            .fold((0u64, 0u64), |(c, m), (dc, dm)| {
+                (c.saturating_add(dc), m.saturating_add(dm))
+            });
+        let (asked_cores, asked_memory_mib) = sandbox_demand(&grant);
+        if used_cores.saturating_add(asked_cores) > self.limits.max_sandbox_cores
+            || used_memory_mib.saturating_add(asked_memory_mib) > self.limits.max_sandbox_memory_mib
+        {
+            return Err(RunError::SandboxExhausted {
+                run: run_id,
+                asked_cores,
+                asked_memory_mib,
+                used_cores,
+                used_memory_mib,
+                max_cores: self.limits.max_sandbox_cores,
+                max_memory_mib: self.limits.max_sandbox_memory_mib,
+            });
         }
         let run_dir = self.dir.join(run_id.as_str());
-        files::create_private_dir(&run_dir)?;
-        files::write_atomic(&run_dir.join(GRANT_FILE), &signed.encode_to_vec(), 0o600)?;
-        let mut journal = match Journal::create(&run_dir, run_id.as_str()) {
-            Ok(journal) => journal,
-            // A concurrent BeginRun of the same run created it first.
-            Err(JournalError::Exists(_)) => return Ok(true),
-            Err(e) => return Err(e.into()),
-        };
+        let runs_dir = self.dir.clone();
+        let grant_bytes = signed.encode_to_vec();
         let detail = serde_json::json!({ "grant_sha256": hex::encode(grant.digest), "deadline_unix": grant.deadline_unix });
-        journal.append(
-            now_ms,
-            "run.begin",
-            &format!("run:{run_id}"),
-            Phase::Done,
-            detail,
-        )?;
-        let handle = Arc::new(RunHandle::new(
-            run_id.clone(),
-            grant,
-            run_dir,
-            journal,
-            false,
-        ));
+        let journal_limits = self.limits.journal;
+        let (id, dir) = (run_id.clone(), run_dir.clone());
+        let journal = tokio::task::spawn_blocking(move || -> Result<Journal, RunError> {
+            files::create_private_dir(&dir)?;
+            // The run's directory entry must survive a power loss before anything is done
+            // for the run: the resources it creates are found through it.
+            sync_dir(&runs_dir)?;
+            files::write_atomic(&dir.join(GRANT_FILE), &grant_bytes, 0o600)?;
+            let mut journal = Journal::create(&dir, id.as_str())?.with_limits(journal_limits);
+            journal.append(
+                now_ms,
+                "run.begin",
+                &format!("run:{id}"),
+                Phase::Done,
+                detail,
+            )?;
+            Ok(journal)
+        })
+        .await
+        .map_err(|error| RunError::Background(error.to_string()))??;
+        let handle = Arc::new(RunHandle::new(run_id.clone(), grant, run_dir, journal));
         let mut inner = self.lock();
-        if inner.closed.contains(&run_id) {
+        if inner.closed.contains_key(&run_id) {
             return Err(RunError::Closed(run_id));
         }
-        Ok(inner
-            .runs
-            .insert(
-                run_id,
-                RunRecord {
-                    handle,
-                    state: RunState::Open,
-                },
-            )
-            .is_some())
+        Ok(inner.open.insert(run_id, handle).is_some())
     }
 
     /// Closes a run durably; refused for a run that is not open.
@@ -415,42 +663,289 @@ impl RunRegistry {
     }
 
     async fn close(&self, run_id: &RunId, now_ms: i64, op: &str) -> Result<i64, RunError> {
-        let record = self
-            .get(run_id)
-            .ok_or_else(|| RunError::NotBegun(run_id.clone()))?;
-        if let RunState::Closed { .. } = record.state {
+        let Some(handle) = self.get(run_id) else {
+            return Err(if self.is_closed(run_id) {
+                RunError::Closed(run_id.clone())
+            } else {
+                RunError::NotBegun(run_id.clone())
+            });
+        };
+        let mut run = handle.lock().await;
+        // Another close (EndRun, or the expiry reaper) may have held the lock first.
+        if handle.is_closed() {
             return Err(RunError::Closed(run_id.clone()));
         }
-        {
-            let mut run = record.handle.lock().await;
-            // A run ends clean: what it still has on the node must be cleaned up first, or it
-            // would outlive the run that owns it.
-            let open = crate::node::resources::open_newest_first(&run.records());
-            if !open.is_empty() {
-                let keys: Vec<&str> = open.iter().map(|s| s.key.as_str()).collect();
-                return Err(RunError::OpenResources(run_id.clone(), keys.join(", ")));
-            }
-            run.append(
+        // A run ends clean: what it still has on the node must be cleaned up first, or it
+        // would outlive the run that owns it.
+        let open: Vec<String> = crate::node::resources::open_newest_first(&run.records())
+            .into_iter()
+            .map(|state| state.key)
+            .collect();
+        if !open.is_empty() {
+            return Err(RunError::OpenResources(run_id.clone(), open.join(", ")));
+        }
+        // If this fails, the journal is cut back (or refuses every further record) and the run
+        // stays open, in memory as on disk.
+        let record = run
+            .append(
                 now_ms,
                 op,
                 &format!("run:{run_id}"),
                 Phase::Done,
                 serde_json::Value::Null,
-            )?;
-            // Still under the run lock: an operation waiting for it must find the run closed.
-            let path = self.dir.join(run_id.as_str()).join(CLOSED_FILE);
-            files::write_atomic(&path, now_ms.to_string().as_bytes(), 0o600)?;
-            record
-                .handle
-                .closed
-                .store(true, std::sync::atomic::Ordering::SeqCst);
+            )
+            .await?;
+        // From here the run is closed: its journal says so, and a restart reads it that way.
+        handle
+            .closed
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let (records, bytes) = handle.journal_usage();
+        let summary = ClosedRun {
+            closed_unix_ms: now_ms,
+            deadline_unix: handle.grant.deadline_unix,
+            closed_by: op.to_owned(),
+            records,
+            bytes,
+            head_sha256: hex::encode(record.hash),
+        };
+        let dir = handle.dir.clone();
+        let marker = summary.clone();
+        let written = tokio::task::spawn_blocking(move || write_closed(&dir, &marker))
+            .await
+            .map_err(|error| RunError::Background(error.to_string()))
+            .and_then(|written| written.map_err(RunError::from));
+        if let Err(error) = written {
+            tracing::error!(%run_id, %error, "the run is closed (its journal ends with {op}) but its closed marker could not be written; the next start writes it");
+        }
+        {
             let mut inner = self.lock();
-            inner.closed.insert(run_id.clone());
-            if let Some(record) = inner.runs.get_mut(run_id) {
-                record.state = RunState::Closed { at_unix_ms: now_ms };
-            }
+            inner.open.remove(run_id);
+            inner.closed.insert(run_id.clone(), summary);
         }
         Ok(now_ms)
+    }
+
+    /// Removes closed runs older than the retention whose grant has expired. Open and
+    /// quarantined runs are never in the closed index, so they are never pruned. Blocks on the
+    /// file system: call it off the async workers.
+    pub fn prune(&self, now_ms: i64) -> Result<Vec<RunId>, RunError> {
+        let retention_ms = i64::try_from(self.limits.closed_run_retention_days)
+            .unwrap_or(i64::MAX)
+            .saturating_mul(86_400_000);
+        let due: Vec<RunId> = self
+            .lock()
+            .closed
+            .iter()
+            .filter(|(_, run)| {
+                run.closed_unix_ms.saturating_add(retention_ms) < now_ms
+                    && run.deadline_unix.saturating_mul(1000) < now_ms
+            })
+            .map(|(id, _)| id.clone())
+            .collect();
+        let mut pruned = Vec::new();
+        for run_id in due {
+            let run_dir = self.dir.join(run_id.as_str());
+            // The directory goes first: while it is being removed the index still refuses the
+            // run's grant.
+            match std::fs::remove_dir_all(&run_dir) {
+                Ok(()) => {}
+                Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+                Err(error) => {
+                    tracing::error!(%run_id, %error, "cannot prune the closed run's directory");
+                    continue;
+                }
+            }
+            sync_dir(&self.dir)?;
+            self.lock().closed.remove(&run_id);
+            pruned.push(run_id);
+        }
+        if !pruned.is_empty() {
+            tracing::info!(
+                count = pruned.len(),
+                retention_days = self.limits.closed_run_retention_days,
+                "pruned closed runs past their retention"
+            );
+        }
+        Ok(pruned)
+    }
+}
+
+/// vCPUs and MiB the grant's sandbox VMs may ask for together.
+fn sandbox_demand(grant: &Grant) -> (u64, u64) {
+    grant
+        .sandbox_vms
+        .values()
+        .fold((0u64, 0u64), |(cores, memory), vm| {
+            (
+                cores.saturating_add(u64::from(vm.max_cores)),
+                memory.saturating_add(u64::from(vm.max_memory_mib)),
+            )
+        })
+}
+
+/// The summary of a closed run, rebuilt from its journal (once) when a crash or an older
+/// connector left none.
+fn closed_summary(
+    run_dir: &Path,
+    run_id: &RunId,
+    closed_unix_ms: i64,
+    authority: &VerifyingKey,
+    limits: &RegistryLimits,
+) -> ClosedRun {
+    if let Ok(text) = std::fs::read(run_dir.join(SUMMARY_FILE))
+        && let Ok(summary) = serde_json::from_slice::<ClosedRun>(&text)
+    {
+        return summary;
+    }
+    let deadline_unix = load_grant(run_dir, authority).map_or(0, |g| g.deadline_unix);
+    let journal_path = run_dir.join(journal::FILE_NAME);
+    let summary = match journal::summarize(
+        &journal_path,
+        run_id.as_str(),
+        max_line(&limits.journal),
+    ) {
+        Ok(found) => ClosedRun {
+            closed_unix_ms,
+            deadline_unix,
+            closed_by: found.last_op.unwrap_or_default(),
+            records: found.records,
+            bytes: found.bytes,
+            head_sha256: hex::encode(found.head),
+        },
+        Err(error) => {
+            tracing::warn!(%run_id, %error, "the closed run's journal does not verify; it stays closed");
+            ClosedRun {
+                closed_unix_ms,
+                deadline_unix,
+                closed_by: String::new(),
+                records: 0,
+                bytes: 0,
+                head_sha256: String::new(),
+            }
+        }
+    };
+    if let Ok(text) = serde_json::to_vec(&summary)
+        && let Err(error) = files::write_atomic(&run_dir.join(SUMMARY_FILE), &text, 0o600)
+    {
+        tracing::warn!(%run_id, %error, "cannot store the closed run's summary; it is rebuilt at the next start");
+    }
+    summary
+}
+
+/// Writes a closed run's summary, then its marker: the marker is what a restart trusts.
+fn write_closed(run_dir: &Path, summary: &ClosedRun) -> Result<(), FileError> {
+    let text = serde_json::to_vec(summary).unwrap_or_default();
+    files::write_atomic(&run_dir.join(SUMMARY_FILE), &text, 0o600)?;
+    files::write_atomic(
+        &run_dir.join(CLOSED_FILE),
+        summary.closed_unix_ms.to_string().as_bytes(),
+        0o600,
+    )
+}
+
+/// Makes the entries of `dir` (a created or removed run directory) durable.
+fn sync_dir(dir: &Path) -> Result<(), FileError> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|error| FileError::Write {
+            path: dir.to_owned(),
+            error,
+        })?;
+    #[cfg(test)]
+    tests::synced(dir);
+    Ok(())
+}
+
+/// The single-instance lock on a state directory: `<state_dir>/lock`, holding the PID of the
+/// connector that holds it. Released when dropped (or when the process dies).
+#[derive(Debug)]
+pub struct StateLock {
+    _file: File,
+}
+
+impl StateLock {
+    /// Takes the lock for a serving connector, creating the state directory (0700) and the
+    /// lock file if needed, and writes this process's PID into it.
+    pub fn acquire(state_dir: &Path) -> Result<Self, RunError> {
+        files::create_private_dir(state_dir)?;
+        let path = state_dir.join(LOCK_FILE);
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&path)
+            .map_err(|error| FileError::Write {
+                path: path.clone(),
+                error,
+            })?;
+        take_lock(
+            &mut file,
+            state_dir,
+            &path,
+            rustix::fs::FlockOperation::NonBlockingLockExclusive,
+        )?;
+        let written = file
+            .set_len(0)
+            .and_then(|()| file.rewind())
+            .and_then(|()| file.write_all(format!("{}\n", std::process::id()).as_bytes()))
+            .and_then(|()| file.sync_all());
+        written.map_err(|error| FileError::Write { path, error })?;
+        Ok(Self { _file: file })
+    }
+
+    /// Takes the lock without writing anything, for a read-only check: `None` when no
+    /// connector ever served from `state_dir` (no lock file).
+    pub fn probe(state_dir: &Path) -> Result<Option<Self>, RunError> {
+        let path = state_dir.join(LOCK_FILE);
+        let mut file = match std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&path)
+        {
+            Ok(file) => file,
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(error) => return Err(FileError::Read { path, error }.into()),
+        };
+        take_lock(
+            &mut file,
+            state_dir,
+            &path,
+            rustix::fs::FlockOperation::NonBlockingLockShared,
+        )?;
+        Ok(Some(Self { _file: file }))
+    }
+}
+
+fn take_lock(
+    file: &mut File,
+    state_dir: &Path,
+    path: &Path,
+    operation: rustix::fs::FlockOperation,
+) -> Result<(), RunError> {
+    match rustix::fs::flock(&*file, operation) {
+        Ok(()) => Ok(()),
+        Err(rustix::io::Errno::WOULDBLOCK) => {
+            let mut holder = String::new();
+            let _ = Read::take(&mut *file, 32).read_to_string(&mut holder);
+            let holder = holder.trim();
+            Err(RunError::Locked {
+                path: state_dir.to_owned(),
+                lock: path.to_owned(),
+                holder: if holder.is_empty() {
+                    "unknown".into()
+                } else {
+                    holder.to_owned()
+                },
+            })
+        }
+        Err(error) => Err(FileError::Write {
+            path: path.to_owned(),
+            error: error.into(),
+        }
+        .into()),
     }
 }
 
@@ -492,58 +987,134 @@ fn load_grant(run_dir: &Path, authority: &VerifyingKey) -> Result<Grant, String>
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::grant::tests::{full_wire_grant, sign};
     use ed25519_dalek::SigningKey;
 
+    static SYNCED: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+    /// Every directory fsync'd through [`sync_dir`], so tests can see which were.
+    pub(crate) fn synced(dir: &Path) {
+        SYNCED
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(dir.to_owned());
+    }
+
+    fn state_dir(tag: &str) -> PathBuf {
+        let dir =
+            std::env::temp_dir().join(format!("certistack-runs-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        dir
+    }
+
+    fn key() -> SigningKey {
+        SigningKey::from_bytes(&[1; 32])
+    }
+
+    /// The `n`th of a set of grants that share nothing on the node.
+    fn nth_grant(n: u32) -> (pb::SignedRunGrant, Grant) {
+        let mut wire = full_wire_grant();
+        if n > 0 {
+            wire.run_id = format!("11111111-2222-4333-8444-{n:012}");
+            wire.vnet = format!("csbox{}", n + 1);
+            wire.sandbox_vms[0].vmid = 9100 + n * 10;
+            wire.snapshot = format!("vm/{}/2026-11-01T02:00:00Z", 100 + n);
+        }
+        let signed = sign(&key(), &wire);
+        let grant = crate::grant::verify(&signed, &key().verifying_key()).unwrap();
+        (signed, grant)
+    }
+
+    fn limits(max_open: usize) -> RegistryLimits {
+        RegistryLimits {
+            max_open,
+            ..RegistryLimits::default()
+        }
+    }
+
+    fn journal_ops(dir: &Path, run_id: &RunId) -> Vec<String> {
+        let path = dir
+            .join("runs")
+            .join(run_id.as_str())
+            .join(journal::FILE_NAME);
+        journal::read(&path, run_id.as_str())
+            .unwrap()
+            .records
+            .into_iter()
+            .map(|r| r.entry.op)
+            .collect()
+    }
+
+    async fn hold(registry: &RunRegistry, run_id: &RunId, resource: &str) {
+        let run = registry.get(run_id).unwrap();
+        let mut guard = run.lock().await;
+        guard
+            .append(
+                1,
+                "backup.map",
+                resource,
+                Phase::Intent,
+                serde_json::Value::Null,
+            )
+            .await
+            .unwrap();
+    }
+
     #[tokio::test(flavor = "multi_thread")]
     async fn closed_runs_stay_closed_across_reopen() {
-        let dir = std::env::temp_dir().join(format!("certistack-runs-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let key = SigningKey::from_bytes(&[1; 32]);
-        let signed = sign(&key, &full_wire_grant());
-        let grant = crate::grant::verify(&signed, &key.verifying_key()).unwrap();
+        let dir = state_dir("closed");
+        let (signed, grant) = nth_grant(0);
         let run_id = grant.run_id.clone();
 
-        let registry = RunRegistry::open(&dir, &key.verifying_key(), 1, 0).unwrap();
-        assert!(!registry.begin(&signed, grant.clone(), 2_000_000).unwrap());
+        let registry = RunRegistry::open(&dir, &key().verifying_key(), limits(1), 0).unwrap();
         assert!(
-            registry.begin(&signed, grant.clone(), 2_000_000).unwrap(),
+            !registry
+                .begin(&signed, grant.clone(), 2_000_000)
+                .await
+                .unwrap()
+        );
+        assert!(
+            registry
+                .begin(&signed, grant.clone(), 2_000_000)
+                .await
+                .unwrap(),
             "same grant resumes"
         );
         registry.end(&run_id, 2_000_500).await.unwrap();
         assert!(matches!(
-            registry.begin(&signed, grant.clone(), 2_000_000),
+            registry.begin(&signed, grant.clone(), 2_000_000).await,
             Err(RunError::Closed(_))
         ));
+        assert!(registry.get(&run_id).is_none(), "a closed run is not held");
 
-        let reopened = RunRegistry::open(&dir, &key.verifying_key(), 1, 0).unwrap();
+        let reopened = RunRegistry::open(&dir, &key().verifying_key(), limits(1), 0).unwrap();
         assert!(reopened.is_closed(&run_id));
         assert!(matches!(
-            reopened.begin(&signed, grant.clone(), 2_000_000),
+            reopened.begin(&signed, grant.clone(), 2_000_000).await,
             Err(RunError::Closed(_))
         ));
         assert!(matches!(
             reopened.end(&run_id, 1).await,
             Err(RunError::Closed(_))
         ));
-        let ops: Vec<String> = reopened
-            .get(&run_id)
-            .unwrap()
-            .handle
-            .records()
-            .await
-            .unwrap()
-            .into_iter()
-            .map(|r| r.entry.op)
-            .collect();
-        assert_eq!(ops, ["run.begin", "run.end"]);
+        assert_eq!(journal_ops(&dir, &run_id), ["run.begin", "run.end"]);
+        let closed = reopened.closed_runs();
+        assert_eq!(closed.len(), 1);
+        assert_eq!(
+            (
+                closed[0].1.records,
+                closed[0].1.closed_by.as_str(),
+                closed[0].1.deadline_unix
+            ),
+            (2, "run.end", 4_600)
+        );
         // Even with a rotated run-authority key, the closed marker still refuses the run.
         let rotated = RunRegistry::open(
             &dir,
             &SigningKey::from_bytes(&[9; 32]).verifying_key(),
-            1,
+            limits(1),
             0,
         )
         .unwrap();
@@ -553,27 +1124,15 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread")]
     async fn a_run_with_a_corrupt_journal_is_quarantined() {
-        let dir =
-            std::env::temp_dir().join(format!("certistack-runs-corrupt-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let key = SigningKey::from_bytes(&[1; 32]);
-        let signed = sign(&key, &full_wire_grant());
-        let grant = crate::grant::verify(&signed, &key.verifying_key()).unwrap();
+        let dir = state_dir("corrupt");
+        let (signed, grant) = nth_grant(0);
         let run_id = grant.run_id.clone();
-        let registry = RunRegistry::open(&dir, &key.verifying_key(), 2, 0).unwrap();
-        registry.begin(&signed, grant.clone(), 2_000_000).unwrap();
-        {
-            let record = registry.get(&run_id).unwrap();
-            let mut run = record.handle.lock().await;
-            run.append(
-                1,
-                "backup.map",
-                "backup:a.img",
-                Phase::Intent,
-                serde_json::Value::Null,
-            )
+        let registry = RunRegistry::open(&dir, &key().verifying_key(), limits(2), 0).unwrap();
+        registry
+            .begin(&signed, grant.clone(), 2_000_000)
+            .await
             .unwrap();
-        }
+        hold(&registry, &run_id, "backup:a.img").await;
         drop(registry);
         // Alter the first record: the chain breaks before the last record.
         let path = dir
@@ -586,7 +1145,7 @@ mod tests {
                 .replacen("grant_sha256", "grant_sha257", 1);
         std::fs::write(&path, text).unwrap();
 
-        let reopened = RunRegistry::open(&dir, &key.verifying_key(), 2, 0).unwrap();
+        let reopened = RunRegistry::open(&dir, &key().verifying_key(), limits(2), 0).unwrap();
         assert!(reopened.get(&run_id).is_none());
         let quarantined = reopened.quarantined();
         assert_eq!(quarantined.len(), 1);
@@ -595,7 +1154,7 @@ mod tests {
             "{quarantined:?}"
         );
         assert!(matches!(
-            reopened.begin(&signed, grant, 2_000_000),
+            reopened.begin(&signed, grant, 2_000_000).await,
             Err(RunError::Quarantined(..))
         ));
         std::fs::remove_dir_all(&dir).unwrap();
@@ -603,31 +1162,431 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread")]
     async fn open_runs_are_bounded() {
-        let dir = std::env::temp_dir().join(format!("certistack-runs-max-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let key = SigningKey::from_bytes(&[1; 32]);
-        let registry = RunRegistry::open(&dir, &key.verifying_key(), 1, 0).unwrap();
-        let first = sign(&key, &full_wire_grant());
+        let dir = state_dir("max");
+        let registry = RunRegistry::open(&dir, &key().verifying_key(), limits(1), 0).unwrap();
+        let (first, first_grant) = nth_grant(0);
         registry
-            .begin(
-                &first,
-                crate::grant::verify(&first, &key.verifying_key()).unwrap(),
-                2_000_000,
-            )
+            .begin(&first, first_grant, 2_000_000)
+            .await
             .unwrap();
-        let mut wire = full_wire_grant();
-        wire.run_id = "11111111-2222-4333-8444-555555555555".into();
-        wire.vnet = "csbox2".into();
-        wire.sandbox_vms[0].vmid = 9200;
-        wire.snapshot = "vm/101/2026-11-01T02:00:00Z".into();
-        let second = sign(&key, &wire);
-        let grant = crate::grant::verify(&second, &key.verifying_key()).unwrap();
+        let (second, grant) = nth_grant(1);
         assert!(matches!(
-            registry.begin(&second, grant.clone(), 2_000_000),
+            registry.begin(&second, grant.clone(), 2_000_000).await,
             Err(RunError::TooMany { open: 1, max: 1 })
         ));
         // Once the first run's deadline passed it no longer counts.
-        assert!(registry.begin(&second, grant, 5_000_000).is_ok());
+        assert!(registry.begin(&second, grant, 5_000_000).await.is_ok());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_run_past_its_deadline_that_holds_resources_still_counts() {
+        let dir = state_dir("expired-holding");
+        let registry = RunRegistry::open(&dir, &key().verifying_key(), limits(1), 0).unwrap();
+        let (first, first_grant) = nth_grant(0);
+        let first_id = first_grant.run_id.clone();
+        registry
+            .begin(&first, first_grant, 2_000_000)
+            .await
+            .unwrap();
+        hold(&registry, &first_id, "backup:drive-scsi0.img").await;
+        let (second, grant) = nth_grant(1);
+        // 5_000 s is past the first run's deadline (4_600 s), but its mapping is still open.
+        assert!(matches!(
+            registry.begin(&second, grant.clone(), 5_000_000).await,
+            Err(RunError::TooMany { open: 1, max: 1 })
+        ));
+        {
+            let run = registry.get(&first_id).unwrap();
+            let mut guard = run.lock().await;
+            guard
+                .append(
+                    2,
+                    "backup.unmap",
+                    "backup:drive-scsi0.img",
+                    Phase::Undone,
+                    serde_json::Value::Null,
+                )
+                .await
+                .unwrap();
+        }
+        assert!(registry.begin(&second, grant, 5_000_000).await.is_ok());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn open_runs_together_are_bounded_in_sandbox_cores_and_memory() {
+        let dir = state_dir("sandbox");
+        let mut bounded = limits(4);
+        // Each grant asks for one VM of 2 vCPUs and 2048 MiB.
+        bounded.max_sandbox_cores = 3;
+        let registry = RunRegistry::open(&dir, &key().verifying_key(), bounded, 0).unwrap();
+        let (first, grant) = nth_grant(0);
+        registry.begin(&first, grant, 2_000_000).await.unwrap();
+        let (second, grant) = nth_grant(1);
+        match registry.begin(&second, grant.clone(), 2_000_000).await {
+            Err(RunError::SandboxExhausted {
+                asked_cores: 2,
+                used_cores: 2,
+                max_cores: 3,
+                ..
+            }) => {}
+            other => panic!("{other:?}"),
+        }
+        drop(registry);
+        bounded.max_sandbox_cores = 4;
+        bounded.max_sandbox_memory_mib = 3000;
+        let registry = RunRegistry::open(&dir, &key().verifying_key(), bounded, 0).unwrap();
+        let refusal = registry
+            .begin(&second, grant.clone(), 2_000_000)
+            .await
+            .unwrap_err();
+        assert!(
+            refusal.to_string().contains("2048 MiB") && refusal.to_string().contains("3000 MiB"),
+            "{refusal}"
+        );
+        bounded.max_sandbox_memory_mib = 4096;
+        let registry = RunRegistry::open(&dir, &key().verifying_key(), bounded, 0).unwrap();
+        assert!(registry.begin(&second, grant, 2_000_000).await.is_ok());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// EndRun waiting for the run lock while the expiry reaper's cleanup holds it, and the
+    /// reaper closing the run right after: one closing record, whoever wins.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn concurrent_end_and_expiry_write_one_closing_record() {
+        let dir = state_dir("race");
+        let registry =
+            Arc::new(RunRegistry::open(&dir, &key().verifying_key(), limits(1), 0).unwrap());
+        let (signed, grant) = nth_grant(0);
+        let run_id = grant.run_id.clone();
+        registry.begin(&signed, grant, 2_000_000).await.unwrap();
+        let run = registry.get(&run_id).unwrap();
+        let cleanup = run.lock().await;
+        let end = tokio::spawn({
+            let (registry, run_id) = (registry.clone(), run_id.clone());
+            async move { registry.end(&run_id, 2_000_100).await }
+        });
+        let expire = tokio::spawn({
+            let (registry, run_id) = (registry.clone(), run_id.clone());
+            async move { registry.expire(&run_id, 2_000_200).await }
+        });
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        drop(cleanup);
+        let results = [end.await.unwrap(), expire.await.unwrap()];
+        assert_eq!(
+            results.iter().filter(|r| r.is_ok()).count(),
+            1,
+            "{results:?}"
+        );
+        assert!(
+            results
+                .iter()
+                .any(|r| matches!(r, Err(RunError::Closed(_)))),
+            "{results:?}"
+        );
+        let closing: Vec<String> = journal_ops(&dir, &run_id)
+            .into_iter()
+            .filter(|op| journal::CLOSING_OPS.contains(&op.as_str()))
+            .collect();
+        assert_eq!(closing.len(), 1, "{closing:?}");
+        // Nothing is recorded after the closing record, not even by an operation that held a
+        // handle from before.
+        let mut late = run.lock().await;
+        assert!(matches!(
+            late.append(
+                3,
+                "run.cleanup",
+                "run:x",
+                Phase::Done,
+                serde_json::Value::Null
+            )
+            .await,
+            Err(JournalError::Closed(_))
+        ));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Proves the directory fsyncs are issued, not that the disk honours them: that would
+    /// need a power cut.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_new_run_directory_entry_is_synced() {
+        let dir = state_dir("sync");
+        let registry = RunRegistry::open(&dir, &key().verifying_key(), limits(1), 0).unwrap();
+        let (signed, grant) = nth_grant(0);
+        registry.begin(&signed, grant, 2_000_000).await.unwrap();
+        let synced = SYNCED.lock().unwrap().clone();
+        assert!(
+            synced.contains(&dir.join("runs")),
+            "runs/ was not fsync'd after the run's directory was created: {synced:?}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn open_fds_under(dir: &Path) -> usize {
+        std::fs::read_dir("/proc/self/fd")
+            .unwrap()
+            .filter_map(|e| std::fs::read_link(e.unwrap().path()).ok())
+            .filter(|target| target.starts_with(dir))
+            .count()
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn closed_runs_hold_no_descriptor_and_are_not_reopened() {
+        let dir = state_dir("fds");
+        let registry = RunRegistry::open(&dir, &key().verifying_key(), limits(1), 0).unwrap();
+        let (signed, grant) = nth_grant(0);
+        let run_id = grant.run_id.clone();
+        registry.begin(&signed, grant, 2_000_000).await.unwrap();
+        assert_eq!(open_fds_under(&dir), 1, "the open run's journal");
+        registry.end(&run_id, 2_000_500).await.unwrap();
+        assert_eq!(
+            open_fds_under(&dir),
+            0,
+            "the closed run's journal is closed"
+        );
+        drop(registry);
+        // An unreadable journal would quarantine an open run: a closed one is not even read.
+        let journal = dir
+            .join("runs")
+            .join(run_id.as_str())
+            .join(journal::FILE_NAME);
+        std::fs::write(&journal, b"not a journal\nat all\n").unwrap();
+        let reopened = RunRegistry::open(&dir, &key().verifying_key(), limits(1), 0).unwrap();
+        assert!(reopened.is_closed(&run_id));
+        assert!(reopened.quarantined().is_empty());
+        assert_eq!(open_fds_under(&dir), 0);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// EndRun's closing record reached the disk but the marker did not (a full disk, no
+    /// descriptor left): the run is closed in memory, and a restart agrees and writes it.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_closing_record_without_its_marker_closes_the_run_at_restart() {
+        let dir = state_dir("marker");
+        let registry = RunRegistry::open(&dir, &key().verifying_key(), limits(1), 0).unwrap();
+        let (signed, grant) = nth_grant(0);
+        let run_id = grant.run_id.clone();
+        registry.begin(&signed, grant, 2_000_000).await.unwrap();
+        let run_dir = dir.join("runs").join(run_id.as_str());
+        // The marker cannot be written: a directory stands where its temporary file goes.
+        std::fs::create_dir(run_dir.join("summary.tmp")).unwrap();
+        assert!(registry.end(&run_id, 2_000_500).await.is_ok());
+        assert!(registry.is_closed(&run_id));
+        assert!(!run_dir.join(CLOSED_FILE).exists());
+        drop(registry);
+        std::fs::remove_dir(run_dir.join("summary.tmp")).unwrap();
+        let reopened = RunRegistry::open(&dir, &key().verifying_key(), limits(1), 0).unwrap();
+        assert!(reopened.is_closed(&run_id));
+        assert!(reopened.get(&run_id).is_none());
+        assert_eq!(
+            std::fs::read_to_string(run_dir.join(CLOSED_FILE)).unwrap(),
+            "2000500"
+        );
+        assert_eq!(journal_ops(&dir, &run_id), ["run.begin", "run.end"]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn closed_runs_are_pruned_after_their_retention_and_open_ones_never() {
+        let dir = state_dir("prune");
+        let mut bounded = limits(4);
+        bounded.closed_run_retention_days = 1;
+        let registry = RunRegistry::open(&dir, &key().verifying_key(), bounded, 0).unwrap();
+        let (signed, grant) = nth_grant(0);
+        let closed_id = grant.run_id.clone();
+        registry.begin(&signed, grant, 2_000_000).await.unwrap();
+        registry.end(&closed_id, 2_000_500).await.unwrap();
+        let (signed, grant) = nth_grant(1);
+        let open_id = grant.run_id.clone();
+        registry.begin(&signed, grant, 2_000_000).await.unwrap();
+        hold(&registry, &open_id, "backup:drive-scsi0.img").await;
+        let day_ms = 86_400_000;
+        assert!(registry.prune(2_000_500 + day_ms - 1).unwrap().is_empty());
+        assert_eq!(
+            registry.prune(2_000_501 + day_ms).unwrap(),
+            std::slice::from_ref(&closed_id)
+        );
+        assert!(!dir.join("runs").join(closed_id.as_str()).exists());
+        assert!(!registry.is_closed(&closed_id));
+        assert!(dir.join("runs").join(open_id.as_str()).exists());
+        assert!(registry.get(&open_id).is_some());
+        assert!(
+            SYNCED
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|d| **d == dir.join("runs"))
+                .count()
+                >= 3,
+            "runs/ is synced after each created and pruned directory"
+        );
+        // A restart prunes too.
+        drop(registry);
+        let far = 10 * day_ms;
+        let reopened = RunRegistry::open(&dir, &key().verifying_key(), bounded, far).unwrap();
+        assert!(
+            reopened.get(&open_id).is_some(),
+            "an open run is never pruned"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_second_holder_of_the_state_lock_learns_the_first_one_s_pid() {
+        let dir = state_dir("lock");
+        let held = StateLock::acquire(&dir).unwrap();
+        let pid = std::process::id().to_string();
+        assert_eq!(
+            std::fs::read_to_string(dir.join(LOCK_FILE)).unwrap().trim(),
+            pid
+        );
+        match StateLock::acquire(&dir) {
+            Err(RunError::Locked { holder, .. }) => assert_eq!(holder, pid),
+            other => panic!("{other:?}"),
+        }
+        match StateLock::probe(&dir) {
+            Err(error @ RunError::Locked { .. }) => {
+                assert!(error.to_string().contains(&pid), "{error}")
+            }
+            other => panic!("{other:?}"),
+        }
+        drop(held);
+        assert!(StateLock::probe(&dir).unwrap().is_some());
+        assert!(StateLock::acquire(&dir).is_ok());
+        assert!(StateLock::probe(&state_dir("lock-none")).unwrap().is_none());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_repeated_observation_is_journaled_once() {
+        let dir = state_dir("repeat");
+        let registry = RunRegistry::open(&dir, &key().verifying_key(), limits(1), 0).unwrap();
+        let (signed, grant) = nth_grant(0);
+        let run_id = grant.run_id.clone();
+        registry.begin(&signed, grant, 2_000_000).await.unwrap();
+        let run = registry.get(&run_id).unwrap();
+        let mut guard = run.lock().await;
+        let residue = |what: &str| serde_json::json!({ "residue": [what] });
+        let mut written = Vec::new();
+        for (time, what) in [(1, "table"), (2, "table"), (3, "table"), (4, "address")] {
+            written.push(
+                guard
+                    .append_if_changed(time, "run.cleanup", "run:x", Phase::Failed, residue(what))
+                    .await
+                    .unwrap()
+                    .is_some(),
+            );
+        }
+        assert_eq!(written, [true, false, false, true]);
+        assert_eq!(guard.records().len(), 3);
+        drop(guard);
+        assert_eq!(
+            journal_ops(&dir, &run_id),
+            ["run.begin", "run.cleanup", "run.cleanup"]
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// An append whose caller went away (the RPC was cancelled) still lands, off the async
+    /// worker, and the next append continues the same chain.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_dropped_append_completes_and_the_chain_stays_whole() {
+        let dir = state_dir("dropped");
+        let registry = RunRegistry::open(&dir, &key().verifying_key(), limits(1), 0).unwrap();
+        let (signed, grant) = nth_grant(0);
+        let run_id = grant.run_id.clone();
+        registry.begin(&signed, grant, 2_000_000).await.unwrap();
+        let run = registry.get(&run_id).unwrap();
+        for n in 0..20 {
+            {
+                let mut guard = run.lock().await;
+                let append = guard.append(
+                    n,
+                    "backup.map",
+                    "backup:a.img",
+                    Phase::Intent,
+                    serde_json::Value::Null,
+                );
+                // Polled once, then dropped, as when the caller of the RPC goes away.
+                let _ = tokio::time::timeout(std::time::Duration::ZERO, append).await;
+            }
+            let mut guard = run.lock().await;
+            guard
+                .append(
+                    n,
+                    "backup.map",
+                    "backup:a.img",
+                    Phase::Done,
+                    serde_json::Value::Null,
+                )
+                .await
+                .unwrap();
+        }
+        let in_memory: Vec<Record> = run.lock().await.records().to_vec();
+        let path = dir
+            .join("runs")
+            .join(run_id.as_str())
+            .join(journal::FILE_NAME);
+        let on_disk = journal::read(&path, run_id.as_str()).unwrap();
+        assert!(on_disk.torn.is_none());
+        assert_eq!(on_disk.records, in_memory);
+        let phases: Vec<Phase> = on_disk
+            .records
+            .iter()
+            .skip(1)
+            .map(|r| r.entry.phase)
+            .collect();
+        assert_eq!(
+            phases,
+            [Phase::Intent, Phase::Done].repeat(20),
+            "order of the calls"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The next operation waits for a write whose caller went away before it decides from
+    /// the records, so it sees the step that write records.
+    #[tokio::test(flavor = "current_thread")]
+    #[allow(clippy::await_holding_lock)] // The held lock is the slow disk this test needs.
+    async fn the_next_operation_waits_for_an_abandoned_write() {
+        let dir = state_dir("abandoned");
+        let registry = RunRegistry::open(&dir, &key().verifying_key(), limits(1), 0).unwrap();
+        let (signed, grant) = nth_grant(0);
+        let run_id = grant.run_id.clone();
+        registry.begin(&signed, grant, 2_000_000).await.unwrap();
+        let run = registry.get(&run_id).unwrap();
+        // A slow disk: the write cannot finish while this is held.
+        let slow_disk = lock_journal(&run.journal);
+        {
+            let mut guard = run.lock().await;
+            let append = guard.append(
+                1,
+                "backup.map",
+                "backup:a.img",
+                Phase::Intent,
+                serde_json::Value::Null,
+            );
+            let abandoned =
+                tokio::time::timeout(std::time::Duration::from_millis(20), append).await;
+            assert!(
+                abandoned.is_err(),
+                "the write finished with the disk blocked"
+            );
+        }
+        let next = tokio::time::timeout(std::time::Duration::from_millis(100), run.lock()).await;
+        assert!(
+            next.is_err(),
+            "the next operation started before the abandoned write ended"
+        );
+        drop(slow_disk);
+        let guard = run.lock().await;
+        let last = guard
+            .records()
+            .last()
+            .map(|r| (r.entry.op.clone(), r.entry.phase));
+        assert_eq!(last, Some(("backup.map".to_owned(), Phase::Intent)));
+        drop(guard);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -96,22 +96,25 @@ pub fn dns_names(der: &[u8]) -> Vec<String> {
     names
 }
 
-impl Connector {
-    /// The daemon as shipped: the node executor and the system clock.
-    pub fn for_node(config: Config) -> Result<Self, ServeError> {
-        let clock: Arc<dyn Clock> = Arc::new(crate::service::SystemClock);
-        let executor = Arc::new(crate::node::NodeExecutor::new(
-            config.clone(),
-            clock.clone(),
-        ));
-        Self::new(config, executor, clock)
-    }
+/// What the daemon serves with, loaded and checked from the files the config names; reading
+/// it changes nothing on disk.
+pub struct NodeIdentity {
+    pub node: NodeName,
+    pub tls: Arc<rustls::ServerConfig>,
+    pub authority: VerifyingKey,
+    pub gate: crate::policy::Gate,
+}
 
-    pub fn new(
-        config: Config,
-        executor: Arc<dyn Executor>,
-        clock: Arc<dyn Clock>,
-    ) -> Result<Self, ServeError> {
+impl std::fmt::Debug for NodeIdentity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeIdentity")
+            .field("node", &self.node)
+            .finish_non_exhaustive()
+    }
+}
+
+impl NodeIdentity {
+    pub fn load(config: &Config) -> Result<Self, ServeError> {
         let node: NodeName = config.node().map_err(ServeError::NodeName)?;
         let cert_path = &config.tls.certificate;
         let chain = tls::parse_certificates(
@@ -144,11 +147,42 @@ impl Connector {
         let gate = SurfacePolicy::compiled()?
             .gate()?
             .with_max_operator_cert_secs(config.limits.max_operator_cert_secs);
+        Ok(Self {
+            node,
+            tls,
+            authority,
+            gate,
+        })
+    }
+}
+
+impl Connector {
+    /// The daemon as shipped: the node executor and the system clock.
+    pub fn for_node(config: Config) -> Result<Self, ServeError> {
+        let clock: Arc<dyn Clock> = Arc::new(crate::service::SystemClock);
+        let executor = Arc::new(crate::node::NodeExecutor::new(
+            config.clone(),
+            clock.clone(),
+        ));
+        Self::new(config, executor, clock)
+    }
+
+    pub fn new(
+        config: Config,
+        executor: Arc<dyn Executor>,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Self, ServeError> {
+        let NodeIdentity {
+            node,
+            tls,
+            authority,
+            gate,
+        } = NodeIdentity::load(&config)?;
         files::create_private_dir(&config.paths.state_dir)?;
         let runs = Arc::new(RunRegistry::open(
             &config.paths.state_dir,
             &authority,
-            config.limits.max_concurrent_runs,
+            crate::runs::RegistryLimits::from_config(&config.limits),
             clock.now_unix_ms(),
         )?);
         let service = ConnectorService::new(

@@ -12,21 +12,38 @@
 //! where their outcome is known, by [`crate::call_log`]: every call once, refusals
 //! rate-limited, including those tonic answers before the service sees the request
 //! (oversized, undecodable, compressed).
+//!
+//! The run registry answers the rest itself: `ListRuns` from its index and the open runs'
+//! records in memory, `ReadJournal` by streaming the journal file, verifying the chain as it
+//! goes. Operations that add to the node are refused with `RESOURCE_EXHAUSTED` once the run's
+//! journal reaches its operation budget; what undoes or cleans up keeps the reserve.
 
 use crate::action::{Action, authorize, parse};
 use crate::executor::{Caller, ExecError, Executor, Outcome};
 use crate::grant::{self, GrantError};
 use crate::identity::{ClientIdentity, Identity};
+use crate::journal::{self, JournalError};
 use crate::policy::{Gate, Rpc};
-use crate::runs::{RunError, RunRegistry, RunState};
+use crate::runs::{RunError, RunRegistry};
 use crate::tls::PeerInfo;
-use crate::validate::{FieldError, NodeName};
+use crate::validate::{FieldError, NodeName, RunId};
 use certistack_proto::v1 as pb;
 use certistack_proto::v1::connector_server::Connector;
 use ed25519_dalek::VerifyingKey;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use tonic::{Request, Response, Status};
+
+/// The expiry reaper's first retry delay for a run it could not clean up, doubled per failed
+/// pass up to [`REAP_BACKOFF_MAX_SECS`].
+const REAP_BACKOFF_FIRST_SECS: i64 = 60;
+const REAP_BACKOFF_MAX_SECS: i64 = 3600;
+/// Seconds between two prunes of closed runs past their retention.
+const PRUNE_EVERY_SECS: i64 = 3600;
+/// Records a `ReadJournal` stream buffers ahead of a slow reader.
+const JOURNAL_STREAM_BUFFER: usize = 16;
 
 /// The node's clock, a parameter so tests can move it.
 pub trait Clock: Send + Sync + 'static {
@@ -59,6 +76,10 @@ pub struct ConnectorService {
     expiry_grace_secs: i64,
     /// `limits.min_probe_prefix`: grants with a wider probe network are refused at BeginRun.
     min_probe_prefix: u8,
+    /// When the reaper may next retry a run whose cleanup left residue, and its current delay.
+    reap_backoff: Mutex<BTreeMap<RunId, (i64, i64)>>,
+    /// When closed runs were last pruned (unix seconds).
+    last_prune_unix: std::sync::atomic::AtomicI64,
 }
 
 impl std::fmt::Debug for ConnectorService {
@@ -107,10 +128,12 @@ impl ConnectorService {
             node,
             gate,
             authority,
+            last_prune_unix: std::sync::atomic::AtomicI64::new(clock.now_unix()),
             runs,
             executor,
             clock,
             min_probe_prefix: crate::config::Limits::default().min_probe_prefix,
+            reap_backoff: Mutex::default(),
         }
     }
 
@@ -122,20 +145,24 @@ impl ConnectorService {
 
     /// Cleans up every open run whose deadline plus the grace has passed, journals it as
     /// expired and closes it. A run whose cleanup leaves residue stays open (and listed) for an
-    /// operator, and is retried on the next pass.
+    /// operator and is retried after a delay that doubles up to an hour; its journal records a
+    /// cleanup only when what it found changed. Also prunes closed runs past their retention.
     pub async fn reap_expired(&self) {
         let now = self.clock.now_unix();
-        for record in self.runs.list() {
-            let deadline = record.grant().deadline_unix;
-            if record.state != RunState::Open
-                || now < deadline.saturating_add(self.expiry_grace_secs)
-            {
+        self.prune_closed(now).await;
+        for run in self.runs.open_runs() {
+            let deadline = run.grant.deadline_unix;
+            if run.is_closed() || now < deadline.saturating_add(self.expiry_grace_secs) {
                 continue;
             }
-            let run_id = record.grant().run_id.clone();
+            let run_id = run.run_id.clone();
+            let backoff = self.backoff().get(&run_id).copied();
+            if backoff.is_some_and(|(next_at, _)| now < next_at) {
+                continue;
+            }
             let caller = Caller::Operator {
                 name: "expiry".into(),
-                run: record.handle.clone(),
+                run: run.clone(),
             };
             let result = self
                 .executor
@@ -148,29 +175,45 @@ impl ConnectorService {
                 .await;
             // The run closes only when the node holds nothing named for it any more.
             let residue = match result {
-                Ok(Outcome::Cleanup(_)) => self.executor.residue(&record.handle).await,
+                Ok(Outcome::Cleanup(_)) => self.executor.residue(&run).await,
                 Ok(_) => Err(ExecError::Failed(
                     "the executor answered Cleanup with the wrong reply type".into(),
                 )),
                 Err(error) => Err(error),
             };
-            match residue {
+            let clean = match residue {
                 Ok(residue) if residue.is_empty() => {
                     match self.runs.expire(&run_id, self.clock.now_unix_ms()).await {
                         Ok(_) => {
-                            tracing::warn!(%run_id, deadline, "run passed its deadline without EndRun: cleaned up and closed as expired")
+                            tracing::warn!(%run_id, deadline, "run passed its deadline without EndRun: cleaned up and closed as expired");
+                            true
                         }
+                        // EndRun closed it while the cleanup ran.
+                        Err(RunError::Closed(_)) => true,
                         Err(error) => {
-                            tracing::error!(%run_id, %error, "cannot close the expired run")
+                            tracing::error!(%run_id, %error, "cannot close the expired run");
+                            false
                         }
                     }
                 }
                 Ok(residue) => {
-                    tracing::error!(%run_id, ?residue, "expired run left residue; an operator must look at it")
+                    tracing::error!(%run_id, ?residue, "expired run left residue; an operator must look at it");
+                    false
                 }
+                Err(_) if run.is_closed() => true,
                 Err(error) => {
-                    tracing::error!(%run_id, %error, "cleanup of the expired run failed; retrying on the next pass")
+                    tracing::error!(%run_id, %error, "cleanup of the expired run failed; retrying later");
+                    false
                 }
+            };
+            let mut backoffs = self.backoff();
+            if clean {
+                backoffs.remove(&run_id);
+            } else {
+                let delay = backoff.map_or(REAP_BACKOFF_FIRST_SECS, |(_, delay)| {
+                    delay.saturating_mul(2).min(REAP_BACKOFF_MAX_SECS)
+                });
+                backoffs.insert(run_id, (now.saturating_add(delay), delay));
             }
         }
     }
@@ -178,13 +221,42 @@ impl ConnectorService {
     /// Settles, for every open run, the steps a previous daemon was interrupted in: their
     /// tools are killed and proven gone before anything else is decided.
     pub async fn recover_interrupted(&self) {
-        for record in self.runs.list() {
-            if record.state != RunState::Open {
+        for run in self.runs.open_runs() {
+            if run.is_closed() {
                 continue;
             }
-            if let Err(error) = self.executor.recover(&record.handle).await {
-                tracing::error!(run_id = %record.grant().run_id, %error, "cannot settle an interrupted step");
+            if let Err(error) = self.executor.recover(&run).await {
+                tracing::error!(run_id = %run.run_id, %error, "cannot settle an interrupted step");
             }
+        }
+    }
+
+    /// When the reaper retries `run_id` next, if its last cleanup left residue.
+    pub fn reap_retry_at(&self, run_id: &RunId) -> Option<i64> {
+        self.backoff().get(run_id).map(|(next_at, _)| *next_at)
+    }
+
+    fn backoff(&self) -> std::sync::MutexGuard<'_, BTreeMap<RunId, (i64, i64)>> {
+        self.reap_backoff
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    async fn prune_closed(&self, now: i64) {
+        let last = self
+            .last_prune_unix
+            .load(std::sync::atomic::Ordering::SeqCst);
+        if now.saturating_sub(last) < PRUNE_EVERY_SECS {
+            return;
+        }
+        self.last_prune_unix
+            .store(now, std::sync::atomic::Ordering::SeqCst);
+        let runs = self.runs.clone();
+        let now_ms = self.clock.now_unix_ms();
+        match tokio::task::spawn_blocking(move || runs.prune(now_ms)).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(error)) => tracing::error!(%error, "cannot prune closed runs"),
+            Err(error) => tracing::error!(%error, "pruning closed runs stopped"),
         }
     }
 
@@ -255,6 +327,74 @@ impl ConnectorService {
         Ok(peer)
     }
 
+    /// Steps 3 and the run lookup: the run `action` is for, if the caller may act on it.
+    fn resolve(&self, peer: &Peer, rpc: Rpc, action: &Action) -> Result<Caller, Status> {
+        let run_id = run_id_of(&peer.client.identity);
+        let refuse = |status: Status| self.refuse(rpc, &peer.label(), &run_id, status);
+        match &peer.client.identity {
+            Identity::Operator { name } => {
+                // Operators act on a named run (ReadJournal, Cleanup): resolve it here so the
+                // executor only ever sees runs this node knows.
+                let target = match action {
+                    Action::ReadJournal { run_id } | Action::Cleanup { run_id } => run_id,
+                    _ => {
+                        return Err(refuse(Status::internal(
+                            "the policy admitted an operator to a run operation",
+                        )));
+                    }
+                };
+                let Some(run) = self.runs.get(target) else {
+                    return Err(refuse(if self.runs.is_closed(target) {
+                        Status::failed_precondition(format!(
+                            "run {target} is closed: it left nothing on the node to clean up (ReadJournal still reads its journal)"
+                        ))
+                    } else if let Some(quarantined) = self.runs.quarantine(target) {
+                        Status::failed_precondition(quarantined.to_string())
+                    } else {
+                        Status::not_found(format!("no run {target} on this node (see ListRuns)"))
+                    }));
+                };
+                Ok(Caller::Operator {
+                    name: name.clone(),
+                    run,
+                })
+            }
+            Identity::Run {
+                run_id: id,
+                grant_sha256,
+                ..
+            } => {
+                let run = self.runs.get(id).ok_or_else(|| {
+                    if self.runs.is_closed(id) {
+                        return refuse(Status::permission_denied(
+                            RunError::Closed(id.clone()).to_string(),
+                        ));
+                    }
+                    let refusal = self
+                        .runs
+                        .quarantine(id)
+                        .unwrap_or_else(|| RunError::NotBegun(id.clone()));
+                    refuse(Status::failed_precondition(refusal.to_string()))
+                })?;
+                if &run.grant.digest != grant_sha256 {
+                    return Err(refuse(Status::permission_denied(
+                        "the certificate's grant digest differs from the grant this run began with",
+                    )));
+                }
+                let now = self.clock.now_unix();
+                if now >= run.grant.deadline_unix {
+                    return Err(refuse(Status::permission_denied(format!(
+                        "run {id} passed its grant deadline {} (node time {now}); an operator Cleanup reclaims what it left",
+                        run.grant.deadline_unix
+                    ))));
+                }
+                authorize(&run.grant, action)
+                    .map_err(|denial| refuse(Status::permission_denied(denial.to_string())))?;
+                Ok(Caller::Run(run))
+            }
+        }
+    }
+
     /// Steps 1–4 for an operation RPC.
     async fn operate<T>(
         &self,
@@ -266,74 +406,81 @@ impl ConnectorService {
         let run_id = run_id_of(&peer.client.identity);
         let refuse = |status: Status| self.refuse(rpc, &peer.label(), &run_id, status);
         let action = parse(request.into_inner()).map_err(|e| refuse(invalid(e)))?;
-        let caller = match &peer.client.identity {
-            Identity::Operator { name } => {
-                // Operators act on a named run (ReadJournal, Cleanup): resolve it here so the
-                // executor only ever sees runs this node knows.
-                let target = match &action {
-                    Action::ReadJournal { run_id } | Action::Cleanup { run_id } => run_id,
-                    _ => {
-                        return Err(refuse(Status::internal(
-                            "the policy admitted an operator to a run operation",
-                        )));
-                    }
-                };
-                let record = match self.runs.get(target) {
-                    Some(record) => record,
-                    None => {
-                        return Err(refuse(match self.runs.quarantine(target) {
-                            Some(quarantined) => {
-                                Status::failed_precondition(quarantined.to_string())
-                            }
-                            None => Status::not_found(format!(
-                                "no run {target} on this node (see ListRuns)"
-                            )),
-                        }));
-                    }
-                };
-                Caller::Operator {
-                    name: name.clone(),
-                    run: record.handle,
-                }
+        let caller = self.resolve(&peer, rpc, &action)?;
+        if !undoes_or_reads(&action) {
+            let (records, bytes) = caller.run().journal_usage();
+            let (max_records, max_bytes) = self.runs.limits().journal.operation_budget();
+            if records >= max_records || bytes >= max_bytes {
+                return Err(refuse(Status::resource_exhausted(format!(
+                    "run {} has journaled {records} records and {bytes} bytes; new operations stop at {max_records} records or {max_bytes} bytes (limits.max_journal_records, limits.max_journal_bytes), the rest is kept for cleanup: undo what the run holds and end it",
+                    caller.run().run_id
+                ))));
             }
-            Identity::Run {
-                run_id: id,
-                grant_sha256,
-                ..
-            } => {
-                let record = self.runs.get(id).ok_or_else(|| {
-                    let refusal = self
-                        .runs
-                        .quarantine(id)
-                        .unwrap_or_else(|| RunError::NotBegun(id.clone()));
-                    refuse(Status::failed_precondition(refusal.to_string()))
-                })?;
-                if record.state != RunState::Open {
-                    return Err(refuse(Status::permission_denied(
-                        RunError::Closed(id.clone()).to_string(),
-                    )));
-                }
-                if &record.grant().digest != grant_sha256 {
-                    return Err(refuse(Status::permission_denied(
-                        "the certificate's grant digest differs from the grant this run began with",
-                    )));
-                }
-                let now = self.clock.now_unix();
-                if now >= record.grant().deadline_unix {
-                    return Err(refuse(Status::permission_denied(format!(
-                        "run {id} passed its grant deadline {} (node time {now}); an operator Cleanup reclaims what it left",
-                        record.grant().deadline_unix
-                    ))));
-                }
-                authorize(record.grant(), &action)
-                    .map_err(|denial| refuse(Status::permission_denied(denial.to_string())))?;
-                Caller::Run(record.handle.clone())
-            }
-        };
+        }
         self.executor
             .execute(&caller, action)
             .await
             .map_err(Status::from)
+    }
+}
+
+/// Whether an action only undoes, stops, inspects or cleans up: those are admitted while the
+/// run's journal is past its operation budget, into the reserve kept for them.
+fn undoes_or_reads(action: &Action) -> bool {
+    match action {
+        Action::UnmapBackup { .. }
+        | Action::DeleteOverlay { .. }
+        | Action::StopVm { .. }
+        | Action::DestroyVm { .. }
+        | Action::VmStatus { .. }
+        | Action::ReleaseSandbox { .. }
+        | Action::ReadJournal { .. }
+        | Action::Cleanup { .. } => true,
+        Action::MapBackup { .. }
+        | Action::CreateOverlay { .. }
+        | Action::CreateVm { .. }
+        | Action::StartVm { .. }
+        | Action::Qmp { .. }
+        | Action::Qga { .. }
+        | Action::PrepareSandbox { .. }
+        | Action::Probe { .. } => false,
+    }
+}
+
+/// Streams the journal at `path` into `records`, verifying the chain, one record in memory at
+/// a time. Records appended after the call began are left out; so is a torn last record
+/// (a write in progress, or the tail of a crash that start-up sets aside). Stops when the
+/// reader goes away.
+fn stream_journal(
+    path: &Path,
+    run_id: &str,
+    max_line: u64,
+    records: &tokio::sync::mpsc::Sender<Result<pb::JournalRecord, Status>>,
+) {
+    let opened = std::fs::File::open(path).and_then(|file| {
+        let len = file.metadata()?.len();
+        Ok(std::io::Read::take(file, len))
+    });
+    let file = match opened {
+        Ok(file) => file,
+        Err(error) => {
+            let _ = records.blocking_send(Err(Status::internal(format!(
+                "cannot read the journal {}: {error}",
+                path.display()
+            ))));
+            return;
+        }
+    };
+    let reader = journal::Reader::new(std::io::BufReader::new(file), path, run_id, max_line);
+    for record in reader {
+        let item = record.map(|r| r.to_wire()).map_err(|error| match error {
+            JournalError::Corrupt { .. } => Status::data_loss(error.to_string()),
+            _ => Status::internal(error.to_string()),
+        });
+        let last = item.is_err();
+        if records.blocking_send(item).is_err() || last {
+            return;
+        }
     }
 }
 
@@ -434,12 +581,16 @@ impl Connector for ConnectorService {
         let resumed = self
             .runs
             .begin(&signed, grant, self.clock.now_unix_ms())
+            .await
             .map_err(|error| {
                 refuse(match error {
-                    RunError::TooMany { .. } => Status::resource_exhausted(error.to_string()),
-                    RunError::Store(_) | RunError::Journal(_) => {
-                        Status::internal(error.to_string())
+                    RunError::TooMany { .. } | RunError::SandboxExhausted { .. } => {
+                        Status::resource_exhausted(error.to_string())
                     }
+                    RunError::Store(_)
+                    | RunError::Journal(_)
+                    | RunError::Background(_)
+                    | RunError::Locked { .. } => Status::internal(error.to_string()),
                     RunError::Overlap { .. } | RunError::Quarantined(..) => {
                         Status::failed_precondition(error.to_string())
                     }
@@ -471,8 +622,8 @@ impl Connector for ConnectorService {
             ));
         };
         // Only the certificate of the grant the run began with may end it.
-        if let Some(record) = self.runs.get(run_id)
-            && &record.grant().digest != grant_sha256
+        if let Some(run) = self.runs.get(run_id)
+            && &run.grant.digest != grant_sha256
         {
             return Err(self.refuse(
                 rpc,
@@ -485,14 +636,13 @@ impl Connector for ConnectorService {
         }
         // A run ends clean: what the node still holds under the run's names (not only what
         // its journal has open) must be cleaned up first.
-        if let Some(record) = self.runs.get(run_id)
-            && record.state == RunState::Open
+        if let Some(run) = self.runs.get(run_id)
+            && !run.is_closed()
         {
-            let residue = self
-                .executor
-                .residue(&record.handle)
-                .await
-                .map_err(|error| self.refuse(rpc, &peer.label(), run_id.as_str(), error.into()))?;
+            let residue =
+                self.executor.residue(&run).await.map_err(|error| {
+                    self.refuse(rpc, &peer.label(), run_id.as_str(), error.into())
+                })?;
             if !residue.is_empty() {
                 return Err(self.refuse(
                     rpc,
@@ -518,9 +668,13 @@ impl Connector for ConnectorService {
                         RunError::NotBegun(_) | RunError::OpenResources(..) => {
                             Status::failed_precondition(error.to_string())
                         }
-                        RunError::Store(_) | RunError::Journal(_) => {
-                            Status::internal(error.to_string())
+                        RunError::Journal(JournalError::Full { .. }) => {
+                            Status::resource_exhausted(error.to_string())
                         }
+                        RunError::Store(_)
+                        | RunError::Journal(_)
+                        | RunError::Background(_)
+                        | RunError::Locked { .. } => Status::internal(error.to_string()),
                         _ => Status::permission_denied(error.to_string()),
                     },
                 )
@@ -666,17 +820,39 @@ impl Connector for ConnectorService {
         &self,
         request: Request<pb::ReadJournalRequest>,
     ) -> Result<Response<Self::ReadJournalStream>, Status> {
-        match self
-            .operate(request, Rpc::ReadJournal, parse::read_journal)
-            .await?
-        {
-            Outcome::Journal(records) => {
-                let stream: JournalStream =
-                    Box::pin(tokio_stream::iter(records.into_iter().map(Ok)));
-                Ok(Response::new(stream))
+        let rpc = Rpc::ReadJournal;
+        let peer = self.authenticate(&request, rpc)?;
+        let label = run_id_of(&peer.client.identity);
+        let refuse = |status: Status| self.refuse(rpc, &peer.label(), &label, status);
+        let action = parse::read_journal(request.into_inner()).map_err(|e| refuse(invalid(e)))?;
+        let Action::ReadJournal { run_id: target } = &action else {
+            return Err(refuse(Status::internal(
+                "ReadJournal parsed into another action",
+            )));
+        };
+        // An operator reads any run this node knows, closed ones included; a run reads its
+        // own journal while it is open, as it calls every other operation.
+        let path: PathBuf = match &peer.client.identity {
+            Identity::Operator { .. } if self.runs.is_closed(target) => {
+                self.runs.journal_path(target).ok_or_else(|| {
+                    refuse(Status::not_found(format!(
+                        "no run {target} on this node (see ListRuns)"
+                    )))
+                })?
             }
-            _ => Err(unexpected(Rpc::ReadJournal)),
-        }
+            _ => self
+                .resolve(&peer, rpc, &action)?
+                .run()
+                .journal_path()
+                .to_owned(),
+        };
+        let (sender, receiver) = tokio::sync::mpsc::channel(JOURNAL_STREAM_BUFFER);
+        let max_line = self.runs.max_journal_line();
+        let run_id = target.to_string();
+        tokio::task::spawn_blocking(move || stream_journal(&path, &run_id, max_line, &sender));
+        tracing::info!(rpc = rpc.name(), peer = %peer.label(), run_id = %target, "streaming");
+        let stream: JournalStream = Box::pin(tokio_stream::wrappers::ReceiverStream::new(receiver));
+        Ok(Response::new(stream))
     }
 
     async fn list_runs(
@@ -685,34 +861,44 @@ impl Connector for ConnectorService {
     ) -> Result<Response<pb::ListRunsReply>, Status> {
         self.authenticate(&request, Rpc::ListRuns)?;
         let now = self.clock.now_unix();
-        let mut runs = Vec::new();
-        for record in self.runs.list() {
-            // What the run still has on the node, as its journal says.
-            let open_resources = match record.handle.records().await {
-                Ok(records) => crate::node::resources::open_newest_first(&records)
-                    .into_iter()
-                    .map(|state| {
-                        format!(
-                            "{} ({} {})",
-                            state.key,
-                            state.last.entry.op,
-                            state.last.entry.phase.name()
-                        )
-                    })
-                    .collect(),
-                Err(error) => vec![format!("journal unreadable: {error}")],
-            };
-            runs.push(pb::RunSummary {
-                run_id: record.grant().run_id.to_string(),
-                state: match record.state {
-                    RunState::Closed { .. } => pb::RunState::Closed,
-                    RunState::Open if now >= record.grant().deadline_unix => pb::RunState::Expired,
-                    RunState::Open => pb::RunState::Open,
+        // Open runs: what they hold, from the records in memory (which takes each journal's
+        // lock, so off the async workers). Closed runs: their index entry.
+        let open = self.runs.open_runs();
+        let open = tokio::task::spawn_blocking(move || {
+            open.into_iter()
+                .map(|run| {
+                    let resources = run.open_resources();
+                    (run, resources)
+                })
+                .collect::<Vec<_>>()
+        })
+        .await
+        .map_err(|error| Status::internal(format!("listing the open runs stopped: {error}")))?;
+        let mut runs: Vec<pb::RunSummary> = open
+            .into_iter()
+            .map(|(run, open_resources)| pb::RunSummary {
+                run_id: run.run_id.to_string(),
+                state: if now >= run.grant.deadline_unix {
+                    pb::RunState::Expired
+                } else {
+                    pb::RunState::Open
                 } as i32,
-                deadline_unix: record.grant().deadline_unix,
+                deadline_unix: run.grant.deadline_unix,
                 open_resources,
-            });
-        }
+            })
+            .collect();
+        runs.extend(
+            self.runs
+                .closed_runs()
+                .into_iter()
+                .map(|(run_id, closed)| pb::RunSummary {
+                    run_id: run_id.to_string(),
+                    state: pb::RunState::Closed as i32,
+                    deadline_unix: closed.deadline_unix,
+                    open_resources: Vec::new(),
+                }),
+        );
+        runs.sort_by(|a, b| a.run_id.cmp(&b.run_id));
         for (run_id, reason) in self.runs.quarantined() {
             runs.push(pb::RunSummary {
                 run_id: run_id.to_string(),
@@ -729,5 +915,110 @@ impl Connector for ConnectorService {
         request: Request<pb::CleanupRequest>,
     ) -> Result<Response<pb::CleanupReply>, Status> {
         operation!(self, request, Rpc::Cleanup, parse::cleanup, Cleanup)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::executor::ExecFuture;
+    use crate::grant::tests::{full_wire_grant, sign};
+    use crate::runs::RegistryLimits;
+    use crate::validate::Validated;
+    use ed25519_dalek::SigningKey;
+    use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
+
+    #[derive(Default)]
+    struct TestClock(AtomicI64);
+
+    impl Clock for TestClock {
+        fn now_unix_ms(&self) -> i64 {
+            self.0.load(Ordering::SeqCst)
+        }
+    }
+
+    /// Answers Cleanup with residue until told the node is clean.
+    #[derive(Default)]
+    struct ResidueExecutor {
+        cleanups: AtomicUsize,
+        clean: std::sync::atomic::AtomicBool,
+    }
+
+    impl Executor for ResidueExecutor {
+        fn capabilities(&self) -> Vec<&'static str> {
+            Vec::new()
+        }
+        fn execute<'a>(&'a self, _: &'a Caller, _: Action) -> ExecFuture<'a> {
+            self.cleanups.fetch_add(1, Ordering::SeqCst);
+            let residue = if self.clean.load(Ordering::SeqCst) {
+                Vec::new()
+            } else {
+                vec!["VM 9100 config".to_owned()]
+            };
+            Box::pin(async move {
+                Ok(Outcome::Cleanup(pb::CleanupReply {
+                    resources: Vec::new(),
+                    residue,
+                    journal_head: String::new(),
+                }))
+            })
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn the_reaper_backs_off_from_a_run_with_residue() {
+        let dir = std::env::temp_dir().join(format!("certistack-reaper-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let key = SigningKey::from_bytes(&[1; 32]);
+        let runs = Arc::new(
+            RunRegistry::open(&dir, &key.verifying_key(), RegistryLimits::default(), 0).unwrap(),
+        );
+        let signed = sign(&key, &full_wire_grant());
+        let grant = crate::grant::verify(&signed, &key.verifying_key()).unwrap();
+        let run_id = grant.run_id.clone();
+        runs.begin(&signed, grant, 2_000_000).await.unwrap();
+        let executor = Arc::new(ResidueExecutor::default());
+        let clock = Arc::new(TestClock::default());
+        let service = ConnectorService::new(
+            NodeName::validate("pve1").unwrap(),
+            crate::policy::SurfacePolicy::compiled()
+                .unwrap()
+                .gate()
+                .unwrap(),
+            key.verifying_key(),
+            runs.clone(),
+            executor.clone(),
+            clock.clone(),
+            0,
+        );
+        // The grant's deadline is 4_600 s; the reaper passes every 30 s from 5_000 s on.
+        let mut attempts_at = Vec::new();
+        for pass in 0..16 {
+            let now = 5_000 + pass * 30;
+            clock.0.store(now * 1000, Ordering::SeqCst);
+            let before = executor.cleanups.load(Ordering::SeqCst);
+            service.reap_expired().await;
+            if executor.cleanups.load(Ordering::SeqCst) > before {
+                attempts_at.push(now);
+            }
+        }
+        // Retried after 60, 120 and 240 s, not on every pass.
+        assert_eq!(attempts_at, [5_000, 5_060, 5_180, 5_420]);
+        assert_eq!(service.reap_retry_at(&run_id), Some(5_420 + 480));
+        assert!(!runs.is_closed(&run_id));
+        // Once the node is clean, the next attempt closes the run as expired.
+        executor.clean.store(true, Ordering::SeqCst);
+        clock.0.store(5_900 * 1000, Ordering::SeqCst);
+        service.reap_expired().await;
+        assert!(runs.is_closed(&run_id));
+        assert_eq!(service.reap_retry_at(&run_id), None);
+        // The reaper's passes also prune closed runs past their retention (90 days).
+        clock
+            .0
+            .store((5_900 + 91 * 86_400) * 1000, Ordering::SeqCst);
+        service.reap_expired().await;
+        assert!(runs.closed_runs().is_empty());
+        assert!(!dir.join("runs").join(run_id.as_str()).exists());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -4,14 +4,16 @@
 
 use anyhow::Context;
 use certistack_connector::config::{self, Config};
+use certistack_connector::runs::StateLock;
 use certistack_connector::server::Connector;
-use certistack_connector::{enroll, tls};
+use certistack_connector::{check, enroll, tls};
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 const EXIT_CODES: &str = "Exit codes: 0 success; 1 the daemon failed while running; \
-2 usage error; 3 refused to start (config, key or certificate missing, insecure or inconsistent).";
+2 usage error; 3 refused to start (config, key or certificate missing, insecure or inconsistent; \
+state directory in use by another connector) or `check` found a problem.";
 
 #[derive(Parser, Debug)]
 #[command(name = "certistack-connector", version, about = "CertiStack node connector", after_help = EXIT_CODES)]
@@ -30,7 +32,8 @@ struct Cli {
 enum Command {
     /// Serve the connector surface (the default).
     Serve,
-    /// Check the config and every file it names, then exit.
+    /// Check the config and every file, tool and directory it names, changing nothing, then
+    /// exit (3 when anything would stop or break `serve`).
     Check,
     /// Enroll this node with a controller.
     Enroll(EnrollArgs),
@@ -59,6 +62,8 @@ struct EnrollArgs {
 
 enum Failure {
     Refused(anyhow::Error),
+    /// `check` found problems; it printed each one.
+    CheckFailed(usize),
     Runtime(anyhow::Error),
 }
 
@@ -69,6 +74,10 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(Failure::Refused(error)) => {
             tracing::error!("refusing to start: {error:#}");
+            ExitCode::from(3)
+        }
+        Err(Failure::CheckFailed(problems)) => {
+            tracing::error!("check found {problems} problem(s); `serve` would refuse or fail");
             ExitCode::from(3)
         }
         Err(Failure::Runtime(error)) => {
@@ -102,9 +111,18 @@ fn run(cli: Cli) -> Result<(), Failure> {
     match cli.command.unwrap_or(Command::Serve) {
         Command::Serve => serve(config),
         Command::Check => {
-            Connector::for_node(config).map_err(|e| Failure::Refused(e.into()))?;
-            println!("configuration ok");
-            Ok(())
+            let report = check::check(&config).map_err(|e| Failure::Refused(e.into()))?;
+            for note in &report.notes {
+                println!("ok: {note}");
+            }
+            if report.problems.is_empty() {
+                println!("configuration ok");
+                return Ok(());
+            }
+            for problem in &report.problems {
+                println!("problem: {problem}");
+            }
+            Err(Failure::CheckFailed(report.problems.len()))
         }
         Command::Enroll(args) if args.csr => {
             let csr =
@@ -142,6 +160,10 @@ fn serve(config: Config) -> Result<(), Failure> {
         .build()
         .context("starting the async runtime")
         .map_err(Failure::Runtime)?;
+    // One connector per state directory, before any journal is opened (opening repairs them).
+    let _lock = StateLock::acquire(&config.paths.state_dir)
+        .context("locking the state directory")
+        .map_err(Failure::Refused)?;
     runtime.block_on(async {
         let connector = Connector::for_node(config).map_err(|e| Failure::Refused(e.into()))?;
         let listener = connector

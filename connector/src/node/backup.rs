@@ -175,7 +175,7 @@ impl NodeExecutor {
             &resource,
             Phase::Intent,
             json!({ "snapshot": snapshot.as_str(), "archive": archive.as_str(), "repository": repository, "command": call.display() }),
-        )?;
+        ).await?;
         let output = match self.run_step(&mut guard, op, &resource, call).await {
             Ok(output) => output,
             Err(error) => {
@@ -187,35 +187,41 @@ impl NodeExecutor {
                 )
                 .is_some_and(|s| s.standing() == Standing::Failed);
                 if never_started {
-                    guard.append(
-                        self.now_ms(),
-                        op,
-                        &resource,
-                        Phase::Undone,
-                        json!({ "end_state": EndState::NeverCreated.wire() }),
-                    )?;
+                    guard
+                        .append(
+                            self.now_ms(),
+                            op,
+                            &resource,
+                            Phase::Undone,
+                            json!({ "end_state": EndState::NeverCreated.wire() }),
+                        )
+                        .await?;
                 }
                 return Err(error);
             }
         };
         // Success is the "mapped on" line: the client exits 0 even when its mapping child fails.
         let Some(device) = loopdev::parse_mapped_on(&output.stderr) else {
-            guard.append(
-                self.now_ms(),
-                op,
-                &resource,
-                Phase::Failed,
-                tool_detail(&output, &[]),
-            )?;
+            guard
+                .append(
+                    self.now_ms(),
+                    op,
+                    &resource,
+                    Phase::Failed,
+                    tool_detail(&output, &[]),
+                )
+                .await?;
             // The client finished and named no device: this call mapped nothing, so the
             // resource is closed and the map may be retried.
-            guard.append(
-                self.now_ms(),
-                op,
-                &resource,
-                Phase::Undone,
-                json!({ "end_state": EndState::NeverCreated.wire() }),
-            )?;
+            guard
+                .append(
+                    self.now_ms(),
+                    op,
+                    &resource,
+                    Phase::Undone,
+                    json!({ "end_state": EndState::NeverCreated.wire() }),
+                )
+                .await?;
             return Err(ExecError::FailedPrecondition(format!(
                 "proxmox-backup-client map did not map {archive} (exit {:?}): {}; nothing is left mapped, the map may be retried",
                 output.exit_code,
@@ -247,7 +253,9 @@ impl NodeExecutor {
                 extra.push(("backing_file", json!(backing.display().to_string())));
             }
             let detail = tool_detail(&output, &extra);
-            guard.append(self.now_ms(), op, &resource, Phase::Failed, detail)?;
+            guard
+                .append(self.now_ms(), op, &resource, Phase::Failed, detail)
+                .await?;
             return Err(ExecError::FailedPrecondition(format!(
                 "the mapping of {archive} failed verification: {reason}; call Cleanup to remove it"
             )));
@@ -259,7 +267,9 @@ impl NodeExecutor {
                 ("backing_file", json!(expected.display().to_string())),
             ],
         );
-        guard.append(self.now_ms(), op, &resource, Phase::Done, detail)?;
+        guard
+            .append(self.now_ms(), op, &resource, Phase::Done, detail)
+            .await?;
         Ok(Outcome::MapBackup(pb::MapBackupReply {
             loop_device: device,
             tool: Some(tool_result("proxmox-backup-client map", &output)),
@@ -369,13 +379,15 @@ impl NodeExecutor {
         });
         devices.dedup();
         if devices.is_empty() && !dangling {
-            guard.append(
-                self.now_ms(),
-                op,
-                &resource,
-                Phase::Undone,
-                json!({ "end_state": EndState::AlreadyGone.wire() }),
-            )?;
+            guard
+                .append(
+                    self.now_ms(),
+                    op,
+                    &resource,
+                    Phase::Undone,
+                    json!({ "end_state": EndState::AlreadyGone.wire() }),
+                )
+                .await?;
             return Ok((EndState::AlreadyGone, None));
         }
         let by_name = self.name_is_unique(grant, archive);
@@ -384,13 +396,15 @@ impl NodeExecutor {
         } else {
             devices.clone()
         };
-        guard.append(
-            self.now_ms(),
-            op,
-            &resource,
-            Phase::Intent,
-            json!({ "loop_devices": devices, "unmap": targets }),
-        )?;
+        guard
+            .append(
+                self.now_ms(),
+                op,
+                &resource,
+                Phase::Intent,
+                json!({ "loop_devices": devices, "unmap": targets }),
+            )
+            .await?;
         let mut last_output = None;
         for target in &targets {
             if !by_name {
@@ -430,7 +444,9 @@ impl NodeExecutor {
                 map.insert("loop_devices_left".into(), json!(left));
                 map.insert("backing_file_left".into(), json!(holder_left));
             }
-            guard.append(self.now_ms(), op, &resource, Phase::Failed, detail)?;
+            guard
+                .append(self.now_ms(), op, &resource, Phase::Failed, detail)
+                .await?;
             let reason = format!(
                 "proxmox-backup-client unmap did not remove the mapping of {archive} (devices left: {left:?}; backing file left: {holder_left}): {}",
                 last_output
@@ -451,7 +467,9 @@ impl NodeExecutor {
             Some(output) => tool_detail(output, &extra),
             None => json!({ "loop_devices": devices, "end_state": EndState::Unmapped.wire() }),
         };
-        guard.append(self.now_ms(), op, &resource, Phase::Undone, detail)?;
+        guard
+            .append(self.now_ms(), op, &resource, Phase::Undone, detail)
+            .await?;
         Ok((EndState::Unmapped, last_output))
     }
 }

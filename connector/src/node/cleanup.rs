@@ -60,7 +60,7 @@ impl NodeExecutor {
         &self,
         guard: &mut RunGuard<'_>,
     ) -> Result<(), ExecError> {
-        let records = guard.records();
+        let records = guard.records().to_vec();
         let interrupted: Vec<ResourceState> = resources::states(&records)
             .into_values()
             .filter(|s| s.standing() == Standing::Interrupted)
@@ -80,18 +80,20 @@ impl NodeExecutor {
                 problems.push(format!("{}: {}", state.key, left.join("; ")));
                 continue;
             }
-            guard.append(
-                self.now_ms(),
-                &state.last.entry.op,
-                &state.key,
-                Phase::Failed,
-                json!({
-                    "error": "the connector stopped during this step",
-                    "outcome_unknown": true,
-                    "tools": tools,
-                    "processes_killed": killed,
-                }),
-            )?;
+            guard
+                .append(
+                    self.now_ms(),
+                    &state.last.entry.op,
+                    &state.key,
+                    Phase::Failed,
+                    json!({
+                        "error": "the connector stopped during this step",
+                        "outcome_unknown": true,
+                        "tools": tools,
+                        "processes_killed": killed,
+                    }),
+                )
+                .await?;
             if killed > 0 {
                 tracing::warn!(resource = %state.key, killed, "killed the tools of a step the connector was interrupted in");
             }
@@ -112,7 +114,7 @@ impl NodeExecutor {
         let grant = &run.grant;
         let mut guard = run.lock().await;
         self.settle_interrupted(&mut guard).await?;
-        let records = guard.records();
+        let records = guard.records().to_vec();
         let touched_network = records
             .iter()
             .any(|r| Resource::parse(&r.entry.resource).is_network());
@@ -160,7 +162,8 @@ impl NodeExecutor {
         if !residue.is_empty() || failed {
             tracing::warn!(run_id = %grant.run_id, ?residue, ?receipts, "cleanup left residue");
         }
-        guard.append(
+        // The same finding again (the expiry reaper retrying) is not journaled again.
+        guard.append_if_changed(
             self.now_ms(),
             "run.cleanup",
             &format!("run:{}", grant.run_id),
@@ -170,7 +173,7 @@ impl NodeExecutor {
                 Phase::Failed
             },
             json!({ "receipts": receipts.iter().map(|r| json!({"resource": r.resource, "end_state": r.end_state})).collect::<Vec<_>>(), "residue": residue }),
-        )?;
+        ).await?;
         Ok(Outcome::Cleanup(pb::CleanupReply {
             resources: receipts,
             residue,
@@ -235,7 +238,7 @@ impl NodeExecutor {
         match &state.resource {
             Resource::Overlay { vmid, archive } => {
                 let path = self.overlay_path(grant, *vmid, archive);
-                self.remove_path(guard, Op::OverlayDelete, key, &path)
+                self.remove_path(guard, Op::OverlayDelete, key, &path).await
             }
             Resource::Backup(archive) => self
                 .undo_backup(guard, grant, state, archive)
@@ -251,13 +254,15 @@ impl NodeExecutor {
             {
                 // The install itself failed and said so (nft -f is all or nothing; ip refused
                 // the address): nothing of this run's is there to remove.
-                guard.append(
-                    self.now_ms(),
-                    "sandbox.undo",
-                    key,
-                    Phase::Undone,
-                    json!({ "end_state": EndState::NeverCreated.wire() }),
-                )?;
+                guard
+                    .append(
+                        self.now_ms(),
+                        "sandbox.undo",
+                        key,
+                        Phase::Undone,
+                        json!({ "end_state": EndState::NeverCreated.wire() }),
+                    )
+                    .await?;
                 Ok(EndState::NeverCreated)
             }
             Resource::NftTable(_) => self.remove_table(guard, grant).await.map(network_end_state),
@@ -267,10 +272,11 @@ impl NodeExecutor {
                 .map(network_end_state),
             Resource::Screendump(vmid) => {
                 let path = self.screendump_path(grant, *vmid);
-                self.remove_path(guard, Op::FileDelete, key, &path)
+                self.remove_path(guard, Op::FileDelete, key, &path).await
             }
             Resource::OverlayDir => {
                 self.remove_path(guard, Op::OverlayDirDelete, key, &self.overlay_dir(grant))
+                    .await
             }
             Resource::Unrecognized(_) => Err(ExecError::Failed(format!(
                 "no undo is known for {key}; it was written by another version of the connector"
@@ -283,7 +289,7 @@ impl NodeExecutor {
     pub(super) async fn run_residue(&self, run: &RunHandle) -> Result<Vec<String>, ExecError> {
         let mut guard = run.lock().await;
         self.settle_interrupted(&mut guard).await?;
-        let records = guard.records();
+        let records = guard.records().to_vec();
         let touched_network = records
             .iter()
             .any(|r| Resource::parse(&r.entry.resource).is_network());

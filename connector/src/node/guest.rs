@@ -338,13 +338,15 @@ impl NodeExecutor {
                     "the run has no directory for a screendump yet".into(),
                 ));
             }
-            guard.append(
-                self.now_ms(),
-                Op::FileScreendump.as_str(),
-                &key,
-                Phase::Intent,
-                json!({ "path": path.display().to_string() }),
-            )?;
+            guard
+                .append(
+                    self.now_ms(),
+                    Op::FileScreendump.as_str(),
+                    &key,
+                    Phase::Intent,
+                    json!({ "path": path.display().to_string() }),
+                )
+                .await?;
             // QEMU opens the path it is given and follows links: it gets a file created here,
             // without following any, in the run's checked directory (a previous screendump of
             // the run is replaced).
@@ -353,25 +355,29 @@ impl NodeExecutor {
                 &super::overlay::screendump_file_name(vmid),
                 true,
             ) {
-                guard.append(
-                    self.now_ms(),
-                    Op::FileScreendump.as_str(),
-                    &key,
-                    Phase::Failed,
-                    json!({ "error": error.to_string() }),
-                )?;
+                guard
+                    .append(
+                        self.now_ms(),
+                        Op::FileScreendump.as_str(),
+                        &key,
+                        Phase::Failed,
+                        json!({ "error": error.to_string() }),
+                    )
+                    .await?;
                 return Err(error);
             }
             arguments = Some(json!({ "filename": path.display().to_string() }));
         }
         let started = Instant::now();
-        guard.append(
-            self.now_ms(),
-            "guest.qmp",
-            &resource,
-            Phase::Intent,
-            json!({ "command": command.wire_name() }),
-        )?;
+        guard
+            .append(
+                self.now_ms(),
+                "guest.qmp",
+                &resource,
+                Phase::Intent,
+                json!({ "command": command.wire_name() }),
+            )
+            .await?;
         let result = qmp(
             &self.socket(vmid, "qmp"),
             command.wire_name(),
@@ -382,19 +388,21 @@ impl NodeExecutor {
         let elapsed_ms = started.elapsed().as_millis() as u64;
         match result {
             Ok(value) => {
-                guard.append(self.now_ms(), "guest.qmp", &resource, Phase::Done, json!({ "command": command.wire_name(), "return": value, "elapsed_ms": elapsed_ms }))?;
+                guard.append(self.now_ms(), "guest.qmp", &resource, Phase::Done, json!({ "command": command.wire_name(), "return": value, "elapsed_ms": elapsed_ms })).await?;
                 if command == QmpCommand::Screendump {
                     let path = self.screendump_path(&run.grant, vmid);
                     let bytes = std::fs::symlink_metadata(&path)
                         .map(|m| m.len())
                         .unwrap_or(0);
-                    guard.append(
-                        self.now_ms(),
-                        Op::FileScreendump.as_str(),
-                        &Resource::Screendump(vmid).key(),
-                        Phase::Done,
-                        json!({ "path": path.display().to_string(), "bytes": bytes }),
-                    )?;
+                    guard
+                        .append(
+                            self.now_ms(),
+                            Op::FileScreendump.as_str(),
+                            &Resource::Screendump(vmid).key(),
+                            Phase::Done,
+                            json!({ "path": path.display().to_string(), "bytes": bytes }),
+                        )
+                        .await?;
                 }
                 Ok(Outcome::Qmp(pb::QmpReply {
                     result_json: value.to_string(),
@@ -403,7 +411,7 @@ impl NodeExecutor {
                 }))
             }
             Err(error) => {
-                guard.append(self.now_ms(), "guest.qmp", &resource, Phase::Failed, json!({ "command": command.wire_name(), "error": error.to_string(), "elapsed_ms": elapsed_ms }))?;
+                guard.append(self.now_ms(), "guest.qmp", &resource, Phase::Failed, json!({ "command": command.wire_name(), "error": error.to_string(), "elapsed_ms": elapsed_ms })).await?;
                 Err(error.into())
             }
         }
@@ -422,15 +430,18 @@ impl NodeExecutor {
         let started = Instant::now();
         match call {
             QgaCall::Command(command) => {
-                guard.append(
-                    self.now_ms(),
-                    "guest.qga",
-                    &resource,
-                    Phase::Intent,
-                    json!({ "command": command.wire_name() }),
-                )?;
+                guard
+                    .append(
+                        self.now_ms(),
+                        "guest.qga",
+                        &resource,
+                        Phase::Intent,
+                        json!({ "command": command.wire_name() }),
+                    )
+                    .await?;
                 let result = qga(&path, command.wire_name(), self.guest_timeout()).await;
                 self.finish_qga(&mut guard, &resource, command, result, started)
+                    .await
             }
             QgaCall::Assertion(id) => {
                 let assertion = run.grant.qga_assertions.get(&id).ok_or_else(|| {
@@ -443,7 +454,7 @@ impl NodeExecutor {
                     &resource,
                     Phase::Intent,
                     json!({ "assertion": id.as_str(), "program": assertion.program.as_str(), "args": argv }),
-                )?;
+                ).await?;
                 let result = qga_exec(&path, assertion, self.guest_timeout()).await;
                 let elapsed_ms = started.elapsed().as_millis() as u64;
                 match result {
@@ -461,7 +472,7 @@ impl NodeExecutor {
                             &resource,
                             Phase::Done,
                             json!({ "assertion": id.as_str(), "exit_code": exec.exit_code, "passed": passed, "stdout": stdout, "elapsed_ms": elapsed_ms }),
-                        )?;
+                        ).await?;
                         Ok(Outcome::Qga(pb::QgaReply {
                             result_json: json!({ "exitcode": exec.exit_code, "stdout": stdout, "stderr": truncated(&exec.stderr) }).to_string(),
                             exit_code: i32::try_from(exec.exit_code).unwrap_or(i32::MIN),
@@ -471,7 +482,7 @@ impl NodeExecutor {
                         }))
                     }
                     Err(error) => {
-                        guard.append(self.now_ms(), "guest.exec", &resource, Phase::Failed, json!({ "assertion": id.as_str(), "error": error.to_string(), "elapsed_ms": elapsed_ms }))?;
+                        guard.append(self.now_ms(), "guest.exec", &resource, Phase::Failed, json!({ "assertion": id.as_str(), "error": error.to_string(), "elapsed_ms": elapsed_ms })).await?;
                         Err(error.into())
                     }
                 }
@@ -479,7 +490,7 @@ impl NodeExecutor {
         }
     }
 
-    fn finish_qga(
+    async fn finish_qga(
         &self,
         guard: &mut crate::runs::RunGuard<'_>,
         resource: &str,
@@ -490,13 +501,15 @@ impl NodeExecutor {
         let elapsed_ms = started.elapsed().as_millis() as u64;
         match result {
             Ok(value) => {
-                guard.append(
-                    self.now_ms(),
-                    "guest.qga",
-                    resource,
-                    Phase::Done,
-                    json!({ "command": command.wire_name(), "elapsed_ms": elapsed_ms }),
-                )?;
+                guard
+                    .append(
+                        self.now_ms(),
+                        "guest.qga",
+                        resource,
+                        Phase::Done,
+                        json!({ "command": command.wire_name(), "elapsed_ms": elapsed_ms }),
+                    )
+                    .await?;
                 Ok(Outcome::Qga(pb::QgaReply {
                     result_json: value.to_string(),
                     exit_code: 0,
@@ -506,7 +519,7 @@ impl NodeExecutor {
                 }))
             }
             Err(error) => {
-                guard.append(self.now_ms(), "guest.qga", resource, Phase::Failed, json!({ "command": command.wire_name(), "error": error.to_string(), "elapsed_ms": elapsed_ms }))?;
+                guard.append(self.now_ms(), "guest.qga", resource, Phase::Failed, json!({ "command": command.wire_name(), "error": error.to_string(), "elapsed_ms": elapsed_ms })).await?;
                 Err(error.into())
             }
         }

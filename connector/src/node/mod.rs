@@ -209,13 +209,15 @@ impl NodeExecutor {
             Ok(tool) => {
                 if let Some(identity) = tool.identity() {
                     // Should this append fail, dropping `tool` kills its process group.
-                    guard.append(
-                        self.now_ms(),
-                        op,
-                        resource,
-                        Phase::Intent,
-                        json!({ "tool": identity }),
-                    )?;
+                    guard
+                        .append(
+                            self.now_ms(),
+                            op,
+                            resource,
+                            Phase::Intent,
+                            json!({ "tool": identity }),
+                        )
+                        .await?;
                 }
                 tool.wait().await
             }
@@ -229,7 +231,9 @@ impl NodeExecutor {
                     process::ToolError::Timeout { .. } | process::ToolError::Wait { .. }
                 );
                 let detail = json!({ "error": error.to_string(), "outcome_unknown": unknown });
-                guard.append(self.now_ms(), op, resource, Phase::Failed, detail)?;
+                guard
+                    .append(self.now_ms(), op, resource, Phase::Failed, detail)
+                    .await?;
                 Err(tool_error(error))
             }
         }

@@ -190,30 +190,36 @@ impl NodeExecutor {
             // The root is checked before the directory's intent is journaled: a refused root
             // leaves nothing to clean up.
             self.open_overlay_root()?;
-            guard.append(
-                self.now_ms(),
-                dir_op,
-                &dir_key,
-                Phase::Intent,
-                json!({ "path": dir.display().to_string() }),
-            )?;
-            if let Err(error) = self.open_run_dir(grant, true) {
-                guard.append(
+            guard
+                .append(
                     self.now_ms(),
                     dir_op,
                     &dir_key,
-                    Phase::Failed,
-                    json!({ "error": error.to_string() }),
-                )?;
+                    Phase::Intent,
+                    json!({ "path": dir.display().to_string() }),
+                )
+                .await?;
+            if let Err(error) = self.open_run_dir(grant, true) {
+                guard
+                    .append(
+                        self.now_ms(),
+                        dir_op,
+                        &dir_key,
+                        Phase::Failed,
+                        json!({ "error": error.to_string() }),
+                    )
+                    .await?;
                 return Err(error);
             }
-            guard.append(
-                self.now_ms(),
-                dir_op,
-                &dir_key,
-                Phase::Done,
-                json!({ "path": dir.display().to_string() }),
-            )?;
+            guard
+                .append(
+                    self.now_ms(),
+                    dir_op,
+                    &dir_key,
+                    Phase::Done,
+                    json!({ "path": dir.display().to_string() }),
+                )
+                .await?;
         }
         let op = Op::OverlayCreate.as_str();
         let path = self.overlay_path(grant, vmid, &archive);
@@ -236,26 +242,30 @@ impl NodeExecutor {
             .arg("-F")
             .arg("raw")
             .arg(&path);
-        guard.append(self.now_ms(), op, &resource, Phase::Intent, json!({ "path": path.display().to_string(), "backing": device, "command": call.display() }))?;
+        guard.append(self.now_ms(), op, &resource, Phase::Intent, json!({ "path": path.display().to_string(), "backing": device, "command": call.display() })).await?;
         if let Err(error) = self.create_run_file(grant, &name, false) {
-            guard.append(
-                self.now_ms(),
-                op,
-                &resource,
-                Phase::Failed,
-                json!({ "error": error.to_string() }),
-            )?;
+            guard
+                .append(
+                    self.now_ms(),
+                    op,
+                    &resource,
+                    Phase::Failed,
+                    json!({ "error": error.to_string() }),
+                )
+                .await?;
             return Err(error);
         }
         let output = self.run_step(&mut guard, op, &resource, call).await?;
         if !output.success() || !path.is_file() {
-            guard.append(
-                self.now_ms(),
-                op,
-                &resource,
-                Phase::Failed,
-                tool_detail(&output, &[]),
-            )?;
+            guard
+                .append(
+                    self.now_ms(),
+                    op,
+                    &resource,
+                    Phase::Failed,
+                    tool_detail(&output, &[]),
+                )
+                .await?;
             return Err(ExecError::FailedPrecondition(format!(
                 "qemu-img create failed (exit {:?}): {}",
                 output.exit_code,
@@ -276,7 +286,9 @@ impl NodeExecutor {
                 ("backing", json!(device)),
             ],
         );
-        guard.append(self.now_ms(), op, &resource, Phase::Done, detail)?;
+        guard
+            .append(self.now_ms(), op, &resource, Phase::Done, detail)
+            .await?;
         Ok(Outcome::CreateOverlay(pb::CreateOverlayReply {
             tool: Some(tool_result("qemu-img create", &output)),
             warnings,
@@ -357,7 +369,8 @@ impl NodeExecutor {
             )));
         }
         let path = self.overlay_path(grant, vmid, &archive);
-        self.remove_path(&mut guard, Op::OverlayDelete, &resource, &path)?;
+        self.remove_path(&mut guard, Op::OverlayDelete, &resource, &path)
+            .await?;
         Ok(Outcome::DeleteOverlay(pb::DeleteOverlayReply {
             journal_head: guard.head_hex(),
         }))
@@ -366,7 +379,7 @@ impl NodeExecutor {
     /// Removes one run-scoped file (or empty directory), journaled `intent` then `undone` with
     /// its end state, or `failed`. A path that is already gone is recorded as such; a link is
     /// removed, never followed.
-    pub(super) fn remove_path(
+    pub(super) async fn remove_path(
         &self,
         guard: &mut RunGuard<'_>,
         op: Op,
@@ -375,13 +388,15 @@ impl NodeExecutor {
     ) -> Result<EndState, ExecError> {
         let op = op.as_str();
         let shown = path.display().to_string();
-        guard.append(
-            self.now_ms(),
-            op,
-            resource,
-            Phase::Intent,
-            json!({ "path": shown }),
-        )?;
+        guard
+            .append(
+                self.now_ms(),
+                op,
+                resource,
+                Phase::Intent,
+                json!({ "path": shown }),
+            )
+            .await?;
         let is_dir = std::fs::symlink_metadata(path).is_ok_and(|m| m.is_dir());
         let removed = if is_dir {
             std::fs::remove_dir(path)
@@ -392,23 +407,27 @@ impl NodeExecutor {
             Ok(()) => EndState::Deleted,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => EndState::AlreadyGone,
             Err(error) => {
-                guard.append(
-                    self.now_ms(),
-                    op,
-                    resource,
-                    Phase::Failed,
-                    json!({ "path": shown, "error": error.to_string() }),
-                )?;
+                guard
+                    .append(
+                        self.now_ms(),
+                        op,
+                        resource,
+                        Phase::Failed,
+                        json!({ "path": shown, "error": error.to_string() }),
+                    )
+                    .await?;
                 return Err(ExecError::Failed(format!("cannot remove {shown}: {error}")));
             }
         };
-        guard.append(
-            self.now_ms(),
-            op,
-            resource,
-            Phase::Undone,
-            json!({ "path": shown, "end_state": end_state.wire() }),
-        )?;
+        guard
+            .append(
+                self.now_ms(),
+                op,
+                resource,
+                Phase::Undone,
+                json!({ "path": shown, "end_state": end_state.wire() }),
+            )
+            .await?;
         Ok(end_state)
     }
 }

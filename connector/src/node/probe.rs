@@ -1018,13 +1018,15 @@ impl NodeExecutor {
             )));
         }
         let resource = format!("probe:{}:{address}:{port}", kind.name());
-        guard.append(
-            self.now_ms(),
-            "probe.run",
-            &resource,
-            Phase::Intent,
-            json!({ "source": source.to_string() }),
-        )?;
+        guard
+            .append(
+                self.now_ms(),
+                "probe.run",
+                &resource,
+                Phase::Intent,
+                json!({ "source": source.to_string() }),
+            )
+            .await?;
         let bounds = ProbeBounds {
             device: grant.vnet.to_string(),
             timeout: Duration::from_secs(self.config.limits.probe_timeout_secs),
@@ -1032,19 +1034,21 @@ impl NodeExecutor {
             max_entries: self.config.limits.max_probe_entries,
         };
         let result = probe_target(source, target, &bounds).await;
-        guard.append(
-            self.now_ms(),
-            "probe.run",
-            &resource,
-            Phase::Done,
-            json!({
-                "passed": result.passed,
-                "detail": result.detail,
-                "latency_us": result.latency.as_micros() as u64,
-                "received_sha256": result.received_sha256,
-                "tls_certificate_sha256": result.tls_certificate_sha256,
-            }),
-        )?;
+        guard
+            .append(
+                self.now_ms(),
+                "probe.run",
+                &resource,
+                Phase::Done,
+                json!({
+                    "passed": result.passed,
+                    "detail": result.detail,
+                    "latency_us": result.latency.as_micros() as u64,
+                    "received_sha256": result.received_sha256,
+                    "tls_certificate_sha256": result.tls_certificate_sha256,
+                }),
+            )
+            .await?;
         Ok(Outcome::Probe(pb::ProbeReply {
             outcome: if result.passed {
                 pb::ProbeOutcome::Passed

@@ -524,13 +524,15 @@ impl NodeExecutor {
         // keep the guest from using it.
         let rules = ruleset(grant, &vnet);
         let nft_key = format!("nft:{table}");
-        guard.append(
-            self.now_ms(),
-            "sandbox.nft",
-            &nft_key,
-            Phase::Intent,
-            json!({ "table": table, "ruleset": rules }),
-        )?;
+        guard
+            .append(
+                self.now_ms(),
+                "sandbox.nft",
+                &nft_key,
+                Phase::Intent,
+                json!({ "table": table, "ruleset": rules }),
+            )
+            .await?;
         // One `nft -f` transaction: the whole table or nothing. The ruleset travels on a pipe.
         let call = ToolCall::new(&self.config.tools.nft, self.tool_timeout())
             .arg("-f")
@@ -544,13 +546,15 @@ impl NodeExecutor {
             .run_step(&mut guard, "sandbox.nft", &nft_key, call)
             .await?;
         if !out.success() {
-            guard.append(
-                self.now_ms(),
-                "sandbox.nft",
-                &nft_key,
-                Phase::Failed,
-                tool_detail(&out, &[]),
-            )?;
+            guard
+                .append(
+                    self.now_ms(),
+                    "sandbox.nft",
+                    &nft_key,
+                    Phase::Failed,
+                    tool_detail(&out, &[]),
+                )
+                .await?;
             return Err(ExecError::FailedPrecondition(format!(
                 "nft -f refused the containment table: {}",
                 out.stderr_excerpt()
@@ -562,13 +566,15 @@ impl NodeExecutor {
         if !listed.success() || listed.truncated {
             // The table is installed but its evidence cannot be produced: no run proceeds
             // without the evidence. Record it as installed so Cleanup removes it, and try now.
-            guard.append(
-                self.now_ms(),
-                "sandbox.nft",
-                &nft_key,
-                Phase::Done,
-                json!({ "table": table, "ruleset_sha256": null, "evidence": "unavailable" }),
-            )?;
+            guard
+                .append(
+                    self.now_ms(),
+                    "sandbox.nft",
+                    &nft_key,
+                    Phase::Done,
+                    json!({ "table": table, "ruleset_sha256": null, "evidence": "unavailable" }),
+                )
+                .await?;
             let reason = if listed.truncated {
                 "the listing is larger than the connector reads (64 KiB)".to_owned()
             } else {
@@ -583,23 +589,27 @@ impl NodeExecutor {
             )));
         }
         let sha256 = hex::encode(Sha256::digest(listed.stdout.as_bytes()));
-        guard.append(
-            self.now_ms(),
-            "sandbox.nft",
-            &nft_key,
-            Phase::Done,
-            json!({ "table": table, "ruleset_sha256": sha256 }),
-        )?;
+        guard
+            .append(
+                self.now_ms(),
+                "sandbox.nft",
+                &nft_key,
+                Phase::Done,
+                json!({ "table": table, "ruleset_sha256": sha256 }),
+            )
+            .await?;
 
         let address = probe_source.to_string();
         let addr_key = format!("addr:{vnet}");
-        guard.append(
-            self.now_ms(),
-            "sandbox.address",
-            &addr_key,
-            Phase::Intent,
-            json!({ "address": address }),
-        )?;
+        guard
+            .append(
+                self.now_ms(),
+                "sandbox.address",
+                &addr_key,
+                Phase::Intent,
+                json!({ "address": address }),
+            )
+            .await?;
         let call = ToolCall::new(&self.config.tools.ip, self.tool_timeout())
             .arg("address")
             .arg("add")
@@ -610,13 +620,15 @@ impl NodeExecutor {
             .run_step(&mut guard, "sandbox.address", &addr_key, call)
             .await?;
         if !out.success() {
-            guard.append(
-                self.now_ms(),
-                "sandbox.address",
-                &addr_key,
-                Phase::Failed,
-                tool_detail(&out, &[]),
-            )?;
+            guard
+                .append(
+                    self.now_ms(),
+                    "sandbox.address",
+                    &addr_key,
+                    Phase::Failed,
+                    tool_detail(&out, &[]),
+                )
+                .await?;
             let removal = match self.remove_table(&mut guard, grant).await {
                 Ok(end_state) => format!("the containment table was removed ({end_state})"),
                 Err(error) => {
@@ -628,13 +640,15 @@ impl NodeExecutor {
                 out.stderr_excerpt()
             )));
         }
-        guard.append(
-            self.now_ms(),
-            "sandbox.address",
-            &addr_key,
-            Phase::Done,
-            json!({ "address": address }),
-        )?;
+        guard
+            .append(
+                self.now_ms(),
+                "sandbox.address",
+                &addr_key,
+                Phase::Done,
+                json!({ "address": address }),
+            )
+            .await?;
         Ok(Outcome::PrepareSandbox(pb::PrepareSandboxReply {
             bridge_ports: seen.ports,
             bridge_addresses: seen
@@ -738,31 +752,37 @@ impl NodeExecutor {
             ),
         };
         if !self.present(grant, object).await? {
-            guard.append(
-                self.now_ms(),
-                op,
-                &key,
-                Phase::Undone,
-                json!({ "end_state": "already gone" }),
-            )?;
+            guard
+                .append(
+                    self.now_ms(),
+                    op,
+                    &key,
+                    Phase::Undone,
+                    json!({ "end_state": "already gone" }),
+                )
+                .await?;
             return Ok("already gone");
         }
-        guard.append(
-            self.now_ms(),
-            op,
-            &key,
-            Phase::Intent,
-            json!({ "argv": args }),
-        )?;
-        let out = self.tool(program, &args).await?;
-        if !out.success() || self.present(grant, object).await? {
-            guard.append(
+        guard
+            .append(
                 self.now_ms(),
                 op,
                 &key,
-                Phase::Failed,
-                tool_detail(&out, &[]),
-            )?;
+                Phase::Intent,
+                json!({ "argv": args }),
+            )
+            .await?;
+        let out = self.tool(program, &args).await?;
+        if !out.success() || self.present(grant, object).await? {
+            guard
+                .append(
+                    self.now_ms(),
+                    op,
+                    &key,
+                    Phase::Failed,
+                    tool_detail(&out, &[]),
+                )
+                .await?;
             return Err(ExecError::Failed(format!(
                 "{} {} failed: {}",
                 program.display(),
@@ -770,13 +790,15 @@ impl NodeExecutor {
                 out.stderr_excerpt()
             )));
         }
-        guard.append(
-            self.now_ms(),
-            op,
-            &key,
-            Phase::Undone,
-            json!({ "end_state": "deleted" }),
-        )?;
+        guard
+            .append(
+                self.now_ms(),
+                op,
+                &key,
+                Phase::Undone,
+                json!({ "end_state": "deleted" }),
+            )
+            .await?;
         Ok("deleted")
     }
 

@@ -235,24 +235,28 @@ impl NodeExecutor {
             _ => {}
         }
         let op = verb.op().as_str();
-        guard.append(
-            self.now_ms(),
-            op,
-            &resource,
-            Phase::Intent,
-            json!({ "argv": args }),
-        )?;
+        guard
+            .append(
+                self.now_ms(),
+                op,
+                &resource,
+                Phase::Intent,
+                json!({ "argv": args }),
+            )
+            .await?;
         let output = self
             .run_step(guard, op, &resource, self.qm_call(&args, verb.grace()))
             .await?;
         if !output.success() {
-            guard.append(
-                self.now_ms(),
-                op,
-                &resource,
-                Phase::Failed,
-                tool_detail(&output, &[]),
-            )?;
+            guard
+                .append(
+                    self.now_ms(),
+                    op,
+                    &resource,
+                    Phase::Failed,
+                    tool_detail(&output, &[]),
+                )
+                .await?;
             return Err(ExecError::FailedPrecondition(format!(
                 "qm {} {vmid} failed (exit {:?}): {}",
                 verb.name(),
@@ -265,13 +269,15 @@ impl NodeExecutor {
         } else {
             Phase::Done
         };
-        guard.append(
-            self.now_ms(),
-            op,
-            &resource,
-            phase,
-            tool_detail(&output, &[]),
-        )?;
+        guard
+            .append(
+                self.now_ms(),
+                op,
+                &resource,
+                phase,
+                tool_detail(&output, &[]),
+            )
+            .await?;
         Ok(output)
     }
 
@@ -349,13 +355,15 @@ impl NodeExecutor {
         push("--tags", TAG.into());
         push("--description", marker(grant.run_id.as_str()));
         let op = Op::VmCreate.as_str();
-        guard.append(
-            self.now_ms(),
-            op,
-            &resource,
-            Phase::Intent,
-            json!({ "smbios_uuid": smbios_uuid, "argv": args }),
-        )?;
+        guard
+            .append(
+                self.now_ms(),
+                op,
+                &resource,
+                Phase::Intent,
+                json!({ "smbios_uuid": smbios_uuid, "argv": args }),
+            )
+            .await?;
         let output = self
             .run_step(
                 &mut guard,
@@ -365,13 +373,15 @@ impl NodeExecutor {
             )
             .await?;
         if !output.success() {
-            guard.append(
-                self.now_ms(),
-                op,
-                &resource,
-                Phase::Failed,
-                tool_detail(&output, &[("smbios_uuid", json!(smbios_uuid))]),
-            )?;
+            guard
+                .append(
+                    self.now_ms(),
+                    op,
+                    &resource,
+                    Phase::Failed,
+                    tool_detail(&output, &[("smbios_uuid", json!(smbios_uuid))]),
+                )
+                .await?;
             if output.stderr.contains("already exists") {
                 return Err(ExecError::AlreadyExists(format!(
                     "qm refused: {}; the existing VM is left untouched",
@@ -384,13 +394,15 @@ impl NodeExecutor {
                 output.stderr_excerpt()
             )));
         }
-        guard.append(
-            self.now_ms(),
-            op,
-            &resource,
-            Phase::Done,
-            tool_detail(&output, &[("smbios_uuid", json!(smbios_uuid))]),
-        )?;
+        guard
+            .append(
+                self.now_ms(),
+                op,
+                &resource,
+                Phase::Done,
+                tool_detail(&output, &[("smbios_uuid", json!(smbios_uuid))]),
+            )
+            .await?;
         Ok(Outcome::CreateVm(pb::CreateVmReply {
             smbios_uuid,
             tool: Some(tool_result("qm create", &output)),
@@ -530,26 +542,30 @@ impl NodeExecutor {
         };
         match ownership {
             Ownership::Absent => {
-                guard.append(
-                    self.now_ms(),
-                    op,
-                    &resource,
-                    Phase::Undone,
-                    json!({ "end_state": EndState::AlreadyGone.wire() }),
-                )?;
+                guard
+                    .append(
+                        self.now_ms(),
+                        op,
+                        &resource,
+                        Phase::Undone,
+                        json!({ "end_state": EndState::AlreadyGone.wire() }),
+                    )
+                    .await?;
                 Ok(EndState::AlreadyGone)
             }
             Ownership::Unknown(reason) => Err(ExecError::Failed(format!(
                 "VM {vmid}: {reason}; it stays recorded as open until its config can be read"
             ))),
             Ownership::NotOurs(reason) => {
-                guard.append(
-                    self.now_ms(),
-                    op,
-                    &resource,
-                    Phase::Undone,
-                    json!({ "end_state": EndState::NotOurs.wire(), "reason": reason }),
-                )?;
+                guard
+                    .append(
+                        self.now_ms(),
+                        op,
+                        &resource,
+                        Phase::Undone,
+                        json!({ "end_state": EndState::NotOurs.wire(), "reason": reason }),
+                    )
+                    .await?;
                 Ok(EndState::NotOurs)
             }
             Ownership::Ours => {
