@@ -963,6 +963,19 @@ mod tests {
                 }))
             })
         }
+        fn residue<'a>(
+            &'a self,
+            _: &'a crate::runs::RunHandle,
+        ) -> crate::executor::ResidueFuture<'a> {
+            let clean = self.clean.load(Ordering::SeqCst);
+            Box::pin(async move {
+                Ok(if clean {
+                    Vec::new()
+                } else {
+                    vec!["VM 9100 config".to_owned()]
+                })
+            })
+        }
     }
 
     #[tokio::test(flavor = "multi_thread")]
