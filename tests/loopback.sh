@@ -32,14 +32,16 @@ overlay_root = "$work/node/overlays"
 CONF
 
 echo "== controller: create the CA and signing keys"
-"$bin/certistack-ctl" ca init --state-dir "$work/ctl"
+"$bin/certistack-ctl" ca init --state-dir "$work/ctl" | tee "$work/ca-init.txt"
+# The operator carries this fingerprint to the node out of band; enrollment refuses any other CA.
+fingerprint=$(sed -n 's/^CA fingerprint: //p' "$work/ca-init.txt")
 echo "== node: generate its key and a CSR (the key never leaves the node)"
 "$bin/certistack-connector" --config "$work/node/connector.toml" enroll --csr > "$work/node.csr"
 echo "== controller: sign the CSR"
 "$bin/certistack-ctl" node sign --state-dir "$work/ctl" --node pve1 --csr "$work/node.csr" --out "$work/node-issued.crt"
 echo "== node: install certificate, CA and run-authority key"
 "$bin/certistack-connector" --config "$work/node/connector.toml" enroll --install \
-  --certificate "$work/node-issued.crt" --ca "$work/ctl/ca.crt" --run-authority "$work/ctl/run-authority.pub"
+  --certificate "$work/node-issued.crt" --ca "$work/ctl/ca.crt" --ca-fingerprint "$fingerprint" --run-authority "$work/ctl/run-authority.pub"
 echo "== node: start the connector on 127.0.0.1:$port"
 "$bin/certistack-connector" --config "$work/node/connector.toml" 2> "$work/connector.log" &
 daemon=$!
