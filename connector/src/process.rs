@@ -102,6 +102,10 @@ impl ToolCall {
     }
 }
 
+/// Lines of a tool's stderr kept in its excerpt, and characters kept of each.
+const STDERR_EXCERPT_LINES: usize = 8;
+const STDERR_EXCERPT_LINE_CHARS: usize = 512;
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ToolOutput {
     /// The exit code, or `None` when a signal ended the child.
@@ -120,11 +124,17 @@ impl ToolOutput {
     }
 
     /// The last lines of stderr, for replies and logs.
+    /// The last lines of the tool's stderr, each escaped and capped like any text the node does
+    /// not control: a tool repeats what it was told (a guest's disk label, a server's error),
+    /// and the excerpt goes into replies, logs and the journal.
     pub fn stderr_excerpt(&self) -> String {
         let lines: Vec<&str> = self.stderr.lines().collect();
         lines
-            .get(lines.len().saturating_sub(8)..)
+            .get(lines.len().saturating_sub(STDERR_EXCERPT_LINES)..)
             .unwrap_or_default()
+            .iter()
+            .map(|line| crate::untrusted::printable(line.as_bytes(), STDERR_EXCERPT_LINE_CHARS))
+            .collect::<Vec<_>>()
             .join("\n")
     }
 }
@@ -665,6 +675,34 @@ fn install_descriptors(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stderr_excerpts_keep_the_last_lines_escaped_and_capped() {
+        let mut stderr = String::new();
+        for n in 0..20 {
+            stderr.push_str(&format!("line {n}\n"));
+        }
+        stderr.push_str("forged\u{1b}[31m \u{202e}");
+        stderr.push('\n');
+        stderr.push_str(&"x".repeat(4096));
+        let output = ToolOutput {
+            exit_code: Some(1),
+            stdout: String::new(),
+            stderr,
+            elapsed: std::time::Duration::ZERO,
+            truncated: false,
+        };
+        let excerpt = output.stderr_excerpt();
+        let lines: Vec<&str> = excerpt.lines().collect();
+        assert_eq!(lines.len(), STDERR_EXCERPT_LINES, "{excerpt}");
+        assert_eq!(lines.first(), Some(&"line 14"));
+        assert!(excerpt.contains("forged\\u{1b}[31m \\u{202e}"), "{excerpt}");
+        assert!(!excerpt.contains('\u{1b}'));
+        assert!(
+            lines.last().unwrap().ends_with("…[3584 more bytes]"),
+            "{excerpt}"
+        );
+    }
 
     fn sh(script: &str) -> ToolCall {
         ToolCall::new("/bin/sh", Duration::from_secs(5))

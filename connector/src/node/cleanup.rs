@@ -245,26 +245,8 @@ impl NodeExecutor {
                 .await
                 .map(|(end, _)| end),
             Resource::Vm(vmid) => self.undo_vm(guard, grant, state, *vmid).await,
-            Resource::NftTable(_) | Resource::ProbeAddress(_)
-                if state.standing() == Standing::Failed
-                    && matches!(
-                        state.last.entry.op.as_str(),
-                        "sandbox.nft" | "sandbox.address"
-                    ) =>
-            {
-                // The install itself failed and said so (nft -f is all or nothing; ip refused
-                // the address): nothing of this run's is there to remove.
-                guard
-                    .append(
-                        self.now_ms(),
-                        "sandbox.undo",
-                        key,
-                        Phase::Undone,
-                        json!({ "end_state": EndState::NeverCreated.wire() }),
-                    )
-                    .await?;
-                Ok(EndState::NeverCreated)
-            }
+            // Whatever the install reported, the node is read before anything is recorded:
+            // an absent table or address is journaled "already gone", a present one removed.
             Resource::NftTable(_) => self.remove_table(guard, grant).await.map(network_end_state),
             Resource::ProbeAddress(_) => self
                 .remove_address(guard, grant)

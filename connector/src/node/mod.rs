@@ -55,6 +55,9 @@ impl std::fmt::Debug for dyn Clock {
 
 impl From<JournalError> for ExecError {
     fn from(error: JournalError) -> Self {
+        if let JournalError::Full { .. } = error {
+            return ExecError::ResourceExhausted(error.to_string());
+        }
         ExecError::Failed(format!(
             "the run's journal failed ({error}); a step it does not record as done may still have happened: read the journal and clean up"
         ))
@@ -277,5 +280,29 @@ impl Executor for NodeExecutor {
             let mut guard = run.lock().await;
             self.settle_interrupted(&mut guard).await
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_journal_inside_a_step_is_resource_exhausted() {
+        let full = JournalError::Full {
+            path: PathBuf::from("/var/lib/certistack/runs/x/journal"),
+            records: 10_000,
+            bytes: 1,
+            max_records: 10_000,
+            max_bytes: 16 << 20,
+        };
+        let status = tonic::Status::from(ExecError::from(full));
+        assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+        assert!(status.message().contains("limits.max_journal_records"));
+        let poisoned = JournalError::Poisoned(PathBuf::from("/x"));
+        assert_eq!(
+            tonic::Status::from(ExecError::from(poisoned)).code(),
+            tonic::Code::Internal
+        );
     }
 }
