@@ -23,6 +23,7 @@ pub mod net;
 pub mod node;
 pub mod policy;
 pub mod process;
+pub mod resources;
 pub mod runs;
 pub mod server;
 pub mod service;

@@ -118,7 +118,7 @@ impl RunHandle {
     /// journal lock: call it off the async workers.
     pub fn open_resources(&self) -> Vec<String> {
         let journal = lock_journal(&self.journal);
-        crate::node::resources::open_newest_first(journal.records())
+        crate::resources::open_newest_first(journal.records())
             .into_iter()
             .map(|state| {
                 format!(
@@ -677,7 +677,7 @@ impl RunRegistry {
         }
         // A run ends clean: what it still has on the node must be cleaned up first, or it
         // would outlive the run that owns it.
-        let open: Vec<String> = crate::node::resources::open_newest_first(&run.records())
+        let open: Vec<String> = crate::resources::open_newest_first(&run.records())
             .into_iter()
             .map(|state| state.key)
             .collect();

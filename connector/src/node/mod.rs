@@ -18,7 +18,9 @@ pub mod guest;
 pub mod loopdev;
 pub mod overlay;
 pub mod probe;
-pub mod resources;
+// What a run holds, as its journal says: shared with the run registry, which decides from it
+// whether a run may close or still counts against the node's limits.
+pub use crate::resources;
 pub mod sandbox;
 pub mod vm;
 

@@ -6,6 +6,9 @@
 //! record is not `undone`: an `intent` without an outcome (the daemon died in between), a
 //! `done`, or a `failed` that may have left something behind. Cleanup reverses open resources
 //! newest first.
+//!
+//! The node executor decides from this what to undo; the run registry decides from it whether a
+//! run still holds something (it may not close, and still counts against the node's limits).
 
 use crate::journal::{Phase, Record};
 use crate::process::ToolIdentity;
