@@ -2041,3 +2041,77 @@ async fn a_repeated_cleanup_finding_is_journaled_once() {
     assert_eq!(cleanups.len(), 2, "{cleanups:?}");
     run.stop().await;
 }
+
+/// StopVm is admitted into the journal's cleanup reserve, so a run's own certificate can spend
+/// that reserve on repeated stops; the VM, its overlay and its mapping must still be removable.
+#[tokio::test(flavor = "multi_thread")]
+async fn repeated_stops_cannot_spend_the_reserve_cleanup_needs() {
+    if !privileged(
+        "repeated_stops_cannot_spend_the_reserve_cleanup_needs",
+        &["losetup", "python3", "qemu-img"],
+    ) {
+        return;
+    }
+    let serial = SERIAL.lock().await;
+    let lab = Lab::new("stop-flood");
+    lab.add_backup(SNAPSHOT, ARCHIVE, MARKER, 8 << 20);
+    let authority_dir = TempDir::new("stop-flood-ctl");
+    let authority = controller(&authority_dir.0);
+    let mut config = lab.node_config(&authority, &lab.root.join("node"));
+    config.limits.max_journal_records = 1000;
+    let (address, shutdown, task) = serve_node(config).await;
+    let mut wire = grant(RUN_ID, NODE);
+    wire.archives = vec![ARCHIVE.into()];
+    sandbox_grant(&mut wire);
+    let credentials = mint(&authority, &wire);
+    let mut client = client(&authority, &address, NODE, &credentials.certificate)
+        .await
+        .unwrap();
+    client.begin_run(begin_request(&credentials)).await.unwrap();
+    let mut run = Run {
+        lab,
+        client,
+        shutdown: Some(shutdown),
+        task: Some(task),
+        _authority_dir: authority_dir,
+        _serial: serial,
+    };
+    run.client
+        .map_backup(map_request(ARCHIVE, PBS_PASSWORD))
+        .await
+        .unwrap();
+    run.client
+        .create_overlay(pb::CreateOverlayRequest {
+            vmid: 9100,
+            archive: ARCHIVE.into(),
+        })
+        .await
+        .unwrap();
+    run.client
+        .create_vm(pb::CreateVmRequest {
+            vmid: 9100,
+            cores: 1,
+            memory_mib: 256,
+            archives: vec![ARCHIVE.into()],
+        })
+        .await
+        .unwrap();
+    let mut refused = None;
+    for _ in 0..400 {
+        if let Err(status) = run
+            .client
+            .stop_vm(pb::StopVmRequest {
+                vmid: 9100,
+                timeout_seconds: 0,
+            })
+            .await
+        {
+            refused = Some(status);
+            break;
+        }
+    }
+    let refused = refused.expect("repeated StopVm was never refused");
+    eprintln!("StopVm refused: {refused:?}");
+    // What the run holds must still come off the node.
+    run.end().await;
+}
