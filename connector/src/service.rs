@@ -424,19 +424,21 @@ impl ConnectorService {
     }
 }
 
-/// Whether an action only undoes, stops, inspects or cleans up: those are admitted while the
+/// Whether an action only undoes, inspects or cleans up: those are admitted while the
 /// run's journal is past its operation budget, into the reserve kept for them.
 fn undoes_or_reads(action: &Action) -> bool {
     match action {
         Action::UnmapBackup { .. }
         | Action::DeleteOverlay { .. }
-        | Action::StopVm { .. }
         | Action::DestroyVm { .. }
         | Action::VmStatus { .. }
         | Action::ReleaseSandbox { .. }
         | Action::ReadJournal { .. }
         | Action::Cleanup { .. } => true,
-        Action::MapBackup { .. }
+        // Repeatable and journaled: admitted into the reserve, stops could spend what the
+        // destroy and cleanup of the VM need. DestroyVm and Cleanup stop the VM themselves.
+        Action::StopVm { .. }
+        | Action::MapBackup { .. }
         | Action::CreateOverlay { .. }
         | Action::CreateVm { .. }
         | Action::StartVm { .. }
