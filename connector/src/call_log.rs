@@ -8,7 +8,7 @@
 //!   sources (reasons: …)". Refused handshakes need no certificate, so this is what bounds the
 //!   log an unauthenticated peer can cause.
 
-use crate::connection::{CallGuard, PeerInfo};
+use crate::connection::{Activity, CallGuard, PeerInfo};
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use std::collections::{BTreeMap, HashSet};
@@ -209,8 +209,9 @@ impl<S> tower::Layer<S> for CallLogLayer {
     }
 }
 
-/// Logs each call once with its outcome and marks the connection busy while the call lasts,
-/// so that the idle timeout only closes connections without calls.
+/// Logs each call once with its outcome and marks the connection busy from the moment its
+/// request has arrived whole until its response ends, so that the idle timeout only closes
+/// connections without calls.
 #[derive(Debug, Clone)]
 pub struct CallLog<S> {
     inner: S,
@@ -220,9 +221,12 @@ pub struct CallLog<S> {
 type CallFuture<E> =
     Pin<Box<dyn Future<Output = Result<http::Response<tonic::body::Body>, E>> + Send>>;
 
-impl<S, B> tower::Service<http::Request<B>> for CallLog<S>
+impl<S> tower::Service<http::Request<tonic::body::Body>> for CallLog<S>
 where
-    S: tower::Service<http::Request<B>, Response = http::Response<tonic::body::Body>>,
+    S: tower::Service<
+            http::Request<tonic::body::Body>,
+            Response = http::Response<tonic::body::Body>,
+        >,
     S::Future: Send + 'static,
 {
     type Response = http::Response<tonic::body::Body>;
@@ -233,13 +237,63 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+    fn call(&mut self, request: http::Request<tonic::body::Body>) -> Self::Future {
         let call = Call::begin(&request, self.refusals.clone());
+        // The connection counts as busy once the request has arrived whole, not from its
+        // headers: a stream that never finishes its request must not keep a connection from
+        // its idle timeout.
+        let busy = call.busy.clone();
+        let activity = call.peer.as_ref().map(|p| p.activity.clone());
+        let request = request.map(|body| {
+            tonic::body::Body::new(ArrivingRequest {
+                inner: body,
+                arrived: activity.map(|activity| (activity, busy)),
+            })
+        });
         let response = self.inner.call(request);
         Box::pin(async move {
             let response = response.await?;
             Ok(call.watch(response))
         })
+    }
+}
+
+/// A request body that marks its call in progress once it has been received whole.
+struct ArrivingRequest {
+    inner: tonic::body::Body,
+    arrived: Option<(Arc<Activity>, Arc<Mutex<Option<CallGuard>>>)>,
+}
+
+impl ArrivingRequest {
+    fn mark_arrived(&mut self) {
+        if let Some((activity, busy)) = self.arrived.take() {
+            let mut slot = busy.lock().unwrap_or_else(|e| e.into_inner());
+            *slot = Some(activity.begin_call());
+        }
+    }
+}
+
+impl Body for ArrivingRequest {
+    type Data = Bytes;
+    type Error = tonic::Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, tonic::Status>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        if matches!(polled, Poll::Ready(None)) || self.inner.is_end_stream() {
+            self.mark_arrived();
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
     }
 }
 
@@ -251,7 +305,8 @@ struct Call {
     peer: Option<PeerInfo>,
     started: Instant,
     refusals: Arc<RefusalLog>,
-    _busy: Option<CallGuard>,
+    /// Set once the request has arrived whole; dropped with the call.
+    busy: Arc<Mutex<Option<CallGuard>>>,
 }
 
 impl Call {
@@ -263,14 +318,13 @@ impl Call {
             .and_then(|p| p.strip_prefix('/'))
             .unwrap_or(path);
         let peer = request.extensions().get::<PeerInfo>().cloned();
-        let busy = peer.as_ref().map(|p| p.activity.begin_call());
         Self {
             finished: false,
             rpc: printable(method),
             peer,
             started: Instant::now(),
             refusals,
-            _busy: busy,
+            busy: Arc::default(),
         }
     }
 

@@ -312,8 +312,17 @@ impl Admission {
                 evicted.push((pending, Refusal::EvictedBySource));
             }
         }
+        // Over the total, the handshake given up is the oldest of the source holding the most:
+        // a flood spread over many addresses still holds more each than a controller making
+        // one connection, so the controller's handshake is not the one evicted.
         while state.pending.len() >= self.limits.max_pending_handshakes {
-            let Some(oldest) = state.pending.keys().next().copied() else {
+            let Some(oldest) = state
+                .pending_by_source
+                .values()
+                .filter_map(|ids| Some((ids.len(), std::cmp::Reverse(*ids.first()?))))
+                .max()
+                .map(|(_, std::cmp::Reverse(oldest))| oldest)
+            else {
                 break;
             };
             if let Some(pending) = state.remove_pending(oldest) {
@@ -692,7 +701,7 @@ mod tests {
     }
 
     #[test]
-    fn a_new_handshake_evicts_the_oldest_of_its_source_then_the_oldest_of_all() {
+    fn a_new_handshake_evicts_the_oldest_of_its_source_first() {
         let admission = admission(2, 3, 8, 8);
         let a: IpAddr = "192.0.2.1".parse().unwrap();
         let b: IpAddr = "192.0.2.2".parse().unwrap();
@@ -708,7 +717,7 @@ mod tests {
         // `b` gets in: the table is not full yet (a2, a3, b1).
         let (_b1, mut b1_evicted) = admission.begin_handshake(b);
         assert!(a2_evicted.try_recv().is_err());
-        // Full: the next one, from a new source, displaces the oldest of all (a2).
+        // Full: the next one, from a new source, displaces the oldest of the source holding most (a2).
         let (_c1, _) = admission.begin_handshake("192.0.2.3".parse().unwrap());
         assert!(matches!(a2_evicted.try_recv(), Ok(Refusal::EvictedByTotal)));
         assert!(a3_evicted.try_recv().is_err());
@@ -720,6 +729,22 @@ mod tests {
             a3_evicted.try_recv(),
             Ok(Refusal::EvictedForDescriptors)
         ));
+    }
+
+    #[test]
+    fn over_the_total_the_source_holding_most_gives_up_its_oldest() {
+        let admission = admission(3, 3, 8, 8);
+        // A controller's handshake, older than any of the flood's.
+        let (_controller, mut controller_evicted) =
+            admission.begin_handshake("192.0.2.9".parse().unwrap());
+        let flood: IpAddr = "192.0.2.1".parse().unwrap();
+        let (_f1, mut f1_evicted) = admission.begin_handshake(flood);
+        let (_f2, mut f2_evicted) = admission.begin_handshake(flood);
+        // Full: a new source displaces the flood's oldest, not the older controller's.
+        let (_c1, _) = admission.begin_handshake("192.0.2.3".parse().unwrap());
+        assert!(matches!(f1_evicted.try_recv(), Ok(Refusal::EvictedByTotal)));
+        assert!(controller_evicted.try_recv().is_err());
+        assert!(f2_evicted.try_recv().is_err());
     }
 
     #[test]
