@@ -258,10 +258,13 @@ where
     }
 }
 
+/// Where a call keeps its in-progress mark once its request has arrived (dropped with the call).
+type BusySlot = Arc<Mutex<Option<CallGuard>>>;
+
 /// A request body that marks its call in progress once it has been received whole.
 struct ArrivingRequest {
     inner: tonic::body::Body,
-    arrived: Option<(Arc<Activity>, Arc<Mutex<Option<CallGuard>>>)>,
+    arrived: Option<(Arc<Activity>, BusySlot)>,
 }
 
 impl ArrivingRequest {
@@ -306,7 +309,7 @@ struct Call {
     started: Instant,
     refusals: Arc<RefusalLog>,
     /// Set once the request has arrived whole; dropped with the call.
-    busy: Arc<Mutex<Option<CallGuard>>>,
+    busy: BusySlot,
 }
 
 impl Call {
