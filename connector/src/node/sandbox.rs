@@ -20,6 +20,7 @@
 //! ruleset with its SHA-256, so a report can show what protected the network during the run.
 //! Without that listing the step fails.
 
+use super::resources::EndState;
 use super::{NodeExecutor, resources, tool_detail, tool_error};
 use crate::executor::{ExecError, Outcome};
 use crate::grant::{Grant, ProbeKind};
@@ -752,14 +753,7 @@ impl NodeExecutor {
             ),
         };
         if !self.present(grant, object).await? {
-            guard
-                .append(
-                    self.now_ms(),
-                    op,
-                    &key,
-                    Phase::Undone,
-                    json!({ "end_state": "already gone" }),
-                )
+            self.journal_end_state(guard, op, &key, &EndState::AlreadyGone)
                 .await?;
             return Ok("already gone");
         }
@@ -774,15 +768,7 @@ impl NodeExecutor {
             .await?;
         let out = self.tool(program, &args).await?;
         if !out.success() || self.present(grant, object).await? {
-            guard
-                .append(
-                    self.now_ms(),
-                    op,
-                    &key,
-                    Phase::Failed,
-                    tool_detail(&out, &[]),
-                )
-                .await?;
+            self.journal_tool_failed(guard, op, &key, &out, &[]).await?;
             return Err(ExecError::Failed(format!(
                 "{} {} failed: {}",
                 program.display(),
@@ -790,14 +776,7 @@ impl NodeExecutor {
                 out.stderr_excerpt()
             )));
         }
-        guard
-            .append(
-                self.now_ms(),
-                op,
-                &key,
-                Phase::Undone,
-                json!({ "end_state": "deleted" }),
-            )
+        self.journal_end_state(guard, op, &key, &EndState::Deleted)
             .await?;
         Ok("deleted")
     }
