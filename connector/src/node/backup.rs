@@ -231,9 +231,7 @@ impl NodeExecutor {
             if let Some(backing) = pbs_backing {
                 extra.push(("backing_file", json!(backing.display().to_string())));
             }
-            let detail = tool_detail(&output, &extra);
-            guard
-                .append(self.now_ms(), op, &resource, Phase::Failed, detail)
+            self.journal_tool_failed(&mut guard, op, &resource, &output, &extra)
                 .await?;
             return Err(ExecError::FailedPrecondition(format!(
                 "the mapping of {archive} failed verification: {reason}; call Cleanup to remove it"

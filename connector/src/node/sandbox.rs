@@ -21,7 +21,7 @@
 //! Without that listing the step fails.
 
 use super::resources::EndState;
-use super::{NodeExecutor, resources, tool_detail, tool_error};
+use super::{NodeExecutor, resources, tool_error};
 use crate::executor::{ExecError, Outcome};
 use crate::grant::{Grant, ProbeKind};
 use crate::journal::Phase;
@@ -547,14 +547,7 @@ impl NodeExecutor {
             .run_step(&mut guard, "sandbox.nft", &nft_key, call)
             .await?;
         if !out.success() {
-            guard
-                .append(
-                    self.now_ms(),
-                    "sandbox.nft",
-                    &nft_key,
-                    Phase::Failed,
-                    tool_detail(&out, &[]),
-                )
+            self.journal_tool_failed(&mut guard, "sandbox.nft", &nft_key, &out, &[])
                 .await?;
             return Err(ExecError::FailedPrecondition(format!(
                 "nft -f refused the containment table: {}",
@@ -621,14 +614,7 @@ impl NodeExecutor {
             .run_step(&mut guard, "sandbox.address", &addr_key, call)
             .await?;
         if !out.success() {
-            guard
-                .append(
-                    self.now_ms(),
-                    "sandbox.address",
-                    &addr_key,
-                    Phase::Failed,
-                    tool_detail(&out, &[]),
-                )
+            self.journal_tool_failed(&mut guard, "sandbox.address", &addr_key, &out, &[])
                 .await?;
             let removal = match self.remove_table(&mut guard, grant).await {
                 Ok(end_state) => format!("the containment table was removed ({end_state})"),
