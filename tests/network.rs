@@ -447,6 +447,36 @@ fn prepare() -> pb::PrepareSandboxRequest {
     }
 }
 
+/// PrepareSandbox was refused (FAILED_PRECONDITION, its message naming every one of `needles`)
+/// before it changed the node: no containment table, no probe address.
+fn assert_refused_with_nothing_installed(
+    status: &tonic::Status,
+    topology: &Topology,
+    needles: &[&str],
+) {
+    assert_eq!(
+        status.code(),
+        Code::FailedPrecondition,
+        "{}",
+        status.message()
+    );
+    for needle in needles {
+        assert!(
+            status.message().contains(needle),
+            "{:?} lacks {needle:?}",
+            status.message()
+        );
+    }
+    assert!(
+        !tables(topology).contains("certistack_"),
+        "a table was installed"
+    );
+    assert!(
+        !bridge_addresses(topology).contains("198.51.100.2"),
+        "the probe address was added"
+    );
+}
+
 fn tables(ns_node: &Topology) -> String {
     String::from_utf8(ns_node.node_sh(&["nft", "list", "tables"]).stdout).unwrap()
 }
@@ -513,29 +543,10 @@ fn isolation_refusals_name_each_property_and_install_nothing() {
         for (make, undo, reason) in breaches {
             topology.node_sh(make);
             let status = c.prepare_sandbox(prepare()).await.unwrap_err();
-            assert_eq!(
-                status.code(),
-                Code::FailedPrecondition,
-                "{}",
-                status.message()
-            );
-            assert!(
-                status.message().contains("VNet csbox1 is not isolated"),
-                "{}",
-                status.message()
-            );
-            assert!(
-                status.message().contains(reason),
-                "{:?} lacks {reason:?}",
-                status.message()
-            );
-            assert!(
-                !tables(&topology).contains("certistack_"),
-                "a table was installed"
-            );
-            assert!(
-                !bridge_addresses(&topology).contains("198.51.100.2"),
-                "the probe address was added"
+            assert_refused_with_nothing_installed(
+                &status,
+                &topology,
+                &["VNet csbox1 is not isolated", reason],
             );
             topology.node_sh(undo);
         }
@@ -891,26 +902,13 @@ fn links_stacked_on_the_vnet_are_refused_by_name() {
                 topology.node_sh(make);
             }
             let status = c.prepare_sandbox(prepare()).await.unwrap_err();
-            assert_eq!(
-                status.code(),
-                Code::FailedPrecondition,
-                "{}",
-                status.message()
-            );
             let needle = format!("link {name} (on csbox1) is stacked on the VNet");
             assert!(
                 status.message().contains(&needle),
                 "{name} ({kind}): {:?} lacks {needle:?}",
                 status.message()
             );
-            assert!(
-                !tables(&topology).contains("certistack_"),
-                "a table was installed"
-            );
-            assert!(
-                !bridge_addresses(&topology).contains("198.51.100.2"),
-                "the probe address was added"
-            );
+            assert_refused_with_nothing_installed(&status, &topology, &[]);
             topology.node_sh(&["ip", "link", "del", name]);
         }
         // Control: with both gone the same VNet passes.
@@ -1012,31 +1010,13 @@ fn probe_networks_that_would_take_over_the_nodes_routing_are_refused() {
         for (make, undo, reason) in conflicts {
             topology.node_sh(make);
             let status = c.prepare_sandbox(prepare()).await.unwrap_err();
-            assert_eq!(
-                status.code(),
-                Code::FailedPrecondition,
-                "{}",
-                status.message()
-            );
-            assert!(
-                status
-                    .message()
-                    .contains("the probe network 198.51.100.2/24 cannot be added to this node"),
-                "{}",
-                status.message()
-            );
-            assert!(
-                status.message().contains(reason),
-                "{:?} lacks {reason:?}",
-                status.message()
-            );
-            assert!(
-                !tables(&topology).contains("certistack_"),
-                "a table was installed"
-            );
-            assert!(
-                !bridge_addresses(&topology).contains("198.51.100.2"),
-                "the probe address was added"
+            assert_refused_with_nothing_installed(
+                &status,
+                &topology,
+                &[
+                    "the probe network 198.51.100.2/24 cannot be added to this node",
+                    reason,
+                ],
             );
             topology.node_sh(undo);
         }
