@@ -560,6 +560,21 @@ async fn map_overlay_and_vm(client: &mut ConnectorClient<Channel>, vmid: u32) ->
     overlay_and_vm(client, vmid).await
 }
 
+/// Maps ARCHIVE and creates its overlay for `vmid`.
+async fn map_and_overlay(client: &mut ConnectorClient<Channel>, vmid: u32) {
+    client
+        .map_backup(map_request(ARCHIVE, PBS_PASSWORD))
+        .await
+        .unwrap();
+    client
+        .create_overlay(pb::CreateOverlayRequest {
+            vmid,
+            archive: ARCHIVE.into(),
+        })
+        .await
+        .unwrap();
+}
+
 /// Creates the overlay of the mapped ARCHIVE for `vmid` and a one-core VM booting it; returns
 /// the VM's SMBIOS UUID.
 async fn overlay_and_vm(client: &mut ConnectorClient<Channel>, vmid: u32) -> String {
@@ -822,17 +837,7 @@ async fn vms_the_run_did_not_create_are_never_touched() {
         );
     }
     let before = run.conf(9101);
-    run.client
-        .map_backup(map_request(ARCHIVE, PBS_PASSWORD))
-        .await
-        .unwrap();
-    run.client
-        .create_overlay(pb::CreateOverlayRequest {
-            vmid: 9101,
-            archive: ARCHIVE.into(),
-        })
-        .await
-        .unwrap();
+    map_and_overlay(&mut run.client, 9101).await;
     assert_status(
         run.client
             .create_vm(pb::CreateVmRequest {
@@ -1042,17 +1047,7 @@ async fn a_step_runs_to_its_end_when_its_caller_goes_away() {
     // CreateVm cut short: the VM is still created and recorded; StartVm-ready, destroyable.
     run.lab
         .settings(serde_json::json!({ "delays": { "create": 1.5 } }));
-    run.client
-        .map_backup(map_request(ARCHIVE, PBS_PASSWORD))
-        .await
-        .unwrap();
-    run.client
-        .create_overlay(pb::CreateOverlayRequest {
-            vmid: 9100,
-            archive: ARCHIVE.into(),
-        })
-        .await
-        .unwrap();
+    map_and_overlay(&mut run.client, 9100).await;
     let create = || pb::CreateVmRequest {
         vmid: 9100,
         cores: 1,
