@@ -1655,10 +1655,7 @@ mod cli {
         // The node: config, key and CSR on the node.
         let node_dir = dir.0.join("node");
         std::fs::create_dir_all(&node_dir).unwrap();
-        let port = {
-            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-            l.local_addr().unwrap().port()
-        };
+        let port = free_local_port();
         let n = node_dir.display();
         let config_path = node_dir.join("connector.toml");
         std::fs::write(
@@ -2488,11 +2485,7 @@ mod connections {
 
     impl Daemon {
         pub fn start(dir: &Path, config: &Config, nofile: u64) -> Self {
-            let port = std::net::TcpListener::bind("127.0.0.1:0")
-                .unwrap()
-                .local_addr()
-                .unwrap()
-                .port();
+            let port = free_local_port();
             let config_path = dir.join("connector.toml");
             write_config_file(&config_path, config, port);
             let log = dir.join("daemon.log");

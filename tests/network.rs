@@ -778,11 +778,7 @@ fn crash_after_prepare_sandbox_leaves_nothing_after_recovery() {
         let authority_dir = TempDir::new("netcrash-ctl");
         let authority = controller(&authority_dir.0);
         let config = lab.node_config(&authority, &lab.root.join("node"));
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = free_local_port();
         let config_path = lab.root.join("node/connector.toml");
         write_config_file(&config_path, &config, port);
         let address = format!("127.0.0.1:{port}");

@@ -1400,11 +1400,7 @@ mod crash {
         }
         config.tools.nft = wrappers.join("nft");
         config.tools.ip = wrappers.join("ip");
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = free_local_port();
         let config_path = lab.root.join("node/connector.toml");
         write_config_file(&config_path, &config, port);
         let address = format!("127.0.0.1:{port}");
@@ -1485,11 +1481,7 @@ mod crash {
         let authority_dir = TempDir::new("crash-ctl");
         let authority = controller(&authority_dir.0);
         let config = lab.node_config(&authority, &lab.root.join("node"));
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = free_local_port();
         let config_path = lab.root.join("node/connector.toml");
         let mut config = config;
         config.limits.guest_timeout_secs = 60;
@@ -1897,18 +1889,7 @@ fn a_guest_boots_only_on_a_prepared_sandbox() {
             "already prepared",
         );
         // A link stacked on the VNet after PrepareSandbox is caught by the re-check before boot.
-        let ip = |args: &[&str]| {
-            let out = std::process::Command::new("ip")
-                .args(args)
-                .output()
-                .unwrap();
-            assert!(
-                out.status.success(),
-                "ip {args:?}: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        };
-        ip(&[
+        run_ip(&[
             "link", "add", "link", "csbox1", "name", "mvl9", "type", "macvlan", "mode", "bridge",
         ]);
         assert_status(
@@ -1917,7 +1898,7 @@ fn a_guest_boots_only_on_a_prepared_sandbox() {
             "VNet csbox1 is no longer isolated, so no guest may boot on it: link mvl9 (on csbox1) is stacked on the VNet",
         );
         assert!(!run.qemu_running(9100));
-        ip(&["link", "del", "mvl9"]);
+        run_ip(&["link", "del", "mvl9"]);
         run.client
             .start_vm(pb::VmRequest { vmid: 9100 })
             .await
