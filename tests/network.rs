@@ -489,6 +489,20 @@ async fn assert_cleanup_releases_only_the_sandbox(
     assert!(residue.is_empty(), "{residue:?}");
 }
 
+/// Runs `body` in the node namespace of `topology`; the topology stays up until `body` is
+/// done and is torn down afterwards.
+fn inside_node<F, Fut>(topology: Topology, body: F)
+where
+    F: FnOnce(std::sync::Arc<Topology>) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()>,
+{
+    let topology = std::sync::Arc::new(topology);
+    let node_ns = topology.node.clone();
+    let shared = topology.clone();
+    inside(&node_ns, move || body(shared));
+    drop(topology);
+}
+
 fn tables(ns_node: &Topology) -> String {
     String::from_utf8(ns_node.node_sh(&["nft", "list", "tables"]).stdout).unwrap()
 }
@@ -769,11 +783,7 @@ fn crash_after_prepare_sandbox_leaves_nothing_after_recovery() {
         return;
     }
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let topology = std::sync::Arc::new(Topology::new("crash"));
-    let t = topology.clone();
-    let node_ns = topology.node.clone();
-    inside(&node_ns, move || async move {
-        let topology = t;
+    inside_node(Topology::new("crash"), |topology| async move {
         let lab = Lab::new("netcrash");
         let authority_dir = TempDir::new("netcrash-ctl");
         let authority = controller(&authority_dir.0);
@@ -839,7 +849,6 @@ fn crash_after_prepare_sandbox_leaves_nothing_after_recovery() {
         daemon.kill().unwrap();
         daemon.wait().unwrap();
     });
-    drop(topology);
 }
 
 /// Creates `name` stacked on `lower` in the node namespace: a VLAN where the kernel has 802.1Q,
@@ -877,11 +886,7 @@ fn links_stacked_on_the_vnet_are_refused_by_name() {
         return;
     }
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let topology = std::sync::Arc::new(Topology::new("upper"));
-    let t = topology.clone();
-    let node_ns = topology.node.clone();
-    inside(&node_ns, move || async move {
-        let topology = t;
+    inside_node(Topology::new("upper"), |topology| async move {
         let node = Node::start(3).await;
         let mut c = node.run(RUN_ID, targets(true)).await;
         let kind = add_vlan_upper(&topology, "csbox1", "csbox1.50");
@@ -917,7 +922,6 @@ fn links_stacked_on_the_vnet_are_refused_by_name() {
         assert!(residue.is_empty(), "{residue:?}");
         node.stop().await;
     });
-    drop(topology);
 }
 
 /// A grant for `run_id` whose probe source is `probe_source`.
@@ -955,11 +959,7 @@ fn probe_networks_that_would_take_over_the_nodes_routing_are_refused() {
         return;
     }
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let topology = std::sync::Arc::new(Topology::new("route"));
-    let t = topology.clone();
-    let node_ns = topology.node.clone();
-    inside(&node_ns, move || async move {
-        let topology = t;
+    inside_node(Topology::new("route"), |topology| async move {
         let node = Node::start(3).await;
         // A /1 would beat the default route for half the Internet: refused when the run begins.
         let (_, begun) = run_with_source(
@@ -1039,7 +1039,6 @@ fn probe_networks_that_would_take_over_the_nodes_routing_are_refused() {
         assert_cleanup_releases_only_the_sandbox(&mut c, RUN_ID).await;
         node.stop().await;
     });
-    drop(topology);
 }
 
 #[test]
@@ -1068,11 +1067,7 @@ fn a_probe_never_leaves_through_another_interface() {
     );
     topology.serve(&other, &["python3", "-c", &listener]);
     std::thread::sleep(std::time::Duration::from_millis(500));
-    let topology = std::sync::Arc::new(topology);
-    let t = topology.clone();
-    let node_ns = topology.node.clone();
-    inside(&node_ns, move || async move {
-        let topology = t;
+    inside_node(topology, |topology| async move {
         let node = Node::start(3).await;
         let target = pb::ProbeTarget {
             kind: pb::ProbeKind::Tcp as i32,
@@ -1130,7 +1125,6 @@ fn a_probe_never_leaves_through_another_interface() {
         assert!(residue.is_empty(), "{residue:?}");
         node.stop().await;
     });
-    drop(topology);
 }
 
 #[test]
@@ -1139,11 +1133,7 @@ fn prepare_sandbox_fails_without_the_table_listing() {
         return;
     }
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let topology = std::sync::Arc::new(Topology::new("list"));
-    let t = topology.clone();
-    let node_ns = topology.node.clone();
-    inside(&node_ns, move || async move {
-        let topology = t;
+    inside_node(Topology::new("list"), |topology| async move {
         let real_nft = String::from_utf8(sh(&["sh", "-c", "command -v nft"]).stdout).unwrap();
         let flag = topology.dir.0.join("fail-list");
         let wrapper = topology.dir.0.join("nft");
@@ -1210,7 +1200,6 @@ fn prepare_sandbox_fails_without_the_table_listing() {
         let _ = shutdown.send(());
         task.await.unwrap();
     });
-    drop(topology);
 }
 
 /// Guest services that never stop talking: an LDAP server streaming entries (small ones on 389,
@@ -1298,11 +1287,7 @@ fn hostile_guest_answers_are_bounded_escaped_and_capped() {
     let guest = topology.guest.clone();
     topology.serve(&guest, &["python3", "-c", HOSTILE_GUEST]);
     std::thread::sleep(std::time::Duration::from_millis(800));
-    let topology = std::sync::Arc::new(topology);
-    let t = topology.clone();
-    let node_ns = topology.node.clone();
-    inside(&node_ns, move || async move {
-        let _topology = t;
+    inside_node(topology, |_topology| async move {
         let node = Node::start(5).await;
         let target =
             |kind: pb::ProbeKind, port: u32, expect: pb::ProbeExpectation| pb::ProbeTarget {
@@ -1435,5 +1420,4 @@ fn hostile_guest_answers_are_bounded_escaped_and_capped() {
         assert!(residue.is_empty(), "{residue:?}");
         node.stop().await;
     });
-    drop(topology);
 }
