@@ -367,25 +367,12 @@ fn issue_with_uris(
     authority: &certistack_controller::authority::Authority,
     uris: &[String],
 ) -> certistack_controller::authority::IssuedCertificate {
-    use rcgen::{CertificateParams, ExtendedKeyUsagePurpose, Issuer, KeyPair, SanType};
-    let ca_key =
-        KeyPair::from_pem(&std::fs::read_to_string(authority.dir().join("ca.key")).unwrap())
-            .unwrap();
-    let issuer = Issuer::from_ca_cert_pem(authority.ca_pem(), ca_key).unwrap();
-    let key = KeyPair::generate().unwrap();
-    let mut params = CertificateParams::default();
-    params.subject_alt_names = uris
-        .iter()
-        .map(|u| SanType::URI(u.clone().try_into().unwrap()))
-        .collect();
-    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
-    params.not_before = now() - time::Duration::minutes(1);
-    params.not_after = now() + time::Duration::minutes(10);
-    let cert = params.signed_by(&key, &issuer).unwrap();
-    certistack_controller::authority::IssuedCertificate {
-        certificate_pem: cert.pem(),
-        key_pem: zeroize::Zeroizing::new(key.serialize_pem()),
-    }
+    issue_with_profile(
+        authority,
+        uris.iter().map(|u| uri(u)).collect(),
+        vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth],
+        time::Duration::minutes(11),
+    )
 }
 
 // ----------------------------------------------------------------------------------------------
