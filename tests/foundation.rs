@@ -367,25 +367,12 @@ fn issue_with_uris(
     authority: &certistack_controller::authority::Authority,
     uris: &[String],
 ) -> certistack_controller::authority::IssuedCertificate {
-    use rcgen::{CertificateParams, ExtendedKeyUsagePurpose, Issuer, KeyPair, SanType};
-    let ca_key =
-        KeyPair::from_pem(&std::fs::read_to_string(authority.dir().join("ca.key")).unwrap())
-            .unwrap();
-    let issuer = Issuer::from_ca_cert_pem(authority.ca_pem(), ca_key).unwrap();
-    let key = KeyPair::generate().unwrap();
-    let mut params = CertificateParams::default();
-    params.subject_alt_names = uris
-        .iter()
-        .map(|u| SanType::URI(u.clone().try_into().unwrap()))
-        .collect();
-    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
-    params.not_before = now() - time::Duration::minutes(1);
-    params.not_after = now() + time::Duration::minutes(10);
-    let cert = params.signed_by(&key, &issuer).unwrap();
-    certistack_controller::authority::IssuedCertificate {
-        certificate_pem: cert.pem(),
-        key_pem: zeroize::Zeroizing::new(key.serialize_pem()),
-    }
+    issue_with_profile(
+        authority,
+        uris.iter().map(|u| uri(u)).collect(),
+        vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth],
+        time::Duration::minutes(11),
+    )
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -1596,23 +1583,25 @@ fn ctl_surface_prints_every_rpc_and_the_digest() {
 // ----------------------------------------------------------------------------------------------
 // The binaries, as an operator runs them
 
+/// Runs one of the workspace's binaries as an operator would (without a log filter from the
+/// environment); returns its exit code, stdout and stderr.
+fn run_binary(bin: &str, args: &[&str]) -> (i32, String, String) {
+    let out = std::process::Command::new(binary(bin))
+        .args(args)
+        .env_remove("CERTISTACK_LOG")
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
 mod cli {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
     use std::process::{Command, Stdio};
-
-    fn run(bin: &str, args: &[&str]) -> (i32, String, String) {
-        let out = Command::new(binary(bin))
-            .args(args)
-            .env_remove("CERTISTACK_LOG")
-            .output()
-            .unwrap();
-        (
-            out.status.code().unwrap_or(-1),
-            String::from_utf8_lossy(&out.stdout).into_owned(),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
-        )
-    }
 
     /// `[tools]` and `[pve]` sections naming what exists here, so `check` passes.
     fn present_tools_and_pve(dir: &std::path::Path) -> String {
@@ -1635,7 +1624,7 @@ mod cli {
         let dir = TempDir::new("cli");
         let state = dir.0.join("ctl");
         let s = state.to_str().unwrap();
-        let (code, out, err) = run("certistack-ctl", &["ca", "init", "--state-dir", s]);
+        let (code, out, err) = run_binary("certistack-ctl", &["ca", "init", "--state-dir", s]);
         assert_eq!(code, 0, "{err}");
         let fingerprint = out
             .lines()
@@ -1646,17 +1635,14 @@ mod cli {
         for key in ["ca.key", "run-authority.key", "report-signing.key"] {
             assert_eq!(mode(&state.join(key)), 0o600, "{key}");
         }
-        let (code, _, err) = run("certistack-ctl", &["ca", "init", "--state-dir", s]);
+        let (code, _, err) = run_binary("certistack-ctl", &["ca", "init", "--state-dir", s]);
         assert_eq!(code, 1);
         assert!(err.contains("refusing to overwrite"), "{err}");
 
         // The node: config, key and CSR on the node.
         let node_dir = dir.0.join("node");
         std::fs::create_dir_all(&node_dir).unwrap();
-        let port = {
-            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-            l.local_addr().unwrap().port()
-        };
+        let port = free_local_port();
         let n = node_dir.display();
         let config_path = node_dir.join("connector.toml");
         std::fs::write(
@@ -1668,7 +1654,8 @@ mod cli {
         )
         .unwrap();
         let c = config_path.to_str().unwrap();
-        let (code, csr, err) = run("certistack-connector", &["--config", c, "enroll", "--csr"]);
+        let (code, csr, err) =
+            run_binary("certistack-connector", &["--config", c, "enroll", "--csr"]);
         assert_eq!(code, 0, "{err}");
         assert!(
             csr.starts_with("-----BEGIN CERTIFICATE REQUEST-----"),
@@ -1689,13 +1676,13 @@ mod cli {
             "--out",
             cert_path.to_str().unwrap(),
         ];
-        let (code, _, err) = run(
+        let (code, _, err) = run_binary(
             "certistack-ctl",
             &[&sign[..4], &["--node", "pve2"], &sign[4..]].concat(),
         );
         assert_eq!(code, 1);
         assert!(err.contains("must name exactly [\"pve2\"]"), "{err}");
-        let (code, out, err) = run(
+        let (code, out, err) = run_binary(
             "certistack-ctl",
             &[&sign[..4], &["--node", "pve1"], &sign[4..]].concat(),
         );
@@ -1721,7 +1708,7 @@ mod cli {
                 .to_owned()
                 .leak(),
         ];
-        let (code, _, err) = run("certistack-connector", &install);
+        let (code, _, err) = run_binary("certistack-connector", &install);
         assert_eq!(code, 0, "{err}");
 
         // An insecure key refuses to start, saying what to do.
@@ -1730,7 +1717,7 @@ mod cli {
             std::fs::Permissions::from_mode(0o644),
         )
         .unwrap();
-        let (code, _, err) = run("certistack-connector", &["--config", c, "check"]);
+        let (code, _, err) = run_binary("certistack-connector", &["--config", c, "check"]);
         assert_eq!(code, 3);
         assert!(err.contains("chmod 0600"), "{err}");
         std::fs::set_permissions(
@@ -1738,7 +1725,7 @@ mod cli {
             std::fs::Permissions::from_mode(0o600),
         )
         .unwrap();
-        let (code, out, err) = run("certistack-connector", &["--config", c, "check"]);
+        let (code, out, err) = run_binary("certistack-connector", &["--config", c, "check"]);
         assert_eq!(code, 0, "{err}");
         assert!(out.contains("configuration ok"));
 
@@ -1751,7 +1738,7 @@ mod cli {
         let address = format!("127.0.0.1:{port}");
         let mut hello = (1, String::new(), String::new());
         for _ in 0..50 {
-            hello = run(
+            hello = run_binary(
                 "certistack-ctl",
                 &[
                     "hello",
@@ -1787,7 +1774,7 @@ mod cli {
             hello.1
         );
 
-        let (code, _, err) = run(
+        let (code, _, err) = run_binary(
             "certistack-ctl",
             &[
                 "hello",
@@ -1805,7 +1792,7 @@ mod cli {
         // A group-readable controller key is refused.
         std::fs::set_permissions(state.join("ca.key"), std::fs::Permissions::from_mode(0o640))
             .unwrap();
-        let (code, _, err) = run(
+        let (code, _, err) = run_binary(
             "certistack-ctl",
             &[
                 "hello",
@@ -1844,7 +1831,7 @@ mod cli {
         );
 
         // Nothing listens any more.
-        let (code, _, err) = run(
+        let (code, _, err) = run_binary(
             "certistack-ctl",
             &[
                 "hello",
@@ -1861,7 +1848,7 @@ mod cli {
 
     #[test]
     fn surface_verb_and_help() {
-        let (code, out, _) = run("certistack-ctl", &["surface"]);
+        let (code, out, _) = run_binary("certistack-ctl", &["surface"]);
         assert_eq!(code, 0);
         assert_eq!(out, certistack_controller::surface::describe().unwrap());
         for args in [
@@ -1871,14 +1858,14 @@ mod cli {
             &["surface", "--help"],
             &["hello", "--help"],
         ] {
-            let (code, out, _) = run("certistack-ctl", args);
+            let (code, out, _) = run_binary("certistack-ctl", args);
             assert_eq!(code, 0, "{args:?}");
             assert!(out.contains("Exit codes:"), "{args:?}: {out}");
         }
-        let (code, out, _) = run("certistack-connector", &["--help"]);
+        let (code, out, _) = run_binary("certistack-connector", &["--help"]);
         assert_eq!(code, 0);
         assert!(out.contains("Exit codes:"));
-        let (code, _, err) = run(
+        let (code, _, err) = run_binary(
             "certistack-connector",
             &["--config", "/nonexistent/connector.toml", "check"],
         );
@@ -2146,19 +2133,6 @@ mod enrollment {
     use super::*;
     use std::process::Command;
 
-    fn run(bin: &str, args: &[&str]) -> (i32, String, String) {
-        let out = Command::new(binary(bin))
-            .args(args)
-            .env_remove("CERTISTACK_LOG")
-            .output()
-            .unwrap();
-        (
-            out.status.code().unwrap_or(-1),
-            String::from_utf8_lossy(&out.stdout).into_owned(),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
-        )
-    }
-
     fn openssl(args: &[&str]) -> String {
         let out = Command::new("openssl").args(args).output().unwrap();
         assert!(
@@ -2170,7 +2144,7 @@ mod enrollment {
     }
 
     fn ca_init(state: &std::path::Path) -> String {
-        let (code, out, err) = run(
+        let (code, out, err) = run_binary(
             "certistack-ctl",
             &["ca", "init", "--state-dir", state.to_str().unwrap()],
         );
@@ -2280,12 +2254,13 @@ mod enrollment {
         )
         .unwrap();
         let c = config_path.to_str().unwrap();
-        let (code, csr, err) = run("certistack-connector", &["--config", c, "enroll", "--csr"]);
+        let (code, csr, err) =
+            run_binary("certistack-connector", &["--config", c, "enroll", "--csr"]);
         assert_eq!(code, 0, "{err}");
         let csr_path = dir.0.join("node.csr");
         std::fs::write(&csr_path, &csr).unwrap();
         let cert_path = dir.0.join("node.crt");
-        let (code, out, err) = run(
+        let (code, out, err) = run_binary(
             "certistack-ctl",
             &[
                 "node",
@@ -2324,7 +2299,7 @@ mod enrollment {
             if let Some(pin) = pin {
                 args.extend(["--ca-fingerprint", pin]);
             }
-            run("certistack-connector", &args)
+            run_binary("certistack-connector", &args)
         };
         let installed = || node_dir.join("ca.crt").exists() || node_dir.join("node.crt").exists();
 
@@ -2497,11 +2472,7 @@ mod connections {
 
     impl Daemon {
         pub fn start(dir: &Path, config: &Config, nofile: u64) -> Self {
-            let port = std::net::TcpListener::bind("127.0.0.1:0")
-                .unwrap()
-                .local_addr()
-                .unwrap()
-                .port();
+            let port = free_local_port();
             let config_path = dir.join("connector.toml");
             write_config_file(&config_path, config, port);
             let log = dir.join("daemon.log");

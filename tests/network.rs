@@ -447,6 +447,62 @@ fn prepare() -> pb::PrepareSandboxRequest {
     }
 }
 
+/// PrepareSandbox was refused (FAILED_PRECONDITION, its message naming every one of `needles`)
+/// before it changed the node: no containment table, no probe address.
+fn assert_refused_with_nothing_installed(
+    status: &tonic::Status,
+    topology: &Topology,
+    needles: &[&str],
+) {
+    assert_eq!(
+        status.code(),
+        Code::FailedPrecondition,
+        "{}",
+        status.message()
+    );
+    for needle in needles {
+        assert!(
+            status.message().contains(needle),
+            "{:?} lacks {needle:?}",
+            status.message()
+        );
+    }
+    assert!(
+        !tables(topology).contains("certistack_"),
+        "a table was installed"
+    );
+    assert!(
+        !bridge_addresses(topology).contains("198.51.100.2"),
+        "the probe address was added"
+    );
+}
+
+/// Cleanup of a run that holds only its sandbox deletes the probe address, then the run's
+/// table, and leaves nothing behind.
+async fn assert_cleanup_releases_only_the_sandbox(
+    client: &mut ConnectorClient<Channel>,
+    run_id: &str,
+) {
+    let (receipts, residue) = cleanup_receipts(client, run_id).await;
+    let table = format!("nft:certistack_{} deleted", run_id.replace('-', ""));
+    assert_eq!(receipts, ["addr:csbox1 deleted", table.as_str()]);
+    assert!(residue.is_empty(), "{residue:?}");
+}
+
+/// Runs `body` in the node namespace of `topology`; the topology stays up until `body` is
+/// done and is torn down afterwards.
+fn inside_node<F, Fut>(topology: Topology, body: F)
+where
+    F: FnOnce(std::sync::Arc<Topology>) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()>,
+{
+    let topology = std::sync::Arc::new(topology);
+    let node_ns = topology.node.clone();
+    let shared = topology.clone();
+    inside(&node_ns, move || body(shared));
+    drop(topology);
+}
+
 fn tables(ns_node: &Topology) -> String {
     String::from_utf8(ns_node.node_sh(&["nft", "list", "tables"]).stdout).unwrap()
 }
@@ -513,29 +569,10 @@ fn isolation_refusals_name_each_property_and_install_nothing() {
         for (make, undo, reason) in breaches {
             topology.node_sh(make);
             let status = c.prepare_sandbox(prepare()).await.unwrap_err();
-            assert_eq!(
-                status.code(),
-                Code::FailedPrecondition,
-                "{}",
-                status.message()
-            );
-            assert!(
-                status.message().contains("VNet csbox1 is not isolated"),
-                "{}",
-                status.message()
-            );
-            assert!(
-                status.message().contains(reason),
-                "{:?} lacks {reason:?}",
-                status.message()
-            );
-            assert!(
-                !tables(&topology).contains("certistack_"),
-                "a table was installed"
-            );
-            assert!(
-                !bridge_addresses(&topology).contains("198.51.100.2"),
-                "the probe address was added"
+            assert_refused_with_nothing_installed(
+                &status,
+                &topology,
+                &["VNet csbox1 is not isolated", reason],
             );
             topology.node_sh(undo);
         }
@@ -731,15 +768,7 @@ fn containment_and_probes_against_real_services() {
             latencies.push(format!("{kind:?} {} -> {}", target.address, reply.detail));
         }
         eprintln!("failing probes: {}", latencies.join(" | "));
-        let (receipts, residue) = cleanup_receipts(&mut c, second).await;
-        assert_eq!(
-            receipts,
-            [
-                "addr:csbox1 deleted",
-                "nft:certistack_11111111222243338444555555555555 deleted"
-            ]
-        );
-        assert!(residue.is_empty(), "{residue:?}");
+        assert_cleanup_releases_only_the_sandbox(&mut c, second).await;
         node.stop().await;
     });
     drop(topology);
@@ -754,20 +783,12 @@ fn crash_after_prepare_sandbox_leaves_nothing_after_recovery() {
         return;
     }
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let topology = std::sync::Arc::new(Topology::new("crash"));
-    let t = topology.clone();
-    let node_ns = topology.node.clone();
-    inside(&node_ns, move || async move {
-        let topology = t;
+    inside_node(Topology::new("crash"), |topology| async move {
         let lab = Lab::new("netcrash");
         let authority_dir = TempDir::new("netcrash-ctl");
         let authority = controller(&authority_dir.0);
         let config = lab.node_config(&authority, &lab.root.join("node"));
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = free_local_port();
         let config_path = lab.root.join("node/connector.toml");
         write_config_file(&config_path, &config, port);
         let address = format!("127.0.0.1:{port}");
@@ -828,7 +849,6 @@ fn crash_after_prepare_sandbox_leaves_nothing_after_recovery() {
         daemon.kill().unwrap();
         daemon.wait().unwrap();
     });
-    drop(topology);
 }
 
 /// Creates `name` stacked on `lower` in the node namespace: a VLAN where the kernel has 802.1Q,
@@ -866,11 +886,7 @@ fn links_stacked_on_the_vnet_are_refused_by_name() {
         return;
     }
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let topology = std::sync::Arc::new(Topology::new("upper"));
-    let t = topology.clone();
-    let node_ns = topology.node.clone();
-    inside(&node_ns, move || async move {
-        let topology = t;
+    inside_node(Topology::new("upper"), |topology| async move {
         let node = Node::start(3).await;
         let mut c = node.run(RUN_ID, targets(true)).await;
         let kind = add_vlan_upper(&topology, "csbox1", "csbox1.50");
@@ -891,26 +907,13 @@ fn links_stacked_on_the_vnet_are_refused_by_name() {
                 topology.node_sh(make);
             }
             let status = c.prepare_sandbox(prepare()).await.unwrap_err();
-            assert_eq!(
-                status.code(),
-                Code::FailedPrecondition,
-                "{}",
-                status.message()
-            );
             let needle = format!("link {name} (on csbox1) is stacked on the VNet");
             assert!(
                 status.message().contains(&needle),
                 "{name} ({kind}): {:?} lacks {needle:?}",
                 status.message()
             );
-            assert!(
-                !tables(&topology).contains("certistack_"),
-                "a table was installed"
-            );
-            assert!(
-                !bridge_addresses(&topology).contains("198.51.100.2"),
-                "the probe address was added"
-            );
+            assert_refused_with_nothing_installed(&status, &topology, &[]);
             topology.node_sh(&["ip", "link", "del", name]);
         }
         // Control: with both gone the same VNet passes.
@@ -919,7 +922,6 @@ fn links_stacked_on_the_vnet_are_refused_by_name() {
         assert!(residue.is_empty(), "{residue:?}");
         node.stop().await;
     });
-    drop(topology);
 }
 
 /// A grant for `run_id` whose probe source is `probe_source`.
@@ -957,11 +959,7 @@ fn probe_networks_that_would_take_over_the_nodes_routing_are_refused() {
         return;
     }
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let topology = std::sync::Arc::new(Topology::new("route"));
-    let t = topology.clone();
-    let node_ns = topology.node.clone();
-    inside(&node_ns, move || async move {
-        let topology = t;
+    inside_node(Topology::new("route"), |topology| async move {
         let node = Node::start(3).await;
         // A /1 would beat the default route for half the Internet: refused when the run begins.
         let (_, begun) = run_with_source(
@@ -1012,31 +1010,13 @@ fn probe_networks_that_would_take_over_the_nodes_routing_are_refused() {
         for (make, undo, reason) in conflicts {
             topology.node_sh(make);
             let status = c.prepare_sandbox(prepare()).await.unwrap_err();
-            assert_eq!(
-                status.code(),
-                Code::FailedPrecondition,
-                "{}",
-                status.message()
-            );
-            assert!(
-                status
-                    .message()
-                    .contains("the probe network 198.51.100.2/24 cannot be added to this node"),
-                "{}",
-                status.message()
-            );
-            assert!(
-                status.message().contains(reason),
-                "{:?} lacks {reason:?}",
-                status.message()
-            );
-            assert!(
-                !tables(&topology).contains("certistack_"),
-                "a table was installed"
-            );
-            assert!(
-                !bridge_addresses(&topology).contains("198.51.100.2"),
-                "the probe address was added"
+            assert_refused_with_nothing_installed(
+                &status,
+                &topology,
+                &[
+                    "the probe network 198.51.100.2/24 cannot be added to this node",
+                    reason,
+                ],
             );
             topology.node_sh(undo);
         }
@@ -1056,18 +1036,9 @@ fn probe_networks_that_would_take_over_the_nodes_routing_are_refused() {
                 < at("sandbox.address addr:csbox1 intent"),
             "{steps:?}"
         );
-        let (receipts, residue) = cleanup_receipts(&mut c, RUN_ID).await;
-        assert_eq!(
-            receipts,
-            [
-                "addr:csbox1 deleted",
-                "nft:certistack_0f0e1c2d3b4a4c5d8e6f7a8b9c0d1e2f deleted"
-            ]
-        );
-        assert!(residue.is_empty(), "{residue:?}");
+        assert_cleanup_releases_only_the_sandbox(&mut c, RUN_ID).await;
         node.stop().await;
     });
-    drop(topology);
 }
 
 #[test]
@@ -1096,11 +1067,7 @@ fn a_probe_never_leaves_through_another_interface() {
     );
     topology.serve(&other, &["python3", "-c", &listener]);
     std::thread::sleep(std::time::Duration::from_millis(500));
-    let topology = std::sync::Arc::new(topology);
-    let t = topology.clone();
-    let node_ns = topology.node.clone();
-    inside(&node_ns, move || async move {
-        let topology = t;
+    inside_node(topology, |topology| async move {
         let node = Node::start(3).await;
         let target = pb::ProbeTarget {
             kind: pb::ProbeKind::Tcp as i32,
@@ -1158,7 +1125,6 @@ fn a_probe_never_leaves_through_another_interface() {
         assert!(residue.is_empty(), "{residue:?}");
         node.stop().await;
     });
-    drop(topology);
 }
 
 #[test]
@@ -1167,11 +1133,7 @@ fn prepare_sandbox_fails_without_the_table_listing() {
         return;
     }
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let topology = std::sync::Arc::new(Topology::new("list"));
-    let t = topology.clone();
-    let node_ns = topology.node.clone();
-    inside(&node_ns, move || async move {
-        let topology = t;
+    inside_node(Topology::new("list"), |topology| async move {
         let real_nft = String::from_utf8(sh(&["sh", "-c", "command -v nft"]).stdout).unwrap();
         let flag = topology.dir.0.join("fail-list");
         let wrapper = topology.dir.0.join("nft");
@@ -1238,7 +1200,6 @@ fn prepare_sandbox_fails_without_the_table_listing() {
         let _ = shutdown.send(());
         task.await.unwrap();
     });
-    drop(topology);
 }
 
 /// Guest services that never stop talking: an LDAP server streaming entries (small ones on 389,
@@ -1326,11 +1287,7 @@ fn hostile_guest_answers_are_bounded_escaped_and_capped() {
     let guest = topology.guest.clone();
     topology.serve(&guest, &["python3", "-c", HOSTILE_GUEST]);
     std::thread::sleep(std::time::Duration::from_millis(800));
-    let topology = std::sync::Arc::new(topology);
-    let t = topology.clone();
-    let node_ns = topology.node.clone();
-    inside(&node_ns, move || async move {
-        let _topology = t;
+    inside_node(topology, |_topology| async move {
         let node = Node::start(5).await;
         let target =
             |kind: pb::ProbeKind, port: u32, expect: pb::ProbeExpectation| pb::ProbeTarget {
@@ -1463,5 +1420,4 @@ fn hostile_guest_answers_are_bounded_escaped_and_capped() {
         assert!(residue.is_empty(), "{residue:?}");
         node.stop().await;
     });
-    drop(topology);
 }

@@ -550,6 +550,54 @@ fn sandbox_grant(wire: &mut pb::RunGrant) {
     }];
 }
 
+/// Maps ARCHIVE, then creates its overlay for `vmid` and a VM booting it; returns the VM's
+/// SMBIOS UUID.
+async fn map_overlay_and_vm(client: &mut ConnectorClient<Channel>, vmid: u32) -> String {
+    client
+        .map_backup(map_request(ARCHIVE, PBS_PASSWORD))
+        .await
+        .unwrap();
+    overlay_and_vm(client, vmid).await
+}
+
+/// Maps ARCHIVE and creates its overlay for `vmid`.
+async fn map_and_overlay(client: &mut ConnectorClient<Channel>, vmid: u32) {
+    client
+        .map_backup(map_request(ARCHIVE, PBS_PASSWORD))
+        .await
+        .unwrap();
+    client
+        .create_overlay(pb::CreateOverlayRequest {
+            vmid,
+            archive: ARCHIVE.into(),
+        })
+        .await
+        .unwrap();
+}
+
+/// Creates the overlay of the mapped ARCHIVE for `vmid` and a one-core VM booting it; returns
+/// the VM's SMBIOS UUID.
+async fn overlay_and_vm(client: &mut ConnectorClient<Channel>, vmid: u32) -> String {
+    client
+        .create_overlay(pb::CreateOverlayRequest {
+            vmid,
+            archive: ARCHIVE.into(),
+        })
+        .await
+        .unwrap();
+    client
+        .create_vm(pb::CreateVmRequest {
+            vmid,
+            cores: 1,
+            memory_mib: 256,
+            archives: vec![ARCHIVE.into()],
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .smbios_uuid
+}
+
 impl Run {
     async fn sandbox_vm(&mut self, vmid: u32) -> String {
         self.client
@@ -559,29 +607,7 @@ impl Run {
             })
             .await
             .unwrap();
-        self.client
-            .map_backup(map_request(ARCHIVE, PBS_PASSWORD))
-            .await
-            .unwrap();
-        self.client
-            .create_overlay(pb::CreateOverlayRequest {
-                vmid,
-                archive: ARCHIVE.into(),
-            })
-            .await
-            .unwrap();
-        let created = self
-            .client
-            .create_vm(pb::CreateVmRequest {
-                vmid,
-                cores: 1,
-                memory_mib: 256,
-                archives: vec![ARCHIVE.into()],
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        created.smbios_uuid
+        map_overlay_and_vm(&mut self.client, vmid).await
     }
 
     fn conf(&self, vmid: u32) -> String {
@@ -811,17 +837,7 @@ async fn vms_the_run_did_not_create_are_never_touched() {
         );
     }
     let before = run.conf(9101);
-    run.client
-        .map_backup(map_request(ARCHIVE, PBS_PASSWORD))
-        .await
-        .unwrap();
-    run.client
-        .create_overlay(pb::CreateOverlayRequest {
-            vmid: 9101,
-            archive: ARCHIVE.into(),
-        })
-        .await
-        .unwrap();
+    map_and_overlay(&mut run.client, 9101).await;
     assert_status(
         run.client
             .create_vm(pb::CreateVmRequest {
@@ -865,22 +881,7 @@ async fn vms_the_run_did_not_create_are_never_touched() {
     }
 
     // A VM this run created whose marker was removed by someone else is left alone too.
-    run.client
-        .create_overlay(pb::CreateOverlayRequest {
-            vmid: 9100,
-            archive: ARCHIVE.into(),
-        })
-        .await
-        .unwrap();
-    run.client
-        .create_vm(pb::CreateVmRequest {
-            vmid: 9100,
-            cores: 1,
-            memory_mib: 256,
-            archives: vec![ARCHIVE.into()],
-        })
-        .await
-        .unwrap();
+    overlay_and_vm(&mut run.client, 9100).await;
     let conf_path = run.lab.root.join("etc/pve/qemu-server/9100.conf");
     let edited = std::fs::read_to_string(&conf_path)
         .unwrap()
@@ -1046,17 +1047,7 @@ async fn a_step_runs_to_its_end_when_its_caller_goes_away() {
     // CreateVm cut short: the VM is still created and recorded; StartVm-ready, destroyable.
     run.lab
         .settings(serde_json::json!({ "delays": { "create": 1.5 } }));
-    run.client
-        .map_backup(map_request(ARCHIVE, PBS_PASSWORD))
-        .await
-        .unwrap();
-    run.client
-        .create_overlay(pb::CreateOverlayRequest {
-            vmid: 9100,
-            archive: ARCHIVE.into(),
-        })
-        .await
-        .unwrap();
+    map_and_overlay(&mut run.client, 9100).await;
     let create = || pb::CreateVmRequest {
         vmid: 9100,
         cores: 1,
@@ -1169,26 +1160,7 @@ async fn a_vm_that_cannot_be_destroyed_keeps_everything_beneath_it() {
         return;
     }
     let mut run = Run::begin_with("keep", &[ARCHIVE], |_| {}, sandbox_grant).await;
-    run.client
-        .map_backup(map_request(ARCHIVE, PBS_PASSWORD))
-        .await
-        .unwrap();
-    run.client
-        .create_overlay(pb::CreateOverlayRequest {
-            vmid: 9100,
-            archive: ARCHIVE.into(),
-        })
-        .await
-        .unwrap();
-    run.client
-        .create_vm(pb::CreateVmRequest {
-            vmid: 9100,
-            cores: 1,
-            memory_mib: 256,
-            archives: vec![ARCHIVE.into()],
-        })
-        .await
-        .unwrap();
+    map_overlay_and_vm(&mut run.client, 9100).await;
     run.lab
         .settings(serde_json::json!({ "failures": { "destroy": "VM 9100 is locked (backup)" } }));
     let (receipts, residue) = cleanup_receipts(&mut run.client, RUN_ID).await;
@@ -1428,11 +1400,7 @@ mod crash {
         }
         config.tools.nft = wrappers.join("nft");
         config.tools.ip = wrappers.join("ip");
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = free_local_port();
         let config_path = lab.root.join("node/connector.toml");
         write_config_file(&config_path, &config, port);
         let address = format!("127.0.0.1:{port}");
@@ -1513,11 +1481,7 @@ mod crash {
         let authority_dir = TempDir::new("crash-ctl");
         let authority = controller(&authority_dir.0);
         let config = lab.node_config(&authority, &lab.root.join("node"));
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = free_local_port();
         let config_path = lab.root.join("node/connector.toml");
         let mut config = config;
         config.limits.guest_timeout_secs = 60;
@@ -1790,23 +1754,7 @@ fn one_runs_wait_does_not_block_another_run() {
         a.begin_run(begin_request(&run_a)).await.unwrap();
         b.begin_run(begin_request(&run_b)).await.unwrap();
 
-        a.map_backup(map_request(ARCHIVE, PBS_PASSWORD))
-            .await
-            .unwrap();
-        a.create_overlay(pb::CreateOverlayRequest {
-            vmid: 9100,
-            archive: ARCHIVE.into(),
-        })
-        .await
-        .unwrap();
-        a.create_vm(pb::CreateVmRequest {
-            vmid: 9100,
-            cores: 1,
-            memory_mib: 256,
-            archives: vec![ARCHIVE.into()],
-        })
-        .await
-        .unwrap();
+        map_overlay_and_vm(&mut a, 9100).await;
         a.prepare_sandbox(pb::PrepareSandboxRequest {
             vnet: "csbox91".into(),
             probe_source: PROBE_SOURCE.into(),
@@ -1923,26 +1871,7 @@ fn a_guest_boots_only_on_a_prepared_sandbox() {
     let netns = Netns::new("boot", &["csbox1"]);
     inside(&netns.name, || async {
         let mut run = Run::begin_with("boot", &[ARCHIVE], |_| {}, sandbox_grant).await;
-        run.client
-            .map_backup(map_request(ARCHIVE, PBS_PASSWORD))
-            .await
-            .unwrap();
-        run.client
-            .create_overlay(pb::CreateOverlayRequest {
-                vmid: 9100,
-                archive: ARCHIVE.into(),
-            })
-            .await
-            .unwrap();
-        run.client
-            .create_vm(pb::CreateVmRequest {
-                vmid: 9100,
-                cores: 1,
-                memory_mib: 256,
-                archives: vec![ARCHIVE.into()],
-            })
-            .await
-            .unwrap();
+        map_overlay_and_vm(&mut run.client, 9100).await;
         assert_status(
             run.client.start_vm(pb::VmRequest { vmid: 9100 }).await,
             Code::FailedPrecondition,
@@ -1960,18 +1889,7 @@ fn a_guest_boots_only_on_a_prepared_sandbox() {
             "already prepared",
         );
         // A link stacked on the VNet after PrepareSandbox is caught by the re-check before boot.
-        let ip = |args: &[&str]| {
-            let out = std::process::Command::new("ip")
-                .args(args)
-                .output()
-                .unwrap();
-            assert!(
-                out.status.success(),
-                "ip {args:?}: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        };
-        ip(&[
+        run_ip(&[
             "link", "add", "link", "csbox1", "name", "mvl9", "type", "macvlan", "mode", "bridge",
         ]);
         assert_status(
@@ -1980,7 +1898,7 @@ fn a_guest_boots_only_on_a_prepared_sandbox() {
             "VNet csbox1 is no longer isolated, so no guest may boot on it: link mvl9 (on csbox1) is stacked on the VNet",
         );
         assert!(!run.qemu_running(9100));
-        ip(&["link", "del", "mvl9"]);
+        run_ip(&["link", "del", "mvl9"]);
         run.client
             .start_vm(pb::VmRequest { vmid: 9100 })
             .await

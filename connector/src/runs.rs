@@ -1027,6 +1027,16 @@ pub(crate) mod tests {
         (signed, grant)
     }
 
+    /// A registry in a fresh state directory, holding the first grant's run open.
+    async fn registry_with_open_run(tag: &str) -> (PathBuf, RunRegistry, RunId) {
+        let dir = state_dir(tag);
+        let registry = RunRegistry::open(&dir, &key().verifying_key(), limits(1), 0).unwrap();
+        let (signed, grant) = nth_grant(0);
+        let run_id = grant.run_id.clone();
+        registry.begin(&signed, grant, 2_000_000).await.unwrap();
+        (dir, registry, run_id)
+    }
+
     fn limits(max_open: usize) -> RegistryLimits {
         RegistryLimits {
             max_open,
@@ -1333,11 +1343,7 @@ pub(crate) mod tests {
 
     #[tokio::test(flavor = "multi_thread")]
     async fn closed_runs_hold_no_descriptor_and_are_not_reopened() {
-        let dir = state_dir("fds");
-        let registry = RunRegistry::open(&dir, &key().verifying_key(), limits(1), 0).unwrap();
-        let (signed, grant) = nth_grant(0);
-        let run_id = grant.run_id.clone();
-        registry.begin(&signed, grant, 2_000_000).await.unwrap();
+        let (dir, registry, run_id) = registry_with_open_run("fds").await;
         assert_eq!(open_fds_under(&dir), 1, "the open run's journal");
         registry.end(&run_id, 2_000_500).await.unwrap();
         assert_eq!(
@@ -1363,11 +1369,7 @@ pub(crate) mod tests {
     /// descriptor left): the run is closed in memory, and a restart agrees and writes it.
     #[tokio::test(flavor = "multi_thread")]
     async fn a_closing_record_without_its_marker_closes_the_run_at_restart() {
-        let dir = state_dir("marker");
-        let registry = RunRegistry::open(&dir, &key().verifying_key(), limits(1), 0).unwrap();
-        let (signed, grant) = nth_grant(0);
-        let run_id = grant.run_id.clone();
-        registry.begin(&signed, grant, 2_000_000).await.unwrap();
+        let (dir, registry, run_id) = registry_with_open_run("marker").await;
         let run_dir = dir.join("runs").join(run_id.as_str());
         // The marker cannot be written: a directory stands where its temporary file goes.
         std::fs::create_dir(run_dir.join("summary.tmp")).unwrap();
@@ -1460,11 +1462,7 @@ pub(crate) mod tests {
 
     #[tokio::test(flavor = "multi_thread")]
     async fn a_repeated_observation_is_journaled_once() {
-        let dir = state_dir("repeat");
-        let registry = RunRegistry::open(&dir, &key().verifying_key(), limits(1), 0).unwrap();
-        let (signed, grant) = nth_grant(0);
-        let run_id = grant.run_id.clone();
-        registry.begin(&signed, grant, 2_000_000).await.unwrap();
+        let (dir, registry, run_id) = registry_with_open_run("repeat").await;
         let run = registry.get(&run_id).unwrap();
         let mut guard = run.lock().await;
         let residue = |what: &str| serde_json::json!({ "residue": [what] });
@@ -1492,11 +1490,7 @@ pub(crate) mod tests {
     /// worker, and the next append continues the same chain.
     #[tokio::test(flavor = "current_thread")]
     async fn a_dropped_append_completes_and_the_chain_stays_whole() {
-        let dir = state_dir("dropped");
-        let registry = RunRegistry::open(&dir, &key().verifying_key(), limits(1), 0).unwrap();
-        let (signed, grant) = nth_grant(0);
-        let run_id = grant.run_id.clone();
-        registry.begin(&signed, grant, 2_000_000).await.unwrap();
+        let (dir, registry, run_id) = registry_with_open_run("dropped").await;
         let run = registry.get(&run_id).unwrap();
         for n in 0..20 {
             {
@@ -1550,11 +1544,7 @@ pub(crate) mod tests {
     #[tokio::test(flavor = "current_thread")]
     #[allow(clippy::await_holding_lock)] // The held lock is the slow disk this test needs.
     async fn the_next_operation_waits_for_an_abandoned_write() {
-        let dir = state_dir("abandoned");
-        let registry = RunRegistry::open(&dir, &key().verifying_key(), limits(1), 0).unwrap();
-        let (signed, grant) = nth_grant(0);
-        let run_id = grant.run_id.clone();
-        registry.begin(&signed, grant, 2_000_000).await.unwrap();
+        let (dir, registry, run_id) = registry_with_open_run("abandoned").await;
         let run = registry.get(&run_id).unwrap();
         // A slow disk: the write cannot finish while this is held.
         let slow_disk = lock_journal(&run.journal);

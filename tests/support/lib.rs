@@ -612,6 +612,28 @@ impl Clock for ManualClock {
 }
 
 /// Writes `config` as the TOML file the daemon reads, listening on 127.0.0.1:`port`.
+/// Runs `ip` with `args` and insists it succeeds.
+pub fn run_ip(args: &[&str]) {
+    let out = std::process::Command::new("ip")
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "ip {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A TCP port on 127.0.0.1 that nothing listens on at this moment, for a daemon to bind.
+pub fn free_local_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
 pub fn write_config_file(path: &Path, config: &Config, port: u16) {
     let p = |p: &Path| p.display().to_string();
     let text = format!(
@@ -670,22 +692,11 @@ impl Netns {
     pub fn new(tag: &str, bridges: &[&str]) -> Self {
         let id = uuid::Uuid::new_v4().simple().to_string();
         let name = format!("cs{tag}{}", id.get(..6).unwrap());
-        let ip = |args: &[&str]| {
-            let out = std::process::Command::new("ip")
-                .args(args)
-                .output()
-                .unwrap();
-            assert!(
-                out.status.success(),
-                "ip {args:?}: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        };
-        ip(&["netns", "add", &name]);
-        ip(&["-n", &name, "link", "set", "lo", "up"]);
+        run_ip(&["netns", "add", &name]);
+        run_ip(&["-n", &name, "link", "set", "lo", "up"]);
         for bridge in bridges {
-            ip(&["-n", &name, "link", "add", bridge, "type", "bridge"]);
-            ip(&["-n", &name, "link", "set", bridge, "up"]);
+            run_ip(&["-n", &name, "link", "add", bridge, "type", "bridge"]);
+            run_ip(&["-n", &name, "link", "set", bridge, "up"]);
         }
         Self { name }
     }

@@ -187,14 +187,7 @@ impl NodeExecutor {
                 )
                 .is_some_and(|s| s.standing() == Standing::Failed);
                 if never_started {
-                    guard
-                        .append(
-                            self.now_ms(),
-                            op,
-                            &resource,
-                            Phase::Undone,
-                            json!({ "end_state": EndState::NeverCreated.wire() }),
-                        )
+                    self.journal_end_state(&mut guard, op, &resource, &EndState::NeverCreated)
                         .await?;
                 }
                 return Err(error);
@@ -202,25 +195,11 @@ impl NodeExecutor {
         };
         // Success is the "mapped on" line: the client exits 0 even when its mapping child fails.
         let Some(device) = loopdev::parse_mapped_on(&output.stderr) else {
-            guard
-                .append(
-                    self.now_ms(),
-                    op,
-                    &resource,
-                    Phase::Failed,
-                    tool_detail(&output, &[]),
-                )
+            self.journal_tool_failed(&mut guard, op, &resource, &output, &[])
                 .await?;
             // The client finished and named no device: this call mapped nothing, so the
             // resource is closed and the map may be retried.
-            guard
-                .append(
-                    self.now_ms(),
-                    op,
-                    &resource,
-                    Phase::Undone,
-                    json!({ "end_state": EndState::NeverCreated.wire() }),
-                )
+            self.journal_end_state(&mut guard, op, &resource, &EndState::NeverCreated)
                 .await?;
             return Err(ExecError::FailedPrecondition(format!(
                 "proxmox-backup-client map did not map {archive} (exit {:?}): {}; nothing is left mapped, the map may be retried",
@@ -252,9 +231,7 @@ impl NodeExecutor {
             if let Some(backing) = pbs_backing {
                 extra.push(("backing_file", json!(backing.display().to_string())));
             }
-            let detail = tool_detail(&output, &extra);
-            guard
-                .append(self.now_ms(), op, &resource, Phase::Failed, detail)
+            self.journal_tool_failed(&mut guard, op, &resource, &output, &extra)
                 .await?;
             return Err(ExecError::FailedPrecondition(format!(
                 "the mapping of {archive} failed verification: {reason}; call Cleanup to remove it"
@@ -379,14 +356,7 @@ impl NodeExecutor {
         });
         devices.dedup();
         if devices.is_empty() && !dangling {
-            guard
-                .append(
-                    self.now_ms(),
-                    op,
-                    &resource,
-                    Phase::Undone,
-                    json!({ "end_state": EndState::AlreadyGone.wire() }),
-                )
+            self.journal_end_state(guard, op, &resource, &EndState::AlreadyGone)
                 .await?;
             return Ok((EndState::AlreadyGone, None));
         }

@@ -16,7 +16,7 @@ use super::resources::{self, EndState, Op, Resource, ResourceState, Standing};
 use super::sandbox;
 use crate::executor::{ExecError, Outcome};
 use crate::grant::Grant;
-use crate::journal::Phase;
+use crate::journal::{Phase, Record};
 use crate::process::REAP_WITHIN;
 use crate::runs::{RunGuard, RunHandle};
 use crate::validate::{ArchiveName, Vmid};
@@ -108,16 +108,24 @@ impl NodeExecutor {
         }
     }
 
+    /// Locks the run, even a closed one, and settles the steps a previous daemon was
+    /// interrupted in, so the records read next say what the node was last told.
+    async fn lock_settled<'a>(
+        &self,
+        run: &'a RunHandle,
+    ) -> Result<(RunGuard<'a>, Vec<Record>), ExecError> {
+        let mut guard = run.lock().await;
+        self.settle_interrupted(&mut guard).await?;
+        let records = guard.records().to_vec();
+        Ok((guard, records))
+    }
+
     /// Undoes every open resource of the run (VMs first, then newest first), sweeps what is
     /// named for the run on the node, then re-reads the node for residue.
     pub(super) async fn cleanup(&self, run: &RunHandle) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
-        let mut guard = run.lock().await;
-        self.settle_interrupted(&mut guard).await?;
-        let records = guard.records().to_vec();
-        let touched_network = records
-            .iter()
-            .any(|r| Resource::parse(&r.entry.resource).is_network());
+        let (mut guard, records) = self.lock_settled(run).await?;
+        let touched_network = touched_network(&records);
         let mut open = resources::open_newest_first(&records);
         // Stable: VMs first, each group newest first. Everything else may lie beneath a VM.
         open.sort_by_key(|s| !matches!(s.resource, Resource::Vm(_)));
@@ -269,12 +277,8 @@ impl NodeExecutor {
     /// What the node still holds that is named for the run, plus what the journal still has
     /// open: the run may end only when this is empty.
     pub(super) async fn run_residue(&self, run: &RunHandle) -> Result<Vec<String>, ExecError> {
-        let mut guard = run.lock().await;
-        self.settle_interrupted(&mut guard).await?;
-        let records = guard.records().to_vec();
-        let touched_network = records
-            .iter()
-            .any(|r| Resource::parse(&r.entry.resource).is_network());
+        let (_guard, records) = self.lock_settled(run).await?;
+        let touched_network = touched_network(&records);
         let open: Vec<String> = resources::open_newest_first(&records)
             .into_iter()
             .map(|s| s.key)
@@ -367,4 +371,12 @@ fn network_end_state(state: &'static str) -> EndState {
     } else {
         EndState::AlreadyGone
     }
+}
+
+/// Whether the run ever journaled a network object: only then are the node's network objects
+/// swept and read for residue.
+fn touched_network(records: &[Record]) -> bool {
+    records
+        .iter()
+        .any(|r| Resource::parse(&r.entry.resource).is_network())
 }

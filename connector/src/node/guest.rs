@@ -355,16 +355,9 @@ impl NodeExecutor {
                 &super::overlay::screendump_file_name(vmid),
                 true,
             ) {
-                guard
-                    .append(
-                        self.now_ms(),
-                        Op::FileScreendump.as_str(),
-                        &key,
-                        Phase::Failed,
-                        json!({ "error": error.to_string() }),
-                    )
-                    .await?;
-                return Err(error);
+                return Err(self
+                    .journal_step_error(&mut guard, Op::FileScreendump.as_str(), &key, error)
+                    .await);
             }
             arguments = Some(json!({ "filename": path.display().to_string() }));
         }

@@ -243,6 +243,65 @@ impl NodeExecutor {
             }
         }
     }
+    /// Closes a step that left nothing on the node: an `undone` record with its end state.
+    async fn journal_end_state(
+        &self,
+        guard: &mut RunGuard<'_>,
+        op: &str,
+        resource: &str,
+        end_state: &resources::EndState,
+    ) -> Result<(), ExecError> {
+        guard
+            .append(
+                self.now_ms(),
+                op,
+                resource,
+                Phase::Undone,
+                json!({ "end_state": end_state.wire() }),
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// Journals a step that failed before its tool ran (or without one) and hands back its
+    /// error for the caller; should the journal itself fail, that failure is returned instead.
+    async fn journal_step_error(
+        &self,
+        guard: &mut RunGuard<'_>,
+        op: &str,
+        resource: &str,
+        error: ExecError,
+    ) -> ExecError {
+        let detail = json!({ "error": error.to_string() });
+        match guard
+            .append(self.now_ms(), op, resource, Phase::Failed, detail)
+            .await
+        {
+            Ok(_) => error,
+            Err(journal) => journal.into(),
+        }
+    }
+
+    /// Journals a tool that ran and failed: its exit code, time and stderr, plus `extra`.
+    async fn journal_tool_failed(
+        &self,
+        guard: &mut RunGuard<'_>,
+        op: &str,
+        resource: &str,
+        output: &ToolOutput,
+        extra: &[(&str, serde_json::Value)],
+    ) -> Result<(), ExecError> {
+        guard
+            .append(
+                self.now_ms(),
+                op,
+                resource,
+                Phase::Failed,
+                tool_detail(output, extra),
+            )
+            .await?;
+        Ok(())
+    }
 }
 
 fn tool_error(error: process::ToolError) -> ExecError {

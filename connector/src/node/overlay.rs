@@ -200,16 +200,9 @@ impl NodeExecutor {
                 )
                 .await?;
             if let Err(error) = self.open_run_dir(grant, true) {
-                guard
-                    .append(
-                        self.now_ms(),
-                        dir_op,
-                        &dir_key,
-                        Phase::Failed,
-                        json!({ "error": error.to_string() }),
-                    )
-                    .await?;
-                return Err(error);
+                return Err(self
+                    .journal_step_error(&mut guard, dir_op, &dir_key, error)
+                    .await);
             }
             guard
                 .append(
@@ -244,27 +237,13 @@ impl NodeExecutor {
             .arg(&path);
         guard.append(self.now_ms(), op, &resource, Phase::Intent, json!({ "path": path.display().to_string(), "backing": device, "command": call.display() })).await?;
         if let Err(error) = self.create_run_file(grant, &name, false) {
-            guard
-                .append(
-                    self.now_ms(),
-                    op,
-                    &resource,
-                    Phase::Failed,
-                    json!({ "error": error.to_string() }),
-                )
-                .await?;
-            return Err(error);
+            return Err(self
+                .journal_step_error(&mut guard, op, &resource, error)
+                .await);
         }
         let output = self.run_step(&mut guard, op, &resource, call).await?;
         if !output.success() || !path.is_file() {
-            guard
-                .append(
-                    self.now_ms(),
-                    op,
-                    &resource,
-                    Phase::Failed,
-                    tool_detail(&output, &[]),
-                )
+            self.journal_tool_failed(&mut guard, op, &resource, &output, &[])
                 .await?;
             return Err(ExecError::FailedPrecondition(format!(
                 "qemu-img create failed (exit {:?}): {}",

@@ -20,7 +20,8 @@
 //! ruleset with its SHA-256, so a report can show what protected the network during the run.
 //! Without that listing the step fails.
 
-use super::{NodeExecutor, resources, tool_detail, tool_error};
+use super::resources::EndState;
+use super::{NodeExecutor, resources, tool_error};
 use crate::executor::{ExecError, Outcome};
 use crate::grant::{Grant, ProbeKind};
 use crate::journal::Phase;
@@ -546,14 +547,7 @@ impl NodeExecutor {
             .run_step(&mut guard, "sandbox.nft", &nft_key, call)
             .await?;
         if !out.success() {
-            guard
-                .append(
-                    self.now_ms(),
-                    "sandbox.nft",
-                    &nft_key,
-                    Phase::Failed,
-                    tool_detail(&out, &[]),
-                )
+            self.journal_tool_failed(&mut guard, "sandbox.nft", &nft_key, &out, &[])
                 .await?;
             return Err(ExecError::FailedPrecondition(format!(
                 "nft -f refused the containment table: {}",
@@ -620,14 +614,7 @@ impl NodeExecutor {
             .run_step(&mut guard, "sandbox.address", &addr_key, call)
             .await?;
         if !out.success() {
-            guard
-                .append(
-                    self.now_ms(),
-                    "sandbox.address",
-                    &addr_key,
-                    Phase::Failed,
-                    tool_detail(&out, &[]),
-                )
+            self.journal_tool_failed(&mut guard, "sandbox.address", &addr_key, &out, &[])
                 .await?;
             let removal = match self.remove_table(&mut guard, grant).await {
                 Ok(end_state) => format!("the containment table was removed ({end_state})"),
@@ -752,14 +739,7 @@ impl NodeExecutor {
             ),
         };
         if !self.present(grant, object).await? {
-            guard
-                .append(
-                    self.now_ms(),
-                    op,
-                    &key,
-                    Phase::Undone,
-                    json!({ "end_state": "already gone" }),
-                )
+            self.journal_end_state(guard, op, &key, &EndState::AlreadyGone)
                 .await?;
             return Ok("already gone");
         }
@@ -774,15 +754,7 @@ impl NodeExecutor {
             .await?;
         let out = self.tool(program, &args).await?;
         if !out.success() || self.present(grant, object).await? {
-            guard
-                .append(
-                    self.now_ms(),
-                    op,
-                    &key,
-                    Phase::Failed,
-                    tool_detail(&out, &[]),
-                )
-                .await?;
+            self.journal_tool_failed(guard, op, &key, &out, &[]).await?;
             return Err(ExecError::Failed(format!(
                 "{} {} failed: {}",
                 program.display(),
@@ -790,14 +762,7 @@ impl NodeExecutor {
                 out.stderr_excerpt()
             )));
         }
-        guard
-            .append(
-                self.now_ms(),
-                op,
-                &key,
-                Phase::Undone,
-                json!({ "end_state": "deleted" }),
-            )
+        self.journal_end_state(guard, op, &key, &EndState::Deleted)
             .await?;
         Ok("deleted")
     }

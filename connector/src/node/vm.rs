@@ -248,14 +248,7 @@ impl NodeExecutor {
             .run_step(guard, op, &resource, self.qm_call(&args, verb.grace()))
             .await?;
         if !output.success() {
-            guard
-                .append(
-                    self.now_ms(),
-                    op,
-                    &resource,
-                    Phase::Failed,
-                    tool_detail(&output, &[]),
-                )
+            self.journal_tool_failed(guard, op, &resource, &output, &[])
                 .await?;
             return Err(ExecError::FailedPrecondition(format!(
                 "qm {} {vmid} failed (exit {:?}): {}",
@@ -372,15 +365,9 @@ impl NodeExecutor {
                 self.qm_call(&args, std::time::Duration::ZERO),
             )
             .await?;
+        let journaled = [("smbios_uuid", json!(smbios_uuid))];
         if !output.success() {
-            guard
-                .append(
-                    self.now_ms(),
-                    op,
-                    &resource,
-                    Phase::Failed,
-                    tool_detail(&output, &[("smbios_uuid", json!(smbios_uuid))]),
-                )
+            self.journal_tool_failed(&mut guard, op, &resource, &output, &journaled)
                 .await?;
             if output.stderr.contains("already exists") {
                 return Err(ExecError::AlreadyExists(format!(
@@ -400,7 +387,7 @@ impl NodeExecutor {
                 op,
                 &resource,
                 Phase::Done,
-                tool_detail(&output, &[("smbios_uuid", json!(smbios_uuid))]),
+                tool_detail(&output, &journaled),
             )
             .await?;
         Ok(Outcome::CreateVm(pb::CreateVmReply {
@@ -542,14 +529,7 @@ impl NodeExecutor {
         };
         match ownership {
             Ownership::Absent => {
-                guard
-                    .append(
-                        self.now_ms(),
-                        op,
-                        &resource,
-                        Phase::Undone,
-                        json!({ "end_state": EndState::AlreadyGone.wire() }),
-                    )
+                self.journal_end_state(guard, op, &resource, &EndState::AlreadyGone)
                     .await?;
                 Ok(EndState::AlreadyGone)
             }
