@@ -258,10 +258,13 @@ where
     }
 }
 
+/// The activity a call counts against, and the slot its in-progress guard goes into.
+type Arrival = (Arc<Activity>, Arc<Mutex<Option<CallGuard>>>);
+
 /// A request body that marks its call in progress once it has been received whole.
 struct ArrivingRequest {
     inner: tonic::body::Body,
-    arrived: Option<(Arc<Activity>, Arc<Mutex<Option<CallGuard>>>)>,
+    arrived: Option<Arrival>,
 }
 
 impl ArrivingRequest {
