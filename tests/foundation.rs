@@ -4112,6 +4112,14 @@ mod plans {
         assert!(err.contains("chmod 0600"), "{err}");
         std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
 
+        // A plan others may write could send the PBS secret to a server of their choosing.
+        let plan = setup.dir.0.join("nightly.yaml");
+        std::fs::set_permissions(&plan, std::fs::Permissions::from_mode(0o666)).unwrap();
+        let (code, _, err) = setup.check("nightly.yaml");
+        assert_eq!(code, 77, "{err}");
+        assert!(err.contains("chmod 0644 nightly.yaml"), "{err}");
+        std::fs::set_permissions(&plan, std::fs::Permissions::from_mode(0o644)).unwrap();
+
         // An unknown key in the controller configuration: the key, line and column.
         setup.edit("controller.toml", "reports_dir", "report_dir");
         let (code, _, err) = setup.check("nightly.yaml");

@@ -39,11 +39,11 @@ pub enum PlanError {
     Read(FileError),
     #[error("{path} is {size} bytes; a plan is at most {MAX_PLAN_BYTES}")]
     TooLarge { path: PathBuf, size: u64 },
-    #[error("{path}:{line}:{column}: {reason}")]
+    #[error("{path}:{position}: {reason}")]
     Syntax {
         path: PathBuf,
-        line: u64,
-        column: u64,
+        /// `line:column`, or `?` when the parser cannot tell.
+        position: String,
         reason: String,
     },
     #[error("{path}: {at}: {reason}")]
@@ -380,12 +380,9 @@ impl Plan {
                 size,
             });
         }
-        let text = std::fs::read_to_string(path).map_err(|error| {
-            PlanError::Read(FileError::Read {
-                path: path.to_owned(),
-                error,
-            })
-        })?;
+        // The plan decides which PBS server the secret is handed to, so it is held to the same
+        // rule as every file that steers trust: nobody else may write it.
+        let text = files::read_trusted(path).map_err(PlanError::Read)?;
         let plan = Self::parse(path, &text, config, now_unix)?;
         files::check_private(&plan.pbs_password_file).map_err(|error| PlanError::Secret {
             path: path.to_owned(),
@@ -410,13 +407,13 @@ impl Plan {
         now_unix: i64,
     ) -> Result<Self, PlanError> {
         let file: PlanFile = serde_saphyr::from_str(text).map_err(|error| {
-            let (line, column) = error
+            let position = error
                 .location()
-                .map_or((0, 0), |at| (at.line(), at.column()));
+                .filter(|at| at.line() > 0)
+                .map_or_else(|| "?".to_owned(), |at| format!("{}:{}", at.line(), at.column()));
             PlanError::Syntax {
                 path: path.to_owned(),
-                line,
-                column,
+                position,
                 reason: first_line(&error.to_string()),
             }
         })?;
@@ -837,6 +834,13 @@ validations:
         assert!(error.contains("source_vmdi"), "{error}");
         let error = refusal(&PLAN.replace("  datastore: backups", "  datastore: [backups"));
         assert!(error.starts_with("/plans/nightly.yaml:"), "{error}");
+        assert!(!error.starts_with("/plans/nightly.yaml:?"), "{error}");
+        let error = refusal(&PLAN.replace(
+            "    source_vmid: 101",
+            "    source_vmid: 101\n    source_vmid: 102",
+        ));
+        assert!(error.starts_with("/plans/nightly.yaml:37:"), "{error}");
+        assert!(error.contains("source_vmid"), "{error}");
     }
 
     #[test]
