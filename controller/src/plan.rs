@@ -407,10 +407,10 @@ impl Plan {
         now_unix: i64,
     ) -> Result<Self, PlanError> {
         let file: PlanFile = serde_saphyr::from_str(text).map_err(|error| {
-            let position = error
-                .location()
-                .filter(|at| at.line() > 0)
-                .map_or_else(|| "?".to_owned(), |at| format!("{}:{}", at.line(), at.column()));
+            let position = error.location().filter(|at| at.line() > 0).map_or_else(
+                || "?".to_owned(),
+                |at| format!("{}:{}", at.line(), at.column()),
+            );
             PlanError::Syntax {
                 path: path.to_owned(),
                 position,
