@@ -4112,6 +4112,29 @@ mod plans {
         assert!(err.contains("chmod 0600"), "{err}");
         std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
 
+        // The encryption key is held to the same rules, and must exist.
+        setup.edit(
+            "nightly.yaml",
+            "  pbs_password_file: secrets/pbs-token",
+            "  pbs_password_file: secrets/pbs-token\n  encryption_key_file: secrets/backup.key",
+        );
+        let (code, _, err) = setup.check("nightly.yaml");
+        assert_eq!(code, 66, "{err}");
+        assert!(
+            err.contains("storage.encryption_key_file: cannot read secrets/backup.key"),
+            "{err}"
+        );
+        let key = setup.dir.0.join("secrets/backup.key");
+        std::fs::write(&key, "{}").unwrap();
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o604)).unwrap();
+        let (code, _, err) = setup.check("nightly.yaml");
+        assert_eq!(code, 77, "{err}");
+        assert!(err.contains("chmod 0600 secrets/backup.key"), "{err}");
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let (code, _, err) = setup.check("nightly.yaml");
+        assert_eq!(code, 0, "{err}");
+        std::fs::write(setup.dir.0.join("nightly.yaml"), &original).unwrap();
+
         // A plan others may write could send the PBS secret to a server of their choosing.
         let plan = setup.dir.0.join("nightly.yaml");
         std::fs::set_permissions(&plan, std::fs::Permissions::from_mode(0o666)).unwrap();
@@ -4119,6 +4142,13 @@ mod plans {
         assert_eq!(code, 77, "{err}");
         assert!(err.contains("chmod 0644 nightly.yaml"), "{err}");
         std::fs::set_permissions(&plan, std::fs::Permissions::from_mode(0o644)).unwrap();
+
+        let config = setup.dir.0.join("controller.toml");
+        std::fs::set_permissions(&config, std::fs::Permissions::from_mode(0o664)).unwrap();
+        let (code, _, err) = setup.check("nightly.yaml");
+        assert_eq!(code, 77, "{err}");
+        assert!(err.contains("chmod 0644 controller.toml"), "{err}");
+        std::fs::set_permissions(&config, std::fs::Permissions::from_mode(0o644)).unwrap();
 
         // An unknown key in the controller configuration: the key, line and column.
         setup.edit("controller.toml", "reports_dir", "report_dir");

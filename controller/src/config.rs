@@ -172,13 +172,6 @@ pub fn line_column(text: &str, offset: usize) -> (usize, usize) {
     (line, column)
 }
 
-/// Reads a secret (PBS password or API-token secret, encryption key) from its file: only a file
-/// owned by the user running the controller and closed to group and others is accepted, and the
-/// refusal names the `chmod` that fixes it.
-pub fn read_secret(path: &Path) -> Result<zeroize::Zeroizing<String>, FileError> {
-    files::read_private(path)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -248,23 +241,5 @@ port = 7443
         assert_eq!(line_column("ab\ncd", 0), (1, 1));
         assert_eq!(line_column("ab\ncd", 4), (2, 2));
         assert_eq!(line_column("é\nx", 3), (2, 1));
-    }
-
-    #[test]
-    fn secrets_readable_by_others_are_refused_with_the_chmod() {
-        use std::os::unix::fs::PermissionsExt;
-        let dir = std::env::temp_dir().join(format!("certistack-secret-{}", uuid::Uuid::new_v4()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let secret = dir.join("pbs-password");
-        std::fs::write(&secret, "hunter2").unwrap();
-        std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o644)).unwrap();
-        let error = read_secret(&secret).unwrap_err().to_string();
-        assert!(
-            error.contains(&format!("chmod 0600 {}", secret.display())),
-            "{error}"
-        );
-        std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
-        assert_eq!(read_secret(&secret).unwrap().as_str(), "hunter2");
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
