@@ -5,5 +5,7 @@
 
 pub mod authority;
 pub mod client;
+pub mod config;
+pub mod plan;
 pub mod run;
 pub mod surface;

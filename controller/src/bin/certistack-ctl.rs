@@ -34,6 +34,27 @@ enum Command {
     /// Connect to a node as an operator and print its Hello answer.
     #[command(after_help = EXIT_CODES)]
     Hello(HelloArgs),
+    /// Plans: the validations an operator asks for.
+    #[command(subcommand)]
+    Plan(PlanCommand),
+}
+
+const PLAN_EXIT_CODES: &str = "Exit codes: 0 the plan is accepted; 65 the plan is refused (the message names \
+file:line:column or the validation and key, and what to change); 66 the plan or the configuration cannot \
+be read; 77 a file's owner or mode is refused (the message gives the chmod or chown to run); 78 the \
+controller configuration is refused; 2 the command line itself is wrong.";
+
+#[derive(Subcommand, Debug)]
+enum PlanCommand {
+    /// Check a plan completely without contacting any node, and print what would run where.
+    #[command(after_help = PLAN_EXIT_CODES)]
+    Check {
+        /// The plan (YAML; see docs/plans.md).
+        plan: PathBuf,
+        /// The controller configuration.
+        #[arg(long, default_value = certistack_controller::config::DEFAULT_CONFIG)]
+        config: PathBuf,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -85,6 +106,8 @@ enum Failure {
     Local(String),
     Unreachable(String),
     Mismatch(String),
+    /// A failure with its own documented exit code (see PLAN_EXIT_CODES).
+    Coded(u8, String),
 }
 
 fn main() -> ExitCode {
@@ -96,6 +119,7 @@ fn main() -> ExitCode {
                 Failure::Local(m) => (1, m),
                 Failure::Unreachable(m) => (3, m),
                 Failure::Mismatch(m) => (4, m),
+                Failure::Coded(code, m) => (code, m),
             };
             eprintln!("certistack-ctl: {message}");
             ExitCode::from(code)
@@ -154,7 +178,45 @@ fn run(cli: Cli) -> Result<(), Failure> {
             Ok(())
         }
         Command::Hello(args) => hello(args, now),
+        Command::Plan(PlanCommand::Check { plan, config }) => plan_check(&plan, &config, now),
     }
+}
+
+fn plan_check(
+    plan: &std::path::Path,
+    config: &std::path::Path,
+    now: OffsetDateTime,
+) -> Result<(), Failure> {
+    use certistack_connector::files::FileError;
+    use certistack_controller::config::{ConfigError, ControllerConfig};
+    use certistack_controller::plan::{self, Plan, PlanError};
+    let file_failure = |error: &FileError| match error {
+        FileError::Insecure { .. } | FileError::WrongOwner { .. } => 77,
+        _ => 66,
+    };
+    let config = ControllerConfig::load(config).map_err(|error| {
+        let code = match &error {
+            ConfigError::File(file) => file_failure(file),
+            _ => 78,
+        };
+        Failure::Coded(code, format!("controller configuration refused: {error}"))
+    })?;
+    let plan = Plan::load(plan, &config, now.unix_timestamp()).map_err(|error| {
+        let code = match &error {
+            PlanError::Read(file) | PlanError::Secret { error: file, .. } => file_failure(file),
+            PlanError::TooLarge { .. } | PlanError::Syntax { .. } | PlanError::Refused { .. } => 65,
+        };
+        Failure::Coded(code, format!("plan refused: {error}"))
+    })?;
+    for validation in &plan.validations {
+        println!("{}", plan::describe(validation));
+    }
+    println!(
+        "plan {} accepted: {} validation(s); nothing was contacted",
+        plan.path.display(),
+        plan.validations.len()
+    );
+    Ok(())
 }
 
 fn hello(args: HelloArgs, now: OffsetDateTime) -> Result<(), Failure> {
