@@ -258,10 +258,13 @@ where
     }
 }
 
+/// The connection's activity and the slot the call's guard goes into once its request arrived.
+type ArrivalSlot = (Arc<Activity>, Arc<Mutex<Option<CallGuard>>>);
+
 /// A request body that marks its call in progress once it has been received whole.
 struct ArrivingRequest {
     inner: tonic::body::Body,
-    arrived: Option<(Arc<Activity>, Arc<Mutex<Option<CallGuard>>>)>,
+    arrived: Option<ArrivalSlot>,
 }
 
 impl ArrivingRequest {

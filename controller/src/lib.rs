@@ -5,5 +5,6 @@
 
 pub mod authority;
 pub mod client;
+pub mod report;
 pub mod run;
 pub mod surface;
