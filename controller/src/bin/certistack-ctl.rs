@@ -3,7 +3,7 @@
 #![allow(clippy::print_stdout)]
 
 use certistack_connector::tls::ConnectError;
-use certistack_controller::{authority, client, surface};
+use certistack_controller::{authority, client, report, surface};
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -34,6 +34,35 @@ enum Command {
     /// Connect to a node as an operator and print its Hello answer.
     #[command(after_help = EXIT_CODES)]
     Hello(HelloArgs),
+    /// Evidence reports: verify one, or print it for a person.
+    #[command(subcommand, after_help = REPORT_EXIT_CODES)]
+    Report(ReportCommand),
+}
+
+const REPORT_EXIT_CODES: &str = "Exit codes: 0 the report verifies; 1 it does not, or it or the key \
+cannot be read (the reason is printed); 2 usage error.";
+
+#[derive(Subcommand, Debug)]
+enum ReportCommand {
+    /// Check a report's envelope, signature, statement and the journal chain inside it.
+    #[command(after_help = REPORT_EXIT_CODES)]
+    Verify(ReportArgs),
+    /// Verify a report, then print its verdict, node, snapshot, steps, probes, cleanup, journal
+    /// head and screenshot location.
+    #[command(after_help = REPORT_EXIT_CODES)]
+    Show(ReportArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct ReportArgs {
+    /// The report file.
+    report: PathBuf,
+    /// The report-signing public key (PEM); defaults to the state directory's.
+    #[arg(long, required_unless_present = "state_dir")]
+    key: Option<PathBuf>,
+    /// The controller's state directory, whose report-signing public key is used.
+    #[arg(long, conflicts_with = "key")]
+    state_dir: Option<PathBuf>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -154,7 +183,41 @@ fn run(cli: Cli) -> Result<(), Failure> {
             Ok(())
         }
         Command::Hello(args) => hello(args, now),
+        Command::Report(command) => report_command(command),
     }
+}
+
+fn report_command(command: ReportCommand) -> Result<(), Failure> {
+    let (ReportCommand::Verify(args) | ReportCommand::Show(args)) = &command;
+    let key_path = match (&args.key, &args.state_dir) {
+        (Some(key), _) => key.clone(),
+        (None, Some(dir)) => dir.join(authority::REPORT_PUB),
+        (None, None) => return Err(local("give --key or --state-dir")),
+    };
+    let key = report::load_public_key(&key_path).map_err(local)?;
+    let bytes = report::read(&args.report).map_err(local)?;
+    let statement = report::verify(&bytes, &key)
+        .map_err(|e| local(format!("{}: not valid: {e}", args.report.display())))?;
+    match command {
+        ReportCommand::Verify(_) => {
+            let predicate = &statement.predicate;
+            let verdict = match &predicate.verdict {
+                report::Verdict::Passed => "passed",
+                report::Verdict::Failed { .. } => "failed",
+            };
+            println!(
+                "{}: valid; signed by {}; run {} on {}; verdict {verdict}; journal head {} ({} records, recomputed)",
+                args.report.display(),
+                report::key_id(&key).map_err(local)?,
+                predicate.run_id,
+                predicate.node,
+                predicate.journal.head_sha256,
+                predicate.journal.records.len()
+            );
+        }
+        ReportCommand::Show(_) => print!("{}", report::describe(&statement, &args.report)),
+    }
+    Ok(())
 }
 
 fn hello(args: HelloArgs, now: OffsetDateTime) -> Result<(), Failure> {
