@@ -4147,11 +4147,17 @@ mod evidence_report {
         let p = path.to_str().unwrap();
         let public = state.join("report-signing.pub");
         let verifier = python_verifier(&dir.0);
+        let screenshot = reports.join(format!("20261130T202000Z-{NODE}-{RUN}.png"));
+        std::fs::write(&screenshot, b"png").unwrap();
 
         let (code, out, err) = ctl(&["report", "verify", p, "--state-dir", s]);
         assert_eq!(code, 0, "{out}{err}");
         assert!(out.contains("valid; signed by sha256:"), "{out}");
         assert!(out.contains("verdict failed"), "{out}");
+        assert!(
+            out.contains(&format!("screenshot {}: matches", screenshot.display())),
+            "{out}"
+        );
         assert!(
             out.contains(&statement.predicate.journal.head_sha256),
             "{out}"
@@ -4267,5 +4273,14 @@ mod evidence_report {
         ]);
         assert_eq!(code, 1);
         assert!(err.contains("keyid"), "{err}");
+
+        // A replaced screenshot: refused by both.
+        std::fs::write(&screenshot, b"another picture").unwrap();
+        let (code, _, err) = ctl(&["report", "verify", p, "--state-dir", s]);
+        assert_eq!(code, 1);
+        assert!(err.contains("the image was replaced"), "{err}");
+        let (code, _, err) = python(&verifier, &path, &public);
+        assert_ne!(code, 0);
+        assert!(err.contains("screenshot"), "{err}");
     }
 }

@@ -198,6 +198,8 @@ fn report_command(command: ReportCommand) -> Result<(), Failure> {
     let bytes = report::read(&args.report).map_err(local)?;
     let statement = report::verify(&bytes, &key)
         .map_err(|e| local(format!("{}: not valid: {e}", args.report.display())))?;
+    let screenshot = report::check_screenshot(&statement, &args.report)
+        .map_err(|e| local(format!("{}: not valid: {e}", args.report.display())))?;
     match command {
         ReportCommand::Verify(_) => {
             let predicate = &statement.predicate;
@@ -214,6 +216,16 @@ fn report_command(command: ReportCommand) -> Result<(), Failure> {
                 predicate.journal.head_sha256,
                 predicate.journal.records.len()
             );
+            match screenshot {
+                report::ScreenshotCheck::NotTaken => {}
+                report::ScreenshotCheck::Matches(path) => {
+                    println!("screenshot {}: matches the signed digest", path.display());
+                }
+                report::ScreenshotCheck::Absent(path) => println!(
+                    "screenshot {}: absent, not checked (keep it beside the report)",
+                    path.display()
+                ),
+            }
         }
         ReportCommand::Show(_) => print!("{}", report::describe(&statement, &args.report)),
     }
