@@ -910,7 +910,7 @@ mod tests {
         // verifies slowly: its edges and every 16th byte stand for the rest.
         let inside_payload = |at: usize| {
             (payload_start + 8..payload_end.saturating_sub(8)).contains(&at)
-                && (at - payload_start) % 16 != 0
+                && !(at - payload_start).is_multiple_of(16)
         };
         for at in (0..bytes.len()).filter(|&at| !inside_payload(at)) {
             let mut changed = bytes.clone();
