@@ -54,14 +54,17 @@ enum ReportCommand {
 }
 
 #[derive(clap::Args, Debug)]
+#[command(group(
+    clap::ArgGroup::new("signing_key").required(true).args(["key", "state_dir"])
+))]
 struct ReportArgs {
     /// The report file.
     report: PathBuf,
     /// The report-signing public key (PEM); defaults to the state directory's.
-    #[arg(long, required_unless_present = "state_dir")]
+    #[arg(long)]
     key: Option<PathBuf>,
     /// The controller's state directory, whose report-signing public key is used.
-    #[arg(long, conflicts_with = "key")]
+    #[arg(long)]
     state_dir: Option<PathBuf>,
 }
 
