@@ -7,5 +7,6 @@ pub mod authority;
 pub mod client;
 pub mod config;
 pub mod plan;
+pub mod report;
 pub mod run;
 pub mod surface;

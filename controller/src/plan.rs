@@ -237,16 +237,18 @@ struct NetworkRecoveryFile {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum NetworkRecoveryMode {
-    /// The guest keeps the addresses it had in production: the VNet is an isolated copy of its
-    /// subnet, and probes target those addresses. Nothing in the guest is changed.
+    /// The guest keeps the network configuration it was backed up with: the VNet is an
+    /// isolated copy of its subnet, and probes target those addresses. Nothing in the guest is
+    /// changed. (Writing a sandbox network profile into the overlay before boot is a mode of its
+    /// own, not offered yet.)
     #[default]
-    Keep,
+    Preserve,
 }
 
 impl NetworkRecoveryMode {
     pub fn name(self) -> &'static str {
         match self {
-            Self::Keep => "keep",
+            Self::Preserve => "preserve",
         }
     }
 }
