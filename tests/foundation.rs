@@ -4516,3 +4516,169 @@ mod evidence_report {
         assert!(err.contains("screenshot"), "{err}");
     }
 }
+
+/// `certistack-ctl runs`, `journal` and `cleanup` against an in-process node, as an operator.
+mod operator_commands {
+    use super::*;
+    use certistack_controller::operator;
+
+    async fn ctl(args: Vec<String>) -> (i32, String, String) {
+        tokio::task::spawn_blocking(move || {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            run_binary("certistack-ctl", &args)
+        })
+        .await
+        .unwrap()
+    }
+
+    fn node_args(verb: &str, dir: &TempDir, node: &TestNode) -> Vec<String> {
+        vec![
+            verb.into(),
+            "--state-dir".into(),
+            dir.0.join("ctl").to_str().unwrap().into(),
+            "--node".into(),
+            node.address.clone(),
+            "--name".into(),
+            NODE.into(),
+        ]
+    }
+
+    /// A run begun on the node, and ended when `end` says so (two journal records then).
+    async fn begin_run(
+        authority: &certistack_controller::authority::Authority,
+        node: &TestNode,
+        end: bool,
+    ) {
+        let credentials = mint(authority, &grant(RUN_ID, NODE));
+        let mut client = run_client(authority, node, &credentials).await;
+        client.begin_run(begin_request(&credentials)).await.unwrap();
+        if end {
+            client.end_run(pb::EndRunRequest {}).await.unwrap();
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn ctl_runs_lists_open_runs_with_resources() {
+        let (dir, authority, node) = started("ctl-runs").await;
+        let (code, out, err) = ctl(node_args("runs", &dir, &node)).await;
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(out, "0 run(s)\n");
+
+        begin_run(&authority, &node, false).await;
+        let (code, out, err) = ctl(node_args("runs", &dir, &node)).await;
+        assert_eq!(code, 0, "{err}");
+        let deadline = time::OffsetDateTime::from_unix_timestamp(grant(RUN_ID, NODE).deadline_unix)
+            .unwrap()
+            .format(&time::format_description::well_known::Rfc3339)
+            .unwrap();
+        assert_eq!(
+            out,
+            format!("{RUN_ID} open deadline {deadline} open -\n1 run(s)\n")
+        );
+
+        // Another node name than the certificate carries: refused as a mismatch.
+        let mut args = node_args("runs", &dir, &node);
+        args[6] = "pve9".into();
+        let (code, _, err) = ctl(args).await;
+        assert_eq!(code, 4, "{err}");
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn ctl_journal_prints_records_and_the_verified_head() {
+        let (dir, authority, node) = started("ctl-journal").await;
+        begin_run(&authority, &node, true).await;
+        let mut args = node_args("journal", &dir, &node);
+        args.push(RUN_ID.into());
+        let (code, out, err) = ctl(args).await;
+        assert_eq!(code, 0, "{err}");
+        let lines: Vec<&str> = out.lines().collect();
+        assert!(lines[0].starts_with("1 20"), "{out}");
+        assert!(
+            lines[0].contains(&format!(" run.begin run:{RUN_ID} done {{")),
+            "{out}"
+        );
+        assert!(lines[1].starts_with("2 20"), "{out}");
+
+        // The head printed is the one recomputed from the streamed records, and equals the
+        // last record's hash.
+        let mut client = operator(&authority, &node).await;
+        let records = operator::read_journal(&mut client, RUN_ID, |_| {})
+            .await
+            .unwrap();
+        let head = operator::verify_journal(RUN_ID, &records).unwrap();
+        assert_eq!(head, records.last().unwrap().record_sha256);
+        assert!(
+            lines
+                .last()
+                .unwrap()
+                .starts_with(&format!("journal head {head} (")),
+            "{out}"
+        );
+        assert_eq!(lines.len(), records.len() + 1, "{out}");
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn ctl_journal_detects_a_changed_record() {
+        let (_dir, authority, node) = started("ctl-journal-tamper").await;
+        begin_run(&authority, &node, true).await;
+        let mut client = operator(&authority, &node).await;
+        let records = operator::read_journal(&mut client, RUN_ID, |_| {})
+            .await
+            .unwrap();
+        operator::verify_journal(RUN_ID, &records).unwrap();
+        assert_eq!(records.len(), 2, "{records:?}");
+
+        // One changed field in the second record: the chain breaks there.
+        let mut changed = records.clone();
+        changed[1].resource.push('x');
+        let error = operator::verify_journal(RUN_ID, &changed).unwrap_err();
+        assert!(error.contains("record 2 does not verify"), "{error}");
+
+        // A record left out: the next one no longer links.
+        let gap = vec![records[1].clone()];
+        let error = operator::verify_journal(RUN_ID, &gap).unwrap_err();
+        assert!(error.contains("record 1"), "{error}");
+
+        // Another run's id: the chain is bound to the run.
+        assert!(
+            operator::verify_journal("aaaaaaaa-3b4a-4c5d-8e6f-7a8b9c0d1e2f", &records).is_err()
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn ctl_cleanup_prints_receipts_and_exits_by_residue() {
+        let (dir, authority, node) = started("ctl-cleanup").await;
+        begin_run(&authority, &node, false).await;
+        let mut args = node_args("cleanup", &dir, &node);
+        args.push(RUN_ID.into());
+        let (code, out, err) = ctl(args).await;
+        eprintln!("{out}{err}");
+        assert!(
+            node.executor.rpcs().contains(&"Cleanup"),
+            "{:?}",
+            node.executor.rpcs()
+        );
+        assert!(out.contains("journal head "), "{out}");
+        assert_eq!(code, 0, "{out}{err}");
+        assert!(
+            out.ends_with(&format!("cleanup of run {RUN_ID} complete: no residue\n")),
+            "{out}"
+        );
+    }
+
+    #[test]
+    fn a_failed_receipt_is_recognised() {
+        let receipt = |end_state: &str| pb::ResourceReceipt {
+            resource: "overlay:9100".into(),
+            end_state: end_state.into(),
+        };
+        assert!(operator::receipt_failed(&receipt(
+            "failed: qemu-img exited 1"
+        )));
+        assert!(operator::receipt_failed(&receipt(
+            "failed: kept while vm 9100 runs"
+        )));
+        assert!(!operator::receipt_failed(&receipt("deleted")));
+        assert!(!operator::receipt_failed(&receipt("already gone")));
+    }
+}

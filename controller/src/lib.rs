@@ -6,6 +6,7 @@
 pub mod authority;
 pub mod client;
 pub mod config;
+pub mod operator;
 pub mod plan;
 pub mod report;
 pub mod run;

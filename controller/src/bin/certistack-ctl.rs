@@ -40,6 +40,34 @@ enum Command {
     /// Evidence reports: verify one, or print it for a person.
     #[command(subcommand, after_help = REPORT_EXIT_CODES)]
     Report(ReportCommand),
+    /// List a node's runs: id, state, deadline and open resources.
+    #[command(after_help = OPERATOR_EXIT_CODES)]
+    Runs(OperatorArgs),
+    /// Stream a run's journal from a node, verify its hash chain here and print each record.
+    #[command(after_help = OPERATOR_EXIT_CODES)]
+    Journal(RunArgs),
+    /// Ask a node to clean a run up; print each resource's receipt and any residue.
+    #[command(after_help = OPERATOR_EXIT_CODES)]
+    Cleanup(RunArgs),
+}
+
+const OPERATOR_EXIT_CODES: &str = "Exit codes: 0 success; 1 the journal chain does not verify, or \
+cleanup left residue or a failed receipt, or a local file or key failed; 2 usage error; 3 the node \
+could not be reached or refused TLS or the call; 4 the node is not what was expected (node name or \
+surface digest differs).";
+
+#[derive(clap::Args, Debug)]
+struct OperatorArgs {
+    #[command(flatten)]
+    node: HelloArgs,
+}
+
+#[derive(clap::Args, Debug)]
+struct RunArgs {
+    #[command(flatten)]
+    node: HelloArgs,
+    /// The run id.
+    run: String,
 }
 
 const PLAN_EXIT_CODES: &str = "Exit codes: 0 the plan is accepted; 65 the plan is refused (the message names \
@@ -212,6 +240,9 @@ fn run(cli: Cli) -> Result<(), Failure> {
         Command::Hello(args) => hello(args, now),
         Command::Plan(PlanCommand::Check { plan, config }) => plan_check(&plan, &config, now),
         Command::Report(command) => report_command(command),
+        Command::Runs(args) => operator_runs(&args.node, now),
+        Command::Journal(args) => operator_journal(&args.node, &args.run, now),
+        Command::Cleanup(args) => operator_cleanup(&args.node, &args.run, now),
     }
 }
 
@@ -347,5 +378,121 @@ fn hello(args: HelloArgs, now: OffsetDateTime) -> Result<(), Failure> {
         reply.node_time_unix_ms
     );
     println!("seen as: {}", reply.peer_identity);
+    Ok(())
+}
+
+fn operator_failure(error: certistack_controller::operator::OperatorError) -> Failure {
+    use certistack_controller::operator::OperatorError;
+    match error {
+        OperatorError::Local(message) => Failure::Local(message),
+        OperatorError::Node(
+            client::NodeError::SurfaceDigest { .. }
+            | client::NodeError::NodeName { .. }
+            | client::NodeError::Connect(
+                ConnectError::WrongNode(..)
+                | ConnectError::UnknownIssuer(_)
+                | ConnectError::NotANode(..),
+            ),
+        ) => Failure::Mismatch(error.to_string()),
+        OperatorError::Node(client::NodeError::Tls(_)) => Failure::Local(error.to_string()),
+        OperatorError::Node(_) | OperatorError::TooManyRecords => {
+            Failure::Unreachable(error.to_string())
+        }
+    }
+}
+
+/// Runs `call` on a connection to the node `args` names, as an operator.
+fn with_operator<T>(
+    args: &HelloArgs,
+    now: OffsetDateTime,
+    call: impl AsyncFnOnce(
+        &mut certistack_proto::v1::connector_client::ConnectorClient<tonic::transport::Channel>,
+    ) -> Result<T, certistack_controller::operator::OperatorError>,
+) -> Result<T, Failure> {
+    let authority = authority::Authority::load(&args.state_dir).map_err(local)?;
+    let host = args
+        .node
+        .rsplit_once(':')
+        .map_or(args.node.as_str(), |(host, _)| host);
+    let name = args
+        .name
+        .clone()
+        .unwrap_or_else(|| host.trim_matches(['[', ']']).to_owned());
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(local)?;
+    runtime
+        .block_on(async {
+            let mut connection = certistack_controller::operator::connect(
+                &authority,
+                &args.node,
+                &name,
+                &args.operator,
+                now,
+            )
+            .await?;
+            call(&mut connection).await
+        })
+        .map_err(operator_failure)
+}
+
+fn operator_runs(args: &HelloArgs, now: OffsetDateTime) -> Result<(), Failure> {
+    use certistack_controller::operator;
+    let runs = with_operator(args, now, async |connection| {
+        operator::list_runs(connection).await
+    })?;
+    for run in &runs {
+        println!("{}", operator::describe_run(run));
+    }
+    println!("{} run(s)", runs.len());
+    Ok(())
+}
+
+fn operator_journal(args: &HelloArgs, run_id: &str, now: OffsetDateTime) -> Result<(), Failure> {
+    use certistack_controller::operator;
+    let records = with_operator(args, now, async |connection| {
+        operator::read_journal(connection, run_id, |record| {
+            println!("{}", operator::describe_record(record));
+        })
+        .await
+    })?;
+    let head = operator::verify_journal(run_id, &records).map_err(|reason| {
+        Failure::Local(format!(
+            "the journal of run {run_id} does not verify: {reason}; keep the node's journal file for inspection"
+        ))
+    })?;
+    println!(
+        "journal head {head} ({} records, chain verified here)",
+        records.len()
+    );
+    Ok(())
+}
+
+fn operator_cleanup(args: &HelloArgs, run_id: &str, now: OffsetDateTime) -> Result<(), Failure> {
+    use certistack_controller::operator;
+    let reply = with_operator(args, now, async |connection| {
+        operator::cleanup(connection, run_id).await
+    })?;
+    for receipt in &reply.resources {
+        println!("receipt {} {}", receipt.resource, receipt.end_state);
+    }
+    for residue in &reply.residue {
+        println!("residue {residue}");
+    }
+    println!("journal head {}", reply.journal_head);
+    let failed = reply
+        .resources
+        .iter()
+        .filter(|receipt| operator::receipt_failed(receipt))
+        .count();
+    if failed > 0 || !reply.residue.is_empty() {
+        return Err(Failure::Local(format!(
+            "cleanup of run {run_id} is not complete: {failed} failed receipt(s), {} residue; \
+see the lines above, fix on the node and run cleanup again",
+            reply.residue.len()
+        )));
+    }
+    println!("cleanup of run {run_id} complete: no residue");
     Ok(())
 }

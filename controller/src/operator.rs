@@ -1,0 +1,158 @@
+//! Operator calls on one node: list its runs, read a run's journal with the chain verified here,
+//! and clean a run up. Each call presents a short-lived operator certificate from the state
+//! directory's CA and checks the node's name and surface digest first.
+
+use crate::authority::Authority;
+use crate::client::{self, NodeError};
+use crate::report::{self, JournalRecord};
+use certistack_proto::v1 as pb;
+use certistack_proto::v1::connector_client::ConnectorClient;
+use time::OffsetDateTime;
+use tonic::transport::Channel;
+
+/// The most journal records the controller accepts for one run; a node streaming more is
+/// refused rather than held in memory without end.
+pub const MAX_JOURNAL_RECORDS: usize = 1_000_000;
+
+/// Connects to the node at `address` (whose certificate must name `node_name`) as `operator`,
+/// and checks its `Hello`.
+pub async fn connect(
+    authority: &Authority,
+    address: &str,
+    node_name: &str,
+    operator: &str,
+    now: OffsetDateTime,
+) -> Result<ConnectorClient<Channel>, OperatorError> {
+    let identity = authority
+        .issue_operator(operator, now)
+        .map_err(|e| OperatorError::Local(e.to_string()))?;
+    let mut connection = client::connect(address, node_name, authority.ca_pem(), &identity).await?;
+    client::hello(&mut connection, node_name).await?;
+    Ok(connection)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum OperatorError {
+    #[error("{0}")]
+    Local(String),
+    #[error(transparent)]
+    Node(#[from] NodeError),
+    #[error(
+        "the node streamed more than {MAX_JOURNAL_RECORDS} journal records; read the journal file on the node"
+    )]
+    TooManyRecords,
+}
+
+impl From<tonic::Status> for OperatorError {
+    fn from(status: tonic::Status) -> Self {
+        OperatorError::Node(status.into())
+    }
+}
+
+/// One line per run: id, state, deadline (UTC) and open resources.
+pub fn describe_run(run: &pb::RunSummary) -> String {
+    let state = match pb::RunState::try_from(run.state) {
+        Ok(pb::RunState::Open) => "open",
+        Ok(pb::RunState::Closed) => "closed",
+        Ok(pb::RunState::Expired) => "expired",
+        Ok(pb::RunState::Unspecified) | Err(_) => "unknown",
+    };
+    let deadline = OffsetDateTime::from_unix_timestamp(run.deadline_unix)
+        .ok()
+        .and_then(|t| {
+            t.format(&time::format_description::well_known::Rfc3339)
+                .ok()
+        })
+        .unwrap_or_else(|| run.deadline_unix.to_string());
+    let resources = if run.open_resources.is_empty() {
+        "-".to_owned()
+    } else {
+        run.open_resources.join(",")
+    };
+    format!(
+        "{} {state} deadline {deadline} open {resources}",
+        run.run_id
+    )
+}
+
+/// The node's runs.
+pub async fn list_runs(
+    connection: &mut ConnectorClient<Channel>,
+) -> Result<Vec<pb::RunSummary>, OperatorError> {
+    Ok(connection
+        .list_runs(pb::ListRunsRequest {})
+        .await?
+        .into_inner()
+        .runs)
+}
+
+/// One line per journal record: sequence, time, operation, resource, phase, detail.
+pub fn describe_record(record: &JournalRecord) -> String {
+    let time =
+        OffsetDateTime::from_unix_timestamp_nanos(i128::from(record.time_unix_ms) * 1_000_000)
+            .ok()
+            .and_then(|t| {
+                t.format(&time::format_description::well_known::Rfc3339)
+                    .ok()
+            })
+            .unwrap_or_else(|| record.time_unix_ms.to_string());
+    let mut line = format!(
+        "{} {time} {} {} {}",
+        record.sequence, record.operation, record.resource, record.phase
+    );
+    if !record.detail.is_empty() {
+        line.push(' ');
+        line.push_str(&record.detail);
+    }
+    line
+}
+
+/// Streams the journal of `run_id`, handing each record to `each` as it arrives, and returns
+/// the records for verification.
+pub async fn read_journal(
+    connection: &mut ConnectorClient<Channel>,
+    run_id: &str,
+    mut each: impl FnMut(&JournalRecord),
+) -> Result<Vec<JournalRecord>, OperatorError> {
+    let mut stream = connection
+        .read_journal(pb::ReadJournalRequest {
+            run_id: run_id.to_owned(),
+        })
+        .await?
+        .into_inner();
+    let mut records = Vec::new();
+    while let Some(record) = stream.message().await? {
+        if records.len() >= MAX_JOURNAL_RECORDS {
+            return Err(OperatorError::TooManyRecords);
+        }
+        let record = JournalRecord::from(&record);
+        each(&record);
+        records.push(record);
+    }
+    Ok(records)
+}
+
+/// Recomputes the chain of `records` the way the connector writes it; the head (hex) on
+/// success, where it broke otherwise.
+pub fn verify_journal(run_id: &str, records: &[JournalRecord]) -> Result<String, String> {
+    report::recompute_journal_head(run_id, records)
+}
+
+/// The node's Cleanup of `run_id`.
+pub async fn cleanup(
+    connection: &mut ConnectorClient<Channel>,
+    run_id: &str,
+) -> Result<pb::CleanupReply, OperatorError> {
+    Ok(connection
+        .cleanup(pb::CleanupRequest {
+            run_id: run_id.to_owned(),
+        })
+        .await?
+        .into_inner())
+}
+
+/// Whether a receipt says cleanup failed for its resource (the node writes `failed: REASON`,
+/// also for a resource kept because something above it could not be undone).
+pub fn receipt_failed(receipt: &pb::ResourceReceipt) -> bool {
+    receipt.end_state.starts_with("failed")
+}
