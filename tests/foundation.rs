@@ -4680,5 +4680,21 @@ mod operator_commands {
         )));
         assert!(!operator::receipt_failed(&receipt("deleted")));
         assert!(!operator::receipt_failed(&receipt("already gone")));
+
+        // The exit status of `cleanup`: complete only with no failed receipt and no residue.
+        let reply = |end_state: &str, residue: &[&str]| pb::CleanupReply {
+            resources: vec![receipt("deleted"), receipt(end_state)],
+            residue: residue.iter().map(|r| (*r).to_owned()).collect(),
+            journal_head: String::new(),
+        };
+        assert_eq!(operator::cleanup_complete(&reply("destroyed", &[])), Ok(()));
+        assert_eq!(
+            operator::cleanup_complete(&reply("failed: qm exited 2", &[])),
+            Err("1 failed receipt(s), 0 residue".to_owned())
+        );
+        assert_eq!(
+            operator::cleanup_complete(&reply("destroyed", &["/dev/loop7"])),
+            Err("0 failed receipt(s), 1 residue".to_owned())
+        );
     }
 }

@@ -156,3 +156,20 @@ pub async fn cleanup(
 pub fn receipt_failed(receipt: &pb::ResourceReceipt) -> bool {
     receipt.end_state.starts_with("failed")
 }
+
+/// Whether a Cleanup reply proves the run clean: `Err` says how many receipts failed and how
+/// much residue is left.
+pub fn cleanup_complete(reply: &pb::CleanupReply) -> Result<(), String> {
+    let failed = reply
+        .resources
+        .iter()
+        .filter(|receipt| receipt_failed(receipt))
+        .count();
+    if failed > 0 || !reply.residue.is_empty() {
+        return Err(format!(
+            "{failed} failed receipt(s), {} residue",
+            reply.residue.len()
+        ));
+    }
+    Ok(())
+}

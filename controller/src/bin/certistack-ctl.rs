@@ -481,18 +481,11 @@ fn operator_cleanup(args: &HelloArgs, run_id: &str, now: OffsetDateTime) -> Resu
         println!("residue {residue}");
     }
     println!("journal head {}", reply.journal_head);
-    let failed = reply
-        .resources
-        .iter()
-        .filter(|receipt| operator::receipt_failed(receipt))
-        .count();
-    if failed > 0 || !reply.residue.is_empty() {
-        return Err(Failure::Local(format!(
-            "cleanup of run {run_id} is not complete: {failed} failed receipt(s), {} residue; \
-see the lines above, fix on the node and run cleanup again",
-            reply.residue.len()
-        )));
-    }
+    operator::cleanup_complete(&reply).map_err(|shortfall| {
+        Failure::Local(format!(
+            "cleanup of run {run_id} is not complete: {shortfall}; see the lines above, fix on the node and run cleanup again"
+        ))
+    })?;
     println!("cleanup of run {run_id} complete: no residue");
     Ok(())
 }
