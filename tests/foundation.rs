@@ -4666,6 +4666,32 @@ mod operator_commands {
         );
     }
 
+    /// A quarantined run as the node lists it (no deadline, one resource `unknown: REASON`).
+    #[test]
+    fn a_quarantined_run_is_listed_with_its_reason() {
+        let quarantined = pb::RunSummary {
+            run_id: RUN_ID.into(),
+            state: pb::RunState::Open as i32,
+            deadline_unix: 0,
+            open_resources: vec!["unknown: record 1 is invalid".into()],
+        };
+        assert_eq!(
+            operator::describe_run(&quarantined),
+            format!("{RUN_ID} quarantined: record 1 is invalid")
+        );
+        let open = pb::RunSummary {
+            deadline_unix: 1_796_084_905,
+            open_resources: vec!["backup:drive-scsi0.img".into(), "overlay:9100".into()],
+            ..quarantined
+        };
+        assert_eq!(
+            operator::describe_run(&open),
+            format!(
+                "{RUN_ID} open deadline 2026-12-01T00:28:25Z open backup:drive-scsi0.img,overlay:9100"
+            )
+        );
+    }
+
     #[test]
     fn a_failed_receipt_is_recognised() {
         let receipt = |end_state: &str| pb::ResourceReceipt {
