@@ -4557,7 +4557,7 @@ fn inventory(
 ) -> certistack_controller::config::ControllerConfig {
     let mut text = format!(
         "state_dir = {:?}\nreports_dir = {:?}\n",
-        dir.join("ca"),
+        dir.join("ctl"),
         dir.join("reports")
     );
     for (name, address) in nodes {
@@ -4680,4 +4680,96 @@ async fn nodes_audit_reports_drift_and_unreachable_nodes_and_exits_2() {
     assert_eq!(rows.len(), 1);
     assert_eq!(rows[0].status(), "ok", "{rows:?}");
     assert_eq!(audit::exit_code(&rows), audit::EXIT_MATCHES);
+}
+
+#[tokio::test]
+async fn ctl_nodes_audit_prints_the_table_or_json_and_exits_2_then_0() {
+    let dir = TempDir::new("audit-cli");
+    let authority = controller(&dir.0);
+    let healthy = TestNode::start(&authority, &dir.0.join("pve2"), "pve2").await;
+    let drifted = serve_drifted(&authority, &dir.0.join("pve1")).await;
+    let down = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap().to_string()
+    };
+    let write_inventory = |file: &str, nodes: &[(&str, &str)]| {
+        let mut text = format!(
+            "state_dir = {:?}\nreports_dir = {:?}\n",
+            dir.0.join("ctl"),
+            dir.0.join("reports")
+        );
+        for (name, address) in nodes {
+            let (host, port) = address.rsplit_once(':').unwrap();
+            text.push_str(&format!(
+                "[[nodes]]\nname = {name:?}\naddress = {host:?}\nport = {port}\n"
+            ));
+        }
+        let path = dir.0.join(file);
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let fleet = write_inventory(
+        "fleet.toml",
+        &[
+            (NODE, &drifted),
+            ("pve2", &healthy.address),
+            ("pve3", &down),
+        ],
+    );
+    let matching = write_inventory("matching.toml", &[("pve2", &healthy.address)]);
+    // The nodes are served by this test's runtime, so the CLI runs without blocking it.
+    let audit = |config: std::path::PathBuf, json: bool| async move {
+        let mut command = tokio::process::Command::new(binary("certistack-ctl"));
+        command.args(["nodes", "audit", "--config"]).arg(&config);
+        if json {
+            command.arg("--json");
+        }
+        let out = command.output().await.unwrap();
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+
+    let (code, table, err) = audit(fleet.clone(), false).await;
+    assert_eq!(code, 2, "{table}{err}");
+    assert!(err.contains("unreachable"), "{err}");
+    let rows: Vec<&str> = table.lines().collect();
+    assert!(
+        rows[0].starts_with("NODE") && rows[0].contains("SURFACE"),
+        "{table}"
+    );
+    assert!(
+        rows[1].starts_with(NODE) && rows[1].contains("DRIFT"),
+        "{table}"
+    );
+    assert!(
+        rows[2].starts_with("pve2") && rows[2].contains(" ok "),
+        "{table}"
+    );
+    assert!(
+        rows[3].starts_with("pve3") && rows[3].contains("UNREACHABLE"),
+        "{table}"
+    );
+
+    let (code, lines, err) = audit(fleet, true).await;
+    assert_eq!(code, 2, "{lines}{err}");
+    let objects: Vec<serde_json::Value> = lines
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap())
+        .collect();
+    let status: Vec<&str> = objects
+        .iter()
+        .map(|o| o["status"].as_str().unwrap())
+        .collect();
+    assert_eq!(status, ["DRIFT", "ok", "UNREACHABLE"], "{lines}");
+    assert_eq!(
+        objects[1]["surface_digest"],
+        certistack_proto::SURFACE_DIGEST
+    );
+
+    let (code, table, err) = audit(matching, false).await;
+    assert_eq!(code, 0, "{table}{err}");
+    assert_eq!(table.lines().count(), 3, "{table}");
 }
