@@ -4619,6 +4619,12 @@ async fn nodes_audit_reports_drift_and_unreachable_nodes_and_exits_2() {
     assert!(ok.capabilities > 0, "{ok:?}");
     assert!(ok.clock_skew_ms.abs() < audit::MAX_CLOCK_SKEW_MS, "{ok:?}");
     assert_eq!((ok.open_runs, ok.quarantined_runs), (Some(0), Some(0)));
+    // The node certificate, read from the handshake: issued now, so well beyond the warning.
+    let not_after = ok.certificate_not_after_unix.unwrap();
+    assert!(
+        not_after > now().unix_timestamp() + audit::CERTIFICATE_WARNING_SECS,
+        "{ok:?}"
+    );
     assert!(
         !rows[2].reachable && rows[2].error.is_some(),
         "{:?}",
@@ -4737,7 +4743,9 @@ async fn ctl_nodes_audit_prints_the_table_or_json_and_exits_2_then_0() {
     assert!(err.contains("unreachable"), "{err}");
     let rows: Vec<&str> = table.lines().collect();
     assert!(
-        rows[0].starts_with("NODE") && rows[0].contains("SURFACE"),
+        rows[0].starts_with("NODE")
+            && rows[0].contains("SURFACE")
+            && rows[0].contains("CERT EXPIRES"),
         "{table}"
     );
     assert!(

@@ -15,6 +15,8 @@ pub const DEFAULT_CONCURRENCY: usize = 16;
 pub const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_secs(10);
 /// A node clock further off than this is a warning: grant deadlines and certificates depend on it.
 pub const MAX_CLOCK_SKEW_MS: i64 = 5_000;
+/// A node certificate expiring sooner than this is a warning: re-enroll the node before it does.
+pub const CERTIFICATE_WARNING_SECS: i64 = 30 * 24 * 3600;
 
 /// Exit codes of `certistack-ctl nodes audit`.
 pub const EXIT_MATCHES: u8 = 0;
@@ -51,6 +53,14 @@ pub struct NodeAnswer {
     /// Why ListRuns gave no answer (the counts are then absent).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub runs_error: Option<String>,
+    /// The node certificate's not_after, as verified during the handshake.
+    pub certificate_not_after_unix: Option<i64>,
+    /// Why the node certificate could not be read (the expiry is then absent).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub certificate_error: Option<String>,
+    /// Controller time when the node was asked, against which the expiry is judged.
+    #[serde(skip)]
+    pub asked_at_unix: i64,
 }
 
 impl NodeAnswer {
@@ -67,8 +77,20 @@ impl NodeAnswer {
                 self.clock_skew_ms
             ));
         }
-        if self.source_tree_dirty {
-            warnings.push("built from uncommitted sources".to_owned());
+        match self.certificate_not_after_unix {
+            Some(not_after) if not_after - self.asked_at_unix < CERTIFICATE_WARNING_SECS => {
+                warnings.push(format!(
+                    "node certificate expires in {} days; re-enroll the node",
+                    (not_after - self.asked_at_unix) / 86_400
+                ));
+            }
+            Some(_) => {}
+            None => warnings.push(format!(
+                "node certificate not read: {}",
+                self.certificate_error
+                    .as_deref()
+                    .unwrap_or("unknown reason")
+            )),
         }
         if let Some(error) = &self.runs_error {
             warnings.push(format!("runs not listed: {error}"));
@@ -182,7 +204,8 @@ pub async fn audit_node(
             .await
             .map(|reply| reply.into_inner().runs)
             .map_err(|status| format!("{:?}: {}", status.code(), status.message()));
-        Ok::<_, client::NodeError>(answer(hello, middle_ms, runs))
+        let certificate = node_certificate_not_after(&endpoint, &name, ca_pem, identity).await;
+        Ok::<_, client::NodeError>(answer(hello, middle_ms, runs, certificate))
     })
     .await;
     match asked {
@@ -201,10 +224,46 @@ pub async fn audit_node(
     }
 }
 
+/// The node certificate's not_after, from a handshake of its own: the gRPC channel verifies the
+/// certificate but does not hand it out. The same verifier (CA, name, node profile) applies.
+async fn node_certificate_not_after(
+    endpoint: &str,
+    name: &str,
+    ca_pem: &str,
+    identity: &IssuedCertificate,
+) -> Result<i64, String> {
+    use certistack_connector::tls;
+    let text = |error: tls::TlsError| error.to_string();
+    let ca = tls::parse_certificates(ca_pem, "controller CA").map_err(text)?;
+    let chain =
+        tls::parse_certificates(&identity.certificate_pem, "client certificate").map_err(text)?;
+    let key = tls::parse_private_key(&identity.key_pem, "client key").map_err(text)?;
+    let config = tls::client_config(tls::ca_roots(&ca).map_err(text)?, chain, key).map_err(text)?;
+    let server_name = rustls_pki_types::ServerName::try_from(name.to_owned())
+        .map_err(|error| format!("{name} is not a certificate name: {error}"))?;
+    let tcp = tokio::net::TcpStream::connect(endpoint)
+        .await
+        .map_err(|error| format!("connecting to {endpoint}: {error}"))?;
+    let stream = tokio_rustls::TlsConnector::from(config)
+        .connect(server_name, tcp)
+        .await
+        .map_err(|error| format!("TLS handshake with {endpoint}: {error}"))?;
+    let leaf = stream
+        .get_ref()
+        .1
+        .peer_certificates()
+        .and_then(|chain| chain.first())
+        .ok_or_else(|| format!("{endpoint} presented no certificate"))?;
+    let (_, certificate) = x509_parser::parse_x509_certificate(leaf.as_ref())
+        .map_err(|error| format!("the node certificate does not parse: {error}"))?;
+    Ok(certificate.validity().not_after.timestamp())
+}
+
 fn answer(
     hello: pb::HelloReply,
     controller_ms: i64,
     runs: Result<Vec<pb::RunSummary>, String>,
+    certificate: Result<i64, String>,
 ) -> NodeAnswer {
     // The connector lists a quarantined run as open with no deadline and its reason as an
     // "unknown: …" resource, since the grant that would give the deadline could not be read.
@@ -238,6 +297,9 @@ fn answer(
         open_runs,
         quarantined_runs,
         runs_error,
+        certificate_not_after_unix: certificate.as_ref().ok().copied(),
+        certificate_error: certificate.err(),
+        asked_at_unix: controller_ms / 1000,
     }
 }
 
@@ -250,18 +312,20 @@ pub fn table(rows: &[NodeAudit]) -> String {
         "VERSION",
         "SURFACE",
         "CAPS",
+        "CERT EXPIRES",
         "SKEW",
         "OPEN",
         "QUARANTINED",
     ];
     let count = |n: Option<usize>| n.map_or("-".to_owned(), |n| n.to_string());
-    let mut lines: Vec<[String; 9]> = vec![header.map(str::to_owned)];
+    let mut lines: Vec<[String; 10]> = vec![header.map(str::to_owned)];
     for row in rows {
         let cells = match &row.answer {
             None => [
                 row.node.clone(),
                 row.status().to_owned(),
                 "no".to_owned(),
+                "-".to_owned(),
                 "-".to_owned(),
                 "-".to_owned(),
                 "-".to_owned(),
@@ -289,6 +353,15 @@ pub fn table(rows: &[NodeAudit]) -> String {
                     format!("DRIFT {}", short_digest(&answer.surface_digest))
                 },
                 answer.capabilities.to_string(),
+                answer
+                    .certificate_not_after_unix
+                    .map_or("-".to_owned(), |not_after| {
+                        format!(
+                            "{} ({}d)",
+                            date(not_after),
+                            (not_after - answer.asked_at_unix) / 86_400
+                        )
+                    }),
                 format!("{:+.1}s", answer.clock_skew_ms as f64 / 1000.0),
                 count(answer.open_runs),
                 count(answer.quarantined_runs),
@@ -296,7 +369,7 @@ pub fn table(rows: &[NodeAudit]) -> String {
         };
         lines.push(cells);
     }
-    let mut widths = [0usize; 9];
+    let mut widths = [0usize; 10];
     for line in &lines {
         for (width, cell) in widths.iter_mut().zip(line) {
             *width = (*width).max(cell.chars().count());
@@ -346,6 +419,11 @@ pub fn table(rows: &[NodeAudit]) -> String {
     out
 }
 
+fn date(unix: i64) -> String {
+    time::OffsetDateTime::from_unix_timestamp(unix)
+        .map_or_else(|_| unix.to_string(), |at| at.date().to_string())
+}
+
 fn short_commit(commit: &str) -> String {
     commit.chars().take(12).collect()
 }
@@ -353,4 +431,50 @@ fn short_commit(commit: &str) -> String {
 /// `sha256:` and the first 12 hex digits: enough to tell digests apart in a table.
 fn short_digest(digest: &str) -> String {
     digest.chars().take(19).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answer_expiring_in(secs: i64) -> NodeAnswer {
+        NodeAnswer {
+            answered_name: "pve1".into(),
+            version: "0.1.0".into(),
+            source_commit: "abc".into(),
+            source_tree_dirty: false,
+            surface_digest: certistack_proto::SURFACE_DIGEST.into(),
+            surface_matches: true,
+            capabilities: 3,
+            clock_skew_ms: 0,
+            open_runs: Some(0),
+            quarantined_runs: Some(0),
+            runs_error: None,
+            certificate_not_after_unix: Some(1_000_000 + secs),
+            certificate_error: None,
+            asked_at_unix: 1_000_000,
+        }
+    }
+
+    #[test]
+    fn certificates_expiring_within_30_days_and_skew_over_5_s_are_warnings() {
+        assert!(answer_expiring_in(31 * 86_400).warnings().is_empty());
+        let warnings = answer_expiring_in(29 * 86_400).warnings();
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(warnings[0].contains("expires in 29 days"), "{warnings:?}");
+        let mut skewed = answer_expiring_in(365 * 86_400);
+        skewed.clock_skew_ms = -5_001;
+        assert!(skewed.warnings()[0].contains("clock off by -5001 ms"));
+        skewed.clock_skew_ms = 5_000;
+        assert!(skewed.warnings().is_empty());
+        let row = NodeAudit {
+            node: "pve1".into(),
+            endpoint: "127.0.0.1:7443".into(),
+            reachable: true,
+            error: None,
+            answer: Some(answer_expiring_in(86_400)),
+        };
+        assert_eq!(row.status(), "WARN");
+        assert_eq!(exit_code(&[row]), EXIT_DRIFT_OR_WARNING);
+    }
 }
