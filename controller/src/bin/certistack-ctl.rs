@@ -46,7 +46,8 @@ enum Command {
 }
 
 const AUDIT_EXIT_CODES: &str = "Exit codes: 0 every node serves the controller's surface with no warning; \
-1 a node's surface digest or name differs (DRIFT) or a node has a warning (clock skew over 5 s, quarantined \
+1 a node's surface digest or name differs (DRIFT) or a node has a warning (clock skew over 5 s, node \
+certificate expiring within 30 days, quarantined \
 runs, runs not listed); 2 a node is unreachable; 66, 77, 78 the configuration cannot be read or is refused \
 (as for plan check).";
 
