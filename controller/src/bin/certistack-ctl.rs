@@ -49,6 +49,9 @@ enum Command {
     /// Ask a node to clean a run up; print each resource's receipt and any residue.
     #[command(after_help = OPERATOR_EXIT_CODES)]
     Cleanup(RunArgs),
+    /// The fleet of the inventory.
+    #[command(subcommand, after_help = AUDIT_EXIT_CODES)]
+    Nodes(NodesCommand),
 }
 
 const OPERATOR_EXIT_CODES: &str = "Exit codes: 0 success; 1 the journal chain does not verify, or \
@@ -68,6 +71,27 @@ struct RunArgs {
     node: HelloArgs,
     /// The run id.
     run: String,
+}
+
+const AUDIT_EXIT_CODES: &str = "Exit codes: 0 every node serves the controller's surface with no warning; \
+1 a node's surface digest or name differs (DRIFT) or a node has a warning (clock skew over 5 s, node \
+certificate expiring within 30 days, quarantined \
+runs, runs not listed); 2 a node is unreachable; 66, 77, 78 the configuration cannot be read or is refused \
+(as for plan check).";
+
+#[derive(Subcommand, Debug)]
+enum NodesCommand {
+    /// Say Hello to every node of the inventory concurrently and print node, reachable, version,
+    /// surface digest (or DRIFT), capabilities, clock skew and open and quarantined runs.
+    #[command(after_help = AUDIT_EXIT_CODES)]
+    Audit {
+        /// The controller configuration (its state directory and node inventory).
+        #[arg(long, default_value = certistack_controller::config::DEFAULT_CONFIG)]
+        config: PathBuf,
+        /// One JSON object per node, one per line, instead of the table.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 const PLAN_EXIT_CODES: &str = "Exit codes: 0 the plan is accepted; 65 the plan is refused (the message names \
@@ -243,6 +267,53 @@ fn run(cli: Cli) -> Result<(), Failure> {
         Command::Runs(args) => operator_runs(&args.node, now),
         Command::Journal(args) => operator_journal(&args.node, &args.run, now),
         Command::Cleanup(args) => operator_cleanup(&args.node, &args.run, now),
+        Command::Nodes(NodesCommand::Audit { config, json }) => nodes_audit(&config, json, now),
+    }
+}
+
+fn nodes_audit(config: &std::path::Path, json: bool, now: OffsetDateTime) -> Result<(), Failure> {
+    use certistack_connector::files::FileError;
+    use certistack_controller::audit;
+    use certistack_controller::config::{ConfigError, ControllerConfig};
+    let config = ControllerConfig::load(config).map_err(|error| {
+        let code = match &error {
+            ConfigError::File(FileError::Insecure { .. } | FileError::WrongOwner { .. }) => 77,
+            ConfigError::File(_) => 66,
+            _ => 78,
+        };
+        Failure::Coded(code, format!("controller configuration refused: {error}"))
+    })?;
+    let authority = authority::Authority::load(&config.state_dir).map_err(local)?;
+    let identity = authority.issue_operator("audit", now).map_err(local)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(local)?;
+    let rows = runtime.block_on(audit::audit_fleet(
+        config.nodes.values(),
+        authority.ca_pem(),
+        std::sync::Arc::new(identity),
+        audit::DEFAULT_CONCURRENCY,
+        audit::DEFAULT_NODE_TIMEOUT,
+    ));
+    if json {
+        for row in &rows {
+            println!("{}", row.to_json());
+        }
+    } else {
+        print!("{}", audit::table(&rows));
+    }
+    match audit::exit_code(&rows) {
+        audit::EXIT_MATCHES => Ok(()),
+        audit::EXIT_UNREACHABLE => Err(Failure::Coded(
+            audit::EXIT_UNREACHABLE,
+            "a node of the inventory is unreachable".to_owned(),
+        )),
+        code => Err(Failure::Coded(
+            code,
+            "the fleet does not match: drift or warnings above".to_owned(),
+        )),
     }
 }
 
