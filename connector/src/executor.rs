@@ -34,7 +34,6 @@ pub enum Outcome {
     PrepareSandbox(pb::PrepareSandboxReply),
     ReleaseSandbox(pb::ReleaseSandboxReply),
     Probe(pb::ProbeReply),
-    Journal(Vec<pb::JournalRecord>),
     Cleanup(pb::CleanupReply),
 }
 

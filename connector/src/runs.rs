@@ -86,20 +86,6 @@ impl RunHandle {
         }
     }
 
-    /// Reads the journal as it is on disk, without waiting for a running operation: appends are
-    /// whole lines, so a concurrent reader sees at worst a torn tail, which it leaves out.
-    pub async fn records(&self) -> Result<Vec<Record>, JournalError> {
-        let path = self.journal_path.clone();
-        let run_id = self.run_id.to_string();
-        tokio::task::spawn_blocking(move || journal::read(&path, &run_id))
-            .await
-            .map_err(|error| JournalError::Writer {
-                path: self.journal_path.clone(),
-                reason: error.to_string(),
-            })?
-            .map(|loaded| loaded.records)
-    }
-
     /// Whether the run was closed (by EndRun or by expiry).
     pub fn is_closed(&self) -> bool {
         self.closed.load(std::sync::atomic::Ordering::SeqCst)

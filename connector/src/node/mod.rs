@@ -140,13 +140,6 @@ impl NodeExecutor {
         Duration::from_secs(self.config.limits.tool_timeout_secs)
     }
 
-    async fn read_journal(&self, run: &RunHandle) -> Result<Outcome, ExecError> {
-        let records = run.records().await?;
-        Ok(Outcome::Journal(
-            records.iter().map(|r| r.to_wire()).collect(),
-        ))
-    }
-
     async fn dispatch(&self, run: &RunHandle, action: Action) -> Result<Outcome, ExecError> {
         match action {
             Action::MapBackup {
@@ -189,7 +182,10 @@ impl NodeExecutor {
                 address,
                 port,
             } => self.probe(run, kind, address, port).await,
-            Action::ReadJournal { .. } => self.read_journal(run).await,
+            // The service answers ReadJournal itself, streaming the journal file.
+            Action::ReadJournal { .. } => Err(ExecError::Failed(
+                "ReadJournal is answered by the run registry, never by the executor".into(),
+            )),
             Action::Cleanup { .. } => self.cleanup(run).await,
         }
     }
