@@ -1236,87 +1236,11 @@ async fn controller_refuses_a_node_of_another_ca() {
     );
 }
 
-/// A connector double whose Hello reports another surface digest.
-mod drifted {
-    use super::*;
-    use certistack_proto::v1::connector_server::Connector;
-    use tonic::{Request, Response, Status};
-
-    pub struct DriftedNode;
-
-    /// Builds the whole impl: `async_trait` must see every method, so the refusing ones are
-    /// spelled out by the macro rather than generated inside the impl.
-    macro_rules! drifted_impl {
-        ($($name:ident($req:ty) -> $reply:ty;)*) => {
-            #[tonic::async_trait]
-            impl Connector for DriftedNode {
-                async fn hello(&self, _: Request<pb::HelloRequest>) -> Result<Response<pb::HelloReply>, Status> {
-                    Ok(Response::new(pb::HelloReply {
-                        node_name: NODE.into(),
-                        surface_digest: format!("sha256:{}", "0".repeat(64)),
-                        ..Default::default()
-                    }))
-                }
-                type ReadJournalStream = tokio_stream::Empty<Result<pb::JournalRecord, Status>>;
-                async fn read_journal(&self, _: Request<pb::ReadJournalRequest>) -> Result<Response<Self::ReadJournalStream>, Status> {
-                    Err(Status::unimplemented("drifted double"))
-                }
-                $(async fn $name(&self, _: Request<$req>) -> Result<Response<$reply>, Status> {
-                    Err(Status::unimplemented("drifted double"))
-                })*
-            }
-        };
-    }
-
-    drifted_impl! {
-        begin_run(pb::BeginRunRequest) -> pb::BeginRunReply;
-        end_run(pb::EndRunRequest) -> pb::EndRunReply;
-        map_backup(pb::MapBackupRequest) -> pb::MapBackupReply;
-        unmap_backup(pb::UnmapBackupRequest) -> pb::UnmapBackupReply;
-        create_overlay(pb::CreateOverlayRequest) -> pb::CreateOverlayReply;
-        delete_overlay(pb::DeleteOverlayRequest) -> pb::DeleteOverlayReply;
-        create_vm(pb::CreateVmRequest) -> pb::CreateVmReply;
-        start_vm(pb::VmRequest) -> pb::VmReply;
-        stop_vm(pb::StopVmRequest) -> pb::VmReply;
-        destroy_vm(pb::VmRequest) -> pb::VmReply;
-        vm_status(pb::VmRequest) -> pb::VmReply;
-        qmp(pb::QmpRequest) -> pb::QmpReply;
-        qga(pb::QgaRequest) -> pb::QgaReply;
-        prepare_sandbox(pb::PrepareSandboxRequest) -> pb::PrepareSandboxReply;
-        release_sandbox(pb::ReleaseSandboxRequest) -> pb::ReleaseSandboxReply;
-        probe(pb::ProbeRequest) -> pb::ProbeReply;
-        list_runs(pb::ListRunsRequest) -> pb::ListRunsReply;
-        cleanup(pb::CleanupRequest) -> pb::CleanupReply;
-    }
-}
-
 #[tokio::test]
 async fn controller_refuses_a_node_whose_surface_digest_differs() {
-    use certistack_connector::{files, tls};
     let dir = TempDir::new("drift");
     let authority = controller(&dir.0);
-    let config = enroll(&authority, &dir.0.join("node"), NODE);
-    let chain = tls::parse_certificates(
-        &files::read_trusted(&config.tls.certificate).unwrap(),
-        "node",
-    )
-    .unwrap();
-    let key = tls::parse_private_key(
-        &files::read_private(&config.tls.private_key).unwrap(),
-        "key",
-    )
-    .unwrap();
-    let ca = tls::parse_certificates(authority.ca_pem(), "ca").unwrap();
-    let server_config = tls::server_config(chain, key, tls::ca_roots(&ca).unwrap()).unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let address = listener.local_addr().unwrap().to_string();
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(
-                certistack_proto::v1::connector_server::ConnectorServer::new(drifted::DriftedNode),
-            )
-            .serve_with_incoming(tls::incoming(listener, server_config)),
-    );
+    let address = serve_drifted(&authority, &dir.0.join("node"), NODE).await;
     let identity = authority.issue_operator("alice", now()).unwrap();
     let mut c = client(&authority, &address, NODE, &identity).await.unwrap();
     let error = certistack_controller::client::hello(&mut c, NODE)
@@ -4240,6 +4164,7 @@ mod evidence_report {
         let ruleset = "table inet certistack_sandbox { chain forward { type filter hook forward priority 0; policy drop; } }";
         Validation {
             run_id: RUN.into(),
+            name: "web".into(),
             plan_digest: format!("sha256:{}", hex::encode(sha2::Sha256::digest(b"plan"))),
             node: NODE.into(),
             connector: ConnectorVersion {
@@ -4289,7 +4214,8 @@ mod evidence_report {
                 detail: String::new(),
             }],
             isolation: Isolation {
-                listening_ports: vec![],
+                bridge_ports: vec!["tap9100i0".into()],
+                bridge_addresses: vec!["10.99.0.2/24".into()],
                 forwarding: [("net.ipv4.ip_forward".to_owned(), "0".to_owned())].into(),
                 ruleset: ruleset.into(),
                 ruleset_digest: format!("sha256:{}", hex::encode(sha2::Sha256::digest(ruleset))),
@@ -4728,37 +4654,6 @@ mod operator_commands {
 // ----------------------------------------------------------------------------------------------
 // The fleet audit
 
-/// Serves the drifted double (answering as NODE with another digest) under a certificate for NODE.
-async fn serve_drifted(
-    authority: &certistack_controller::authority::Authority,
-    dir: &std::path::Path,
-) -> String {
-    use certistack_connector::{files, tls};
-    let config = enroll(authority, dir, NODE);
-    let chain = tls::parse_certificates(
-        &files::read_trusted(&config.tls.certificate).unwrap(),
-        "node",
-    )
-    .unwrap();
-    let key = tls::parse_private_key(
-        &files::read_private(&config.tls.private_key).unwrap(),
-        "key",
-    )
-    .unwrap();
-    let ca = tls::parse_certificates(authority.ca_pem(), "ca").unwrap();
-    let server_config = tls::server_config(chain, key, tls::ca_roots(&ca).unwrap()).unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let address = listener.local_addr().unwrap().to_string();
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(
-                certistack_proto::v1::connector_server::ConnectorServer::new(drifted::DriftedNode),
-            )
-            .serve_with_incoming(tls::incoming(listener, server_config)),
-    );
-    address
-}
-
 fn inventory(
     dir: &std::path::Path,
     nodes: &[(&str, &str)],
@@ -4787,7 +4682,7 @@ async fn nodes_audit_reports_drift_and_unreachable_nodes_and_exits_2() {
     let dir = TempDir::new("audit");
     let authority = controller(&dir.0);
     let healthy = TestNode::start(&authority, &dir.0.join("pve2"), "pve2").await;
-    let drifted = serve_drifted(&authority, &dir.0.join("pve1")).await;
+    let drifted = serve_drifted(&authority, &dir.0.join("pve1"), NODE).await;
     // A port nobody listens on: bound, read, released.
     let down = {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -4901,7 +4796,7 @@ async fn ctl_nodes_audit_prints_the_table_or_json_and_exits_2_then_0() {
     let dir = TempDir::new("audit-cli");
     let authority = controller(&dir.0);
     let healthy = TestNode::start(&authority, &dir.0.join("pve2"), "pve2").await;
-    let drifted = serve_drifted(&authority, &dir.0.join("pve1")).await;
+    let drifted = serve_drifted(&authority, &dir.0.join("pve1"), NODE).await;
     let down = {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         listener.local_addr().unwrap().to_string()

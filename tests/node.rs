@@ -15,6 +15,9 @@ use certistack_tests::*;
 use tonic::Code;
 use tonic::transport::Channel;
 
+#[path = "node/runs.rs"]
+mod runs;
+
 const MARKER: &[u8] = b"CERTISTACK-RESTORE-MARKER";
 
 /// Loop device numbers, QEMU and the lab tools are shared by the whole machine: these tests

@@ -340,6 +340,8 @@ impl<'de> Deserialize<'de> for NetworkLifecycle {
 #[derive(Debug)]
 pub struct Plan {
     pub path: PathBuf,
+    /// `sha256:<hex>` of the plan file's bytes, as the report names the plan.
+    pub digest: String,
     /// The files holding the PBS password (or API-token secret) and the optional encryption key,
     /// resolved against the plan's directory and permission-checked.
     pub pbs_password_file: PathBuf,
@@ -560,6 +562,7 @@ impl Plan {
         }
         Ok(Self {
             path: path.to_owned(),
+            digest: crate::report::sha256_text(text.as_bytes()),
             pbs_password_file: base.join(&storage.pbs_password_file),
             encryption_key_file: storage.encryption_key_file.as_ref().map(|f| base.join(f)),
             validations,

@@ -151,6 +151,8 @@ pub struct Subject {
 #[serde(deny_unknown_fields)]
 pub struct Validation {
     pub run_id: String,
+    /// The validation's name in the plan.
+    pub name: String,
     /// `sha256:<hex>` of the plan file's bytes.
     pub plan_digest: String,
     pub node: String,
@@ -169,7 +171,7 @@ pub struct Validation {
     pub screenshot: Option<Screenshot>,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ConnectorVersion {
     pub version: String,
@@ -249,8 +251,11 @@ pub struct ProbeResult {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Isolation {
-    /// Ports listening on the sandbox bridge's host side.
-    pub listening_ports: Vec<String>,
+    /// The interfaces enslaved to the VNet bridge when the sandbox was prepared (only taps of
+    /// the run's sandbox VMs are admitted).
+    pub bridge_ports: Vec<String>,
+    /// The addresses on the VNet bridge: only the run's probe address.
+    pub bridge_addresses: Vec<String>,
     /// `net.ipv4.ip_forward` and the bridge's forwarding sysctls as read on the node.
     pub forwarding: BTreeMap<String, String>,
     /// The sandbox's nftables ruleset as listed on the node.
@@ -329,8 +334,13 @@ impl From<&certistack_proto::v1::JournalRecord> for JournalRecord {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "result", rename_all = "lowercase", deny_unknown_fields)]
 pub enum Verdict {
+    /// The backup restored: every check held.
     Passed,
+    /// The backup did not restore: a probe, an assertion or the guest's state says why.
     Failed { reasons: Vec<String> },
+    /// Nothing was proven about the backup: the node, the connection, the deadline or the
+    /// operator (an interruption) stopped the validation, or its cleanup is unproven.
+    Error { reasons: Vec<String> },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -433,10 +443,10 @@ impl Statement {
         if let Err(reason) = RunId::validate(&predicate.run_id) {
             return shape(format!("run_id: {reason}"));
         }
-        if let Verdict::Failed { reasons } = &predicate.verdict
+        if let Verdict::Failed { reasons } | Verdict::Error { reasons } = &predicate.verdict
             && reasons.is_empty()
         {
-            return shape("a failed verdict gives no reason".into());
+            return shape("a failed or error verdict gives no reason".into());
         }
         if predicate.isolation.ruleset_digest != sha256_text(predicate.isolation.ruleset.as_bytes())
         {
@@ -645,6 +655,7 @@ pub fn describe(statement: &Statement, report_path: &Path) -> String {
     let verdict = match &p.verdict {
         Verdict::Passed => "passed".to_owned(),
         Verdict::Failed { reasons } => format!("FAILED: {}", reasons.join("; ")),
+        Verdict::Error { reasons } => format!("ERROR (nothing proven): {}", reasons.join("; ")),
     };
     let _ = writeln!(out, "verdict: {verdict}");
     let _ = writeln!(out, "run: {}", p.run_id);
@@ -796,6 +807,7 @@ mod tests {
         let records = journal_records();
         Validation {
             run_id: RUN.into(),
+            name: "web".into(),
             plan_digest: format!("sha256:{}", "ab".repeat(32)),
             node: "pve1".into(),
             connector: ConnectorVersion {
@@ -842,7 +854,8 @@ mod tests {
                 detail: String::new(),
             }],
             isolation: Isolation {
-                listening_ports: vec![],
+                bridge_ports: vec!["tap9100i0".into()],
+                bridge_addresses: vec!["10.99.0.2/24".into()],
                 forwarding: BTreeMap::from([("net.ipv4.ip_forward".into(), "0".into())]),
                 ruleset: "table inet certistack {}".into(),
                 ruleset_digest: sha256_text(b"table inet certistack {}"),

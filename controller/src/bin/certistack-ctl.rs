@@ -3,14 +3,14 @@
 #![allow(clippy::print_stdout)]
 
 use certistack_connector::tls::ConnectError;
-use certistack_controller::{authority, client, report, surface};
+use certistack_controller::{authority, client, report, runner, surface};
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use time::OffsetDateTime;
 
 const EXIT_CODES: &str = "Exit codes: 0 success; 1 local failure (state directory, key, file); \
-2 usage error; 3 the node could not be reached or refused TLS or the call; \
+64 usage error; 3 the node could not be reached or refused TLS or the call; \
 4 the node is not what was expected (node name or surface digest differs).";
 
 #[derive(Parser, Debug)]
@@ -52,10 +52,43 @@ enum Command {
     /// The fleet of the inventory.
     #[command(subcommand, after_help = AUDIT_EXIT_CODES)]
     Nodes(NodesCommand),
+    /// Run a plan: every validation on its node (different nodes concurrently), each with its own
+    /// grant, run certificate and signed report; a summary table closes the run. Ctrl-C once:
+    /// stop after the current step and clean up; twice: abandon the step or wait in progress,
+    /// still clean up.
+    #[command(after_help = RUN_EXIT_CODES)]
+    Run(RunPlanArgs),
+}
+
+const RUN_EXIT_CODES: &str = "Exit codes: 0 every validation passed; 1 a validation failed (the \
+backup did not restore: a probe, an assertion or the guest's state says why); 2 infrastructure \
+error (a node unreachable or refusing, its surface digest differs, the connection lost, the deadline \
+passed, interrupted, or a cleanup not proven complete; takes precedence over 1); 64 the command line \
+is wrong; 65 the plan is refused; 66 the plan, the configuration or a secret file cannot be read; \
+77 a file's owner or mode is refused (the message gives the chmod to run); 78 the controller \
+configuration is refused.";
+
+#[derive(clap::Args, Debug)]
+struct RunPlanArgs {
+    /// The plan (YAML; see docs/plans.md).
+    plan: PathBuf,
+    /// The controller configuration (state directory, reports directory, inventory).
+    #[arg(long, default_value = certistack_controller::config::DEFAULT_CONFIG)]
+    config: PathBuf,
+    /// Validations at once on one node.
+    #[arg(long, default_value_t = runner::DEFAULT_PER_NODE as u16, value_parser = clap::value_parser!(u16).range(1..=64))]
+    per_node: u16,
+    /// Validations at once in total.
+    #[arg(long, default_value_t = runner::DEFAULT_TOTAL as u16, value_parser = clap::value_parser!(u16).range(1..=256))]
+    max_concurrent: u16,
+    /// One JSON object per step event and one per validation summary, one per line, instead of
+    /// live lines and the table.
+    #[arg(long)]
+    json: bool,
 }
 
 const OPERATOR_EXIT_CODES: &str = "Exit codes: 0 success; 1 the journal chain does not verify, or \
-cleanup left residue or a failed receipt, or a local file or key failed; 2 usage error; 3 the node \
+cleanup left residue or a failed receipt, or a local file or key failed; 64 usage error; 3 the node \
 could not be reached or refused TLS or the call; 4 the node is not what was expected (node name or \
 surface digest differs).";
 
@@ -97,7 +130,7 @@ enum NodesCommand {
 const PLAN_EXIT_CODES: &str = "Exit codes: 0 the plan is accepted; 65 the plan is refused (the message names \
 file:line:column or the validation and key, and what to change); 66 the plan or the configuration cannot \
 be read; 77 a file's owner or mode is refused (the message gives the chmod or chown to run); 78 the \
-controller configuration is refused; 2 the command line itself is wrong.";
+controller configuration is refused; 64 the command line itself is wrong.";
 
 #[derive(Subcommand, Debug)]
 enum PlanCommand {
@@ -113,7 +146,7 @@ enum PlanCommand {
 }
 
 const REPORT_EXIT_CODES: &str = "Exit codes: 0 the report verifies; 1 it does not, or it or the key \
-cannot be read (the reason is printed); 2 usage error.";
+cannot be read (the reason is printed); 64 usage error.";
 
 #[derive(Subcommand, Debug)]
 enum ReportCommand {
@@ -194,8 +227,21 @@ enum Failure {
     Coded(u8, String),
 }
 
+/// The exit code of a command line clap refuses (EX_USAGE); help and version exit 0.
+const EXIT_USAGE: u8 = 64;
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(error) => {
+            let _ = error.print();
+            return if error.use_stderr() {
+                ExitCode::from(EXIT_USAGE)
+            } else {
+                ExitCode::SUCCESS
+            };
+        }
+    };
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(failure) => {
@@ -268,6 +314,119 @@ fn run(cli: Cli) -> Result<(), Failure> {
         Command::Journal(args) => operator_journal(&args.node, &args.run, now),
         Command::Cleanup(args) => operator_cleanup(&args.node, &args.run, now),
         Command::Nodes(NodesCommand::Audit { config, json }) => nodes_audit(&config, json, now),
+        Command::Run(args) => run_plan(&args, now),
+    }
+}
+
+/// Loads the controller configuration, mapping its failures to the documented exit codes.
+fn load_config(
+    config: &std::path::Path,
+) -> Result<certistack_controller::config::ControllerConfig, Failure> {
+    use certistack_controller::config::{ConfigError, ControllerConfig};
+    ControllerConfig::load(config).map_err(|error| {
+        let code = match &error {
+            ConfigError::File(file) => file_failure_code(file),
+            _ => 78,
+        };
+        Failure::Coded(code, format!("controller configuration refused: {error}"))
+    })
+}
+
+fn file_failure_code(error: &certistack_connector::files::FileError) -> u8 {
+    use certistack_connector::files::FileError;
+    match error {
+        FileError::Insecure { .. } | FileError::WrongOwner { .. } => 77,
+        _ => 66,
+    }
+}
+
+/// Loads and checks a plan, mapping its failures to the documented exit codes.
+fn load_plan(
+    plan: &std::path::Path,
+    config: &certistack_controller::config::ControllerConfig,
+    now: OffsetDateTime,
+) -> Result<certistack_controller::plan::Plan, Failure> {
+    use certistack_controller::plan::{Plan, PlanError};
+    Plan::load(plan, config, now.unix_timestamp()).map_err(|error| {
+        let code = match &error {
+            PlanError::Read(file) | PlanError::Secret { error: file, .. } => {
+                file_failure_code(file)
+            }
+            PlanError::TooLarge { .. } | PlanError::Syntax { .. } | PlanError::Refused { .. } => 65,
+        };
+        Failure::Coded(code, format!("plan refused: {error}"))
+    })
+}
+
+fn run_plan(args: &RunPlanArgs, now: OffsetDateTime) -> Result<(), Failure> {
+    use std::io::IsTerminal;
+    use std::sync::Arc;
+    let config = load_config(&args.config)?;
+    let plan = load_plan(&args.plan, &config, now)?;
+    let secrets = runner::Secrets::load(&plan).map_err(|e| Failure::Coded(66, e))?;
+    let authority = authority::Authority::load(&config.state_dir).map_err(local)?;
+    let mode = if args.json {
+        runner::ProgressMode::Json
+    } else if std::io::stderr().is_terminal() && std::io::stdout().is_terminal() {
+        runner::ProgressMode::Live
+    } else {
+        runner::ProgressMode::Plain
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(local)?;
+    let summaries = runtime.block_on(async {
+        let (interrupt, interrupts) = tokio::sync::watch::channel(0u8);
+        let progress = Arc::new(runner::Progress::new(mode));
+        let signals = progress.clone();
+        tokio::spawn(async move {
+            let mut count = 0u8;
+            while tokio::signal::ctrl_c().await.is_ok() {
+                count = count.saturating_add(1);
+                signals.println(if count == 1 {
+                    "certistack-ctl: interrupted: stopping after the current step, then cleaning up (Ctrl-C again to abandon the step in progress)"
+                } else {
+                    "certistack-ctl: interrupted again: abandoning the step in progress; cleanup still runs"
+                });
+                let _ = interrupt.send(count);
+            }
+        });
+        let context = Arc::new(runner::RunContext {
+            authority: Arc::new(authority),
+            reports_dir: config.reports_dir.clone(),
+            plan_digest: plan.digest.clone(),
+            secrets: Arc::new(secrets),
+            progress,
+            interrupts,
+        });
+        runner::run_plan(
+            context,
+            plan,
+            usize::from(args.per_node),
+            usize::from(args.max_concurrent),
+        )
+        .await
+    });
+    if args.json {
+        for summary in &summaries {
+            if let Ok(line) = serde_json::to_string(&serde_json::json!({ "summary": summary })) {
+                println!("{line}");
+            }
+        }
+    } else {
+        print!("{}", runner::summary_table(&summaries));
+    }
+    match runner::exit_code(&summaries) {
+        0 => Ok(()),
+        code => Err(Failure::Coded(
+            code,
+            match code {
+                1 => "a validation failed: its backup did not restore (see its report)".into(),
+                _ => "a validation could not be completed or its cleanup is unproven (see the table and the reports)".into(),
+            },
+        )),
     }
 }
 
@@ -322,27 +481,9 @@ fn plan_check(
     config: &std::path::Path,
     now: OffsetDateTime,
 ) -> Result<(), Failure> {
-    use certistack_connector::files::FileError;
-    use certistack_controller::config::{ConfigError, ControllerConfig};
-    use certistack_controller::plan::{self, Plan, PlanError};
-    let file_failure = |error: &FileError| match error {
-        FileError::Insecure { .. } | FileError::WrongOwner { .. } => 77,
-        _ => 66,
-    };
-    let config = ControllerConfig::load(config).map_err(|error| {
-        let code = match &error {
-            ConfigError::File(file) => file_failure(file),
-            _ => 78,
-        };
-        Failure::Coded(code, format!("controller configuration refused: {error}"))
-    })?;
-    let plan = Plan::load(plan, &config, now.unix_timestamp()).map_err(|error| {
-        let code = match &error {
-            PlanError::Read(file) | PlanError::Secret { error: file, .. } => file_failure(file),
-            PlanError::TooLarge { .. } | PlanError::Syntax { .. } | PlanError::Refused { .. } => 65,
-        };
-        Failure::Coded(code, format!("plan refused: {error}"))
-    })?;
+    use certistack_controller::plan;
+    let config = load_config(config)?;
+    let plan = load_plan(plan, &config, now)?;
     for validation in &plan.validations {
         println!("{}", plan::describe(validation));
     }
@@ -373,6 +514,7 @@ fn report_command(command: ReportCommand) -> Result<(), Failure> {
             let verdict = match &predicate.verdict {
                 report::Verdict::Passed => "passed",
                 report::Verdict::Failed { .. } => "failed",
+                report::Verdict::Error { .. } => "error (nothing proven)",
             };
             println!(
                 "{}: valid; signed by {}; run {} on {}; verdict {verdict}; journal head {} ({} records, recomputed)",

@@ -1,0 +1,1491 @@
+//! `certistack-ctl run`: every validation of a plan, driven on its node from grant to report.
+//!
+//! Each validation gets its own run id, grant and run certificate (valid until the grant's
+//! deadline), its own connection and its own report. Validations on different nodes run
+//! concurrently, bounded per node and in total; one node failing fails only its validations.
+//!
+//! The happy path is map → overlay → create VM → prepare sandbox → start → wait for the guest
+//! agent → QMP/QGA facts → probes → assertions → stop → destroy → release sandbox → delete
+//! overlays → unmap. Whatever happens before the end (a refused step, Ctrl-C, a lost connection,
+//! the deadline), the run ends the same way: the node's `Cleanup` undoes what its journal
+//! records (reconnecting first if the connection was lost), `EndRun` proves nothing is left, and
+//! the journal is read back and its chain recomputed here for the report. A run whose cleanup
+//! cannot be proven complete says so in its report and in the exit code.
+
+use crate::authority::{Authority, IssuedCertificate};
+use crate::client::{self, NodeError};
+use crate::operator;
+use crate::plan::{Plan, Validation};
+use crate::report::{self, StepResult, Verdict};
+use crate::run as credentials;
+use certistack_connector::files;
+use certistack_proto::v1 as pb;
+use certistack_proto::v1::connector_client::ConnectorClient;
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use time::OffsetDateTime;
+use tokio::sync::{Semaphore, watch};
+use tonic::transport::Channel;
+use zeroize::Zeroizing;
+
+/// Validations running at once on one node, unless the command line says otherwise.
+pub const DEFAULT_PER_NODE: usize = 2;
+/// Validations running at once in total, unless the command line says otherwise.
+pub const DEFAULT_TOTAL: usize = 8;
+/// How long connecting and the TLS handshake may take before the node counts as unreachable.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Between two attempts to reach a node again after the connection was lost.
+const RECONNECT_PAUSE_MAX: Duration = Duration::from_secs(5);
+/// Between two guest-agent pings while waiting for the guest.
+const AGENT_POLL: Duration = Duration::from_secs(2);
+/// How long a sandbox VM may take to stop before QEMU is killed.
+const STOP_TIMEOUT_SECONDS: u32 = 30;
+/// The share of a run's time kept for cleanup (a quarter), within these bounds in seconds.
+const CLEANUP_RESERVE_MIN: u32 = 30;
+const CLEANUP_RESERVE_MAX: u32 = 600;
+/// The operator name of the certificates `run` mints to read journals and clean up late.
+const OPERATOR_NAME: &str = "certistack-run";
+/// The most a PBS secret file may hold: a password or an API-token secret is one short line.
+const MAX_SECRET_BYTES: usize = 4096;
+/// The most an encryption key file may hold (PBS key files are a few hundred bytes of JSON).
+const MAX_KEY_BYTES: usize = 64 * 1024;
+
+// ---------------------------------------------------------------------------------------------
+// Secrets.
+
+/// The PBS credential and optional encryption key, read from their permission-checked files and
+/// held only in memory; each reaches a node only inside the `MapBackup` that needs it.
+pub struct Secrets {
+    pbs_secret: Zeroizing<String>,
+    encryption_key: Option<Zeroizing<Vec<u8>>>,
+}
+
+impl std::fmt::Debug for Secrets {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secrets { .. }")
+    }
+}
+
+impl Secrets {
+    /// Reads the plan's secret files. The password is the file's first line, as
+    /// `PBS_PASSWORD_FILE` reads it.
+    pub fn load(plan: &Plan) -> Result<Self, String> {
+        let text = files::read_private(&plan.pbs_password_file).map_err(|e| e.to_string())?;
+        if text.len() > MAX_SECRET_BYTES {
+            return Err(format!(
+                "{} holds {} bytes; a PBS password or token secret is one line",
+                plan.pbs_password_file.display(),
+                text.len()
+            ));
+        }
+        let first = text.lines().next().unwrap_or_default();
+        if first.is_empty() {
+            return Err(format!(
+                "{} is empty; write the PBS password or API-token secret on its first line",
+                plan.pbs_password_file.display()
+            ));
+        }
+        let pbs_secret = Zeroizing::new(first.to_owned());
+        let encryption_key = match &plan.encryption_key_file {
+            None => None,
+            Some(path) => {
+                let key = files::read_private(path).map_err(|e| e.to_string())?;
+                if key.len() > MAX_KEY_BYTES {
+                    return Err(format!(
+                        "{} holds {} bytes; a PBS encryption key file is at most {MAX_KEY_BYTES}",
+                        path.display(),
+                        key.len()
+                    ));
+                }
+                Some(Zeroizing::new(key.as_bytes().to_vec()))
+            }
+        };
+        Ok(Self {
+            pbs_secret,
+            encryption_key,
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Progress.
+
+/// How progress reaches a person or a program.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProgressMode {
+    /// One live line per validation (a terminal).
+    Live,
+    /// One plain line per step (not a terminal).
+    Plain,
+    /// One JSON object per step event, one per line.
+    Json,
+}
+
+/// One step event of one validation.
+#[derive(Debug, Clone, Serialize)]
+pub struct Event {
+    pub time_unix_ms: i64,
+    pub validation: String,
+    pub node: String,
+    pub run_id: String,
+    pub step: String,
+    /// `started`, `ok`, `failed`, `skipped`.
+    pub state: &'static str,
+    pub elapsed_ms: u64,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub detail: String,
+}
+
+/// Prints step events as the mode says; shared by every validation of a run.
+#[allow(missing_debug_implementations)]
+pub struct Progress {
+    mode: ProgressMode,
+    bars: indicatif::MultiProgress,
+    lines: std::sync::Mutex<BTreeMap<String, indicatif::ProgressBar>>,
+}
+
+impl Progress {
+    pub fn new(mode: ProgressMode) -> Self {
+        let bars = indicatif::MultiProgress::new();
+        if mode != ProgressMode::Live {
+            bars.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+        }
+        Self {
+            mode,
+            bars,
+            lines: std::sync::Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    fn line(&self, validation: &str) -> Option<indicatif::ProgressBar> {
+        let mut lines = self.lines.lock().ok()?;
+        Some(
+            lines
+                .entry(validation.to_owned())
+                .or_insert_with(|| {
+                    let bar = self.bars.add(indicatif::ProgressBar::new_spinner());
+                    if let Ok(style) =
+                        indicatif::ProgressStyle::with_template("{spinner} [{elapsed:>4}] {msg}")
+                    {
+                        bar.set_style(style);
+                    }
+                    bar.enable_steady_tick(Duration::from_millis(250));
+                    bar
+                })
+                .clone(),
+        )
+    }
+
+    pub fn emit(&self, event: &Event) {
+        match self.mode {
+            ProgressMode::Json => {
+                if let Ok(line) = serde_json::to_string(event) {
+                    write_line(&line);
+                }
+            }
+            ProgressMode::Plain => {
+                let detail = if event.detail.is_empty() {
+                    String::new()
+                } else {
+                    format!(": {}", event.detail)
+                };
+                write_line(&format!(
+                    "{} {} {} {} ({:.1}s){detail}",
+                    event.validation,
+                    event.node,
+                    event.step,
+                    event.state,
+                    event.elapsed_ms as f64 / 1000.0
+                ));
+            }
+            ProgressMode::Live => {
+                if let Some(bar) = self.line(&event.validation) {
+                    bar.set_message(format!(
+                        "{} on {}: {} {}",
+                        event.validation, event.node, event.step, event.state
+                    ));
+                }
+            }
+        }
+    }
+
+    /// Ends a validation's live line with its outcome.
+    pub fn finish(&self, validation: &str, text: String) {
+        if self.mode == ProgressMode::Live
+            && let Some(bar) = self.line(validation)
+        {
+            bar.finish_with_message(text);
+        }
+    }
+
+    /// Prints a line above the live lines (or plainly when there are none).
+    pub fn println(&self, text: &str) {
+        match self.mode {
+            ProgressMode::Live => {
+                let _ = self.bars.println(text);
+            }
+            ProgressMode::Plain => write_line(text),
+            ProgressMode::Json => eprintln!("{text}"),
+        }
+    }
+}
+
+/// One line on standard output; a closed pipe is not the run's failure, so errors are ignored.
+fn write_line(line: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Outcomes.
+
+/// What a validation proved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Outcome {
+    /// The backup restored: every check held.
+    Passed,
+    /// The backup did not restore: a probe, an assertion or the guest said so.
+    Failed,
+    /// Nothing was proven about the backup: the node, the connection or the operator stopped it.
+    Error,
+}
+
+/// Whether the node is proven to hold nothing of the run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CleanupState {
+    /// The run never began on the node: nothing to clean.
+    NotNeeded,
+    /// Cleanup found nothing left and the run was ended.
+    Complete,
+    /// The node could not prove it holds nothing of the run; see the report and `runs NODE`.
+    Unproven,
+}
+
+/// One validation's line in the closing summary.
+#[derive(Debug, Clone, Serialize)]
+pub struct Summary {
+    pub validation: String,
+    pub node: String,
+    pub run_id: String,
+    pub outcome: Outcome,
+    pub cleanup: CleanupState,
+    pub reasons: Vec<String>,
+    pub elapsed_ms: u64,
+    pub report: Option<PathBuf>,
+}
+
+/// The exit code of a run: 0 every validation passed; 2 any infrastructure error, interruption
+/// or unproven cleanup; otherwise 1 when a validation failed.
+pub fn exit_code(summaries: &[Summary]) -> u8 {
+    if summaries
+        .iter()
+        .any(|s| s.outcome == Outcome::Error || s.cleanup == CleanupState::Unproven)
+    {
+        2
+    } else if summaries.iter().any(|s| s.outcome == Outcome::Failed) {
+        1
+    } else {
+        0
+    }
+}
+
+/// The closing table: one row per validation.
+pub fn summary_table(summaries: &[Summary]) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{:<20} {:<12} {:<36} {:<7} {:<10} {:>8}  REASON / REPORT",
+        "VALIDATION", "NODE", "RUN", "RESULT", "CLEANUP", "TIME"
+    );
+    for s in summaries {
+        let outcome = match s.outcome {
+            Outcome::Passed => "passed",
+            Outcome::Failed => "FAILED",
+            Outcome::Error => "ERROR",
+        };
+        let cleanup = match s.cleanup {
+            CleanupState::NotNeeded => "none",
+            CleanupState::Complete => "complete",
+            CleanupState::Unproven => "UNPROVEN",
+        };
+        let tail = match (s.reasons.first(), &s.report) {
+            (Some(reason), _) => reason.clone(),
+            (None, Some(path)) => path.display().to_string(),
+            (None, None) => String::new(),
+        };
+        let _ = writeln!(
+            out,
+            "{:<20} {:<12} {:<36} {:<7} {:<10} {:>7.1}s  {tail}",
+            s.validation,
+            s.node,
+            s.run_id,
+            outcome,
+            cleanup,
+            s.elapsed_ms as f64 / 1000.0
+        );
+        for reason in s.reasons.iter().skip(1) {
+            let _ = writeln!(out, "{:<130}{reason}", "");
+        }
+        if !s.reasons.is_empty()
+            && let Some(path) = &s.report
+        {
+            let _ = writeln!(out, "{:<130}report {}", "", path.display());
+        }
+    }
+    out
+}
+
+// ---------------------------------------------------------------------------------------------
+// Driving a plan.
+
+/// Operator interruptions: 0 none, 1 stop after the current step and clean up, 2 also abandon
+/// the step or wait in progress (cleanup still runs).
+pub type Interrupts = watch::Receiver<u8>;
+
+/// What every validation of one `run` shares.
+#[allow(missing_debug_implementations)]
+pub struct RunContext {
+    pub authority: Arc<Authority>,
+    pub reports_dir: PathBuf,
+    pub plan_digest: String,
+    pub secrets: Arc<Secrets>,
+    pub progress: Arc<Progress>,
+    pub interrupts: Interrupts,
+}
+
+/// Runs every validation of `plan`, at most `per_node` at once on one node and `total` at once
+/// overall, and returns their summaries in plan order.
+pub async fn run_plan(
+    context: Arc<RunContext>,
+    plan: Plan,
+    per_node: usize,
+    total: usize,
+) -> Vec<Summary> {
+    let total = Arc::new(Semaphore::new(total.max(1)));
+    let mut per_node_limits: BTreeMap<String, Arc<Semaphore>> = BTreeMap::new();
+    let mut tasks = tokio::task::JoinSet::new();
+    let count = plan.validations.len();
+    for (index, validation) in plan.validations.into_iter().enumerate() {
+        let node_limit = per_node_limits
+            .entry(validation.grant.node.to_string())
+            .or_insert_with(|| Arc::new(Semaphore::new(per_node.max(1))))
+            .clone();
+        let total = total.clone();
+        let context = context.clone();
+        tasks.spawn(async move {
+            let _node = node_limit.acquire_owned().await;
+            let _total = total.acquire_owned().await;
+            (index, drive(&context, validation).await)
+        });
+    }
+    let mut summaries: Vec<Option<Summary>> = (0..count).map(|_| None).collect();
+    while let Some(joined) = tasks.join_next().await {
+        if let Ok((index, summary)) = joined
+            && let Some(slot) = summaries.get_mut(index)
+        {
+            *slot = Some(summary);
+        }
+    }
+    summaries.into_iter().flatten().collect()
+}
+
+/// Why a step ended the happy path.
+#[derive(Debug)]
+enum Stop {
+    /// The node refused or failed a step; nothing more is asked but cleanup.
+    Refused(String),
+    /// The connection to the node is gone; cleanup reconnects first.
+    Lost(String),
+    /// The operator interrupted the run.
+    Interrupted(String),
+    /// The run's deadline passed.
+    Deadline(String),
+}
+
+/// A connection to the node as the run.
+struct Session {
+    endpoint: String,
+    node: String,
+    ca_pem: String,
+    identity: Arc<IssuedCertificate>,
+    client: Option<ConnectorClient<Channel>>,
+    /// The run's deadline: its certificate is void after it.
+    deadline: Instant,
+}
+
+impl Session {
+    async fn connect(&mut self) -> Result<pb::HelloReply, NodeError> {
+        let connect = client::connect(&self.endpoint, &self.node, &self.ca_pem, &self.identity);
+        let mut connection = tokio::time::timeout(CONNECT_TIMEOUT, connect)
+            .await
+            .map_err(|_| NodeError::Status {
+                code: tonic::Code::Unavailable,
+                message: format!(
+                    "no TLS session with {} within {} s",
+                    self.endpoint,
+                    CONNECT_TIMEOUT.as_secs()
+                ),
+            })??;
+        let hello =
+            tokio::time::timeout(CONNECT_TIMEOUT, client::hello(&mut connection, &self.node))
+                .await
+                .map_err(|_| NodeError::Status {
+                    code: tonic::Code::Unavailable,
+                    message: format!("no Hello answer within {} s", CONNECT_TIMEOUT.as_secs()),
+                })??;
+        self.client = Some(connection);
+        Ok(hello)
+    }
+}
+
+/// Whether a failed call means the connection is gone (rather than a node's answer).
+fn connection_lost(status: &tonic::Status) -> bool {
+    // The node never answers UNAVAILABLE or UNKNOWN itself; tonic reports a broken transport
+    // with them, and CANCELLED when the stream was reset under the call.
+    matches!(
+        status.code(),
+        tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled
+    )
+}
+
+fn describe_status(status: &tonic::Status) -> String {
+    format!("{:?}: {}", status.code(), status.message())
+}
+
+/// Collects what one validation did, for its events and its report.
+struct Recorder<'a> {
+    context: &'a RunContext,
+    validation: String,
+    node: String,
+    run_id: String,
+    started: Instant,
+    steps: Vec<report::Step>,
+}
+
+impl Recorder<'_> {
+    fn event(&self, step: &str, state: &'static str, detail: &str) {
+        self.context.progress.emit(&Event {
+            time_unix_ms: now_ms(),
+            validation: self.validation.clone(),
+            node: self.node.clone(),
+            run_id: self.run_id.clone(),
+            step: step.to_owned(),
+            state,
+            elapsed_ms: elapsed_ms(self.started),
+            detail: detail.to_owned(),
+        });
+    }
+
+    fn begin(&self, step: &str) -> i64 {
+        self.event(step, "started", "");
+        now_ms()
+    }
+
+    fn end(&mut self, step: &str, started_unix_ms: i64, result: StepResult, detail: String) {
+        let state = match result {
+            StepResult::Ok => "ok",
+            StepResult::Failed => "failed",
+            StepResult::Skipped => "skipped",
+        };
+        self.event(step, state, &detail);
+        self.steps.push(report::Step {
+            name: step.to_owned(),
+            started_unix_ms,
+            ended_unix_ms: now_ms(),
+            result,
+            detail,
+        });
+    }
+}
+
+fn now_ms() -> i64 {
+    i64::try_from(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_millis(),
+    )
+    .unwrap_or(i64::MAX)
+}
+
+fn elapsed_ms(since: Instant) -> u64 {
+    u64::try_from(since.elapsed().as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Evidence gathered on the way, for the report.
+#[derive(Default)]
+struct Evidence {
+    connector: report::ConnectorVersion,
+    guest: Option<report::GuestFacts>,
+    agent_answered: bool,
+    probes: Vec<report::ProbeResult>,
+    isolation: Option<report::Isolation>,
+    assertions: Vec<report::AssertionResult>,
+    failures: Vec<String>,
+}
+
+/// Drives one validation to its summary; never panics, never leaves without trying cleanup once
+/// the run began.
+async fn drive(context: &RunContext, validation: Validation) -> Summary {
+    let run_id = uuid::Uuid::new_v4().to_string();
+    let node = validation.grant.node.to_string();
+    let mut recorder = Recorder {
+        context,
+        validation: validation.name.clone(),
+        node: node.clone(),
+        run_id: run_id.clone(),
+        started: Instant::now(),
+        steps: Vec::new(),
+    };
+    let mut evidence = Evidence::default();
+    let now = OffsetDateTime::now_utc();
+    let deadline_unix = now.unix_timestamp() + i64::from(validation.run_seconds);
+    let deadline = Instant::now() + Duration::from_secs(u64::from(validation.run_seconds));
+    // The steps stop early enough for cleanup to run with the run's own certificate.
+    let reserve = (validation.run_seconds / 4).clamp(CLEANUP_RESERVE_MIN, CLEANUP_RESERVE_MAX);
+    let steps_deadline = deadline
+        .checked_sub(Duration::from_secs(u64::from(reserve)))
+        .unwrap_or(deadline);
+
+    // Credentials: this run's grant and the certificate bound to it.
+    let at = recorder.begin("credentials");
+    let mut wire = validation.wire.clone();
+    wire.run_id = run_id.clone();
+    wire.not_before_unix = now.unix_timestamp() - 60;
+    wire.deadline_unix = deadline_unix;
+    let minted = match credentials::mint(&context.authority, &wire, now) {
+        Ok(minted) => minted,
+        Err(error) => {
+            let reason = format!("cannot mint the run's credentials: {error}");
+            recorder.end("credentials", at, StepResult::Failed, reason.clone());
+            return finish(
+                recorder,
+                evidence,
+                &validation,
+                Some(Stop::Refused(reason)),
+                None,
+            )
+            .await;
+        }
+    };
+    recorder.end(
+        "credentials",
+        at,
+        StepResult::Ok,
+        format!("grant sha256:{}", hex::encode(minted.grant_sha256)),
+    );
+    let mut session = Session {
+        endpoint: validation.endpoint.clone(),
+        node: node.clone(),
+        ca_pem: context.authority.ca_pem().to_owned(),
+        identity: Arc::new(minted.certificate),
+        client: None,
+        deadline,
+    };
+
+    // Connect, check the surface, begin.
+    let at = recorder.begin("connect");
+    match session.connect().await {
+        Ok(hello) => {
+            evidence.connector = report::ConnectorVersion {
+                version: hello.daemon_version.clone(),
+                surface_digest: hello.surface_digest.clone(),
+            };
+            recorder.end(
+                "connect",
+                at,
+                StepResult::Ok,
+                format!(
+                    "connector {} surface {}",
+                    hello.daemon_version, hello.surface_digest
+                ),
+            );
+        }
+        Err(error) => {
+            let reason = format!("node {node} at {}: {error}", validation.endpoint);
+            recorder.end("connect", at, StepResult::Failed, reason.clone());
+            return finish(
+                recorder,
+                evidence,
+                &validation,
+                Some(Stop::Refused(reason)),
+                None,
+            )
+            .await;
+        }
+    }
+    let at = recorder.begin("begin");
+    let begin = pb::BeginRunRequest {
+        grant: Some(minted.signed_grant.clone()),
+    };
+    let Some(client) = session.client.as_mut() else {
+        return finish(
+            recorder,
+            evidence,
+            &validation,
+            Some(Stop::Refused("no connection".into())),
+            None,
+        )
+        .await;
+    };
+    match client.begin_run(begin).await {
+        Ok(reply) => {
+            let reply = reply.into_inner();
+            recorder.end(
+                "begin",
+                at,
+                StepResult::Ok,
+                format!("deadline {}", reply.deadline_unix),
+            );
+        }
+        Err(status) => {
+            let reason = format!("the node refused the run: {}", describe_status(&status));
+            recorder.end("begin", at, StepResult::Failed, reason.clone());
+            return finish(
+                recorder,
+                evidence,
+                &validation,
+                Some(Stop::Refused(reason)),
+                None,
+            )
+            .await;
+        }
+    }
+
+    let stop = steps(
+        context,
+        &mut recorder,
+        &mut evidence,
+        &mut session,
+        &validation,
+        steps_deadline,
+    )
+    .await;
+    finish(recorder, evidence, &validation, stop, Some(session)).await
+}
+
+/// Runs `call` unless the operator abandons it or the deadline passes first.
+async fn guarded<T>(
+    interrupts: &mut Interrupts,
+    deadline: Instant,
+    call: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+) -> Result<T, Stop> {
+    if *interrupts.borrow() >= 2 {
+        return Err(Stop::Interrupted("interrupted by the operator".into()));
+    }
+    let abandon = async {
+        loop {
+            if *interrupts.borrow_and_update() >= 2 {
+                return;
+            }
+            if interrupts.changed().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    tokio::select! {
+        result = call => match result {
+            Ok(response) => Ok(response.into_inner()),
+            Err(status) if connection_lost(&status) => Err(Stop::Lost(describe_status(&status))),
+            Err(status) => Err(Stop::Refused(describe_status(&status))),
+        },
+        () = abandon => Err(Stop::Interrupted(
+            "interrupted by the operator (second interrupt: the step in progress was abandoned)".into(),
+        )),
+        () = tokio::time::sleep_until(deadline.into()) => Err(Stop::Deadline(
+            "the run's deadline passed during the step".into(),
+        )),
+    }
+}
+
+/// The happy path, step by step; `None` when it ran to the end (checks that failed are in
+/// `evidence.failures`), otherwise why it stopped early.
+async fn steps(
+    context: &RunContext,
+    recorder: &mut Recorder<'_>,
+    evidence: &mut Evidence,
+    session: &mut Session,
+    validation: &Validation,
+    deadline: Instant,
+) -> Option<Stop> {
+    let grant = &validation.grant;
+    let mut interrupts = context.interrupts.clone();
+    let Some(mut client) = session.client.clone() else {
+        return Some(Stop::Lost("no connection".into()));
+    };
+
+    macro_rules! step {
+        ($name:expr, $detail:expr, $call:expr) => {{
+            if *interrupts.borrow() >= 1 {
+                return Some(Stop::Interrupted(format!(
+                    "interrupted by the operator before step {}",
+                    $name
+                )));
+            }
+            let at = recorder.begin($name);
+            match guarded(&mut interrupts, deadline, $call).await {
+                Ok(reply) => {
+                    recorder.end($name, at, StepResult::Ok, $detail(&reply));
+                    reply
+                }
+                Err(stop) => {
+                    let text = match &stop {
+                        Stop::Refused(t)
+                        | Stop::Lost(t)
+                        | Stop::Interrupted(t)
+                        | Stop::Deadline(t) => t.clone(),
+                    };
+                    recorder.end($name, at, StepResult::Failed, text.clone());
+                    return Some(match stop {
+                        Stop::Refused(t) => Stop::Refused(format!("step {}: {t}", $name)),
+                        other => other,
+                    });
+                }
+            }
+        }};
+    }
+
+    let snapshot = grant.snapshot.to_string();
+    for archive in &grant.archives {
+        let name = format!("map {archive}");
+        step!(
+            name.as_str(),
+            |r: &pb::MapBackupReply| format!("{} read-only", r.loop_device),
+            client.map_backup(pb::MapBackupRequest {
+                snapshot: snapshot.clone(),
+                archive: archive.to_string(),
+                pbs_secret: context.secrets.pbs_secret.to_string(),
+                encryption_key: context
+                    .secrets
+                    .encryption_key
+                    .as_ref()
+                    .map(|k| k.to_vec())
+                    .unwrap_or_default(),
+            })
+        );
+    }
+    for vmid in grant.sandbox_vms.keys() {
+        for archive in &grant.archives {
+            let name = format!("overlay {vmid} {archive}");
+            step!(
+                name.as_str(),
+                |r: &pb::CreateOverlayReply| r.warnings.join("; "),
+                client.create_overlay(pb::CreateOverlayRequest {
+                    vmid: vmid.get(),
+                    archive: archive.to_string(),
+                })
+            );
+        }
+    }
+    for (vmid, limits) in &grant.sandbox_vms {
+        let name = format!("create {vmid}");
+        step!(
+            name.as_str(),
+            |r: &pb::CreateVmReply| format!("smbios uuid {}", r.smbios_uuid),
+            client.create_vm(pb::CreateVmRequest {
+                vmid: vmid.get(),
+                cores: limits.max_cores,
+                memory_mib: limits.max_memory_mib,
+                archives: grant.archives.iter().map(ToString::to_string).collect(),
+            })
+        );
+    }
+    let sandbox = step!(
+        "prepare sandbox",
+        |r: &pb::PrepareSandboxReply| format!(
+            "ports [{}] forwarding [{}]",
+            r.bridge_ports.join(", "),
+            r.forwarding_sysctl.replace('\n', ", ")
+        ),
+        client.prepare_sandbox(pb::PrepareSandboxRequest {
+            vnet: grant.vnet.to_string(),
+            probe_source: grant.probe_source.to_string(),
+        })
+    );
+    evidence.isolation = Some(isolation(&sandbox));
+    for vmid in grant.sandbox_vms.keys() {
+        let name = format!("start {vmid}");
+        step!(
+            name.as_str(),
+            |_: &pb::VmReply| String::new(),
+            client.start_vm(pb::VmRequest { vmid: vmid.get() })
+        );
+    }
+
+    // Guest agent: bounded wait, then facts. A guest without an agent is reported, not failed:
+    // probes still decide.
+    for vmid in grant.sandbox_vms.keys() {
+        let name = format!("guest agent {vmid}");
+        let at = recorder.begin(&name);
+        let wait = Duration::from_secs(u64::from(validation.guest_agent_seconds));
+        let until = (Instant::now() + wait).min(deadline);
+        let mut answered = false;
+        let mut last = String::new();
+        while Instant::now() < until {
+            if *interrupts.borrow() >= 1 {
+                recorder.end(&name, at, StepResult::Failed, "interrupted".into());
+                return Some(Stop::Interrupted(format!(
+                    "interrupted by the operator while waiting for the guest agent of {vmid}"
+                )));
+            }
+            match guarded(
+                &mut interrupts,
+                until,
+                client.qga(pb::QgaRequest {
+                    vmid: vmid.get(),
+                    call: Some(pb::qga_request::Call::Command(pb::QgaCommand::Ping.into())),
+                }),
+            )
+            .await
+            {
+                Ok(_) => {
+                    answered = true;
+                    break;
+                }
+                Err(Stop::Refused(text)) => last = text,
+                Err(Stop::Deadline(_)) => break,
+                Err(stop) => {
+                    recorder.end(&name, at, StepResult::Failed, format!("{stop:?}"));
+                    return Some(stop);
+                }
+            }
+            let pause = tokio::time::sleep(AGENT_POLL);
+            let mut abandon = interrupts.clone();
+            tokio::select! {
+                () = pause => {}
+                _ = abandon.changed() => {}
+            }
+        }
+        let detail = if answered {
+            "answered".to_owned()
+        } else {
+            format!(
+                "no answer within {} s ({last})",
+                validation.guest_agent_seconds
+            )
+        };
+        recorder.end(
+            &name,
+            at,
+            if answered {
+                StepResult::Ok
+            } else {
+                StepResult::Failed
+            },
+            detail,
+        );
+        evidence.agent_answered |= answered;
+        let status = step!(
+            format!("qmp status {vmid}").as_str(),
+            |r: &pb::QmpReply| r.result_json.clone(),
+            client.qmp(pb::QmpRequest {
+                vmid: vmid.get(),
+                command: pb::QmpCommand::QueryStatus.into(),
+            })
+        );
+        let status = serde_json::from_str::<serde_json::Value>(&status.result_json)
+            .ok()
+            .and_then(|v| v.get("status").and_then(|s| s.as_str()).map(str::to_owned))
+            .unwrap_or_else(|| "unknown".into());
+        if status != "running" {
+            evidence
+                .failures
+                .push(format!("VM {vmid} is {status:?} after start, not running"));
+        }
+        let mut facts = report::GuestFacts {
+            status,
+            os_info: serde_json::Value::Null,
+            interfaces: serde_json::Value::Null,
+        };
+        if answered {
+            for (command, slot) in [
+                (pb::QgaCommand::GetOsinfo, 0),
+                (pb::QgaCommand::NetworkGetInterfaces, 1),
+            ] {
+                let name = format!("qga {} {vmid}", command.as_str_name());
+                let at = recorder.begin(&name);
+                match guarded(
+                    &mut interrupts,
+                    deadline,
+                    client.qga(pb::QgaRequest {
+                        vmid: vmid.get(),
+                        call: Some(pb::qga_request::Call::Command(command.into())),
+                    }),
+                )
+                .await
+                {
+                    Ok(reply) => {
+                        let value = serde_json::from_str(&reply.result_json)
+                            .unwrap_or(serde_json::Value::String(reply.result_json));
+                        if slot == 0 {
+                            facts.os_info = value;
+                        } else {
+                            facts.interfaces = value;
+                        }
+                        recorder.end(&name, at, StepResult::Ok, String::new());
+                    }
+                    Err(Stop::Refused(text)) => {
+                        recorder.end(&name, at, StepResult::Failed, text);
+                    }
+                    Err(stop) => {
+                        recorder.end(&name, at, StepResult::Failed, format!("{stop:?}"));
+                        return Some(stop);
+                    }
+                }
+            }
+        }
+        if evidence.guest.is_none() {
+            evidence.guest = Some(facts);
+        }
+    }
+
+    // Probes, from the probe address on the VNet.
+    for target in &validation.wire.probe_targets {
+        let kind = pb::ProbeKind::try_from(target.kind).unwrap_or(pb::ProbeKind::Unspecified);
+        let label = probe_label(kind, &target.address, target.port);
+        let name = format!("probe {label}");
+        let reply = step!(
+            name.as_str(),
+            |r: &pb::ProbeReply| r.detail.clone(),
+            client.probe(pb::ProbeRequest {
+                kind: target.kind,
+                address: target.address.clone(),
+                port: target.port,
+            })
+        );
+        let passed = reply.outcome == i32::from(pb::ProbeOutcome::Passed);
+        if !passed {
+            evidence
+                .failures
+                .push(format!("probe {label} failed: {}", reply.detail));
+        }
+        evidence.probes.push(report::ProbeResult {
+            target: label,
+            expected: target
+                .expect
+                .as_ref()
+                .map(expectation_text)
+                .unwrap_or_default(),
+            outcome: pb::ProbeOutcome::try_from(reply.outcome)
+                .map(|o| {
+                    o.as_str_name()
+                        .trim_start_matches("PROBE_OUTCOME_")
+                        .to_owned()
+                })
+                .unwrap_or_else(|_| reply.outcome.to_string()),
+            origin: reply.origin.clone(),
+            passed,
+            latency_us: reply.latency_us,
+            detail: reply.detail.clone(),
+        });
+    }
+    // QGA assertions, on the first sandbox VM (the grant names programs, not VMs).
+    if let Some(vmid) = grant.sandbox_vms.keys().next() {
+        for id in grant.qga_assertions.keys() {
+            let name = format!("assertion {id}");
+            let reply = step!(
+                name.as_str(),
+                |r: &pb::QgaReply| format!("exit {}", r.exit_code),
+                client.qga(pb::QgaRequest {
+                    vmid: vmid.get(),
+                    call: Some(pb::qga_request::Call::AssertionId(id.to_string())),
+                })
+            );
+            if !reply.assertion_passed {
+                evidence.failures.push(format!(
+                    "assertion {id} failed (exit code {})",
+                    reply.exit_code
+                ));
+            }
+            evidence.assertions.push(report::AssertionResult {
+                name: id.to_string(),
+                exit_code: reply.exit_code,
+                passed: reply.assertion_passed,
+                detail: reply.result_json.clone(),
+            });
+        }
+    }
+    if !evidence.agent_answered && grant.probe_targets.is_empty() {
+        evidence.failures.push(format!(
+            "the guest agent did not answer within {} s and no probe was planned: nothing shows the guest booted",
+            validation.guest_agent_seconds
+        ));
+    }
+
+    // Teardown of the happy path, newest first; anything it leaves, Cleanup finds.
+    for vmid in grant.sandbox_vms.keys() {
+        step!(
+            format!("stop {vmid}").as_str(),
+            |_: &pb::VmReply| String::new(),
+            client.stop_vm(pb::StopVmRequest {
+                vmid: vmid.get(),
+                timeout_seconds: STOP_TIMEOUT_SECONDS,
+            })
+        );
+        step!(
+            format!("destroy {vmid}").as_str(),
+            |_: &pb::VmReply| String::new(),
+            client.destroy_vm(pb::VmRequest { vmid: vmid.get() })
+        );
+    }
+    step!(
+        "release sandbox",
+        |_: &pb::ReleaseSandboxReply| String::new(),
+        client.release_sandbox(pb::ReleaseSandboxRequest {
+            vnet: grant.vnet.to_string(),
+        })
+    );
+    for vmid in grant.sandbox_vms.keys() {
+        for archive in &grant.archives {
+            step!(
+                format!("delete overlay {vmid} {archive}").as_str(),
+                |_: &pb::DeleteOverlayReply| String::new(),
+                client.delete_overlay(pb::DeleteOverlayRequest {
+                    vmid: vmid.get(),
+                    archive: archive.to_string(),
+                })
+            );
+        }
+    }
+    for archive in &grant.archives {
+        step!(
+            format!("unmap {archive}").as_str(),
+            |_: &pb::UnmapBackupReply| String::new(),
+            client.unmap_backup(pb::UnmapBackupRequest {
+                archive: archive.to_string(),
+            })
+        );
+    }
+    None
+}
+
+/// `tcp://192.0.2.10:22`, `https://[2001:db8::10]:443`.
+fn probe_label(kind: pb::ProbeKind, address: &str, port: u32) -> String {
+    let scheme = kind
+        .as_str_name()
+        .trim_start_matches("PROBE_KIND_")
+        .to_ascii_lowercase();
+    if address.contains(':') {
+        format!("{scheme}://[{address}]:{port}")
+    } else {
+        format!("{scheme}://{address}:{port}")
+    }
+}
+
+/// What a probe expected, as the plan said it: its non-empty fields.
+fn expectation_text(expect: &pb::ProbeExpectation) -> String {
+    let mut parts = Vec::new();
+    let mut text = |key: &str, value: &str| {
+        if !value.is_empty() {
+            parts.push(format!("{key} {value:?}"));
+        }
+    };
+    text("banner_prefix", &expect.banner_prefix);
+    text("http_path", &expect.http_path);
+    text("body_contains", &expect.body_contains);
+    text("body_sha256", &expect.body_sha256);
+    text("dns_name", &expect.dns_name);
+    text("ldap_naming_context", &expect.ldap_naming_context);
+    if expect.http_status != 0 {
+        parts.push(format!("http_status {}", expect.http_status));
+    }
+    if let Ok(kind) = pb::DnsRecordType::try_from(expect.dns_type)
+        && kind != pb::DnsRecordType::Unspecified
+    {
+        parts.push(format!(
+            "dns_type {}",
+            kind.as_str_name().trim_start_matches("DNS_RECORD_TYPE_")
+        ));
+    }
+    if !expect.dns_answers.is_empty() {
+        parts.push(format!("dns_answers {:?}", expect.dns_answers));
+    }
+    if parts.is_empty() {
+        "connects".to_owned()
+    } else {
+        parts.join(", ")
+    }
+}
+
+fn isolation(reply: &pb::PrepareSandboxReply) -> report::Isolation {
+    let forwarding = reply
+        .forwarding_sysctl
+        .lines()
+        .filter_map(|line| {
+            let (key, value) = line.split_once('=')?;
+            Some((key.trim().to_owned(), value.trim().to_owned()))
+        })
+        .collect();
+    report::Isolation {
+        bridge_ports: reply.bridge_ports.clone(),
+        bridge_addresses: reply.bridge_addresses.clone(),
+        forwarding,
+        ruleset: reply.ruleset_text.clone(),
+        ruleset_digest: report::sha256_text(reply.ruleset_text.as_bytes()),
+    }
+}
+
+/// Ends a validation whatever happened: cleanup (reconnecting when the connection was lost),
+/// EndRun, the journal read back and verified, the report signed and written.
+async fn finish(
+    mut recorder: Recorder<'_>,
+    evidence: Evidence,
+    validation: &Validation,
+    stop: Option<Stop>,
+    session: Option<Session>,
+) -> Summary {
+    let context = recorder.context;
+    let mut reasons: Vec<String> = Vec::new();
+    let mut outcome = Outcome::Passed;
+    match &stop {
+        None => {}
+        Some(
+            Stop::Refused(reason)
+            | Stop::Lost(reason)
+            | Stop::Interrupted(reason)
+            | Stop::Deadline(reason),
+        ) => {
+            outcome = Outcome::Error;
+            reasons.push(reason.clone());
+        }
+    }
+    if !evidence.failures.is_empty() {
+        if outcome == Outcome::Passed {
+            outcome = Outcome::Failed;
+        }
+        reasons.extend(evidence.failures.iter().cloned());
+    }
+
+    let (cleanup_state, cleanup, journal) = match session {
+        None => (
+            CleanupState::NotNeeded,
+            report::CleanupEvidence {
+                receipts: Vec::new(),
+                residue: Vec::new(),
+                complete: true,
+            },
+            report::JournalEvidence {
+                head_sha256: hex::encode(certistack_connector::journal::genesis(&recorder.run_id)),
+                records: Vec::new(),
+            },
+        ),
+        Some(session) => {
+            let lost = matches!(stop, Some(Stop::Lost(_)));
+            clean_up(&mut recorder, session, lost).await
+        }
+    };
+    if cleanup_state == CleanupState::Unproven {
+        reasons.push("cleanup could not be proven complete; see the cleanup section and `certistack-ctl runs NODE`".into());
+        if outcome == Outcome::Passed {
+            outcome = Outcome::Error;
+        }
+    }
+
+    let verdict = match outcome {
+        Outcome::Passed => Verdict::Passed,
+        Outcome::Failed => Verdict::Failed {
+            reasons: reasons.clone(),
+        },
+        Outcome::Error => Verdict::Error {
+            reasons: reasons.clone(),
+        },
+    };
+    let grant = &validation.grant;
+    let predicate = report::Validation {
+        run_id: recorder.run_id.clone(),
+        name: validation.name.clone(),
+        plan_digest: context.plan_digest.clone(),
+        node: recorder.node.clone(),
+        connector: evidence.connector.clone(),
+        controller_version: env!("CARGO_PKG_VERSION").to_owned(),
+        snapshot: report::Snapshot {
+            server: grant.repository.server.to_string(),
+            port: grant.repository.port,
+            datastore: grant.repository.datastore.to_string(),
+            namespace: grant.repository.namespace.to_string(),
+            snapshot: grant.snapshot.to_string(),
+            archives: grant
+                .archives
+                .iter()
+                .map(|a| report::Archive {
+                    name: a.to_string(),
+                    sha256: None,
+                })
+                .collect(),
+        },
+        steps: std::mem::take(&mut recorder.steps),
+        guest: evidence.guest.clone().unwrap_or(report::GuestFacts {
+            status: "not started".into(),
+            os_info: serde_json::Value::Null,
+            interfaces: serde_json::Value::Null,
+        }),
+        probes: evidence.probes.clone(),
+        isolation: evidence
+            .isolation
+            .clone()
+            .unwrap_or_else(|| report::Isolation {
+                bridge_ports: Vec::new(),
+                bridge_addresses: Vec::new(),
+                forwarding: BTreeMap::new(),
+                ruleset: String::new(),
+                ruleset_digest: report::sha256_text(b""),
+            }),
+        assertions: evidence.assertions.clone(),
+        cleanup,
+        journal,
+        verdict,
+        screenshot: None,
+    };
+    let statement = report::Statement::new(predicate);
+    let report_path = match report::write(
+        &context.reports_dir,
+        &statement,
+        context.authority.report_signing(),
+        OffsetDateTime::now_utc(),
+    ) {
+        Ok(path) => Some(path),
+        Err(error) => {
+            reasons.push(format!("the report could not be written: {error}"));
+            outcome = Outcome::Error;
+            None
+        }
+    };
+    let summary = Summary {
+        validation: recorder.validation.clone(),
+        node: recorder.node.clone(),
+        run_id: recorder.run_id.clone(),
+        outcome,
+        cleanup: cleanup_state,
+        reasons,
+        elapsed_ms: elapsed_ms(recorder.started),
+        report: report_path,
+    };
+    context.progress.finish(
+        &summary.validation,
+        format!(
+            "{} on {}: {:?}, cleanup {:?}",
+            summary.validation, summary.node, summary.outcome, summary.cleanup
+        ),
+    );
+    summary
+}
+
+/// Cleanup, EndRun and the journal. Reconnects (until the run's deadline) when the connection
+/// was lost; past the deadline the run's certificate is void, so Cleanup is asked as an
+/// operator. The journal is read as an operator, so the closed run's last record is included.
+async fn clean_up(
+    recorder: &mut Recorder<'_>,
+    mut session: Session,
+    mut lost: bool,
+) -> (
+    CleanupState,
+    report::CleanupEvidence,
+    report::JournalEvidence,
+) {
+    let context = recorder.context;
+    let run_id = recorder.run_id.clone();
+    let mut interrupts = context.interrupts.clone();
+    let mut evidence = report::CleanupEvidence {
+        receipts: Vec::new(),
+        residue: Vec::new(),
+        complete: false,
+    };
+    let at = recorder.begin("cleanup");
+    let mut reply = None;
+    let mut as_run = true;
+    let mut last_error = String::new();
+    let mut pause = Duration::from_millis(500);
+    // As the run, while its certificate is valid; reconnecting when the node went away (it may
+    // be restarting: its journal keeps the run open).
+    while reply.is_none() && Instant::now() < session.deadline {
+        if *interrupts.borrow_and_update() >= 2 && lost {
+            last_error = format!("the operator stopped waiting for the node ({last_error})");
+            break;
+        }
+        if lost || session.client.is_none() {
+            match session.connect().await {
+                Ok(_) => lost = false,
+                Err(error) => {
+                    last_error = error.to_string();
+                    recorder.event("cleanup", "started", &format!("reconnecting: {error}"));
+                    let wait = tokio::time::sleep_until(
+                        (Instant::now() + pause).min(session.deadline).into(),
+                    );
+                    tokio::select! {
+                        () = wait => {}
+                        _ = interrupts.changed() => {}
+                    }
+                    pause = (pause * 2).min(RECONNECT_PAUSE_MAX);
+                    continue;
+                }
+            }
+        }
+        let Some(client) = session.client.as_mut() else {
+            break;
+        };
+        match client
+            .cleanup(pb::CleanupRequest {
+                run_id: run_id.clone(),
+            })
+            .await
+        {
+            Ok(answer) => reply = Some(answer.into_inner()),
+            Err(status) if connection_lost(&status) => {
+                last_error = describe_status(&status);
+                lost = true;
+            }
+            Err(status) => {
+                last_error = describe_status(&status);
+                break;
+            }
+        }
+    }
+    // Past the deadline: as an operator, once.
+    if reply.is_none() && Instant::now() >= session.deadline {
+        as_run = false;
+        match operator_cleanup(context, &session, &run_id).await {
+            Ok(answer) => reply = Some(answer),
+            Err(error) => last_error = error,
+        }
+    }
+    let mut state = CleanupState::Unproven;
+    match reply {
+        None => recorder.end("cleanup", at, StepResult::Failed, last_error),
+        Some(reply) => {
+            evidence.receipts = reply
+                .resources
+                .iter()
+                .map(|r| report::Receipt {
+                    resource: r.resource.clone(),
+                    end_state: r.end_state.clone(),
+                })
+                .collect();
+            evidence.residue = reply.residue.clone();
+            match operator::cleanup_complete(&reply) {
+                Err(reason) => recorder.end("cleanup", at, StepResult::Failed, reason),
+                Ok(()) => {
+                    recorder.end(
+                        "cleanup",
+                        at,
+                        StepResult::Ok,
+                        format!("{} receipts, no residue", reply.resources.len()),
+                    );
+                    if as_run {
+                        let at = recorder.begin("end");
+                        let ended = match session.client.as_mut() {
+                            Some(client) => client
+                                .end_run(pb::EndRunRequest {})
+                                .await
+                                .map(|_| ())
+                                .map_err(|status| describe_status(&status)),
+                            None => Err("no connection".to_owned()),
+                        };
+                        match ended {
+                            Ok(()) => {
+                                evidence.complete = true;
+                                state = CleanupState::Complete;
+                                recorder.end("end", at, StepResult::Ok, String::new());
+                            }
+                            Err(reason) => recorder.end("end", at, StepResult::Failed, reason),
+                        }
+                    } else {
+                        // The node's reaper closes an expired run once it holds nothing of it.
+                        evidence.complete = true;
+                        state = CleanupState::Complete;
+                    }
+                }
+            }
+        }
+    }
+
+    let at = recorder.begin("journal");
+    let journal = match read_journal(context, &session, &run_id).await {
+        Ok(journal) => {
+            recorder.end(
+                "journal",
+                at,
+                StepResult::Ok,
+                format!(
+                    "{} records verified here, head {}",
+                    journal.records.len(),
+                    journal.head_sha256
+                ),
+            );
+            journal
+        }
+        Err(reason) => {
+            recorder.end("journal", at, StepResult::Failed, reason);
+            empty_journal(&run_id)
+        }
+    };
+    (state, evidence, journal)
+}
+
+async fn operator_cleanup(
+    context: &RunContext,
+    session: &Session,
+    run_id: &str,
+) -> Result<pb::CleanupReply, String> {
+    let mut connection = tokio::time::timeout(
+        CONNECT_TIMEOUT,
+        operator::connect(
+            &context.authority,
+            &session.endpoint,
+            &session.node,
+            OPERATOR_NAME,
+            OffsetDateTime::now_utc(),
+        ),
+    )
+    .await
+    .map_err(|_| {
+        format!(
+            "no answer from {} within {} s",
+            session.endpoint,
+            CONNECT_TIMEOUT.as_secs()
+        )
+    })?
+    .map_err(|e| e.to_string())?;
+    operator::cleanup(&mut connection, run_id)
+        .await
+        .map_err(|e| e.to_string())
+}
+
+fn empty_journal(run_id: &str) -> report::JournalEvidence {
+    report::JournalEvidence {
+        head_sha256: hex::encode(certistack_connector::journal::genesis(run_id)),
+        records: Vec::new(),
+    }
+}
+
+async fn read_journal(
+    context: &RunContext,
+    session: &Session,
+    run_id: &str,
+) -> Result<report::JournalEvidence, String> {
+    let mut connection = operator::connect(
+        &context.authority,
+        &session.endpoint,
+        &session.node,
+        OPERATOR_NAME,
+        OffsetDateTime::now_utc(),
+    )
+    .await
+    .map_err(|e| e.to_string())?;
+    let records = operator::read_journal(&mut connection, run_id, |_| {})
+        .await
+        .map_err(|e| e.to_string())?;
+    let head = operator::verify_journal(run_id, &records)
+        .map_err(|e| format!("the node's journal does not verify here: {e}"))?;
+    Ok(report::JournalEvidence {
+        head_sha256: head,
+        records,
+    })
+}

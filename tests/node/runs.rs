@@ -1,0 +1,681 @@
+//! `certistack-ctl run` end to end: the shipped controller binary drives the shipped connector
+//! binary on several simulated nodes (the doubles, real loop devices, qemu-img, QEMU, qemu-ga,
+//! nftables) in one network namespace. Each node has its own VNet with a guest service behind
+//! it, reached through a veth standing in for the sandbox VM's second NIC.
+
+use super::*;
+use certistack_controller::authority::{self, Authority};
+use certistack_controller::report::{self, Verdict};
+use std::io::BufRead;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+const RUN_TOOLS: &[&str] = &[
+    "losetup",
+    "qemu-img",
+    "qemu-system-x86_64",
+    "qemu-ga",
+    "python3",
+    "ip",
+    "nft",
+];
+
+/// One simulated node: its doubles, its enrolled config and its daemon.
+struct SimNode {
+    name: String,
+    index: u8,
+    lab: Lab,
+    config: PathBuf,
+    port: u16,
+    log: PathBuf,
+    daemon: Option<Child>,
+}
+
+impl SimNode {
+    fn vnet(&self) -> String {
+        format!("csv{}", self.index)
+    }
+
+    fn start(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .unwrap();
+        let child = Command::new(binary("certistack-connector"))
+            .args(["--config", self.config.to_str().unwrap()])
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        self.daemon = Some(child);
+        let address = format!("127.0.0.1:{}", self.port);
+        let up = (0..100).any(|_| {
+            let ok = std::net::TcpStream::connect(&address).is_ok();
+            if !ok {
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+            ok
+        });
+        assert!(up, "connector {} did not come up", self.name);
+    }
+
+    fn kill9(&mut self) {
+        if let Some(mut child) = self.daemon.take() {
+            child.kill().unwrap();
+            child.wait().unwrap();
+        }
+    }
+
+    /// What the node still holds of any run: loop devices of its doubles, QEMU or agent
+    /// processes, VM configs, run tables, addresses on its VNet.
+    fn residue(&self) -> Vec<String> {
+        let mut found: Vec<String> = loops_under(&self.lab.root)
+            .into_iter()
+            .map(|(device, file)| format!("{device} ({})", file.display()))
+            .collect();
+        let root = self.lab.root.display().to_string();
+        for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+            if let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) {
+                let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+                if cmdline.contains(&root) && !cmdline.contains("certistack-connector") {
+                    found.push(format!("process {cmdline}"));
+                }
+            }
+        }
+        if let Ok(entries) = std::fs::read_dir(self.lab.root.join("etc/pve/qemu-server")) {
+            for entry in entries.flatten() {
+                found.push(format!("vm config {}", entry.path().display()));
+            }
+        }
+        let addresses = Command::new("ip")
+            .args(["-o", "address", "show", "dev", &self.vnet()])
+            .output()
+            .unwrap();
+        for line in String::from_utf8_lossy(&addresses.stdout).lines() {
+            if line.contains(" inet ") {
+                found.push(format!("address {line}"));
+            }
+        }
+        found
+    }
+}
+
+/// The nodes, the controller's state and configuration, the guests' namespaces and services.
+struct Fleet {
+    dir: TempDir,
+    authority: Authority,
+    nodes: Vec<SimNode>,
+    guests: Vec<String>,
+    services: Vec<Child>,
+}
+
+impl Fleet {
+    /// Nodes `pve1..=pveN`, each with VNet `csv<i>` (probe network 10.77.<i>.0/24), a backup,
+    /// and a guest service at 10.77.<i>.10:22 answering `SSH-2.0-CertiStack-<i>`. Runs in the
+    /// current network namespace (see [`inside`]).
+    fn new(tag: &str, count: u8, agent_answers: bool) -> Self {
+        let dir = TempDir::new(tag);
+        let authority = controller(&dir.0);
+        let mut fleet = Self {
+            dir,
+            authority,
+            nodes: Vec::new(),
+            guests: Vec::new(),
+            services: Vec::new(),
+        };
+        for index in 1..=count {
+            fleet.add_node(index, agent_answers);
+        }
+        fleet
+    }
+
+    fn add_node(&mut self, index: u8, agent_answers: bool) {
+        let name = format!("pve{index}");
+        let vmid = 9100 + u32::from(index);
+        let vnet = format!("csv{index}");
+        run_ip(&["link", "add", &vnet, "type", "bridge"]);
+        run_ip(&["link", "set", &vnet, "up"]);
+        // The guest service sits behind `tap<vmid>i1`, a port the connector admits as the
+        // sandbox VM's second NIC; QEMU brings `tap<vmid>i0`.
+        let guest = format!(
+            "csg{index}{}",
+            &uuid::Uuid::new_v4().simple().to_string()[..6]
+        );
+        let tap = format!("tap{vmid}i1");
+        let ok = |out: std::process::Output| {
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        ok(Command::new("ip")
+            .args(["netns", "add", &guest])
+            .output()
+            .unwrap());
+        self.guests.push(guest.clone());
+        run_ip(&[
+            "link", "add", &tap, "type", "veth", "peer", "name", "eth0", "netns", &guest,
+        ]);
+        run_ip(&["link", "set", &tap, "master", &vnet, "up"]);
+        let address = format!("10.77.{index}.10/24");
+        for args in [
+            vec!["-n", &guest, "link", "set", "lo", "up"],
+            vec!["-n", &guest, "address", "add", &address, "dev", "eth0"],
+            vec!["-n", &guest, "link", "set", "eth0", "up"],
+        ] {
+            ok(Command::new("ip").args(&args).output().unwrap());
+        }
+        let banner = format!(
+            "import socket\ns=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\ns.bind(('10.77.{index}.10',22));s.listen()\nwhile True:\n c,_=s.accept();c.sendall(b'SSH-2.0-CertiStack-{index}\\r\\n');c.close()"
+        );
+        self.services.push(
+            Command::new("ip")
+                .args(["netns", "exec", &guest, "python3", "-c", &banner])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap(),
+        );
+
+        let lab = Lab::new(&format!("run{index}"));
+        let mut settings = serde_json::json!({ "node": name });
+        if agent_answers {
+            settings["agent_mode"] = "host-qemu-ga".into();
+            settings["qga_allow_rpcs"] = serde_json::json!([
+                "guest-sync-delimited",
+                "guest-ping",
+                "guest-info",
+                "guest-get-osinfo",
+                "guest-get-host-name",
+                "guest-network-get-interfaces"
+            ]);
+        }
+        lab.settings(settings);
+        lab.add_backup(SNAPSHOT, ARCHIVE, MARKER, 8 << 20);
+        let node_dir = self.dir.0.join(&name);
+        let mut config = enroll(&self.authority, &node_dir, &name);
+        config.tools.proxmox_backup_client = lab.root.join("bin/proxmox-backup-client");
+        config.tools.qm = lab.root.join("bin/qm");
+        config.pve.qemu_server_run_dir = lab.root.join("var/run/qemu-server");
+        config.pve.vm_config_dir = lab.root.join("etc/pve/qemu-server");
+        config.pve.pbs_loopdev_dir = lab.root.join("run/pbs-loopdev");
+        config.pve.pve_cluster_dir = lab.root.join("var/lib/pve-cluster");
+        config.paths.overlay_root = lab.root.join("overlays");
+        let port = 17440 + u16::from(index);
+        let config_path = node_dir.join("connector.toml");
+        write_config_file(&config_path, &config, port);
+        let mut node = SimNode {
+            name,
+            index,
+            lab,
+            config: config_path,
+            port,
+            log: node_dir.join("connector.log"),
+            daemon: None,
+        };
+        node.start();
+        self.nodes.push(node);
+    }
+
+    fn node(&mut self, name: &str) -> &mut SimNode {
+        self.nodes.iter_mut().find(|n| n.name == name).unwrap()
+    }
+
+    /// The controller configuration naming `nodes` (name, port).
+    fn controller_config(&self, nodes: &[(&str, u16)]) -> PathBuf {
+        let mut text = format!(
+            "state_dir = {:?}\nreports_dir = {:?}\n",
+            self.authority.dir(),
+            self.reports_dir()
+        );
+        for (name, port) in nodes {
+            text.push_str(&format!(
+                "\n[[nodes]]\nname = \"{name}\"\naddress = \"127.0.0.1\"\nport = {port}\n"
+            ));
+        }
+        let path = self.dir.0.join("controller.toml");
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    fn reports_dir(&self) -> PathBuf {
+        self.dir.0.join("reports")
+    }
+
+    /// A plan with one validation per `(name, node index, vmid)`.
+    fn plan(&self, file: &str, validations: &[(&str, u8, u32)], agent_seconds: u32) -> PathBuf {
+        let secret = self.dir.0.join("pbs-password");
+        std::fs::write(&secret, format!("{PBS_PASSWORD}\n")).unwrap();
+        std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+            .unwrap();
+        let mut text = format!(
+            "storage:\n  server: pbs.lab\n  datastore: store1\n  auth_id: certistack@pbs!restore\n  fingerprint: \"{}\"\n  pbs_password_file: pbs-password\nvalidations:\n",
+            ["ab"; 32].join(":")
+        );
+        for (name, index, vmid) in validations {
+            text.push_str(&format!(
+                "  - name: {name}\n    node: pve{index}\n    source_vmid: 100\n    snapshot: \"2026-11-01T02:00:00Z\"\n    archives: [{ARCHIVE}]\n    sandbox:\n      - vmid: {vmid}\n        cores: 1\n        memory_mib: 256\n    network:\n      lifecycle: preprovisioned\n      vnet: csv{index}\n      probe_source: 10.77.{index}.2/24\n    probes:\n      - kind: tcp\n        address: 10.77.{index}.10\n        port: 22\n        expect:\n          banner_prefix: \"SSH-2.0-CertiStack-{index}\"\n    timeouts:\n      run_seconds: 600\n      guest_agent_seconds: {agent_seconds}\n"
+            ));
+        }
+        let path = self.dir.0.join(file);
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    fn ctl(&self, plan: &Path, config: &Path) -> Command {
+        let mut command = Command::new(binary("certistack-ctl"));
+        command.args([
+            "run",
+            plan.to_str().unwrap(),
+            "--config",
+            config.to_str().unwrap(),
+            "--json",
+        ]);
+        command
+    }
+
+    /// Runs the plan to its end: the exit code, the step events and the summaries. Awaits the
+    /// controller, so servers of this test's runtime keep answering meanwhile.
+    async fn run(
+        &self,
+        plan: &Path,
+        config: &Path,
+    ) -> (i32, Vec<serde_json::Value>, Vec<serde_json::Value>) {
+        let out = tokio::process::Command::from(self.ctl(plan, config))
+            .output()
+            .await
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        eprintln!("{}", String::from_utf8_lossy(&out.stderr));
+        let (summaries, events) = split_output(&stdout);
+        (out.status.code().unwrap_or(-1), events, summaries)
+    }
+
+    /// Verifies the report of `summary` with the report-signing key and returns its statement.
+    fn report(&self, summary: &serde_json::Value) -> report::Statement {
+        let path = summary["report"].as_str().expect("a report was written");
+        let key =
+            report::load_public_key(&self.authority.dir().join(authority::REPORT_PUB)).unwrap();
+        let statement = report::verify(&report::read(Path::new(path)).unwrap(), &key).unwrap();
+        assert_eq!(
+            std::fs::metadata(path).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+        statement
+    }
+}
+
+use std::os::unix::fs::PermissionsExt;
+
+impl Drop for Fleet {
+    fn drop(&mut self) {
+        for node in &mut self.nodes {
+            node.kill9();
+        }
+        for child in &mut self.services {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        for guest in &self.guests {
+            let _ = Command::new("ip").args(["netns", "del", guest]).status();
+        }
+    }
+}
+
+fn split_output(stdout: &str) -> (Vec<serde_json::Value>, Vec<serde_json::Value>) {
+    let mut summaries = Vec::new();
+    let mut events = Vec::new();
+    for line in stdout.lines() {
+        let value: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("not a JSON line: {line:?}: {e}"));
+        match value.get("summary") {
+            Some(summary) => summaries.push(summary.clone()),
+            None => events.push(value),
+        }
+    }
+    (summaries, events)
+}
+
+fn summary<'a>(summaries: &'a [serde_json::Value], validation: &str) -> &'a serde_json::Value {
+    summaries
+        .iter()
+        .find(|s| s["validation"] == validation)
+        .unwrap_or_else(|| panic!("no summary for {validation}: {summaries:?}"))
+}
+
+/// No nft table of any run is left in the node namespace.
+fn run_tables() -> Vec<String> {
+    let out = Command::new("nft")
+        .args(["list", "tables"])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| l.contains("certistack_"))
+        .map(str::to_owned)
+        .collect()
+}
+
+fn assert_passed_with_evidence(fleet: &Fleet, summary: &serde_json::Value, index: u8) {
+    assert_eq!(summary["outcome"], "passed", "{summary}");
+    assert_eq!(summary["cleanup"], "complete", "{summary}");
+    let statement = fleet.report(summary);
+    let p = &statement.predicate;
+    assert_eq!(p.verdict, Verdict::Passed);
+    assert_eq!(p.node, format!("pve{index}"));
+    assert_eq!(p.guest.status, "running");
+    assert!(
+        p.guest.os_info.get("id").is_some(),
+        "QGA facts: {:?}",
+        p.guest.os_info
+    );
+    assert_eq!(p.probes.len(), 1);
+    assert!(p.probes[0].passed, "{:?}", p.probes[0]);
+    assert_eq!(p.probes[0].target, format!("tcp://10.77.{index}.10:22"));
+    assert_eq!(p.probes[0].origin, format!("worker_host 10.77.{index}.2"));
+    // The probe address and the bridge's own IPv6 link-local address, nothing else.
+    let probe_address = format!("10.77.{index}.2/24");
+    assert!(
+        p.isolation
+            .bridge_addresses
+            .iter()
+            .all(|a| *a == probe_address || a.starts_with("fe80:")),
+        "{:?}",
+        p.isolation.bridge_addresses
+    );
+    assert!(p.isolation.bridge_addresses.contains(&probe_address));
+    assert!(
+        p.isolation.ruleset.contains("table"),
+        "{}",
+        p.isolation.ruleset
+    );
+    assert!(p.cleanup.complete && p.cleanup.residue.is_empty());
+    // The journal in the report was recomputed by the controller and ends with the run's end.
+    let last = p.journal.records.last().unwrap();
+    assert_eq!(last.operation, "run.end", "{last:?}");
+    assert_eq!(last.record_sha256, p.journal.head_sha256);
+    let names: Vec<&str> = p.steps.iter().map(|s| s.name.as_str()).collect();
+    for step in [
+        "credentials",
+        "connect",
+        "begin",
+        "map drive-scsi0.img",
+        "prepare sandbox",
+        "release sandbox",
+        "unmap drive-scsi0.img",
+        "cleanup",
+        "end",
+        "journal",
+    ] {
+        assert!(names.contains(&step), "{step} missing from {names:?}");
+    }
+}
+
+/// Three nodes validated at once pass; then, with one daemon stopped, one serving another
+/// surface, and one pinning another run authority, those three fail cleanly on their own
+/// while the healthy node passes again. A refused plan contacts no node at all.
+#[test]
+fn a_plan_runs_on_several_nodes_at_once_and_a_failing_node_fails_only_its_validations() {
+    if !privileged(
+        "a_plan_runs_on_several_nodes_at_once_and_a_failing_node_fails_only_its_validations",
+        RUN_TOOLS,
+    ) {
+        return;
+    }
+    let netns = Netns::new("ctl", &[]);
+    inside(&netns.name, || async {
+        let mut fleet = Fleet::new("ctl-fleet", 3, true);
+        let config = fleet.controller_config(&[("pve1", 17441), ("pve2", 17442), ("pve3", 17443)]);
+
+        // A plan refused before any node is contacted: the daemons log no call.
+        let refused = fleet.plan("refused.yaml", &[("web1", 1, 9101)], 60);
+        let text = std::fs::read_to_string(&refused)
+            .unwrap()
+            .replace("\"2026-11-01T02:00:00Z\"", "latest");
+        std::fs::write(&refused, text).unwrap();
+        let out = fleet.ctl(&refused, &config).output().unwrap();
+        assert_eq!(out.status.code(), Some(65), "{out:?}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("give the exact snapshot time"),
+            "{out:?}"
+        );
+        for node in &fleet.nodes {
+            let log = std::fs::read_to_string(&node.log).unwrap_or_default();
+            assert!(!log.contains("rpc="), "{} was contacted: {log}", node.name);
+        }
+
+        // Three nodes at once.
+        let plan = fleet.plan(
+            "three.yaml",
+            &[("web1", 1, 9101), ("web2", 2, 9102), ("web3", 3, 9103)],
+            60,
+        );
+        let started = std::time::Instant::now();
+        let (code, events, summaries) = fleet.run(&plan, &config).await;
+        eprintln!("three validations in {:?}", started.elapsed());
+        assert_eq!(code, 0, "{summaries:?}");
+        for index in 1..=3u8 {
+            assert_passed_with_evidence(&fleet, summary(&summaries, &format!("web{index}")), index);
+        }
+        // They ran at once: every validation started before any finished.
+        let first_end = events
+            .iter()
+            .position(|e| e["step"] == "end" && e["state"] == "ok")
+            .unwrap();
+        for index in 1..=3 {
+            let begun = events
+                .iter()
+                .position(|e| e["validation"] == format!("web{index}") && e["step"] == "begin")
+                .unwrap();
+            assert!(begun < first_end, "web{index} began after another ended");
+        }
+        // Each validation had its own run.
+        let mut runs: Vec<&str> = summaries
+            .iter()
+            .map(|s| s["run_id"].as_str().unwrap())
+            .collect();
+        runs.sort_unstable();
+        runs.dedup();
+        assert_eq!(runs.len(), 3);
+        for node in &fleet.nodes {
+            assert!(
+                node.residue().is_empty(),
+                "{}: {:?}",
+                node.name,
+                node.residue()
+            );
+        }
+        assert!(run_tables().is_empty(), "{:?}", run_tables());
+
+        // pve2 down, pve3 pinned to another run authority, pve4 serving another surface.
+        fleet.node("pve2").kill9();
+        let other = controller(&fleet.dir.0.join("other-authority"));
+        let pve3 = fleet.node("pve3");
+        pve3.kill9();
+        let pinned = fleet.dir.0.join("pve3/run-authority.pub");
+        std::fs::copy(other.dir().join(authority::RUN_AUTHORITY_PUB), &pinned).unwrap();
+        fleet.node("pve3").start();
+        let drifted = serve_drifted(&fleet.authority, &fleet.dir.0.join("pve4"), "pve4").await;
+        let drifted_port: u16 = drifted.rsplit_once(':').unwrap().1.parse().unwrap();
+        let config = fleet.controller_config(&[
+            ("pve1", 17441),
+            ("pve2", 17442),
+            ("pve3", 17443),
+            ("pve4", drifted_port),
+        ]);
+        let plan = fleet.plan(
+            "mixed.yaml",
+            &[
+                ("web1", 1, 9101),
+                ("web2", 2, 9102),
+                ("web3", 3, 9103),
+                ("web4", 4, 9104),
+            ],
+            60,
+        );
+        let (code, _, summaries) = fleet.run(&plan, &config).await;
+        assert_eq!(code, 2, "{summaries:?}");
+        assert_passed_with_evidence(&fleet, summary(&summaries, "web1"), 1);
+        for (validation, reason) in [
+            ("web2", "node pve2 at 127.0.0.1:17442"),
+            ("web3", "the node refused the run"),
+            ("web4", "install the same certistack release"),
+        ] {
+            let s = summary(&summaries, validation);
+            assert_eq!(s["outcome"], "error", "{s}");
+            assert_eq!(s["cleanup"], "notneeded", "{s}");
+            let reasons = s["reasons"].to_string();
+            assert!(reasons.contains(reason), "{validation}: {reasons}");
+            let statement = fleet.report(s);
+            assert!(matches!(statement.predicate.verdict, Verdict::Error { .. }));
+        }
+        let web3 = summary(&summaries, "web3")["reasons"].to_string();
+        assert!(web3.contains("run-authority"), "{web3}");
+        for node in &fleet.nodes {
+            assert!(
+                node.residue().is_empty(),
+                "{}: {:?}",
+                node.name,
+                node.residue()
+            );
+        }
+        assert!(run_tables().is_empty(), "{:?}", run_tables());
+    });
+}
+
+/// Starts `certistack-ctl run` with its JSON events on a pipe; [`wait_for_step`] reads them up
+/// to a step, the caller acts, and [`finish`] collects the rest.
+fn start_ctl(
+    command: &mut Command,
+) -> (
+    Child,
+    std::io::Lines<std::io::BufReader<std::process::ChildStdout>>,
+) {
+    let mut child = command
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    (child, std::io::BufReader::new(stdout).lines())
+}
+
+/// Reads events until one for `step` in state `started` arrives (bounded).
+fn wait_for_step(
+    lines: &mut std::io::Lines<std::io::BufReader<std::process::ChildStdout>>,
+    step: &str,
+) -> Vec<String> {
+    let mut seen = Vec::new();
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        seen.push(line.clone());
+        let event: serde_json::Value = serde_json::from_str(&line).unwrap();
+        if event["step"] == step && event["state"] == "started" {
+            return seen;
+        }
+    }
+    panic!("the run ended before step {step}: {seen:?}");
+}
+
+fn finish(
+    mut child: Child,
+    lines: std::io::Lines<std::io::BufReader<std::process::ChildStdout>>,
+) -> (i32, Vec<serde_json::Value>) {
+    let rest: Vec<String> = lines.map(Result::unwrap).collect();
+    let status = child.wait().unwrap();
+    let (summaries, _) = split_output(&rest.join("\n"));
+    (status.code().unwrap_or(-1), summaries)
+}
+
+/// SIGINT while the controller waits for a guest agent that never answers: the run stops after
+/// that step, cleans up completely, and its report says it was interrupted.
+#[test]
+fn an_interrupted_run_cleans_up_and_its_report_says_interrupted() {
+    if !privileged(
+        "an_interrupted_run_cleans_up_and_its_report_says_interrupted",
+        RUN_TOOLS,
+    ) {
+        return;
+    }
+    let netns = Netns::new("sigint", &[]);
+    inside(&netns.name, || async {
+        let fleet = Fleet::new("ctl-sigint", 1, false);
+        let config = fleet.controller_config(&[("pve1", 17441)]);
+        let plan = fleet.plan("wait.yaml", &[("web1", 1, 9101)], 300);
+        let started = std::time::Instant::now();
+        let (child, mut lines) = start_ctl(&mut fleet.ctl(&plan, &config));
+        wait_for_step(&mut lines, "guest agent 9101");
+        rustix::process::kill_process(
+            rustix::process::Pid::from_child(&child),
+            rustix::process::Signal::INT,
+        )
+        .unwrap();
+        let (code, summaries) = finish(child, lines);
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(120),
+            "the interrupt did not end the wait"
+        );
+        assert_eq!(code, 2);
+        let s = summary(&summaries, "web1");
+        assert_eq!(s["outcome"], "error", "{s}");
+        assert_eq!(s["cleanup"], "complete", "{s}");
+        let statement = fleet.report(s);
+        let Verdict::Error { reasons } = &statement.predicate.verdict else {
+            panic!("{:?}", statement.predicate.verdict);
+        };
+        assert!(reasons[0].contains("interrupted"), "{reasons:?}");
+        assert!(statement.predicate.cleanup.complete);
+        assert!(
+            fleet.nodes[0].residue().is_empty(),
+            "{:?}",
+            fleet.nodes[0].residue()
+        );
+        assert!(run_tables().is_empty(), "{:?}", run_tables());
+    });
+}
+
+/// The connector killed (-9) while the guest runs and restarted: the controller reconnects,
+/// cleans up within the deadline and says the validation could not complete; nothing is left.
+#[test]
+fn a_connector_killed_mid_run_is_reconnected_and_cleaned_up() {
+    if !privileged(
+        "a_connector_killed_mid_run_is_reconnected_and_cleaned_up",
+        RUN_TOOLS,
+    ) {
+        return;
+    }
+    let netns = Netns::new("reconn", &[]);
+    inside(&netns.name, || async {
+        let mut fleet = Fleet::new("ctl-reconnect", 1, false);
+        let config = fleet.controller_config(&[("pve1", 17441)]);
+        let plan = fleet.plan("wait.yaml", &[("web1", 1, 9101)], 300);
+        let (child, mut lines) = start_ctl(&mut fleet.ctl(&plan, &config));
+        wait_for_step(&mut lines, "guest agent 9101");
+        fleet.nodes[0].kill9();
+        std::thread::sleep(std::time::Duration::from_secs(2));
+        fleet.nodes[0].start();
+        let (code, summaries) = finish(child, lines);
+        assert_eq!(code, 2);
+        let s = summary(&summaries, "web1");
+        assert_eq!(s["outcome"], "error", "{s}");
+        assert_eq!(s["cleanup"], "complete", "{s}");
+        let statement = fleet.report(s);
+        let p = &statement.predicate;
+        assert!(p.cleanup.complete);
+        let vm_destroyed = p
+            .cleanup
+            .receipts
+            .iter()
+            .any(|r| r.resource == "vm:9101" && r.end_state.contains("destroyed"));
+        assert!(vm_destroyed, "{:?}", p.cleanup.receipts);
+        assert_eq!(p.journal.records.last().unwrap().operation, "run.end");
+        assert!(
+            fleet.nodes[0].residue().is_empty(),
+            "{:?}",
+            fleet.nodes[0].residue()
+        );
+        assert!(run_tables().is_empty(), "{:?}", run_tables());
+    });
+}
