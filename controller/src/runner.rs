@@ -1489,3 +1489,101 @@ async fn read_journal(
         records,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn summary(outcome: Outcome, cleanup: CleanupState) -> Summary {
+        Summary {
+            validation: "web01".into(),
+            node: "pve1".into(),
+            run_id: "0f0e1c2d-3b4a-4c5d-8e6f-7a8b9c0d1e2f".into(),
+            outcome,
+            cleanup,
+            reasons: Vec::new(),
+            elapsed_ms: 61_500,
+            report: Some(PathBuf::from("/var/lib/certistack/reports/r.json")),
+        }
+    }
+
+    #[test]
+    fn the_exit_code_puts_infrastructure_before_a_failed_backup() {
+        use CleanupState::{Complete, NotNeeded, Unproven};
+        assert_eq!(exit_code(&[summary(Outcome::Passed, Complete)]), 0);
+        assert_eq!(
+            exit_code(&[
+                summary(Outcome::Passed, Complete),
+                summary(Outcome::Failed, Complete)
+            ]),
+            1
+        );
+        assert_eq!(
+            exit_code(&[
+                summary(Outcome::Failed, Complete),
+                summary(Outcome::Error, NotNeeded)
+            ]),
+            2
+        );
+        // A passed backup whose cleanup is unproven still needs an operator.
+        assert_eq!(exit_code(&[summary(Outcome::Passed, Unproven)]), 2);
+    }
+
+    #[test]
+    fn the_summary_table_has_a_row_per_validation_with_its_reason_or_report() {
+        let mut failed = summary(Outcome::Failed, CleanupState::Complete);
+        failed.validation = "db01".into();
+        failed.reasons = vec![
+            "probe tcp://10.99.0.10:5432 failed: connection refused".into(),
+            "assertion pg-ready failed (exit code 2)".into(),
+        ];
+        let table = summary_table(&[summary(Outcome::Passed, CleanupState::Complete), failed]);
+        let lines: Vec<&str> = table.lines().collect();
+        assert!(lines[0].starts_with("VALIDATION"), "{table}");
+        assert!(
+            lines[1].contains("web01")
+                && lines[1].contains("passed")
+                && lines[1].contains("complete")
+                && lines[1].contains("61.5s")
+                && lines[1].ends_with("/var/lib/certistack/reports/r.json"),
+            "{table}"
+        );
+        assert!(
+            lines[2].contains("FAILED") && lines[2].ends_with("connection refused"),
+            "{table}"
+        );
+        assert!(
+            lines[3].trim_start() == "assertion pg-ready failed (exit code 2)",
+            "{table}"
+        );
+        assert!(
+            lines[4].trim_start().starts_with("report /var/lib"),
+            "{table}"
+        );
+    }
+
+    #[test]
+    fn a_probe_is_labelled_by_its_scheme_with_ipv6_in_brackets() {
+        assert_eq!(
+            probe_label(pb::ProbeKind::Https, "2001:db8::10", 443),
+            "https://[2001:db8::10]:443"
+        );
+        assert_eq!(
+            probe_label(pb::ProbeKind::Tcp, "10.99.0.10", 22),
+            "tcp://10.99.0.10:22"
+        );
+        let expect = pb::ProbeExpectation {
+            http_path: "/health".into(),
+            http_status: 200,
+            ..Default::default()
+        };
+        assert_eq!(
+            expectation_text(&expect),
+            "http_path \"/health\", http_status 200"
+        );
+        assert_eq!(
+            expectation_text(&pb::ProbeExpectation::default()),
+            "connects"
+        );
+    }
+}

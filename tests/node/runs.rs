@@ -386,6 +386,15 @@ fn assert_passed_with_evidence(fleet: &Fleet, summary: &serde_json::Value, index
         p.isolation.bridge_addresses
     );
     assert!(p.isolation.bridge_addresses.contains(&probe_address));
+    assert_eq!(
+        p.isolation
+            .forwarding
+            .get(&format!("net.ipv4.conf.csv{index}.forwarding"))
+            .map(String::as_str),
+        Some("0"),
+        "{:?}",
+        p.isolation.forwarding
+    );
     assert!(
         p.isolation.ruleset.contains("table"),
         "{}",
@@ -488,6 +497,28 @@ fn a_plan_runs_on_several_nodes_at_once_and_a_failing_node_fails_only_its_valida
             );
         }
         assert!(run_tables().is_empty(), "{:?}", run_tables());
+
+        // A guest whose service answers with another banner: the backup did not restore.
+        let wrong = fleet.plan("wrong.yaml", &[("web1", 1, 9101)], 60);
+        let text = std::fs::read_to_string(&wrong)
+            .unwrap()
+            .replace("SSH-2.0-CertiStack-1", "SSH-2.0-OpenSSH");
+        std::fs::write(&wrong, text).unwrap();
+        let (code, _, summaries) = fleet.run(&wrong, &config).await;
+        assert_eq!(code, 1, "{summaries:?}");
+        let s = summary(&summaries, "web1");
+        assert_eq!(s["outcome"], "failed", "{s}");
+        assert_eq!(s["cleanup"], "complete", "{s}");
+        let statement = fleet.report(s);
+        let Verdict::Failed { reasons } = &statement.predicate.verdict else {
+            panic!("{:?}", statement.predicate.verdict);
+        };
+        assert!(
+            reasons[0].starts_with("probe tcp://10.77.1.10:22 failed"),
+            "{reasons:?}"
+        );
+        assert!(!statement.predicate.probes[0].passed);
+        assert!(fleet.nodes[0].residue().is_empty());
 
         // pve2 down, pve3 pinned to another run authority, pve4 serving another surface.
         fleet.node("pve2").kill9();
