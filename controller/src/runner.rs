@@ -416,6 +416,8 @@ struct Session {
     node: String,
     ca_pem: String,
     identity: Arc<IssuedCertificate>,
+    /// The signed grant, presented again after a reconnect (BeginRun resumes an open run).
+    grant: pb::SignedRunGrant,
     client: Option<ConnectorClient<Channel>>,
     /// The run's deadline: its certificate is void after it.
     deadline: Instant,
@@ -443,6 +445,25 @@ impl Session {
                 })??;
         self.client = Some(connection);
         Ok(hello)
+    }
+
+    /// Connects again and presents the grant: the node resumes the run it recovered from its
+    /// journal (or, when the first BeginRun never arrived, begins it, with nothing to undo).
+    async fn reconnect(&mut self) -> Result<(), NodeError> {
+        self.connect().await?;
+        let Some(client) = self.client.as_mut() else {
+            return Ok(());
+        };
+        match client
+            .begin_run(pb::BeginRunRequest {
+                grant: Some(self.grant.clone()),
+            })
+            .await
+        {
+            Err(status) if connection_lost(&status) => Err(status.into()),
+            // Any other answer: Cleanup's answer says what the node holds.
+            _ => Ok(()),
+        }
     }
 }
 
@@ -587,6 +608,7 @@ async fn drive(context: &RunContext, validation: Validation) -> Summary {
         node: node.clone(),
         ca_pem: context.authority.ca_pem().to_owned(),
         identity: Arc::new(minted.certificate),
+        grant: minted.signed_grant.clone(),
         client: None,
         deadline,
     };
@@ -645,6 +667,22 @@ async fn drive(context: &RunContext, validation: Validation) -> Summary {
                 StepResult::Ok,
                 format!("deadline {}", reply.deadline_unix),
             );
+        }
+        Err(status) if connection_lost(&status) => {
+            // The run may have begun before the answer was lost: clean up after reconnecting.
+            let reason = format!(
+                "the connection was lost during BeginRun: {}",
+                describe_status(&status)
+            );
+            recorder.end("begin", at, StepResult::Failed, reason.clone());
+            return finish(
+                recorder,
+                evidence,
+                &validation,
+                Some(Stop::Lost(reason)),
+                Some(session),
+            )
+            .await;
         }
         Err(status) => {
             let reason = format!("the node refused the run: {}", describe_status(&status));
@@ -1311,8 +1349,8 @@ async fn clean_up(
             break;
         }
         if lost || session.client.is_none() {
-            match session.connect().await {
-                Ok(_) => lost = false,
+            match session.reconnect().await {
+                Ok(()) => lost = false,
                 Err(error) => {
                     last_error = error.to_string();
                     recorder.event("cleanup", "started", &format!("reconnecting: {error}"));
