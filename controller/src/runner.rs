@@ -332,12 +332,12 @@ pub fn summary_table(summaries: &[Summary]) -> String {
             s.elapsed_ms as f64 / 1000.0
         );
         for reason in s.reasons.iter().skip(1) {
-            let _ = writeln!(out, "{:<130}{reason}", "");
+            let _ = writeln!(out, "{:<100}{reason}", "");
         }
         if !s.reasons.is_empty()
             && let Some(path) = &s.report
         {
-            let _ = writeln!(out, "{:<130}report {}", "", path.display());
+            let _ = writeln!(out, "{:<100}report {}", "", path.display());
         }
     }
     out

@@ -265,13 +265,19 @@ impl Fleet {
     }
 
     fn ctl(&self, plan: &Path, config: &Path) -> Command {
+        let mut command = self.ctl_plain(plan, config);
+        command.arg("--json");
+        command
+    }
+
+    /// `certistack-ctl run` without `--json`: plain lines, as when not on a terminal.
+    fn ctl_plain(&self, plan: &Path, config: &Path) -> Command {
         let mut command = Command::new(binary("certistack-ctl"));
         command.args([
             "run",
             plan.to_str().unwrap(),
             "--config",
             config.to_str().unwrap(),
-            "--json",
         ]);
         command
     }
@@ -504,12 +510,33 @@ fn a_plan_runs_on_several_nodes_at_once_and_a_failing_node_fails_only_its_valida
             .unwrap()
             .replace("SSH-2.0-CertiStack-1", "SSH-2.0-OpenSSH");
         std::fs::write(&wrong, text).unwrap();
-        let (code, _, summaries) = fleet.run(&wrong, &config).await;
-        assert_eq!(code, 1, "{summaries:?}");
-        let s = summary(&summaries, "web1");
-        assert_eq!(s["outcome"], "failed", "{s}");
-        assert_eq!(s["cleanup"], "complete", "{s}");
-        let statement = fleet.report(s);
+        // Not a terminal and no --json: a plain line per step, then the summary table.
+        let plain = tokio::process::Command::from(fleet.ctl_plain(&wrong, &config))
+            .output()
+            .await
+            .unwrap();
+        assert_eq!(plain.status.code(), Some(1), "{plain:?}");
+        let stdout = String::from_utf8_lossy(&plain.stdout);
+        eprintln!("{stdout}");
+        assert!(
+            stdout
+                .lines()
+                .any(|l| l.starts_with("web1 pve1 probe tcp://10.77.1.10:22 ok")),
+            "{stdout}"
+        );
+        let row = stdout
+            .lines()
+            .find(|l| l.starts_with("web1 ") && l.contains("FAILED"))
+            .unwrap_or_else(|| panic!("no summary row: {stdout}"));
+        assert!(
+            row.contains("complete") && row.contains("probe tcp://10.77.1.10:22 failed"),
+            "{row}"
+        );
+        let report_path = stdout
+            .lines()
+            .find_map(|l| l.trim_start().strip_prefix("report "))
+            .unwrap_or_else(|| panic!("no report line: {stdout}"));
+        let statement = fleet.report(&serde_json::json!({ "report": report_path }));
         let Verdict::Failed { reasons } = &statement.predicate.verdict else {
             panic!("{:?}", statement.predicate.verdict);
         };
