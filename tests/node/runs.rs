@@ -501,6 +501,9 @@ fn a_plan_runs_on_several_nodes_at_once_and_a_failing_node_fails_only_its_valida
                 node.name,
                 node.residue()
             );
+            // The same log that showed no call for the refused plan shows this run's calls.
+            let log = std::fs::read_to_string(&node.log).unwrap();
+            assert!(log.contains("rpc=") && log.contains("MapBackup"), "{log}");
         }
         assert!(run_tables().is_empty(), "{:?}", run_tables());
 
