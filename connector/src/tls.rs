@@ -192,6 +192,11 @@ pub fn incoming(
     )
 }
 
+/// How often an idle or busy client connection pings its peer, and how long a ping may go
+/// unanswered before the connection counts as lost.
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
+
 /// Opens a gRPC channel to a node over mTLS; `node_name` is the name its certificate must carry.
 pub async fn connect(
     address: String,
@@ -203,7 +208,12 @@ pub async fn connect(
     let connector = tokio_rustls::TlsConnector::from(config);
     let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{address}"))
         .map_err(|e| ConnectError::Address(address.clone(), e.to_string()))?
-        .connect_timeout(HANDSHAKE_TIMEOUT);
+        .connect_timeout(HANDSHAKE_TIMEOUT)
+        // A peer that stops answering (a stopped process, a path that drops packets) is noticed
+        // within about 30 s even while a long call is in flight, instead of never.
+        .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+        .keep_alive_while_idle(true);
     // No per-request timeout here: every node operation has its own deadline on the node,
     // and cutting a call short would only kill the tool mid-way.
     let target = address.clone();

@@ -30,6 +30,15 @@ pub const DEFAULT_PBS_PORT: u16 = 8007;
 pub const DEFAULT_RUN_SECONDS: u32 = 3600;
 /// How long to wait for the guest agent after start, unless the plan says.
 pub const DEFAULT_GUEST_AGENT_SECONDS: u32 = 300;
+/// A grant is valid from this long before the run starts, so a node whose clock is a little
+/// behind the controller's accepts it.
+pub const NOT_BEFORE_SLACK_SECS: i64 = 60;
+
+/// The seconds of a run kept for cleanup after its steps: a quarter of it, at least 30 and at
+/// most 600, so cleanup runs with the run's own certificate before the deadline.
+pub fn cleanup_reserve_secs(run_seconds: u32) -> u32 {
+    (run_seconds / 4).clamp(30, 600)
+}
 /// Where a refusal tells the operator to read about secrets.
 const SECRETS_DOC: &str = "docs/plans.md#secrets";
 
@@ -503,12 +512,24 @@ impl Plan {
                 ));
             }
             let run_seconds = i64::from(v.timeouts.run_seconds);
-            if run_seconds > grant::MAX_GRANT_LIFETIME_SECS {
+            if run_seconds + NOT_BEFORE_SLACK_SECS > grant::MAX_GRANT_LIFETIME_SECS {
                 return Err(refused(
                     at(".timeouts.run_seconds"),
                     format!(
-                        "{run_seconds} is longer than a grant may last ({} s); split the validation or shorten it",
+                        "{run_seconds} is longer than a grant may last ({} s, of which {NOT_BEFORE_SLACK_SECS} s are kept for clocks a little apart); split the validation or shorten it",
                         grant::MAX_GRANT_LIFETIME_SECS
+                    ),
+                ));
+            }
+            let reserve = cleanup_reserve_secs(v.timeouts.run_seconds);
+            if v.timeouts.guest_agent_seconds.saturating_add(reserve) >= v.timeouts.run_seconds {
+                return Err(refused(
+                    at(".timeouts.guest_agent_seconds"),
+                    format!(
+                        "{} leaves no time for the steps after it: run_seconds ({}) keeps {reserve} s for cleanup, so the guest agent wait must be shorter than {} s; raise run_seconds or lower guest_agent_seconds",
+                        v.timeouts.guest_agent_seconds,
+                        v.timeouts.run_seconds,
+                        v.timeouts.run_seconds.saturating_sub(reserve)
                     ),
                 ));
             }
@@ -516,7 +537,7 @@ impl Plan {
                 version: grant::GRANT_VERSION,
                 run_id: uuid::Uuid::new_v4().hyphenated().to_string(),
                 node: v.node.clone(),
-                not_before_unix: now_unix,
+                not_before_unix: now_unix - NOT_BEFORE_SLACK_SECS,
                 deadline_unix: now_unix.saturating_add(run_seconds),
                 repository: Some(repository.clone()),
                 snapshot: format!("vm/{}/{}", v.source_vmid.0, v.snapshot.0),
@@ -820,7 +841,10 @@ validations:
         let web = &plan.validations[0];
         assert_eq!(web.wire.snapshot, "vm/100/2026-11-01T02:00:00Z");
         assert_eq!(web.wire.repository.as_ref().unwrap().port, 8007);
-        assert_eq!(web.wire.deadline_unix - web.wire.not_before_unix, 3600);
+        assert_eq!(
+            web.wire.deadline_unix - web.wire.not_before_unix,
+            3600 + NOT_BEFORE_SLACK_SECS
+        );
         assert_eq!(web.grant.sandbox_vms.len(), 1);
         assert_eq!(web.endpoint, "192.0.2.11:7443");
         let line = describe(web);

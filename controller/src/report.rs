@@ -448,6 +448,12 @@ impl Statement {
         {
             return shape("a failed or error verdict gives no reason".into());
         }
+        if predicate.verdict == Verdict::Passed && predicate.journal.records.is_empty() {
+            return shape(
+                "a passed verdict carries no journal record: nothing shows what the node did"
+                    .into(),
+            );
+        }
         if predicate.isolation.ruleset_digest != sha256_text(predicate.isolation.ruleset.as_bytes())
         {
             return shape("isolation.ruleset_digest is not the digest of isolation.ruleset".into());

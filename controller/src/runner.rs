@@ -15,7 +15,7 @@
 use crate::authority::{Authority, IssuedCertificate};
 use crate::client::{self, NodeError};
 use crate::operator;
-use crate::plan::{Plan, Validation};
+use crate::plan::{self, Plan, Validation};
 use crate::report::{self, StepResult, Verdict};
 use crate::run as credentials;
 use certistack_connector::files;
@@ -43,9 +43,6 @@ const RECONNECT_PAUSE_MAX: Duration = Duration::from_secs(5);
 const AGENT_POLL: Duration = Duration::from_secs(2);
 /// How long a sandbox VM may take to stop before QEMU is killed.
 const STOP_TIMEOUT_SECONDS: u32 = 30;
-/// The share of a run's time kept for cleanup (a quarter), within these bounds in seconds.
-const CLEANUP_RESERVE_MIN: u32 = 30;
-const CLEANUP_RESERVE_MAX: u32 = 600;
 /// The operator name of the certificates `run` mints to read journals and clean up late.
 const OPERATOR_NAME: &str = "certistack-run";
 /// The most a PBS secret file may hold: a password or an API-token secret is one short line.
@@ -69,36 +66,45 @@ impl std::fmt::Debug for Secrets {
     }
 }
 
+/// Why the secret files cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum SecretError {
+    #[error(transparent)]
+    File(#[from] files::FileError),
+    #[error("{0}")]
+    Invalid(String),
+}
+
 impl Secrets {
     /// Reads the plan's secret files. The password is the file's first line, as
     /// `PBS_PASSWORD_FILE` reads it.
-    pub fn load(plan: &Plan) -> Result<Self, String> {
-        let text = files::read_private(&plan.pbs_password_file).map_err(|e| e.to_string())?;
+    pub fn load(plan: &Plan) -> Result<Self, SecretError> {
+        let text = files::read_private(&plan.pbs_password_file)?;
         if text.len() > MAX_SECRET_BYTES {
-            return Err(format!(
+            return Err(SecretError::Invalid(format!(
                 "{} holds {} bytes; a PBS password or token secret is one line",
                 plan.pbs_password_file.display(),
                 text.len()
-            ));
+            )));
         }
         let first = text.lines().next().unwrap_or_default();
         if first.is_empty() {
-            return Err(format!(
+            return Err(SecretError::Invalid(format!(
                 "{} is empty; write the PBS password or API-token secret on its first line",
                 plan.pbs_password_file.display()
-            ));
+            )));
         }
         let pbs_secret = Zeroizing::new(first.to_owned());
         let encryption_key = match &plan.encryption_key_file {
             None => None,
             Some(path) => {
-                let key = files::read_private(path).map_err(|e| e.to_string())?;
+                let key = files::read_private(path)?;
                 if key.len() > MAX_KEY_BYTES {
-                    return Err(format!(
+                    return Err(SecretError::Invalid(format!(
                         "{} holds {} bytes; a PBS encryption key file is at most {MAX_KEY_BYTES}",
                         path.display(),
                         key.len()
-                    ));
+                    )));
                 }
                 Some(Zeroizing::new(key.as_bytes().to_vec()))
             }
@@ -190,7 +196,7 @@ impl Progress {
                 let detail = if event.detail.is_empty() {
                     String::new()
                 } else {
-                    format!(": {}", event.detail)
+                    format!(": {}", for_terminal(&event.detail))
                 };
                 write_line(&format!(
                     "{} {} {} {} ({:.1}s){detail}",
@@ -205,7 +211,10 @@ impl Progress {
                 if let Some(bar) = self.line(&event.validation) {
                     bar.set_message(format!(
                         "{} on {}: {} {}",
-                        event.validation, event.node, event.step, event.state
+                        event.validation,
+                        event.node,
+                        for_terminal(&event.step),
+                        event.state
                     ));
                 }
             }
@@ -233,8 +242,17 @@ impl Progress {
     }
 }
 
+/// The longest node or guest text shown on one line of a terminal; the report keeps it whole.
+const MAX_SHOWN_CHARS: usize = 200;
+
+/// Text from a node or a guest (a banner, a tool's message) made safe for one terminal line:
+/// control characters escaped, capped. The restored guest is not trusted.
+fn for_terminal(text: &str) -> String {
+    certistack_connector::untrusted::printable(text.as_bytes(), MAX_SHOWN_CHARS)
+}
+
 /// One line on standard output; a closed pipe is not the run's failure, so errors are ignored.
-fn write_line(line: &str) {
+pub fn write_line(line: &str) {
     use std::io::Write;
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "{line}");
@@ -317,7 +335,7 @@ pub fn summary_table(summaries: &[Summary]) -> String {
             CleanupState::Unproven => "UNPROVEN",
         };
         let tail = match (s.reasons.first(), &s.report) {
-            (Some(reason), _) => reason.clone(),
+            (Some(reason), _) => for_terminal(reason),
             (None, Some(path)) => path.display().to_string(),
             (None, None) => String::new(),
         };
@@ -332,7 +350,7 @@ pub fn summary_table(summaries: &[Summary]) -> String {
             s.elapsed_ms as f64 / 1000.0
         );
         for reason in s.reasons.iter().skip(1) {
-            let _ = writeln!(out, "{:<100}{reason}", "");
+            let _ = writeln!(out, "{:<100}{}", "", for_terminal(reason));
         }
         if !s.reasons.is_empty()
             && let Some(path) = &s.report
@@ -371,22 +389,40 @@ pub async fn run_plan(
 ) -> Vec<Summary> {
     let total = Arc::new(Semaphore::new(total.max(1)));
     let mut per_node_limits: BTreeMap<String, Arc<Semaphore>> = BTreeMap::new();
+    let mut exclusive: BTreeMap<String, Arc<Semaphore>> = BTreeMap::new();
     let mut tasks = tokio::task::JoinSet::new();
-    let count = plan.validations.len();
+    let mut names = Vec::with_capacity(plan.validations.len());
     for (index, validation) in plan.validations.into_iter().enumerate() {
+        names.push((validation.name.clone(), validation.grant.node.to_string()));
         let node_limit = per_node_limits
             .entry(validation.grant.node.to_string())
             .or_insert_with(|| Arc::new(Semaphore::new(per_node.max(1))))
             .clone();
+        // A node refuses a run whose VNet or archive another open run holds: validations that
+        // share one on a node run one after the other. Locks are taken in one global order
+        // (sorted keys, then the node's limit, then the total), so none waits in a cycle.
+        let locks: Vec<Arc<Semaphore>> = exclusive_keys(&validation)
+            .into_iter()
+            .map(|key| {
+                exclusive
+                    .entry(key)
+                    .or_insert_with(|| Arc::new(Semaphore::new(1)))
+                    .clone()
+            })
+            .collect();
         let total = total.clone();
         let context = context.clone();
         tasks.spawn(async move {
+            let mut held = Vec::with_capacity(locks.len());
+            for lock in locks {
+                held.push(lock.acquire_owned().await);
+            }
             let _node = node_limit.acquire_owned().await;
             let _total = total.acquire_owned().await;
             (index, drive(&context, validation).await)
         });
     }
-    let mut summaries: Vec<Option<Summary>> = (0..count).map(|_| None).collect();
+    let mut summaries: Vec<Option<Summary>> = names.iter().map(|_| None).collect();
     while let Some(joined) = tasks.join_next().await {
         if let Ok((index, summary)) = joined
             && let Some(slot) = summaries.get_mut(index)
@@ -394,7 +430,39 @@ pub async fn run_plan(
             *slot = Some(summary);
         }
     }
-    summaries.into_iter().flatten().collect()
+    // A validation whose task ended without a summary is not silently dropped.
+    summaries
+        .into_iter()
+        .zip(names)
+        .map(|(summary, (validation, node))| {
+            summary.unwrap_or_else(|| Summary {
+                validation,
+                node,
+                run_id: String::new(),
+                outcome: Outcome::Error,
+                cleanup: CleanupState::Unproven,
+                reasons: vec![
+                    "the validation's task ended unexpectedly; see `certistack-ctl runs NODE`"
+                        .into(),
+                ],
+                elapsed_ms: 0,
+                report: None,
+            })
+        })
+        .collect()
+}
+
+/// What a validation holds exclusively on its node: its VNet and each archive of its snapshot.
+fn exclusive_keys(validation: &Validation) -> Vec<String> {
+    let grant = &validation.grant;
+    let mut keys: Vec<String> = grant
+        .archives
+        .iter()
+        .map(|archive| format!("{}\0archive\0{}\0{archive}", grant.node, grant.snapshot))
+        .collect();
+    keys.push(format!("{}\0vnet\0{}", grant.node, grant.vnet));
+    keys.sort();
+    keys
 }
 
 /// Why a step ended the happy path.
@@ -477,6 +545,22 @@ fn connection_lost(status: &tonic::Status) -> bool {
     )
 }
 
+/// Whether a BeginRun error is the node's refusal, so no run exists: anything else (a reset
+/// stream, an internal error, a timeout) may have left the run open.
+fn definitely_not_begun(status: &tonic::Status) -> bool {
+    matches!(
+        status.code(),
+        tonic::Code::InvalidArgument
+            | tonic::Code::PermissionDenied
+            | tonic::Code::Unauthenticated
+            | tonic::Code::FailedPrecondition
+            | tonic::Code::ResourceExhausted
+            | tonic::Code::AlreadyExists
+            | tonic::Code::OutOfRange
+            | tonic::Code::Unimplemented
+    )
+}
+
 fn describe_status(status: &tonic::Status) -> String {
     format!("{:?}: {}", status.code(), status.message())
 }
@@ -551,6 +635,10 @@ struct Evidence {
     isolation: Option<report::Isolation>,
     assertions: Vec<report::AssertionResult>,
     failures: Vec<String>,
+    /// Evidence that contradicts the sandbox's isolation: nothing is proven then.
+    isolation_failures: Vec<String>,
+    /// Every probe and assertion ran: an interrupt after this point keeps the verdict.
+    checks_complete: bool,
 }
 
 /// Drives one validation to its summary; never panics, never leaves without trying cleanup once
@@ -567,11 +655,30 @@ async fn drive(context: &RunContext, validation: Validation) -> Summary {
         steps: Vec::new(),
     };
     let mut evidence = Evidence::default();
+    if *context.interrupts.borrow() >= 1 {
+        let at = recorder.begin("credentials");
+        recorder.end(
+            "credentials",
+            at,
+            StepResult::Skipped,
+            "not started: interrupted by the operator".into(),
+        );
+        return finish(
+            recorder,
+            evidence,
+            &validation,
+            Some(Stop::Interrupted(
+                "not started: interrupted by the operator before the validation began".into(),
+            )),
+            None,
+        )
+        .await;
+    }
     let now = OffsetDateTime::now_utc();
     let deadline_unix = now.unix_timestamp() + i64::from(validation.run_seconds);
     let deadline = Instant::now() + Duration::from_secs(u64::from(validation.run_seconds));
     // The steps stop early enough for cleanup to run with the run's own certificate.
-    let reserve = (validation.run_seconds / 4).clamp(CLEANUP_RESERVE_MIN, CLEANUP_RESERVE_MAX);
+    let reserve = plan::cleanup_reserve_secs(validation.run_seconds);
     let steps_deadline = deadline
         .checked_sub(Duration::from_secs(u64::from(reserve)))
         .unwrap_or(deadline);
@@ -580,7 +687,7 @@ async fn drive(context: &RunContext, validation: Validation) -> Summary {
     let at = recorder.begin("credentials");
     let mut wire = validation.wire.clone();
     wire.run_id = run_id.clone();
-    wire.not_before_unix = now.unix_timestamp() - 60;
+    wire.not_before_unix = now.unix_timestamp() - plan::NOT_BEFORE_SLACK_SECS;
     wire.deadline_unix = deadline_unix;
     let minted = match credentials::mint(&context.authority, &wire, now) {
         Ok(minted) => minted,
@@ -658,7 +765,33 @@ async fn drive(context: &RunContext, validation: Validation) -> Summary {
         )
         .await;
     };
-    match client.begin_run(begin).await {
+    if *context.interrupts.borrow() >= 1 {
+        recorder.end(
+            "begin",
+            at,
+            StepResult::Skipped,
+            "interrupted by the operator".into(),
+        );
+        return finish(
+            recorder,
+            evidence,
+            &validation,
+            Some(Stop::Interrupted(
+                "not started: interrupted by the operator before BeginRun".into(),
+            )),
+            None,
+        )
+        .await;
+    }
+    let answer = tokio::time::timeout(RUN_CALL_TIMEOUT, client.begin_run(begin))
+        .await
+        .unwrap_or_else(|_| {
+            Err(tonic::Status::deadline_exceeded(format!(
+                "no answer to BeginRun within {} s",
+                RUN_CALL_TIMEOUT.as_secs()
+            )))
+        });
+    match answer {
         Ok(reply) => {
             let reply = reply.into_inner();
             recorder.end(
@@ -668,7 +801,7 @@ async fn drive(context: &RunContext, validation: Validation) -> Summary {
                 format!("deadline {}", reply.deadline_unix),
             );
         }
-        Err(status) if connection_lost(&status) => {
+        Err(status) if !definitely_not_begun(&status) => {
             // The run may have begun before the answer was lost: clean up after reconnecting.
             let reason = format!(
                 "the connection was lost during BeginRun: {}",
@@ -848,7 +981,15 @@ async fn steps(
             probe_source: grant.probe_source.to_string(),
         })
     );
-    evidence.isolation = Some(isolation(&sandbox));
+    let observed = isolation(&sandbox);
+    let proven = check_isolation(&observed, grant);
+    evidence.isolation = Some(observed);
+    if let Err(reason) = proven {
+        // The controller does not sign a restore whose containment it cannot show.
+        return Some(Stop::Refused(format!(
+            "isolation not proven by the node's evidence: {reason}"
+        )));
+    }
     for vmid in grant.sandbox_vms.keys() {
         let name = format!("start {vmid}");
         step!(
@@ -1000,6 +1141,13 @@ async fn steps(
             })
         );
         let passed = reply.outcome == i32::from(pb::ProbeOutcome::Passed);
+        let expected_origin = format!("worker_host {}", grant.probe_source.address);
+        if reply.origin != expected_origin {
+            evidence.isolation_failures.push(format!(
+                "probe {label} ran from {:?}, not from the probe address ({expected_origin})",
+                reply.origin
+            ));
+        }
         if !passed {
             evidence
                 .failures
@@ -1051,6 +1199,7 @@ async fn steps(
             });
         }
     }
+    evidence.checks_complete = true;
     if !evidence.agent_answered && grant.probe_targets.is_empty() {
         evidence.failures.push(format!(
             "the guest agent did not answer within {} s and no probe was planned: nothing shows the guest booted",
@@ -1153,6 +1302,51 @@ fn expectation_text(expect: &pb::ProbeExpectation) -> String {
     }
 }
 
+/// Checks the node's isolation evidence against the grant: only taps of the run's sandbox VMs
+/// on the bridge, only the probe address (and the bridge's IPv6 link-local address) on it,
+/// every forwarding sysctl reported and 0.
+fn check_isolation(
+    isolation: &report::Isolation,
+    grant: &certistack_connector::grant::Grant,
+) -> Result<(), String> {
+    for port in &isolation.bridge_ports {
+        let vmid = port
+            .strip_prefix("tap")
+            .and_then(|rest| rest.split_once('i'))
+            .filter(|(_, nic)| !nic.is_empty() && nic.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|(vmid, _)| vmid.parse::<u32>().ok());
+        if !vmid.is_some_and(|vmid| grant.sandbox_vms.keys().any(|v| v.get() == vmid)) {
+            return Err(format!(
+                "bridge port {port:?} is not a tap of this run's sandbox VMs"
+            ));
+        }
+    }
+    for address in &isolation.bridge_addresses {
+        let ip = address
+            .split_once('/')
+            .map_or(address.as_str(), |(ip, _)| ip)
+            .parse::<std::net::IpAddr>()
+            .map_err(|_| format!("bridge address {address:?} is not an address"))?;
+        let link_local =
+            matches!(ip, std::net::IpAddr::V6(v6) if v6.segments()[0] & 0xffc0 == 0xfe80);
+        if ip != grant.probe_source.address.0 && !link_local {
+            return Err(format!(
+                "bridge address {address} is not the probe address {}",
+                grant.probe_source
+            ));
+        }
+    }
+    if isolation.forwarding.is_empty() {
+        return Err("the node reported no forwarding sysctl".into());
+    }
+    for (name, value) in &isolation.forwarding {
+        if value != "0" {
+            return Err(format!("{name} is {value}, not 0"));
+        }
+    }
+    Ok(())
+}
+
 fn isolation(reply: &pb::PrepareSandboxReply) -> report::Isolation {
     let forwarding = reply
         .forwarding_sysctl
@@ -1185,6 +1379,9 @@ async fn finish(
     let mut outcome = Outcome::Passed;
     match &stop {
         None => {}
+        // Interrupted during teardown: every check had run; the verdict stands on them and
+        // cleanup still decides whether the run is proven clean.
+        Some(Stop::Interrupted(_)) if evidence.checks_complete => {}
         Some(
             Stop::Refused(reason)
             | Stop::Lost(reason)
@@ -1195,6 +1392,10 @@ async fn finish(
             reasons.push(reason.clone());
         }
     }
+    if !evidence.isolation_failures.is_empty() {
+        outcome = Outcome::Error;
+        reasons.extend(evidence.isolation_failures.iter().cloned());
+    }
     if !evidence.failures.is_empty() {
         if outcome == Outcome::Passed {
             outcome = Outcome::Failed;
@@ -1202,29 +1403,43 @@ async fn finish(
         reasons.extend(evidence.failures.iter().cloned());
     }
 
-    let (cleanup_state, cleanup, journal) = match session {
-        None => (
-            CleanupState::NotNeeded,
-            report::CleanupEvidence {
+    let cleaned = match session {
+        None => CleanedUp {
+            state: CleanupState::NotNeeded,
+            evidence: report::CleanupEvidence {
                 receipts: Vec::new(),
                 residue: Vec::new(),
                 complete: true,
             },
-            report::JournalEvidence {
-                head_sha256: hex::encode(certistack_connector::journal::genesis(&recorder.run_id)),
-                records: Vec::new(),
-            },
-        ),
+            journal: empty_journal(&recorder.run_id),
+            journal_problem: None,
+            closed_by_reaper: false,
+        },
         Some(session) => {
             let lost = matches!(stop, Some(Stop::Lost(_)));
             clean_up(&mut recorder, session, lost).await
         }
     };
+    let cleanup_state = cleaned.state;
+    let (cleanup, journal) = (cleaned.evidence, cleaned.journal);
     if cleanup_state == CleanupState::Unproven {
-        reasons.push("cleanup could not be proven complete; see the cleanup section and `certistack-ctl runs NODE`".into());
+        reasons.push(format!(
+            "cleanup could not be proven complete; run `certistack-ctl cleanup {} {}`, then `certistack-ctl runs {}`",
+            recorder.node, recorder.run_id, recorder.node
+        ));
         if outcome == Outcome::Passed {
             outcome = Outcome::Error;
         }
+    }
+    if cleaned.closed_by_reaper {
+        reasons.push(
+            "cleaned up as an operator after the deadline; the node's reaper closes the run".into(),
+        );
+    }
+    if let Some(problem) = cleaned.journal_problem {
+        // The report would vouch for a journal the controller did not verify.
+        reasons.push(problem);
+        outcome = Outcome::Error;
     }
 
     let verdict = match outcome {
@@ -1316,18 +1531,114 @@ async fn finish(
     summary
 }
 
+/// How a call outside the steps ended without an answer.
+#[derive(Debug)]
+enum CallError {
+    /// The connection is gone (reconnecting may help).
+    Lost(String),
+    /// The node answered with a refusal.
+    Refused(String),
+    /// No answer within the time allowed.
+    TimedOut(String),
+    /// The operator's interrupts reached the level that abandons this wait.
+    Abandoned,
+}
+
+impl std::fmt::Display for CallError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CallError::Lost(text) | CallError::Refused(text) | CallError::TimedOut(text) => {
+                f.write_str(text)
+            }
+            CallError::Abandoned => f.write_str("abandoned by the operator"),
+        }
+    }
+}
+
+/// The interrupt level that abandons waits in cleanup: the third Ctrl-C. (The second abandons
+/// only reconnecting to a node that is gone: cleanup needs the node.)
+const ABANDON_CLEANUP: u8 = 3;
+/// How long an operator call (Cleanup after the deadline, the journal) may take.
+const OPERATOR_CALL_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long BeginRun and EndRun may take: the node answers them without running a tool.
+const RUN_CALL_TIMEOUT: Duration = Duration::from_secs(60);
+/// The most journal records and bytes the controller takes for one run's report; a node's own
+/// caps (`limits.max_journal_records`, `limits.max_journal_bytes`) are far below.
+const MAX_RUN_JOURNAL_RECORDS: usize = 100_000;
+const MAX_RUN_JOURNAL_BYTES: usize = 32 * 1024 * 1024;
+
+/// Awaits `call` for at most `limit`, unless the interrupts reach `abandon_at` first.
+async fn within<T, E: std::fmt::Display>(
+    interrupts: &mut Interrupts,
+    abandon_at: u8,
+    limit: Duration,
+    call: impl std::future::Future<Output = Result<T, E>>,
+    lost: impl Fn(&E) -> bool,
+) -> Result<T, CallError> {
+    if *interrupts.borrow() >= abandon_at {
+        return Err(CallError::Abandoned);
+    }
+    let abandon = async {
+        loop {
+            if *interrupts.borrow_and_update() >= abandon_at {
+                return;
+            }
+            if interrupts.changed().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    tokio::select! {
+        result = tokio::time::timeout(limit, call) => match result {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(error)) if lost(&error) => Err(CallError::Lost(error.to_string())),
+            Ok(Err(error)) => Err(CallError::Refused(error.to_string())),
+            Err(_) => Err(CallError::TimedOut(format!("no answer within {} s", limit.as_secs()))),
+        },
+        () = abandon => Err(CallError::Abandoned),
+    }
+}
+
+fn status_lost(status: &tonic::Status) -> bool {
+    connection_lost(status)
+}
+
+fn node_error_lost(error: &NodeError) -> bool {
+    match error {
+        NodeError::Status { code, .. } => matches!(
+            code,
+            tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled
+        ),
+        NodeError::Connect(_) => true,
+        _ => false,
+    }
+}
+
+/// Sleeps `pause` (or until the deadline, or until the interrupts change).
+async fn pause_before_retry(interrupts: &mut Interrupts, pause: Duration, deadline: Instant) {
+    let wait = tokio::time::sleep_until((Instant::now() + pause).min(deadline).into());
+    tokio::select! {
+        () = wait => {}
+        _ = interrupts.changed() => {}
+    }
+}
+
+/// What cleanup proved, for the summary and the report.
+struct CleanedUp {
+    state: CleanupState,
+    evidence: report::CleanupEvidence,
+    journal: report::JournalEvidence,
+    /// Why the report's journal is not the verified record of the run, when it is not.
+    journal_problem: Option<String>,
+    /// Cleanup was asked as an operator after the deadline: the node's reaper closes the run.
+    closed_by_reaper: bool,
+}
+
 /// Cleanup, EndRun and the journal. Reconnects (until the run's deadline) when the connection
 /// was lost; past the deadline the run's certificate is void, so Cleanup is asked as an
 /// operator. The journal is read as an operator, so the closed run's last record is included.
-async fn clean_up(
-    recorder: &mut Recorder<'_>,
-    mut session: Session,
-    mut lost: bool,
-) -> (
-    CleanupState,
-    report::CleanupEvidence,
-    report::JournalEvidence,
-) {
+/// Every wait is bounded; the third interrupt abandons them (cleanup is then unproven).
+async fn clean_up(recorder: &mut Recorder<'_>, mut session: Session, mut lost: bool) -> CleanedUp {
     let context = recorder.context;
     let run_id = recorder.run_id.clone();
     let mut interrupts = context.interrupts.clone();
@@ -1339,28 +1650,33 @@ async fn clean_up(
     let at = recorder.begin("cleanup");
     let mut reply = None;
     let mut as_run = true;
+    let mut abandoned = false;
     let mut last_error = String::new();
     let mut pause = Duration::from_millis(500);
     // As the run, while its certificate is valid; reconnecting when the node went away (it may
     // be restarting: its journal keeps the run open).
     while reply.is_none() && Instant::now() < session.deadline {
-        if *interrupts.borrow_and_update() >= 2 && lost {
+        let level = *interrupts.borrow_and_update();
+        if level >= ABANDON_CLEANUP || (level >= 2 && lost) {
             last_error = format!("the operator stopped waiting for the node ({last_error})");
+            abandoned = true;
             break;
         }
         if lost || session.client.is_none() {
-            match session.reconnect().await {
+            match within(
+                &mut interrupts,
+                2,
+                CONNECT_TIMEOUT * 3,
+                session.reconnect(),
+                node_error_lost,
+            )
+            .await
+            {
                 Ok(()) => lost = false,
                 Err(error) => {
                     last_error = error.to_string();
                     recorder.event("cleanup", "started", &format!("reconnecting: {error}"));
-                    let wait = tokio::time::sleep_until(
-                        (Instant::now() + pause).min(session.deadline).into(),
-                    );
-                    tokio::select! {
-                        () = wait => {}
-                        _ = interrupts.changed() => {}
-                    }
+                    pause_before_retry(&mut interrupts, pause, session.deadline).await;
                     pause = (pause * 2).min(RECONNECT_PAUSE_MAX);
                     continue;
                 }
@@ -1369,32 +1685,47 @@ async fn clean_up(
         let Some(client) = session.client.as_mut() else {
             break;
         };
-        match client
-            .cleanup(pb::CleanupRequest {
+        let remaining = session.deadline.saturating_duration_since(Instant::now());
+        match within(
+            &mut interrupts,
+            ABANDON_CLEANUP,
+            remaining,
+            client.cleanup(pb::CleanupRequest {
                 run_id: run_id.clone(),
-            })
-            .await
+            }),
+            status_lost,
+        )
+        .await
         {
             Ok(answer) => reply = Some(answer.into_inner()),
-            Err(status) if connection_lost(&status) => {
-                last_error = describe_status(&status);
+            Err(CallError::Lost(text)) => {
+                last_error = text;
                 lost = true;
+                // A node that drops every Cleanup is not hammered: the pause grows each time.
+                pause_before_retry(&mut interrupts, pause, session.deadline).await;
+                pause = (pause * 2).min(RECONNECT_PAUSE_MAX);
             }
-            Err(status) => {
-                last_error = describe_status(&status);
+            Err(CallError::Abandoned) => {
+                last_error = "the operator abandoned the cleanup".into();
+                abandoned = true;
+                break;
+            }
+            Err(error) => {
+                last_error = error.to_string();
                 break;
             }
         }
     }
     // Past the deadline: as an operator, once.
-    if reply.is_none() && Instant::now() >= session.deadline {
+    if reply.is_none() && !abandoned && Instant::now() >= session.deadline {
         as_run = false;
-        match operator_cleanup(context, &session, &run_id).await {
+        match operator_cleanup(context, &session, &run_id, &mut interrupts).await {
             Ok(answer) => reply = Some(answer),
             Err(error) => last_error = error,
         }
     }
     let mut state = CleanupState::Unproven;
+    let mut ended = false;
     match reply {
         None => recorder.end("cleanup", at, StepResult::Failed, last_error),
         Some(reply) => {
@@ -1418,24 +1749,29 @@ async fn clean_up(
                     );
                     if as_run {
                         let at = recorder.begin("end");
-                        let ended = match session.client.as_mut() {
-                            Some(client) => client
-                                .end_run(pb::EndRunRequest {})
-                                .await
-                                .map(|_| ())
-                                .map_err(|status| describe_status(&status)),
+                        let answer = match session.client.as_mut() {
+                            Some(client) => within(
+                                &mut interrupts,
+                                ABANDON_CLEANUP,
+                                RUN_CALL_TIMEOUT,
+                                client.end_run(pb::EndRunRequest {}),
+                                status_lost,
+                            )
+                            .await
+                            .map(|_| ())
+                            .map_err(|e| e.to_string()),
                             None => Err("no connection".to_owned()),
                         };
-                        match ended {
+                        match answer {
                             Ok(()) => {
                                 evidence.complete = true;
                                 state = CleanupState::Complete;
+                                ended = true;
                                 recorder.end("end", at, StepResult::Ok, String::new());
                             }
                             Err(reason) => recorder.end("end", at, StepResult::Failed, reason),
                         }
                     } else {
-                        // The node's reaper closes an expired run once it holds nothing of it.
                         evidence.complete = true;
                         state = CleanupState::Complete;
                     }
@@ -1445,7 +1781,20 @@ async fn clean_up(
     }
 
     let at = recorder.begin("journal");
-    let journal = match read_journal(context, &session, &run_id).await {
+    let read = read_journal(context, &session, &run_id, &mut interrupts).await;
+    let checked = read.and_then(|journal| {
+        // An empty journal "verifies" to the genesis: a run that began has records, and one
+        // that ended has `run.end` last.
+        match journal.records.last() {
+            None => Err("the node returned no journal record for a run it began".to_owned()),
+            Some(last) if ended && last.operation != "run.end" => Err(format!(
+                "the run was ended but its journal's last record is {} {}",
+                last.operation, last.phase
+            )),
+            Some(_) => Ok(journal),
+        }
+    });
+    let (journal, journal_problem) = match checked {
         Ok(journal) => {
             recorder.end(
                 "journal",
@@ -1457,43 +1806,48 @@ async fn clean_up(
                     journal.head_sha256
                 ),
             );
-            journal
+            (journal, None)
         }
         Err(reason) => {
-            recorder.end("journal", at, StepResult::Failed, reason);
-            empty_journal(&run_id)
+            recorder.end("journal", at, StepResult::Failed, reason.clone());
+            (empty_journal(&run_id), Some(reason))
         }
     };
-    (state, evidence, journal)
+    CleanedUp {
+        state,
+        evidence,
+        journal,
+        journal_problem,
+        closed_by_reaper: state == CleanupState::Complete && !as_run,
+    }
 }
 
 async fn operator_cleanup(
     context: &RunContext,
     session: &Session,
     run_id: &str,
+    interrupts: &mut Interrupts,
 ) -> Result<pb::CleanupReply, String> {
-    let mut connection = tokio::time::timeout(
-        CONNECT_TIMEOUT,
-        operator::connect(
+    let work = async {
+        let mut connection = operator::connect(
             &context.authority,
             &session.endpoint,
             &session.node,
             OPERATOR_NAME,
             OffsetDateTime::now_utc(),
-        ),
+        )
+        .await?;
+        operator::cleanup(&mut connection, run_id).await
+    };
+    within(
+        interrupts,
+        ABANDON_CLEANUP,
+        OPERATOR_CALL_TIMEOUT,
+        work,
+        |_| false,
     )
     .await
-    .map_err(|_| {
-        format!(
-            "no answer from {} within {} s",
-            session.endpoint,
-            CONNECT_TIMEOUT.as_secs()
-        )
-    })?
-    .map_err(|e| e.to_string())?;
-    operator::cleanup(&mut connection, run_id)
-        .await
-        .map_err(|e| e.to_string())
+    .map_err(|e| format!("Cleanup as an operator after the deadline: {e}"))
 }
 
 fn empty_journal(run_id: &str) -> report::JournalEvidence {
@@ -1503,23 +1857,53 @@ fn empty_journal(run_id: &str) -> report::JournalEvidence {
     }
 }
 
+/// Streams the run's journal as an operator, bounded in records, bytes and time, and
+/// recomputes its hash chain here.
 async fn read_journal(
     context: &RunContext,
     session: &Session,
     run_id: &str,
+    interrupts: &mut Interrupts,
 ) -> Result<report::JournalEvidence, String> {
-    let mut connection = operator::connect(
-        &context.authority,
-        &session.endpoint,
-        &session.node,
-        OPERATOR_NAME,
-        OffsetDateTime::now_utc(),
-    )
-    .await
-    .map_err(|e| e.to_string())?;
-    let records = operator::read_journal(&mut connection, run_id, |_| {})
+    let work = async {
+        let mut connection = operator::connect(
+            &context.authority,
+            &session.endpoint,
+            &session.node,
+            OPERATOR_NAME,
+            OffsetDateTime::now_utc(),
+        )
         .await
         .map_err(|e| e.to_string())?;
+        let mut stream = connection
+            .read_journal(pb::ReadJournalRequest {
+                run_id: run_id.to_owned(),
+            })
+            .await
+            .map_err(|s| describe_status(&s))?
+            .into_inner();
+        let mut records = Vec::new();
+        let mut bytes = 0usize;
+        while let Some(record) = stream.message().await.map_err(|s| describe_status(&s))? {
+            bytes = bytes.saturating_add(prost::Message::encoded_len(&record));
+            if records.len() >= MAX_RUN_JOURNAL_RECORDS || bytes > MAX_RUN_JOURNAL_BYTES {
+                return Err(format!(
+                    "the node streamed more than {MAX_RUN_JOURNAL_RECORDS} records or {MAX_RUN_JOURNAL_BYTES} bytes of journal for one run; read it with `certistack-ctl journal`"
+                ));
+            }
+            records.push(report::JournalRecord::from(&record));
+        }
+        Ok::<_, String>(records)
+    };
+    let records = within(
+        interrupts,
+        ABANDON_CLEANUP,
+        OPERATOR_CALL_TIMEOUT,
+        work,
+        |_| false,
+    )
+    .await
+    .map_err(|e| format!("the journal could not be read: {e}"))?;
     let head = operator::verify_journal(run_id, &records)
         .map_err(|e| format!("the node's journal does not verify here: {e}"))?;
     Ok(report::JournalEvidence {

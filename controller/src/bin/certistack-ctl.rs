@@ -318,6 +318,21 @@ fn run(cli: Cli) -> Result<(), Failure> {
     }
 }
 
+/// The exit code when the operating system refuses what the command needs (EX_OSERR).
+const EXIT_OS_ERROR: u8 = 71;
+
+/// Loads the controller's state directory (CA and keys), mapping its failures to the documented
+/// exit codes: 66 unreadable, 77 owner or mode refused.
+fn load_authority(state_dir: &std::path::Path) -> Result<authority::Authority, Failure> {
+    authority::Authority::load(state_dir).map_err(|error| {
+        let code = match &error {
+            authority::AuthorityError::File(file) => file_failure_code(file),
+            _ => 66,
+        };
+        Failure::Coded(code, format!("controller state directory refused: {error}"))
+    })
+}
+
 /// Loads the controller configuration, mapping its failures to the documented exit codes.
 fn load_config(
     config: &std::path::Path,
@@ -363,8 +378,14 @@ fn run_plan(args: &RunPlanArgs, now: OffsetDateTime) -> Result<(), Failure> {
     use std::sync::Arc;
     let config = load_config(&args.config)?;
     let plan = load_plan(&args.plan, &config, now)?;
-    let secrets = runner::Secrets::load(&plan).map_err(|e| Failure::Coded(66, e))?;
-    let authority = authority::Authority::load(&config.state_dir).map_err(local)?;
+    let secrets = runner::Secrets::load(&plan).map_err(|error| {
+        let code = match &error {
+            runner::SecretError::File(file) => file_failure_code(file),
+            runner::SecretError::Invalid(_) => 66,
+        };
+        Failure::Coded(code, error.to_string())
+    })?;
+    let authority = load_authority(&config.state_dir)?;
     let mode = if args.json {
         runner::ProgressMode::Json
     } else if std::io::stderr().is_terminal() && std::io::stdout().is_terminal() {
@@ -376,19 +397,34 @@ fn run_plan(args: &RunPlanArgs, now: OffsetDateTime) -> Result<(), Failure> {
         .worker_threads(2)
         .enable_all()
         .build()
-        .map_err(local)?;
+        .map_err(|e| Failure::Coded(EXIT_OS_ERROR, format!("cannot start the runtime: {e}")))?;
     let summaries = runtime.block_on(async {
         let (interrupt, interrupts) = tokio::sync::watch::channel(0u8);
         let progress = Arc::new(runner::Progress::new(mode));
         let signals = progress.clone();
         tokio::spawn(async move {
+            use tokio::signal::unix::{SignalKind, signal};
+            // SIGTERM (a timer or `timeout` stopping the job) and SIGHUP (the operator's
+            // session gone) count as Ctrl-C: the run stops and cleans up rather than dying.
+            let (Ok(mut term), Ok(mut hup), Ok(mut int)) = (
+                signal(SignalKind::terminate()),
+                signal(SignalKind::hangup()),
+                signal(SignalKind::interrupt()),
+            ) else {
+                return;
+            };
             let mut count = 0u8;
-            while tokio::signal::ctrl_c().await.is_ok() {
+            loop {
+                tokio::select! {
+                    _ = int.recv() => {}
+                    _ = term.recv() => {}
+                    _ = hup.recv() => {}
+                }
                 count = count.saturating_add(1);
-                signals.println(if count == 1 {
-                    "certistack-ctl: interrupted: stopping after the current step, then cleaning up (Ctrl-C again to abandon the step in progress)"
-                } else {
-                    "certistack-ctl: interrupted again: abandoning the step in progress; cleanup still runs"
+                signals.println(match count {
+                    1 => "certistack-ctl: interrupted: stopping after the current step, then cleaning up (interrupt again to abandon the step in progress)",
+                    2 => "certistack-ctl: interrupted again: abandoning the step in progress; cleanup still runs (a third interrupt abandons the cleanup)",
+                    _ => "certistack-ctl: interrupted a third time: abandoning the cleanup; the summary names the `certistack-ctl cleanup NODE RUN` to run",
                 });
                 let _ = interrupt.send(count);
             }
@@ -409,14 +445,16 @@ fn run_plan(args: &RunPlanArgs, now: OffsetDateTime) -> Result<(), Failure> {
         )
         .await
     });
+    // Written without panicking on a closed pipe (`run ... | head`): the exit code still says
+    // how the run went.
     if args.json {
         for summary in &summaries {
             if let Ok(line) = serde_json::to_string(&serde_json::json!({ "summary": summary })) {
-                println!("{line}");
+                runner::write_line(&line);
             }
         }
     } else {
-        print!("{}", runner::summary_table(&summaries));
+        runner::write_line(runner::summary_table(&summaries).trim_end());
     }
     match runner::exit_code(&summaries) {
         0 => Ok(()),
@@ -442,7 +480,7 @@ fn nodes_audit(config: &std::path::Path, json: bool, now: OffsetDateTime) -> Res
         };
         Failure::Coded(code, format!("controller configuration refused: {error}"))
     })?;
-    let authority = authority::Authority::load(&config.state_dir).map_err(local)?;
+    let authority = load_authority(&config.state_dir)?;
     let identity = authority.issue_operator("audit", now).map_err(local)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
