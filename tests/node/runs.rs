@@ -108,6 +108,8 @@ struct Fleet {
     nodes: Vec<SimNode>,
     guests: Vec<String>,
     services: Vec<Child>,
+    /// Everything the controller printed in this test, to look for secrets in.
+    outputs: std::sync::Mutex<String>,
 }
 
 impl Fleet {
@@ -123,19 +125,28 @@ impl Fleet {
             nodes: Vec::new(),
             guests: Vec::new(),
             services: Vec::new(),
+            outputs: std::sync::Mutex::new(String::new()),
         };
         for index in 1..=count {
-            fleet.add_node(index, agent_answers);
+            fleet.add_node(index, agent_answers, true);
         }
         fleet
     }
 
-    fn add_node(&mut self, index: u8, agent_answers: bool) {
-        let name = format!("pve{index}");
-        let vmid = 9100 + u32::from(index);
+    /// Adds node `pve<index>`; with `service`, a guest service behind its VNet.
+    fn add_node(&mut self, index: u8, agent_answers: bool, service: bool) {
         let vnet = format!("csv{index}");
         run_ip(&["link", "add", &vnet, "type", "bridge"]);
         run_ip(&["link", "set", &vnet, "up"]);
+        if service {
+            self.add_service(index);
+        }
+        self.add_daemon(index, agent_answers);
+    }
+
+    fn add_service(&mut self, index: u8) {
+        let vmid = 9100 + u32::from(index);
+        let vnet = format!("csv{index}");
         // The guest service sits behind `tap<vmid>i1`, a port the connector admits as the
         // sandbox VM's second NIC; QEMU brings `tap<vmid>i0`.
         let guest = format!(
@@ -178,7 +189,10 @@ impl Fleet {
                 .spawn()
                 .unwrap(),
         );
+    }
 
+    fn add_daemon(&mut self, index: u8, agent_answers: bool) {
+        let name = format!("pve{index}");
         let lab = Lab::new(&format!("run{index}"));
         let mut settings = serde_json::json!({ "node": name });
         if agent_answers {
@@ -246,6 +260,17 @@ impl Fleet {
 
     /// A plan with one validation per `(name, node index, vmid)`.
     fn plan(&self, file: &str, validations: &[(&str, u8, u32)], agent_seconds: u32) -> PathBuf {
+        self.plan_with(file, validations, agent_seconds, true)
+    }
+
+    /// A plan; without `probes`, the guest agent alone shows the guest booted.
+    fn plan_with(
+        &self,
+        file: &str,
+        validations: &[(&str, u8, u32)],
+        agent_seconds: u32,
+        probes: bool,
+    ) -> PathBuf {
         let secret = self.dir.0.join("pbs-password");
         std::fs::write(&secret, format!("{PBS_PASSWORD}\n")).unwrap();
         std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o600))
@@ -256,7 +281,15 @@ impl Fleet {
         );
         for (name, index, vmid) in validations {
             text.push_str(&format!(
-                "  - name: {name}\n    node: pve{index}\n    source_vmid: 100\n    snapshot: \"2026-11-01T02:00:00Z\"\n    archives: [{ARCHIVE}]\n    sandbox:\n      - vmid: {vmid}\n        cores: 1\n        memory_mib: 256\n    network:\n      lifecycle: preprovisioned\n      vnet: csv{index}\n      probe_source: 10.77.{index}.2/24\n    probes:\n      - kind: tcp\n        address: 10.77.{index}.10\n        port: 22\n        expect:\n          banner_prefix: \"SSH-2.0-CertiStack-{index}\"\n    timeouts:\n      run_seconds: 600\n      guest_agent_seconds: {agent_seconds}\n"
+                "  - name: {name}\n    node: pve{index}\n    source_vmid: 100\n    snapshot: \"2026-11-01T02:00:00Z\"\n    archives: [{ARCHIVE}]\n    sandbox:\n      - vmid: {vmid}\n        cores: 1\n        memory_mib: 256\n    network:\n      lifecycle: preprovisioned\n      vnet: csv{index}\n      probe_source: 10.77.{index}.2/24\n"
+            ));
+            if probes {
+                text.push_str(&format!(
+                    "    probes:\n      - kind: tcp\n        address: 10.77.{index}.10\n        port: 22\n        expect:\n          banner_prefix: \"SSH-2.0-CertiStack-{index}\"\n"
+                ));
+            }
+            text.push_str(&format!(
+                "    timeouts:\n      run_seconds: 600\n      guest_agent_seconds: {agent_seconds}\n"
             ));
         }
         let path = self.dir.0.join(file);
@@ -294,7 +327,12 @@ impl Fleet {
             .await
             .unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout);
-        eprintln!("{}", String::from_utf8_lossy(&out.stderr));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        eprintln!("{stderr}");
+        if let Ok(mut outputs) = self.outputs.lock() {
+            outputs.push_str(&stdout);
+            outputs.push_str(&stderr);
+        }
         let (summaries, events) = split_output(&stdout);
         (out.status.code().unwrap_or(-1), events, summaries)
     }
@@ -603,6 +641,72 @@ fn a_plan_runs_on_several_nodes_at_once_and_a_failing_node_fails_only_its_valida
             );
         }
         assert!(run_tables().is_empty(), "{:?}", run_tables());
+
+        // Two validations on one node sharing its VNet and the snapshot's archive: the node
+        // would refuse the second while the first holds them, so they run one after the other
+        // (and both pass) even with room for two at once.
+        fleet.add_node(5, true, false);
+        let config = fleet.controller_config(&[("pve5", 17445)]);
+        let shared = fleet.plan_with(
+            "shared.yaml",
+            &[("db1", 5, 9151), ("db2", 5, 9152)],
+            60,
+            false,
+        );
+        let (code, events, summaries) = fleet.run(&shared, &config).await;
+        assert_eq!(code, 0, "{summaries:?}");
+        for name in ["db1", "db2"] {
+            let s = summary(&summaries, name);
+            assert_eq!(s["outcome"], "passed", "{s}");
+            fleet.report(s);
+        }
+        let at = |validation: &str, step: &str, state: &str| {
+            events
+                .iter()
+                .position(|e| {
+                    e["validation"] == validation && e["step"] == step && e["state"] == state
+                })
+                .unwrap_or_else(|| panic!("no {step} {state} for {validation}"))
+        };
+        let (first, second) = if at("db1", "begin", "started") < at("db2", "begin", "started") {
+            ("db1", "db2")
+        } else {
+            ("db2", "db1")
+        };
+        assert!(
+            at(first, "end", "ok") < at(second, "begin", "started"),
+            "{second} began before {first} ended"
+        );
+        assert!(fleet.node("pve5").residue().is_empty());
+
+        // The PBS secret went only into MapBackup: not on any output, report or log.
+        let mut places = vec![fleet.reports_dir()];
+        places.extend(fleet.nodes.iter().map(|n| n.log.clone()));
+        let mut found = Vec::new();
+        for place in &places {
+            let files: Vec<PathBuf> = if place.is_dir() {
+                std::fs::read_dir(place)
+                    .unwrap()
+                    .map(|e| e.unwrap().path())
+                    .collect()
+            } else {
+                vec![place.clone()]
+            };
+            for file in files {
+                let bytes = std::fs::read(&file).unwrap();
+                if bytes
+                    .windows(PBS_PASSWORD.len())
+                    .any(|w| w == PBS_PASSWORD.as_bytes())
+                {
+                    found.push(file);
+                }
+            }
+        }
+        assert!(found.is_empty(), "the PBS secret was written to {found:?}");
+        assert!(
+            !fleet.outputs.lock().unwrap().contains(PBS_PASSWORD),
+            "the PBS secret reached the controller's output"
+        );
     });
 }
 
@@ -732,6 +836,74 @@ fn a_connector_killed_mid_run_is_reconnected_and_cleaned_up() {
             .any(|r| r.resource == "vm:9101" && r.end_state.contains("destroyed"));
         assert!(vm_destroyed, "{:?}", p.cleanup.receipts);
         assert_eq!(p.journal.records.last().unwrap().operation, "run.end");
+        assert!(
+            fleet.nodes[0].residue().is_empty(),
+            "{:?}",
+            fleet.nodes[0].residue()
+        );
+        assert!(run_tables().is_empty(), "{:?}", run_tables());
+    });
+}
+
+/// A node that stops answering (SIGSTOP) while the controller waits on it: the second interrupt
+/// abandons the step in progress, the third the cleanup; the run ends at once, says cleanup is
+/// unproven and names the command that finishes it, which then leaves nothing behind.
+#[test]
+fn interrupts_abandon_a_node_that_stopped_answering_and_say_what_to_run() {
+    if !privileged(
+        "interrupts_abandon_a_node_that_stopped_answering_and_say_what_to_run",
+        RUN_TOOLS,
+    ) {
+        return;
+    }
+    let netns = Netns::new("stop", &[]);
+    inside(&netns.name, || async {
+        let fleet = Fleet::new("ctl-sigstop", 1, false);
+        let config = fleet.controller_config(&[("pve1", 17441)]);
+        let plan = fleet.plan("wait.yaml", &[("web1", 1, 9101)], 300);
+        let (child, mut lines) = start_ctl(&mut fleet.ctl(&plan, &config));
+        wait_for_step(&mut lines, "guest agent 9101");
+        let daemon = rustix::process::Pid::from_child(fleet.nodes[0].daemon.as_ref().unwrap());
+        rustix::process::kill_process(daemon, rustix::process::Signal::STOP).unwrap();
+        let started = std::time::Instant::now();
+        let ctl = rustix::process::Pid::from_child(&child);
+        for _ in 0..3 {
+            std::thread::sleep(std::time::Duration::from_millis(700));
+            rustix::process::kill_process(ctl, rustix::process::Signal::INT).unwrap();
+        }
+        let (code, summaries) = finish(child, lines);
+        let waited = started.elapsed();
+        rustix::process::kill_process(daemon, rustix::process::Signal::CONT).unwrap();
+        assert!(
+            waited < std::time::Duration::from_secs(20),
+            "the interrupts did not end the waits ({waited:?})"
+        );
+        assert_eq!(code, 2);
+        let s = summary(&summaries, "web1");
+        assert_eq!(s["outcome"], "error", "{s}");
+        assert_eq!(s["cleanup"], "unproven", "{s}");
+        let run_id = s["run_id"].as_str().unwrap().to_owned();
+        let reasons = s["reasons"].to_string();
+        assert!(
+            reasons.contains(&format!("certistack-ctl cleanup pve1 {run_id}")),
+            "{reasons}"
+        );
+        let statement = fleet.report(s);
+        assert!(!statement.predicate.cleanup.complete);
+        // What the summary says to do finishes the job.
+        let mut operator = certistack_controller::operator::connect(
+            &fleet.authority,
+            "127.0.0.1:17441",
+            "pve1",
+            "alice",
+            now(),
+        )
+        .await
+        .unwrap();
+        let reply = certistack_controller::operator::cleanup(&mut operator, &run_id)
+            .await
+            .unwrap();
+        certistack_controller::operator::cleanup_complete(&reply).unwrap();
         assert!(
             fleet.nodes[0].residue().is_empty(),
             "{:?}",
