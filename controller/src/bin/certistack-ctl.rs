@@ -10,8 +10,8 @@ use std::process::ExitCode;
 use time::OffsetDateTime;
 
 const EXIT_CODES: &str = "Exit codes: 0 success; 1 local failure (state directory, key, file); \
-64 usage error; 3 the node could not be reached or refused TLS or the call; \
-4 the node is not what was expected (node name or surface digest differs).";
+3 the node could not be reached or refused TLS or the call; 4 the node is not what was expected \
+(node name or surface digest differs); 64 usage error.";
 
 #[derive(Parser, Debug)]
 #[command(name = "certistack-ctl", version, about = "CertiStack controller", after_help = EXIT_CODES)]
