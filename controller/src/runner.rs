@@ -2008,4 +2008,92 @@ mod tests {
             "connects"
         );
     }
+
+    #[test]
+    fn only_a_refusal_means_begin_run_left_nothing_to_clean() {
+        for code in [
+            tonic::Code::InvalidArgument,
+            tonic::Code::PermissionDenied,
+            tonic::Code::FailedPrecondition,
+            tonic::Code::ResourceExhausted,
+        ] {
+            assert!(definitely_not_begun(&tonic::Status::new(code, "refused")));
+        }
+        // A reset stream, an internal error or a timeout may have left the run open.
+        for code in [
+            tonic::Code::Internal,
+            tonic::Code::Unavailable,
+            tonic::Code::Unknown,
+            tonic::Code::DeadlineExceeded,
+            tonic::Code::Cancelled,
+        ] {
+            assert!(!definitely_not_begun(&tonic::Status::new(code, "lost")));
+        }
+    }
+
+    fn grant() -> certistack_connector::grant::Grant {
+        let wire = pb::RunGrant {
+            version: 1,
+            run_id: "0f0e1c2d-3b4a-4c5d-8e6f-7a8b9c0d1e2f".into(),
+            node: "pve1".into(),
+            not_before_unix: 1_700_000_000,
+            deadline_unix: 1_700_003_600,
+            repository: Some(pb::PbsRepository {
+                server: "pbs.example.net".into(),
+                port: 8007,
+                datastore: "store1".into(),
+                namespace: String::new(),
+                auth_id: "certistack@pbs!restore".into(),
+                fingerprint: ["ab"; 32].join(":"),
+            }),
+            snapshot: "vm/100/2026-11-01T02:00:00Z".into(),
+            archives: vec!["drive-scsi0.img".into()],
+            sandbox_vms: vec![pb::SandboxVm {
+                vmid: 9100,
+                max_cores: 1,
+                max_memory_mib: 256,
+            }],
+            vnet: "csnet1".into(),
+            probe_source: "10.99.0.1/24".into(),
+            probe_targets: Vec::new(),
+            qga_assertions: Vec::new(),
+        };
+        let key = ed25519_dalek::SigningKey::from_bytes(&[7; 32]);
+        let signed = crate::run::sign_grant(&key, &wire);
+        certistack_connector::grant::verify(&signed, &key.verifying_key()).unwrap()
+    }
+
+    #[test]
+    fn isolation_evidence_that_contradicts_the_grant_is_refused() {
+        let good = report::Isolation {
+            bridge_ports: vec!["tap9100i0".into(), "tap9100i1".into()],
+            bridge_addresses: vec!["fe80::1/64".into(), "10.99.0.1/24".into()],
+            forwarding: BTreeMap::from([("net.ipv4.conf.csnet1.forwarding".into(), "0".into())]),
+            ruleset: String::new(),
+            ruleset_digest: String::new(),
+        };
+        let grant = grant();
+        check_isolation(&good, &grant).unwrap();
+        let refused = |change: &dyn Fn(&mut report::Isolation), needle: &str| {
+            let mut isolation = good.clone();
+            change(&mut isolation);
+            let error = check_isolation(&isolation, &grant).unwrap_err();
+            assert!(error.contains(needle), "{error}");
+        };
+        refused(&|i| i.bridge_ports.push("eno1".into()), "eno1");
+        refused(&|i| i.bridge_ports.push("tap9200i0".into()), "tap9200i0");
+        refused(&|i| i.bridge_ports.push("tap9100i".into()), "tap9100i");
+        refused(
+            &|i| i.bridge_addresses.push("10.99.0.254/24".into()),
+            "10.99.0.254",
+        );
+        refused(
+            &|i| {
+                i.forwarding
+                    .insert("net.ipv4.conf.csnet1.forwarding".into(), "1".into());
+            },
+            "is 1, not 0",
+        );
+        refused(&|i| i.forwarding.clear(), "no forwarding sysctl");
+    }
 }

@@ -912,3 +912,60 @@ fn interrupts_abandon_a_node_that_stopped_answering_and_say_what_to_run() {
         assert!(run_tables().is_empty(), "{:?}", run_tables());
     });
 }
+
+/// The deadline passing during a step: the validation stops there and cleans up with the time
+/// the plan keeps for it; when the node is still busy at the deadline (the run certificate is
+/// then void), Cleanup is asked as an operator. Both leave nothing behind.
+#[test]
+fn a_deadline_during_a_step_ends_the_validation_and_cleanup_still_completes() {
+    if !privileged(
+        "a_deadline_during_a_step_ends_the_validation_and_cleanup_still_completes",
+        RUN_TOOLS,
+    ) {
+        return;
+    }
+    let netns = Netns::new("dead", &[]);
+    inside(&netns.name, || async {
+        let fleet = Fleet::new("ctl-deadline", 2, false);
+        // 40 s runs keep 30 s for cleanup: the steps stop at 10 s. `qm start` takes 15 s on
+        // pve1 (cleanup waits for it, then succeeds as the run) and 45 s on pve2 (still busy
+        // at the deadline: cleanup as an operator).
+        fleet.nodes[0]
+            .lab
+            .settings(serde_json::json!({ "delays": { "start": 15.0 } }));
+        fleet.nodes[1]
+            .lab
+            .settings(serde_json::json!({ "delays": { "start": 45.0 } }));
+        let config = fleet.controller_config(&[("pve1", 17441), ("pve2", 17442)]);
+        let plan = fleet.plan("short.yaml", &[("web1", 1, 9101), ("web2", 2, 9102)], 5);
+        let text = std::fs::read_to_string(&plan)
+            .unwrap()
+            .replace("run_seconds: 600", "run_seconds: 40");
+        std::fs::write(&plan, text).unwrap();
+        let (code, _, summaries) = fleet.run(&plan, &config).await;
+        assert_eq!(code, 2, "{summaries:?}");
+        for name in ["web1", "web2"] {
+            let s = summary(&summaries, name);
+            assert_eq!(s["outcome"], "error", "{s}");
+            assert_eq!(s["cleanup"], "complete", "{s}");
+            let reasons = s["reasons"].to_string();
+            assert!(reasons.contains("deadline passed"), "{reasons}");
+            let statement = fleet.report(s);
+            assert!(statement.predicate.cleanup.complete);
+        }
+        let late = summary(&summaries, "web2")["reasons"].to_string();
+        assert!(
+            late.contains("cleaned up as an operator after the deadline"),
+            "{late}"
+        );
+        for node in &fleet.nodes {
+            assert!(
+                node.residue().is_empty(),
+                "{}: {:?}",
+                node.name,
+                node.residue()
+            );
+        }
+        assert!(run_tables().is_empty(), "{:?}", run_tables());
+    });
+}
