@@ -1287,6 +1287,7 @@ mod drifted {
         probe(pb::ProbeRequest) -> pb::ProbeReply;
         list_runs(pb::ListRunsRequest) -> pb::ListRunsReply;
         cleanup(pb::CleanupRequest) -> pb::CleanupReply;
+        node_checks(pb::NodeChecksRequest) -> pb::NodeChecksReply;
     }
 }
 
@@ -4666,23 +4667,82 @@ mod operator_commands {
         );
     }
 
-    /// A quarantined run as the node lists it (no deadline, one resource `unknown: REASON`).
+    /// A run whose journal no longer verifies is set aside at start-up; ListRuns names it
+    /// quarantined with the reason, and `certistack-ctl runs` and the fleet audit say so.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_quarantined_run_is_listed_as_such_with_its_reason() {
+        let dir = TempDir::new("ctl-quarantine");
+        let authority = controller(&dir.0);
+        let node = TestNode::start(&authority, &dir.0.join("node"), NODE).await;
+        begin_run(&authority, &node, false).await;
+        let mut node = node;
+        node.stop().await;
+        let journal = node
+            .config
+            .paths
+            .state_dir
+            .join("runs")
+            .join(RUN_ID)
+            .join(certistack_connector::journal::FILE_NAME);
+        let text = std::fs::read_to_string(&journal).unwrap();
+        // Record 1 altered, with a record after it: a broken chain, not a torn last record.
+        let altered = text.replacen("grant_sha256", "grant_sha257", 1);
+        std::fs::write(&journal, format!("{altered}{text}")).unwrap();
+        let node = node.restart().await;
+
+        let mut connection = operator(&authority, &node).await;
+        let runs = operator::list_runs(&mut connection).await.unwrap();
+        assert_eq!(runs.len(), 1, "{runs:?}");
+        assert_eq!(runs[0].state, pb::RunState::Quarantined as i32);
+        assert!(
+            runs[0].quarantine_reason.contains("record 1 is invalid"),
+            "{runs:?}"
+        );
+        assert!(runs[0].open_resources.is_empty(), "{runs:?}");
+        assert_eq!(
+            operator::describe_run(&runs[0]),
+            format!("{RUN_ID} quarantined: {}", runs[0].quarantine_reason)
+        );
+
+        let (code, out, err) = ctl(node_args("runs", &dir, &node)).await;
+        assert_eq!(code, 0, "{out}{err}");
+        assert!(
+            out.contains(&format!("{RUN_ID} quarantined: ")) && out.contains("record 1 is invalid"),
+            "{out}"
+        );
+
+        let port = node.address.rsplit_once(':').unwrap().1;
+        let config = certistack_controller::config::ControllerConfig::parse(
+            std::path::Path::new("controller.toml"),
+            &format!(
+                "state_dir = \"/s\"\nreports_dir = \"/r\"\n[[nodes]]\nname = \"{NODE}\"\naddress = \"127.0.0.1\"\nport = {port}\n"
+            ),
+        )
+        .unwrap();
+        let inventory = config.nodes.values().next().unwrap();
+        let identity = authority.issue_operator("audit", now()).unwrap();
+        let row = certistack_controller::audit::audit_node(
+            inventory,
+            authority.ca_pem(),
+            &identity,
+            std::time::Duration::from_secs(10),
+        )
+        .await;
+        let answer = row.answer.as_ref().unwrap();
+        assert_eq!(
+            (answer.open_runs, answer.quarantined_runs),
+            (Some(0), Some(1))
+        );
+    }
+
     #[test]
-    fn a_quarantined_run_is_listed_with_its_reason() {
-        let quarantined = pb::RunSummary {
+    fn an_open_run_is_described_with_its_deadline_and_resources() {
+        let open = pb::RunSummary {
             run_id: RUN_ID.into(),
             state: pb::RunState::Open as i32,
-            deadline_unix: 0,
-            open_resources: vec!["unknown: record 1 is invalid".into()],
-        };
-        assert_eq!(
-            operator::describe_run(&quarantined),
-            format!("{RUN_ID} quarantined: record 1 is invalid")
-        );
-        let open = pb::RunSummary {
             deadline_unix: 1_796_084_905,
             open_resources: vec!["backup:drive-scsi0.img".into(), "overlay:9100".into()],
-            ..quarantined
+            quarantine_reason: String::new(),
         };
         assert_eq!(
             operator::describe_run(&open),

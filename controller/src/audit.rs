@@ -265,22 +265,21 @@ fn answer(
     runs: Result<Vec<pb::RunSummary>, String>,
     certificate: Result<i64, String>,
 ) -> NodeAnswer {
-    // The connector lists a quarantined run as open with no deadline and its reason as an
-    // "unknown: …" resource, since the grant that would give the deadline could not be read.
-    let quarantined =
-        |run: &pb::RunSummary| run.deadline_unix == 0 && run.state == pb::RunState::Open as i32;
+    let state = |run: &pb::RunSummary| pb::RunState::try_from(run.state).ok();
     let (open_runs, quarantined_runs, runs_error) = match runs {
         Ok(runs) => (
             Some(
                 runs.iter()
                     .filter(|run| {
-                        !quarantined(run)
-                            && (run.state == pb::RunState::Open as i32
-                                || run.state == pb::RunState::Expired as i32)
+                        matches!(state(run), Some(pb::RunState::Open | pb::RunState::Expired))
                     })
                     .count(),
             ),
-            Some(runs.iter().filter(|run| quarantined(run)).count()),
+            Some(
+                runs.iter()
+                    .filter(|run| state(run) == Some(pb::RunState::Quarantined))
+                    .count(),
+            ),
             None,
         ),
         Err(error) => (None, None, Some(error)),
