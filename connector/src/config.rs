@@ -416,7 +416,7 @@ impl Config {
         limit(
             "limits.max_screendump_bytes",
             l.max_screendump_bytes,
-            64 * 1024,
+            1024,
             MAX_SCREENDUMP_BYTES,
         )?;
         Ok(())

@@ -11,4 +11,5 @@ pub mod operator;
 pub mod plan;
 pub mod report;
 pub mod run;
+pub mod screenshot;
 pub mod surface;
