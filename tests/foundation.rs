@@ -4581,7 +4581,63 @@ mod operator_commands {
         let mut args = node_args("runs", &dir, &node);
         args[6] = "pve9".into();
         let (code, _, err) = ctl(args).await;
-        assert_eq!(code, 4, "{err}");
+        assert_eq!(code, 2, "{err}");
+    }
+
+    /// `runs NODE`, `journal NODE RUN` and `cleanup NODE RUN` with NODE from the inventory of
+    /// `--config`; a name not in it is a usage error naming the known ones, a node that does
+    /// not answer is an infrastructure failure.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn ctl_operator_commands_address_nodes_by_inventory_name() {
+        let (dir, _authority, node) = started("ctl-inventory").await;
+        let down = {
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            listener.local_addr().unwrap().to_string()
+        };
+        let mut text = format!(
+            "state_dir = {:?}\nreports_dir = {:?}\n",
+            dir.0.join("ctl"),
+            dir.0.join("reports")
+        );
+        for (name, address) in [(NODE, node.address.as_str()), ("pve3", down.as_str())] {
+            let (host, port) = address.rsplit_once(':').unwrap();
+            text.push_str(&format!(
+                "[[nodes]]\nname = {name:?}\naddress = {host:?}\nport = {port}\n"
+            ));
+        }
+        let config = dir.0.join("controller.toml");
+        std::fs::write(&config, text).unwrap();
+        let c = config.to_str().unwrap().to_owned();
+        let args = |words: &[&str]| {
+            let mut args: Vec<String> = words.iter().map(|w| (*w).to_owned()).collect();
+            args.extend(["--config".to_owned(), c.clone()]);
+            args
+        };
+
+        begin_run(&_authority, &node, false).await;
+        let (code, out, err) = ctl(args(&["runs", NODE])).await;
+        assert_eq!(code, 0, "{err}");
+        assert!(
+            out.starts_with(&format!("{RUN_ID} open deadline ")),
+            "{out}"
+        );
+        let (code, out, err) = ctl(args(&["journal", NODE, RUN_ID])).await;
+        assert_eq!(code, 0, "{err}");
+        assert!(out.contains("(1 records, chain verified here)"), "{out}");
+        let (code, out, err) = ctl(args(&["cleanup", NODE, RUN_ID])).await;
+        assert_eq!(code, 0, "{err}");
+        assert!(out.ends_with("complete: no residue\n"), "{out}");
+
+        let (code, _, err) = ctl(args(&["runs", "pve7"])).await;
+        assert_eq!(code, 64, "{err}");
+        assert!(
+            err.contains("node \"pve7\" is not in the inventory") && err.contains("pve1, pve3"),
+            "{err}"
+        );
+        let (code, _, err) = ctl(args(&["runs"])).await;
+        assert_eq!(code, 64, "{err}");
+        let (code, _, err) = ctl(args(&["journal", "pve3", RUN_ID])).await;
+        assert_eq!(code, 2, "{err}");
     }
 
     #[tokio::test(flavor = "multi_thread")]
