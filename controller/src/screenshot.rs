@@ -60,7 +60,12 @@ pub fn check_png(bytes: &[u8]) -> Result<(u32, u32), String> {
     let rest = bytes
         .strip_prefix(&PNG_SIGNATURE)
         .ok_or("it does not start with the PNG signature")?;
-    let (length, kind, data, crc, _) = chunk(rest).ok_or("the IHDR chunk is cut short")?;
+    let Chunk {
+        length,
+        kind,
+        data,
+        crc,
+    } = chunk(rest).ok_or("the IHDR chunk is cut short")?;
     if kind != *b"IHDR" || length != 13 {
         return Err("the first chunk is not a 13-byte IHDR".to_owned());
     }
@@ -86,14 +91,27 @@ pub fn check_png(bytes: &[u8]) -> Result<(u32, u32), String> {
     Ok((width, height))
 }
 
-/// One chunk at the start of `bytes`: length, type, data, CRC and what follows.
-fn chunk(bytes: &[u8]) -> Option<(u32, [u8; 4], &[u8], u32, &[u8])> {
+/// One PNG chunk as it lies in the file.
+struct Chunk<'a> {
+    length: u32,
+    kind: [u8; 4],
+    data: &'a [u8],
+    crc: u32,
+}
+
+/// The chunk at the start of `bytes`, when all of it is there.
+fn chunk(bytes: &[u8]) -> Option<Chunk<'_>> {
     let length = u32::from_be_bytes(bytes.get(..4)?.try_into().ok()?);
     let kind: [u8; 4] = bytes.get(4..8)?.try_into().ok()?;
     let end = 8usize.checked_add(usize::try_from(length).ok()?)?;
     let data = bytes.get(8..end)?;
     let crc = u32::from_be_bytes(bytes.get(end..end.checked_add(4)?)?.try_into().ok()?);
-    Some((length, kind, data, crc, bytes.get(end + 4..)?))
+    Some(Chunk {
+        length,
+        kind,
+        data,
+        crc,
+    })
 }
 
 /// The CRC-32 PNG chunks carry (ISO-HDLC, reflected polynomial 0xEDB88320).
