@@ -104,7 +104,7 @@ struct OperatorArgs {
 #[derive(clap::Args, Debug)]
 struct RunArgs {
     /// NODE RUN: the node's inventory name and the run id; RUN alone with --node.
-    #[arg(value_name = "NODE", num_args = 1..=2, required = true)]
+    #[arg(value_names = ["NODE", "RUN"], num_args = 1..=2, required = true)]
     positionals: Vec<String>,
     #[command(flatten)]
     target: NodeTarget,
