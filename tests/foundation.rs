@@ -4544,18 +4544,21 @@ mod operator_commands {
         ]
     }
 
-    /// A run begun on the node, and ended when `end` says so (two journal records then).
+    /// A run begun on the node, and ended when `end` says so (two journal records then); its
+    /// grant's deadline.
     async fn begin_run(
         authority: &certistack_controller::authority::Authority,
         node: &TestNode,
         end: bool,
-    ) {
-        let credentials = mint(authority, &grant(RUN_ID, NODE));
+    ) -> i64 {
+        let wire = grant(RUN_ID, NODE);
+        let credentials = mint(authority, &wire);
         let mut client = run_client(authority, node, &credentials).await;
         client.begin_run(begin_request(&credentials)).await.unwrap();
         if end {
             client.end_run(pb::EndRunRequest {}).await.unwrap();
         }
+        wire.deadline_unix
     }
 
     #[tokio::test(flavor = "multi_thread")]
@@ -4565,10 +4568,10 @@ mod operator_commands {
         assert_eq!(code, 0, "{err}");
         assert_eq!(out, "0 run(s)\n");
 
-        begin_run(&authority, &node, false).await;
+        let deadline = begin_run(&authority, &node, false).await;
         let (code, out, err) = ctl(node_args("runs", &dir, &node)).await;
         assert_eq!(code, 0, "{err}");
-        let deadline = time::OffsetDateTime::from_unix_timestamp(grant(RUN_ID, NODE).deadline_unix)
+        let deadline = time::OffsetDateTime::from_unix_timestamp(deadline)
             .unwrap()
             .format(&time::format_description::well_known::Rfc3339)
             .unwrap();
