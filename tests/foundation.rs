@@ -4469,18 +4469,21 @@ mod operator_commands {
         ]
     }
 
-    /// A run begun on the node, and ended when `end` says so (two journal records then).
+    /// A run begun on the node, and ended when `end` says so (two journal records then); its
+    /// grant's deadline.
     async fn begin_run(
         authority: &certistack_controller::authority::Authority,
         node: &TestNode,
         end: bool,
-    ) {
-        let credentials = mint(authority, &grant(RUN_ID, NODE));
+    ) -> i64 {
+        let wire = grant(RUN_ID, NODE);
+        let credentials = mint(authority, &wire);
         let mut client = run_client(authority, node, &credentials).await;
         client.begin_run(begin_request(&credentials)).await.unwrap();
         if end {
             client.end_run(pb::EndRunRequest {}).await.unwrap();
         }
+        wire.deadline_unix
     }
 
     #[tokio::test(flavor = "multi_thread")]
@@ -4490,10 +4493,10 @@ mod operator_commands {
         assert_eq!(code, 0, "{err}");
         assert_eq!(out, "0 run(s)\n");
 
-        begin_run(&authority, &node, false).await;
+        let deadline = begin_run(&authority, &node, false).await;
         let (code, out, err) = ctl(node_args("runs", &dir, &node)).await;
         assert_eq!(code, 0, "{err}");
-        let deadline = time::OffsetDateTime::from_unix_timestamp(grant(RUN_ID, NODE).deadline_unix)
+        let deadline = time::OffsetDateTime::from_unix_timestamp(deadline)
             .unwrap()
             .format(&time::format_description::well_known::Rfc3339)
             .unwrap();
@@ -4506,7 +4509,63 @@ mod operator_commands {
         let mut args = node_args("runs", &dir, &node);
         args[6] = "pve9".into();
         let (code, _, err) = ctl(args).await;
-        assert_eq!(code, 4, "{err}");
+        assert_eq!(code, 2, "{err}");
+    }
+
+    /// `runs NODE`, `journal NODE RUN` and `cleanup NODE RUN` with NODE from the inventory of
+    /// `--config`; a name not in it is a usage error naming the known ones, a node that does
+    /// not answer is an infrastructure failure.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn ctl_operator_commands_address_nodes_by_inventory_name() {
+        let (dir, _authority, node) = started("ctl-inventory").await;
+        let down = {
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            listener.local_addr().unwrap().to_string()
+        };
+        let mut text = format!(
+            "state_dir = {:?}\nreports_dir = {:?}\n",
+            dir.0.join("ctl"),
+            dir.0.join("reports")
+        );
+        for (name, address) in [(NODE, node.address.as_str()), ("pve3", down.as_str())] {
+            let (host, port) = address.rsplit_once(':').unwrap();
+            text.push_str(&format!(
+                "[[nodes]]\nname = {name:?}\naddress = {host:?}\nport = {port}\n"
+            ));
+        }
+        let config = dir.0.join("controller.toml");
+        std::fs::write(&config, text).unwrap();
+        let c = config.to_str().unwrap().to_owned();
+        let args = |words: &[&str]| {
+            let mut args: Vec<String> = words.iter().map(|w| (*w).to_owned()).collect();
+            args.extend(["--config".to_owned(), c.clone()]);
+            args
+        };
+
+        begin_run(&_authority, &node, false).await;
+        let (code, out, err) = ctl(args(&["runs", NODE])).await;
+        assert_eq!(code, 0, "{err}");
+        assert!(
+            out.starts_with(&format!("{RUN_ID} open deadline ")),
+            "{out}"
+        );
+        let (code, out, err) = ctl(args(&["journal", NODE, RUN_ID])).await;
+        assert_eq!(code, 0, "{err}");
+        assert!(out.contains("(1 records, chain verified here)"), "{out}");
+        let (code, out, err) = ctl(args(&["cleanup", NODE, RUN_ID])).await;
+        assert_eq!(code, 0, "{err}");
+        assert!(out.ends_with("complete: no residue\n"), "{out}");
+
+        let (code, _, err) = ctl(args(&["runs", "pve7"])).await;
+        assert_eq!(code, 64, "{err}");
+        assert!(
+            err.contains("node \"pve7\" is not in the inventory") && err.contains("pve1, pve3"),
+            "{err}"
+        );
+        let (code, _, err) = ctl(args(&["runs"])).await;
+        assert_eq!(code, 64, "{err}");
+        let (code, _, err) = ctl(args(&["journal", "pve3", RUN_ID])).await;
+        assert_eq!(code, 2, "{err}");
     }
 
     #[tokio::test(flavor = "multi_thread")]
@@ -4592,23 +4651,82 @@ mod operator_commands {
         );
     }
 
-    /// A quarantined run as the node lists it (no deadline, one resource `unknown: REASON`).
+    /// A run whose journal no longer verifies is set aside at start-up; ListRuns names it
+    /// quarantined with the reason, and `certistack-ctl runs` and the fleet audit say so.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_quarantined_run_is_listed_as_such_with_its_reason() {
+        let dir = TempDir::new("ctl-quarantine");
+        let authority = controller(&dir.0);
+        let node = TestNode::start(&authority, &dir.0.join("node"), NODE).await;
+        begin_run(&authority, &node, false).await;
+        let mut node = node;
+        node.stop().await;
+        let journal = node
+            .config
+            .paths
+            .state_dir
+            .join("runs")
+            .join(RUN_ID)
+            .join(certistack_connector::journal::FILE_NAME);
+        let text = std::fs::read_to_string(&journal).unwrap();
+        // Record 1 altered, with a record after it: a broken chain, not a torn last record.
+        let altered = text.replacen("grant_sha256", "grant_sha257", 1);
+        std::fs::write(&journal, format!("{altered}{text}")).unwrap();
+        let node = node.restart().await;
+
+        let mut connection = operator(&authority, &node).await;
+        let runs = operator::list_runs(&mut connection).await.unwrap();
+        assert_eq!(runs.len(), 1, "{runs:?}");
+        assert_eq!(runs[0].state, pb::RunState::Quarantined as i32);
+        assert!(
+            runs[0].quarantine_reason.contains("record 1 is invalid"),
+            "{runs:?}"
+        );
+        assert!(runs[0].open_resources.is_empty(), "{runs:?}");
+        assert_eq!(
+            operator::describe_run(&runs[0]),
+            format!("{RUN_ID} quarantined: {}", runs[0].quarantine_reason)
+        );
+
+        let (code, out, err) = ctl(node_args("runs", &dir, &node)).await;
+        assert_eq!(code, 0, "{out}{err}");
+        assert!(
+            out.contains(&format!("{RUN_ID} quarantined: ")) && out.contains("record 1 is invalid"),
+            "{out}"
+        );
+
+        let port = node.address.rsplit_once(':').unwrap().1;
+        let config = certistack_controller::config::ControllerConfig::parse(
+            std::path::Path::new("controller.toml"),
+            &format!(
+                "state_dir = \"/s\"\nreports_dir = \"/r\"\n[[nodes]]\nname = \"{NODE}\"\naddress = \"127.0.0.1\"\nport = {port}\n"
+            ),
+        )
+        .unwrap();
+        let inventory = config.nodes.values().next().unwrap();
+        let identity = authority.issue_operator("audit", now()).unwrap();
+        let row = certistack_controller::audit::audit_node(
+            inventory,
+            authority.ca_pem(),
+            &identity,
+            std::time::Duration::from_secs(10),
+        )
+        .await;
+        let answer = row.answer.as_ref().unwrap();
+        assert_eq!(
+            (answer.open_runs, answer.quarantined_runs),
+            (Some(0), Some(1))
+        );
+    }
+
     #[test]
-    fn a_quarantined_run_is_listed_with_its_reason() {
-        let quarantined = pb::RunSummary {
+    fn an_open_run_is_described_with_its_deadline_and_resources() {
+        let open = pb::RunSummary {
             run_id: RUN_ID.into(),
             state: pb::RunState::Open as i32,
-            deadline_unix: 0,
-            open_resources: vec!["unknown: record 1 is invalid".into()],
-        };
-        assert_eq!(
-            operator::describe_run(&quarantined),
-            format!("{RUN_ID} quarantined: record 1 is invalid")
-        );
-        let open = pb::RunSummary {
             deadline_unix: 1_796_084_905,
             open_resources: vec!["backup:drive-scsi0.img".into(), "overlay:9100".into()],
-            ..quarantined
+            quarantine_reason: String::new(),
         };
         assert_eq!(
             operator::describe_run(&open),
@@ -4883,4 +5001,176 @@ async fn ctl_nodes_audit_prints_the_table_or_json_and_exits_2_then_0() {
     let (code, table, err) = audit(matching, false).await;
     assert_eq!(code, 0, "{table}{err}");
     assert_eq!(table.lines().count(), 3, "{table}");
+}
+
+/// `certistack-ctl doctor` against a node whose NodeChecks reads a dpkg status fixture, the
+/// proxmox-backup-client double (4.x), this machine's real qemu-img and ip, a missing nft and
+/// an overlay root on the same filesystem as its cluster directory; plus a node that is down.
+#[tokio::test(flavor = "multi_thread")]
+async fn doctor_judges_what_node_checks_reports_and_exits_by_the_worst() {
+    use certistack_controller::doctor::{self, Level};
+    let dir = TempDir::new("doctor");
+    let authority = controller(&dir.0);
+    let lab = Lab::new("doctor-lab");
+    let node_dir = dir.0.join("pve1");
+    let mut config = enroll(&authority, &node_dir, NODE);
+    let dpkg = node_dir.join("dpkg-status");
+    std::fs::write(
+        &dpkg,
+        "Package: pve-manager\nStatus: install ok installed\nVersion: 9.0.6\n\n\
+         Package: qemu-server\nStatus: install ok installed\nVersion: 9.0.18\n",
+    )
+    .unwrap();
+    config.pve.dpkg_status = dpkg;
+    config.pve.pve_cluster_dir = node_dir.join("pve-cluster");
+    std::fs::create_dir_all(&config.pve.pve_cluster_dir).unwrap();
+    std::fs::create_dir_all(&config.paths.overlay_root).unwrap();
+    config.tools.proxmox_backup_client = lab.root.join("bin/proxmox-backup-client");
+    config.tools.nft = node_dir.join("no-nft-here");
+    let node = TestNode::serve(
+        node_dir.clone(),
+        config,
+        std::sync::Arc::new(RecordingExecutor::default()),
+        std::sync::Arc::new(certistack_connector::service::SystemClock),
+    )
+    .await;
+    let down = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap().to_string()
+    };
+    let inventory = inventory(&dir.0, &[(NODE, &node.address), ("pve3", &down)]);
+    let identity = authority.issue_operator("doctor", now()).unwrap();
+
+    // The library call `run` makes before a validation on a node.
+    let checks = doctor::check_node(
+        inventory.nodes.values().next().unwrap(),
+        authority.ca_pem(),
+        &identity,
+        std::time::Duration::from_secs(20),
+    )
+    .await;
+    let level = |name: &str| {
+        checks
+            .iter()
+            .find(|c| c.check == name)
+            .unwrap_or_else(|| panic!("{name} missing from {checks:#?}"))
+    };
+    assert_eq!(level("connect").level, Level::Ok);
+    assert_eq!(level("surface").level, Level::Ok);
+    assert_eq!(level("pve").level, Level::Ok, "{checks:#?}");
+    assert_eq!(level("pve").detail, "Proxmox VE 9.0.6");
+    assert_eq!(level("qemu-server").detail, "qemu-server 9.0.18");
+    assert_eq!(level("pbs-client").level, Level::Ok, "{checks:#?}");
+    assert_eq!(level("pbs-client").detail, "proxmox-backup-client 4.0.14");
+    // This machine's qemu-img, run by the connector: judged by its real version.
+    let real = std::process::Command::new("/usr/bin/qemu-img")
+        .arg("--version")
+        .output()
+        .unwrap();
+    let real = String::from_utf8_lossy(&real.stdout);
+    let real = real.split_whitespace().nth(2).unwrap();
+    let (major, _) = doctor::major_minor(real).unwrap();
+    assert!(
+        level("qemu-img")
+            .detail
+            .starts_with(&format!("qemu-img {real}"))
+    );
+    assert_eq!(
+        level("qemu-img").level,
+        if major >= 8 { Level::Ok } else { Level::Fail },
+        "{checks:#?}"
+    );
+    assert_eq!(level("ip").level, Level::Ok, "{checks:#?}");
+    assert_eq!(level("nft").level, Level::Fail);
+    assert!(
+        level("nft").detail.contains("no-nft-here") && level("nft").detail.contains("nftables"),
+        "{checks:#?}"
+    );
+    assert_eq!(level("overlay-disk").level, Level::Warn, "{checks:#?}");
+    assert!(matches!(
+        level("overlay-space").level,
+        Level::Ok | Level::Warn
+    ));
+    assert_eq!(level("clock").level, Level::Ok);
+    assert!(!doctor::passes(&checks));
+    // The double answered `version` with a cleared environment: no repository, no secret.
+    let call = lab
+        .calls()
+        .into_iter()
+        .find(|c| c["command"] == "version")
+        .unwrap();
+    assert_eq!(call["argv"], serde_json::json!(["version"]));
+
+    // The CLI: one line per check, exit 1 on a failure, 2 with a node down.
+    let config_path = dir.0.join("controller.toml");
+    let (host, port) = node.address.rsplit_once(':').unwrap();
+    let (down_host, down_port) = down.rsplit_once(':').unwrap();
+    std::fs::write(
+        &config_path,
+        format!(
+            "state_dir = {:?}\nreports_dir = {:?}\n[[nodes]]\nname = \"{NODE}\"\naddress = {host:?}\nport = {port}\n[[nodes]]\nname = \"pve3\"\naddress = {down_host:?}\nport = {down_port}\n",
+            dir.0.join("ctl"),
+            dir.0.join("reports")
+        ),
+    )
+    .unwrap();
+    let c = config_path.to_str().unwrap().to_owned();
+    let ctl = |args: Vec<String>| {
+        tokio::task::spawn_blocking(move || {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            run_binary("certistack-ctl", &args)
+        })
+    };
+    let (code, out, err) = ctl(vec![
+        "doctor".into(),
+        NODE.into(),
+        "--config".into(),
+        c.clone(),
+    ])
+    .await
+    .unwrap();
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("pve1 nft fail ") && l.contains("install nftables")),
+        "{out}"
+    );
+    assert!(
+        out.lines().any(|l| l == "pve1 pve ok Proxmox VE 9.0.6"),
+        "{out}"
+    );
+    assert!(out.lines().all(|l| l.starts_with("pve1 ")), "{out}");
+    let (code, out, err) = ctl(vec!["doctor".into(), "--json".into(), "--config".into(), c])
+        .await
+        .unwrap();
+    assert_eq!(code, 2, "{out}{err}");
+    let lines: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l["node"] == "pve3" && l["check"] == "connect" && l["level"] == "fail"),
+        "{out}"
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l["node"] == "pve1" && l["check"] == "pbs-client" && l["level"] == "ok"),
+        "{out}"
+    );
+}
+
+/// NodeChecks is an operator call: a run certificate is refused before anything is read.
+#[tokio::test]
+async fn node_checks_is_refused_to_a_run_identity() {
+    let (_dir, authority, node) = started("node-checks-run").await;
+    let credentials = mint(&authority, &grant(RUN_ID, NODE));
+    let mut client = run_client(&authority, &node, &credentials).await;
+    assert_status(
+        client.node_checks(pb::NodeChecksRequest {}).await,
+        Code::PermissionDenied,
+        "may not call NodeChecks",
+    );
 }

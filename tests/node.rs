@@ -54,6 +54,17 @@ impl Run {
         prepare: impl FnOnce(&Lab),
         edit: impl FnOnce(&mut pb::RunGrant),
     ) -> Self {
+        Self::begin_configured(tag, archives, prepare, edit, |_| {}).await
+    }
+
+    /// As `begin_with`, with the connector's limits adjusted too.
+    async fn begin_configured(
+        tag: &str,
+        archives: &[&str],
+        prepare: impl FnOnce(&Lab),
+        edit: impl FnOnce(&mut pb::RunGrant),
+        limits: impl FnOnce(&mut certistack_connector::config::Limits),
+    ) -> Self {
         let serial = SERIAL.lock().await;
         let lab = Lab::new(tag);
         for archive in archives {
@@ -64,6 +75,7 @@ impl Run {
         let authority = controller(&authority_dir.0);
         let mut config = lab.node_config(&authority, &lab.root.join("node"));
         config.limits.guest_timeout_secs = 3;
+        limits(&mut config.limits);
         let (address, shutdown, task) = serve_node(config).await;
         let mut wire = grant(RUN_ID, NODE);
         wire.archives = archives.iter().map(|a| (*a).to_owned()).collect();
@@ -634,6 +646,59 @@ impl Run {
     }
 }
 
+/// A screendump over `limits.max_screendump_bytes` is removed, journaled and refused with
+/// RESOURCE_EXHAUSTED; the run still cleans up to nothing.
+#[test]
+fn an_oversized_screendump_is_removed_and_refused() {
+    if !privileged("an_oversized_screendump_is_removed_and_refused", QEMU_TOOLS) {
+        return;
+    }
+    let netns = Netns::new("shot", &["csbox1", "csbox91", "csbox92"]);
+    inside(&netns.name, || async {
+        let mut run = Run::begin_configured(
+            "shot",
+            &[ARCHIVE],
+            |_| {},
+            sandbox_grant,
+            |limits| limits.max_screendump_bytes = 1024,
+        )
+        .await;
+        run.sandbox_vm(9100).await;
+        run.client
+            .start_vm(pb::VmRequest { vmid: 9100 })
+            .await
+            .unwrap();
+        let refused = run
+            .client
+            .qmp(pb::QmpRequest {
+                vmid: 9100,
+                command: pb::QmpCommand::Screendump as i32,
+            })
+            .await;
+        assert_status(
+            refused,
+            Code::ResourceExhausted,
+            "larger than 1024 bytes (limits.max_screendump_bytes); it was removed",
+        );
+        let screen = run
+            .lab
+            .root
+            .join(format!("overlays/{RUN_ID}/9100-screen.png"));
+        assert!(!screen.exists(), "the oversized screendump is gone");
+        let journal = run.journal().await;
+        for step in [
+            "file.screendump file:screendump:9100 failed",
+            "file.delete file:screendump:9100 undone",
+        ] {
+            assert!(
+                journal.iter().any(|s| s == step),
+                "{step} not in {journal:?}"
+            );
+        }
+        run.end().await;
+    });
+}
+
 #[test]
 fn vm_lifecycle_with_qmp_and_a_real_guest_agent() {
     if !privileged("vm_lifecycle_with_qmp_and_a_real_guest_agent", QEMU_TOOLS) {
@@ -731,16 +796,35 @@ fn vm_lifecycle_with_qmp_and_a_real_guest_agent() {
         let screen = run
             .lab
             .root
-            .join(format!("overlays/{RUN_ID}/9100-screen.ppm"));
+            .join(format!("overlays/{RUN_ID}/9100-screen.png"));
         let victim = run.lab.root.join("screen-victim");
         std::os::unix::fs::symlink(&victim, &screen).unwrap();
-        run.client
+        let reply = run
+            .client
             .qmp(qmp(pb::QmpCommand::Screendump))
             .await
-            .unwrap();
+            .unwrap()
+            .into_inner();
         assert!(screen.is_file() && !screen.is_symlink());
-        assert!(std::fs::metadata(&screen).unwrap().len() > 0);
         assert!(!victim.exists(), "nothing was written through the link");
+        // The reply carries the picture QEMU wrote: a PNG of the console, checked as the
+        // controller checks it before it goes beside a report.
+        assert_eq!(reply.image_format, "png");
+        assert_eq!(reply.image, std::fs::read(&screen).unwrap());
+        let shot = certistack_controller::screenshot::screenshot_png(&reply).unwrap();
+        assert!(
+            shot.width >= 320 && shot.height >= 200,
+            "{}x{}",
+            shot.width,
+            shot.height
+        );
+        let journal = run.journal().await;
+        assert!(
+            journal
+                .iter()
+                .any(|step| step.contains("file.screendump") && step.contains("done")),
+            "{journal:?}"
+        );
 
         let qga = |command: pb::QgaCommand| pb::QgaRequest {
             vmid: 9100,

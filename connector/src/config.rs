@@ -12,6 +12,9 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 pub const DEFAULT_PATH: &str = "/etc/certistack/connector.toml";
+/// The highest `limits.max_screendump_bytes` accepted: the controller decodes replies up to
+/// this plus room for the other fields.
+pub const MAX_SCREENDUMP_BYTES: usize = 32 * 1024 * 1024;
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -42,6 +45,9 @@ pub struct PvePaths {
     pub pbs_loopdev_dir: PathBuf,
     /// The cluster database; overlays on the same filesystem draw a warning.
     pub pve_cluster_dir: PathBuf,
+    /// dpkg's status database, read (never executed) for the `pve-manager` and `qemu-server`
+    /// package versions that NodeChecks reports.
+    pub dpkg_status: PathBuf,
 }
 
 impl Default for PvePaths {
@@ -51,6 +57,7 @@ impl Default for PvePaths {
             vm_config_dir: "/etc/pve/qemu-server".into(),
             pbs_loopdev_dir: "/run/pbs-loopdev".into(),
             pve_cluster_dir: "/var/lib/pve-cluster".into(),
+            dpkg_status: "/var/lib/dpkg/status".into(),
         }
     }
 }
@@ -158,6 +165,9 @@ pub struct Limits {
     /// File descriptors kept in reserve for the tools and journals: connections are not
     /// accepted when fewer than this remain below RLIMIT_NOFILE.
     pub reserved_fds: usize,
+    /// Bytes of one QMP screendump image the node returns; a larger one is removed and the
+    /// call refused with RESOURCE_EXHAUSTED.
+    pub max_screendump_bytes: usize,
 }
 
 impl Default for Limits {
@@ -187,6 +197,7 @@ impl Default for Limits {
             max_streams_per_connection: 64,
             idle_timeout_secs: 300,
             reserved_fds: 128,
+            max_screendump_bytes: 8 * 1024 * 1024,
         }
     }
 }
@@ -225,7 +236,7 @@ impl Config {
             value: self.node_name.clone(),
             reason,
         })?;
-        let absolute: [(&'static str, &Path); 15] = [
+        let absolute: [(&'static str, &Path); 16] = [
             ("tls.certificate", &self.tls.certificate),
             ("tls.private_key", &self.tls.private_key),
             ("tls.controller_ca", &self.tls.controller_ca),
@@ -247,6 +258,7 @@ impl Config {
             ("pve.vm_config_dir", &self.pve.vm_config_dir),
             ("pve.pbs_loopdev_dir", &self.pve.pbs_loopdev_dir),
             ("pve.pve_cluster_dir", &self.pve.pve_cluster_dir),
+            ("pve.dpkg_status", &self.pve.dpkg_status),
         ];
         for (key, value) in absolute {
             if !value.is_absolute() {
@@ -401,6 +413,12 @@ impl Config {
             86_400,
         )?;
         limit("limits.reserved_fds", l.reserved_fds, 16, 65_536)?;
+        limit(
+            "limits.max_screendump_bytes",
+            l.max_screendump_bytes,
+            1024,
+            MAX_SCREENDUMP_BYTES,
+        )?;
         Ok(())
     }
 

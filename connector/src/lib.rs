@@ -22,6 +22,7 @@ pub mod known_fields;
 pub mod net;
 pub mod node;
 pub mod policy;
+pub mod prerequisites;
 pub mod process;
 pub mod resources;
 pub mod runs;

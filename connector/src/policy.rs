@@ -32,10 +32,11 @@ pub enum Rpc {
     ReadJournal,
     ListRuns,
     Cleanup,
+    NodeChecks,
 }
 
 impl Rpc {
-    pub const ALL: [Rpc; 20] = [
+    pub const ALL: [Rpc; 21] = [
         Rpc::Hello,
         Rpc::BeginRun,
         Rpc::EndRun,
@@ -56,6 +57,7 @@ impl Rpc {
         Rpc::ReadJournal,
         Rpc::ListRuns,
         Rpc::Cleanup,
+        Rpc::NodeChecks,
     ];
 
     pub fn name(self) -> &'static str {
@@ -80,6 +82,7 @@ impl Rpc {
             Rpc::ReadJournal => "ReadJournal",
             Rpc::ListRuns => "ListRuns",
             Rpc::Cleanup => "Cleanup",
+            Rpc::NodeChecks => "NodeChecks",
         }
     }
 
@@ -100,7 +103,7 @@ impl Rpc {
             Rpc::ReleaseSandbox => "vnet-in-grant",
             Rpc::Probe => "probe-target-in-grant",
             Rpc::ReadJournal | Rpc::Cleanup => "own-run-or-operator",
-            Rpc::ListRuns => "operator-only",
+            Rpc::ListRuns | Rpc::NodeChecks => "operator-only",
         }
     }
 }
@@ -250,7 +253,10 @@ mod tests {
             .filter(|r| gate.allows(*r, IdentityKind::Operator))
             .map(Rpc::name)
             .collect();
-        assert_eq!(operator, ["Hello", "ReadJournal", "ListRuns", "Cleanup"]);
+        assert_eq!(
+            operator,
+            ["Hello", "ReadJournal", "ListRuns", "Cleanup", "NodeChecks"]
+        );
     }
 
     #[test]

@@ -194,7 +194,8 @@ impl Connector {
             clock,
             config.limits.expiry_grace_secs,
         )
-        .with_min_probe_prefix(config.limits.min_probe_prefix);
+        .with_min_probe_prefix(config.limits.min_probe_prefix)
+        .with_prerequisites(crate::prerequisites::Prerequisites::new(&config));
         Ok(Self {
             config,
             tls,

@@ -26,6 +26,7 @@ use crate::journal::{self, JournalError};
 use crate::policy::{Gate, Rpc};
 use crate::runs::{RunError, RunRegistry};
 use crate::tls::PeerInfo;
+use crate::untrusted::printable;
 use crate::validate::{FieldError, NodeName, RunId};
 use certistack_proto::v1 as pb;
 use certistack_proto::v1::connector_server::Connector;
@@ -42,6 +43,8 @@ const REAP_BACKOFF_FIRST_SECS: i64 = 60;
 const REAP_BACKOFF_MAX_SECS: i64 = 3600;
 /// Seconds between two prunes of closed runs past their retention.
 const PRUNE_EVERY_SECS: i64 = 3600;
+/// Characters of a quarantine reason ListRuns returns (it may quote a journal line).
+const MAX_QUARANTINE_REASON_CHARS: usize = 1024;
 /// Records a `ReadJournal` stream buffers ahead of a slow reader.
 const JOURNAL_STREAM_BUFFER: usize = 16;
 
@@ -80,6 +83,8 @@ pub struct ConnectorService {
     reap_backoff: Mutex<BTreeMap<RunId, (i64, i64)>>,
     /// When closed runs were last pruned (unix seconds).
     last_prune_unix: std::sync::atomic::AtomicI64,
+    /// What NodeChecks reads; absent in a service built without a node config.
+    prerequisites: Option<Arc<crate::prerequisites::Prerequisites>>,
 }
 
 impl std::fmt::Debug for ConnectorService {
@@ -134,7 +139,17 @@ impl ConnectorService {
             clock,
             min_probe_prefix: crate::config::Limits::default().min_probe_prefix,
             reap_backoff: Mutex::default(),
+            prerequisites: None,
         }
+    }
+
+    /// Answers NodeChecks from the node's files and tools as `prerequisites` names them.
+    pub fn with_prerequisites(
+        mut self,
+        prerequisites: crate::prerequisites::Prerequisites,
+    ) -> Self {
+        self.prerequisites = Some(Arc::new(prerequisites));
+        self
     }
 
     /// Sets the shortest probe-network prefix a grant may name (`limits.min_probe_prefix`).
@@ -887,6 +902,7 @@ impl Connector for ConnectorService {
                 } as i32,
                 deadline_unix: run.grant.deadline_unix,
                 open_resources,
+                quarantine_reason: String::new(),
             })
             .collect();
         runs.extend(
@@ -898,15 +914,19 @@ impl Connector for ConnectorService {
                     state: pb::RunState::Closed as i32,
                     deadline_unix: closed.deadline_unix,
                     open_resources: Vec::new(),
+                    quarantine_reason: String::new(),
                 }),
         );
         runs.sort_by(|a, b| a.run_id.cmp(&b.run_id));
         for (run_id, reason) in self.runs.quarantined() {
+            // Its grant could not be read back, so neither its deadline nor what it holds is
+            // known; an operator reads its journal and cleans up by hand.
             runs.push(pb::RunSummary {
                 run_id: run_id.to_string(),
-                state: pb::RunState::Open as i32,
+                state: pb::RunState::Quarantined as i32,
                 deadline_unix: 0,
-                open_resources: vec![format!("unknown: {reason}")],
+                open_resources: Vec::new(),
+                quarantine_reason: printable(reason.as_bytes(), MAX_QUARANTINE_REASON_CHARS),
             });
         }
         Ok(Response::new(pb::ListRunsReply { runs }))
@@ -917,6 +937,21 @@ impl Connector for ConnectorService {
         request: Request<pb::CleanupRequest>,
     ) -> Result<Response<pb::CleanupReply>, Status> {
         operation!(self, request, Rpc::Cleanup, parse::cleanup, Cleanup)
+    }
+
+    async fn node_checks(
+        &self,
+        request: Request<pb::NodeChecksRequest>,
+    ) -> Result<Response<pb::NodeChecksReply>, Status> {
+        self.authenticate(&request, Rpc::NodeChecks)?;
+        let Some(prerequisites) = &self.prerequisites else {
+            return Err(Status::unimplemented(
+                "this connector was started without a node configuration to check",
+            ));
+        };
+        let mut reply = prerequisites.read().await;
+        reply.node_time_unix_ms = self.clock.now_unix_ms();
+        Ok(Response::new(reply))
     }
 }
 

@@ -146,30 +146,68 @@ pub async fn audit_fleet<'a>(
     concurrency: usize,
     timeout: Duration,
 ) -> Vec<NodeAudit> {
-    let slots = Arc::new(tokio::sync::Semaphore::new(concurrency.max(1)));
     let ca_pem: Arc<str> = Arc::from(ca_pem);
+    for_each_node(
+        nodes,
+        concurrency,
+        move |node| {
+            let (ca_pem, identity) = (ca_pem.clone(), identity.clone());
+            async move { audit_node(&node, &ca_pem, &identity, timeout).await }
+        },
+        |node| unreachable(node, "the audit was stopped".to_owned()),
+    )
+    .await
+}
+
+/// Runs `ask` for every node, at most `concurrency` at once; answers in inventory order, and
+/// `stopped` for a node whose task did not finish.
+pub async fn for_each_node<'a, T, F, Fut>(
+    nodes: impl IntoIterator<Item = &'a InventoryNode>,
+    concurrency: usize,
+    ask: F,
+    stopped: impl Fn(&InventoryNode) -> T,
+) -> Vec<T>
+where
+    T: Send + 'static,
+    F: Fn(InventoryNode) -> Fut,
+    Fut: std::future::Future<Output = T> + Send + 'static,
+{
+    let slots = Arc::new(tokio::sync::Semaphore::new(concurrency.max(1)));
     let mut tasks = tokio::task::JoinSet::new();
     let mut rows = Vec::new();
     for (index, node) in nodes.into_iter().enumerate() {
-        let node = node.clone();
-        rows.push(unreachable(&node, "not asked".to_owned()));
-        let (slots, ca_pem, identity) = (slots.clone(), ca_pem.clone(), identity.clone());
+        rows.push(stopped(node));
+        let slots = slots.clone();
+        let asked = ask(node.clone());
         tasks.spawn(async move {
-            let row = match slots.acquire_owned().await {
-                Ok(_slot) => audit_node(&node, &ca_pem, &identity, timeout).await,
-                Err(_) => unreachable(&node, "the audit was stopped".to_owned()),
-            };
-            (index, row)
+            let _slot = slots.acquire_owned().await.ok()?;
+            Some((index, asked.await))
         });
     }
     while let Some(done) = tasks.join_next().await {
-        if let Ok((index, row)) = done
+        if let Ok(Some((index, row))) = done
             && let Some(slot) = rows.get_mut(index)
         {
             *slot = row;
         }
     }
     rows
+}
+
+/// Says Hello on `connection` and measures the node's clock against this host's at the middle
+/// of the round trip: the reply and the skew (node minus controller, ms).
+pub async fn hello_with_skew(
+    connection: &mut certistack_proto::v1::connector_client::ConnectorClient<
+        tonic::transport::Channel,
+    >,
+) -> Result<(pb::HelloReply, i64), client::NodeError> {
+    let sent = time::OffsetDateTime::now_utc();
+    let hello = connection.hello(pb::HelloRequest {}).await?.into_inner();
+    let received = time::OffsetDateTime::now_utc();
+    let middle_ms =
+        ((sent.unix_timestamp_nanos() + received.unix_timestamp_nanos()) / 2 / 1_000_000) as i64;
+    let skew_ms = hello.node_time_unix_ms.saturating_sub(middle_ms);
+    Ok((hello, skew_ms))
 }
 
 fn unreachable(node: &InventoryNode, error: String) -> NodeAudit {
@@ -193,12 +231,8 @@ pub async fn audit_node(
     let endpoint = node.endpoint();
     let asked = tokio::time::timeout(timeout, async {
         let mut connection = client::connect(&endpoint, &name, ca_pem, identity).await?;
-        let sent = time::OffsetDateTime::now_utc();
-        let hello = connection.hello(pb::HelloRequest {}).await?.into_inner();
-        let received = time::OffsetDateTime::now_utc();
-        let middle_ms = ((sent.unix_timestamp_nanos() + received.unix_timestamp_nanos())
-            / 2
-            / 1_000_000) as i64;
+        let (hello, skew_ms) = hello_with_skew(&mut connection).await?;
+        let middle_ms = hello.node_time_unix_ms.saturating_sub(skew_ms);
         let runs = connection
             .list_runs(pb::ListRunsRequest {})
             .await
@@ -265,22 +299,21 @@ fn answer(
     runs: Result<Vec<pb::RunSummary>, String>,
     certificate: Result<i64, String>,
 ) -> NodeAnswer {
-    // The connector lists a quarantined run as open with no deadline and its reason as an
-    // "unknown: …" resource, since the grant that would give the deadline could not be read.
-    let quarantined =
-        |run: &pb::RunSummary| run.deadline_unix == 0 && run.state == pb::RunState::Open as i32;
+    let state = |run: &pb::RunSummary| pb::RunState::try_from(run.state).ok();
     let (open_runs, quarantined_runs, runs_error) = match runs {
         Ok(runs) => (
             Some(
                 runs.iter()
                     .filter(|run| {
-                        !quarantined(run)
-                            && (run.state == pb::RunState::Open as i32
-                                || run.state == pb::RunState::Expired as i32)
+                        matches!(state(run), Some(pb::RunState::Open | pb::RunState::Expired))
                     })
                     .count(),
             ),
-            Some(runs.iter().filter(|run| quarantined(run)).count()),
+            Some(
+                runs.iter()
+                    .filter(|run| state(run) == Some(pb::RunState::Quarantined))
+                    .count(),
+            ),
             None,
         ),
         Err(error) => (None, None, Some(error)),

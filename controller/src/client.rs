@@ -7,6 +7,10 @@ use certistack_proto::v1 as pb;
 use certistack_proto::v1::connector_client::ConnectorClient;
 use tonic::transport::Channel;
 
+/// The largest reply accepted from a node: a screendump image at the node's highest
+/// `limits.max_screendump_bytes` plus room for the reply's other fields.
+pub const MAX_REPLY_BYTES: usize = certistack_connector::config::MAX_SCREENDUMP_BYTES + 1024 * 1024;
+
 #[derive(Debug, thiserror::Error)]
 pub enum NodeError {
     #[error(transparent)]
@@ -47,7 +51,7 @@ pub async fn connect(
     let key = tls::parse_private_key(&identity.key_pem, "client key")?;
     let config = tls::client_config(tls::ca_roots(&ca)?, chain, key)?;
     let channel = tls::connect(address.to_owned(), node_name, config).await?;
-    Ok(ConnectorClient::new(channel).max_decoding_message_size(4 * 1024 * 1024))
+    Ok(ConnectorClient::new(channel).max_decoding_message_size(MAX_REPLY_BYTES))
 }
 
 /// Says hello and checks the node's name and surface digest.

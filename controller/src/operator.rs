@@ -49,15 +49,13 @@ impl From<tonic::Status> for OperatorError {
     }
 }
 
-/// One line per run: id, state, deadline (UTC) and open resources; a quarantined run (the
-/// node lists it with no deadline and one resource `unknown: REASON`) as `quarantined: REASON`.
+/// One line per run: id, state, deadline (UTC) and open resources; a quarantined run as
+/// `quarantined: REASON` (the node could not read its grant back, so it has neither).
 pub fn describe_run(run: &pb::RunSummary) -> String {
-    if let ([only], 0) = (run.open_resources.as_slice(), run.deadline_unix)
-        && let Some(reason) = only.strip_prefix("unknown: ")
-    {
-        return format!("{} quarantined: {reason}", run.run_id);
-    }
     let state = match pb::RunState::try_from(run.state) {
+        Ok(pb::RunState::Quarantined) => {
+            return format!("{} quarantined: {}", run.run_id, run.quarantine_reason);
+        }
         Ok(pb::RunState::Open) => "open",
         Ok(pb::RunState::Closed) => "closed",
         Ok(pb::RunState::Expired) => "expired",

@@ -639,7 +639,7 @@ pub fn write_config_file(path: &Path, config: &Config, port: u16) {
          [tls]\ncertificate = \"{}\"\nprivate_key = \"{}\"\ncontroller_ca = \"{}\"\nrun_authority_public_key = \"{}\"\n\
          [paths]\nstate_dir = \"{}\"\noverlay_root = \"{}\"\n\
          [tools]\nproxmox_backup_client = \"{}\"\nqm = \"{}\"\nqemu_img = \"{}\"\nip = \"{}\"\nnft = \"{}\"\n\
-         [pve]\nqemu_server_run_dir = \"{}\"\nvm_config_dir = \"{}\"\npbs_loopdev_dir = \"{}\"\npve_cluster_dir = \"{}\"\n\
+         [pve]\nqemu_server_run_dir = \"{}\"\nvm_config_dir = \"{}\"\npbs_loopdev_dir = \"{}\"\npve_cluster_dir = \"{}\"\ndpkg_status = \"{}\"\n\
          [limits]\n{}",
         config.node_name,
         p(&config.tls.certificate),
@@ -657,6 +657,7 @@ pub fn write_config_file(path: &Path, config: &Config, port: u16) {
         p(&config.pve.vm_config_dir),
         p(&config.pve.pbs_loopdev_dir),
         p(&config.pve.pve_cluster_dir),
+        p(&config.pve.dpkg_status),
         toml::to_string(&config.limits).unwrap(),
     );
     std::fs::write(path, text).unwrap();
@@ -847,6 +848,7 @@ pub mod drifted {
         probe(pb::ProbeRequest) -> pb::ProbeReply;
         list_runs(pb::ListRunsRequest) -> pb::ListRunsReply;
         cleanup(pb::CleanupRequest) -> pb::CleanupReply;
+        node_checks(pb::NodeChecksRequest) -> pb::NodeChecksReply;
     }
 }
 

@@ -13,13 +13,14 @@ use super::NodeExecutor;
 use super::resources::{self, Op, Resource};
 use crate::action::{QgaCall, QgaCommand, QmpCommand};
 use crate::executor::{ExecError, Outcome};
-use crate::grant::QgaAssertion;
+use crate::grant::{Grant, QgaAssertion};
 use crate::journal::Phase;
-use crate::runs::RunHandle;
+use crate::runs::{RunGuard, RunHandle};
 use crate::validate::Vmid;
 use base64::Engine;
 use certistack_proto::v1 as pb;
 use serde_json::{Value, json};
+use sha2::Digest;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
@@ -27,6 +28,8 @@ use tokio::net::UnixStream;
 
 /// Largest reply line accepted from QEMU or the agent.
 const MAX_REPLY: usize = 1024 * 1024;
+/// The image format the connector asks QEMU's screendump for, and names in its reply.
+pub const SCREENDUMP_FORMAT: &str = "png";
 /// How often `guest-exec-status` is polled while a granted program runs.
 const EXEC_POLL: Duration = Duration::from_millis(200);
 /// Bytes of an assertion's stdout kept in the reply.
@@ -359,7 +362,9 @@ impl NodeExecutor {
                     .journal_step_error(&mut guard, Op::FileScreendump.as_str(), &key, error)
                     .await);
             }
-            arguments = Some(json!({ "filename": path.display().to_string() }));
+            // PNG (QEMU 7.1 and later; PVE 9 ships 10.x): a tenth of the PPM's size, and the
+            // format the report keeps.
+            arguments = Some(json!({ "filename": path.display().to_string(), "format": "png" }));
         }
         let started = Instant::now();
         guard
@@ -382,25 +387,20 @@ impl NodeExecutor {
         match result {
             Ok(value) => {
                 guard.append(self.now_ms(), "guest.qmp", &resource, Phase::Done, json!({ "command": command.wire_name(), "return": value, "elapsed_ms": elapsed_ms })).await?;
+                let mut image = Vec::new();
                 if command == QmpCommand::Screendump {
-                    let path = self.screendump_path(&run.grant, vmid);
-                    let bytes = std::fs::symlink_metadata(&path)
-                        .map(|m| m.len())
-                        .unwrap_or(0);
-                    guard
-                        .append(
-                            self.now_ms(),
-                            Op::FileScreendump.as_str(),
-                            &Resource::Screendump(vmid).key(),
-                            Phase::Done,
-                            json!({ "path": path.display().to_string(), "bytes": bytes }),
-                        )
-                        .await?;
+                    image = self.take_screendump(&mut guard, &run.grant, vmid).await?;
                 }
                 Ok(Outcome::Qmp(pb::QmpReply {
                     result_json: value.to_string(),
                     elapsed_ms,
                     journal_head: guard.head_hex(),
+                    image_format: if image.is_empty() {
+                        String::new()
+                    } else {
+                        SCREENDUMP_FORMAT.to_owned()
+                    },
+                    image,
                 }))
             }
             Err(error) => {
@@ -408,6 +408,66 @@ impl NodeExecutor {
                 Err(error.into())
             }
         }
+    }
+
+    /// Reads the screendump QEMU just wrote and journals it `done` with its size and SHA-256.
+    /// One over `limits.max_screendump_bytes` is removed (journaled) and refused with
+    /// RESOURCE_EXHAUSTED.
+    async fn take_screendump(
+        &self,
+        guard: &mut RunGuard<'_>,
+        grant: &Grant,
+        vmid: Vmid,
+    ) -> Result<Vec<u8>, ExecError> {
+        let path = self.screendump_path(grant, vmid);
+        let key = Resource::Screendump(vmid).key();
+        let max = self.config.limits.max_screendump_bytes;
+        let name = super::overlay::screendump_file_name(vmid);
+        let read = {
+            let executor = self.clone();
+            let grant = grant.clone();
+            tokio::task::spawn_blocking(move || executor.read_run_file(&grant, &name, max))
+                .await
+                .map_err(|error| {
+                    ExecError::Failed(format!("reading the screendump stopped: {error}"))
+                })
+                .and_then(|read| read)
+        };
+        let image = match read {
+            Ok(Some(image)) => image,
+            Ok(None) => {
+                let detail = json!({ "path": path.display().to_string(), "error": format!("larger than {max} bytes") });
+                guard
+                    .append(
+                        self.now_ms(),
+                        Op::FileScreendump.as_str(),
+                        &key,
+                        Phase::Failed,
+                        detail,
+                    )
+                    .await?;
+                self.remove_path(guard, Op::FileDelete, &key, &path).await?;
+                return Err(ExecError::ResourceExhausted(format!(
+                    "the screendump of VM {vmid} is larger than {max} bytes (limits.max_screendump_bytes); it was removed: raise the limit or lower the guest's display resolution"
+                )));
+            }
+            Err(error) => {
+                return Err(self
+                    .journal_step_error(guard, Op::FileScreendump.as_str(), &key, error)
+                    .await);
+            }
+        };
+        let sha256 = hex::encode(sha2::Sha256::digest(&image));
+        guard
+            .append(
+                self.now_ms(),
+                Op::FileScreendump.as_str(),
+                &key,
+                Phase::Done,
+                json!({ "path": path.display().to_string(), "bytes": image.len(), "format": SCREENDUMP_FORMAT, "sha256": sha256 }),
+            )
+            .await?;
+        Ok(image)
     }
 
     pub(super) async fn run_qga(

@@ -120,6 +120,40 @@ impl NodeExecutor {
         Ok(dir)
     }
 
+    /// Reads the run file `name` from the run's checked directory, never through a link:
+    /// `Ok(None)` when it holds more than `max_bytes` (nothing of it is read into memory).
+    pub(super) fn read_run_file(
+        &self,
+        grant: &Grant,
+        name: &str,
+        max_bytes: usize,
+    ) -> Result<Option<Vec<u8>>, ExecError> {
+        use std::io::Read;
+        let dir = self.open_run_dir(grant, false)?;
+        let path = self.overlay_dir(grant).join(name);
+        let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::NONBLOCK;
+        let file = rustix::fs::openat(&dir, name, flags, Mode::empty())
+            .map_err(|e| ExecError::Failed(format!("cannot open {}: {e}", path.display())))?;
+        let stat = rustix::fs::fstat(&file)
+            .map_err(|e| ExecError::Failed(format!("cannot stat {}: {e}", path.display())))?;
+        if rustix::fs::FileType::from_raw_mode(stat.st_mode) != rustix::fs::FileType::RegularFile {
+            return Err(ExecError::Failed(format!(
+                "{} is not a regular file; it was not written by QEMU for this run",
+                path.display()
+            )));
+        }
+        let limit = u64::try_from(max_bytes).unwrap_or(u64::MAX);
+        let mut bytes = Vec::new();
+        std::fs::File::from(file)
+            .take(limit.saturating_add(1))
+            .read_to_end(&mut bytes)
+            .map_err(|e| ExecError::Failed(format!("cannot read {}: {e}", path.display())))?;
+        if bytes.len() > max_bytes {
+            return Ok(None);
+        }
+        Ok(Some(bytes))
+    }
+
     /// Creates an empty file `name` in the run's checked directory, never following a link
     /// and never reusing a file that exists. `replace` first removes a previous file of the
     /// run's (a link is removed, not followed).
@@ -416,5 +450,5 @@ pub(super) fn overlay_file_name(vmid: Vmid, archive: &ArchiveName) -> String {
 }
 
 pub(super) fn screendump_file_name(vmid: Vmid) -> String {
-    format!("{vmid}-screen.ppm")
+    format!("{vmid}-screen.png")
 }

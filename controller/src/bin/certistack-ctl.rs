@@ -40,7 +40,8 @@ enum Command {
     /// Evidence reports: verify one, or print it for a person.
     #[command(subcommand, after_help = REPORT_EXIT_CODES)]
     Report(ReportCommand),
-    /// List a node's runs: id, state, deadline and open resources.
+    /// List a node's runs: id, state (open, expired, closed, quarantined), deadline and open
+    /// resources.
     #[command(after_help = OPERATOR_EXIT_CODES)]
     Runs(OperatorArgs),
     /// Stream a run's journal from a node, verify its hash chain here and print each record.
@@ -49,6 +50,10 @@ enum Command {
     /// Ask a node to clean a run up; print each resource's receipt and any residue.
     #[command(after_help = OPERATOR_EXIT_CODES)]
     Cleanup(RunArgs),
+    /// Check the prerequisites of inventory nodes (all when none is named), concurrently: PVE
+    /// 9.x, qemu-img >= 8.0, PBS client 4.x, nft and ip, overlay free space and disk, clock.
+    #[command(after_help = DOCTOR_EXIT_CODES)]
+    Doctor(DoctorArgs),
     /// The fleet of the inventory.
     #[command(subcommand, after_help = AUDIT_EXIT_CODES)]
     Nodes(NodesCommand),
@@ -87,23 +92,67 @@ struct RunPlanArgs {
     json: bool,
 }
 
-const OPERATOR_EXIT_CODES: &str = "Exit codes: 0 success; 1 the journal chain does not verify, or \
-cleanup left residue or a failed receipt, or a local file or key failed; 64 usage error; 3 the node \
-could not be reached or refused TLS or the call; 4 the node is not what was expected (node name or \
-surface digest differs).";
+const OPERATOR_EXIT_CODES: &str = "NODE is a node name of the controller configuration's inventory \
+(--config); --state-dir with --node HOST:PORT addresses a node directly instead. Exit codes: 0 success; \
+1 a failure was found: the journal chain does not verify, or cleanup left residue or a failed receipt; \
+2 infrastructure: the node could not be reached, refused TLS or the call, or is not what was expected \
+(node name or surface digest differs); 64 usage error (also a NODE not in the inventory); 66, 77, 78 \
+the configuration (or the state directory's keys: 66, 77) cannot be read, may be written by others, or \
+is refused; 78 also a key that cannot be used for the certificate.";
+
+const DOCTOR_EXIT_CODES: &str = "One line per check: NODE CHECK ok|warn|fail WHAT-TO-DO (--json: one \
+object per check). Exit codes: 0 every check ok or warn; 1 a check failed; 2 a node could not be \
+reached; 64 usage error (also a NODE not in the inventory); 66, 77, 78 the configuration (or the state \
+directory's keys: 66, 77) cannot be read, may be written by others, or is refused.";
+
+/// A node addressed by its inventory name, or directly by state directory and address.
+#[derive(clap::Args, Debug)]
+struct NodeTarget {
+    /// The controller configuration whose inventory names the node.
+    #[arg(long, default_value = certistack_controller::config::DEFAULT_CONFIG)]
+    config: PathBuf,
+    /// Direct form: the controller's state directory (with --node HOST:PORT).
+    #[arg(long, requires = "node")]
+    state_dir: Option<PathBuf>,
+    /// Direct form: the connector's address, HOST:PORT (with --state-dir).
+    #[arg(long, requires = "state_dir")]
+    node: Option<String>,
+    /// Direct form: the node name its certificate must carry (defaults to HOST).
+    #[arg(long, requires = "node")]
+    name: Option<String>,
+    /// The operator name in the short-lived client certificate minted for this call.
+    #[arg(long, default_value = "ctl")]
+    operator: String,
+}
 
 #[derive(clap::Args, Debug)]
 struct OperatorArgs {
+    /// The node's inventory name (omit with --node).
+    #[arg(required_unless_present = "node", conflicts_with = "node")]
+    inventory_node: Option<String>,
     #[command(flatten)]
-    node: HelloArgs,
+    target: NodeTarget,
 }
 
 #[derive(clap::Args, Debug)]
 struct RunArgs {
+    /// NODE RUN: the node's inventory name and the run id; RUN alone with --node.
+    #[arg(value_names = ["NODE", "RUN"], num_args = 1..=2, required = true)]
+    positionals: Vec<String>,
     #[command(flatten)]
-    node: HelloArgs,
-    /// The run id.
-    run: String,
+    target: NodeTarget,
+}
+
+#[derive(clap::Args, Debug)]
+struct DoctorArgs {
+    /// Inventory names of the nodes to check; every node of the inventory when none is given.
+    nodes: Vec<String>,
+    /// The controller configuration (its state directory and node inventory).
+    #[arg(long, default_value = certistack_controller::config::DEFAULT_CONFIG)]
+    config: PathBuf,
+    /// One JSON object per check, one per line.
+    #[arg(long)]
+    json: bool,
 }
 
 const AUDIT_EXIT_CODES: &str = "Exit codes: 0 every node serves the controller's surface with no warning; \
@@ -310,9 +359,19 @@ fn run(cli: Cli) -> Result<(), Failure> {
         Command::Hello(args) => hello(args, now),
         Command::Plan(PlanCommand::Check { plan, config }) => plan_check(&plan, &config, now),
         Command::Report(command) => report_command(command),
-        Command::Runs(args) => operator_runs(&args.node, now),
-        Command::Journal(args) => operator_journal(&args.node, &args.run, now),
-        Command::Cleanup(args) => operator_cleanup(&args.node, &args.run, now),
+        Command::Runs(args) => {
+            let node = resolve_node(&args.target, args.inventory_node.as_deref())?;
+            operator_runs(&node, now)
+        }
+        Command::Journal(args) => {
+            let (node, run) = resolve_run_args(&args)?;
+            operator_journal(&node, &run, now)
+        }
+        Command::Cleanup(args) => {
+            let (node, run) = resolve_run_args(&args)?;
+            operator_cleanup(&node, &run, now)
+        }
+        Command::Doctor(args) => doctor(&args, now),
         Command::Nodes(NodesCommand::Audit { config, json }) => nodes_audit(&config, json, now),
         Command::Run(args) => run_plan(&args, now),
     }
@@ -632,43 +691,116 @@ fn hello(args: HelloArgs, now: OffsetDateTime) -> Result<(), Failure> {
     Ok(())
 }
 
+/// Exit code of an infrastructure failure of an operator command: unreachable, refused, or
+/// not the node expected.
+const EXIT_INFRASTRUCTURE: u8 = 2;
+/// Exit code when the state directory or its keys cannot be used (EX_CONFIG).
+const EXIT_LOCAL_CONFIG: u8 = 78;
+
 fn operator_failure(error: certistack_controller::operator::OperatorError) -> Failure {
     use certistack_controller::operator::OperatorError;
     match error {
-        OperatorError::Local(message) => Failure::Local(message),
-        OperatorError::Node(
-            client::NodeError::SurfaceDigest { .. }
-            | client::NodeError::NodeName { .. }
-            | client::NodeError::Connect(
-                ConnectError::WrongNode(..)
-                | ConnectError::UnknownIssuer(_)
-                | ConnectError::NotANode(..),
-            ),
-        ) => Failure::Mismatch(error.to_string()),
-        OperatorError::Node(client::NodeError::Tls(_)) => Failure::Local(error.to_string()),
+        OperatorError::Local(message) => Failure::Coded(EXIT_LOCAL_CONFIG, message),
+        OperatorError::Node(client::NodeError::Tls(_)) => {
+            Failure::Coded(EXIT_LOCAL_CONFIG, error.to_string())
+        }
         OperatorError::Node(_) | OperatorError::TooManyRecords => {
-            Failure::Unreachable(error.to_string())
+            Failure::Coded(EXIT_INFRASTRUCTURE, error.to_string())
         }
     }
 }
 
-/// Runs `call` on a connection to the node `args` names, as an operator.
+/// Where an operator command connects: state directory, address and expected node name.
+#[derive(Debug)]
+struct ResolvedNode {
+    state_dir: PathBuf,
+    address: String,
+    name: String,
+    operator: String,
+}
+
+/// The node `inventory_node` names in `--config`, or the direct `--state-dir`/`--node` form.
+fn resolve_node(
+    target: &NodeTarget,
+    inventory_node: Option<&str>,
+) -> Result<ResolvedNode, Failure> {
+    if let (Some(state_dir), Some(address)) = (&target.state_dir, &target.node) {
+        let host = address
+            .rsplit_once(':')
+            .map_or(address.as_str(), |(host, _)| host);
+        return Ok(ResolvedNode {
+            state_dir: state_dir.clone(),
+            address: address.clone(),
+            name: target
+                .name
+                .clone()
+                .unwrap_or_else(|| host.trim_matches(['[', ']']).to_owned()),
+            operator: target.operator.clone(),
+        });
+    }
+    let Some(wanted) = inventory_node else {
+        return Err(Failure::Coded(
+            EXIT_USAGE,
+            "name an inventory node, or give --state-dir and --node".to_owned(),
+        ));
+    };
+    let config = load_config(&target.config)?;
+    let node = inventory_lookup(&config, wanted, &target.config)?;
+    Ok(ResolvedNode {
+        state_dir: config.state_dir.clone(),
+        address: node.endpoint(),
+        name: node.name.to_string(),
+        operator: target.operator.clone(),
+    })
+}
+
+fn inventory_lookup<'a>(
+    config: &'a certistack_controller::config::ControllerConfig,
+    wanted: &str,
+    path: &std::path::Path,
+) -> Result<&'a certistack_controller::config::InventoryNode, Failure> {
+    config
+        .nodes
+        .values()
+        .find(|node| node.name.to_string() == wanted)
+        .ok_or_else(|| {
+            let names: Vec<String> = config.nodes.keys().map(ToString::to_string).collect();
+            Failure::Coded(
+                EXIT_USAGE,
+                format!(
+                    "node {wanted:?} is not in the inventory of {}; it names: {}",
+                    path.display(),
+                    if names.is_empty() {
+                        "no node".to_owned()
+                    } else {
+                        names.join(", ")
+                    }
+                ),
+            )
+        })
+}
+
+fn resolve_run_args(args: &RunArgs) -> Result<(ResolvedNode, String), Failure> {
+    match (args.positionals.as_slice(), &args.target.node) {
+        ([run], Some(_)) => Ok((resolve_node(&args.target, None)?, run.clone())),
+        ([node, run], None) => Ok((resolve_node(&args.target, Some(node))?, run.clone())),
+        _ => Err(Failure::Coded(
+            EXIT_USAGE,
+            "give NODE RUN (an inventory name and a run id), or RUN with --state-dir and --node"
+                .to_owned(),
+        )),
+    }
+}
+
+/// Runs `call` on a connection to `node`, as an operator.
 fn with_operator<T>(
-    args: &HelloArgs,
+    node: &ResolvedNode,
     now: OffsetDateTime,
     call: impl AsyncFnOnce(
         &mut certistack_proto::v1::connector_client::ConnectorClient<tonic::transport::Channel>,
     ) -> Result<T, certistack_controller::operator::OperatorError>,
 ) -> Result<T, Failure> {
-    let authority = authority::Authority::load(&args.state_dir).map_err(local)?;
-    let host = args
-        .node
-        .rsplit_once(':')
-        .map_or(args.node.as_str(), |(host, _)| host);
-    let name = args
-        .name
-        .clone()
-        .unwrap_or_else(|| host.trim_matches(['[', ']']).to_owned());
+    let authority = load_authority(&node.state_dir)?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -677,9 +809,9 @@ fn with_operator<T>(
         .block_on(async {
             let mut connection = certistack_controller::operator::connect(
                 &authority,
-                &args.node,
-                &name,
-                &args.operator,
+                &node.address,
+                &node.name,
+                &node.operator,
                 now,
             )
             .await?;
@@ -688,7 +820,54 @@ fn with_operator<T>(
         .map_err(operator_failure)
 }
 
-fn operator_runs(args: &HelloArgs, now: OffsetDateTime) -> Result<(), Failure> {
+fn doctor(args: &DoctorArgs, now: OffsetDateTime) -> Result<(), Failure> {
+    use certistack_controller::doctor;
+    let config = load_config(&args.config)?;
+    let nodes = if args.nodes.is_empty() {
+        config.nodes.values().collect::<Vec<_>>()
+    } else {
+        args.nodes
+            .iter()
+            .map(|name| inventory_lookup(&config, name, &args.config))
+            .collect::<Result<Vec<_>, _>>()?
+    };
+    let authority = load_authority(&config.state_dir)?;
+    let identity = authority
+        .issue_operator("doctor", now)
+        .map_err(|e| Failure::Coded(EXIT_LOCAL_CONFIG, e.to_string()))?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(local)?;
+    let checks = runtime.block_on(doctor::check_fleet(
+        nodes,
+        authority.ca_pem(),
+        std::sync::Arc::new(identity),
+        certistack_controller::audit::DEFAULT_CONCURRENCY,
+        doctor::DEFAULT_NODE_TIMEOUT,
+    ));
+    for check in checks.iter().flatten() {
+        if args.json {
+            println!("{}", check.to_json());
+        } else {
+            println!("{}", check.line());
+        }
+    }
+    match doctor::exit_code(checks.iter().flatten()) {
+        doctor::EXIT_OK => Ok(()),
+        doctor::EXIT_UNREACHABLE => Err(Failure::Coded(
+            doctor::EXIT_UNREACHABLE,
+            "a node could not be checked: it is unreachable".to_owned(),
+        )),
+        code => Err(Failure::Coded(
+            code,
+            "a prerequisite failed; see the fail lines above".to_owned(),
+        )),
+    }
+}
+
+fn operator_runs(args: &ResolvedNode, now: OffsetDateTime) -> Result<(), Failure> {
     use certistack_controller::operator;
     let runs = with_operator(args, now, async |connection| {
         operator::list_runs(connection).await
@@ -700,7 +879,7 @@ fn operator_runs(args: &HelloArgs, now: OffsetDateTime) -> Result<(), Failure> {
     Ok(())
 }
 
-fn operator_journal(args: &HelloArgs, run_id: &str, now: OffsetDateTime) -> Result<(), Failure> {
+fn operator_journal(args: &ResolvedNode, run_id: &str, now: OffsetDateTime) -> Result<(), Failure> {
     use certistack_controller::operator;
     let records = with_operator(args, now, async |connection| {
         operator::read_journal(connection, run_id, |record| {
@@ -720,7 +899,7 @@ fn operator_journal(args: &HelloArgs, run_id: &str, now: OffsetDateTime) -> Resu
     Ok(())
 }
 
-fn operator_cleanup(args: &HelloArgs, run_id: &str, now: OffsetDateTime) -> Result<(), Failure> {
+fn operator_cleanup(args: &ResolvedNode, run_id: &str, now: OffsetDateTime) -> Result<(), Failure> {
     use certistack_controller::operator;
     let reply = with_operator(args, now, async |connection| {
         operator::cleanup(connection, run_id).await
