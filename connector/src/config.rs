@@ -28,6 +28,32 @@ pub struct Config {
     pub pve: PvePaths,
     #[serde(default)]
     pub limits: Limits,
+    /// How the sandbox network treats what the node does to its VNets.
+    #[serde(default)]
+    pub sandbox: SandboxPolicy,
+}
+
+/// What `PrepareSandbox` does with a VNet the node forwards for.
+///
+/// ifupdown2 writes `forwarding=1` on a bridge whose stanza has no address method, and SDN
+/// writes VNets as such stanzas, so a node may forward on every VNet it has. The run's table
+/// drops all forwarding into and out of the VNet either way; the sysctl is a second layer.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ForwardingPolicy {
+    /// Refuse a VNet with forwarding on (IPv4 or IPv6): the operator fixes the node.
+    #[default]
+    Refuse,
+    /// Set the VNet's forwarding sysctls to 0 for the run, journaled with their previous
+    /// values, and restore them at release or cleanup.
+    DisableForRun,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SandboxPolicy {
+    /// `"refuse"` (the default) or `"disable-for-run"`.
+    pub forwarding: ForwardingPolicy,
 }
 
 /// Where Proxmox keeps what the connector inspects; the defaults are PVE's own paths.
@@ -87,6 +113,11 @@ pub struct ToolPaths {
     pub ip: PathBuf,
     /// nftables, for the run's containment table.
     pub nft: PathBuf,
+    /// Reads the legacy IPv4 NAT table (pve-firewall and SDN SNAT use iptables-legacy, which
+    /// `nft list ruleset` does not show). Absent: the check is skipped and the evidence says so.
+    pub iptables_legacy_save: PathBuf,
+    /// The same for IPv6.
+    pub ip6tables_legacy_save: PathBuf,
 }
 
 impl Default for ToolPaths {
@@ -97,6 +128,8 @@ impl Default for ToolPaths {
             qemu_img: "/usr/bin/qemu-img".into(),
             ip: "/usr/sbin/ip".into(),
             nft: "/usr/sbin/nft".into(),
+            iptables_legacy_save: "/usr/sbin/iptables-legacy-save".into(),
+            ip6tables_legacy_save: "/usr/sbin/ip6tables-legacy-save".into(),
         }
     }
 }
@@ -158,6 +191,10 @@ pub struct Limits {
     /// File descriptors kept in reserve for the tools and journals: connections are not
     /// accepted when fewer than this remain below RLIMIT_NOFILE.
     pub reserved_fds: usize,
+    /// Bytes of a firewall listing (`nft list ruleset`, `iptables-legacy-save -t nat`) the NAT
+    /// check reads. A larger listing refuses PrepareSandbox: a rule past the cut could go
+    /// unseen. proxmox-firewall's base ruleset alone is about 13 KB; a busy node passes 64 KiB.
+    pub max_ruleset_bytes: usize,
 }
 
 impl Default for Limits {
@@ -187,6 +224,7 @@ impl Default for Limits {
             max_streams_per_connection: 64,
             idle_timeout_secs: 300,
             reserved_fds: 128,
+            max_ruleset_bytes: 16 * 1024 * 1024,
         }
     }
 }
@@ -225,7 +263,7 @@ impl Config {
             value: self.node_name.clone(),
             reason,
         })?;
-        let absolute: [(&'static str, &Path); 15] = [
+        let absolute: [(&'static str, &Path); 17] = [
             ("tls.certificate", &self.tls.certificate),
             ("tls.private_key", &self.tls.private_key),
             ("tls.controller_ca", &self.tls.controller_ca),
@@ -243,6 +281,14 @@ impl Config {
             ("tools.qemu_img", &self.tools.qemu_img),
             ("tools.ip", &self.tools.ip),
             ("tools.nft", &self.tools.nft),
+            (
+                "tools.iptables_legacy_save",
+                &self.tools.iptables_legacy_save,
+            ),
+            (
+                "tools.ip6tables_legacy_save",
+                &self.tools.ip6tables_legacy_save,
+            ),
             ("pve.qemu_server_run_dir", &self.pve.qemu_server_run_dir),
             ("pve.vm_config_dir", &self.pve.vm_config_dir),
             ("pve.pbs_loopdev_dir", &self.pve.pbs_loopdev_dir),
@@ -401,6 +447,12 @@ impl Config {
             86_400,
         )?;
         limit("limits.reserved_fds", l.reserved_fds, 16, 65_536)?;
+        limit(
+            "limits.max_ruleset_bytes",
+            l.max_ruleset_bytes,
+            64 * 1024,
+            256 * 1024 * 1024,
+        )?;
         Ok(())
     }
 
@@ -476,6 +528,41 @@ overlay_root = "/var/lib/certistack/overlays"
                 .to_string()
                 .contains("node_name")
         );
+
+        assert_eq!(config.sandbox.forwarding, ForwardingPolicy::Refuse);
+        assert_eq!(config.limits.max_ruleset_bytes, 16 * 1024 * 1024);
+        let disable = write(
+            "forwarding",
+            &format!("{GOOD}[sandbox]\nforwarding = \"disable-for-run\"\n"),
+            0o644,
+        );
+        assert_eq!(
+            Config::load(&disable).unwrap().sandbox.forwarding,
+            ForwardingPolicy::DisableForRun
+        );
+        let unknown = write(
+            "forwarding-off",
+            &format!("{GOOD}[sandbox]\nforwarding = \"off\"\n"),
+            0o644,
+        );
+        assert!(matches!(
+            Config::load(&unknown),
+            Err(ConfigError::Parse { .. })
+        ));
+        let tiny = write(
+            "ruleset",
+            &format!("{GOOD}[limits]\nmax_ruleset_bytes = 1024\n"),
+            0o644,
+        );
+        assert!(
+            Config::load(&tiny)
+                .unwrap_err()
+                .to_string()
+                .contains("limits.max_ruleset_bytes")
+        );
+        for path in [disable, unknown, tiny] {
+            std::fs::remove_file(path).unwrap();
+        }
 
         let missing = std::env::temp_dir().join("certistack-config-does-not-exist.toml");
         assert!(
