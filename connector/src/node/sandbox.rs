@@ -904,30 +904,40 @@ impl NodeExecutor {
     /// Removes what a failed `PrepareSandbox` installed, newest first, and says how it went.
     async fn undo_sandbox(&self, guard: &mut RunGuard<'_>, grant: &Grant) -> String {
         let mut said = Vec::new();
+        let mut left = false;
         match self.restore_forwarding(guard, grant).await {
             Ok(Some(end)) => said.push(format!("forwarding {}", end.wire())),
             Ok(None) => {}
-            Err(error) => said.push(format!("forwarding not restored ({error})")),
+            Err(error) => {
+                left = true;
+                said.push(format!("forwarding is still 0 ({error})"));
+            }
         }
-        for (what, removed) in [
-            ("the probe address", self.remove_address(guard, grant).await),
-            (
-                "the containment table",
-                self.remove_table(guard, grant).await,
-            ),
-        ] {
-            said.push(match removed {
-                Ok(end) => format!("{what} was removed ({end})"),
-                Err(error) => format!("{what} is still installed ({error})"),
-            });
+        match self.remove_address(guard, grant).await {
+            Ok(end) => {
+                said.push(format!("the probe address was removed ({end})"));
+                match self.remove_table(guard, grant).await {
+                    Ok(end) => said.push(format!("the containment table was removed ({end})")),
+                    Err(error) => {
+                        left = true;
+                        said.push(format!(
+                            "the containment table is still installed ({error})"
+                        ));
+                    }
+                }
+            }
+            // The table stays while the address does: the address never exists without it.
+            Err(error) => {
+                left = true;
+                said.push(format!(
+                    "the probe address and the containment table are still installed ({error})"
+                ));
+            }
         }
-        let all_gone = said
-            .iter()
-            .all(|s| !s.contains("still") && !s.contains("not restored"));
-        if all_gone {
-            said.join(", ")
-        } else {
+        if left {
             format!("{}; call Cleanup", said.join(", "))
+        } else {
+            said.join(", ")
         }
     }
 
