@@ -165,8 +165,16 @@ pub fn violations(
             ));
         }
     }
-    for rule in &seen.nat_rules {
+    for rule in seen.nat_rules.iter().take(MAX_LISTED_CONFLICTS) {
         violations.push(format!("a NAT rule references {vnet}: {rule}"));
+    }
+    if let Some(more) = seen
+        .nat_rules
+        .len()
+        .checked_sub(MAX_LISTED_CONFLICTS)
+        .filter(|n| *n > 0)
+    {
+        violations.push(format!("and {more} more NAT rules that reference {vnet}"));
     }
     for upper in &seen.upper_devices {
         violations.push(format!(
@@ -176,8 +184,11 @@ pub fn violations(
     violations
 }
 
-/// Conflicts at most listed in one refusal; the rest are counted.
+/// Conflicts (and NAT rules) at most listed in one refusal; the rest are counted.
 const MAX_LISTED_CONFLICTS: usize = 8;
+
+/// Characters of one legacy NAT rule kept in a refusal.
+const MAX_RULE_CHARS: usize = 512;
 
 /// Every way the probe network would change how the node routes its own traffic: a prefix
 /// wider than `limits.min_probe_prefix`, a probe address the node already has, a network that
@@ -430,7 +441,8 @@ pub fn legacy_nat_rules(listing: &str, vnet: &VnetName, subnet: &str) -> Vec<Str
                                 .is_some_and(|prefix| vnet.as_str().starts_with(prefix))
                     })
         })
-        .map(str::to_owned)
+        // A rule's comment is free text: escaped and cut like any text the node repeats.
+        .map(|line| crate::untrusted::printable(line.as_bytes(), MAX_RULE_CHARS))
         .collect()
 }
 
@@ -1523,6 +1535,33 @@ mod tests {
                 "-A PREROUTING -i csbox+ -j DNAT --to-destination 203.0.113.9",
                 "-A POSTROUTING -o \"csbox1\" -j MASQUERADE",
             ]
+        );
+    }
+
+    #[test]
+    fn nat_rules_listed_in_a_refusal_are_bounded() {
+        let vnet = VnetName::validate("csbox1").unwrap();
+        let mut seen = isolated();
+        seen.nat_rules = (0..10)
+            .map(|n| format!("-A POSTROUTING -o csbox1 -m comment --comment r{n} -j MASQUERADE"))
+            .collect();
+        let found = violations(
+            &grant(),
+            &vnet,
+            &seen,
+            Stage::Prepare,
+            ForwardingPolicy::Refuse,
+        );
+        assert_eq!(found.len(), 9, "{found:?}");
+        assert_eq!(found[8], "and 2 more NAT rules that reference csbox1");
+        let long = format!(
+            "-A POSTROUTING -o csbox1 -m comment --comment \"{}\u{1b}\"",
+            "x".repeat(600)
+        );
+        let listed = legacy_nat_rules(&long, &vnet, "198.51.100.0/24");
+        assert!(
+            listed[0].ends_with("more bytes]") && !listed[0].contains('\u{1b}'),
+            "{listed:?}"
         );
     }
 
