@@ -398,11 +398,16 @@ struct Node {
 
 impl Node {
     async fn start(probe_timeout_secs: u64) -> Self {
+        Self::start_with(|config| config.limits.probe_timeout_secs = probe_timeout_secs).await
+    }
+
+    /// A node whose config `edit` changed first.
+    async fn start_with(edit: impl FnOnce(&mut certistack_connector::config::Config)) -> Self {
         let lab = Lab::new("net");
         let authority_dir = TempDir::new("net-ctl");
         let authority = controller(&authority_dir.0);
         let mut config = lab.node_config(&authority, &lab.root.join("node"));
-        config.limits.probe_timeout_secs = probe_timeout_secs;
+        edit(&mut config);
         let (address, shutdown, task) = serve_node(config).await;
         Self {
             authority,
@@ -636,7 +641,7 @@ fn containment_and_probes_against_real_services() {
         );
         assert_eq!(
             evidence.forwarding_sysctl,
-            "net.ipv4.conf.csbox1.forwarding = 0"
+            "net.ipv4.conf.csbox1.forwarding = 0\nnet.ipv6.conf.csbox1.forwarding = 0"
         );
         let listed = String::from_utf8(
             topology
@@ -1417,6 +1422,525 @@ fn hostile_guest_answers_are_bounded_escaped_and_capped() {
         }
         assert_eq!(probe_records, hostile.len());
         let (_, residue) = cleanup_receipts(&mut c, RUN_ID).await;
+        assert!(residue.is_empty(), "{residue:?}");
+        node.stop().await;
+    });
+}
+
+/// The VNet's forwarding sysctls in the node namespace: (IPv4, IPv6).
+fn vnet_forwarding(topology: &Topology) -> (String, String) {
+    let read = |name: &str| {
+        String::from_utf8(topology.node_sh(&["sysctl", "-n", name]).stdout)
+            .unwrap()
+            .trim()
+            .to_owned()
+    };
+    (
+        read("net.ipv4.conf.csbox1.forwarding"),
+        read("net.ipv6.conf.csbox1.forwarding"),
+    )
+}
+
+fn forwarding_on(topology: &Topology) {
+    topology.node_sh(&[
+        "sysctl",
+        "-w",
+        "net.ipv4.conf.csbox1.forwarding=1",
+        "net.ipv6.conf.csbox1.forwarding=1",
+    ]);
+}
+
+fn disable_for_run(config: &mut certistack_connector::config::Config) {
+    config.sandbox.forwarding = certistack_connector::config::ForwardingPolicy::DisableForRun;
+}
+
+const FORWARDING_SET_FOR_RUN: &str = "net.ipv4.conf.csbox1.forwarding = 0 (was 1; set to 0 for this run by sandbox.forwarding = \"disable-for-run\", restored when the sandbox is released)\nnet.ipv6.conf.csbox1.forwarding = 0 (was 1; set to 0 for this run by sandbox.forwarding = \"disable-for-run\", restored when the sandbox is released)";
+
+#[test]
+fn forwarding_on_the_vnet_is_refused_or_turned_off_for_the_run() {
+    if !privileged(
+        "forwarding_on_the_vnet_is_refused_or_turned_off_for_the_run",
+        TOOLS,
+    ) {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    inside_node(Topology::new("fwd"), |topology| async move {
+        // ifupdown2 leaves a bare VNet stanza forwarding.
+        forwarding_on(&topology);
+
+        // The default policy refuses the VNet and changes nothing.
+        let node = Node::start(3).await;
+        let mut c = node.run(RUN_ID, targets(true)).await;
+        let status = c.prepare_sandbox(prepare()).await.unwrap_err();
+        assert_refused_with_nothing_installed(
+            &status,
+            &topology,
+            &[
+                "IPv4 forwarding is on for csbox1",
+                "IPv6 forwarding is on for csbox1",
+                "or set sandbox.forwarding = \"disable-for-run\"",
+            ],
+        );
+        assert_eq!(vnet_forwarding(&topology), ("1".into(), "1".into()));
+        node.stop().await;
+
+        // "disable-for-run": 0 while the run holds the sandbox, the old value after release.
+        let node = Node::start_with(disable_for_run).await;
+        let mut c = node.run(RUN_ID, targets(true)).await;
+        let evidence = c.prepare_sandbox(prepare()).await.unwrap().into_inner();
+        assert_eq!(evidence.forwarding_sysctl, FORWARDING_SET_FOR_RUN);
+        assert_eq!(vnet_forwarding(&topology), ("0".into(), "0".into()));
+        let steps = journal_steps(&mut c, RUN_ID).await;
+        for step in [
+            "sandbox.forwarding fwd:csbox1 intent",
+            "sandbox.forwarding fwd:csbox1 done",
+        ] {
+            assert!(steps.contains(&step.to_owned()), "{step} not in {steps:?}");
+        }
+        // A guest booting now is checked against the 0 the run set.
+        c.release_sandbox(pb::ReleaseSandboxRequest { vnet: VNET.into() })
+            .await
+            .unwrap();
+        assert_eq!(vnet_forwarding(&topology), ("1".into(), "1".into()));
+        let steps = journal_steps(&mut c, RUN_ID).await;
+        assert!(
+            steps.contains(&"sandbox.forwarding.restore fwd:csbox1 undone".to_owned()),
+            "{steps:?}"
+        );
+        // Restored once: Cleanup finds nothing of the run's left to put back.
+        let (receipts, residue) = cleanup_receipts(&mut c, RUN_ID).await;
+        assert!(receipts.is_empty(), "{receipts:?}");
+        assert!(residue.is_empty(), "{residue:?}");
+        assert_eq!(vnet_forwarding(&topology), ("1".into(), "1".into()));
+        node.stop().await;
+
+        // A value someone else changed after the run set 0 is theirs: Cleanup leaves it.
+        let node = Node::start_with(disable_for_run).await;
+        let mut c = node.run(RUN_ID, targets(true)).await;
+        c.prepare_sandbox(prepare()).await.unwrap();
+        topology.node_sh(&["sysctl", "-w", "net.ipv4.conf.csbox1.forwarding=1"]);
+        topology.node_sh(&["sysctl", "-w", "net.ipv6.conf.csbox1.forwarding=1"]);
+        topology.node_sh(&["sysctl", "-w", "net.ipv4.conf.csbox1.forwarding=0"]);
+        let (receipts, residue) = cleanup_receipts(&mut c, RUN_ID).await;
+        assert_eq!(receipts[0], "fwd:csbox1 restored", "{receipts:?}");
+        assert!(residue.is_empty(), "{residue:?}");
+        // IPv4 was still the run's 0 and went back to 1; IPv6 was already 1 again.
+        assert_eq!(vnet_forwarding(&topology), ("1".into(), "1".into()));
+        node.stop().await;
+    });
+}
+
+#[test]
+fn crash_after_prepare_sandbox_restores_forwarding_after_recovery() {
+    if !privileged(
+        "crash_after_prepare_sandbox_restores_forwarding_after_recovery",
+        TOOLS,
+    ) {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    inside_node(Topology::new("fwdcrash"), |topology| async move {
+        forwarding_on(&topology);
+        let lab = Lab::new("netfwdcrash");
+        let authority_dir = TempDir::new("netfwdcrash-ctl");
+        let authority = controller(&authority_dir.0);
+        let mut config = lab.node_config(&authority, &lab.root.join("node"));
+        disable_for_run(&mut config);
+        let port = free_local_port();
+        let config_path = lab.root.join("node/connector.toml");
+        write_config_file(&config_path, &config, port);
+        let address = format!("127.0.0.1:{port}");
+        let spawn = || {
+            Command::new(binary("certistack-connector"))
+                .args(["--config", config_path.to_str().unwrap()])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap()
+        };
+        let mut wire = grant(RUN_ID, NODE);
+        wire.probe_targets = targets(true);
+        let credentials = mint(&authority, &wire);
+        let operator = authority.issue_operator("recovery", now()).unwrap();
+
+        let mut daemon = spawn();
+        let mut c = client_when_up(&authority, &address, &credentials.certificate).await;
+        c.begin_run(begin_request(&credentials)).await.unwrap();
+        let evidence = c.prepare_sandbox(prepare()).await.unwrap().into_inner();
+        assert_eq!(evidence.forwarding_sysctl, FORWARDING_SET_FOR_RUN);
+        daemon.kill().unwrap(); // SIGKILL
+        daemon.wait().unwrap();
+        assert_eq!(vnet_forwarding(&topology), ("0".into(), "0".into()));
+
+        let mut daemon = spawn();
+        let mut op = client_when_up(&authority, &address, &operator).await;
+        let runs = op
+            .list_runs(pb::ListRunsRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .runs;
+        assert!(
+            runs[0]
+                .open_resources
+                .iter()
+                .any(|r| r.contains("fwd:csbox1")),
+            "{:?}",
+            runs[0].open_resources
+        );
+        let (receipts, residue) = cleanup_receipts(&mut op, RUN_ID).await;
+        assert_eq!(
+            receipts,
+            [
+                "fwd:csbox1 restored",
+                "addr:csbox1 deleted",
+                "nft:certistack_0f0e1c2d3b4a4c5d8e6f7a8b9c0d1e2f deleted"
+            ]
+        );
+        assert!(residue.is_empty(), "{residue:?}");
+        assert_eq!(vnet_forwarding(&topology), ("1".into(), "1".into()));
+        // Idempotent: a second Cleanup restores nothing again.
+        let (receipts, _) = cleanup_receipts(&mut op, RUN_ID).await;
+        assert!(receipts.is_empty(), "{receipts:?}");
+        daemon.kill().unwrap();
+        daemon.wait().unwrap();
+    });
+}
+
+/// Whether an ICMPv6 echo request from `source` to `target`, sent from namespace `ns`, is
+/// answered within 1.5 s.
+fn echo_answered(topology: &Topology, ns: &str, source: &str, target: &str) -> bool {
+    let script = format!(
+        "import socket,sys,time\n\
+         s=socket.socket(socket.AF_INET6,socket.SOCK_RAW,socket.IPPROTO_ICMPV6)\n\
+         s.bind(('{source}',0));s.settimeout(0.3)\n\
+         try:\n s.sendto(bytes([128,0,0,0,0x43,0x53,0,1])+b'certistack',('{target}',0))\n\
+         except OSError:\n sys.exit(1)\n\
+         end=time.time()+1.5\n\
+         while time.time()<end:\n\
+         \x20try:\n  d,a=s.recvfrom(2048)\n\
+         \x20except socket.timeout:\n  continue\n\
+         \x20if d[0]==129 and a[0]=='{target}':\n  sys.exit(0)\n\
+         sys.exit(1)"
+    );
+    topology
+        .in_ns(ns, &["python3", "-c", &script])
+        .status()
+        .unwrap()
+        .success()
+}
+
+#[test]
+fn ipv6_probes_resolve_their_target_and_nothing_else() {
+    if !privileged("ipv6_probes_resolve_their_target_and_nothing_else", TOOLS) {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let mut topology = Topology::new("six");
+    let guest = topology.guest.clone();
+    sh(&[
+        "ip",
+        "-n",
+        &guest,
+        "address",
+        "add",
+        "2001:db8:5::10/120",
+        "dev",
+        "eth0",
+        "nodad",
+    ]);
+    let banner = "import socket\ns=socket.socket(socket.AF_INET6);s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\ns.bind(('2001:db8:5::10',22));s.listen()\nwhile True:\n c,_=s.accept();c.sendall(b'SSH-2.0-CertiStackTest\\r\\n');c.close()";
+    topology.serve(&guest, &["python3", "-c", banner]);
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    inside_node(topology, |topology| async move {
+        const SOURCE: &str = "2001:db8:5::2/120";
+        let node = Node::start(3).await;
+        let target = pb::ProbeTarget {
+            kind: pb::ProbeKind::Tcp as i32,
+            address: "2001:db8:5::10".into(),
+            port: 22,
+            expect: Some(pb::ProbeExpectation {
+                banner_prefix: "SSH-2.0-".into(),
+                ..Default::default()
+            }),
+        };
+        let (mut c, begun) = run_with_source(&node, RUN_ID, SOURCE, vec![target.clone()]).await;
+        begun.unwrap();
+        let evidence = c
+            .prepare_sandbox(pb::PrepareSandboxRequest {
+                vnet: VNET.into(),
+                probe_source: SOURCE.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(
+            evidence.ruleset_text.contains("nd-neighbor-solicit"),
+            "{}",
+            evidence.ruleset_text
+        );
+        let reply = c
+            .probe(pb::ProbeRequest {
+                kind: target.kind,
+                address: target.address.clone(),
+                port: target.port,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            reply.outcome,
+            pb::ProbeOutcome::Passed as i32,
+            "{}",
+            reply.detail
+        );
+        eprintln!("IPv6 TCP probe: {} us", reply.latency_us);
+        // The neighbours resolved each other; any other ICMPv6 is still dropped both ways.
+        let (node_ns, guest_ns) = (topology.node.clone(), topology.guest.clone());
+        assert!(
+            !echo_answered(&topology, &guest_ns, "2001:db8:5::10", "2001:db8:5::2"),
+            "the guest's echo request reached the probe address"
+        );
+        assert!(
+            !echo_answered(&topology, &node_ns, "2001:db8:5::2", "2001:db8:5::10"),
+            "an echo request left the probe address"
+        );
+        // Control: without the table (the address put back by hand) the same echo is answered,
+        // so the drops above were the table's.
+        c.release_sandbox(pb::ReleaseSandboxRequest { vnet: VNET.into() })
+            .await
+            .unwrap();
+        topology.node_sh(&["ip", "address", "add", SOURCE, "dev", "csbox1", "nodad"]);
+        assert!(
+            echo_answered(&topology, &guest_ns, "2001:db8:5::10", "2001:db8:5::2"),
+            "control: the echo is answered without the table"
+        );
+        topology.node_sh(&["ip", "address", "del", SOURCE, "dev", "csbox1"]);
+        let (_, residue) = cleanup_receipts(&mut c, RUN_ID).await;
+        assert!(residue.is_empty(), "{residue:?}");
+        node.stop().await;
+    });
+}
+
+#[test]
+fn legacy_nat_rules_refuse_the_vnet_and_missing_tools_are_named() {
+    if !privileged(
+        "legacy_nat_rules_refuse_the_vnet_and_missing_tools_are_named",
+        &[
+            "ip",
+            "nft",
+            "python3",
+            "iptables-legacy",
+            "ip6tables-legacy",
+        ],
+    ) {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    inside_node(Topology::new("legacy"), |topology| async move {
+        let node = Node::start(3).await;
+        let mut c = node.run(RUN_ID, targets(true)).await;
+        // SDN's SNAT (by subnet, through iptables-legacy) and a masquerade out of the VNet.
+        let rules: [(&str, &[&str]); 2] = [
+            (
+                "iptables-legacy",
+                &[
+                    "POSTROUTING",
+                    "-s",
+                    "198.51.100.0/24",
+                    "-o",
+                    "uplink0",
+                    "-j",
+                    "SNAT",
+                    "--to-source",
+                    "203.0.113.1",
+                ],
+            ),
+            (
+                "ip6tables-legacy",
+                &["POSTROUTING", "-o", "csbox1", "-j", "MASQUERADE"],
+            ),
+        ];
+        for (tool, rule) in rules {
+            let mut add = vec![tool, "-t", "nat", "-A"];
+            add.extend_from_slice(rule);
+            topology.node_sh(&add);
+            let status = c.prepare_sandbox(prepare()).await.unwrap_err();
+            let named = format!(
+                "a NAT rule references csbox1: -A {} (/usr/sbin/{tool}-save -t nat)",
+                rule.join(" ")
+            );
+            assert_refused_with_nothing_installed(
+                &status,
+                &topology,
+                &["VNet csbox1 is not isolated", &named],
+            );
+            // The same rule is invisible to nftables.
+            let ruleset =
+                String::from_utf8(topology.node_sh(&["nft", "list", "ruleset"]).stdout).unwrap();
+            assert!(!ruleset.contains("csbox1") && !ruleset.contains("198.51.100.0/24"));
+            add[3] = "-D";
+            topology.node_sh(&add);
+        }
+        // Without them the VNet passes, and the evidence names every source read.
+        let evidence = c.prepare_sandbox(prepare()).await.unwrap().into_inner();
+        assert_eq!(evidence.nat_sources.len(), 3, "{:?}", evidence.nat_sources);
+        assert!(evidence.nat_sources[0].starts_with("nft list ruleset: "));
+        for (source, tool) in evidence.nat_sources[1..]
+            .iter()
+            .zip(["iptables", "ip6tables"])
+        {
+            assert!(
+                source.starts_with(&format!("/usr/sbin/{tool}-legacy-save -t nat: "))
+                    && source.ends_with(" bytes read"),
+                "{source}"
+            );
+        }
+        let (_, residue) = cleanup_receipts(&mut c, RUN_ID).await;
+        assert!(residue.is_empty(), "{residue:?}");
+        node.stop().await;
+
+        // Where the legacy tools are not installed, the check is skipped and says so.
+        let node = Node::start_with(|config| {
+            config.tools.iptables_legacy_save = "/nonexistent/iptables-legacy-save".into();
+            config.tools.ip6tables_legacy_save = "/nonexistent/ip6tables-legacy-save".into();
+        })
+        .await;
+        let mut c = node.run(RUN_ID, targets(true)).await;
+        let evidence = c.prepare_sandbox(prepare()).await.unwrap().into_inner();
+        assert_eq!(
+            evidence.nat_sources[1..],
+            [
+                "/nonexistent/iptables-legacy-save: not installed",
+                "/nonexistent/ip6tables-legacy-save: not installed"
+            ]
+        );
+        let (_, residue) = cleanup_receipts(&mut c, RUN_ID).await;
+        assert!(residue.is_empty(), "{residue:?}");
+        node.stop().await;
+    });
+}
+
+#[test]
+fn rulesets_past_64_kib_are_read_up_to_the_configured_limit() {
+    if !privileged(
+        "rulesets_past_64_kib_are_read_up_to_the_configured_limit",
+        TOOLS,
+    ) {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    inside_node(Topology::new("big"), |topology| async move {
+        // A busy node: a table of its own with 3,000 rules in a chain no hook reaches.
+        let mut script =
+            String::from("add table inet bulk_test\nadd chain inet bulk_test filler\n");
+        for n in 0..3000 {
+            script.push_str(&format!(
+                "add rule inet bulk_test filler ip saddr 10.{}.{}.1 tcp dport {} counter accept\n",
+                n / 256,
+                n % 256,
+                1000 + n
+            ));
+        }
+        let file = topology.dir.0.join("bulk.nft");
+        std::fs::write(&file, script).unwrap();
+        topology.node_sh(&["nft", "-f", file.to_str().unwrap()]);
+        let size = topology.node_sh(&["nft", "list", "ruleset"]).stdout.len();
+        assert!(size > 64 * 1024, "{size}");
+
+        let node = Node::start(3).await;
+        let mut c = node.run(RUN_ID, targets(true)).await;
+        let started = std::time::Instant::now();
+        let evidence = c.prepare_sandbox(prepare()).await.unwrap().into_inner();
+        eprintln!(
+            "PrepareSandbox with a {size}-byte ruleset: {} ms; {:?}",
+            started.elapsed().as_millis(),
+            evidence.nat_sources
+        );
+        let (_, residue) = cleanup_receipts(&mut c, RUN_ID).await;
+        assert!(residue.is_empty(), "{residue:?}");
+        node.stop().await;
+
+        // Past the configured limit the check cannot be completed: refused, saying why.
+        let node = Node::start_with(|config| config.limits.max_ruleset_bytes = 64 * 1024).await;
+        let mut c = node.run(RUN_ID, targets(true)).await;
+        let status = c.prepare_sandbox(prepare()).await.unwrap_err();
+        assert_refused_with_nothing_installed(
+            &status,
+            &topology,
+            &[
+                "the node's nftables ruleset is larger than the connector reads (65536 bytes, limits.max_ruleset_bytes), so the NAT check cannot be completed",
+            ],
+        );
+        node.stop().await;
+    });
+}
+
+#[test]
+fn a_probe_address_removed_by_the_node_is_an_infrastructure_error() {
+    if !privileged(
+        "a_probe_address_removed_by_the_node_is_an_infrastructure_error",
+        TOOLS,
+    ) {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let mut topology = Topology::new("purge");
+    let guest = topology.guest.clone();
+    let banner = "import socket\ns=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\ns.bind(('198.51.100.10',22));s.listen()\nwhile True:\n c,_=s.accept();c.sendall(b'SSH-2.0-CertiStackTest\\r\\n');c.close()";
+    topology.serve(&guest, &["python3", "-c", banner]);
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    inside_node(topology, |topology| async move {
+        let node = Node::start(3).await;
+        let target = pb::ProbeTarget {
+            kind: pb::ProbeKind::Tcp as i32,
+            address: GUEST.into(),
+            port: 22,
+            expect: Some(pb::ProbeExpectation {
+                banner_prefix: "SSH-2.0-".into(),
+                ..Default::default()
+            }),
+        };
+        let request = pb::ProbeRequest {
+            kind: target.kind,
+            address: target.address.clone(),
+            port: target.port,
+        };
+        let mut c = node.run(RUN_ID, vec![target]).await;
+        c.prepare_sandbox(prepare()).await.unwrap();
+        let reply = c.probe(request.clone()).await.unwrap().into_inner();
+        assert_eq!(
+            reply.outcome,
+            pb::ProbeOutcome::Passed as i32,
+            "{}",
+            reply.detail
+        );
+        // What `ifreload -a` does to an address it did not configure.
+        topology.node_sh(&["ip", "address", "del", PROBE_SOURCE, "dev", "csbox1"]);
+        let status = c.probe(request).await.unwrap_err();
+        assert_eq!(status.code(), Code::Unavailable, "{}", status.message());
+        assert!(
+            status
+                .message()
+                .starts_with("probe address removed by the node (ifreload?): 198.51.100.2/24 is no longer on csbox1"),
+            "{}",
+            status.message()
+        );
+        let steps = journal_steps(&mut c, RUN_ID).await;
+        assert_eq!(
+            steps.last().map(String::as_str),
+            Some("probe.run probe:tcp:198.51.100.10:22 failed"),
+            "{steps:?}"
+        );
+        let (receipts, residue) = cleanup_receipts(&mut c, RUN_ID).await;
+        assert_eq!(
+            receipts,
+            [
+                "addr:csbox1 already gone",
+                "nft:certistack_0f0e1c2d3b4a4c5d8e6f7a8b9c0d1e2f deleted"
+            ]
+        );
         assert!(residue.is_empty(), "{residue:?}");
         node.stop().await;
     });

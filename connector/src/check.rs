@@ -64,6 +64,20 @@ fn check_tools(config: &Config, report: &mut Report) {
             )),
         }
     }
+    // Optional: without them PrepareSandbox skips the legacy NAT table and its evidence says so.
+    for (key, path) in [
+        ("tools.iptables_legacy_save", &tools.iptables_legacy_save),
+        ("tools.ip6tables_legacy_save", &tools.ip6tables_legacy_save),
+    ] {
+        report.notes.push(if path.exists() {
+            format!("{key} = {}", path.display())
+        } else {
+            format!(
+                "{key} = {}: not installed; the legacy NAT check is skipped (install iptables if pve-firewall or SDN SNAT may write legacy rules)",
+                path.display()
+            )
+        });
+    }
 }
 
 fn check_pve(config: &Config, report: &mut Report) {

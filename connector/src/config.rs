@@ -31,6 +31,32 @@ pub struct Config {
     pub pve: PvePaths,
     #[serde(default)]
     pub limits: Limits,
+    /// How the sandbox network treats what the node does to its VNets.
+    #[serde(default)]
+    pub sandbox: SandboxPolicy,
+}
+
+/// What `PrepareSandbox` does with a VNet the node forwards for.
+///
+/// ifupdown2 writes `forwarding=1` on a bridge whose stanza has no address method, and SDN
+/// writes VNets as such stanzas, so a node may forward on every VNet it has. The run's table
+/// drops all forwarding into and out of the VNet either way; the sysctl is a second layer.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ForwardingPolicy {
+    /// Refuse a VNet with forwarding on (IPv4 or IPv6): the operator fixes the node.
+    #[default]
+    Refuse,
+    /// Set the VNet's forwarding sysctls to 0 for the run, journaled with their previous
+    /// values, and restore them at release or cleanup.
+    DisableForRun,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SandboxPolicy {
+    /// `"refuse"` (the default) or `"disable-for-run"`.
+    pub forwarding: ForwardingPolicy,
 }
 
 /// Where Proxmox keeps what the connector inspects; the defaults are PVE's own paths.
@@ -94,6 +120,11 @@ pub struct ToolPaths {
     pub ip: PathBuf,
     /// nftables, for the run's containment table.
     pub nft: PathBuf,
+    /// Reads the legacy IPv4 NAT table (pve-firewall and SDN SNAT use iptables-legacy, which
+    /// `nft list ruleset` does not show). Absent: the check is skipped and the evidence says so.
+    pub iptables_legacy_save: PathBuf,
+    /// The same for IPv6.
+    pub ip6tables_legacy_save: PathBuf,
 }
 
 impl Default for ToolPaths {
@@ -104,6 +135,8 @@ impl Default for ToolPaths {
             qemu_img: "/usr/bin/qemu-img".into(),
             ip: "/usr/sbin/ip".into(),
             nft: "/usr/sbin/nft".into(),
+            iptables_legacy_save: "/usr/sbin/iptables-legacy-save".into(),
+            ip6tables_legacy_save: "/usr/sbin/ip6tables-legacy-save".into(),
         }
     }
 }
@@ -168,6 +201,10 @@ pub struct Limits {
     /// Bytes of one QMP screendump image the node returns; a larger one is removed and the
     /// call refused with RESOURCE_EXHAUSTED.
     pub max_screendump_bytes: usize,
+    /// Bytes of a firewall listing (`nft list ruleset`, `iptables-legacy-save -t nat`) the NAT
+    /// check reads. A larger listing refuses PrepareSandbox: a rule past the cut could go
+    /// unseen. proxmox-firewall's base ruleset alone is about 13 KB; a busy node passes 64 KiB.
+    pub max_ruleset_bytes: usize,
 }
 
 impl Default for Limits {
@@ -198,6 +235,7 @@ impl Default for Limits {
             idle_timeout_secs: 300,
             reserved_fds: 128,
             max_screendump_bytes: 8 * 1024 * 1024,
+            max_ruleset_bytes: 16 * 1024 * 1024,
         }
     }
 }
@@ -236,7 +274,7 @@ impl Config {
             value: self.node_name.clone(),
             reason,
         })?;
-        let absolute: [(&'static str, &Path); 16] = [
+        let absolute: [(&'static str, &Path); 18] = [
             ("tls.certificate", &self.tls.certificate),
             ("tls.private_key", &self.tls.private_key),
             ("tls.controller_ca", &self.tls.controller_ca),
@@ -254,6 +292,14 @@ impl Config {
             ("tools.qemu_img", &self.tools.qemu_img),
             ("tools.ip", &self.tools.ip),
             ("tools.nft", &self.tools.nft),
+            (
+                "tools.iptables_legacy_save",
+                &self.tools.iptables_legacy_save,
+            ),
+            (
+                "tools.ip6tables_legacy_save",
+                &self.tools.ip6tables_legacy_save,
+            ),
             ("pve.qemu_server_run_dir", &self.pve.qemu_server_run_dir),
             ("pve.vm_config_dir", &self.pve.vm_config_dir),
             ("pve.pbs_loopdev_dir", &self.pve.pbs_loopdev_dir),
@@ -419,6 +465,12 @@ impl Config {
             1024,
             MAX_SCREENDUMP_BYTES,
         )?;
+        limit(
+            "limits.max_ruleset_bytes",
+            l.max_ruleset_bytes,
+            64 * 1024,
+            256 * 1024 * 1024,
+        )?;
         Ok(())
     }
 
@@ -494,6 +546,41 @@ overlay_root = "/var/lib/certistack/overlays"
                 .to_string()
                 .contains("node_name")
         );
+
+        assert_eq!(config.sandbox.forwarding, ForwardingPolicy::Refuse);
+        assert_eq!(config.limits.max_ruleset_bytes, 16 * 1024 * 1024);
+        let disable = write(
+            "forwarding",
+            &format!("{GOOD}[sandbox]\nforwarding = \"disable-for-run\"\n"),
+            0o644,
+        );
+        assert_eq!(
+            Config::load(&disable).unwrap().sandbox.forwarding,
+            ForwardingPolicy::DisableForRun
+        );
+        let unknown = write(
+            "forwarding-off",
+            &format!("{GOOD}[sandbox]\nforwarding = \"off\"\n"),
+            0o644,
+        );
+        assert!(matches!(
+            Config::load(&unknown),
+            Err(ConfigError::Parse { .. })
+        ));
+        let tiny = write(
+            "ruleset",
+            &format!("{GOOD}[limits]\nmax_ruleset_bytes = 1024\n"),
+            0o644,
+        );
+        assert!(
+            Config::load(&tiny)
+                .unwrap_err()
+                .to_string()
+                .contains("limits.max_ruleset_bytes")
+        );
+        for path in [disable, unknown, tiny] {
+            std::fs::remove_file(path).unwrap();
+        }
 
         let missing = std::env::temp_dir().join("certistack-config-does-not-exist.toml");
         assert!(

@@ -51,6 +51,10 @@ pub enum ExecError {
     ResourceExhausted(String),
     #[error("{0}")]
     Failed(String),
+    /// The node took away something the step needs (a probe address an `ifreload` purged):
+    /// an infrastructure failure, not the caller's and not the backup's.
+    #[error("{0}")]
+    Unavailable(String),
 }
 
 impl From<ExecError> for tonic::Status {
@@ -63,6 +67,7 @@ impl From<ExecError> for tonic::Status {
             ExecError::DeadlineExceeded(_) => tonic::Status::deadline_exceeded(message),
             ExecError::ResourceExhausted(_) => tonic::Status::resource_exhausted(message),
             ExecError::Failed(_) => tonic::Status::internal(message),
+            ExecError::Unavailable(_) => tonic::Status::unavailable(message),
         }
     }
 }

@@ -62,6 +62,8 @@ pub struct ToolCall {
     pub env: Vec<(&'static str, String)>,
     pub secrets: Vec<SecretInput>,
     pub timeout: Duration,
+    /// Bytes of stdout and of stderr kept; [`OUTPUT_CAP`] unless the caller reads more.
+    pub output_cap: usize,
 }
 
 impl ToolCall {
@@ -72,7 +74,14 @@ impl ToolCall {
             env: Vec::new(),
             secrets: Vec::new(),
             timeout,
+            output_cap: OUTPUT_CAP,
         }
+    }
+
+    /// Keeps up to `bytes` of each output stream instead of [`OUTPUT_CAP`].
+    pub fn output_cap(mut self, bytes: usize) -> Self {
+        self.output_cap = bytes;
+        self
     }
 
     pub fn arg(mut self, arg: impl Into<OsString>) -> Self {
@@ -113,7 +122,7 @@ pub struct ToolOutput {
     pub stdout: String,
     pub stderr: String,
     pub elapsed: Duration,
-    /// Output beyond [`OUTPUT_CAP`] was dropped: a caller that parses all of it must not
+    /// Output beyond the call's cap ([`OUTPUT_CAP`] by default) was dropped: a caller that parses all of it must not
     /// trust a partial reading.
     pub truncated: bool,
 }
@@ -431,6 +440,7 @@ pub async fn run(call: ToolCall) -> Result<ToolOutput, ToolError> {
 pub fn start(call: ToolCall) -> Result<RunningTool, ToolError> {
     let program = call.display();
     let name = call.program.display().to_string();
+    let cap = call.output_cap;
     let mut command = tokio::process::Command::new(&call.program);
     command
         .args(&call.args)
@@ -479,11 +489,11 @@ pub fn start(call: ToolCall) -> Result<RunningTool, ToolError> {
         child
             .stdout
             .take()
-            .map(|pipe| tokio::spawn(capture(pipe, stdout.clone(), truncated.clone()))),
+            .map(|pipe| tokio::spawn(capture(pipe, stdout.clone(), cap, truncated.clone()))),
         child
             .stderr
             .take()
-            .map(|pipe| tokio::spawn(capture(pipe, stderr.clone(), truncated.clone()))),
+            .map(|pipe| tokio::spawn(capture(pipe, stderr.clone(), cap, truncated.clone()))),
     ];
     Ok(RunningTool {
         child,
@@ -582,6 +592,7 @@ impl Drop for GroupGuard {
 async fn capture(
     mut pipe: impl tokio::io::AsyncRead + Unpin,
     buffer: Arc<Mutex<Vec<u8>>>,
+    cap: usize,
     truncated: Arc<std::sync::atomic::AtomicBool>,
 ) {
     let mut chunk = [0u8; 8192];
@@ -590,7 +601,7 @@ async fn capture(
             Ok(0) | Err(_) => return,
             Ok(n) => {
                 let mut buffer = buffer.lock().unwrap_or_else(|p| p.into_inner());
-                let room = OUTPUT_CAP.saturating_sub(buffer.len());
+                let room = cap.saturating_sub(buffer.len());
                 if n > room {
                     truncated.store(true, std::sync::atomic::Ordering::SeqCst);
                 }
@@ -913,6 +924,14 @@ mod tests {
         assert_eq!(out.stdout.len(), OUTPUT_CAP);
         assert!(out.truncated);
         assert!(out.success());
+        // A caller that reads more sets its own cap, still a bound.
+        let wide = sh("head -c 200000 /dev/zero").output_cap(300_000);
+        let out = run(wide).await.unwrap();
+        assert_eq!((out.stdout.len(), out.truncated), (200_000, false));
+        let out = run(sh("head -c 200000 /dev/zero").output_cap(100_000))
+            .await
+            .unwrap();
+        assert_eq!((out.stdout.len(), out.truncated), (100_000, true));
     }
 
     #[tokio::test]

@@ -31,6 +31,9 @@ pub enum Resource {
     NftTable(String),
     /// `addr:<vnet>`: the probe address on the VNet.
     ProbeAddress(VnetName),
+    /// `fwd:<vnet>`: the VNet's forwarding sysctls, set to 0 for the run
+    /// (`sandbox.forwarding = "disable-for-run"`).
+    Forwarding(VnetName),
     /// `file:screendump:<vmid>`: a screendump in the run's directory.
     Screendump(Vmid),
     /// A key this connector does not know (a journal written by a newer version).
@@ -61,6 +64,8 @@ impl Resource {
             Some(Resource::NftTable(table.to_owned()))
         } else if let Some(vnet) = key.strip_prefix("addr:") {
             VnetName::validate(vnet).ok().map(Resource::ProbeAddress)
+        } else if let Some(vnet) = key.strip_prefix("fwd:") {
+            VnetName::validate(vnet).ok().map(Resource::Forwarding)
         } else if let Some(v) = key.strip_prefix("file:screendump:") {
             vmid(v).map(Resource::Screendump)
         } else {
@@ -76,7 +81,10 @@ impl Resource {
 
     /// Whether undoing this resource touches the sandbox network.
     pub fn is_network(&self) -> bool {
-        matches!(self, Resource::NftTable(_) | Resource::ProbeAddress(_))
+        matches!(
+            self,
+            Resource::NftTable(_) | Resource::ProbeAddress(_) | Resource::Forwarding(_)
+        )
     }
 }
 
@@ -89,6 +97,7 @@ impl fmt::Display for Resource {
             Resource::Vm(vmid) => write!(f, "vm:{vmid}"),
             Resource::NftTable(table) => write!(f, "nft:{table}"),
             Resource::ProbeAddress(vnet) => write!(f, "addr:{vnet}"),
+            Resource::Forwarding(vnet) => write!(f, "fwd:{vnet}"),
             Resource::Screendump(vmid) => write!(f, "file:screendump:{vmid}"),
             Resource::Unrecognized(key) => f.write_str(key),
         }
@@ -137,6 +146,8 @@ pub enum EndState {
     Unmapped,
     Deleted,
     Destroyed,
+    /// A setting of the node put back to the value it had before the run.
+    Restored,
     AlreadyGone,
     NeverCreated,
     NotOurs,
@@ -152,6 +163,7 @@ impl EndState {
             EndState::Unmapped => "unmapped".into(),
             EndState::Deleted => "deleted".into(),
             EndState::Destroyed => "destroyed".into(),
+            EndState::Restored => "restored".into(),
             EndState::AlreadyGone => "already gone".into(),
             EndState::NeverCreated => "never created".into(),
             EndState::NotOurs => "not this run's, left untouched".into(),

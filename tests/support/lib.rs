@@ -170,6 +170,7 @@ pub fn node_config(dir: &Path, node: &str) -> Config {
         tools: ToolPaths::default(),
         pve: PvePaths::default(),
         limits: Limits::default(),
+        sandbox: Default::default(),
     }
 }
 
@@ -639,8 +640,9 @@ pub fn write_config_file(path: &Path, config: &Config, port: u16) {
          [tls]\ncertificate = \"{}\"\nprivate_key = \"{}\"\ncontroller_ca = \"{}\"\nrun_authority_public_key = \"{}\"\n\
          [paths]\nstate_dir = \"{}\"\noverlay_root = \"{}\"\n\
          [tools]\nproxmox_backup_client = \"{}\"\nqm = \"{}\"\nqemu_img = \"{}\"\nip = \"{}\"\nnft = \"{}\"\n\
+         iptables_legacy_save = \"{}\"\nip6tables_legacy_save = \"{}\"\n\
          [pve]\nqemu_server_run_dir = \"{}\"\nvm_config_dir = \"{}\"\npbs_loopdev_dir = \"{}\"\npve_cluster_dir = \"{}\"\ndpkg_status = \"{}\"\n\
-         [limits]\n{}",
+         [limits]\n{}\n[sandbox]\n{}",
         config.node_name,
         p(&config.tls.certificate),
         p(&config.tls.private_key),
@@ -653,12 +655,15 @@ pub fn write_config_file(path: &Path, config: &Config, port: u16) {
         p(&config.tools.qemu_img),
         p(&config.tools.ip),
         p(&config.tools.nft),
+        p(&config.tools.iptables_legacy_save),
+        p(&config.tools.ip6tables_legacy_save),
         p(&config.pve.qemu_server_run_dir),
         p(&config.pve.vm_config_dir),
         p(&config.pve.pbs_loopdev_dir),
         p(&config.pve.pve_cluster_dir),
         p(&config.pve.dpkg_status),
         toml::to_string(&config.limits).unwrap(),
+        toml::to_string(&config.sandbox).unwrap(),
     );
     std::fs::write(path, text).unwrap();
 }

@@ -43,7 +43,10 @@ impl Kept {
             .collect::<Vec<_>>()
             .join(", ");
         let beneath = match resource {
-            Resource::NftTable(_) | Resource::ProbeAddress(_) | Resource::OverlayDir => true,
+            Resource::NftTable(_)
+            | Resource::ProbeAddress(_)
+            | Resource::Forwarding(_)
+            | Resource::OverlayDir => true,
             Resource::Overlay { vmid, .. } => self.vms.contains(vmid),
             Resource::Backup(archive) => self.archives.contains(archive),
             Resource::Vm(_) | Resource::Screendump(_) | Resource::Unrecognized(_) => false,
@@ -260,6 +263,11 @@ impl NodeExecutor {
                 .remove_address(guard, grant)
                 .await
                 .map(network_end_state),
+            // Written back only while it still holds the value the run set.
+            Resource::Forwarding(_) => self
+                .restore_forwarding(guard, grant)
+                .await
+                .map(|end| end.unwrap_or(EndState::AlreadyGone)),
             Resource::Screendump(vmid) => {
                 let path = self.screendump_path(grant, *vmid);
                 self.remove_path(guard, Op::FileDelete, key, &path).await

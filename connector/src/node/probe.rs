@@ -16,6 +16,7 @@
 //! used for anything else.
 
 use super::NodeExecutor;
+use super::resources::{self, Resource, Standing};
 use crate::executor::{ExecError, Outcome};
 use crate::grant::{Expectation, ProbeKind, ProbeTarget};
 use crate::journal::Phase;
@@ -1011,13 +1012,37 @@ impl NodeExecutor {
                 ))
             })?;
         let source = grant.probe_source.address.0;
-        if !self.address_present(grant).await? || !self.table_present(grant).await? {
+        let resource = format!("probe:{}:{address}:{port}", kind.name());
+        let address_added = resources::state_of(
+            &guard.records(),
+            &Resource::ProbeAddress(grant.vnet.clone()),
+        )
+        .is_some_and(|s| s.is_open() && s.standing() == Standing::Done);
+        let address_present = self.address_present(grant).await?;
+        if address_added && !address_present {
+            // ifupdown2's `ifreload -a` (every SDN "Apply" runs it) purges addresses it did not
+            // configure: the node took the address, the guest and the backup did nothing wrong.
+            let error = format!(
+                "probe address removed by the node (ifreload?): {} is no longer on {} although this run added it; the probe did not run. This is a failure of the node's network, not of the backup: release or clean up the sandbox and prepare it again",
+                grant.probe_source, grant.vnet
+            );
+            guard
+                .append(
+                    self.now_ms(),
+                    "probe.run",
+                    &resource,
+                    Phase::Failed,
+                    json!({ "source": source.to_string(), "error": error, "infrastructure": true }),
+                )
+                .await?;
+            return Err(ExecError::Unavailable(error));
+        }
+        if !address_present || !self.table_present(grant).await? {
             return Err(ExecError::FailedPrecondition(format!(
                 "the probe address {} or the run's containment table is not on {}; call PrepareSandbox first",
                 grant.probe_source, grant.vnet
             )));
         }
-        let resource = format!("probe:{}:{address}:{port}", kind.name());
         guard
             .append(
                 self.now_ms(),

@@ -3,15 +3,19 @@
 //! `PrepareSandbox` first reads the VNet's state and refuses the run when it is not isolated:
 //! the bridge must exist; its only ports may be taps of this run's sandbox VMs
 //! (`tap<vmid>i<N>`); no link may be stacked on it or on a port (a VLAN or macvlan takes frames
-//! the table never sees); IPv4 forwarding must be off on it; it must carry no address but the
-//! probe address (a gateway would route the guest out); no NAT rule may mention it. It then
+//! the table never sees); forwarding must be off on it (or, under `sandbox.forwarding =
+//! "disable-for-run"`, the step turns it off for the run, journaled with the previous values
+//! and restored at release or cleanup); it must carry no address but the probe address (a
+//! gateway would route the guest out); no NAT rule may mention it, in nftables or in the legacy
+//! iptables NAT tables that pve-firewall and SDN's SNAT use. It then
 //! refuses a probe network that would change how the node routes its own traffic: wider than
 //! `limits.min_probe_prefix`, overlapping an address or route of the node, or a probe address
 //! the node already has. The connector never creates or changes SDN configuration. Only then
 //! it installs one nftables table per run, atomically (`nft -f`), that
 //! - drops every packet from the VNet to the node but replies to the connector's own probes,
 //! - drops all forwarding into and out of the VNet,
-//! - lets the probe address send only to the grant's probe targets,
+//! - lets the probe address send only to the grant's probe targets (and, for IPv6, exchange
+//!   neighbour discovery with them and nothing else),
 //!
 //! and after it the probe address, so the address never exists without the table. `StartVm`
 //! repeats the isolation checks before every boot.
@@ -20,8 +24,9 @@
 //! ruleset with its SHA-256, so a report can show what protected the network during the run.
 //! Without that listing the step fails.
 
-use super::resources::EndState;
+use super::resources::{EndState, Resource};
 use super::{NodeExecutor, resources, tool_error};
+use crate::config::ForwardingPolicy;
 use crate::executor::{ExecError, Outcome};
 use crate::grant::{Grant, ProbeKind};
 use crate::journal::Phase;
@@ -32,7 +37,8 @@ use crate::validate::{IpInterface, VnetName};
 use certistack_proto::v1 as pb;
 use serde_json::json;
 use sha2::{Digest, Sha256};
-use std::net::IpAddr;
+use std::collections::BTreeSet;
+use std::net::{IpAddr, Ipv6Addr};
 
 /// What the node shows about a VNet, read without changing anything.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -47,6 +53,8 @@ pub struct Observation {
     pub addresses: Vec<String>,
     /// NAT rules that mention the VNet or its subnet.
     pub nat_rules: Vec<String>,
+    /// Each NAT source read and what it gave (bytes read, not installed, no table).
+    pub nat_sources: Vec<String>,
     /// Links stacked on the VNet or on one of its ports (VLAN, macvlan, macvtap, a veth
     /// peer): frames they take never reach the VNet's rules.
     pub upper_devices: Vec<String>,
@@ -92,8 +100,17 @@ pub fn table_name(grant: &Grant) -> String {
     format!("certistack_{id}")
 }
 
-/// Every way the observed VNet breaks isolation, each naming the property.
-pub fn violations(grant: &Grant, vnet: &VnetName, seen: &Observation, stage: Stage) -> Vec<String> {
+/// Every way the observed VNet breaks isolation, each naming the property. Under
+/// `sandbox.forwarding = "disable-for-run"`, forwarding found on at `PrepareSandbox` is not a
+/// violation: the step turns it off before any guest boots (and `StartVm` checks it is off).
+pub fn violations(
+    grant: &Grant,
+    vnet: &VnetName,
+    seen: &Observation,
+    stage: Stage,
+    forwarding: ForwardingPolicy,
+) -> Vec<String> {
+    let disabled_for_run = stage == Stage::Prepare && forwarding == ForwardingPolicy::DisableForRun;
     let mut violations = Vec::new();
     if !seen.is_bridge {
         violations.push(format!("bridge {vnet} does not exist on this node"));
@@ -117,14 +134,19 @@ pub fn violations(grant: &Grant, vnet: &VnetName, seen: &Observation, stage: Sta
     }
     match seen.forwarding.as_deref() {
         Some("0") => {}
+        Some(_) if disabled_for_run => {}
         Some(value) => violations.push(format!(
-            "IPv4 forwarding is on for {vnet} (net.ipv4.conf.{vnet}.forwarding = {value})"
+            "IPv4 forwarding is on for {vnet} (net.ipv4.conf.{vnet}.forwarding = {value}; turn it off, or set sandbox.forwarding = \"disable-for-run\")"
         )),
         None => violations.push(format!("net.ipv4.conf.{vnet}.forwarding cannot be read")),
     }
-    if let Some(value) = seen.forwarding_v6.as_deref().filter(|v| *v != "0") {
+    if let Some(value) = seen
+        .forwarding_v6
+        .as_deref()
+        .filter(|v| *v != "0" && !disabled_for_run)
+    {
         violations.push(format!(
-            "IPv6 forwarding is on for {vnet} (net.ipv6.conf.{vnet}.forwarding = {value})"
+            "IPv6 forwarding is on for {vnet} (net.ipv6.conf.{vnet}.forwarding = {value}; turn it off, or set sandbox.forwarding = \"disable-for-run\")"
         ));
     }
     let probe = grant.probe_source.to_string();
@@ -143,8 +165,16 @@ pub fn violations(grant: &Grant, vnet: &VnetName, seen: &Observation, stage: Sta
             ));
         }
     }
-    for rule in &seen.nat_rules {
+    for rule in seen.nat_rules.iter().take(MAX_LISTED_CONFLICTS) {
         violations.push(format!("a NAT rule references {vnet}: {rule}"));
+    }
+    if let Some(more) = seen
+        .nat_rules
+        .len()
+        .checked_sub(MAX_LISTED_CONFLICTS)
+        .filter(|n| *n > 0)
+    {
+        violations.push(format!("and {more} more NAT rules that reference {vnet}"));
     }
     for upper in &seen.upper_devices {
         violations.push(format!(
@@ -154,8 +184,11 @@ pub fn violations(grant: &Grant, vnet: &VnetName, seen: &Observation, stage: Sta
     violations
 }
 
-/// Conflicts at most listed in one refusal; the rest are counted.
+/// Conflicts (and NAT rules) at most listed in one refusal; the rest are counted.
 const MAX_LISTED_CONFLICTS: usize = 8;
+
+/// Characters of one legacy NAT rule kept in a refusal.
+const MAX_RULE_CHARS: usize = 512;
 
 /// Every way the probe network would change how the node routes its own traffic: a prefix
 /// wider than `limits.min_probe_prefix`, a probe address the node already has, a network that
@@ -306,11 +339,17 @@ pub fn ruleset(grant: &Grant, vnet: &VnetName) -> String {
             ));
         }
     }
+    let (ndp_in, ndp_out) = match probe.0 {
+        IpAddr::V6(source) => neighbour_discovery(grant, vnet, source),
+        IpAddr::V4(_) => (String::new(), String::new()),
+    };
+    allow.push_str(&ndp_out);
     format!(
         "table inet {table} {{\n\
          \x20 chain input {{\n\
          \x20   type filter hook input priority filter - 10; policy accept;\n\
          \x20   iifname \"{vnet}\" {family} daddr {probe} ct state established,related accept\n\
+         {ndp_in}\
          \x20   iifname \"{vnet}\" counter drop\n\
          \x20 }}\n\
          \x20 chain forward {{\n\
@@ -325,6 +364,110 @@ pub fn ruleset(grant: &Grant, vnet: &VnetName) -> String {
          \x20 }}\n\
          }}\n"
     )
+}
+
+/// The solicited-node multicast address of `address` (RFC 4291 2.7.1): where a neighbour
+/// solicitation for it is sent.
+fn solicited_node(address: Ipv6Addr) -> Ipv6Addr {
+    let [.., a, b, c] = address.octets();
+    Ipv6Addr::new(
+        0xff02,
+        0,
+        0,
+        0,
+        0,
+        1,
+        0xff00 | u16::from(a),
+        u16::from(b) << 8 | u16::from(c),
+    )
+}
+
+/// The IPv6 rules that let the probe address and the granted targets resolve each other and
+/// nothing else: neighbour solicitations (to the unicast or solicited-node address) and
+/// advertisements (to the unicast address), ICMPv6 types 135 and 136, with the hop limit 255
+/// every valid NDP message has (RFC 4861 7.1). Without them the output chain drops the
+/// solicitation and the input chain the advertisement (neither is `established`), and an IPv6
+/// probe never reaches its target. Returns the input and the output rules.
+fn neighbour_discovery(grant: &Grant, vnet: &VnetName, probe: Ipv6Addr) -> (String, String) {
+    let targets: BTreeSet<Ipv6Addr> = grant
+        .probe_targets
+        .iter()
+        .filter_map(|t| match t.address.0 {
+            IpAddr::V6(address) => Some(address),
+            IpAddr::V4(_) => None,
+        })
+        .collect();
+    if targets.is_empty() {
+        return (String::new(), String::new());
+    }
+    let set = |addresses: &mut dyn Iterator<Item = Ipv6Addr>| {
+        let listed: BTreeSet<String> = addresses.map(|a| a.to_string()).collect();
+        format!(
+            "{{ {} }}",
+            listed.into_iter().collect::<Vec<_>>().join(", ")
+        )
+    };
+    let unicast = set(&mut targets.iter().copied());
+    let solicited = set(&mut targets.iter().flat_map(|t| [*t, solicited_node(*t)]));
+    let probe_solicited = solicited_node(probe);
+    let input = format!(
+        "    iifname \"{vnet}\" ip6 saddr {unicast} ip6 daddr {{ {probe}, {probe_solicited} }} icmpv6 type nd-neighbor-solicit ip6 hoplimit 255 accept\n\
+         \x20   iifname \"{vnet}\" ip6 saddr {unicast} ip6 daddr {probe} icmpv6 type nd-neighbor-advert ip6 hoplimit 255 accept\n"
+    );
+    let output = format!(
+        "    oifname \"{vnet}\" ip6 saddr {probe} ip6 daddr {solicited} icmpv6 type nd-neighbor-solicit ip6 hoplimit 255 accept\n\
+         \x20   oifname \"{vnet}\" ip6 saddr {probe} ip6 daddr {unicast} icmpv6 type nd-neighbor-advert ip6 hoplimit 255 accept\n"
+    );
+    (input, output)
+}
+
+/// NAT rules of an `iptables-save -t nat` listing that involve the VNet (as an interface, an
+/// `iface+` wildcard matching it included) or the probe network (textually, like the nftables
+/// check).
+pub fn legacy_nat_rules(listing: &str, vnet: &VnetName, subnet: &str) -> Vec<String> {
+    listing
+        .lines()
+        .map(str::trim)
+        .filter(|line| line.starts_with("-A "))
+        .filter(|line| {
+            line.contains(subnet)
+                || line
+                    .split_whitespace()
+                    .map(|token| token.trim_matches(|c| c == '"' || c == '\''))
+                    .any(|token| {
+                        token == vnet.as_str()
+                            || token
+                                .strip_suffix('+')
+                                .is_some_and(|prefix| vnet.as_str().starts_with(prefix))
+                    })
+        })
+        // A rule's comment is free text: escaped and cut like any text the node repeats.
+        .map(|line| crate::untrusted::printable(line.as_bytes(), MAX_RULE_CHARS))
+        .collect()
+}
+
+/// The forwarding sysctl of one family (`ipv4`, `ipv6`) on the VNet.
+fn forwarding_path(family: &str, vnet: &VnetName) -> String {
+    format!("/proc/sys/net/{family}/conf/{vnet}/forwarding")
+}
+
+fn read_sysctl(path: &str) -> Option<String> {
+    std::fs::read_to_string(path)
+        .ok()
+        .map(|v| v.trim().to_owned())
+}
+
+/// The sysctls' values before the run, as the `sandbox.forwarding` intent journaled them.
+fn journaled_previous(state: &resources::ResourceState) -> Vec<(String, String)> {
+    state
+        .history
+        .iter()
+        .find_map(|r| r.entry.detail.get("previous")?.as_object().cloned())
+        .into_iter()
+        .flatten()
+        .filter_map(|(family, value)| Some((family, value.as_str()?.to_owned())))
+        .filter(|(family, _)| family == "ipv4" || family == "ipv6")
+        .collect()
 }
 
 /// What the sandbox adds to the node's network.
@@ -434,24 +577,18 @@ impl NodeExecutor {
             }
         }
         let out = self
-            .tool(&self.config.tools.nft, &["list", "ruleset"])
+            .read_ruleset(
+                &self.config.tools.nft,
+                &["list", "ruleset"],
+                "nftables ruleset",
+            )
             .await?;
-        if !out.success() {
-            return Err(ExecError::Failed(format!(
-                "nft list ruleset failed: {}",
-                out.stderr_excerpt()
-            )));
-        }
-        if out.truncated {
-            // A NAT rule past the cut could go unseen: refuse rather than call the VNet isolated.
-            return Err(ExecError::FailedPrecondition(
-                "the node's nftables ruleset is larger than the connector reads (64 KiB), so the NAT check cannot be completed".into(),
-            ));
-        }
+        seen.nat_sources
+            .push(format!("nft list ruleset: {} bytes read", out.len()));
         let subnet = IpNetwork::of(&grant.probe_source).to_string();
         let quoted = format!("\"{vnet}\"");
         let mut in_nat_chain = false;
-        for line in out.stdout.lines() {
+        for line in out.lines() {
             let line = line.trim();
             if line.starts_with("chain ") {
                 in_nat_chain = false;
@@ -463,14 +600,105 @@ impl NodeExecutor {
                 seen.nat_rules.push(line.to_owned());
             }
         }
+        for (tool, tables) in [
+            (&self.config.tools.iptables_legacy_save, "ip_tables_names"),
+            (&self.config.tools.ip6tables_legacy_save, "ip6_tables_names"),
+        ] {
+            self.read_legacy_nat(tool, tables, vnet, &subnet, &mut seen)
+                .await?;
+        }
         Ok(seen)
+    }
+
+    /// Runs a tool that lists firewall rules, keeping up to `limits.max_ruleset_bytes`. A failed
+    /// or cut listing is an error: a NAT rule past the cut could go unseen, so the VNet is never
+    /// called isolated on a partial reading.
+    async fn read_ruleset(
+        &self,
+        program: &std::path::Path,
+        args: &[&str],
+        what: &str,
+    ) -> Result<String, ExecError> {
+        let cap = self.config.limits.max_ruleset_bytes;
+        let mut call = ToolCall::new(program, self.tool_timeout()).output_cap(cap);
+        for arg in args {
+            call = call.arg(*arg);
+        }
+        let out = process::run(call).await.map_err(tool_error)?;
+        let command = format!("{} {}", program.display(), args.join(" "));
+        if !out.success() {
+            return Err(ExecError::Failed(format!(
+                "{command} failed: {}",
+                out.stderr_excerpt()
+            )));
+        }
+        if out.truncated {
+            return Err(ExecError::FailedPrecondition(format!(
+                "the node's {what} is larger than the connector reads ({cap} bytes, limits.max_ruleset_bytes), so the NAT check cannot be completed; raise limits.max_ruleset_bytes"
+            )));
+        }
+        Ok(out.stdout)
+    }
+
+    /// Reads the legacy NAT table of one family: pve-firewall switches `iptables` to
+    /// iptables-legacy and SDN's SNAT rules land there, where `nft list ruleset` never shows
+    /// them. The table is read only when this namespace has one (`/proc/thread-self/net/
+    /// ip_tables_names`, `ip6_tables_names`): listing it through the tool would otherwise load
+    /// its module and create an empty NAT table on the node.
+    async fn read_legacy_nat(
+        &self,
+        tool: &std::path::Path,
+        tables_file: &str,
+        vnet: &VnetName,
+        subnet: &str,
+        seen: &mut Observation,
+    ) -> Result<(), ExecError> {
+        let name = tool.display();
+        if !tool.exists() {
+            seen.nat_sources.push(format!("{name}: not installed"));
+            return Ok(());
+        }
+        let names_path = format!("/proc/thread-self/net/{tables_file}");
+        let tables = match std::fs::read_to_string(&names_path) {
+            Ok(tables) => tables,
+            // No legacy table module loaded at all.
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => String::new(),
+            Err(error) => {
+                return Err(ExecError::Failed(format!(
+                    "cannot read {names_path} to find the legacy NAT table: {error}"
+                )));
+            }
+        };
+        if !tables.lines().any(|table| table.trim() == "nat") {
+            seen.nat_sources.push(format!(
+                "{name} -t nat: no legacy nat table on this node (/proc/net/{tables_file})"
+            ));
+            return Ok(());
+        }
+        let listing = self
+            .read_ruleset(tool, &["-t", "nat"], "legacy NAT table")
+            .await?;
+        seen.nat_sources
+            .push(format!("{name} -t nat: {} bytes read", listing.len()));
+        seen.nat_rules.extend(
+            legacy_nat_rules(&listing, vnet, subnet)
+                .into_iter()
+                .map(|rule| format!("{rule} ({name} -t nat)")),
+        );
+        Ok(())
     }
 
     /// The re-check before a guest boots: the VNet must still be what PrepareSandbox found,
     /// with the probe address and the run's table on it, and nothing stacked on it since.
     pub(super) async fn recheck_sandbox(&self, grant: &Grant) -> Result<(), ExecError> {
         let seen = self.observe(grant, &grant.vnet, Stage::Boot).await?;
-        let violations = violations(grant, &grant.vnet, &seen, Stage::Boot);
+        let violations = violations(
+            grant,
+            &grant.vnet,
+            &seen,
+            Stage::Boot,
+            self.config.sandbox.forwarding,
+        );
         if !violations.is_empty() {
             return Err(ExecError::FailedPrecondition(format!(
                 "VNet {} is no longer isolated, so no guest may boot on it: {}",
@@ -500,7 +728,13 @@ impl NodeExecutor {
             )));
         }
         let seen = self.observe(grant, &vnet, Stage::Prepare).await?;
-        let violations = violations(grant, &vnet, &seen, Stage::Prepare);
+        let violations = violations(
+            grant,
+            &vnet,
+            &seen,
+            Stage::Prepare,
+            self.config.sandbox.forwarding,
+        );
         if !violations.is_empty() {
             return Err(ExecError::FailedPrecondition(format!(
                 "VNet {vnet} is not isolated, so no guest may boot on it: {}",
@@ -604,12 +838,18 @@ impl NodeExecutor {
                 json!({ "address": address }),
             )
             .await?;
-        let call = ToolCall::new(&self.config.tools.ip, self.tool_timeout())
+        let mut call = ToolCall::new(&self.config.tools.ip, self.tool_timeout())
             .arg("address")
             .arg("add")
             .arg(&address)
             .arg("dev")
             .arg(vnet.as_str());
+        if probe_source.address.0.is_ipv6() {
+            // Without it the address stays tentative for a second of duplicate address
+            // detection, whose solicitations the table drops anyway, and a probe cannot bind it.
+            // The VNet carries only this run's guests and the address was checked unused.
+            call = call.arg("nodad");
+        }
         let out = self
             .run_step(&mut guard, "sandbox.address", &addr_key, call)
             .await?;
@@ -636,6 +876,28 @@ impl NodeExecutor {
                 json!({ "address": address }),
             )
             .await?;
+        let disabled = if self.config.sandbox.forwarding == ForwardingPolicy::DisableForRun {
+            match self.disable_forwarding(&mut guard, &vnet, &seen).await {
+                Ok(disabled) => disabled,
+                Err(error) => {
+                    let undo = self.undo_sandbox(&mut guard, grant).await;
+                    return Err(ExecError::Failed(format!("{error}; {undo}")));
+                }
+            }
+        } else {
+            Vec::new()
+        };
+        let mut forwarding_sysctl = Vec::new();
+        for (family, value) in [("ipv4", &seen.forwarding), ("ipv6", &seen.forwarding_v6)] {
+            let Some(value) = value else { continue };
+            forwarding_sysctl.push(if disabled.contains(&family) {
+                format!(
+                    "net.{family}.conf.{vnet}.forwarding = 0 (was {value}; set to 0 for this run by sandbox.forwarding = \"disable-for-run\", restored when the sandbox is released)"
+                )
+            } else {
+                format!("net.{family}.conf.{vnet}.forwarding = {value}")
+            });
+        }
         Ok(Outcome::PrepareSandbox(pb::PrepareSandboxReply {
             bridge_ports: seen.ports,
             bridge_addresses: seen
@@ -643,14 +905,220 @@ impl NodeExecutor {
                 .into_iter()
                 .chain(std::iter::once(address))
                 .collect(),
-            forwarding_sysctl: format!(
-                "net.ipv4.conf.{vnet}.forwarding = {}",
-                seen.forwarding.unwrap_or_default()
-            ),
+            forwarding_sysctl: forwarding_sysctl.join("\n"),
             ruleset_text: listed.stdout,
             ruleset_sha256: sha256,
             journal_head: guard.head_hex(),
+            nat_sources: seen.nat_sources,
         }))
+    }
+
+    /// Removes what a failed `PrepareSandbox` installed, newest first, and says how it went.
+    async fn undo_sandbox(&self, guard: &mut RunGuard<'_>, grant: &Grant) -> String {
+        let mut said = Vec::new();
+        let mut left = false;
+        match self.restore_forwarding(guard, grant).await {
+            Ok(Some(end)) => said.push(format!("forwarding {}", end.wire())),
+            Ok(None) => {}
+            Err(error) => {
+                left = true;
+                said.push(format!("forwarding is still 0 ({error})"));
+            }
+        }
+        match self.remove_address(guard, grant).await {
+            Ok(end) => {
+                said.push(format!("the probe address was removed ({end})"));
+                match self.remove_table(guard, grant).await {
+                    Ok(end) => said.push(format!("the containment table was removed ({end})")),
+                    Err(error) => {
+                        left = true;
+                        said.push(format!(
+                            "the containment table is still installed ({error})"
+                        ));
+                    }
+                }
+            }
+            // The table stays while the address does: the address never exists without it.
+            Err(error) => {
+                left = true;
+                said.push(format!(
+                    "the probe address and the containment table are still installed ({error})"
+                ));
+            }
+        }
+        if left {
+            format!("{}; call Cleanup", said.join(", "))
+        } else {
+            said.join(", ")
+        }
+    }
+
+    /// Turns forwarding off on the VNet for the run, for each family where it is on: journals
+    /// the previous values (`sandbox.forwarding` intent on `fwd:<vnet>`), writes 0, re-reads.
+    /// Returns the families it turned off.
+    async fn disable_forwarding(
+        &self,
+        guard: &mut RunGuard<'_>,
+        vnet: &VnetName,
+        seen: &Observation,
+    ) -> Result<Vec<&'static str>, ExecError> {
+        let on: Vec<(&'static str, &String)> =
+            [("ipv4", &seen.forwarding), ("ipv6", &seen.forwarding_v6)]
+                .into_iter()
+                .filter_map(|(family, value)| Some((family, value.as_ref()?)))
+                .filter(|(_, value)| value.as_str() != "0")
+                .collect();
+        if on.is_empty() {
+            return Ok(Vec::new());
+        }
+        let key = Resource::Forwarding(vnet.clone()).key();
+        let previous: serde_json::Map<String, serde_json::Value> = on
+            .iter()
+            .map(|(family, value)| ((*family).to_owned(), json!(value)))
+            .collect();
+        guard
+            .append(
+                self.now_ms(),
+                "sandbox.forwarding",
+                &key,
+                Phase::Intent,
+                json!({ "previous": previous, "set": "0" }),
+            )
+            .await?;
+        let mut failures = Vec::new();
+        for (family, _) in &on {
+            let path = forwarding_path(family, vnet);
+            if let Err(error) = std::fs::write(&path, "0\n") {
+                failures.push(format!("writing 0 to {path} failed: {error}"));
+            } else if let Some(value) = read_sysctl(&path).filter(|v| v != "0") {
+                failures.push(format!("{path} reads {value} after 0 was written"));
+            }
+        }
+        if !failures.is_empty() {
+            let error = format!(
+                "cannot turn forwarding off on {vnet} for the run: {}",
+                failures.join("; ")
+            );
+            guard
+                .append(
+                    self.now_ms(),
+                    "sandbox.forwarding",
+                    &key,
+                    Phase::Failed,
+                    json!({ "previous": previous, "error": error }),
+                )
+                .await?;
+            return Err(ExecError::Failed(error));
+        }
+        guard
+            .append(
+                self.now_ms(),
+                "sandbox.forwarding",
+                &key,
+                Phase::Done,
+                json!({ "previous": previous, "set": "0" }),
+            )
+            .await?;
+        Ok(on.into_iter().map(|(family, _)| family).collect())
+    }
+
+    /// Puts back the forwarding values the run changed, when the run's `fwd:<vnet>` resource is
+    /// open. A value is written back only while it is still the 0 this run set: a VNet gone, or
+    /// a value already back, is `already gone`; a value someone else changed since is left as
+    /// it is (`not this run's`). `None` when the run changed nothing.
+    pub(super) async fn restore_forwarding(
+        &self,
+        guard: &mut RunGuard<'_>,
+        grant: &Grant,
+    ) -> Result<Option<EndState>, ExecError> {
+        let resource = Resource::Forwarding(grant.vnet.clone());
+        let Some(state) = resources::state_of(&guard.records(), &resource).filter(|s| s.is_open())
+        else {
+            return Ok(None);
+        };
+        let key = resource.key();
+        let previous = journaled_previous(&state);
+        guard
+            .append(
+                self.now_ms(),
+                "sandbox.forwarding.restore",
+                &key,
+                Phase::Intent,
+                json!({ "previous": previous
+                    .iter()
+                    .map(|(family, value)| (family.clone(), json!(value)))
+                    .collect::<serde_json::Map<_, _>>() }),
+            )
+            .await?;
+        let mut outcomes = serde_json::Map::new();
+        let mut ends = Vec::new();
+        let mut failures = Vec::new();
+        for (family, value) in &previous {
+            let path = forwarding_path(family, &grant.vnet);
+            let (end, said) = match read_sysctl(&path) {
+                None => (
+                    EndState::AlreadyGone,
+                    "the VNet no longer exists".to_owned(),
+                ),
+                Some(now) if now == "0" && value != "0" => {
+                    match std::fs::write(&path, format!("{value}\n")) {
+                        Ok(()) if read_sysctl(&path).as_deref() == Some(value.as_str()) => {
+                            (EndState::Restored, format!("0 -> {value}"))
+                        }
+                        Ok(()) => {
+                            failures
+                                .push(format!("{path} does not read {value} after it was written"));
+                            continue;
+                        }
+                        Err(error) => {
+                            failures.push(format!("writing {value} to {path} failed: {error}"));
+                            continue;
+                        }
+                    }
+                }
+                Some(now) if &now == value => (EndState::AlreadyGone, format!("already {value}")),
+                Some(now) => (
+                    EndState::NotOurs,
+                    format!("{now}, changed by someone else since the run set 0: left as it is"),
+                ),
+            };
+            outcomes.insert(family.clone(), json!(said));
+            ends.push(end);
+        }
+        if !failures.is_empty() {
+            let error = format!(
+                "cannot restore forwarding on {}: {}",
+                grant.vnet,
+                failures.join("; ")
+            );
+            guard
+                .append(
+                    self.now_ms(),
+                    "sandbox.forwarding.restore",
+                    &key,
+                    Phase::Failed,
+                    json!({ "error": error, "values": outcomes }),
+                )
+                .await?;
+            return Err(ExecError::Failed(error));
+        }
+        let end = if ends.contains(&EndState::Restored) {
+            EndState::Restored
+        } else if ends.contains(&EndState::NotOurs) {
+            EndState::NotOurs
+        } else {
+            EndState::AlreadyGone
+        };
+        guard
+            .append(
+                self.now_ms(),
+                "sandbox.forwarding.restore",
+                &key,
+                Phase::Undone,
+                json!({ "end_state": end.wire(), "values": outcomes }),
+            )
+            .await?;
+        Ok(Some(end))
     }
 
     pub(super) async fn release_sandbox(
@@ -663,8 +1131,10 @@ impl NodeExecutor {
         let states = resources::states(&guard.records());
         let nft_key = format!("nft:{}", table_name(grant));
         let addr_key = format!("addr:{vnet}");
-        if !states.get(&nft_key).is_some_and(|s| s.is_open())
-            && !states.get(&addr_key).is_some_and(|s| s.is_open())
+        let fwd_key = Resource::Forwarding(vnet.clone()).key();
+        if ![&nft_key, &addr_key, &fwd_key]
+            .iter()
+            .any(|key| states.get(*key).is_some_and(|s| s.is_open()))
         {
             return Err(ExecError::NotFound(format!(
                 "this run has no sandbox on {vnet}"
@@ -679,7 +1149,9 @@ impl NodeExecutor {
                 vm.key
             )));
         }
-        // The address first: it never stays on the VNet without the table.
+        // The reverse of PrepareSandbox: forwarding back, then the address (it never stays on
+        // the VNet without the table), then the table.
+        self.restore_forwarding(&mut guard, grant).await?;
         self.remove_address(&mut guard, grant).await?;
         self.remove_table(&mut guard, grant).await?;
         Ok(Outcome::ReleaseSandbox(pb::ReleaseSandboxReply {
@@ -812,7 +1284,7 @@ impl NodeExecutor {
 mod tests {
     use super::*;
     use crate::grant::tests::{full_wire_grant, sign};
-    use crate::validate::Validated;
+    use crate::validate::{UnicastIp, Validated};
     use ed25519_dalek::SigningKey;
 
     fn grant() -> Grant {
@@ -834,17 +1306,39 @@ mod tests {
     #[test]
     fn an_isolated_vnet_passes() {
         let vnet = VnetName::validate("csbox1").unwrap();
-        assert!(violations(&grant(), &vnet, &isolated(), Stage::Prepare).is_empty());
+        assert!(
+            violations(
+                &grant(),
+                &vnet,
+                &isolated(),
+                Stage::Prepare,
+                ForwardingPolicy::Refuse
+            )
+            .is_empty()
+        );
         let mut with_probe = isolated();
         with_probe.addresses.push("198.51.100.2/24".into());
         assert!(
-            violations(&grant(), &vnet, &with_probe, Stage::Prepare)[0]
-                .contains("already carries the probe address")
+            violations(
+                &grant(),
+                &vnet,
+                &with_probe,
+                Stage::Prepare,
+                ForwardingPolicy::Refuse
+            )[0]
+            .contains("already carries the probe address")
         );
         let mut v6 = isolated();
         v6.forwarding_v6 = Some("1".into());
         assert!(
-            violations(&grant(), &vnet, &v6, Stage::Prepare)[0].contains("IPv6 forwarding is on")
+            violations(
+                &grant(),
+                &vnet,
+                &v6,
+                Stage::Prepare,
+                ForwardingPolicy::Refuse
+            )[0]
+            .contains("IPv6 forwarding is on")
         );
     }
 
@@ -855,7 +1349,13 @@ mod tests {
         let check = |edit: &dyn Fn(&mut Observation), needle: &str| {
             let mut seen = isolated();
             edit(&mut seen);
-            let found = violations(&grant, &vnet, &seen, Stage::Prepare);
+            let found = violations(
+                &grant,
+                &vnet,
+                &seen,
+                Stage::Prepare,
+                ForwardingPolicy::Refuse,
+            );
             assert!(
                 found.len() == 1 && found[0].contains(needle),
                 "{found:?} lacks {needle:?}"
@@ -889,9 +1389,28 @@ mod tests {
         let vnet = VnetName::validate("csbox1").unwrap();
         let mut prepared = isolated();
         prepared.addresses.push("198.51.100.2/24".into());
-        assert!(violations(&grant(), &vnet, &prepared, Stage::Boot).is_empty());
+        assert!(
+            violations(
+                &grant(),
+                &vnet,
+                &prepared,
+                Stage::Boot,
+                ForwardingPolicy::Refuse
+            )
+            .is_empty()
+        );
         prepared.addresses.push("198.51.100.1/24".into());
-        assert_eq!(violations(&grant(), &vnet, &prepared, Stage::Boot).len(), 1);
+        assert_eq!(
+            violations(
+                &grant(),
+                &vnet,
+                &prepared,
+                Stage::Boot,
+                ForwardingPolicy::Refuse
+            )
+            .len(),
+            1
+        );
     }
 
     #[test]
@@ -963,5 +1482,121 @@ mod tests {
         );
         assert!(text.contains("iifname \"csbox1\" counter drop"));
         assert!(text.contains("oifname \"csbox1\" counter drop"));
+    }
+
+    #[test]
+    fn forwarding_is_tolerated_at_prepare_only_when_disabled_for_the_run() {
+        let vnet = VnetName::validate("csbox1").unwrap();
+        let mut forwarding = isolated();
+        forwarding.forwarding = Some("1".into());
+        forwarding.forwarding_v6 = Some("1".into());
+        let refused = violations(
+            &grant(),
+            &vnet,
+            &forwarding,
+            Stage::Prepare,
+            ForwardingPolicy::Refuse,
+        );
+        assert_eq!(refused.len(), 2, "{refused:?}");
+        assert!(refused[0].contains("sandbox.forwarding = \"disable-for-run\""));
+        let policy = ForwardingPolicy::DisableForRun;
+        assert!(violations(&grant(), &vnet, &forwarding, Stage::Prepare, policy).is_empty());
+        // Before a boot the run's own 0 must be there, whatever the policy.
+        let mut at_boot = forwarding.clone();
+        at_boot.addresses.push("198.51.100.2/24".into());
+        assert_eq!(
+            violations(&grant(), &vnet, &at_boot, Stage::Boot, policy).len(),
+            2
+        );
+        // An unreadable IPv4 value is never tolerated.
+        forwarding.forwarding = None;
+        assert!(
+            violations(&grant(), &vnet, &forwarding, Stage::Prepare, policy)[0]
+                .contains("cannot be read")
+        );
+    }
+
+    #[test]
+    fn legacy_nat_rules_are_found_by_interface_wildcard_or_subnet() {
+        let vnet = VnetName::validate("csbox1").unwrap();
+        // As iptables-legacy-save -t nat prints them (SDN's SNAT is by subnet).
+        let listing = "# Generated by iptables-save v1.8.9\n*nat\n:POSTROUTING ACCEPT [0:0]\n\
+            -A POSTROUTING -s 10.9.0.0/24 -o vmbr0 -j SNAT --to-source 203.0.113.2\n\
+            -A POSTROUTING -s 198.51.100.0/24 -o vmbr0 -j SNAT --to-source 203.0.113.2\n\
+            -A POSTROUTING -o csbox1 -j MASQUERADE\n\
+            -A PREROUTING -i csbox+ -j DNAT --to-destination 203.0.113.9\n\
+            -A PREROUTING -i csbox10 -j ACCEPT\n\
+            -A POSTROUTING -o \"csbox1\" -j MASQUERADE\nCOMMIT\n";
+        assert_eq!(
+            legacy_nat_rules(listing, &vnet, "198.51.100.0/24"),
+            [
+                "-A POSTROUTING -s 198.51.100.0/24 -o vmbr0 -j SNAT --to-source 203.0.113.2",
+                "-A POSTROUTING -o csbox1 -j MASQUERADE",
+                "-A PREROUTING -i csbox+ -j DNAT --to-destination 203.0.113.9",
+                "-A POSTROUTING -o \"csbox1\" -j MASQUERADE",
+            ]
+        );
+    }
+
+    #[test]
+    fn nat_rules_listed_in_a_refusal_are_bounded() {
+        let vnet = VnetName::validate("csbox1").unwrap();
+        let mut seen = isolated();
+        seen.nat_rules = (0..10)
+            .map(|n| format!("-A POSTROUTING -o csbox1 -m comment --comment r{n} -j MASQUERADE"))
+            .collect();
+        let found = violations(
+            &grant(),
+            &vnet,
+            &seen,
+            Stage::Prepare,
+            ForwardingPolicy::Refuse,
+        );
+        assert_eq!(found.len(), 9, "{found:?}");
+        assert_eq!(found[8], "and 2 more NAT rules that reference csbox1");
+        let long = format!(
+            "-A POSTROUTING -o csbox1 -m comment --comment \"{}\u{1b}\"",
+            "x".repeat(600)
+        );
+        let listed = legacy_nat_rules(&long, &vnet, "198.51.100.0/24");
+        assert!(
+            listed[0].ends_with("more bytes]") && !listed[0].contains('\u{1b}'),
+            "{listed:?}"
+        );
+    }
+
+    #[test]
+    fn an_ipv6_ruleset_admits_exactly_neighbour_discovery_with_the_targets() {
+        assert_eq!(
+            solicited_node("2001:db8:5::10".parse().unwrap()),
+            "ff02::1:ff00:10".parse::<Ipv6Addr>().unwrap()
+        );
+        assert_eq!(
+            solicited_node("2001:db8::abcd:ef12:3456".parse().unwrap()),
+            "ff02::1:ff12:3456".parse::<Ipv6Addr>().unwrap()
+        );
+        let mut grant = grant();
+        grant.probe_source = IpInterface::validate("2001:db8:5::2/120").unwrap();
+        for target in &mut grant.probe_targets {
+            target.address = UnicastIp::validate("2001:db8:5::10").unwrap();
+        }
+        let vnet = VnetName::validate("csbox1").unwrap();
+        let text = ruleset(&grant, &vnet);
+        assert!(text.contains(
+            "iifname \"csbox1\" ip6 saddr { 2001:db8:5::10 } ip6 daddr { 2001:db8:5::2, ff02::1:ff00:2 } icmpv6 type nd-neighbor-solicit ip6 hoplimit 255 accept\n"
+        ), "{text}");
+        assert!(text.contains(
+            "iifname \"csbox1\" ip6 saddr { 2001:db8:5::10 } ip6 daddr 2001:db8:5::2 icmpv6 type nd-neighbor-advert ip6 hoplimit 255 accept\n"
+        ), "{text}");
+        assert!(text.contains(
+            "oifname \"csbox1\" ip6 saddr 2001:db8:5::2 ip6 daddr { 2001:db8:5::10, ff02::1:ff00:10 } icmpv6 type nd-neighbor-solicit ip6 hoplimit 255 accept\n"
+        ), "{text}");
+        assert!(text.contains(
+            "oifname \"csbox1\" ip6 saddr 2001:db8:5::2 ip6 daddr { 2001:db8:5::10 } icmpv6 type nd-neighbor-advert ip6 hoplimit 255 accept\n"
+        ), "{text}");
+        // The neighbour rules come before each chain's drop, and nothing else ICMPv6 is allowed.
+        let input_drop = text.find("iifname \"csbox1\" counter drop").unwrap();
+        assert!(text.find("nd-neighbor-advert").unwrap() < input_drop);
+        assert_eq!(text.matches("icmpv6").count(), 4, "{text}");
     }
 }
