@@ -664,6 +664,7 @@ fn vm_lifecycle_with_qmp_and_a_real_guest_agent() {
             "tags: certistack",
             "ide2: none,media=cdrom",
             "cores: 1",
+            "cpuunits: 10",
             "memory: 256",
             &format!("smbios1: uuid={uuid}"),
         ] {

@@ -158,6 +158,9 @@ pub struct Limits {
     /// File descriptors kept in reserve for the tools and journals: connections are not
     /// accepted when fewer than this remain below RLIMIT_NOFILE.
     pub reserved_fds: usize,
+    /// CPU weight (`qm create --cpuunits`) of sandbox VMs. PVE 9 runs on cgroup v2 only, where
+    /// every VM's default weight is 100: a sandbox must weigh less to yield to production VMs.
+    pub sandbox_cpu_units: u32,
 }
 
 impl Default for Limits {
@@ -187,6 +190,7 @@ impl Default for Limits {
             max_streams_per_connection: 64,
             idle_timeout_secs: 300,
             reserved_fds: 128,
+            sandbox_cpu_units: 10,
         }
     }
 }
@@ -401,6 +405,13 @@ impl Config {
             86_400,
         )?;
         limit("limits.reserved_fds", l.reserved_fds, 16, 65_536)?;
+        // cgroup v2's cpu.weight range; 100 or more would not yield to PVE's default weight.
+        limit(
+            "limits.sandbox_cpu_units",
+            usize::try_from(l.sandbox_cpu_units).unwrap_or(usize::MAX),
+            1,
+            99,
+        )?;
         Ok(())
     }
 
@@ -484,7 +495,16 @@ overlay_root = "/var/lib/certistack/overlays"
                 .to_string()
                 .contains("cannot read")
         );
-        for path in [good, writable, typo, relative, bad_node] {
+        assert_eq!(config.limits.sandbox_cpu_units, 10);
+        let heavy = write(
+            "cpuunits",
+            &format!("{GOOD}[limits]\nsandbox_cpu_units = 100\n"),
+            0o644,
+        );
+        let err = Config::load(&heavy).unwrap_err().to_string();
+        assert!(err.contains("limits.sandbox_cpu_units"), "{err}");
+
+        for path in [good, writable, typo, relative, bad_node, heavy] {
             std::fs::remove_file(path).unwrap();
         }
     }

@@ -19,8 +19,6 @@ use serde_json::json;
 use std::collections::BTreeMap;
 
 pub const TAG: &str = "certistack";
-/// Shares below the default (1024), so sandboxes yield to production VMs under contention.
-const CPU_UNITS: u32 = 100;
 
 /// A `qm` lifecycle step on a VM of the run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -343,7 +341,7 @@ impl NodeExecutor {
         push("--net0", format!("virtio,bridge={},firewall=0", grant.vnet));
         push("--smbios1", format!("uuid={smbios_uuid}"));
         push("--machine", "q35".into());
-        push("--cpuunits", CPU_UNITS.to_string());
+        push("--cpuunits", self.config.limits.sandbox_cpu_units.to_string());
         push("--boot", "order=scsi0".into());
         push("--tags", TAG.into());
         push("--description", marker(grant.run_id.as_str()));
