@@ -540,14 +540,46 @@ fn sandbox_grant(wire: &mut pb::RunGrant) {
             max_memory_mib: 512,
         })
         .collect();
-    wire.qga_assertions = vec![pb::QgaAssertion {
-        id: "restored-echo".into(),
-        program: "/bin/echo".into(),
-        args: vec!["restored".into(), "ok".into()],
-        expect_exit_code: 0,
-        expect_stdout_contains: "restored ok".into(),
-        timeout_seconds: 20,
-    }];
+    wire.qga_assertions = vec![
+        pb::QgaAssertion {
+            id: "restored-echo".into(),
+            program: "/bin/echo".into(),
+            args: vec!["restored".into(), "ok".into()],
+            expect_exit_code: 0,
+            expect_stdout_contains: "restored ok".into(),
+            timeout_seconds: 20,
+        },
+        pb::QgaAssertion {
+            id: "slow-check".into(),
+            program: "/bin/sleep".into(),
+            args: vec!["4".into()],
+            expect_exit_code: 0,
+            expect_stdout_contains: String::new(),
+            timeout_seconds: 20,
+        },
+    ];
+}
+
+/// Asks the agent on `socket` for `guest-sync-delimited` as PVE's own agent calls do, within
+/// `timeout`; true when it answered.
+fn agent_answers(socket: &std::path::Path, timeout: std::time::Duration) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut stream) = std::os::unix::net::UnixStream::connect(socket) else {
+        return false;
+    };
+    stream.set_read_timeout(Some(timeout)).unwrap();
+    stream
+        .write_all(b"{\"execute\":\"guest-sync-delimited\",\"arguments\":{\"id\":4242}}\n")
+        .unwrap();
+    let mut answer = Vec::new();
+    let mut byte = [0u8; 1];
+    while !answer.ends_with(b"\n") || !answer.contains(&0xFF) {
+        match stream.read(&mut byte) {
+            Ok(1) => answer.push(byte[0]),
+            _ => return false,
+        }
+    }
+    String::from_utf8_lossy(&answer).contains("4242")
 }
 
 /// Maps ARCHIVE, then creates its overlay for `vmid` and a VM booting it; returns the VM's
@@ -631,6 +663,31 @@ impl Run {
     }
 }
 
+/// Runs one QMP command on `socket` as another QMP client of the node would.
+fn qmp_exchange(socket: &std::path::Path, command: &str) {
+    use std::io::{BufRead, Write};
+    let stream = std::os::unix::net::UnixStream::connect(socket).unwrap();
+    stream
+        .set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .unwrap();
+    let mut reader = std::io::BufReader::new(stream.try_clone().unwrap());
+    let mut writer = stream;
+    let mut line = String::new();
+    reader.read_line(&mut line).unwrap();
+    assert!(line.contains("QMP"), "{line}");
+    for execute in ["qmp_capabilities", command] {
+        writeln!(writer, "{{\"execute\":\"{execute}\"}}").unwrap();
+        loop {
+            line.clear();
+            reader.read_line(&mut line).unwrap();
+            if !line.contains("\"event\"") {
+                break;
+            }
+        }
+        assert!(line.contains("\"return\""), "{execute}: {line}");
+    }
+}
+
 #[test]
 fn vm_lifecycle_with_qmp_and_a_real_guest_agent() {
     if !privileged("vm_lifecycle_with_qmp_and_a_real_guest_agent", QEMU_TOOLS) {
@@ -701,6 +758,33 @@ fn vm_lifecycle_with_qmp_and_a_real_guest_agent() {
             .unwrap()
             .into_inner();
         assert_eq!(status.state, pb::VmState::Running as i32);
+        assert_eq!(status.qmp_status, "running");
+
+        // qm status prints QEMU's own run state: a guest paused through QMP is reported paused,
+        // and one QEMU stopped on an I/O error (set in the double: a disk error cannot be
+        // provoked here) is reported as a guest error, which is evidence.
+        let qmp_socket = run.lab.root.join("var/run/qemu-server/9100.qmp");
+        qmp_exchange(&qmp_socket, "stop");
+        let paused = run
+            .client
+            .vm_status(pb::VmRequest { vmid: 9100 })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(paused.state, pb::VmState::Paused as i32, "{paused:?}");
+        assert_eq!(paused.qmp_status, "paused");
+        qmp_exchange(&qmp_socket, "cont");
+        run.lab
+            .settings(serde_json::json!({ "qmp_status": { "9100": "io-error" } }));
+        let failed = run
+            .client
+            .vm_status(pb::VmRequest { vmid: 9100 })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(failed.state, pb::VmState::GuestError as i32, "{failed:?}");
+        assert_eq!(failed.qmp_status, "io-error");
+        run.lab.settings(serde_json::json!({ "qmp_status": {} }));
 
         let qmp = |command: pb::QmpCommand| pb::QmpRequest {
             vmid: 9100,
@@ -778,6 +862,34 @@ fn vm_lifecycle_with_qmp_and_a_real_guest_agent() {
             "{}",
             reply.result_json
         );
+
+        // While an assertion runs, the agent socket is free between polls: another client (PVE's
+        // own agent calls) connects and gets its answer within one poll, not after the program.
+        let mut asserting = run.client.clone();
+        let slow = tokio::spawn(async move {
+            asserting
+                .qga(pb::QgaRequest {
+                    vmid: 9100,
+                    call: Some(pb::qga_request::Call::AssertionId("slow-check".into())),
+                })
+                .await
+        });
+        tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+        let qga_socket = run.lab.root.join("var/run/qemu-server/9100.qga");
+        let asked = std::time::Instant::now();
+        let answered = tokio::task::spawn_blocking(move || {
+            agent_answers(&qga_socket, std::time::Duration::from_secs(2))
+        })
+        .await
+        .unwrap();
+        let waited = asked.elapsed();
+        assert!(
+            answered,
+            "another agent client got no answer while the assertion ran ({waited:?})"
+        );
+        assert!(!slow.is_finished(), "the assertion ended before the check");
+        let reply = slow.await.unwrap().unwrap().into_inner();
+        assert!(reply.assertion_passed, "{reply:?}");
 
         let stopped = run
             .client

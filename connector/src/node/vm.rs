@@ -61,6 +61,25 @@ impl Verb {
     }
 }
 
+/// Longest status kept from `qm status` (QEMU's run states are short words).
+const MAX_STATUS_CHARS: usize = 32;
+
+/// The state a `qm status` value reports. qm prints QEMU's `query-status` value while QEMU
+/// answers (qemu-server `vmstatus`), else `running` or `stopped`.
+pub fn state_of_status(status: &str) -> pb::VmState {
+    match status {
+        "running" => pb::VmState::Running,
+        "stopped" => pb::VmState::Stopped,
+        "paused" | "debug" | "inmigrate" | "postmigrate" | "finish-migrate" | "save-vm"
+        | "restore-vm" | "colo" => pb::VmState::Paused,
+        "io-error" | "internal-error" | "guest-panicked" | "watchdog" => pb::VmState::GuestError,
+        "shutdown" => pb::VmState::GuestShutdown,
+        "suspended" => pb::VmState::Suspended,
+        "prelaunch" => pb::VmState::Prelaunch,
+        _ => pb::VmState::Unrecognized,
+    }
+}
+
 pub fn marker(run_id: &str) -> String {
     format!("certistack-run={run_id}")
 }
@@ -341,7 +360,10 @@ impl NodeExecutor {
         push("--net0", format!("virtio,bridge={},firewall=0", grant.vnet));
         push("--smbios1", format!("uuid={smbios_uuid}"));
         push("--machine", "q35".into());
-        push("--cpuunits", self.config.limits.sandbox_cpu_units.to_string());
+        push(
+            "--cpuunits",
+            self.config.limits.sandbox_cpu_units.to_string(),
+        );
         push("--boot", "order=scsi0".into());
         push("--tags", TAG.into());
         push("--description", marker(grant.run_id.as_str()));
@@ -452,34 +474,41 @@ impl NodeExecutor {
             state: state as i32,
             tool: Some(tool_result(&format!("qm {}", verb.name()), &output)),
             journal_head: guard.head_hex(),
+            qmp_status: String::new(),
         }))
     }
 
     async fn status(
         &self,
         vmid: Vmid,
-    ) -> Result<(pb::VmState, Option<process::ToolOutput>), ExecError> {
+    ) -> Result<(pb::VmState, String, Option<process::ToolOutput>), ExecError> {
         if !self.vm_config_path(vmid).exists() {
-            return Ok((pb::VmState::Absent, None));
+            return Ok((pb::VmState::Absent, String::new(), None));
         }
         let output = self.qm(&["status".into(), vmid.to_string()]).await?;
-        let state = match output
+        let printed = output
             .stdout
             .lines()
             .find_map(|l| l.trim().strip_prefix("status: "))
-        {
-            Some("running") => pb::VmState::Running,
-            Some("stopped") => pb::VmState::Stopped,
-            _ if !self.vm_config_path(vmid).exists() => pb::VmState::Absent,
-            _ => {
-                return Err(ExecError::Failed(format!(
-                    "qm status {vmid} gave no status (exit {:?}): {}",
-                    output.exit_code,
-                    output.stderr_excerpt()
-                )));
+            .map(str::trim)
+            .filter(|s| !s.is_empty());
+        let Some(printed) = printed else {
+            if !self.vm_config_path(vmid).exists() {
+                return Ok((pb::VmState::Absent, String::new(), Some(output)));
             }
+            return Err(ExecError::Failed(format!(
+                "qm status {vmid} gave no status (exit {:?}): {}",
+                output.exit_code,
+                output.stderr_excerpt()
+            )));
         };
-        Ok((state, Some(output)))
+        // Bounded and printable: the value is passed on to the controller as is.
+        let qmp_status: String = printed
+            .chars()
+            .filter(|c| c.is_ascii_graphic())
+            .take(MAX_STATUS_CHARS)
+            .collect();
+        Ok((state_of_status(&qmp_status), qmp_status, Some(output)))
     }
 
     pub(super) async fn vm_status(
@@ -497,15 +526,17 @@ impl NodeExecutor {
                     state: pb::VmState::Absent as i32,
                     tool: None,
                     journal_head: guard.head_hex(),
+                    qmp_status: String::new(),
                 }));
             }
             Err(error) => return Err(error),
         }
-        let (state, output) = self.status(vmid).await?;
+        let (state, qmp_status, output) = self.status(vmid).await?;
         Ok(Outcome::Vm(pb::VmReply {
             state: state as i32,
             tool: output.as_ref().map(|o| tool_result("qm status", o)),
             journal_head: guard.head_hex(),
+            qmp_status,
         }))
     }
 
@@ -568,5 +599,23 @@ mod tests {
         assert_eq!(keys.get("agent").map(String::as_str), Some("1"));
         assert_eq!(keys.get("smbios1").map(String::as_str), Some("uuid=ABC"));
         assert_eq!(percent_decode("a%3Ab%ZZ%4"), "a:b%ZZ%4");
+    }
+
+    #[test]
+    fn every_qemu_run_state_has_a_vm_state() {
+        for (status, state) in [
+            ("running", pb::VmState::Running),
+            ("stopped", pb::VmState::Stopped),
+            ("paused", pb::VmState::Paused),
+            ("io-error", pb::VmState::GuestError),
+            ("internal-error", pb::VmState::GuestError),
+            ("guest-panicked", pb::VmState::GuestError),
+            ("shutdown", pb::VmState::GuestShutdown),
+            ("suspended", pb::VmState::Suspended),
+            ("prelaunch", pb::VmState::Prelaunch),
+            ("something-new", pb::VmState::Unrecognized),
+        ] {
+            assert_eq!(state_of_status(status), state, "{status}");
+        }
     }
 }
