@@ -2146,3 +2146,77 @@ async fn repeated_stops_cannot_spend_the_reserve_cleanup_needs() {
     // What the run holds must still come off the node.
     run.end().await;
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_mapping_whose_holder_was_killed_is_refused_before_boot_and_overlay() {
+    if !privileged(
+        "a_mapping_whose_holder_was_killed_is_refused_before_boot_and_overlay",
+        &["losetup", "python3", "qemu-img"],
+    ) {
+        return;
+    }
+    let mut run = Run::begin_with("deadholder", &[ARCHIVE], |_| {}, sandbox_grant).await;
+    map_overlay_and_vm(&mut run.client, 9100).await;
+    let pid_files: Vec<std::path::PathBuf> =
+        std::fs::read_dir(run.lab.root.join("run/pbs-loopdev"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|x| x == "pid"))
+            .collect();
+    assert_eq!(pid_files.len(), 1, "{pid_files:?}");
+    let holder: i32 = std::fs::read_to_string(&pid_files[0])
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let before = run.loops();
+    // SIGKILL: the holder cannot clean up; the kernel keeps the device and its backing path.
+    assert!(
+        std::process::Command::new("kill")
+            .args(["-9", &holder.to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while std::path::Path::new(&format!("/proc/{holder}/cmdline")).exists()
+        && std::fs::read_to_string(format!("/proc/{holder}/stat")).is_ok_and(|s| !s.contains(") Z"))
+        && std::time::Instant::now() < deadline
+    {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert_eq!(
+        run.loops(),
+        before,
+        "the device stays attached, same backing path"
+    );
+    assert!(!before[0].1.display().to_string().ends_with("(deleted)"));
+
+    for result in [
+        ok(run.client.start_vm(pb::VmRequest { vmid: 9100 }).await),
+        ok(run
+            .client
+            .create_overlay(pb::CreateOverlayRequest {
+                vmid: 9101,
+                archive: ARCHIVE.into(),
+            })
+            .await),
+    ] {
+        assert_status(
+            result,
+            Code::FailedPrecondition,
+            &format!(
+                "the mapping of {ARCHIVE} on {} is dead: its holder (process {holder}",
+                before[0].0
+            ),
+        );
+    }
+    let (receipts, residue) = cleanup_receipts(&mut run.client, RUN_ID).await;
+    assert!(residue.is_empty(), "{receipts:?} {residue:?}");
+    assert!(
+        receipts.contains(&"backup:drive-scsi0.img unmapped".to_owned()),
+        "{receipts:?}"
+    );
+    assert!(run.loops().is_empty());
+    run.stop().await;
+}

@@ -70,7 +70,8 @@ impl NodeExecutor {
     }
 
     /// Ownership re-check before building on or booting from a mapping: `device` must still be
-    /// this run's live, read-only mapping of `archive` (a dead mapping's number can be reused).
+    /// this run's live, read-only mapping of `archive` (a dead mapping's number can be reused),
+    /// and the process serving its data must still be alive.
     pub(super) fn check_mapping(
         &self,
         grant: &Grant,
@@ -79,9 +80,21 @@ impl NodeExecutor {
     ) -> Result<(), ExecError> {
         let expected = self.expected_backing(grant, archive);
         match loopdev::inspect(&self.sys_block, device) {
-            Some(l) if l.serves(&expected) => Ok(()),
-            _ => Err(ExecError::FailedPrecondition(format!(
-                "{device} is no longer this run's read-only mapping of {archive}; clean up and map again"
+            Some(l) if l.serves(&expected) => {}
+            _ => {
+                return Err(ExecError::FailedPrecondition(format!(
+                    "{device} is no longer this run's read-only mapping of {archive}; clean up and map again"
+                )));
+            }
+        }
+        match loopdev::holder_problem(
+            &expected,
+            &self.config.tools.proxmox_backup_client,
+            archive.as_str(),
+        ) {
+            None => Ok(()),
+            Some(problem) => Err(ExecError::FailedPrecondition(format!(
+                "the mapping of {archive} on {device} is dead: {problem}; call Cleanup (or UnmapBackup) and map it again"
             ))),
         }
     }

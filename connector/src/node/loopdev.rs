@@ -1,6 +1,7 @@
 //! Loop devices as the kernel reports them (`/sys/block/loopN`), and the names
 //! `proxmox-backup-client map` gives its backing files.
 
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -18,6 +19,77 @@ impl LoopDevice {
     pub fn serves(&self, expected: &Path) -> bool {
         self.read_only && !self.backing_deleted && self.backing_file == expected
     }
+}
+
+/// The pid file of the process holding a mapping: `proxmox-backup-client` derives it from the
+/// backing file with Rust's `set_extension("pid")` (`…drive\x2dscsi0.img` → `…drive\x2dscsi0.pid`).
+pub fn holder_pid_file(backing: &Path) -> PathBuf {
+    backing.with_extension("pid")
+}
+
+/// Why the process holding a mapping is not serving it, if it is not.
+///
+/// The holder serves the loop device's data (FUSE). Killed with SIGKILL, it leaves the loop
+/// device attached with the same backing path, and reads from it fail: only its pid file and
+/// the process itself tell a live mapping from a dead one. The holder is a forked
+/// `proxmox-backup-client map … <archive>`, so its command line names the client, `map` and
+/// the archive.
+pub fn holder_problem(backing: &Path, client: &Path, archive: &str) -> Option<String> {
+    let pid_file = holder_pid_file(backing);
+    let mut text = String::new();
+    let read = std::fs::File::open(&pid_file)
+        .and_then(|f| std::io::Read::read_to_string(&mut std::io::Read::take(f, 32), &mut text));
+    if let Err(error) = read {
+        return Some(format!(
+            "its holder's pid file {} cannot be read ({error})",
+            pid_file.display()
+        ));
+    }
+    let Ok(pid) = text.trim().parse::<u32>() else {
+        return Some(format!(
+            "its holder's pid file {} holds no pid",
+            pid_file.display()
+        ));
+    };
+    let proc_dir = PathBuf::from(format!("/proc/{pid}"));
+    let alive = std::fs::read_to_string(proc_dir.join("stat"))
+        .ok()
+        .and_then(|stat| {
+            let state = stat
+                .rsplit_once(')')?
+                .1
+                .split_whitespace()
+                .next()?
+                .to_owned();
+            Some(state != "Z" && state != "X")
+        })
+        .unwrap_or(false);
+    if !alive {
+        return Some(format!(
+            "its holder (process {pid}, from {}) is dead: the device stays attached but its reads fail",
+            pid_file.display()
+        ));
+    }
+    let mut cmdline = Vec::new();
+    let _ = std::fs::File::open(proc_dir.join("cmdline")).and_then(|f| {
+        std::io::Read::read_to_end(&mut std::io::Read::take(f, 64 * 1024), &mut cmdline)
+    });
+    let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+    let client_name = client.file_name().map(|n| n.as_encoded_bytes());
+    let names_client = args.iter().any(|a| {
+        Path::new(std::ffi::OsStr::from_bytes(a))
+            .file_name()
+            .map(|n| n.as_encoded_bytes())
+            == client_name
+    });
+    let is_holder =
+        names_client && args.contains(&b"map".as_slice()) && args.contains(&archive.as_bytes());
+    (!is_holder).then(|| {
+        format!(
+            "process {pid} named by {} is not a proxmox-backup-client map of {archive}: the holder is gone and its pid was reused",
+            pid_file.display()
+        )
+    })
 }
 
 /// `/dev/loopN` → `loopN`, refusing anything else.
@@ -108,6 +180,36 @@ mod tests {
             "certistack\\x40pbs\\x21restore\\x40pbs.lab\\x3a8007\\x3astore1\\x3avm-100-2026\\x2d11\\x2d01T02\\x3a00\\x3a00Z-drive\\x2dscsi0.img"
         );
         assert_eq!(escape_unit(".hidden"), "\\x2ehidden");
+        assert_eq!(
+            holder_pid_file(Path::new(
+                "/run/pbs-loopdev/s\\x3avm-100-drive\\x2dscsi0.img"
+            )),
+            Path::new("/run/pbs-loopdev/s\\x3avm-100-drive\\x2dscsi0.pid")
+        );
+    }
+
+    #[test]
+    fn a_holder_is_a_live_map_process_named_by_its_pid_file() {
+        let dir = std::env::temp_dir().join(format!("certistack-holder-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let backing = dir.join("x-drive\\x2dscsi0.img");
+        let client = Path::new("/usr/bin/proxmox-backup-client");
+        let problem = holder_problem(&backing, client, "drive-scsi0.img").unwrap();
+        assert!(problem.contains("cannot be read"), "{problem}");
+        std::fs::write(holder_pid_file(&backing), "junk").unwrap();
+        let problem = holder_problem(&backing, client, "drive-scsi0.img").unwrap();
+        assert!(problem.contains("holds no pid"), "{problem}");
+        // This test process is alive but is not a map of the archive.
+        std::fs::write(holder_pid_file(&backing), std::process::id().to_string()).unwrap();
+        let problem = holder_problem(&backing, client, "drive-scsi0.img").unwrap();
+        assert!(problem.contains("pid was reused"), "{problem}");
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        std::fs::write(holder_pid_file(&backing), dead.to_string()).unwrap();
+        let problem = holder_problem(&backing, client, "drive-scsi0.img").unwrap();
+        assert!(problem.contains("is dead"), "{problem}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
