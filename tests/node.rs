@@ -1084,6 +1084,21 @@ fn a_silent_guest_agent_is_a_deadline_not_a_hang() {
         assert!(residue.is_empty(), "{residue:?}");
         assert_eq!(receipts[0], "vm:9100 destroyed", "{receipts:?}");
         assert!(!run.qemu_running(9100));
+        // qm's own stop timeout (60 s, then 11 s of SIGTERM/SIGKILL) would outlast the tool
+        // timeout (60 s), and qm's worker would outlive a kill at the deadline: the stop
+        // always names a timeout that fits.
+        let stops: Vec<serde_json::Value> = run
+            .lab
+            .calls()
+            .into_iter()
+            .filter(|c| c["argv"][0] == "stop")
+            .map(|c| c["argv"].clone())
+            .collect();
+        assert_eq!(
+            stops,
+            [serde_json::json!(["stop", "9100", "--timeout", "43"])],
+            "{stops:?}"
+        );
         run.stop().await;
     });
 }
@@ -1583,6 +1598,82 @@ mod crash {
         c.end_run(pb::EndRunRequest {}).await.unwrap();
     }
 
+    /// The daemon dies while `qm create`'s worker (slowed in the double) has written only its
+    /// `lock: create` claim; the restarted daemon kills qm and its worker, and Cleanup removes
+    /// the claim (`qm unlock`, `qm destroy`). A claim on a VMID the run never journaled is
+    /// never touched.
+    pub async fn run_create_cut_short() {
+        let lab = Lab::new("claim");
+        lab.add_backup(SNAPSHOT, ARCHIVE, MARKER, 8 << 20);
+        lab.settings(serde_json::json!({ "delays": { "create-worker": 30 } }));
+        let authority_dir = TempDir::new("claim-ctl");
+        let authority = controller(&authority_dir.0);
+        let config = lab.node_config(&authority, &lab.root.join("node"));
+        let port = free_local_port();
+        let config_path = lab.root.join("node/connector.toml");
+        write_config_file(&config_path, &config, port);
+        let address = format!("127.0.0.1:{port}");
+        let mut wire = grant(RUN_ID, NODE);
+        sandbox_grant(&mut wire);
+        let credentials = mint(&authority, &wire);
+        let operator = authority.issue_operator("recovery", now()).unwrap();
+
+        let mut daemon = Daemon::start(&config_path);
+        let mut c = client_when_up(&authority, &address, &credentials.certificate).await;
+        c.begin_run(begin_request(&credentials)).await.unwrap();
+        map_and_overlay(&mut c, 9100).await;
+        let mut creating = c.clone();
+        let call = tokio::spawn(async move {
+            creating
+                .create_vm(pb::CreateVmRequest {
+                    vmid: 9100,
+                    cores: 1,
+                    memory_mib: 256,
+                    archives: vec![ARCHIVE.into()],
+                })
+                .await
+        });
+        let conf = lab.root.join("etc/pve/qemu-server/9100.conf");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while std::fs::read_to_string(&conf).ok().as_deref() != Some("lock: create\n") {
+            assert!(std::time::Instant::now() < deadline, "no claim written");
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        daemon.kill9();
+        assert!(call.await.unwrap().is_err());
+        assert!(
+            lab.calls()
+                .iter()
+                .any(|c| c["event"] == "worker" && c["task"] == "qmcreate"),
+            "qm create runs its task in a worker"
+        );
+        // Someone else's create, cut short the same way, on a VMID the run never used.
+        let foreign = lab.root.join("etc/pve/qemu-server/9101.conf");
+        std::fs::write(&foreign, "lock: create\n").unwrap();
+
+        let _daemon = Daemon::start(&config_path);
+        let mut op = client_when_up(&authority, &address, &operator).await;
+        let (receipts, reported) = cleanup_receipts(&mut op, RUN_ID).await;
+        assert!(reported.is_empty(), "{receipts:?} {reported:?}");
+        assert!(
+            receipts.contains(&"vm:9100 destroyed".to_owned()),
+            "{receipts:?}"
+        );
+        assert!(!conf.exists(), "the claim is gone");
+        assert_eq!(std::fs::read_to_string(&foreign).unwrap(), "lock: create\n");
+        let steps = journal_steps(&mut op, RUN_ID).await;
+        for step in ["vm.unlock vm:9100 done", "vm.destroy vm:9100 undone"] {
+            assert!(
+                steps.iter().any(|s| s.starts_with(step)),
+                "{step}: {steps:?}"
+            );
+        }
+        let left = residue(&lab, &config.paths.state_dir);
+        assert!(left.is_empty(), "{left:?}");
+        std::fs::remove_file(&foreign).unwrap();
+    }
+
     pub async fn run_case(step: Step) {
         let lab = Lab::new("crash");
         lab.add_backup(SNAPSHOT, ARCHIVE, MARKER, 8 << 20);
@@ -1805,6 +1896,21 @@ fn crash_matrix_kill_9_restart_recover_zero_residue() {
         ] {
             crash::run_case(step).await;
         }
+    });
+}
+
+#[test]
+fn a_qm_create_cut_short_leaves_a_claim_that_cleanup_removes() {
+    if !privileged(
+        "a_qm_create_cut_short_leaves_a_claim_that_cleanup_removes",
+        &["losetup", "python3", "qemu-img"],
+    ) {
+        return;
+    }
+    let netns = Netns::new("claim", &["csbox1"]);
+    inside(&netns.name, || async {
+        let _serial = SERIAL.lock().await;
+        crash::run_create_cut_short().await;
     });
 }
 

@@ -337,7 +337,9 @@ impl NodeExecutor {
                 super::vm::Ownership::Ours => {
                     residue.push(format!("VM {vmid} with this run's marker still exists"))
                 }
-                super::vm::Ownership::Absent | super::vm::Ownership::NotOurs(_) => {}
+                super::vm::Ownership::Absent
+                | super::vm::Ownership::NotOurs(_)
+                | super::vm::Ownership::Claim => {}
             }
             // A QEMU process outliving its config would hold the overlay and the loop device
             // (not reported for a VM that is not this run's: its process is not ours to judge).
