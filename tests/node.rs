@@ -2326,3 +2326,122 @@ async fn a_mapping_whose_holder_was_killed_is_refused_before_boot_and_overlay() 
     assert!(run.loops().is_empty());
     run.stop().await;
 }
+
+/// Stages in `mirror` a copy of `/sys/block` for loop devices 0..1024 (each `loop` and `ro`
+/// links to the kernel's own), where a test adds device-mapper holders: this kernel has no
+/// device-mapper to create real ones.
+fn sys_block_mirror(mirror: &std::path::Path) {
+    for number in 0..1024 {
+        let dir = mirror.join(format!("loop{number}"));
+        std::fs::create_dir_all(dir.join("holders")).unwrap();
+        for attribute in ["loop", "ro"] {
+            std::os::unix::fs::symlink(
+                format!("/sys/block/loop{number}/{attribute}"),
+                dir.join(attribute),
+            )
+            .unwrap();
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_guest_volume_the_host_activated_blocks_boot_and_is_reported_by_cleanup() {
+    if !privileged(
+        "a_guest_volume_the_host_activated_blocks_boot_and_is_reported_by_cleanup",
+        &["losetup", "python3", "qemu-img"],
+    ) {
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    let lab = Lab::new("dmholder");
+    lab.add_backup(SNAPSHOT, ARCHIVE, MARKER, 8 << 20);
+    let mirror = lab.root.join("sys-block");
+    sys_block_mirror(&mirror);
+    let authority_dir = TempDir::new("dmholder-ctl");
+    let authority = controller(&authority_dir.0);
+    let config = lab.node_config(&authority, &lab.root.join("node"));
+    let clock: std::sync::Arc<dyn certistack_connector::service::Clock> =
+        std::sync::Arc::new(certistack_connector::service::SystemClock);
+    let executor = certistack_connector::node::NodeExecutor::new(config.clone(), clock.clone())
+        .with_sys_block(mirror.clone());
+    let connector =
+        certistack_connector::server::Connector::new(config, std::sync::Arc::new(executor), clock)
+            .unwrap();
+    let listener = connector.bind().await.unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(async move {
+        connector
+            .serve(listener, async {
+                let _ = stopped.await;
+            })
+            .await
+            .unwrap();
+    });
+    let mut wire = grant(RUN_ID, NODE);
+    sandbox_grant(&mut wire);
+    let credentials = mint(&authority, &wire);
+    let mut c = client(&authority, &address, NODE, &credentials.certificate)
+        .await
+        .unwrap();
+    c.begin_run(begin_request(&credentials)).await.unwrap();
+    let device = c
+        .map_backup(map_request(ARCHIVE, PBS_PASSWORD))
+        .await
+        .unwrap()
+        .into_inner()
+        .loop_device;
+    overlay_and_vm(&mut c, 9100).await;
+
+    // The host's LVM found a physical volume on the guest disk's second partition and
+    // activated a logical volume of it.
+    let loop_name = device.trim_start_matches("/dev/");
+    let holder = mirror.join(format!("{loop_name}/{loop_name}p2/holders/dm-250"));
+    std::fs::create_dir_all(&holder).unwrap();
+    std::fs::create_dir_all(mirror.join("dm-250/dm")).unwrap();
+    std::fs::write(mirror.join("dm-250/dm/name"), "guestvg-root\n").unwrap();
+    std::fs::write(mirror.join("dm-250/dm/uuid"), "LVM-0123456789abcdef\n").unwrap();
+    let described = format!(
+        "{device}p2 is held by device-mapper device \"guestvg-root\" (dm-250): run `dmsetup remove /dev/dm-250` (it is a volume of the guest's LVM volume group guestvg: `vgchange -an guestvg` releases them all)"
+    );
+    assert_status(
+        c.start_vm(pb::VmRequest { vmid: 9100 }).await,
+        Code::FailedPrecondition,
+        &format!("the host uses the mapping of {ARCHIVE}: {described}; then retry"),
+    );
+
+    // Cleanup removes everything else, leaves the mapping (unmap could not detach it) and
+    // says what holds it and what to run.
+    let (receipts, residue) = cleanup_receipts(&mut c, RUN_ID).await;
+    assert_eq!(
+        receipts.last().unwrap(),
+        &format!(
+            "backup:{ARCHIVE} failed: the mapping of {ARCHIVE} is left in place because the host uses it: {described}; then run Cleanup again"
+        ),
+        "{receipts:?}"
+    );
+    assert!(
+        receipts.contains(&"vm:9100 destroyed".to_owned()),
+        "{receipts:?}"
+    );
+    assert!(
+        residue.contains(&format!(
+            "the host uses the mapping of {ARCHIVE}: {described}"
+        )),
+        "{residue:?}"
+    );
+    assert_eq!(loops_under(&lab.root).len(), 1, "the mapping stays");
+
+    // The operator released the volume: Cleanup completes.
+    std::fs::remove_dir(&holder).unwrap();
+    let (receipts, residue) = cleanup_receipts(&mut c, RUN_ID).await;
+    assert!(residue.is_empty(), "{receipts:?} {residue:?}");
+    assert!(
+        receipts.contains(&format!("backup:{ARCHIVE} unmapped")),
+        "{receipts:?}"
+    );
+    assert!(loops_under(&lab.root).is_empty());
+    c.end_run(pb::EndRunRequest {}).await.unwrap();
+    let _ = stop.send(());
+    server.await.unwrap();
+}

@@ -315,6 +315,13 @@ impl NodeExecutor {
         for archive in &grant.archives {
             for l in self.our_loops(grant, archive) {
                 residue.push(format!("loop device {} still maps {archive}", l.device));
+                let holders = super::loopdev::device_mapper_holders(&self.sys_block, &l.device);
+                if !holders.is_empty() {
+                    residue.push(format!(
+                        "the host uses the mapping of {archive}: {}",
+                        super::backup::describe_holders(&holders)
+                    ));
+                }
             }
             let backing = self.expected_backing(grant, archive);
             if backing.exists() {
