@@ -2276,6 +2276,21 @@ async fn a_mapping_whose_holder_was_killed_is_refused_before_boot_and_overlay() 
         .parse()
         .unwrap();
     let before = run.loops();
+    // Direct reads from the device, past any cache: the holder serves them.
+    let read_device = |device: &str| {
+        std::process::Command::new("dd")
+            .args([
+                &format!("if={device}"),
+                "bs=4096",
+                "count=1",
+                "iflag=direct",
+                "status=none",
+            ])
+            .output()
+            .unwrap()
+    };
+    let served = read_device(&before[0].0);
+    assert!(served.status.success() && served.stdout.starts_with(MARKER));
     // SIGKILL: the holder cannot clean up; the kernel keeps the device and its backing path.
     assert!(
         std::process::Command::new("kill")
@@ -2297,6 +2312,11 @@ async fn a_mapping_whose_holder_was_killed_is_refused_before_boot_and_overlay() 
         "the device stays attached, same backing path"
     );
     assert!(!before[0].1.display().to_string().ends_with("(deleted)"));
+    let unserved = read_device(&before[0].0);
+    assert!(
+        !unserved.status.success() && !unserved.stdout.starts_with(MARKER),
+        "reads from a dead mapping fail: {unserved:?}"
+    );
 
     for result in [
         ok(run.client.start_vm(pb::VmRequest { vmid: 9100 }).await),
