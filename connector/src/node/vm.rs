@@ -81,9 +81,9 @@ impl Verb {
                 std::time::Duration::from_secs(u64::from(timeout_secs).saturating_add(30))
             }
             Verb::Stop { .. } => {
-                let needed = stop_timeout_secs(0, tool_timeout.as_secs()).into();
-                std::time::Duration::from_secs(u64::saturating_add(needed, STOP_ESCALATION_SECS))
-                    .saturating_sub(tool_timeout)
+                let needed = u64::from(stop_timeout_secs(0, tool_timeout.as_secs()))
+                    .saturating_add(STOP_ESCALATION_SECS);
+                std::time::Duration::from_secs(needed).saturating_sub(tool_timeout)
             }
             _ => std::time::Duration::ZERO,
         }
