@@ -555,14 +555,46 @@ fn sandbox_grant(wire: &mut pb::RunGrant) {
             max_memory_mib: 512,
         })
         .collect();
-    wire.qga_assertions = vec![pb::QgaAssertion {
-        id: "restored-echo".into(),
-        program: "/bin/echo".into(),
-        args: vec!["restored".into(), "ok".into()],
-        expect_exit_code: 0,
-        expect_stdout_contains: "restored ok".into(),
-        timeout_seconds: 20,
-    }];
+    wire.qga_assertions = vec![
+        pb::QgaAssertion {
+            id: "restored-echo".into(),
+            program: "/bin/echo".into(),
+            args: vec!["restored".into(), "ok".into()],
+            expect_exit_code: 0,
+            expect_stdout_contains: "restored ok".into(),
+            timeout_seconds: 20,
+        },
+        pb::QgaAssertion {
+            id: "slow-check".into(),
+            program: "/bin/sleep".into(),
+            args: vec!["4".into()],
+            expect_exit_code: 0,
+            expect_stdout_contains: String::new(),
+            timeout_seconds: 20,
+        },
+    ];
+}
+
+/// Asks the agent on `socket` for `guest-sync-delimited` as PVE's own agent calls do, within
+/// `timeout`; true when it answered.
+fn agent_answers(socket: &std::path::Path, timeout: std::time::Duration) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut stream) = std::os::unix::net::UnixStream::connect(socket) else {
+        return false;
+    };
+    stream.set_read_timeout(Some(timeout)).unwrap();
+    stream
+        .write_all(b"{\"execute\":\"guest-sync-delimited\",\"arguments\":{\"id\":4242}}\n")
+        .unwrap();
+    let mut answer = Vec::new();
+    let mut byte = [0u8; 1];
+    while !answer.ends_with(b"\n") || !answer.contains(&0xFF) {
+        match stream.read(&mut byte) {
+            Ok(1) => answer.push(byte[0]),
+            _ => return false,
+        }
+    }
+    String::from_utf8_lossy(&answer).contains("4242")
 }
 
 /// Maps ARCHIVE, then creates its overlay for `vmid` and a VM booting it; returns the VM's
@@ -699,6 +731,31 @@ fn an_oversized_screendump_is_removed_and_refused() {
     });
 }
 
+/// Runs one QMP command on `socket` as another QMP client of the node would.
+fn qmp_exchange(socket: &std::path::Path, command: &str) {
+    use std::io::{BufRead, Write};
+    let stream = std::os::unix::net::UnixStream::connect(socket).unwrap();
+    stream
+        .set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .unwrap();
+    let mut reader = std::io::BufReader::new(stream.try_clone().unwrap());
+    let mut writer = stream;
+    let mut line = String::new();
+    reader.read_line(&mut line).unwrap();
+    assert!(line.contains("QMP"), "{line}");
+    for execute in ["qmp_capabilities", command] {
+        writeln!(writer, "{{\"execute\":\"{execute}\"}}").unwrap();
+        loop {
+            line.clear();
+            reader.read_line(&mut line).unwrap();
+            if !line.contains("\"event\"") {
+                break;
+            }
+        }
+        assert!(line.contains("\"return\""), "{execute}: {line}");
+    }
+}
+
 #[test]
 fn vm_lifecycle_with_qmp_and_a_real_guest_agent() {
     if !privileged("vm_lifecycle_with_qmp_and_a_real_guest_agent", QEMU_TOOLS) {
@@ -732,6 +789,7 @@ fn vm_lifecycle_with_qmp_and_a_real_guest_agent() {
             "tags: certistack",
             "ide2: none,media=cdrom",
             "cores: 1",
+            "cpuunits: 10",
             "memory: 256",
             &format!("smbios1: uuid={uuid}"),
         ] {
@@ -768,6 +826,33 @@ fn vm_lifecycle_with_qmp_and_a_real_guest_agent() {
             .unwrap()
             .into_inner();
         assert_eq!(status.state, pb::VmState::Running as i32);
+        assert_eq!(status.qmp_status, "running");
+
+        // qm status prints QEMU's own run state: a guest paused through QMP is reported paused,
+        // and one QEMU stopped on an I/O error (set in the double: a disk error cannot be
+        // provoked here) is reported as a guest error, which is evidence.
+        let qmp_socket = run.lab.root.join("var/run/qemu-server/9100.qmp");
+        qmp_exchange(&qmp_socket, "stop");
+        let paused = run
+            .client
+            .vm_status(pb::VmRequest { vmid: 9100 })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(paused.state, pb::VmState::Paused as i32, "{paused:?}");
+        assert_eq!(paused.qmp_status, "paused");
+        qmp_exchange(&qmp_socket, "cont");
+        run.lab
+            .settings(serde_json::json!({ "qmp_status": { "9100": "io-error" } }));
+        let failed = run
+            .client
+            .vm_status(pb::VmRequest { vmid: 9100 })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(failed.state, pb::VmState::GuestError as i32, "{failed:?}");
+        assert_eq!(failed.qmp_status, "io-error");
+        run.lab.settings(serde_json::json!({ "qmp_status": {} }));
 
         let qmp = |command: pb::QmpCommand| pb::QmpRequest {
             vmid: 9100,
@@ -864,6 +949,34 @@ fn vm_lifecycle_with_qmp_and_a_real_guest_agent() {
             "{}",
             reply.result_json
         );
+
+        // While an assertion runs, the agent socket is free between polls: another client (PVE's
+        // own agent calls) connects and gets its answer within one poll, not after the program.
+        let mut asserting = run.client.clone();
+        let slow = tokio::spawn(async move {
+            asserting
+                .qga(pb::QgaRequest {
+                    vmid: 9100,
+                    call: Some(pb::qga_request::Call::AssertionId("slow-check".into())),
+                })
+                .await
+        });
+        tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+        let qga_socket = run.lab.root.join("var/run/qemu-server/9100.qga");
+        let asked = std::time::Instant::now();
+        let answered = tokio::task::spawn_blocking(move || {
+            agent_answers(&qga_socket, std::time::Duration::from_secs(2))
+        })
+        .await
+        .unwrap();
+        let waited = asked.elapsed();
+        assert!(
+            answered,
+            "another agent client got no answer while the assertion ran ({waited:?})"
+        );
+        assert!(!slow.is_finished(), "the assertion ended before the check");
+        let reply = slow.await.unwrap().unwrap().into_inner();
+        assert!(reply.assertion_passed, "{reply:?}");
 
         let stopped = run
             .client
@@ -1058,6 +1171,21 @@ fn a_silent_guest_agent_is_a_deadline_not_a_hang() {
         assert!(residue.is_empty(), "{residue:?}");
         assert_eq!(receipts[0], "vm:9100 destroyed", "{receipts:?}");
         assert!(!run.qemu_running(9100));
+        // qm's own stop timeout (60 s, then 11 s of SIGTERM/SIGKILL) would outlast the tool
+        // timeout (60 s), and qm's worker would outlive a kill at the deadline: the stop
+        // always names a timeout that fits.
+        let stops: Vec<serde_json::Value> = run
+            .lab
+            .calls()
+            .into_iter()
+            .filter(|c| c["argv"][0] == "stop")
+            .map(|c| c["argv"].clone())
+            .collect();
+        assert_eq!(
+            stops,
+            [serde_json::json!(["stop", "9100", "--timeout", "43"])],
+            "{stops:?}"
+        );
         run.stop().await;
     });
 }
@@ -1557,6 +1685,82 @@ mod crash {
         c.end_run(pb::EndRunRequest {}).await.unwrap();
     }
 
+    /// The daemon dies while `qm create`'s worker (slowed in the double) has written only its
+    /// `lock: create` claim; the restarted daemon kills qm and its worker, and Cleanup removes
+    /// the claim (`qm unlock`, `qm destroy`). A claim on a VMID the run never journaled is
+    /// never touched.
+    pub async fn run_create_cut_short() {
+        let lab = Lab::new("claim");
+        lab.add_backup(SNAPSHOT, ARCHIVE, MARKER, 8 << 20);
+        lab.settings(serde_json::json!({ "delays": { "create-worker": 30 } }));
+        let authority_dir = TempDir::new("claim-ctl");
+        let authority = controller(&authority_dir.0);
+        let config = lab.node_config(&authority, &lab.root.join("node"));
+        let port = free_local_port();
+        let config_path = lab.root.join("node/connector.toml");
+        write_config_file(&config_path, &config, port);
+        let address = format!("127.0.0.1:{port}");
+        let mut wire = grant(RUN_ID, NODE);
+        sandbox_grant(&mut wire);
+        let credentials = mint(&authority, &wire);
+        let operator = authority.issue_operator("recovery", now()).unwrap();
+
+        let mut daemon = Daemon::start(&config_path);
+        let mut c = client_when_up(&authority, &address, &credentials.certificate).await;
+        c.begin_run(begin_request(&credentials)).await.unwrap();
+        map_and_overlay(&mut c, 9100).await;
+        let mut creating = c.clone();
+        let call = tokio::spawn(async move {
+            creating
+                .create_vm(pb::CreateVmRequest {
+                    vmid: 9100,
+                    cores: 1,
+                    memory_mib: 256,
+                    archives: vec![ARCHIVE.into()],
+                })
+                .await
+        });
+        let conf = lab.root.join("etc/pve/qemu-server/9100.conf");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while std::fs::read_to_string(&conf).ok().as_deref() != Some("lock: create\n") {
+            assert!(std::time::Instant::now() < deadline, "no claim written");
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        daemon.kill9();
+        assert!(call.await.unwrap().is_err());
+        assert!(
+            lab.calls()
+                .iter()
+                .any(|c| c["event"] == "worker" && c["task"] == "qmcreate"),
+            "qm create runs its task in a worker"
+        );
+        // Someone else's create, cut short the same way, on a VMID the run never used.
+        let foreign = lab.root.join("etc/pve/qemu-server/9101.conf");
+        std::fs::write(&foreign, "lock: create\n").unwrap();
+
+        let _daemon = Daemon::start(&config_path);
+        let mut op = client_when_up(&authority, &address, &operator).await;
+        let (receipts, reported) = cleanup_receipts(&mut op, RUN_ID).await;
+        assert!(reported.is_empty(), "{receipts:?} {reported:?}");
+        assert!(
+            receipts.contains(&"vm:9100 destroyed".to_owned()),
+            "{receipts:?}"
+        );
+        assert!(!conf.exists(), "the claim is gone");
+        assert_eq!(std::fs::read_to_string(&foreign).unwrap(), "lock: create\n");
+        let steps = journal_steps(&mut op, RUN_ID).await;
+        for step in ["vm.unlock vm:9100 done", "vm.destroy vm:9100 undone"] {
+            assert!(
+                steps.iter().any(|s| s.starts_with(step)),
+                "{step}: {steps:?}"
+            );
+        }
+        let left = residue(&lab, &config.paths.state_dir);
+        assert!(left.is_empty(), "{left:?}");
+        std::fs::remove_file(&foreign).unwrap();
+    }
+
     pub async fn run_case(step: Step) {
         let lab = Lab::new("crash");
         lab.add_backup(SNAPSHOT, ARCHIVE, MARKER, 8 << 20);
@@ -1779,6 +1983,21 @@ fn crash_matrix_kill_9_restart_recover_zero_residue() {
         ] {
             crash::run_case(step).await;
         }
+    });
+}
+
+#[test]
+fn a_qm_create_cut_short_leaves_a_claim_that_cleanup_removes() {
+    if !privileged(
+        "a_qm_create_cut_short_leaves_a_claim_that_cleanup_removes",
+        &["losetup", "python3", "qemu-img"],
+    ) {
+        return;
+    }
+    let netns = Netns::new("claim", &["csbox1"]);
+    inside(&netns.name, || async {
+        let _serial = SERIAL.lock().await;
+        crash::run_create_cut_short().await;
     });
 }
 
@@ -2119,4 +2338,217 @@ async fn repeated_stops_cannot_spend_the_reserve_cleanup_needs() {
     eprintln!("StopVm refused: {refused:?}");
     // What the run holds must still come off the node.
     run.end().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_mapping_whose_holder_was_killed_is_refused_before_boot_and_overlay() {
+    if !privileged(
+        "a_mapping_whose_holder_was_killed_is_refused_before_boot_and_overlay",
+        &["losetup", "python3", "qemu-img"],
+    ) {
+        return;
+    }
+    let mut run = Run::begin_with("deadholder", &[ARCHIVE], |_| {}, sandbox_grant).await;
+    map_overlay_and_vm(&mut run.client, 9100).await;
+    let pid_files: Vec<std::path::PathBuf> =
+        std::fs::read_dir(run.lab.root.join("run/pbs-loopdev"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|x| x == "pid"))
+            .collect();
+    assert_eq!(pid_files.len(), 1, "{pid_files:?}");
+    let holder: i32 = std::fs::read_to_string(&pid_files[0])
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let before = run.loops();
+    // Direct reads from the device, past any cache: the holder serves them.
+    let read_device = |device: &str| {
+        std::process::Command::new("dd")
+            .args([
+                &format!("if={device}"),
+                "bs=4096",
+                "count=1",
+                "iflag=direct",
+                "status=none",
+            ])
+            .output()
+            .unwrap()
+    };
+    let served = read_device(&before[0].0);
+    assert!(served.status.success() && served.stdout.starts_with(MARKER));
+    // SIGKILL: the holder cannot clean up; the kernel keeps the device and its backing path.
+    assert!(
+        std::process::Command::new("kill")
+            .args(["-9", &holder.to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while std::path::Path::new(&format!("/proc/{holder}/cmdline")).exists()
+        && std::fs::read_to_string(format!("/proc/{holder}/stat")).is_ok_and(|s| !s.contains(") Z"))
+        && std::time::Instant::now() < deadline
+    {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert_eq!(
+        run.loops(),
+        before,
+        "the device stays attached, same backing path"
+    );
+    assert!(!before[0].1.display().to_string().ends_with("(deleted)"));
+    let unserved = read_device(&before[0].0);
+    assert!(
+        !unserved.status.success() && !unserved.stdout.starts_with(MARKER),
+        "reads from a dead mapping fail: {unserved:?}"
+    );
+
+    for result in [
+        ok(run.client.start_vm(pb::VmRequest { vmid: 9100 }).await),
+        ok(run
+            .client
+            .create_overlay(pb::CreateOverlayRequest {
+                vmid: 9101,
+                archive: ARCHIVE.into(),
+            })
+            .await),
+    ] {
+        assert_status(
+            result,
+            Code::FailedPrecondition,
+            &format!(
+                "the mapping of {ARCHIVE} on {} is dead: its holder (process {holder}",
+                before[0].0
+            ),
+        );
+    }
+    let (receipts, residue) = cleanup_receipts(&mut run.client, RUN_ID).await;
+    assert!(residue.is_empty(), "{receipts:?} {residue:?}");
+    assert!(
+        receipts.contains(&"backup:drive-scsi0.img unmapped".to_owned()),
+        "{receipts:?}"
+    );
+    assert!(run.loops().is_empty());
+    run.stop().await;
+}
+
+/// Stages in `mirror` a copy of `/sys/block` for loop devices 0..1024 (each `loop` and `ro`
+/// links to the kernel's own), where a test adds device-mapper holders: this kernel has no
+/// device-mapper to create real ones.
+fn sys_block_mirror(mirror: &std::path::Path) {
+    for number in 0..1024 {
+        let dir = mirror.join(format!("loop{number}"));
+        std::fs::create_dir_all(dir.join("holders")).unwrap();
+        for attribute in ["loop", "ro"] {
+            std::os::unix::fs::symlink(
+                format!("/sys/block/loop{number}/{attribute}"),
+                dir.join(attribute),
+            )
+            .unwrap();
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_guest_volume_the_host_activated_blocks_boot_and_is_reported_by_cleanup() {
+    if !privileged(
+        "a_guest_volume_the_host_activated_blocks_boot_and_is_reported_by_cleanup",
+        &["losetup", "python3", "qemu-img"],
+    ) {
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    let lab = Lab::new("dmholder");
+    lab.add_backup(SNAPSHOT, ARCHIVE, MARKER, 8 << 20);
+    let mirror = lab.root.join("sys-block");
+    sys_block_mirror(&mirror);
+    let authority_dir = TempDir::new("dmholder-ctl");
+    let authority = controller(&authority_dir.0);
+    let config = lab.node_config(&authority, &lab.root.join("node"));
+    let clock: std::sync::Arc<dyn certistack_connector::service::Clock> =
+        std::sync::Arc::new(certistack_connector::service::SystemClock);
+    let executor = certistack_connector::node::NodeExecutor::new(config.clone(), clock.clone())
+        .with_sys_block(mirror.clone());
+    let connector =
+        certistack_connector::server::Connector::new(config, std::sync::Arc::new(executor), clock)
+            .unwrap();
+    let listener = connector.bind().await.unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(async move {
+        connector
+            .serve(listener, async {
+                let _ = stopped.await;
+            })
+            .await
+            .unwrap();
+    });
+    let mut wire = grant(RUN_ID, NODE);
+    sandbox_grant(&mut wire);
+    let credentials = mint(&authority, &wire);
+    let mut c = client(&authority, &address, NODE, &credentials.certificate)
+        .await
+        .unwrap();
+    c.begin_run(begin_request(&credentials)).await.unwrap();
+    let device = c
+        .map_backup(map_request(ARCHIVE, PBS_PASSWORD))
+        .await
+        .unwrap()
+        .into_inner()
+        .loop_device;
+    overlay_and_vm(&mut c, 9100).await;
+
+    // The host's LVM found a physical volume on the guest disk's second partition and
+    // activated a logical volume of it.
+    let loop_name = device.trim_start_matches("/dev/");
+    let holder = mirror.join(format!("{loop_name}/{loop_name}p2/holders/dm-250"));
+    std::fs::create_dir_all(&holder).unwrap();
+    std::fs::create_dir_all(mirror.join("dm-250/dm")).unwrap();
+    std::fs::write(mirror.join("dm-250/dm/name"), "guestvg-root\n").unwrap();
+    std::fs::write(mirror.join("dm-250/dm/uuid"), "LVM-0123456789abcdef\n").unwrap();
+    let described = format!(
+        "{device}p2 is held by device-mapper device \"guestvg-root\" (dm-250): run `dmsetup remove /dev/dm-250` (it is a volume of the guest's LVM volume group guestvg: `vgchange -an guestvg` releases them all)"
+    );
+    assert_status(
+        c.start_vm(pb::VmRequest { vmid: 9100 }).await,
+        Code::FailedPrecondition,
+        &format!("the host uses the mapping of {ARCHIVE}: {described}; then retry"),
+    );
+
+    // Cleanup removes everything else, leaves the mapping (unmap could not detach it) and
+    // says what holds it and what to run.
+    let (receipts, residue) = cleanup_receipts(&mut c, RUN_ID).await;
+    assert_eq!(
+        receipts.last().unwrap(),
+        &format!(
+            "backup:{ARCHIVE} failed: the mapping of {ARCHIVE} is left in place because the host uses it: {described}; then run Cleanup again"
+        ),
+        "{receipts:?}"
+    );
+    assert!(
+        receipts.contains(&"vm:9100 destroyed".to_owned()),
+        "{receipts:?}"
+    );
+    assert!(
+        residue.contains(&format!(
+            "the host uses the mapping of {ARCHIVE}: {described}"
+        )),
+        "{residue:?}"
+    );
+    assert_eq!(loops_under(&lab.root).len(), 1, "the mapping stays");
+
+    // The operator released the volume: Cleanup completes.
+    std::fs::remove_dir(&holder).unwrap();
+    let (receipts, residue) = cleanup_receipts(&mut c, RUN_ID).await;
+    assert!(residue.is_empty(), "{receipts:?} {residue:?}");
+    assert!(
+        receipts.contains(&format!("backup:{ARCHIVE} unmapped")),
+        "{receipts:?}"
+    );
+    assert!(loops_under(&lab.root).is_empty());
+    c.end_run(pb::EndRunRequest {}).await.unwrap();
+    let _ = stop.send(());
+    server.await.unwrap();
 }

@@ -205,6 +205,9 @@ pub struct Limits {
     /// check reads. A larger listing refuses PrepareSandbox: a rule past the cut could go
     /// unseen. proxmox-firewall's base ruleset alone is about 13 KB; a busy node passes 64 KiB.
     pub max_ruleset_bytes: usize,
+    /// CPU weight (`qm create --cpuunits`) of sandbox VMs. PVE 9 runs on cgroup v2 only, where
+    /// every VM's default weight is 100: a sandbox must weigh less to yield to production VMs.
+    pub sandbox_cpu_units: u32,
 }
 
 impl Default for Limits {
@@ -236,6 +239,7 @@ impl Default for Limits {
             reserved_fds: 128,
             max_screendump_bytes: 8 * 1024 * 1024,
             max_ruleset_bytes: 16 * 1024 * 1024,
+            sandbox_cpu_units: 10,
         }
     }
 }
@@ -471,6 +475,13 @@ impl Config {
             64 * 1024,
             256 * 1024 * 1024,
         )?;
+        // cgroup v2's cpu.weight range; 100 or more would not yield to PVE's default weight.
+        limit(
+            "limits.sandbox_cpu_units",
+            usize::try_from(l.sandbox_cpu_units).unwrap_or(usize::MAX),
+            1,
+            99,
+        )?;
         Ok(())
     }
 
@@ -589,7 +600,16 @@ overlay_root = "/var/lib/certistack/overlays"
                 .to_string()
                 .contains("cannot read")
         );
-        for path in [good, writable, typo, relative, bad_node] {
+        assert_eq!(config.limits.sandbox_cpu_units, 10);
+        let heavy = write(
+            "cpuunits",
+            &format!("{GOOD}[limits]\nsandbox_cpu_units = 100\n"),
+            0o644,
+        );
+        let err = Config::load(&heavy).unwrap_err().to_string();
+        assert!(err.contains("limits.sandbox_cpu_units"), "{err}");
+
+        for path in [good, writable, typo, relative, bad_node, heavy] {
             std::fs::remove_file(path).unwrap();
         }
     }

@@ -119,6 +119,8 @@ pub enum Op {
     VmStart,
     VmStop,
     VmDestroy,
+    /// `qm unlock`: drops the `lock: create` a `qm create` cut short left behind.
+    VmUnlock,
 }
 
 impl Op {
@@ -136,6 +138,7 @@ impl Op {
             Op::VmStart => "vm.start",
             Op::VmStop => "vm.stop",
             Op::VmDestroy => "vm.destroy",
+            Op::VmUnlock => "vm.unlock",
         }
     }
 }

@@ -42,6 +42,15 @@ fn current_life(state: &ResourceState) -> &[Record] {
     state.history.get(start..).unwrap_or_default()
 }
 
+/// Every holder, described with the command that releases it.
+pub(super) fn describe_holders(holders: &[loopdev::DmHolder]) -> String {
+    holders
+        .iter()
+        .map(loopdev::DmHolder::describe)
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
 impl NodeExecutor {
     /// The mapping name PBS gives this run's mapping of `archive`, unescaped, as `unmap` takes it.
     fn mapping_name(&self, grant: &Grant, archive: &ArchiveName) -> String {
@@ -70,7 +79,8 @@ impl NodeExecutor {
     }
 
     /// Ownership re-check before building on or booting from a mapping: `device` must still be
-    /// this run's live, read-only mapping of `archive` (a dead mapping's number can be reused).
+    /// this run's live, read-only mapping of `archive` (a dead mapping's number can be reused),
+    /// and the process serving its data must still be alive.
     pub(super) fn check_mapping(
         &self,
         grant: &Grant,
@@ -79,11 +89,32 @@ impl NodeExecutor {
     ) -> Result<(), ExecError> {
         let expected = self.expected_backing(grant, archive);
         match loopdev::inspect(&self.sys_block, device) {
-            Some(l) if l.serves(&expected) => Ok(()),
-            _ => Err(ExecError::FailedPrecondition(format!(
-                "{device} is no longer this run's read-only mapping of {archive}; clean up and map again"
-            ))),
+            Some(l) if l.serves(&expected) => {}
+            _ => {
+                return Err(ExecError::FailedPrecondition(format!(
+                    "{device} is no longer this run's read-only mapping of {archive}; clean up and map again"
+                )));
+            }
         }
+        if let Some(problem) = loopdev::holder_problem(
+            &expected,
+            &self.config.tools.proxmox_backup_client,
+            archive.as_str(),
+        ) {
+            return Err(ExecError::FailedPrecondition(format!(
+                "the mapping of {archive} on {device} is dead: {problem}; call Cleanup (or UnmapBackup) and map it again"
+            )));
+        }
+        // The host's LVM activated a volume of the guest: the host reads (and may write
+        // metadata of) the disk under test, and the mapping cannot be undone while it does.
+        let holders = loopdev::device_mapper_holders(&self.sys_block, device);
+        if !holders.is_empty() {
+            return Err(ExecError::FailedPrecondition(format!(
+                "the host uses the mapping of {archive}: {}; then retry",
+                describe_holders(&holders)
+            )));
+        }
+        Ok(())
     }
 
     /// Loop devices currently backed by this run's mapping of `archive`, read-only or not.
@@ -359,6 +390,21 @@ impl NodeExecutor {
             self.journal_end_state(guard, op, &resource, &EndState::AlreadyGone)
                 .await?;
             return Ok((EndState::AlreadyGone, None));
+        }
+        // A device-mapper device on the mapping keeps it busy: unmapping would stop the holder
+        // and leave the device attached until the host lets go. The operator releases it first.
+        let holders: Vec<loopdev::DmHolder> = devices
+            .iter()
+            .flat_map(|d| loopdev::device_mapper_holders(&self.sys_block, d))
+            .collect();
+        if !holders.is_empty() {
+            return Ok((
+                EndState::Failed(format!(
+                    "the mapping of {archive} is left in place because the host uses it: {}; then run Cleanup again",
+                    describe_holders(&holders)
+                )),
+                None,
+            ));
         }
         let by_name = self.name_is_unique(grant, archive);
         let targets: Vec<String> = if by_name {

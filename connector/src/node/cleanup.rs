@@ -323,6 +323,13 @@ impl NodeExecutor {
         for archive in &grant.archives {
             for l in self.our_loops(grant, archive) {
                 residue.push(format!("loop device {} still maps {archive}", l.device));
+                let holders = super::loopdev::device_mapper_holders(&self.sys_block, &l.device);
+                if !holders.is_empty() {
+                    residue.push(format!(
+                        "the host uses the mapping of {archive}: {}",
+                        super::backup::describe_holders(&holders)
+                    ));
+                }
             }
             let backing = self.expected_backing(grant, archive);
             if backing.exists() {
@@ -345,7 +352,9 @@ impl NodeExecutor {
                 super::vm::Ownership::Ours => {
                     residue.push(format!("VM {vmid} with this run's marker still exists"))
                 }
-                super::vm::Ownership::Absent | super::vm::Ownership::NotOurs(_) => {}
+                super::vm::Ownership::Absent
+                | super::vm::Ownership::NotOurs(_)
+                | super::vm::Ownership::Claim => {}
             }
             // A QEMU process outliving its config would hold the overlay and the loop device
             // (not reported for a VM that is not this run's: its process is not ours to judge).

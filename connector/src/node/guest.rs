@@ -1,7 +1,9 @@
 //! QMP and guest-agent exchanges with a sandbox VM, over the sockets qemu-server creates.
 //!
-//! Each call connects, negotiates, runs exactly one allowlisted command (or one granted
-//! `guest-exec` assertion), and disconnects: a chardev socket serves one client at a time.
+//! Each call connects, negotiates, runs exactly one allowlisted command, and disconnects: a
+//! chardev socket serves one client at a time. A granted `guest-exec` assertion holds the
+//! agent's socket only per exchange (see [`qga_exec`]), so PVE's own agent calls get through
+//! while the program runs.
 //! Everything runs under a deadline, because an agent-less guest never answers: the caller gets
 //! `DEADLINE_EXCEEDED`, never a hang.
 //!
@@ -260,30 +262,41 @@ pub struct ExecResult {
 }
 
 /// Runs exactly the granted program with exactly the granted arguments and waits for it.
+///
+/// The agent's socket serves one client at a time and qemu-server's own agent calls give up
+/// after a few seconds, so the socket is held only per exchange: `guest-exec` on one
+/// connection, then each `guest-exec-status` on a fresh, freshly synchronized connection, with
+/// the socket released between polls. The agent keeps a started program's status (and its
+/// captured output) until a status call sees it exited, whichever connection asks.
 pub async fn qga_exec(
     path: &Path,
     assertion: &QgaAssertion,
-    connect_timeout: Duration,
+    exchange_timeout: Duration,
 ) -> Result<ExecResult, GuestError> {
-    let budget = connect_timeout + Duration::from_secs(u64::from(assertion.timeout_secs));
+    let budget = exchange_timeout + Duration::from_secs(u64::from(assertion.timeout_secs));
     with_deadline(path, budget, AGENT_HINT, async {
-        let mut channel = qga_channel(path).await?;
         let args: Vec<&str> = assertion.args.iter().map(|a| a.as_str()).collect();
-        channel
-            .send(&json!({
-                "execute": "guest-exec",
-                "arguments": { "path": assertion.program.as_str(), "arg": args, "capture-output": true }
-            }))
-            .await?;
-        let started = channel.reply("guest-exec").await?;
-        let pid = started.get("pid").and_then(Value::as_i64).ok_or_else(|| GuestError::Protocol(format!("guest-exec gave no pid: {}", bounded(&started.to_string()))))?;
+        let exec = json!({
+            "execute": "guest-exec",
+            "arguments": { "path": assertion.program.as_str(), "arg": args, "capture-output": true }
+        });
+        let started = qga_exchange(path, &exec, "guest-exec", exchange_timeout).await?;
+        let pid = started.get("pid").and_then(Value::as_i64).ok_or_else(|| {
+            GuestError::Protocol(format!(
+                "guest-exec gave no pid: {}",
+                bounded(&started.to_string())
+            ))
+        })?;
+        let poll = json!({ "execute": "guest-exec-status", "arguments": { "pid": pid } });
         loop {
-            channel.send(&json!({ "execute": "guest-exec-status", "arguments": { "pid": pid } })).await?;
-            let status = channel.reply("guest-exec-status").await?;
+            tokio::time::sleep(EXEC_POLL).await;
+            let status = qga_exchange(path, &poll, "guest-exec-status", exchange_timeout).await?;
             if status.get("exited").and_then(Value::as_bool) == Some(true) {
                 let decode = |key: &str| {
                     let data = status.get(key).and_then(Value::as_str).unwrap_or_default();
-                    let bytes = base64::engine::general_purpose::STANDARD.decode(data).unwrap_or_default();
+                    let bytes = base64::engine::general_purpose::STANDARD
+                        .decode(data)
+                        .unwrap_or_default();
                     String::from_utf8_lossy(&bytes).into_owned()
                 };
                 return Ok(ExecResult {
@@ -292,8 +305,22 @@ pub async fn qga_exec(
                     stderr: decode("err-data"),
                 });
             }
-            tokio::time::sleep(EXEC_POLL).await;
         }
+    })
+    .await
+}
+
+/// One command on a connection of its own: connect, synchronize, ask, disconnect.
+async fn qga_exchange(
+    path: &Path,
+    command: &Value,
+    what: &'static str,
+    timeout: Duration,
+) -> Result<Value, GuestError> {
+    with_deadline(path, timeout, AGENT_HINT, async {
+        let mut channel = qga_channel(path).await?;
+        channel.send(command).await?;
+        channel.reply(what).await
     })
     .await
 }

@@ -1,6 +1,7 @@
 //! Loop devices as the kernel reports them (`/sys/block/loopN`), and the names
 //! `proxmox-backup-client map` gives its backing files.
 
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -18,6 +19,207 @@ impl LoopDevice {
     pub fn serves(&self, expected: &Path) -> bool {
         self.read_only && !self.backing_deleted && self.backing_file == expected
     }
+}
+
+/// The pid file of the process holding a mapping: `proxmox-backup-client` derives it from the
+/// backing file with Rust's `set_extension("pid")` (`…drive\x2dscsi0.img` → `…drive\x2dscsi0.pid`).
+pub fn holder_pid_file(backing: &Path) -> PathBuf {
+    backing.with_extension("pid")
+}
+
+/// Why the process holding a mapping is not serving it, if it is not.
+///
+/// The holder serves the loop device's data (FUSE). Killed with SIGKILL, it leaves the loop
+/// device attached with the same backing path, and reads from it fail: only its pid file and
+/// the process itself tell a live mapping from a dead one. The holder is a forked
+/// `proxmox-backup-client map … <archive>`, so its command line names the client, `map` and
+/// the archive.
+pub fn holder_problem(backing: &Path, client: &Path, archive: &str) -> Option<String> {
+    let pid_file = holder_pid_file(backing);
+    let mut text = String::new();
+    let read = std::fs::File::open(&pid_file)
+        .and_then(|f| std::io::Read::read_to_string(&mut std::io::Read::take(f, 32), &mut text));
+    if let Err(error) = read {
+        return Some(format!(
+            "its holder's pid file {} cannot be read ({error})",
+            pid_file.display()
+        ));
+    }
+    let Ok(pid) = text.trim().parse::<u32>() else {
+        return Some(format!(
+            "its holder's pid file {} holds no pid",
+            pid_file.display()
+        ));
+    };
+    let proc_dir = PathBuf::from(format!("/proc/{pid}"));
+    let alive = std::fs::read_to_string(proc_dir.join("stat"))
+        .ok()
+        .and_then(|stat| {
+            let state = stat
+                .rsplit_once(')')?
+                .1
+                .split_whitespace()
+                .next()?
+                .to_owned();
+            Some(state != "Z" && state != "X")
+        })
+        .unwrap_or(false);
+    if !alive {
+        return Some(format!(
+            "its holder (process {pid}, from {}) is dead: the device stays attached but its reads fail",
+            pid_file.display()
+        ));
+    }
+    let mut cmdline = Vec::new();
+    let _ = std::fs::File::open(proc_dir.join("cmdline")).and_then(|f| {
+        std::io::Read::read_to_end(&mut std::io::Read::take(f, 64 * 1024), &mut cmdline)
+    });
+    let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+    let client_name = client.file_name().map(|n| n.as_encoded_bytes());
+    let names_client = args.iter().any(|a| {
+        Path::new(std::ffi::OsStr::from_bytes(a))
+            .file_name()
+            .map(|n| n.as_encoded_bytes())
+            == client_name
+    });
+    let is_holder =
+        names_client && args.contains(&b"map".as_slice()) && args.contains(&archive.as_bytes());
+    (!is_holder).then(|| {
+        format!(
+            "process {pid} named by {} is not a proxmox-backup-client map of {archive}: the holder is gone and its pid was reused",
+            pid_file.display()
+        )
+    })
+}
+
+/// Most partitions and holders read per loop device: a mapped guest disk has a handful.
+const MAX_SYSFS_ENTRIES: usize = 256;
+
+/// A device-mapper device the host stacked on a loop device or one of its partitions: with
+/// partition scanning, and PVE's LVM filter not excluding `/dev/loop*`, the host's LVM sees a
+/// guest's physical volumes and may activate its volumes. It keeps the device busy (unmap
+/// cannot detach it) and reads the guest's disk behind the sandbox's back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DmHolder {
+    /// `/dev/loopN` or `/dev/loopNpM`.
+    pub held: String,
+    /// `dm-K`, the kernel's name.
+    pub kernel: String,
+    /// The device-mapper name, printable (it may come from the guest's LVM metadata).
+    pub name: String,
+    /// The volume group, when the device is an LVM volume with a name LVM would accept.
+    pub volume_group: Option<String>,
+}
+
+impl DmHolder {
+    /// What holds the device and what an operator runs to release it.
+    pub fn describe(&self) -> String {
+        let mut text = format!(
+            "{} is held by device-mapper device {:?} ({}): run `dmsetup remove /dev/{}`",
+            self.held, self.name, self.kernel, self.kernel
+        );
+        if let Some(vg) = &self.volume_group {
+            text.push_str(&format!(
+                " (it is a volume of the guest's LVM volume group {vg}: `vgchange -an {vg}` releases them all)"
+            ));
+        }
+        text
+    }
+}
+
+/// Device-mapper devices holding `device` or any of its partitions (`/sys/block/loopN/holders`,
+/// `/sys/block/loopN/loopNpM/holders`).
+pub fn device_mapper_holders(sys_block: &Path, device: &str) -> Vec<DmHolder> {
+    let Some(name) = kernel_name(device) else {
+        return Vec::new();
+    };
+    let dir = sys_block.join(name);
+    let mut held = vec![(device.to_owned(), dir.join("holders"))];
+    if let Ok(entries) = std::fs::read_dir(&dir) {
+        for entry in entries.take(MAX_SYSFS_ENTRIES).flatten() {
+            let Ok(part) = entry.file_name().into_string() else {
+                continue;
+            };
+            let is_partition = part
+                .strip_prefix(name)
+                .and_then(|rest| rest.strip_prefix('p'))
+                .is_some_and(|n| {
+                    !n.is_empty() && n.len() <= 3 && n.bytes().all(|b| b.is_ascii_digit())
+                });
+            if is_partition {
+                held.push((format!("/dev/{part}"), entry.path().join("holders")));
+            }
+        }
+    }
+    let mut holders = Vec::new();
+    for (held, holders_dir) in held {
+        let Ok(entries) = std::fs::read_dir(&holders_dir) else {
+            continue;
+        };
+        for entry in entries.take(MAX_SYSFS_ENTRIES).flatten() {
+            let Ok(kernel) = entry.file_name().into_string() else {
+                continue;
+            };
+            let Some(number) = kernel.strip_prefix("dm-") else {
+                continue;
+            };
+            if number.is_empty() || number.len() > 6 || !number.bytes().all(|b| b.is_ascii_digit())
+            {
+                continue;
+            }
+            let read = |attribute: &str| -> String {
+                let mut text = String::new();
+                let _ = std::fs::File::open(sys_block.join(&kernel).join("dm").join(attribute))
+                    .and_then(|f| {
+                        std::io::Read::read_to_string(&mut std::io::Read::take(f, 256), &mut text)
+                    });
+                text.trim_end().to_owned()
+            };
+            let raw_name = read("name");
+            let name: String = raw_name
+                .chars()
+                .map(|c| if c.is_ascii_graphic() { c } else { '?' })
+                .take(128)
+                .collect();
+            let volume_group = read("uuid")
+                .starts_with("LVM-")
+                .then(|| lvm_volume_group(&raw_name))
+                .flatten();
+            holders.push(DmHolder {
+                held: held.clone(),
+                kernel,
+                name,
+                volume_group,
+            });
+        }
+    }
+    holders.sort_by(|a, b| (&a.held, &a.kernel).cmp(&(&b.held, &b.kernel)));
+    holders
+}
+
+/// The volume group of an LVM device-mapper name `<vg>-<lv>` (a `-` inside either is doubled),
+/// when it is a name LVM accepts (letters, digits, `+_.-`): the only text put into a command.
+fn lvm_volume_group(dm_name: &str) -> Option<String> {
+    let bytes = dm_name.as_bytes();
+    let mut i = 0;
+    while let Some(&b) = bytes.get(i) {
+        if b == b'-' {
+            if bytes.get(i + 1) == Some(&b'-') {
+                i += 2;
+                continue;
+            }
+            let vg = dm_name.get(..i)?.replace("--", "-");
+            let valid = !vg.is_empty()
+                && !vg.starts_with('-')
+                && vg.len() <= 127
+                && vg
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'+' | b'_' | b'.' | b'-'));
+            return valid.then_some(vg);
+        }
+        i += 1;
+    }
+    None
 }
 
 /// `/dev/loopN` → `loopN`, refusing anything else.
@@ -108,6 +310,86 @@ mod tests {
             "certistack\\x40pbs\\x21restore\\x40pbs.lab\\x3a8007\\x3astore1\\x3avm-100-2026\\x2d11\\x2d01T02\\x3a00\\x3a00Z-drive\\x2dscsi0.img"
         );
         assert_eq!(escape_unit(".hidden"), "\\x2ehidden");
+        assert_eq!(
+            holder_pid_file(Path::new(
+                "/run/pbs-loopdev/s\\x3avm-100-drive\\x2dscsi0.img"
+            )),
+            Path::new("/run/pbs-loopdev/s\\x3avm-100-drive\\x2dscsi0.pid")
+        );
+    }
+
+    #[test]
+    fn device_mapper_holders_of_a_loop_device_and_its_partitions() {
+        let sys = std::env::temp_dir().join(format!("certistack-sysblock-{}", std::process::id()));
+        let write = |path: &str, text: &str| {
+            let path = sys.join(path);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(path, text).unwrap();
+        };
+        std::fs::create_dir_all(sys.join("loop7/holders")).unwrap();
+        std::fs::create_dir_all(sys.join("loop7/loop7p2/holders/dm-3")).unwrap();
+        std::fs::create_dir_all(sys.join("loop7/loop7p1/holders")).unwrap();
+        std::fs::create_dir_all(sys.join("loop7/holders/dm-9")).unwrap();
+        // Not partitions or not device-mapper: ignored.
+        std::fs::create_dir_all(sys.join("loop7/power/holders/dm-4")).unwrap();
+        std::fs::create_dir_all(sys.join("loop7/loop7p1/holders/md0")).unwrap();
+        write("dm-3/dm/name", "guest--vg-root\n");
+        write("dm-3/dm/uuid", "LVM-abcdef\n");
+        write("dm-9/dm/name", "odd\u{1b}name\n");
+        write("dm-9/dm/uuid", "CRYPT-x\n");
+        let holders = device_mapper_holders(&sys, "/dev/loop7");
+        assert_eq!(
+            holders,
+            [
+                DmHolder {
+                    held: "/dev/loop7".into(),
+                    kernel: "dm-9".into(),
+                    name: "odd?name".into(),
+                    volume_group: None,
+                },
+                DmHolder {
+                    held: "/dev/loop7p2".into(),
+                    kernel: "dm-3".into(),
+                    name: "guest--vg-root".into(),
+                    volume_group: Some("guest-vg".into()),
+                },
+            ]
+        );
+        assert!(
+            holders[1]
+                .describe()
+                .contains("`dmsetup remove /dev/dm-3` (it is a volume of the guest's LVM volume group guest-vg: `vgchange -an guest-vg`"),
+            "{}",
+            holders[1].describe()
+        );
+        assert!(device_mapper_holders(&sys, "/dev/loop8").is_empty());
+        assert_eq!(lvm_volume_group("vg;rm-x"), None);
+        assert_eq!(lvm_volume_group("novg"), None);
+        std::fs::remove_dir_all(&sys).unwrap();
+    }
+
+    #[test]
+    fn a_holder_is_a_live_map_process_named_by_its_pid_file() {
+        let dir = std::env::temp_dir().join(format!("certistack-holder-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let backing = dir.join("x-drive\\x2dscsi0.img");
+        let client = Path::new("/usr/bin/proxmox-backup-client");
+        let problem = holder_problem(&backing, client, "drive-scsi0.img").unwrap();
+        assert!(problem.contains("cannot be read"), "{problem}");
+        std::fs::write(holder_pid_file(&backing), "junk").unwrap();
+        let problem = holder_problem(&backing, client, "drive-scsi0.img").unwrap();
+        assert!(problem.contains("holds no pid"), "{problem}");
+        // This test process is alive but is not a map of the archive.
+        std::fs::write(holder_pid_file(&backing), std::process::id().to_string()).unwrap();
+        let problem = holder_problem(&backing, client, "drive-scsi0.img").unwrap();
+        assert!(problem.contains("pid was reused"), "{problem}");
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        std::fs::write(holder_pid_file(&backing), dead.to_string()).unwrap();
+        let problem = holder_problem(&backing, client, "drive-scsi0.img").unwrap();
+        assert!(problem.contains("is dead"), "{problem}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -111,6 +111,14 @@ impl NodeExecutor {
         }
     }
 
+    /// Reads block devices (loop devices, their partitions and holders) from `sys_block`
+    /// instead of `/sys/block`: a mirror of it, where device-mapper holders can be staged on
+    /// a kernel without device-mapper.
+    pub fn with_sys_block(mut self, sys_block: PathBuf) -> Self {
+        self.sys_block = Arc::new(sys_block);
+        self
+    }
+
     fn now_ms(&self) -> i64 {
         self.clock.now_unix_ms()
     }

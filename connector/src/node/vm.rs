@@ -19,8 +19,6 @@ use serde_json::json;
 use std::collections::BTreeMap;
 
 pub const TAG: &str = "certistack";
-/// Shares below the default (1024), so sandboxes yield to production VMs under contention.
-const CPU_UNITS: u32 = 100;
 
 /// A `qm` lifecycle step on a VM of the run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,6 +30,28 @@ pub enum Verb {
     },
     /// `qm destroy --purge 1`: ends the VM resource.
     Destroy,
+    /// `qm unlock`: only for a config this run's cut-short `qm create` left locked.
+    Unlock,
+}
+
+/// What `qm stop` may take beyond its `--timeout`: SIGTERM, 10 s, SIGKILL, 1 s
+/// (qemu-server `_do_vm_stop`), plus a margin for qm's own start and the config lock.
+const STOP_ESCALATION_SECS: u64 = 17;
+/// qemu-server's own `qm stop` timeout when none is given.
+const QM_DEFAULT_STOP_SECS: u64 = 60;
+
+/// The `--timeout` a stop passes: the caller's, or, when it gave none, the longest that lets
+/// `qm stop` finish inside the tool timeout. Without `--timeout` qm waits 60 s after `quit`
+/// and up to 11 s more, longer than the tool timeout; and qm's task runs in a worker of its
+/// own session, which killing qm at the deadline would leave running.
+pub fn stop_timeout_secs(requested: u32, tool_timeout_secs: u64) -> u32 {
+    if requested > 0 {
+        return requested;
+    }
+    let fitting = tool_timeout_secs
+        .saturating_sub(STOP_ESCALATION_SECS)
+        .clamp(1, QM_DEFAULT_STOP_SECS);
+    u32::try_from(fitting).unwrap_or(1)
 }
 
 impl Verb {
@@ -40,6 +60,7 @@ impl Verb {
             Verb::Start => "start",
             Verb::Stop { .. } => "stop",
             Verb::Destroy => "destroy",
+            Verb::Unlock => "unlock",
         }
     }
 
@@ -48,23 +69,50 @@ impl Verb {
             Verb::Start => Op::VmStart,
             Verb::Stop { .. } => Op::VmStop,
             Verb::Destroy => Op::VmDestroy,
+            Verb::Unlock => Op::VmUnlock,
         }
     }
 
     /// How long the guest may legitimately take beyond the tool timeout: `qm stop --timeout N`
-    /// waits N seconds before it kills the guest.
-    fn grace(self) -> std::time::Duration {
+    /// waits N seconds before it kills the guest, then up to 11 s more.
+    fn grace(self, tool_timeout: std::time::Duration) -> std::time::Duration {
         match self {
             Verb::Stop { timeout_secs } if timeout_secs > 0 => {
                 std::time::Duration::from_secs(u64::from(timeout_secs).saturating_add(30))
+            }
+            Verb::Stop { .. } => {
+                let needed = u64::from(stop_timeout_secs(0, tool_timeout.as_secs()))
+                    .saturating_add(STOP_ESCALATION_SECS);
+                std::time::Duration::from_secs(needed).saturating_sub(tool_timeout)
             }
             _ => std::time::Duration::ZERO,
         }
     }
 }
 
+/// Longest status kept from `qm status` (QEMU's run states are short words).
+const MAX_STATUS_CHARS: usize = 32;
+
+/// The state a `qm status` value reports. qm prints QEMU's `query-status` value while QEMU
+/// answers (qemu-server `vmstatus`), else `running` or `stopped`.
+pub fn state_of_status(status: &str) -> pb::VmState {
+    match status {
+        "running" => pb::VmState::Running,
+        "stopped" => pb::VmState::Stopped,
+        "paused" | "debug" | "inmigrate" | "postmigrate" | "finish-migrate" | "save-vm"
+        | "restore-vm" | "colo" => pb::VmState::Paused,
+        "io-error" | "internal-error" | "guest-panicked" | "watchdog" => pb::VmState::GuestError,
+        "shutdown" => pb::VmState::GuestShutdown,
+        "suspended" => pb::VmState::Suspended,
+        "prelaunch" => pb::VmState::Prelaunch,
+        _ => pb::VmState::Unrecognized,
+    }
+}
+
+const MARKER_PREFIX: &str = "certistack-run=";
+
 pub fn marker(run_id: &str) -> String {
-    format!("certistack-run={run_id}")
+    format!("{MARKER_PREFIX}{run_id}")
 }
 
 /// What the node's VM config says about a VMID.
@@ -73,6 +121,9 @@ pub enum Ownership {
     Absent,
     Ours,
     NotOurs(String),
+    /// A claim `qm create` writes before it creates anything (`lock: create`, no marker of
+    /// another run; or, once unlocked, nothing at all): whose it is, only the journal can say.
+    Claim,
     /// The config could not be read: neither ours nor gone, so nothing may be decided.
     Unknown(String),
 }
@@ -132,6 +183,17 @@ impl NodeExecutor {
             Err(e) => return Ownership::Unknown(format!("its config cannot be read: {e}")),
         };
         let (description, keys) = parse_config(&text);
+        let ours = marker(grant.run_id.as_str());
+        let foreign_marker = description.lines().any(|l| {
+            let l = l.trim();
+            l.starts_with(MARKER_PREFIX) && l != ours
+        });
+        let claim_only = keys.is_empty()
+            || (keys.get("lock").map(String::as_str) == Some("create")
+                && !keys.contains_key("tags"));
+        if claim_only && !foreign_marker {
+            return Ownership::Claim;
+        }
         if !description
             .lines()
             .any(|l| l.trim() == marker(grant.run_id.as_str()))
@@ -194,6 +256,9 @@ impl NodeExecutor {
         match self.ownership(grant, vmid, Some(&uuid)) {
             Ownership::Ours => Ok(uuid),
             Ownership::Absent => Err(ExecError::NotFound(format!("VM {vmid} no longer exists"))),
+            Ownership::Claim => Err(ExecError::FailedPrecondition(format!(
+                "VM {vmid} is only a claim (lock: create) left by a qm create that did not finish; call Cleanup to remove it"
+            ))),
             Ownership::Unknown(reason) => Err(ExecError::Failed(format!("VM {vmid}: {reason}"))),
             Ownership::NotOurs(reason) => Err(ExecError::FailedPrecondition(format!(
                 "VM {vmid} is not this run's ({reason}); it is never touched"
@@ -228,11 +293,14 @@ impl NodeExecutor {
         let resource = Resource::Vm(vmid).key();
         let mut args = vec![verb.name().to_owned(), vmid.to_string()];
         match verb {
-            Verb::Stop { timeout_secs } if timeout_secs > 0 => {
-                args.extend(["--timeout".into(), timeout_secs.to_string()])
-            }
+            // Always explicit: qm's own default outlasts the tool timeout. No `--skiplock`: a
+            // lock on the VM means a PVE task (backup, migration, snapshot) is working on it.
+            Verb::Stop { timeout_secs } => args.extend([
+                "--timeout".into(),
+                stop_timeout_secs(timeout_secs, self.config.limits.tool_timeout_secs).to_string(),
+            ]),
             Verb::Destroy => args.extend(["--purge".into(), "1".into()]),
-            _ => {}
+            Verb::Start | Verb::Unlock => {}
         }
         let op = verb.op().as_str();
         guard
@@ -245,7 +313,12 @@ impl NodeExecutor {
             )
             .await?;
         let output = self
-            .run_step(guard, op, &resource, self.qm_call(&args, verb.grace()))
+            .run_step(
+                guard,
+                op,
+                &resource,
+                self.qm_call(&args, verb.grace(self.tool_timeout())),
+            )
             .await?;
         if !output.success() {
             self.journal_tool_failed(guard, op, &resource, &output, &[])
@@ -343,7 +416,10 @@ impl NodeExecutor {
         push("--net0", format!("virtio,bridge={},firewall=0", grant.vnet));
         push("--smbios1", format!("uuid={smbios_uuid}"));
         push("--machine", "q35".into());
-        push("--cpuunits", CPU_UNITS.to_string());
+        push(
+            "--cpuunits",
+            self.config.limits.sandbox_cpu_units.to_string(),
+        );
         push("--boot", "order=scsi0".into());
         push("--tags", TAG.into());
         push("--description", marker(grant.run_id.as_str()));
@@ -448,40 +524,48 @@ impl NodeExecutor {
         let state = match verb {
             Verb::Destroy => pb::VmState::Absent,
             Verb::Start => pb::VmState::Running,
-            Verb::Stop { .. } => pb::VmState::Stopped,
+            // Unlock is a cleanup step only; it never reaches here.
+            Verb::Stop { .. } | Verb::Unlock => pb::VmState::Stopped,
         };
         Ok(Outcome::Vm(pb::VmReply {
             state: state as i32,
             tool: Some(tool_result(&format!("qm {}", verb.name()), &output)),
             journal_head: guard.head_hex(),
+            qmp_status: String::new(),
         }))
     }
 
     async fn status(
         &self,
         vmid: Vmid,
-    ) -> Result<(pb::VmState, Option<process::ToolOutput>), ExecError> {
+    ) -> Result<(pb::VmState, String, Option<process::ToolOutput>), ExecError> {
         if !self.vm_config_path(vmid).exists() {
-            return Ok((pb::VmState::Absent, None));
+            return Ok((pb::VmState::Absent, String::new(), None));
         }
         let output = self.qm(&["status".into(), vmid.to_string()]).await?;
-        let state = match output
+        let printed = output
             .stdout
             .lines()
             .find_map(|l| l.trim().strip_prefix("status: "))
-        {
-            Some("running") => pb::VmState::Running,
-            Some("stopped") => pb::VmState::Stopped,
-            _ if !self.vm_config_path(vmid).exists() => pb::VmState::Absent,
-            _ => {
-                return Err(ExecError::Failed(format!(
-                    "qm status {vmid} gave no status (exit {:?}): {}",
-                    output.exit_code,
-                    output.stderr_excerpt()
-                )));
+            .map(str::trim)
+            .filter(|s| !s.is_empty());
+        let Some(printed) = printed else {
+            if !self.vm_config_path(vmid).exists() {
+                return Ok((pb::VmState::Absent, String::new(), Some(output)));
             }
+            return Err(ExecError::Failed(format!(
+                "qm status {vmid} gave no status (exit {:?}): {}",
+                output.exit_code,
+                output.stderr_excerpt()
+            )));
         };
-        Ok((state, Some(output)))
+        // Bounded and printable: the value is passed on to the controller as is.
+        let qmp_status: String = printed
+            .chars()
+            .filter(|c| c.is_ascii_graphic())
+            .take(MAX_STATUS_CHARS)
+            .collect();
+        Ok((state_of_status(&qmp_status), qmp_status, Some(output)))
     }
 
     pub(super) async fn vm_status(
@@ -499,16 +583,36 @@ impl NodeExecutor {
                     state: pb::VmState::Absent as i32,
                     tool: None,
                     journal_head: guard.head_hex(),
+                    qmp_status: String::new(),
                 }));
             }
             Err(error) => return Err(error),
         }
-        let (state, output) = self.status(vmid).await?;
+        let (state, qmp_status, output) = self.status(vmid).await?;
         Ok(Outcome::Vm(pb::VmReply {
             state: state as i32,
             tool: output.as_ref().map(|o| tool_result("qm status", o)),
             journal_head: guard.head_hex(),
+            qmp_status,
         }))
+    }
+
+    async fn journal_not_ours(
+        &self,
+        guard: &mut RunGuard<'_>,
+        resource: &str,
+        reason: String,
+    ) -> Result<EndState, ExecError> {
+        guard
+            .append(
+                self.now_ms(),
+                Op::VmDestroy.as_str(),
+                resource,
+                Phase::Undone,
+                json!({ "end_state": EndState::NotOurs.wire(), "reason": reason }),
+            )
+            .await?;
+        Ok(EndState::NotOurs)
     }
 
     /// Cleanup of `vm:<vmid>`: stop and destroy it if, and only if, it is this run's.
@@ -536,18 +640,23 @@ impl NodeExecutor {
             Ownership::Unknown(reason) => Err(ExecError::Failed(format!(
                 "VM {vmid}: {reason}; it stays recorded as open until its config can be read"
             ))),
-            Ownership::NotOurs(reason) => {
-                guard
-                    .append(
-                        self.now_ms(),
-                        op,
-                        &resource,
-                        Phase::Undone,
-                        json!({ "end_state": EndState::NotOurs.wire(), "reason": reason }),
-                    )
-                    .await?;
-                Ok(EndState::NotOurs)
+            Ownership::Claim if create_cut_short(state) => {
+                // This run journaled the VMID before its `qm create`, which never reported:
+                // the claim is what that create left. qm destroy refuses a locked config.
+                for verb in [Verb::Unlock, Verb::Destroy] {
+                    self.journaled_qm(guard, vmid, verb).await?;
+                }
+                Ok(EndState::Destroyed)
             }
+            Ownership::Claim => {
+                self.journal_not_ours(
+                    guard,
+                    &resource,
+                    "it is a lock: create claim, and this run's qm create did not leave one unfinished".into(),
+                )
+                .await
+            }
+            Ownership::NotOurs(reason) => self.journal_not_ours(guard, &resource, reason).await,
             Ownership::Ours => {
                 for verb in [Verb::Stop { timeout_secs: 0 }, Verb::Destroy] {
                     self.journaled_qm(guard, vmid, verb).await?;
@@ -556,6 +665,30 @@ impl NodeExecutor {
             }
         }
     }
+}
+
+/// Whether this run's last `qm create` of the VM never reported its outcome (the daemon died,
+/// or qm was killed at its deadline) and no create of it completed: then a claim config is
+/// what that create left, and only then.
+fn create_cut_short(state: &ResourceState) -> bool {
+    let creates: Vec<_> = state
+        .history
+        .iter()
+        .filter(|r| r.entry.op == Op::VmCreate.as_str())
+        .collect();
+    let completed = creates.iter().any(|r| r.entry.phase == Phase::Done);
+    let last_unknown = creates.last().is_some_and(|r| match r.entry.phase {
+        Phase::Intent => true,
+        Phase::Failed => {
+            r.entry
+                .detail
+                .get("outcome_unknown")
+                .and_then(|u| u.as_bool())
+                == Some(true)
+        }
+        Phase::Done | Phase::Undone => false,
+    });
+    !completed && last_unknown
 }
 
 #[cfg(test)]
@@ -570,5 +703,43 @@ mod tests {
         assert_eq!(keys.get("agent").map(String::as_str), Some("1"));
         assert_eq!(keys.get("smbios1").map(String::as_str), Some("uuid=ABC"));
         assert_eq!(percent_decode("a%3Ab%ZZ%4"), "a:b%ZZ%4");
+    }
+
+    #[test]
+    fn a_stop_always_fits_inside_the_tool_timeout() {
+        // qm waits --timeout, then SIGTERM, 10 s, SIGKILL, 1 s.
+        assert_eq!(stop_timeout_secs(0, 60), 43);
+        assert_eq!(stop_timeout_secs(0, 3600), 60);
+        assert_eq!(stop_timeout_secs(0, 5), 1);
+        assert_eq!(stop_timeout_secs(25, 60), 25);
+        let tool = std::time::Duration::from_secs(60);
+        assert_eq!(
+            Verb::Stop { timeout_secs: 0 }.grace(tool),
+            std::time::Duration::ZERO
+        );
+        // A tool timeout too short for qm's escalation is stretched to fit it.
+        let short = std::time::Duration::from_secs(5);
+        assert_eq!(
+            Verb::Stop { timeout_secs: 0 }.grace(short),
+            std::time::Duration::from_secs(13)
+        );
+    }
+
+    #[test]
+    fn every_qemu_run_state_has_a_vm_state() {
+        for (status, state) in [
+            ("running", pb::VmState::Running),
+            ("stopped", pb::VmState::Stopped),
+            ("paused", pb::VmState::Paused),
+            ("io-error", pb::VmState::GuestError),
+            ("internal-error", pb::VmState::GuestError),
+            ("guest-panicked", pb::VmState::GuestError),
+            ("shutdown", pb::VmState::GuestShutdown),
+            ("suspended", pb::VmState::Suspended),
+            ("prelaunch", pb::VmState::Prelaunch),
+            ("something-new", pb::VmState::Unrecognized),
+        ] {
+            assert_eq!(state_of_status(status), state, "{status}");
+        }
     }
 }
