@@ -237,9 +237,15 @@ pub fn installed_versions(path: &Path, wanted: &[&str]) -> Result<Vec<(String, S
 }
 
 /// Bytes available to the daemon under `overlay_root`, and whether it shares a filesystem
-/// with `pve_cluster_dir` (an absent cluster directory shares nothing).
+/// with `pve_cluster_dir` (an absent cluster directory shares nothing). An overlay root not
+/// created yet (the first run creates it) is judged by its nearest existing parent, the
+/// filesystem it will live on.
 fn overlay_disk(overlay_root: &Path, pve_cluster_dir: &Path) -> Result<(u64, bool), String> {
     use std::os::unix::fs::MetadataExt;
+    let overlay_root = overlay_root
+        .ancestors()
+        .find(|dir| dir.exists())
+        .unwrap_or(overlay_root);
     let stat = rustix::fs::statvfs(overlay_root)
         .map_err(|error| format!("cannot statvfs {}: {error}", overlay_root.display()))?;
     let free = stat.f_bavail.saturating_mul(stat.f_frsize);

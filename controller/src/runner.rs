@@ -14,10 +14,12 @@
 
 use crate::authority::{Authority, IssuedCertificate};
 use crate::client::{self, NodeError};
+use crate::doctor;
 use crate::operator;
 use crate::plan::{self, Plan, Validation};
 use crate::report::{self, StepResult, Verdict};
 use crate::run as credentials;
+use crate::screenshot;
 use certistack_connector::files;
 use certistack_proto::v1 as pb;
 use certistack_proto::v1::connector_client::ConnectorClient;
@@ -372,6 +374,8 @@ pub type Interrupts = watch::Receiver<u8>;
 #[allow(missing_debug_implementations)]
 pub struct RunContext {
     pub authority: Arc<Authority>,
+    /// The inventory: where each node listens, for its prerequisite checks.
+    pub nodes: BTreeMap<String, crate::config::InventoryNode>,
     pub reports_dir: PathBuf,
     pub plan_digest: String,
     pub secrets: Arc<Secrets>,
@@ -390,6 +394,9 @@ pub async fn run_plan(
     let total = Arc::new(Semaphore::new(total.max(1)));
     let mut per_node_limits: BTreeMap<String, Arc<Semaphore>> = BTreeMap::new();
     let mut exclusive: BTreeMap<String, Arc<Semaphore>> = BTreeMap::new();
+    // Each node's prerequisites are checked once per run, by its first validation.
+    let mut prerequisites: BTreeMap<String, Arc<tokio::sync::OnceCell<Vec<doctor::Check>>>> =
+        BTreeMap::new();
     let mut tasks = tokio::task::JoinSet::new();
     let mut names = Vec::with_capacity(plan.validations.len());
     for (index, validation) in plan.validations.into_iter().enumerate() {
@@ -410,6 +417,10 @@ pub async fn run_plan(
                     .clone()
             })
             .collect();
+        let checked = prerequisites
+            .entry(validation.grant.node.to_string())
+            .or_default()
+            .clone();
         let total = total.clone();
         let context = context.clone();
         tasks.spawn(async move {
@@ -419,7 +430,7 @@ pub async fn run_plan(
             }
             let _node = node_limit.acquire_owned().await;
             let _total = total.acquire_owned().await;
-            (index, drive(&context, validation).await)
+            (index, drive(&context, validation, &checked).await)
         });
     }
     let mut summaries: Vec<Option<Summary>> = names.iter().map(|_| None).collect();
@@ -639,11 +650,17 @@ struct Evidence {
     isolation_failures: Vec<String>,
     /// Every probe and assertion ran: an interrupt after this point keeps the verdict.
     checks_complete: bool,
+    /// The console at verdict time.
+    screenshot: Option<screenshot::Screenshot>,
 }
 
 /// Drives one validation to its summary; never panics, never leaves without trying cleanup once
 /// the run began.
-async fn drive(context: &RunContext, validation: Validation) -> Summary {
+async fn drive(
+    context: &RunContext,
+    validation: Validation,
+    prerequisites: &tokio::sync::OnceCell<Vec<doctor::Check>>,
+) -> Summary {
     let run_id = uuid::Uuid::new_v4().to_string();
     let node = validation.grant.node.to_string();
     let mut recorder = Recorder {
@@ -674,6 +691,48 @@ async fn drive(context: &RunContext, validation: Validation) -> Summary {
         )
         .await;
     }
+    // The node's prerequisites, as `certistack-ctl doctor` judges them: a failing one stops the
+    // validation before anything is asked of the node.
+    let at = recorder.begin("doctor");
+    let checks = prerequisites
+        .get_or_init(|| check_prerequisites(context, &node))
+        .await;
+    let failing: Vec<String> = checks
+        .iter()
+        .filter(|c| c.level == doctor::Level::Fail)
+        .map(|c| format!("{}: {}", c.check, c.detail))
+        .collect();
+    let warnings: Vec<String> = checks
+        .iter()
+        .filter(|c| c.level == doctor::Level::Warn)
+        .map(|c| format!("{}: {}", c.check, c.detail))
+        .collect();
+    if !failing.is_empty() {
+        let reason = format!(
+            "node {node} fails its prerequisites (see `certistack-ctl doctor {node}`): {}",
+            failing.join("; ")
+        );
+        recorder.end("doctor", at, StepResult::Failed, reason.clone());
+        return finish(
+            recorder,
+            evidence,
+            &validation,
+            Some(Stop::Refused(reason)),
+            None,
+        )
+        .await;
+    }
+    recorder.end(
+        "doctor",
+        at,
+        StepResult::Ok,
+        if warnings.is_empty() {
+            format!("{} checks ok", checks.len())
+        } else {
+            format!("warnings: {}", warnings.join("; "))
+        },
+    );
+
     let now = OffsetDateTime::now_utc();
     let deadline_unix = now.unix_timestamp() + i64::from(validation.run_seconds);
     let deadline = Instant::now() + Duration::from_secs(u64::from(validation.run_seconds));
@@ -841,6 +900,36 @@ async fn drive(context: &RunContext, validation: Validation) -> Summary {
     )
     .await;
     finish(recorder, evidence, &validation, stop, Some(session)).await
+}
+
+/// The node's prerequisites, asked as an operator.
+async fn check_prerequisites(context: &RunContext, node: &str) -> Vec<doctor::Check> {
+    let fail = |detail: String| {
+        vec![doctor::Check {
+            node: node.to_owned(),
+            check: doctor::CONNECT,
+            level: doctor::Level::Fail,
+            detail,
+        }]
+    };
+    let Some(inventory) = context.nodes.get(node) else {
+        return fail(format!("{node} is not in the controller's inventory"));
+    };
+    match context
+        .authority
+        .issue_operator(OPERATOR_NAME, OffsetDateTime::now_utc())
+    {
+        Ok(identity) => {
+            doctor::check_node(
+                inventory,
+                context.authority.ca_pem(),
+                &identity,
+                doctor::DEFAULT_NODE_TIMEOUT,
+            )
+            .await
+        }
+        Err(error) => fail(format!("cannot mint an operator certificate: {error}")),
+    }
 }
 
 /// Runs `call` unless the operator abandons it or the deadline passes first.
@@ -1200,6 +1289,44 @@ async fn steps(
         }
     }
     evidence.checks_complete = true;
+    // A picture of the guest's console at verdict time, for the person reading the report.
+    if let Some(vmid) = grant.sandbox_vms.keys().next() {
+        let name = format!("screenshot {vmid}");
+        let at = recorder.begin(&name);
+        match guarded(
+            &mut interrupts,
+            deadline,
+            client.qmp(pb::QmpRequest {
+                vmid: vmid.get(),
+                command: pb::QmpCommand::Screendump.into(),
+            }),
+        )
+        .await
+        {
+            Ok(reply) => match screenshot::screenshot_png(&reply) {
+                Ok(shot) => {
+                    recorder.end(
+                        &name,
+                        at,
+                        StepResult::Ok,
+                        format!(
+                            "{}x{} PNG, {} bytes",
+                            shot.width,
+                            shot.height,
+                            shot.png.len()
+                        ),
+                    );
+                    evidence.screenshot = Some(shot);
+                }
+                Err(error) => recorder.end(&name, at, StepResult::Failed, error.to_string()),
+            },
+            Err(Stop::Refused(text)) => recorder.end(&name, at, StepResult::Failed, text),
+            Err(stop) => {
+                recorder.end(&name, at, StepResult::Failed, format!("{stop:?}"));
+                return Some(stop);
+            }
+        }
+    }
     if !evidence.agent_answered && grant.probe_targets.is_empty() {
         evidence.failures.push(format!(
             "the guest agent did not answer within {} s and no probe was planned: nothing shows the guest booted",
@@ -1339,8 +1466,9 @@ fn check_isolation(
     if isolation.forwarding.is_empty() {
         return Err("the node reported no forwarding sysctl".into());
     }
+    // A value may carry the node's note after it, e.g. `0 (was 1; set to 0 for this run ...)`.
     for (name, value) in &isolation.forwarding {
-        if value != "0" {
+        if value.split_whitespace().next() != Some("0") {
             return Err(format!("{name} is {value}, not 0"));
         }
     }
@@ -1497,12 +1625,20 @@ async fn finish(
         verdict,
         screenshot: None,
     };
+    let at = OffsetDateTime::now_utc();
+    let mut predicate = predicate;
+    if let Some(shot) = &evidence.screenshot {
+        match save_screenshot(context, shot, at, &recorder.node, &recorder.run_id) {
+            Ok(saved) => predicate.screenshot = Some(saved),
+            Err(error) => reasons.push(format!("the screenshot could not be saved: {error}")),
+        }
+    }
     let statement = report::Statement::new(predicate);
     let report_path = match report::write(
         &context.reports_dir,
         &statement,
         context.authority.report_signing(),
-        OffsetDateTime::now_utc(),
+        at,
     ) {
         Ok(path) => Some(path),
         Err(error) => {
@@ -1632,6 +1768,26 @@ struct CleanedUp {
     journal_problem: Option<String>,
     /// Cleanup was asked as an operator after the deadline: the node's reaper closes the run.
     closed_by_reaper: bool,
+}
+
+/// Writes the console picture beside the report it belongs to (the report's name with `.png`),
+/// atomically and 0600, and returns what the report signs of it.
+fn save_screenshot(
+    context: &RunContext,
+    shot: &screenshot::Screenshot,
+    at: OffsetDateTime,
+    node: &str,
+    run_id: &str,
+) -> Result<report::Screenshot, String> {
+    let name = report::file_name(at, node, run_id).map_err(|e| e.to_string())?;
+    let file = format!("{}.png", name.trim_end_matches(".json"));
+    files::create_private_dir(&context.reports_dir).map_err(|e| e.to_string())?;
+    files::write_atomic(&context.reports_dir.join(&file), &shot.png, 0o600)
+        .map_err(|e| e.to_string())?;
+    Ok(report::Screenshot {
+        file,
+        sha256: shot.sha256.clone(),
+    })
 }
 
 /// Cleanup, EndRun and the journal. Reconnects (until the run's deadline) when the connection
@@ -2095,5 +2251,11 @@ mod tests {
             "is 1, not 0",
         );
         refused(&|i| i.forwarding.clear(), "no forwarding sysctl");
+        let mut disabled = good.clone();
+        disabled.forwarding.insert(
+            "net.ipv6.conf.csnet1.forwarding".into(),
+            "0 (was 1; set to 0 for this run by sandbox.forwarding = \"disable-for-run\")".into(),
+        );
+        check_isolation(&disabled, &grant).unwrap();
     }
 }

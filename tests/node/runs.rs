@@ -57,7 +57,12 @@ impl SimNode {
             }
             ok
         });
-        assert!(up, "connector {} did not come up", self.name);
+        assert!(
+            up,
+            "connector {} did not come up: {}",
+            self.name,
+            std::fs::read_to_string(&self.log).unwrap_or_default()
+        );
     }
 
     fn kill9(&mut self) {
@@ -216,6 +221,7 @@ impl Fleet {
         config.pve.vm_config_dir = lab.root.join("etc/pve/qemu-server");
         config.pve.pbs_loopdev_dir = lab.root.join("run/pbs-loopdev");
         config.pve.pve_cluster_dir = lab.root.join("var/lib/pve-cluster");
+        config.pve.dpkg_status = lab.root.join("var/lib/dpkg/status");
         config.paths.overlay_root = lab.root.join("overlays");
         let port = 17440 + u16::from(index);
         let config_path = node_dir.join("connector.toml");
@@ -450,12 +456,30 @@ fn assert_passed_with_evidence(fleet: &Fleet, summary: &serde_json::Value, index
     assert_eq!(last.operation, "run.end", "{last:?}");
     assert_eq!(last.record_sha256, p.journal.head_sha256);
     let names: Vec<&str> = p.steps.iter().map(|s| s.name.as_str()).collect();
+    // The console at verdict time, beside the report, its digest signed.
+    let shot = p.screenshot.as_ref().expect("a screenshot");
+    let report_path = PathBuf::from(summary["report"].as_str().unwrap());
+    assert_eq!(
+        shot.file,
+        report_path
+            .file_name()
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .replace(".json", ".png")
+    );
+    assert!(matches!(
+        report::check_screenshot(&statement, &report_path).unwrap(),
+        report::ScreenshotCheck::Matches(_)
+    ));
     for step in [
+        "doctor",
         "credentials",
         "connect",
         "begin",
         "map drive-scsi0.img",
         "prepare sandbox",
+        &format!("screenshot {}", 9100 + u32::from(index)),
         "release sandbox",
         "unmap drive-scsi0.img",
         "cleanup",
@@ -618,9 +642,15 @@ fn a_plan_runs_on_several_nodes_at_once_and_a_failing_node_fails_only_its_valida
         assert_eq!(code, 2, "{summaries:?}");
         assert_passed_with_evidence(&fleet, summary(&summaries, "web1"), 1);
         for (validation, reason) in [
-            ("web2", "node pve2 at 127.0.0.1:17442"),
+            (
+                "web2",
+                "node pve2 fails its prerequisites (see `certistack-ctl doctor pve2`): connect: 127.0.0.1:17442",
+            ),
             ("web3", "the node refused the run"),
-            ("web4", "install the same certistack release"),
+            (
+                "web4",
+                "node pve4 fails its prerequisites (see `certistack-ctl doctor pve4`): surface:",
+            ),
         ] {
             let s = summary(&summaries, validation);
             assert_eq!(s["outcome"], "error", "{s}");

@@ -472,6 +472,15 @@ impl Lab {
             "pbs_fingerprint": fingerprint,
         });
         std::fs::write(root.join("double.json"), settings.to_string()).unwrap();
+        // The packages a PVE 9 node has installed, as NodeChecks reads them.
+        let dpkg = root.join("var/lib/dpkg");
+        std::fs::create_dir_all(&dpkg).unwrap();
+        std::fs::write(
+            dpkg.join("status"),
+            "Package: pve-manager\nStatus: install ok installed\nVersion: 9.0.6\n\n\
+             Package: qemu-server\nStatus: install ok installed\nVersion: 9.0.18\n",
+        )
+        .unwrap();
         Self { root, _dir: dir }
     }
 
@@ -515,6 +524,7 @@ impl Lab {
         config.pve.vm_config_dir = self.root.join("etc/pve/qemu-server");
         config.pve.pbs_loopdev_dir = self.root.join("run/pbs-loopdev");
         config.pve.pve_cluster_dir = self.root.join("var/lib/pve-cluster");
+        config.pve.dpkg_status = self.root.join("var/lib/dpkg/status");
         config.paths.overlay_root = self.root.join("overlays");
         config
     }

@@ -490,6 +490,11 @@ fn run_plan(args: &RunPlanArgs, now: OffsetDateTime) -> Result<(), Failure> {
         });
         let context = Arc::new(runner::RunContext {
             authority: Arc::new(authority),
+            nodes: config
+                .nodes
+                .iter()
+                .map(|(name, node)| (name.to_string(), node.clone()))
+                .collect(),
             reports_dir: config.reports_dir.clone(),
             plan_digest: plan.digest.clone(),
             secrets: Arc::new(secrets),
