@@ -1174,11 +1174,15 @@ async fn steps(
             interfaces: serde_json::Value::Null,
         };
         if answered {
-            for (command, slot) in [
-                (pb::QgaCommand::GetOsinfo, 0),
-                (pb::QgaCommand::NetworkGetInterfaces, 1),
+            for (command, label, slot) in [
+                (pb::QgaCommand::GetOsinfo, "guest-get-osinfo", 0),
+                (
+                    pb::QgaCommand::NetworkGetInterfaces,
+                    "guest-network-get-interfaces",
+                    1,
+                ),
             ] {
-                let name = format!("qga {} {vmid}", command.as_str_name());
+                let name = format!("qga {label} {vmid}");
                 let at = recorder.begin(&name);
                 match guarded(
                     &mut interrupts,

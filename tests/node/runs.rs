@@ -556,6 +556,34 @@ fn a_plan_runs_on_several_nodes_at_once_and_a_failing_node_fails_only_its_valida
         runs.sort_unstable();
         runs.dedup();
         assert_eq!(runs.len(), 3);
+        // The CLI verifies a run's report and shows it to a person.
+        let web1 = summary(&summaries, "web1")["report"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        let state_dir = fleet.authority.dir().to_str().unwrap().to_owned();
+        let verify = Command::new(binary("certistack-ctl"))
+            .args(["report", "verify", &web1, "--state-dir", &state_dir])
+            .output()
+            .unwrap();
+        let verified = String::from_utf8_lossy(&verify.stdout).to_string();
+        assert_eq!(verify.status.code(), Some(0), "{verify:?}");
+        assert!(verified.contains("passed"), "{verified}");
+        let show = Command::new(binary("certistack-ctl"))
+            .args(["report", "show", &web1, "--state-dir", &state_dir])
+            .output()
+            .unwrap();
+        let shown = String::from_utf8_lossy(&show.stdout).to_string();
+        assert_eq!(show.status.code(), Some(0), "{show:?}");
+        for needle in [
+            "verdict: passed",
+            "tcp://10.77.1.10:22",
+            "screenshot",
+            "doctor",
+        ] {
+            assert!(shown.contains(needle), "{needle} not in {shown}");
+        }
+        eprintln!("report verify:\n{verified}\nreport show:\n{shown}");
         for node in &fleet.nodes {
             assert!(
                 node.residue().is_empty(),
@@ -641,6 +669,26 @@ fn a_plan_runs_on_several_nodes_at_once_and_a_failing_node_fails_only_its_valida
         let (code, _, summaries) = fleet.run(&plan, &config).await;
         assert_eq!(code, 2, "{summaries:?}");
         assert_passed_with_evidence(&fleet, summary(&summaries, "web1"), 1);
+        // The fleet audit sees the same fleet: pve2 down (exit 2), pve4 drifted.
+        let audit = tokio::process::Command::new(binary("certistack-ctl"))
+            .args(["nodes", "audit", "--config", config.to_str().unwrap()])
+            .output()
+            .await
+            .unwrap();
+        let table = String::from_utf8_lossy(&audit.stdout).to_string();
+        assert_eq!(audit.status.code(), Some(2), "{audit:?}");
+        let row = |node: &str| {
+            table
+                .lines()
+                .find(|l| l.starts_with(node))
+                .unwrap_or_else(|| panic!("no row for {node}: {table}"))
+                .to_owned()
+        };
+        let status = |node: &str| row(node).split_whitespace().nth(1).unwrap().to_owned();
+        assert_eq!(status("pve1"), "ok", "{table}");
+        assert_eq!(status("pve2"), "UNREACHABLE", "{table}");
+        assert_eq!(status("pve4"), "DRIFT", "{table}");
+        eprintln!("nodes audit:\n{table}");
         for (validation, reason) in [
             (
                 "web2",
