@@ -129,7 +129,10 @@ printf 'label: dos\nstart=%d, size=%d, type=c, bootable\nstart=%d, size=%d, type
 dd if=/usr/lib/syslinux/mbr/mbr.bin of="$image" bs=440 count=1 conv=notrunc status=none
 offset=$((boot_start * 512))
 # mkfs.vfat counts the whole image from the offset; the size given bounds it to partition 1.
-mkfs.vfat -n CSLAB --offset "$boot_start" "$image" $((boot_sectors / 2)) 2>&1 | grep -v "block count mismatch" >&2 || true
+if ! mkfs.vfat -n CSLAB --offset "$boot_start" "$image" $((boot_sectors / 2)) >"$work/mkfs.log" 2>&1; then
+  cat "$work/mkfs.log" >&2
+  exit 70
+fi
 export MTOOLS_SKIP_CHECK=1
 mcopy -i "$image@@$offset" "$vmlinuz" ::vmlinuz
 mcopy -i "$image@@$offset" "$work/initrd.gz" ::initrd.gz
