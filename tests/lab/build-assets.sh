@@ -47,7 +47,13 @@ trap 'rm -rf "$work"' EXIT
 chmod 0755 "$work"
 
 # The kernel: the package linux-image-amd64 currently depends on, downloaded and unpacked.
-package=$(apt-cache depends linux-image-amd64 | awk '/Depends: linux-image-[0-9]/ {print $2; exit}')
+kernel_package() { apt-cache depends linux-image-amd64 2>/dev/null | awk '/Depends: linux-image-[0-9]/ {print $2; exit}'; }
+package=$(kernel_package)
+if [ -z "$package" ] && [ "$(id -u)" = 0 ]; then
+  # A fresh machine may have no package lists yet.
+  apt-get update -qq
+  package=$(kernel_package)
+fi
 if [ -z "$package" ]; then
   echo "guest assets: apt knows no linux-image-amd64; run apt-get update" >&2
   exit 69
@@ -154,4 +160,6 @@ printf 'DATA_OFFSET=%d\nDATA_SIZE=%d\n' $((data_start * 512)) $((data_sectors * 
 echo "$version" >"$out/kernel-version"
 touch "$out/done"
 ln -sfn "$stamp" "$dir/current"
+# Disks of an older recipe are never used again.
+find "$dir" -mindepth 1 -maxdepth 1 -type d -regextype posix-extended -regex '.*/[0-9a-f]{16}' ! -name "$stamp" -exec rm -rf {} +
 echo "guest assets: built in $out (kernel $version, $(du -h --apparent-size "$out/disk-boot.img" | cut -f1) disk)"
