@@ -109,9 +109,31 @@ residue() {
   loops=$(losetup -n -O NAME,BACK-FILE -l 2>/dev/null | awk -v w="$work/" 'index($2, w) == 1 {print $1}')
   [ -n "$loops" ] && found+=" loop devices $(echo "$loops" | tr '\n' ' ');"
   local pids
-  pids=$(pgrep -f -- "$work" | tr '\n' ' ')
+  pids=$(pgrep -f -- "$work" | tr '\n' ' ' || true)
   [ -n "$pids" ] && found+=" processes $pids;"
   [ -e "/run/netns/$ns" ] && found+=" /run/netns/$ns;"
+  printf '%s' "$found"
+}
+
+# What the run left on the node before the lab removes anything by force: the connector's
+# cleanup must have taken all of it away.
+node_residue() {
+  local found=""
+  local tables
+  tables=$(in_ns nft list tables 2>/dev/null | grep certistack_ | tr '\n' ' ' || true)
+  [ -n "$tables" ] && found+=" nft tables $tables;"
+  local addresses
+  addresses=$(in_ns ip -o -4 address show dev csv1 2>/dev/null | awk '{print $4}' | tr '\n' ' ')
+  [ -n "$addresses" ] && found+=" addresses on csv1 $addresses;"
+  local configs
+  configs=$(ls "$node"/etc/pve/qemu-server/ 2>/dev/null | tr '\n' ' ')
+  [ -n "$configs" ] && found+=" VM configs $configs;"
+  local loops
+  loops=$(losetup -n -O NAME,BACK-FILE -l 2>/dev/null | awk -v w="$work/" 'index($2, w) == 1 {print $1}' | tr '\n' ' ')
+  [ -n "$loops" ] && found+=" loop devices $loops;"
+  local pids
+  pids=$(pgrep -f -- "$node/" | grep -vx "$daemon" | tr '\n' ' ' || true)
+  [ -n "$pids" ] && found+=" processes $pids;"
   printf '%s' "$found"
 }
 
@@ -279,6 +301,7 @@ fi
 
 # ---- teardown -------------------------------------------------------------------------------
 say "teardown"
+left_on_node=$(node_residue)
 kill -TERM "$daemon"
 wait "$daemon" 2>/dev/null || true
 daemon=""
@@ -292,10 +315,12 @@ rm -rf "$work"
 phase_end teardown
 removed=$ns
 ns=""
-if [ -n "$left" ]; then
-  echo "lab: RESIDUE:$left" >&2
+if [ -n "$left_on_node" ] || [ -n "$left" ]; then
+  [ -n "$left_on_node" ] && echo "lab: the run left on the node:$left_on_node" >&2
+  [ -n "$left" ] && echo "lab: RESIDUE on this machine:$left" >&2
   exit 71
 fi
+echo "the run left nothing on the node (no nft table, probe address, VM, loop device or process);"
 echo "nothing left: namespace $removed (with its VNet and nft tables) removed, no loop device or process of the lab remains"
 
 # ---- summary --------------------------------------------------------------------------------
