@@ -18,6 +18,9 @@ use tonic::transport::Channel;
 #[path = "node/runs.rs"]
 mod runs;
 
+#[path = "node/lab.rs"]
+mod lab;
+
 const MARKER: &[u8] = b"CERTISTACK-RESTORE-MARKER";
 
 /// Loop device numbers, QEMU and the lab tools are shared by the whole machine: these tests

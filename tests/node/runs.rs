@@ -10,7 +10,7 @@ use std::io::BufRead;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
-const RUN_TOOLS: &[&str] = &[
+pub(crate) const RUN_TOOLS: &[&str] = &[
     "losetup",
     "qemu-img",
     "qemu-system-x86_64",
@@ -21,13 +21,13 @@ const RUN_TOOLS: &[&str] = &[
 ];
 
 /// One simulated node: its doubles, its enrolled config and its daemon.
-struct SimNode {
-    name: String,
-    index: u8,
-    lab: Lab,
-    config: PathBuf,
-    port: u16,
-    log: PathBuf,
+pub(crate) struct SimNode {
+    pub(crate) name: String,
+    pub(crate) index: u8,
+    pub(crate) lab: Lab,
+    pub(crate) config: PathBuf,
+    pub(crate) port: u16,
+    pub(crate) log: PathBuf,
     daemon: Option<Child>,
 }
 
@@ -36,7 +36,7 @@ impl SimNode {
         format!("csv{}", self.index)
     }
 
-    fn start(&mut self) {
+    pub(crate) fn start(&mut self) {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -65,7 +65,7 @@ impl SimNode {
         );
     }
 
-    fn kill9(&mut self) {
+    pub(crate) fn kill9(&mut self) {
         if let Some(mut child) = self.daemon.take() {
             child.kill().unwrap();
             child.wait().unwrap();
@@ -74,7 +74,7 @@ impl SimNode {
 
     /// What the node still holds of any run: loop devices of its doubles, QEMU or agent
     /// processes, VM configs, run tables, addresses on its VNet.
-    fn residue(&self) -> Vec<String> {
+    pub(crate) fn residue(&self) -> Vec<String> {
         let mut found: Vec<String> = loops_under(&self.lab.root)
             .into_iter()
             .map(|(device, file)| format!("{device} ({})", file.display()))
@@ -107,10 +107,10 @@ impl SimNode {
 }
 
 /// The nodes, the controller's state and configuration, the guests' namespaces and services.
-struct Fleet {
-    dir: TempDir,
-    authority: Authority,
-    nodes: Vec<SimNode>,
+pub(crate) struct Fleet {
+    pub(crate) dir: TempDir,
+    pub(crate) authority: Authority,
+    pub(crate) nodes: Vec<SimNode>,
     guests: Vec<String>,
     services: Vec<Child>,
     /// Everything the controller printed in this test, to look for secrets in.
@@ -122,20 +122,25 @@ impl Fleet {
     /// and a guest service at 10.77.<i>.10:22 answering `SSH-2.0-CertiStack-<i>`. Runs in the
     /// current network namespace (see [`inside`]).
     fn new(tag: &str, count: u8, agent_answers: bool) -> Self {
+        let mut fleet = Self::empty(tag);
+        for index in 1..=count {
+            fleet.add_node(index, agent_answers, true);
+        }
+        fleet
+    }
+
+    /// A controller authority and state, no node yet.
+    pub(crate) fn empty(tag: &str) -> Self {
         let dir = TempDir::new(tag);
         let authority = controller(&dir.0);
-        let mut fleet = Self {
+        Self {
             dir,
             authority,
             nodes: Vec::new(),
             guests: Vec::new(),
             services: Vec::new(),
             outputs: std::sync::Mutex::new(String::new()),
-        };
-        for index in 1..=count {
-            fleet.add_node(index, agent_answers, true);
         }
-        fleet
     }
 
     /// Adds node `pve<index>`; with `service`, a guest service behind its VNet.
@@ -198,7 +203,6 @@ impl Fleet {
 
     fn add_daemon(&mut self, index: u8, agent_answers: bool) {
         let name = format!("pve{index}");
-        let lab = Lab::new(&format!("run{index}"));
         let mut settings = serde_json::json!({ "node": name });
         if agent_answers {
             settings["agent_mode"] = "host-qemu-ga".into();
@@ -211,8 +215,23 @@ impl Fleet {
                 "guest-network-get-interfaces"
             ]);
         }
+        self.add_sim_node(index, settings, |lab| {
+            lab.add_backup(SNAPSHOT, ARCHIVE, MARKER, 8 << 20);
+        });
+    }
+
+    /// Node `pve<index>` with the doubles configured by `settings` (`double.json`), the backups
+    /// `backups` stores, enrolled and its daemon started on 127.0.0.1:17440+index.
+    pub(crate) fn add_sim_node(
+        &mut self,
+        index: u8,
+        settings: serde_json::Value,
+        backups: impl FnOnce(&Lab),
+    ) {
+        let name = format!("pve{index}");
+        let lab = Lab::new(&format!("run{index}"));
         lab.settings(settings);
-        lab.add_backup(SNAPSHOT, ARCHIVE, MARKER, 8 << 20);
+        backups(&lab);
         let node_dir = self.dir.0.join(&name);
         let mut config = enroll(&self.authority, &node_dir, &name);
         config.tools.proxmox_backup_client = lab.root.join("bin/proxmox-backup-client");
@@ -239,12 +258,12 @@ impl Fleet {
         self.nodes.push(node);
     }
 
-    fn node(&mut self, name: &str) -> &mut SimNode {
+    pub(crate) fn node(&mut self, name: &str) -> &mut SimNode {
         self.nodes.iter_mut().find(|n| n.name == name).unwrap()
     }
 
     /// The controller configuration naming `nodes` (name, port).
-    fn controller_config(&self, nodes: &[(&str, u16)]) -> PathBuf {
+    pub(crate) fn controller_config(&self, nodes: &[(&str, u16)]) -> PathBuf {
         let mut text = format!(
             "state_dir = {:?}\nreports_dir = {:?}\n",
             self.authority.dir(),
@@ -260,7 +279,7 @@ impl Fleet {
         path
     }
 
-    fn reports_dir(&self) -> PathBuf {
+    pub(crate) fn reports_dir(&self) -> PathBuf {
         self.dir.0.join("reports")
     }
 
@@ -303,7 +322,7 @@ impl Fleet {
         path
     }
 
-    fn ctl(&self, plan: &Path, config: &Path) -> Command {
+    pub(crate) fn ctl(&self, plan: &Path, config: &Path) -> Command {
         let mut command = self.ctl_plain(plan, config);
         command.arg("--json");
         command
@@ -323,7 +342,7 @@ impl Fleet {
 
     /// Runs the plan to its end: the exit code, the step events and the summaries. Awaits the
     /// controller, so servers of this test's runtime keep answering meanwhile.
-    async fn run(
+    pub(crate) async fn run(
         &self,
         plan: &Path,
         config: &Path,
@@ -344,7 +363,7 @@ impl Fleet {
     }
 
     /// Verifies the report of `summary` with the report-signing key and returns its statement.
-    fn report(&self, summary: &serde_json::Value) -> report::Statement {
+    pub(crate) fn report(&self, summary: &serde_json::Value) -> report::Statement {
         let path = summary["report"].as_str().expect("a report was written");
         let key =
             report::load_public_key(&self.authority.dir().join(authority::REPORT_PUB)).unwrap();
@@ -374,7 +393,7 @@ impl Drop for Fleet {
     }
 }
 
-fn split_output(stdout: &str) -> (Vec<serde_json::Value>, Vec<serde_json::Value>) {
+pub(crate) fn split_output(stdout: &str) -> (Vec<serde_json::Value>, Vec<serde_json::Value>) {
     let mut summaries = Vec::new();
     let mut events = Vec::new();
     for line in stdout.lines() {
@@ -388,7 +407,7 @@ fn split_output(stdout: &str) -> (Vec<serde_json::Value>, Vec<serde_json::Value>
     (summaries, events)
 }
 
-fn summary<'a>(summaries: &'a [serde_json::Value], validation: &str) -> &'a serde_json::Value {
+pub(crate) fn summary<'a>(summaries: &'a [serde_json::Value], validation: &str) -> &'a serde_json::Value {
     summaries
         .iter()
         .find(|s| s["validation"] == validation)
@@ -396,7 +415,7 @@ fn summary<'a>(summaries: &'a [serde_json::Value], validation: &str) -> &'a serd
 }
 
 /// No nft table of any run is left in the node namespace.
-fn run_tables() -> Vec<String> {
+pub(crate) fn run_tables() -> Vec<String> {
     let out = Command::new("nft")
         .args(["list", "tables"])
         .output()
@@ -790,7 +809,7 @@ fn a_plan_runs_on_several_nodes_at_once_and_a_failing_node_fails_only_its_valida
 
 /// Starts `certistack-ctl run` with its JSON events on a pipe; [`wait_for_step`] reads them up
 /// to a step, the caller acts, and [`finish`] collects the rest.
-fn start_ctl(
+pub(crate) fn start_ctl(
     command: &mut Command,
 ) -> (
     Child,
@@ -806,7 +825,7 @@ fn start_ctl(
 }
 
 /// Reads events until one for `step` in state `started` arrives (bounded).
-fn wait_for_step(
+pub(crate) fn wait_for_step(
     lines: &mut std::io::Lines<std::io::BufReader<std::process::ChildStdout>>,
     step: &str,
 ) -> Vec<String> {
@@ -822,7 +841,7 @@ fn wait_for_step(
     panic!("the run ended before step {step}: {seen:?}");
 }
 
-fn finish(
+pub(crate) fn finish(
     mut child: Child,
     lines: std::io::Lines<std::io::BufReader<std::process::ChildStdout>>,
 ) -> (i32, Vec<serde_json::Value>) {

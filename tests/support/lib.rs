@@ -899,3 +899,107 @@ pub async fn serve_drifted(authority: &Authority, dir: &Path, node: &str) -> Str
     );
     address
 }
+
+/// The lab's guest disks (`tests/lab/build-assets.sh`): raw images that boot like a PVE VM
+/// (SeaBIOS, SYSLINUX, a Debian kernel, a busybox init) and serve what their data area says.
+pub struct GuestAssets {
+    /// Boots; its `/init` reads the data area.
+    pub boot: PathBuf,
+    /// The same disk whose boot loader names an init that does not exist: the kernel panics.
+    pub panic: PathBuf,
+    /// Where the data area (partition 2) starts in the image.
+    pub data_offset: u64,
+}
+
+/// Tools the guest disks are built with, besides those of the node.
+pub const GUEST_ASSET_TOOLS: &[&str] = &[
+    "busybox",
+    "cpio",
+    "sfdisk",
+    "mkfs.vfat",
+    "mcopy",
+    "syslinux",
+    "qemu-ga",
+];
+
+/// Builds the guest disks once per machine into `target/lab-assets` (a cached build returns at
+/// once) and once per test process.
+pub fn guest_assets() -> &'static GuestAssets {
+    static ASSETS: std::sync::OnceLock<GuestAssets> = std::sync::OnceLock::new();
+    ASSETS.get_or_init(|| {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let dir = root.join("target/lab-assets");
+        let out = std::process::Command::new("bash")
+            .arg(root.join("tests/lab/build-assets.sh"))
+            .arg(&dir)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "building the guest disks failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let current = dir.join("current");
+        let layout = std::fs::read_to_string(current.join("layout")).unwrap();
+        let data_offset = layout
+            .lines()
+            .find_map(|l| l.strip_prefix("DATA_OFFSET="))
+            .unwrap()
+            .parse()
+            .unwrap();
+        GuestAssets {
+            boot: current.join("disk-boot.img"),
+            panic: current.join("disk-panic.img"),
+            data_offset,
+        }
+    })
+}
+
+/// What a lab guest disk holds: the marker it serves, its address and whether qemu-ga runs.
+pub struct GuestDisk<'a> {
+    pub marker: &'a str,
+    /// `10.77.1.10/24`
+    pub address: &'a str,
+    pub agent: bool,
+    /// `false`: the kernel panics before any of it is read.
+    pub boots: bool,
+}
+
+impl GuestDisk<'_> {
+    /// The body the guest's HTTP server answers `/` with.
+    pub fn http_body(&self) -> String {
+        format!("certistack lab guest: marker {}\n", self.marker)
+    }
+
+    /// The banner its TCP service on port 22 sends.
+    pub fn banner(&self) -> String {
+        format!("CERTISTACK-LAB {}", self.marker)
+    }
+}
+
+impl Lab {
+    /// Stores a lab guest disk as `<archive>` of `<snapshot>` in datastore `store1`.
+    pub fn add_guest_backup(&self, snapshot: &str, archive: &str, disk: &GuestDisk) -> PathBuf {
+        let assets = guest_assets();
+        let dir = self.root.join("pbs/store1").join(snapshot);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(archive);
+        let image = if disk.boots {
+            &assets.boot
+        } else {
+            &assets.panic
+        };
+        std::fs::copy(image, &path).unwrap();
+        let data = format!(
+            "certistack-lab-disk v1\nmarker={}\naddress={}\nagent={}\n",
+            disk.marker,
+            disk.address,
+            if disk.agent { "yes" } else { "no" }
+        );
+        let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        std::os::unix::fs::FileExt::write_all_at(&file, data.as_bytes(), assets.data_offset)
+            .unwrap();
+        path
+    }
+}

@@ -1,0 +1,165 @@
+#!/usr/bin/env bash
+# Builds the lab's guest disks from Debian packages, once: a Debian kernel (apt-get download +
+# dpkg -x, never installed), a busybox initramfs with the virtio/SCSI modules and qemu-ga, and
+# two raw disk images that boot the way Proxmox VE boots a VM: SeaBIOS reads the MBR, SYSLINUX
+# loads the kernel and initramfs from a FAT partition. Nothing is mounted and no loop device is
+# used (mtools and syslinux write into the image file), so building needs no root.
+#
+#   tests/lab/build-assets.sh [DIR]     (default target/lab-assets)
+#
+# Outputs in DIR/<stamp>/ (the stamp is this script's digest, so a changed recipe rebuilds):
+#   disk-boot.img     boots; /init reads its settings and marker from partition 2 (raw bytes)
+#   disk-panic.img    the same disk whose boot loader asks for an init that does not exist:
+#                     the kernel panics ("VFS: Unable to mount root fs") and nothing answers
+#   layout            DATA_OFFSET=<bytes of partition 2 into the image>, DATA_SIZE=<bytes>
+#   kernel-version
+# and DIR/current -> <stamp>. A disk for a backup is a copy of one of the images with its data
+# area written at DATA_OFFSET (the format is at the top of tests/lab/guest-init).
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+dir=${1:-$root/target/lab-assets}
+stamp=$(sha256sum "$0" "$here/guest-init" | sha256sum | cut -c1-16)
+out=$dir/$stamp
+
+if [ -f "$out/done" ]; then
+  echo "guest assets: cached in $out"
+  exit 0
+fi
+
+for tool in apt-get apt-cache dpkg-deb busybox cpio gzip sfdisk mkfs.vfat mcopy syslinux; do
+  if ! PATH=/usr/sbin:/usr/bin:/sbin:/bin command -v "$tool" >/dev/null; then
+    echo "guest assets: $tool is missing; install busybox-static cpio fdisk dosfstools mtools syslinux syslinux-common" >&2
+    exit 69
+  fi
+done
+for file in /usr/lib/syslinux/mbr/mbr.bin /usr/lib/syslinux/modules/bios/ldlinux.c32 /usr/sbin/qemu-ga; do
+  if [ ! -e "$file" ]; then
+    echo "guest assets: $file is missing; install syslinux-common and qemu-guest-agent" >&2
+    exit 69
+  fi
+done
+
+work=$(mktemp -d "$dir.build.XXXXXX" 2>/dev/null || { mkdir -p "$dir" && mktemp -d "$dir.build.XXXXXX"; })
+trap 'rm -rf "$work"' EXIT
+# apt-get download drops privileges to _apt, which must be able to write here.
+chmod 0755 "$work"
+
+# The kernel: the package linux-image-amd64 currently depends on, downloaded and unpacked.
+kernel_package() { apt-cache depends linux-image-amd64 2>/dev/null | awk '/Depends: linux-image-[0-9]/ {print $2; exit}'; }
+package=$(kernel_package)
+if [ -z "$package" ] && [ "$(id -u)" = 0 ]; then
+  # A fresh machine may have no package lists yet.
+  apt-get update -qq
+  package=$(kernel_package)
+fi
+if [ -z "$package" ]; then
+  echo "guest assets: apt knows no linux-image-amd64; run apt-get update" >&2
+  exit 69
+fi
+echo "guest assets: fetching $package"
+(cd "$work" && apt-get download -qq -o APT::Sandbox::User=root "$package")
+dpkg-deb -x "$work"/"$package"_*.deb "$work/kernel"
+version=${package#linux-image-}
+modules=$work/kernel/lib/modules/$version
+# The package leaves modules.dep to its postinst; compute it for the unpacked tree.
+busybox depmod -b "$work/kernel" "$version"
+vmlinuz=$work/kernel/boot/vmlinuz-$version
+
+# Modules the guest needs, dependencies first (modules.dep lists each module's dependencies).
+wanted="virtio_pci virtio_scsi sd_mod virtio_net virtio_console"
+declare -A seen=()
+ordered=()
+add_module() {
+  local path=$1 dep
+  [ -n "${seen[$path]:-}" ] && return 0
+  seen[$path]=1
+  for dep in $(awk -v m="$path:" '$1 == m { $1 = ""; print }' "$modules/modules.dep"); do
+    add_module "$dep"
+  done
+  ordered+=("$path")
+}
+for name in $wanted; do
+  path=$(awk -F: -v m="/$name.ko" 'index($1, m) && substr($1, length($1) - length(m) + 1) == m {print $1; exit}' "$modules/modules.dep")
+  path=${path:-$(awk -F: -v m="/$name.ko" 'index($1, m) {print $1; exit}' "$modules/modules.dep")}
+  if [ -z "$path" ]; then
+    echo "guest assets: module $name not found in $package" >&2
+    exit 70
+  fi
+  add_module "$path"
+done
+
+# The initramfs: busybox, the modules, qemu-ga with its libraries, /init.
+initrd=$work/initrd
+mkdir -p "$initrd"/{bin,dev,proc,sys,run,tmp,etc,lib/modules,var/www}
+cp /usr/bin/busybox "$initrd/bin/busybox"
+for path in "${ordered[@]}"; do
+  file=$modules/$path
+  base=$(basename "$path")
+  case "$file" in
+    *.ko.xz) xz -dc "$file" >"$initrd/lib/modules/${base%.xz}"; base=${base%.xz} ;;
+    *.ko.zst) zstd -qdc "$file" >"$initrd/lib/modules/${base%.zst}"; base=${base%.zst} ;;
+    *) cp "$file" "$initrd/lib/modules/$base" ;;
+  esac
+  echo "$base" >>"$initrd/lib/modules/order"
+done
+mkdir -p "$initrd/usr/sbin"
+cp /usr/sbin/qemu-ga "$initrd/usr/sbin/qemu-ga"
+for lib in $(ldd /usr/sbin/qemu-ga | awk '/=> \// {print $3} /^\t\/lib/ {print $1}'); do
+  mkdir -p "$initrd$(dirname "$lib")"
+  cp -L "$lib" "$initrd$lib"
+done
+cp "$here/guest-init" "$initrd/init"
+chmod 0755 "$initrd/init"
+cat >"$initrd/etc/os-release" <<'EOF'
+PRETTY_NAME="CertiStack lab guest (busybox)"
+NAME="CertiStack lab guest"
+ID=certistack-lab
+VERSION_ID="1"
+EOF
+echo "root:x:0:0:root:/:/bin/sh" >"$initrd/etc/passwd"
+(cd "$initrd" && find . -print0 | cpio --null -o -H newc --quiet | gzip -6) >"$work/initrd.gz"
+
+# The disk: MBR with SYSLINUX's boot code, partition 1 FAT (bootable) with the kernel, the
+# initramfs and syslinux.cfg, partition 2 the raw data area /init reads.
+boot_start=2048
+boot_sectors=$(( (($(stat -c %s "$vmlinuz") + $(stat -c %s "$work/initrd.gz")) / 512) + 16384 ))
+boot_sectors=$(( (boot_sectors + 2047) / 2048 * 2048 ))
+data_start=$((boot_start + boot_sectors))
+data_sectors=2048
+image=$work/disk-boot.img
+truncate -s $(((data_start + data_sectors) * 512)) "$image"
+printf 'label: dos\nstart=%d, size=%d, type=c, bootable\nstart=%d, size=%d, type=83\n' \
+  "$boot_start" "$boot_sectors" "$data_start" "$data_sectors" | sfdisk -q "$image"
+dd if=/usr/lib/syslinux/mbr/mbr.bin of="$image" bs=440 count=1 conv=notrunc status=none
+offset=$((boot_start * 512))
+# mkfs.vfat counts the whole image from the offset; the size given bounds it to partition 1.
+if ! mkfs.vfat -n CSLAB --offset "$boot_start" "$image" $((boot_sectors / 2)) >"$work/mkfs.log" 2>&1; then
+  cat "$work/mkfs.log" >&2
+  exit 70
+fi
+export MTOOLS_SKIP_CHECK=1
+mcopy -i "$image@@$offset" "$vmlinuz" ::vmlinuz
+mcopy -i "$image@@$offset" "$work/initrd.gz" ::initrd.gz
+boot_config() {
+  printf 'DEFAULT lab\nPROMPT 0\nTIMEOUT 0\nLABEL lab\n  KERNEL /vmlinuz\n  INITRD /initrd.gz\n  APPEND %s\n' "$1"
+}
+boot_config "console=ttyS0 quiet loglevel=3 panic=0" >"$work/syslinux.cfg"
+mcopy -i "$image@@$offset" "$work/syslinux.cfg" ::syslinux.cfg
+syslinux --offset "$offset" --install "$image"
+
+# The disk that does not boot: the same, but the boot loader names an init that is not there.
+cp --sparse=always "$image" "$work/disk-panic.img"
+boot_config "console=ttyS0 loglevel=3 panic=0 rdinit=/sbin/no-such-init" >"$work/syslinux.cfg"
+mcopy -o -i "$work/disk-panic.img@@$offset" "$work/syslinux.cfg" ::syslinux.cfg
+
+mkdir -p "$out"
+mv "$image" "$work/disk-panic.img" "$out/"
+printf 'DATA_OFFSET=%d\nDATA_SIZE=%d\n' $((data_start * 512)) $((data_sectors * 512)) >"$out/layout"
+echo "$version" >"$out/kernel-version"
+touch "$out/done"
+ln -sfn "$stamp" "$dir/current"
+# Disks of an older recipe are never used again.
+find "$dir" -mindepth 1 -maxdepth 1 -type d -regextype posix-extended -regex '.*/[0-9a-f]{16}' ! -name "$stamp" -exec rm -rf {} +
+echo "guest assets: built in $out (kernel $version, $(du -h --apparent-size "$out/disk-boot.img" | cut -f1) disk)"

@@ -1,0 +1,390 @@
+#!/usr/bin/env bash
+# The lab: a simulated Proxmox VE node on this machine and one real backup validation on it.
+#
+#   sudo tests/lab/run.sh
+#
+# Installs what is missing (Debian packages, one apt-get install), builds the two binaries and
+# the guest disks (cached in target/lab-assets), then, in a network namespace of its own that
+# holds the node's sandbox VNet bridge (no uplink, forwarding off): makes a fresh CA, keys,
+# certificates and plan, enrolls and starts `certistack-connector` with the Proxmox test doubles
+# (tests/doubles: PBS's map on real read-only loop devices, qm starting real QEMU under TCG),
+# runs `certistack-ctl run` on the lab plan, verifies the signed report and tears everything
+# down, checking that nothing is left: namespace, loop devices, processes, nft tables.
+# The report, its public key, the plan and the logs stay in target/lab/last/.
+#
+# Exit code: the one of `certistack-ctl run` (0 passed, 1 failed, 2 error) unless the lab
+# itself failed (70), or residue was found (71), or this is not run as root (77).
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/../.." && pwd)
+if [ "$(id -u)" != 0 ]; then
+  echo "lab: needs root (loop devices, a network namespace, tap devices for QEMU); run: sudo $0" >&2
+  exit 77
+fi
+
+started=$(date +%s%N)
+mark=$started
+declare -a phases=()
+phase_end() {
+  local now
+  now=$(date +%s%N)
+  phases+=("$1 $(((now - mark) / 1000000))")
+  mark=$now
+}
+say() { printf '\n== %s\n' "$*"; }
+
+# ---- packages: one apt-get install, only when something is missing --------------------------
+say "tools"
+missing=0
+for tool in qemu-system-x86_64 qemu-img qemu-ga losetup python3 ip nft busybox cpio sfdisk mkfs.vfat mcopy syslinux; do
+  PATH=/usr/sbin:/usr/bin:/sbin:/bin command -v "$tool" >/dev/null 2>&1 || { echo "missing: $tool"; missing=1; }
+done
+[ -e /usr/lib/syslinux/mbr/mbr.bin ] || { echo "missing: /usr/lib/syslinux/mbr/mbr.bin"; missing=1; }
+if [ "$missing" = 1 ]; then
+  apt-get update -qq
+  # Debian's QEMU emulator conflicts with a newer qemu-utils some machines ship: installing it
+  # alone would remove qemu-img. Pin qemu-utils to the emulator's version in the same command.
+  qemu=$(apt-cache policy qemu-system-x86 | awk '/Candidate:/ {print $2}')
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends --allow-downgrades \
+    qemu-system-x86 "qemu-utils=$qemu" "qemu-block-extra=$qemu" qemu-guest-agent util-linux \
+    python3 iproute2 nftables busybox-static cpio fdisk dosfstools mtools syslinux syslinux-common
+fi
+command -v qemu-img >/dev/null || { echo "lab: qemu-img is gone; reinstall qemu-utils" >&2; exit 70; }
+command -v cargo >/dev/null || { echo "lab: cargo is missing; install Rust (rustup) first" >&2; exit 70; }
+
+# ---- build ----------------------------------------------------------------------------------
+say "build"
+cargo build --quiet --locked --manifest-path "$root/Cargo.toml" --bin certistack-connector --bin certistack-ctl
+bash "$root/tests/lab/build-assets.sh" "$root/target/lab-assets"
+bin=$root/target/debug
+assets=$root/target/lab-assets/current
+# shellcheck disable=SC1091
+. "$assets/layout"
+phase_end build
+
+# ---- set-up ---------------------------------------------------------------------------------
+say "set-up"
+mkdir -p "$root/target/lab"
+work=$(mktemp -d "$root/target/lab/run.XXXXXX")
+keep=$root/target/lab/last
+ns=cslab$(head -c 3 /dev/urandom | od -An -tx1 | tr -d ' \n')
+node=$work/node
+ctl=$work/ctl
+daemon=""
+port=7443
+snapshot_time=2026-11-01T02:00:00Z
+vmid=9101
+marker=lab-$(head -c 6 /dev/urandom | od -An -tx1 | tr -d ' \n')
+guest=10.77.1.10
+exec 3>&1
+
+# Stops whatever is still running, detaches what is still attached and removes the namespace.
+# Safe to run twice and after any failure; it only touches what this lab made (all of it lives
+# below $work or in namespace $ns).
+teardown() {
+  set +e
+  if [ -n "$daemon" ] && kill -0 "$daemon" 2>/dev/null; then
+    kill -TERM "$daemon"
+    wait "$daemon" 2>/dev/null
+  fi
+  daemon=""
+  for conf in "$node"/etc/pve/qemu-server/*.conf; do
+    [ -e "$conf" ] || continue
+    ip netns exec "$ns" "$node/bin/qm" stop "$(basename "$conf" .conf)" >/dev/null 2>&1
+    ip netns exec "$ns" "$node/bin/qm" destroy "$(basename "$conf" .conf)" >/dev/null 2>&1
+  done
+  for device in $(losetup -n -O NAME,BACK-FILE -l 2>/dev/null | awk -v w="$work/" 'index($2, w) == 1 {print $1}'); do
+    "$node/bin/proxmox-backup-client" unmap "$device" >/dev/null 2>&1
+    losetup -d "$device" 2>/dev/null
+  done
+  ip netns del "$ns" 2>/dev/null
+  set -e
+}
+
+# What the lab left on the machine: must be nothing.
+residue() {
+  local found=""
+  ip netns list | grep -qw "$ns" && found+=" namespace $ns;"
+  local loops
+  loops=$(losetup -n -O NAME,BACK-FILE -l 2>/dev/null | awk -v w="$work/" 'index($2, w) == 1 {print $1}')
+  [ -n "$loops" ] && found+=" loop devices $(echo "$loops" | tr '\n' ' ');"
+  local pids
+  pids=$(pgrep -f -- "$work" | tr '\n' ' ' || true)
+  [ -n "$pids" ] && found+=" processes $pids;"
+  [ -e "/run/netns/$ns" ] && found+=" /run/netns/$ns;"
+  printf '%s' "$found"
+}
+
+# What the run left on the node before the lab removes anything by force: the connector's
+# cleanup must have taken all of it away.
+node_residue() {
+  local found=""
+  local tables
+  tables=$(in_ns nft list tables 2>/dev/null | grep certistack_ | tr '\n' ' ' || true)
+  [ -n "$tables" ] && found+=" nft tables $tables;"
+  local addresses
+  addresses=$(in_ns ip -o -4 address show dev csv1 2>/dev/null | awk '{print $4}' | tr '\n' ' ')
+  [ -n "$addresses" ] && found+=" addresses on csv1 $addresses;"
+  local configs
+  configs=$(ls "$node"/etc/pve/qemu-server/ 2>/dev/null | tr '\n' ' ')
+  [ -n "$configs" ] && found+=" VM configs $configs;"
+  local loops
+  loops=$(losetup -n -O NAME,BACK-FILE -l 2>/dev/null | awk -v w="$work/" 'index($2, w) == 1 {print $1}' | tr '\n' ' ')
+  [ -n "$loops" ] && found+=" loop devices $loops;"
+  local pids
+  pids=$(pgrep -f -- "$node/" | grep -vx "$daemon" | tr '\n' ' ' || true)
+  [ -n "$pids" ] && found+=" processes $pids;"
+  printf '%s' "$found"
+}
+
+on_exit() {
+  local code=$?
+  if [ -n "${ns:-}" ]; then
+    teardown
+    rm -rf "$work"
+  fi
+  exit "$code"
+}
+trap on_exit EXIT
+trap 'exit 130' INT TERM
+
+ip netns add "$ns"
+in_ns() { ip netns exec "$ns" "$@"; }
+in_ns ip link set lo up
+# The sandbox VNet as a Simple zone makes it: a bridge without ports, no address, no forwarding.
+in_ns sysctl -qw net.ipv4.ip_forward=0
+in_ns ip link add csv1 type bridge
+in_ns sysctl -qw net.ipv4.conf.csv1.forwarding=0
+in_ns ip link set csv1 up
+echo "node namespace $ns, VNet csv1 (no uplink, forwarding off), work directory $work"
+
+# The node: the doubles of proxmox-backup-client and qm, and one "PBS snapshot" whose disk
+# is a lab guest disk carrying this run's marker.
+mkdir -p "$node/bin" "$node/pbs/store1/vm/100/$snapshot_time" "$ctl"
+install -m 0755 "$root/tests/doubles/proxmox-backup-client" "$root/tests/doubles/qm" "$node/bin/"
+pbs_password=$(head -c 18 /dev/urandom | base64)
+fingerprint=$(python3 -c 'print(":".join(["ab"] * 32))')
+printf '{"node": "pve1", "pbs_password": "%s", "pbs_fingerprint": "%s"}\n' "$pbs_password" "$fingerprint" >"$node/double.json"
+disk=$node/pbs/store1/vm/100/$snapshot_time/drive-scsi0.img
+cp --sparse=always "$assets/disk-boot.img" "$disk"
+printf 'certistack-lab-disk v1\nmarker=%s\naddress=%s/24\nagent=yes\n' "$marker" "$guest" |
+  dd of="$disk" bs=512 seek=$((DATA_OFFSET / 512)) conv=notrunc status=none
+body="certistack lab guest: marker $marker"
+body_sha256=$(printf '%s\n' "$body" | sha256sum | cut -d' ' -f1)
+
+# The packages a PVE 9 node has installed, as the node's prerequisite check (NodeChecks, which
+# `certistack-ctl run` asks before it starts) reads them from dpkg's status file.
+mkdir -p "$node/var/lib/dpkg"
+printf 'Package: pve-manager\nStatus: install ok installed\nVersion: 9.0.6\n\nPackage: qemu-server\nStatus: install ok installed\nVersion: 9.0.18\n' \
+  >"$node/var/lib/dpkg/status"
+
+cat >"$node/connector.toml" <<CONF
+node_name = "pve1"
+listen = "127.0.0.1:$port"
+[tls]
+certificate = "$node/node.crt"
+private_key = "$node/node.key"
+controller_ca = "$node/ca.crt"
+run_authority_public_key = "$node/run-authority.pub"
+[paths]
+state_dir = "$node/state"
+overlay_root = "$node/overlays"
+[tools]
+proxmox_backup_client = "$node/bin/proxmox-backup-client"
+qm = "$node/bin/qm"
+[pve]
+qemu_server_run_dir = "$node/var/run/qemu-server"
+vm_config_dir = "$node/etc/pve/qemu-server"
+pbs_loopdev_dir = "$node/run/pbs-loopdev"
+pve_cluster_dir = "$node/var/lib/pve-cluster"
+dpkg_status = "$node/var/lib/dpkg/status"
+CONF
+
+"$bin/certistack-ctl" ca init --state-dir "$ctl/state" >"$work/ca-init.txt"
+fingerprint_ca=$(sed -n 's/^CA fingerprint: //p' "$work/ca-init.txt")
+"$bin/certistack-connector" --config "$node/connector.toml" enroll --csr >"$work/node.csr"
+"$bin/certistack-ctl" node sign --state-dir "$ctl/state" --node pve1 --csr "$work/node.csr" --out "$work/node-issued.crt" >/dev/null
+"$bin/certistack-connector" --config "$node/connector.toml" enroll --install \
+  --certificate "$work/node-issued.crt" --ca "$ctl/state/ca.crt" --ca-fingerprint "$fingerprint_ca" \
+  --run-authority "$ctl/state/run-authority.pub" >/dev/null
+echo "fresh CA, run-authority and report-signing keys in $ctl/state; node pve1 enrolled"
+
+umask 077
+printf '%s\n' "$pbs_password" >"$ctl/pbs-password"
+umask 022
+cat >"$ctl/controller.toml" <<CONF
+state_dir = "$ctl/state"
+reports_dir = "$ctl/reports"
+
+[[nodes]]
+name = "pve1"
+address = "127.0.0.1"
+port = $port
+CONF
+cat >"$ctl/lab.yaml" <<PLAN
+# The lab plan: restore VM 100's disk from its snapshot into sandbox VM $vmid on VNet csv1,
+# boot it, and prove the guest serves what the backup holds.
+storage:
+  server: pbs.lab
+  datastore: store1
+  auth_id: certistack@pbs!restore
+  fingerprint: "$fingerprint"
+  pbs_password_file: pbs-password
+validations:
+  - name: lab-web
+    node: pve1
+    source_vmid: 100
+    snapshot: "$snapshot_time"
+    archives: [drive-scsi0.img]
+    sandbox:
+      - vmid: $vmid
+        cores: 1
+        memory_mib: 256
+    network:
+      lifecycle: preprovisioned
+      vnet: csv1
+      probe_source: 10.77.1.2/24
+    probes:
+      - kind: tcp
+        address: $guest
+        port: 22
+        expect:
+          banner_prefix: "CERTISTACK-LAB $marker"
+      - kind: http
+        address: $guest
+        port: 80
+        expect:
+          http_path: /
+          body_contains: "$marker"
+          body_sha256: "$body_sha256"
+    timeouts:
+      run_seconds: 600
+      guest_agent_seconds: 180
+PLAN
+
+# Started directly (not through a shell function) so that $! is the daemon itself.
+ip netns exec "$ns" "$bin/certistack-connector" --config "$node/connector.toml" 2>"$work/connector.log" &
+daemon=$!
+up=0
+for _ in $(seq 1 100); do
+  if in_ns "$bin/certistack-ctl" hello --state-dir "$ctl/state" --node "127.0.0.1:$port" --name pve1 >/dev/null 2>&1; then
+    up=1
+    break
+  fi
+  sleep 0.1
+done
+[ "$up" = 1 ] || { echo "lab: the connector did not come up:" >&2; cat "$work/connector.log" >&2; exit 70; }
+echo "connector pid $daemon listening on 127.0.0.1:$port inside $ns; backup marker $marker"
+phase_end set-up
+
+# ---- the validation -------------------------------------------------------------------------
+say "certistack-ctl run lab.yaml"
+# `times` in this shell (not in a subshell) gives the CPU time of the waited-for children.
+times >"$work/times.before"
+set +e
+(cd "$ctl" && in_ns "$bin/certistack-ctl" run lab.yaml --config controller.toml)
+run_code=$?
+set -e
+times >"$work/times.after"
+cpu_before=$(tail -n 1 "$work/times.before")
+cpu_after=$(tail -n 1 "$work/times.after")
+run_ended=$(date +%s%N)
+run_ms=$(((run_ended - mark) / 1000000))
+mark=$run_ended
+# The connector's own CPU time and that of the tools it waited for (doubles, qemu-img, nft).
+read -r connector_cpu connector_children_cpu < <(awk -v hz="$(getconf CLK_TCK)" \
+  '{printf "%d %d\n", ($14 + $15) * 1000 / hz, ($16 + $17) * 1000 / hz}' "/proc/$daemon/stat")
+ln_report=$(ls -1 "$ctl/reports"/*.json 2>/dev/null | head -n 1)
+
+# ---- verify ---------------------------------------------------------------------------------
+say "certistack-ctl report verify"
+verify_code=0
+if [ -n "$ln_report" ]; then
+  "$bin/certistack-ctl" report verify --state-dir "$ctl/state" "$ln_report" || verify_code=$?
+else
+  echo "no report was written" >&2
+  verify_code=1
+fi
+
+# ---- teardown -------------------------------------------------------------------------------
+say "teardown"
+left_on_node=$(node_residue)
+kill -TERM "$daemon"
+wait "$daemon" 2>/dev/null || true
+daemon=""
+rm -rf "$keep"
+mkdir -p "$keep"
+cp "$ctl/reports"/* "$ctl/state/report-signing.pub" "$ctl/lab.yaml" "$work/connector.log" "$keep/" 2>/dev/null || true
+cp "$node/calls.log" "$keep/doubles-calls.log" 2>/dev/null || true
+teardown
+left=$(residue)
+rm -rf "$work"
+phase_end teardown
+removed=$ns
+ns=""
+if [ -n "$left_on_node" ] || [ -n "$left" ]; then
+  [ -n "$left_on_node" ] && echo "lab: the run left on the node:$left_on_node" >&2
+  [ -n "$left" ] && echo "lab: RESIDUE on this machine:$left" >&2
+  exit 71
+fi
+echo "the run left nothing on the node (no nft table, probe address, VM, loop device or process);"
+echo "nothing left: namespace $removed (with its VNet and nft tables) removed, no loop device or process of the lab remains"
+
+# ---- summary --------------------------------------------------------------------------------
+report=""
+[ -n "$ln_report" ] && report=$keep/$(basename "$ln_report")
+say "summary"
+python3 - "$report" "$run_code" "$verify_code" "$run_ms" "$connector_cpu" "$connector_children_cpu" \
+  "$cpu_before" "$cpu_after" "${phases[@]}" <<'PY'
+import base64, json, sys
+
+report, run_code, verify_code, run_ms = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+connector_cpu, tools_cpu = int(sys.argv[5]), int(sys.argv[6])
+
+def seconds(text):
+    minutes, _, rest = text.partition("m")
+    return int(minutes) * 60 + float(rest.rstrip("s"))
+
+before, after = sys.argv[7].split(), sys.argv[8].split()
+controller_cpu = int(1000 * (sum(map(seconds, after)) - sum(map(seconds, before))))
+phases = dict((p.rsplit(" ", 1)[0], int(p.rsplit(" ", 1)[1])) for p in sys.argv[9:])
+
+boot_ms = probes_ms = teardown_ms = 0
+lines = []
+if report:
+    envelope = json.load(open(report))
+    statement = json.loads(base64.b64decode(envelope["payload"]))
+    p = statement["predicate"]
+    steps = p["steps"]
+    def span(first, last):
+        s = [x for x in steps if first(x["name"])]
+        e = [x for x in steps if last(x["name"])]
+        return (max(x["ended_unix_ms"] for x in e) - min(x["started_unix_ms"] for x in s)) if s and e else 0
+    boot_ms = span(lambda n: n.startswith("start "), lambda n: n.startswith("guest agent") or n.startswith("qga ") or n.startswith("qmp "))
+    probes_ms = span(lambda n: n.startswith("probe "), lambda n: n.startswith("probe "))
+    teardown_ms = span(lambda n: n.startswith("stop "), lambda n: n == "journal")
+    verdict = p["verdict"]
+    lines.append(f"verdict       {verdict['result']}" + "".join(f"\n              {r}" for r in verdict.get("reasons", [])))
+    os_info = p.get("guest", {}).get("os_info", {})
+    lines.append(f"guest         {p.get('guest', {}).get('status', '?')}; QGA: {os_info.get('pretty-name') or os_info.get('pretty_name') or os_info or 'no answer'}")
+    for probe in p.get("probes", []):
+        lines.append(f"probe         {probe['target']}: {'passed' if probe['passed'] else 'FAILED'} ({probe.get('detail', '')}; expected {probe['expected']})")
+    cleanup = p.get("cleanup", {})
+    lines.append(f"cleanup       {'complete' if cleanup.get('complete') else 'NOT complete'}, {len(cleanup.get('receipts', []))} receipts, residue {cleanup.get('residue', [])}")
+    lines.append(f"isolation     bridge addresses {p.get('isolation', {}).get('bridge_addresses')}, forwarding {p.get('isolation', {}).get('forwarding')}")
+    lines.append(f"journal       {len(p['journal']['records'])} records, head {p['journal']['head_sha256'][:16]}…")
+    lines.append(f"report        {report} ({'verified' if verify_code == 0 else 'DOES NOT VERIFY'})")
+else:
+    lines.append("no report was written")
+print("\n".join(lines))
+total = sum(phases.values()) + run_ms
+print(f"\nwall time {total / 1000:.1f} s: build {phases.get('build', 0) / 1000:.1f} s, set-up {phases.get('set-up', 0) / 1000:.1f} s, "
+      f"run {run_ms / 1000:.1f} s (guest boot {boot_ms / 1000:.1f} s, probes {probes_ms / 1000:.1f} s, teardown on the node {teardown_ms / 1000:.1f} s), "
+      f"lab teardown {phases.get('teardown', 0) / 1000:.1f} s")
+print(f"CPU during the run: connector {connector_cpu / 1000:.2f} s, tools it ran (doubles, qemu-img, nft) {tools_cpu / 1000:.2f} s, "
+      f"controller {controller_cpu / 1000:.2f} s; the rest of the {run_ms / 1000:.1f} s is the guest under TCG")
+PY
+if [ "$verify_code" != 0 ]; then
+  exit 70
+fi
+exit "$run_code"
