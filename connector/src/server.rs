@@ -252,7 +252,14 @@ impl Connector {
         };
         let service = ConnectorServer::from_arc(service)
             .max_decoding_message_size(limit)
-            .max_encoding_message_size(4 * 1024 * 1024);
+            // A screendump reply carries the image: room for the largest the limits allow.
+            .max_encoding_message_size(
+                self.config
+                    .limits
+                    .max_screendump_bytes
+                    .saturating_add(1024 * 1024)
+                    .max(4 * 1024 * 1024),
+            );
         let limits = &self.config.limits;
         let handshake_refusals = Arc::new(RefusalLog::new(
             "handshakes",

@@ -15,7 +15,7 @@
 //! | `nft`, `ip` | executable | | missing or not executable |
 //! | `overlay-space` | ≥ 20 GB free | under 20 GB | overlay root unreadable |
 //! | `overlay-disk` | own filesystem | shares `/var/lib/pve-cluster`'s | |
-//! | `clock` | within 5 s | further off | |
+//! | `clock` | within 5 s | further off | more than 60 s off (grants would be refused) |
 //!
 //! The PBS client is a warning above major 4 rather than a failure: the map/unmap interface the
 //! connector drives has been stable across majors, and PVE 9 ships 4.x; below 4 it fails,
@@ -24,6 +24,10 @@
 //! much older, and the test suite runs them with Debian 12's 7.2.
 
 use crate::audit::{self, MAX_CLOCK_SKEW_MS};
+
+/// The clock difference past which a node refuses run grants (they are valid from
+/// `plan::NOT_BEFORE_SLACK_SECS` before the run starts).
+pub const MAX_GRANT_SKEW_MS: i64 = crate::plan::NOT_BEFORE_SLACK_SECS * 1000;
 use crate::authority::IssuedCertificate;
 use crate::client;
 use crate::config::InventoryNode;
@@ -363,7 +367,16 @@ pub fn judge(facts: &pb::NodeChecksReply, skew_ms: i64) -> Vec<(&'static str, Le
             )
         });
     }
-    checks.push(if skew_ms.abs() > MAX_CLOCK_SKEW_MS {
+    checks.push(if skew_ms.abs() > MAX_GRANT_SKEW_MS {
+        // A grant is valid from 60 s before the run starts: a node further behind refuses it.
+        (
+            "clock",
+            Level::Fail,
+            format!(
+                "clock off by {skew_ms} ms: more than the {MAX_GRANT_SKEW_MS} ms a run grant allows, so the node would refuse every run; fix NTP on the node"
+            ),
+        )
+    } else if skew_ms.abs() > MAX_CLOCK_SKEW_MS {
         (
             "clock",
             Level::Warn,
@@ -432,6 +445,8 @@ mod tests {
         let mut facts = healthy();
         facts.qemu_img_version = "7.2.22".into();
         assert_eq!(level_of(&facts, 0, "qemu-img"), Level::Warn);
+        assert_eq!(level_of(&facts, 6_000, "clock"), Level::Warn);
+        assert_eq!(level_of(&facts, -61_000, "clock"), Level::Fail);
         let mut facts = healthy();
         facts.pbs_client_version = "3.4.1".into();
         assert_eq!(level_of(&facts, 0, "pbs-client"), Level::Fail);

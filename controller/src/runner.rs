@@ -548,12 +548,22 @@ impl Session {
 
 /// Whether a failed call means the connection is gone (rather than a node's answer).
 fn connection_lost(status: &tonic::Status) -> bool {
-    // The node never answers UNAVAILABLE or UNKNOWN itself; tonic reports a broken transport
-    // with them, and CANCELLED when the stream was reset under the call.
+    // tonic reports a broken transport as UNAVAILABLE or UNKNOWN, and CANCELLED when the
+    // stream was reset under the call. The node answers UNAVAILABLE itself only for a probe
+    // address the node took away (an `ifreload`): the connection is fine, the run stops as an
+    // infrastructure error.
     matches!(
         status.code(),
         tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled
-    )
+    ) && !node_removed_probe_address(status)
+}
+
+/// The node's own UNAVAILABLE for a probe address it no longer carries (protocol.md, Probe).
+fn node_removed_probe_address(status: &tonic::Status) -> bool {
+    status.code() == tonic::Code::Unavailable
+        && status
+            .message()
+            .starts_with("probe address removed by the node")
 }
 
 /// Whether a BeginRun error is the node's refusal, so no run exists: anything else (a reset
@@ -652,6 +662,8 @@ struct Evidence {
     checks_complete: bool,
     /// The console at verdict time.
     screenshot: Option<screenshot::Screenshot>,
+    /// Each step's name and the journal head its reply named.
+    heads: Vec<(String, String)>,
 }
 
 /// Drives one validation to its summary; never panics, never leaves without trying cleanup once
@@ -994,6 +1006,10 @@ async fn steps(
             match guarded(&mut interrupts, deadline, $call).await {
                 Ok(reply) => {
                     recorder.end($name, at, StepResult::Ok, $detail(&reply));
+                    // Kept to check against the journal the node streams at the end.
+                    evidence
+                        .heads
+                        .push(($name.to_string(), reply.journal_head.clone()));
                     reply
                 }
                 Err(stop) => {
@@ -1568,12 +1584,45 @@ async fn finish(
             "cleaned up as an operator after the deadline; the node's reaper closes the run".into(),
         );
     }
-    if let Some(problem) = cleaned.journal_problem {
+    let journal_problem = cleaned
+        .journal_problem
+        .or_else(|| heads_in_journal(&evidence.heads, &journal.records).err());
+    if let Some(problem) = journal_problem {
         // The report would vouch for a journal the controller did not verify.
         reasons.push(problem);
         outcome = Outcome::Error;
     }
 
+    // The picture is saved before the report is signed, so a failure to save it is a step of
+    // the signed report too.
+    let at = OffsetDateTime::now_utc();
+    let saved_screenshot = match &evidence.screenshot {
+        None => None,
+        Some(shot) => {
+            let started = recorder.begin("save screenshot");
+            match save_screenshot(context, shot, at, &recorder.node, &recorder.run_id) {
+                Ok(saved) => {
+                    recorder.end(
+                        "save screenshot",
+                        started,
+                        StepResult::Ok,
+                        saved.file.clone(),
+                    );
+                    Some(saved)
+                }
+                Err(error) => {
+                    recorder.end(
+                        "save screenshot",
+                        started,
+                        StepResult::Failed,
+                        error.clone(),
+                    );
+                    reasons.push(format!("the screenshot could not be saved: {error}"));
+                    None
+                }
+            }
+        }
+    };
     let verdict = match outcome {
         Outcome::Passed => Verdict::Passed,
         Outcome::Failed => Verdict::Failed {
@@ -1627,16 +1676,8 @@ async fn finish(
         cleanup,
         journal,
         verdict,
-        screenshot: None,
+        screenshot: saved_screenshot,
     };
-    let at = OffsetDateTime::now_utc();
-    let mut predicate = predicate;
-    if let Some(shot) = &evidence.screenshot {
-        match save_screenshot(context, shot, at, &recorder.node, &recorder.run_id) {
-            Ok(saved) => predicate.screenshot = Some(saved),
-            Err(error) => reasons.push(format!("the screenshot could not be saved: {error}")),
-        }
-    }
     let statement = report::Statement::new(predicate);
     let report_path = match report::write(
         &context.reports_dir,
@@ -1772,6 +1813,32 @@ struct CleanedUp {
     journal_problem: Option<String>,
     /// Cleanup was asked as an operator after the deadline: the node's reaper closes the run.
     closed_by_reaper: bool,
+}
+
+/// Checks that the journal heads the node answered step by step are records of the journal it
+/// streamed at the end, in order: a node that kept one journal for its answers and streams
+/// another is caught here.
+fn heads_in_journal(
+    heads: &[(String, String)],
+    records: &[report::JournalRecord],
+) -> Result<(), String> {
+    let mut from = 0usize;
+    for (step, head) in heads {
+        let found = records
+            .iter()
+            .enumerate()
+            .skip(from)
+            .find(|(_, record)| record.record_sha256 == *head);
+        match found {
+            Some((index, _)) => from = index,
+            None => {
+                return Err(format!(
+                    "the node's journal does not hold, in order, the head {head} it answered at step {step}"
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Writes the console picture beside the report it belongs to (the report's name with `.png`),
@@ -2170,6 +2237,16 @@ mod tests {
     }
 
     #[test]
+    fn a_probe_address_the_node_removed_is_not_a_lost_connection() {
+        assert!(connection_lost(&tonic::Status::unavailable(
+            "error trying to connect: tcp connect error"
+        )));
+        assert!(!connection_lost(&tonic::Status::unavailable(
+            "probe address removed by the node (ifreload?): 10.99.0.1/24 is no longer on csnet1"
+        )));
+    }
+
+    #[test]
     fn only_a_refusal_means_begin_run_left_nothing_to_clean() {
         for code in [
             tonic::Code::InvalidArgument,
@@ -2261,5 +2338,36 @@ mod tests {
             "0 (was 1; set to 0 for this run by sandbox.forwarding = \"disable-for-run\")".into(),
         );
         check_isolation(&disabled, &grant).unwrap();
+    }
+
+    fn record(sequence: u64, hash: &str) -> report::JournalRecord {
+        report::JournalRecord {
+            sequence,
+            time_unix_ms: 0,
+            operation: "op".into(),
+            resource: "r".into(),
+            phase: "done".into(),
+            previous_sha256: String::new(),
+            record_sha256: hash.into(),
+            detail: String::new(),
+        }
+    }
+
+    #[test]
+    fn the_heads_a_node_answered_must_be_in_the_journal_it_streams_in_order() {
+        let records = [record(1, "aa"), record(2, "bb"), record(3, "cc")];
+        let heads = |list: &[&str]| -> Vec<(String, String)> {
+            list.iter()
+                .map(|h| (format!("step {h}"), (*h).to_owned()))
+                .collect()
+        };
+        heads_in_journal(&heads(&["aa", "cc"]), &records).unwrap();
+        heads_in_journal(&heads(&["bb", "bb", "cc"]), &records).unwrap();
+        let error = heads_in_journal(&heads(&["aa", "dd"]), &records).unwrap_err();
+        assert!(
+            error.contains("head dd it answered at step step dd"),
+            "{error}"
+        );
+        assert!(heads_in_journal(&heads(&["cc", "aa"]), &records).is_err());
     }
 }

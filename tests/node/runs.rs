@@ -407,7 +407,10 @@ pub(crate) fn split_output(stdout: &str) -> (Vec<serde_json::Value>, Vec<serde_j
     (summaries, events)
 }
 
-pub(crate) fn summary<'a>(summaries: &'a [serde_json::Value], validation: &str) -> &'a serde_json::Value {
+pub(crate) fn summary<'a>(
+    summaries: &'a [serde_json::Value],
+    validation: &str,
+) -> &'a serde_json::Value {
     summaries
         .iter()
         .find(|s| s["validation"] == validation)
@@ -1063,6 +1066,56 @@ fn a_deadline_during_a_step_ends_the_validation_and_cleanup_still_completes() {
                 node.residue()
             );
         }
+        assert!(run_tables().is_empty(), "{:?}", run_tables());
+    });
+}
+
+/// The node takes the probe address away mid-run (as `ifreload -a` does): the validation ends
+/// as an infrastructure error naming it, not as a failed backup, and cleanup completes over the
+/// same connection.
+#[test]
+fn a_probe_address_the_node_removed_is_an_infrastructure_error() {
+    if !privileged(
+        "a_probe_address_the_node_removed_is_an_infrastructure_error",
+        RUN_TOOLS,
+    ) {
+        return;
+    }
+    let netns = Netns::new("purge", &[]);
+    inside(&netns.name, || async {
+        let fleet = Fleet::new("ctl-purge", 1, false);
+        let config = fleet.controller_config(&[("pve1", 17441)]);
+        let plan = fleet.plan("purge.yaml", &[("web1", 1, 9101)], 6);
+        let (child, mut lines) = start_ctl(&mut fleet.ctl(&plan, &config));
+        wait_for_step(&mut lines, "guest agent 9101");
+        run_ip(&["address", "del", "10.77.1.2/24", "dev", "csv1"]);
+        let (code, summaries) = finish(child, lines);
+        assert_eq!(code, 2);
+        let s = summary(&summaries, "web1");
+        assert_eq!(s["outcome"], "error", "{s}");
+        assert_eq!(s["cleanup"], "complete", "{s}");
+        let reasons = s["reasons"].to_string();
+        assert!(
+            reasons.contains("probe address removed by the node"),
+            "{reasons}"
+        );
+        assert!(!reasons.contains("connection was lost"), "{reasons}");
+        let statement = fleet.report(s);
+        let steps: Vec<&str> = statement
+            .predicate
+            .steps
+            .iter()
+            .map(|step| step.name.as_str())
+            .collect();
+        assert!(
+            !steps.contains(&"screenshot 9101"),
+            "the run went on after the probe: {steps:?}"
+        );
+        assert!(
+            fleet.nodes[0].residue().is_empty(),
+            "{:?}",
+            fleet.nodes[0].residue()
+        );
         assert!(run_tables().is_empty(), "{:?}", run_tables());
     });
 }

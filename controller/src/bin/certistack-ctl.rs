@@ -9,9 +9,10 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use time::OffsetDateTime;
 
-const EXIT_CODES: &str = "Exit codes: 0 success; 1 local failure (state directory, key, file); \
-3 the node could not be reached or refused TLS or the call; 4 the node is not what was expected \
-(node name or surface digest differs); 64 usage error.";
+const EXIT_CODES: &str = "Exit codes differ per command: see COMMAND --help. Every command answers \
+64 for a wrong command line. ca, node, surface, hello: 0 success; 1 local failure (state directory, \
+key, file); 3 the node could not be reached or refused TLS or the call; 4 the node is not what was \
+expected (node name or surface digest differs).";
 
 #[derive(Parser, Debug)]
 #[command(name = "certistack-ctl", version, about = "CertiStack controller", after_help = EXIT_CODES)]
@@ -71,7 +72,7 @@ error (a node unreachable or refusing, its surface digest differs, the connectio
 passed, interrupted, or a cleanup not proven complete; takes precedence over 1); 64 the command line \
 is wrong; 65 the plan is refused; 66 the plan, the configuration or a secret file cannot be read; \
 77 a file's owner or mode is refused (the message gives the chmod to run); 78 the controller \
-configuration is refused.";
+configuration is refused; 71 the operating system refused to start the runtime.";
 
 #[derive(clap::Args, Debug)]
 struct RunPlanArgs {
@@ -844,7 +845,7 @@ fn doctor(args: &DoctorArgs, now: OffsetDateTime) -> Result<(), Failure> {
         .worker_threads(2)
         .enable_all()
         .build()
-        .map_err(local)?;
+        .map_err(|e| Failure::Coded(EXIT_OS_ERROR, format!("cannot start the runtime: {e}")))?;
     let checks = runtime.block_on(doctor::check_fleet(
         nodes,
         authority.ca_pem(),
