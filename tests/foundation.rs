@@ -4212,6 +4212,8 @@ mod evidence_report {
                 passed: false,
                 latency_us: 310,
                 detail: String::new(),
+                received_sha256: String::new(),
+                tls_certificate_sha256: String::new(),
             }],
             isolation: Isolation {
                 bridge_ports: vec!["tap9100i0".into()],
@@ -4219,6 +4221,7 @@ mod evidence_report {
                 forwarding: [("net.ipv4.ip_forward".to_owned(), "0".to_owned())].into(),
                 ruleset: ruleset.into(),
                 ruleset_digest: format!("sha256:{}", hex::encode(sha2::Sha256::digest(ruleset))),
+                nat_sources: Vec::new(),
             },
             assertions: vec![],
             cleanup: CleanupEvidence {

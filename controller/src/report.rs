@@ -246,6 +246,12 @@ pub struct ProbeResult {
     pub latency_us: u64,
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub detail: String,
+    /// `sha256:<hex>` of what the target sent (a banner, an HTTP body), when the node reported it.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub received_sha256: String,
+    /// The SHA-256 of the certificate an HTTPS target presented, when it did.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub tls_certificate_sha256: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -262,6 +268,10 @@ pub struct Isolation {
     pub ruleset: String,
     /// `sha256:<hex>` of `ruleset`.
     pub ruleset_digest: String,
+    /// Which firewall listings the node's NAT check read (nftables, iptables-legacy), or why
+    /// one was skipped (`... not installed`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub nat_sources: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -858,6 +868,8 @@ mod tests {
                 passed: true,
                 latency_us: 420,
                 detail: String::new(),
+                received_sha256: String::new(),
+                tls_certificate_sha256: String::new(),
             }],
             isolation: Isolation {
                 bridge_ports: vec!["tap9100i0".into()],
@@ -865,6 +877,7 @@ mod tests {
                 forwarding: BTreeMap::from([("net.ipv4.ip_forward".into(), "0".into())]),
                 ruleset: "table inet certistack {}".into(),
                 ruleset_digest: sha256_text(b"table inet certistack {}"),
+                nat_sources: Vec::new(),
             },
             assertions: vec![AssertionResult {
                 name: "systemd running".into(),

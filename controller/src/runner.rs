@@ -1179,10 +1179,18 @@ async fn steps(
             .ok()
             .and_then(|v| v.get("status").and_then(|s| s.as_str()).map(str::to_owned))
             .unwrap_or_else(|| "unknown".into());
-        if status != "running" {
-            evidence
-                .failures
-                .push(format!("VM {vmid} is {status:?} after start, not running"));
+        match guest_state(&status) {
+            GuestState::Running => {}
+            // The guest itself stopped on an error or shut down: evidence about the backup.
+            GuestState::Stopped => evidence.failures.push(format!(
+                "VM {vmid} is {status:?} after start: the restored guest stopped"
+            )),
+            // Paused, still launching, migrating: the node's state, not the backup's.
+            GuestState::NotJudged => {
+                return Some(Stop::Refused(format!(
+                    "VM {vmid} is {status:?} after start: the node holds it, so the guest cannot be judged"
+                )));
+            }
         }
         let mut facts = report::GuestFacts {
             status,
@@ -1280,6 +1288,8 @@ async fn steps(
             passed,
             latency_us: reply.latency_us,
             detail: reply.detail.clone(),
+            received_sha256: reply.received_sha256.clone(),
+            tls_certificate_sha256: reply.tls_certificate_sha256.clone(),
         });
     }
     // QGA assertions, on the first sandbox VM (the grant names programs, not VMs).
@@ -1401,6 +1411,26 @@ async fn steps(
     None
 }
 
+/// What QMP's run state says about a restored guest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GuestState {
+    Running,
+    /// The guest stopped on its own: `io-error`, `internal-error`, `guest-panicked`, `shutdown`,
+    /// `watchdog`, `suspended`.
+    Stopped,
+    /// The node holds it (`paused`, `prelaunch`, migration states) or the state is unknown.
+    NotJudged,
+}
+
+fn guest_state(status: &str) -> GuestState {
+    match status {
+        "running" => GuestState::Running,
+        "io-error" | "internal-error" | "guest-panicked" | "shutdown" | "watchdog"
+        | "suspended" => GuestState::Stopped,
+        _ => GuestState::NotJudged,
+    }
+}
+
 /// `tcp://192.0.2.10:22`, `https://[2001:db8::10]:443`.
 fn probe_label(kind: pb::ProbeKind, address: &str, port: u32) -> String {
     let scheme = kind
@@ -1510,6 +1540,7 @@ fn isolation(reply: &pb::PrepareSandboxReply) -> report::Isolation {
         forwarding,
         ruleset: reply.ruleset_text.clone(),
         ruleset_digest: report::sha256_text(reply.ruleset_text.as_bytes()),
+        nat_sources: reply.nat_sources.clone(),
     }
 }
 
@@ -1671,6 +1702,7 @@ async fn finish(
                 forwarding: BTreeMap::new(),
                 ruleset: String::new(),
                 ruleset_digest: report::sha256_text(b""),
+                nat_sources: Vec::new(),
             }),
         assertions: evidence.assertions.clone(),
         cleanup,
@@ -2308,6 +2340,7 @@ mod tests {
             forwarding: BTreeMap::from([("net.ipv4.conf.csnet1.forwarding".into(), "0".into())]),
             ruleset: String::new(),
             ruleset_digest: String::new(),
+            nat_sources: Vec::new(),
         };
         let grant = grant();
         check_isolation(&good, &grant).unwrap();
@@ -2369,5 +2402,16 @@ mod tests {
             "{error}"
         );
         assert!(heads_in_journal(&heads(&["cc", "aa"]), &records).is_err());
+    }
+
+    #[test]
+    fn a_guest_that_stopped_fails_and_one_the_node_holds_is_not_judged() {
+        assert_eq!(guest_state("running"), GuestState::Running);
+        for stopped in ["io-error", "internal-error", "guest-panicked", "shutdown"] {
+            assert_eq!(guest_state(stopped), GuestState::Stopped, "{stopped}");
+        }
+        for held in ["paused", "prelaunch", "postmigrate", "unknown"] {
+            assert_eq!(guest_state(held), GuestState::NotJudged, "{held}");
+        }
     }
 }
