@@ -1806,11 +1806,22 @@ mod cli {
             &["node", "sign", "--help"],
             &["surface", "--help"],
             &["hello", "--help"],
+            &["run", "--help"],
+            &["doctor", "--help"],
+            &["runs", "--help"],
+            &["journal", "--help"],
+            &["cleanup", "--help"],
+            &["report", "verify", "--help"],
+            &["plan", "check", "--help"],
+            &["nodes", "audit", "--help"],
         ] {
             let (code, out, _) = run_binary("certistack-ctl", args);
             assert_eq!(code, 0, "{args:?}");
             assert!(out.contains("Exit codes:"), "{args:?}: {out}");
         }
+        // A wrong command line is a usage error, 64, for every command.
+        let (code, _, err) = run_binary("certistack-ctl", &["run"]);
+        assert_eq!(code, 64, "{err}");
         let (code, out, _) = run_binary("certistack-connector", &["--help"]);
         assert_eq!(code, 0);
         assert!(out.contains("Exit codes:"));

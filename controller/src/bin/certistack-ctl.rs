@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use time::OffsetDateTime;
 
-const EXIT_CODES: &str = "Exit codes differ per command: see COMMAND --help. Every command answers \
+const EXIT_CODES: &str = "Exit codes: they differ per command (see COMMAND --help). Every command answers \
 64 for a wrong command line. ca, node, surface, hello: 0 success; 1 local failure (state directory, \
 key, file); 3 the node could not be reached or refused TLS or the call; 4 the node is not what was \
 expected (node name or surface digest differs).";
