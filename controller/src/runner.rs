@@ -489,6 +489,30 @@ enum Stop {
     Deadline(String),
 }
 
+impl Stop {
+    fn reason(&self) -> &str {
+        match self {
+            Stop::Refused(text)
+            | Stop::Lost(text)
+            | Stop::Interrupted(text)
+            | Stop::Deadline(text) => text,
+        }
+    }
+}
+
+/// Ends a validation that never began on its node: the step that stopped it (`name`, when it
+/// started, its result), then the report, with nothing to clean up.
+async fn not_begun(
+    mut recorder: Recorder<'_>,
+    evidence: Evidence,
+    validation: &Validation,
+    (name, at, result): (&str, i64, StepResult),
+    stop: Stop,
+) -> Summary {
+    recorder.end(name, at, result, stop.reason().to_owned());
+    finish(recorder, evidence, validation, Some(stop), None).await
+}
+
 /// A connection to the node as the run.
 struct Session {
     endpoint: String,
@@ -686,20 +710,14 @@ async fn drive(
     let mut evidence = Evidence::default();
     if *context.interrupts.borrow() >= 1 {
         let at = recorder.begin("credentials");
-        recorder.end(
-            "credentials",
-            at,
-            StepResult::Skipped,
-            "not started: interrupted by the operator".into(),
-        );
-        return finish(
+        return not_begun(
             recorder,
             evidence,
             &validation,
-            Some(Stop::Interrupted(
+            ("credentials", at, StepResult::Skipped),
+            Stop::Interrupted(
                 "not started: interrupted by the operator before the validation began".into(),
-            )),
-            None,
+            ),
         )
         .await;
     }
@@ -724,13 +742,12 @@ async fn drive(
             "node {node} fails its prerequisites (see `certistack-ctl doctor {node}`): {}",
             failing.join("; ")
         );
-        recorder.end("doctor", at, StepResult::Failed, reason.clone());
-        return finish(
+        return not_begun(
             recorder,
             evidence,
             &validation,
-            Some(Stop::Refused(reason)),
-            None,
+            ("doctor", at, StepResult::Failed),
+            Stop::Refused(reason),
         )
         .await;
     }
@@ -764,13 +781,12 @@ async fn drive(
         Ok(minted) => minted,
         Err(error) => {
             let reason = format!("cannot mint the run's credentials: {error}");
-            recorder.end("credentials", at, StepResult::Failed, reason.clone());
-            return finish(
+            return not_begun(
                 recorder,
                 evidence,
                 &validation,
-                Some(Stop::Refused(reason)),
-                None,
+                ("credentials", at, StepResult::Failed),
+                Stop::Refused(reason),
             )
             .await;
         }
@@ -811,13 +827,12 @@ async fn drive(
         }
         Err(error) => {
             let reason = format!("node {node} at {}: {error}", validation.endpoint);
-            recorder.end("connect", at, StepResult::Failed, reason.clone());
-            return finish(
+            return not_begun(
                 recorder,
                 evidence,
                 &validation,
-                Some(Stop::Refused(reason)),
-                None,
+                ("connect", at, StepResult::Failed),
+                Stop::Refused(reason),
             )
             .await;
         }
@@ -827,30 +842,22 @@ async fn drive(
         grant: Some(minted.signed_grant.clone()),
     };
     let Some(client) = session.client.as_mut() else {
-        return finish(
+        return not_begun(
             recorder,
             evidence,
             &validation,
-            Some(Stop::Refused("no connection".into())),
-            None,
+            ("begin", at, StepResult::Failed),
+            Stop::Refused("no connection".into()),
         )
         .await;
     };
     if *context.interrupts.borrow() >= 1 {
-        recorder.end(
-            "begin",
-            at,
-            StepResult::Skipped,
-            "interrupted by the operator".into(),
-        );
-        return finish(
+        return not_begun(
             recorder,
             evidence,
             &validation,
-            Some(Stop::Interrupted(
-                "not started: interrupted by the operator before BeginRun".into(),
-            )),
-            None,
+            ("begin", at, StepResult::Skipped),
+            Stop::Interrupted("not started: interrupted by the operator before BeginRun".into()),
         )
         .await;
     }
@@ -890,13 +897,12 @@ async fn drive(
         }
         Err(status) => {
             let reason = format!("the node refused the run: {}", describe_status(&status));
-            recorder.end("begin", at, StepResult::Failed, reason.clone());
-            return finish(
+            return not_begun(
                 recorder,
                 evidence,
                 &validation,
-                Some(Stop::Refused(reason)),
-                None,
+                ("begin", at, StepResult::Failed),
+                Stop::Refused(reason),
             )
             .await;
         }
@@ -1013,13 +1019,7 @@ async fn steps(
                     reply
                 }
                 Err(stop) => {
-                    let text = match &stop {
-                        Stop::Refused(t)
-                        | Stop::Lost(t)
-                        | Stop::Interrupted(t)
-                        | Stop::Deadline(t) => t.clone(),
-                    };
-                    recorder.end($name, at, StepResult::Failed, text.clone());
+                    recorder.end($name, at, StepResult::Failed, stop.reason().to_owned());
                     return Some(match stop {
                         Stop::Refused(t) => Stop::Refused(format!("step {}: {t}", $name)),
                         other => other,
@@ -1561,14 +1561,9 @@ async fn finish(
         // Interrupted during teardown: every check had run; the verdict stands on them and
         // cleanup still decides whether the run is proven clean.
         Some(Stop::Interrupted(_)) if evidence.checks_complete => {}
-        Some(
-            Stop::Refused(reason)
-            | Stop::Lost(reason)
-            | Stop::Interrupted(reason)
-            | Stop::Deadline(reason),
-        ) => {
+        Some(stop) => {
             outcome = Outcome::Error;
-            reasons.push(reason.clone());
+            reasons.push(stop.reason().to_owned());
         }
     }
     if !evidence.isolation_failures.is_empty() {
