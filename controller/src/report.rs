@@ -246,7 +246,8 @@ pub struct ProbeResult {
     pub latency_us: u64,
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub detail: String,
-    /// `sha256:<hex>` of what the target sent (a banner, an HTTP body), when the node reported it.
+    /// Lower-case hex SHA-256 of what the target sent (a banner, an HTTP body), when the node
+    /// reported it.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub received_sha256: String,
     /// The SHA-256 of the certificate an HTTPS target presented, when it did.

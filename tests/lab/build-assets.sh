@@ -20,7 +20,11 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 dir=${1:-$root/target/lab-assets}
-stamp=$(sha256sum "$0" "$here/guest-init" | sha256sum | cut -c1-16)
+# The recipe is the contents of this script and the guest's init (not the paths they were called
+# by), and the host programs copied into the guest: a change to any of them is a new recipe.
+stamp=$(cat "$here/build-assets.sh" "$here/guest-init" \
+  "$(PATH=/usr/sbin:/usr/bin:/sbin:/bin command -v busybox)" \
+  "$(PATH=/usr/sbin:/usr/bin:/sbin:/bin command -v qemu-ga)" | sha256sum | cut -c1-16)
 out=$dir/$stamp
 
 if [ -f "$out/done" ]; then
@@ -160,6 +164,7 @@ printf 'DATA_OFFSET=%d\nDATA_SIZE=%d\n' $((data_start * 512)) $((data_sectors * 
 echo "$version" >"$out/kernel-version"
 touch "$out/done"
 ln -sfn "$stamp" "$dir/current"
-# Disks of an older recipe are never used again.
-find "$dir" -mindepth 1 -maxdepth 1 -type d -regextype posix-extended -regex '.*/[0-9a-f]{16}' ! -name "$stamp" -exec rm -rf {} +
+# Disks of an older recipe are never used again; those of the last day are kept, since a test
+# run that began before an upgrade may still be booting them.
+find "$dir" -mindepth 1 -maxdepth 1 -type d -regextype posix-extended -regex '.*/[0-9a-f]{16}' ! -name "$stamp" -mmin +1440 -exec rm -rf {} +
 echo "guest assets: built in $out (kernel $version, $(du -h --apparent-size "$out/disk-boot.img" | cut -f1) disk)"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The lab: a simulated Proxmox VE node on this machine and one real backup validation on it.
 #
-#   sudo tests/lab/run.sh
+#   bash tests/lab/run.sh          (as root; or: sudo bash tests/lab/run.sh)
 #
 # Installs what is missing (Debian packages, one apt-get install), builds the two binaries and
 # the guest disks (cached in target/lab-assets), then, in a network namespace of its own that
@@ -18,9 +18,21 @@ set -euo pipefail
 
 root=$(cd "$(dirname "$0")/../.." && pwd)
 if [ "$(id -u)" != 0 ]; then
-  echo "lab: needs root (loop devices, a network namespace, tap devices for QEMU); run: sudo $0" >&2
+  echo "lab: needs root (loop devices, a network namespace, tap devices for QEMU); run it as root: sudo bash $0" >&2
   exit 77
 fi
+# Under sudo, build as the user who asked (their cargo, their target/ ownership); as root, as root.
+as_builder() {
+  if [ -n "${SUDO_USER:-}" ] && [ "$SUDO_USER" != root ]; then
+    sudo -u "$SUDO_USER" -H env "PATH=$(sudo -u "$SUDO_USER" -H bash -lc 'echo $PATH')" "$@"
+  else
+    "$@"
+  fi
+}
+as_builder bash -c 'command -v cargo' >/dev/null 2>&1 || {
+  echo "lab: cargo is missing; install Rust (https://rustup.rs) for ${SUDO_USER:-root} first" >&2
+  exit 70
+}
 
 started=$(date +%s%N)
 mark=$started
@@ -50,11 +62,10 @@ if [ "$missing" = 1 ]; then
     python3 iproute2 nftables busybox-static cpio fdisk dosfstools mtools syslinux syslinux-common
 fi
 command -v qemu-img >/dev/null || { echo "lab: qemu-img is gone; reinstall qemu-utils" >&2; exit 70; }
-command -v cargo >/dev/null || { echo "lab: cargo is missing; install Rust (rustup) first" >&2; exit 70; }
 
 # ---- build ----------------------------------------------------------------------------------
 say "build"
-cargo build --quiet --locked --manifest-path "$root/Cargo.toml" --bin certistack-connector --bin certistack-ctl
+as_builder cargo build --quiet --locked --manifest-path "$root/Cargo.toml" --bin certistack-connector --bin certistack-ctl
 bash "$root/tests/lab/build-assets.sh" "$root/target/lab-assets"
 bin=$root/target/debug
 assets=$root/target/lab-assets/current
@@ -85,6 +96,12 @@ teardown() {
   set +e
   if [ -n "$daemon" ] && kill -0 "$daemon" 2>/dev/null; then
     kill -TERM "$daemon"
+    # A drained shutdown takes well under a second; a connector that hangs is killed.
+    for _ in $(seq 1 50); do
+      kill -0 "$daemon" 2>/dev/null || break
+      sleep 0.1
+    done
+    kill -KILL "$daemon" 2>/dev/null
     wait "$daemon" 2>/dev/null
   fi
   daemon=""
@@ -137,16 +154,35 @@ node_residue() {
   printf '%s' "$found"
 }
 
+# Keeps what explains a run (report, key, plan, logs) in target/lab/last, on every path.
+keep_evidence() {
+  rm -rf "$keep"
+  mkdir -p "$keep"
+  cp "$ctl/reports"/* "$ctl/state/report-signing.pub" "$ctl/lab.yaml" "$work/connector.log" "$keep/" 2>/dev/null || true
+  cp "$node/calls.log" "$keep/doubles-calls.log" 2>/dev/null || true
+}
+
+# On any way out before the end (a failed step of the lab, an interrupt): keep the evidence,
+# tear down, and say what, if anything, is left.
 on_exit() {
   local code=$?
   if [ -n "${ns:-}" ]; then
+    keep_evidence
     teardown
+    local left
+    left=$(residue)
     rm -rf "$work"
+    if [ -n "$left" ]; then
+      echo "lab: RESIDUE on this machine:$left" >&2
+      code=71
+    fi
+    echo "lab: stopped early (exit $code); logs and any report in $keep" >&2
   fi
   exit "$code"
 }
 trap on_exit EXIT
 trap 'exit 130' INT TERM
+trap 'echo "lab: failed at line $LINENO: $BASH_COMMAND" >&2; exit 70' ERR
 
 ip netns add "$ns"
 in_ns() { ip netns exec "$ns" "$@"; }
@@ -262,8 +298,10 @@ validations:
       guest_agent_seconds: 180
 PLAN
 
-# Started directly (not through a shell function) so that $! is the daemon itself.
-ip netns exec "$ns" "$bin/certistack-connector" --config "$node/connector.toml" 2>"$work/connector.log" &
+# Started directly (not through a shell function) so that $! is the daemon itself, in a session
+# of its own: a Ctrl-C at the terminal reaches certistack-ctl, which cleans up through the
+# connector, and not the connector itself.
+setsid ip netns exec "$ns" "$bin/certistack-connector" --config "$node/connector.toml" 2>"$work/connector.log" &
 daemon=$!
 up=0
 for _ in $(seq 1 100); do
@@ -281,10 +319,9 @@ phase_end set-up
 say "certistack-ctl run lab.yaml"
 # `times` in this shell (not in a subshell) gives the CPU time of the waited-for children.
 times >"$work/times.before"
-set +e
-(cd "$ctl" && in_ns "$bin/certistack-ctl" run lab.yaml --config controller.toml)
-run_code=$?
-set -e
+# The run's own exit code (1 failed, 2 error) is the lab's answer, not a failure of the lab.
+run_code=0
+(cd "$ctl" && in_ns "$bin/certistack-ctl" run lab.yaml --config controller.toml) || run_code=$?
 times >"$work/times.after"
 cpu_before=$(tail -n 1 "$work/times.before")
 cpu_after=$(tail -n 1 "$work/times.after")
@@ -292,8 +329,14 @@ run_ended=$(date +%s%N)
 run_ms=$(((run_ended - mark) / 1000000))
 mark=$run_ended
 # The connector's own CPU time and that of the tools it waited for (doubles, qemu-img, nft).
-read -r connector_cpu connector_children_cpu < <(awk -v hz="$(getconf CLK_TCK)" \
-  '{printf "%d %d\n", ($14 + $15) * 1000 / hz, ($16 + $17) * 1000 / hz}' "/proc/$daemon/stat")
+connector_cpu=0
+connector_children_cpu=0
+if [ -r "/proc/$daemon/stat" ]; then
+  read -r connector_cpu connector_children_cpu < <(awk -v hz="$(getconf CLK_TCK)" \
+    '{printf "%d %d\n", ($14 + $15) * 1000 / hz, ($16 + $17) * 1000 / hz}' "/proc/$daemon/stat")
+else
+  echo "lab: the connector (pid $daemon) is gone; see $keep/connector.log" >&2
+fi
 ln_report=$(ls -1 "$ctl/reports"/*.json 2>/dev/null | head -n 1)
 
 # ---- verify ---------------------------------------------------------------------------------
@@ -309,13 +352,10 @@ fi
 # ---- teardown -------------------------------------------------------------------------------
 say "teardown"
 left_on_node=$(node_residue)
-kill -TERM "$daemon"
+kill -TERM "$daemon" 2>/dev/null || true
 wait "$daemon" 2>/dev/null || true
 daemon=""
-rm -rf "$keep"
-mkdir -p "$keep"
-cp "$ctl/reports"/* "$ctl/state/report-signing.pub" "$ctl/lab.yaml" "$work/connector.log" "$keep/" 2>/dev/null || true
-cp "$node/calls.log" "$keep/doubles-calls.log" 2>/dev/null || true
+keep_evidence
 teardown
 left=$(residue)
 rm -rf "$work"

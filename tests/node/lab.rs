@@ -237,6 +237,9 @@ fn lab_good_wrong_unbootable_and_agentless_backups_are_validated_at_once_on_one_
         assert!(http.passed, "{http:?}");
         let digest = hex::encode(sha2::Sha256::digest(cases[0].disk.http_body()));
         assert!(http.expected.contains(&digest), "{http:?}");
+        // What the guest actually served, as the node hashed it, not what the plan expected.
+        assert_eq!(http.received_sha256, digest, "{http:?}");
+        assert_eq!(tcp.received_sha256.len(), 64, "{tcp:?}");
         assert_eq!(step(&statement, "guest agent 9101").result, StepResult::Ok);
 
         // 2. The disk holds another marker: the guest boots and answers, the probes say why
