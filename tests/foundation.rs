@@ -4614,6 +4614,25 @@ mod operator_commands {
             "{out}"
         );
         assert_eq!(lines.len(), records.len() + 1, "{out}");
+
+        // A journal larger than the reader's bounds is refused, not held.
+        let all = records.len();
+        for bounds in [
+            operator::JournalBounds {
+                records: all - 1,
+                bytes: usize::MAX,
+            },
+            operator::JournalBounds {
+                records: usize::MAX,
+                bytes: 64,
+            },
+        ] {
+            let refused = operator::read_journal_within(&mut client, RUN_ID, bounds, |_| {}).await;
+            assert!(
+                matches!(refused, Err(operator::OperatorError::TooManyRecords(b)) if b == bounds),
+                "{refused:?}"
+            );
+        }
     }
 
     #[tokio::test(flavor = "multi_thread")]

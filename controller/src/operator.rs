@@ -10,9 +10,21 @@ use certistack_proto::v1::connector_client::ConnectorClient;
 use time::OffsetDateTime;
 use tonic::transport::Channel;
 
-/// The most journal records the controller accepts for one run; a node streaming more is
-/// refused rather than held in memory without end.
-pub const MAX_JOURNAL_RECORDS: usize = 1_000_000;
+/// How much of one run's journal the controller takes before refusing the stream rather than
+/// holding it in memory without end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct JournalBounds {
+    pub records: usize,
+    /// Encoded bytes of the streamed records, together.
+    pub bytes: usize,
+}
+
+/// The largest journal a node may keep (`limits.max_journal_records` and
+/// `limits.max_journal_bytes` at their highest): what an operator reading a journal accepts.
+pub const NODE_JOURNAL_BOUNDS: JournalBounds = JournalBounds {
+    records: 1_000_000,
+    bytes: 1024 * 1024 * 1024,
+};
 
 /// Connects to the node at `address` (whose certificate must name `node_name`) as `operator`,
 /// and checks its `Hello`.
@@ -38,9 +50,11 @@ pub enum OperatorError {
     #[error(transparent)]
     Node(#[from] NodeError),
     #[error(
-        "the node streamed more than {MAX_JOURNAL_RECORDS} journal records; read the journal file on the node"
+        "the node streamed more than {} journal records or {} bytes; read the journal file on the node",
+        .0.records,
+        .0.bytes
     )]
-    TooManyRecords,
+    TooManyRecords(JournalBounds),
 }
 
 impl From<tonic::Status> for OperatorError {
@@ -112,10 +126,20 @@ pub fn describe_record(record: &JournalRecord) -> String {
 }
 
 /// Streams the journal of `run_id`, handing each record to `each` as it arrives, and returns
-/// the records for verification.
+/// the records for verification; at most the largest journal a node may keep.
 pub async fn read_journal(
     connection: &mut ConnectorClient<Channel>,
     run_id: &str,
+    each: impl FnMut(&JournalRecord),
+) -> Result<Vec<JournalRecord>, OperatorError> {
+    read_journal_within(connection, run_id, NODE_JOURNAL_BOUNDS, each).await
+}
+
+/// [`read_journal`] within `bounds`.
+pub async fn read_journal_within(
+    connection: &mut ConnectorClient<Channel>,
+    run_id: &str,
+    bounds: JournalBounds,
     mut each: impl FnMut(&JournalRecord),
 ) -> Result<Vec<JournalRecord>, OperatorError> {
     let mut stream = connection
@@ -125,9 +149,11 @@ pub async fn read_journal(
         .await?
         .into_inner();
     let mut records = Vec::new();
+    let mut bytes = 0usize;
     while let Some(record) = stream.message().await? {
-        if records.len() >= MAX_JOURNAL_RECORDS {
-            return Err(OperatorError::TooManyRecords);
+        bytes = bytes.saturating_add(prost::Message::encoded_len(&record));
+        if records.len() >= bounds.records || bytes > bounds.bytes {
+            return Err(OperatorError::TooManyRecords(bounds));
         }
         let record = JournalRecord::from(&record);
         each(&record);

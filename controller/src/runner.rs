@@ -950,6 +950,18 @@ async fn check_prerequisites(context: &RunContext, node: &str) -> Vec<doctor::Ch
     }
 }
 
+/// Returns once the operator's interrupts reach `level` (never, if the sender is gone).
+async fn interrupted_to(interrupts: &mut Interrupts, level: u8) {
+    loop {
+        if *interrupts.borrow_and_update() >= level {
+            return;
+        }
+        if interrupts.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
 /// Runs `call` unless the operator abandons it or the deadline passes first.
 async fn guarded<T>(
     interrupts: &mut Interrupts,
@@ -959,16 +971,7 @@ async fn guarded<T>(
     if *interrupts.borrow() >= 2 {
         return Err(Stop::Interrupted("interrupted by the operator".into()));
     }
-    let abandon = async {
-        loop {
-            if *interrupts.borrow_and_update() >= 2 {
-                return;
-            }
-            if interrupts.changed().await.is_err() {
-                std::future::pending::<()>().await;
-            }
-        }
-    };
+    let abandon = interrupted_to(interrupts, 2);
     tokio::select! {
         result = call => match result {
             Ok(response) => Ok(response.into_inner()),
@@ -1770,10 +1773,12 @@ const ABANDON_CLEANUP: u8 = 3;
 const OPERATOR_CALL_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long BeginRun and EndRun may take: the node answers them without running a tool.
 const RUN_CALL_TIMEOUT: Duration = Duration::from_secs(60);
-/// The most journal records and bytes the controller takes for one run's report; a node's own
-/// caps (`limits.max_journal_records`, `limits.max_journal_bytes`) are far below.
-const MAX_RUN_JOURNAL_RECORDS: usize = 100_000;
-const MAX_RUN_JOURNAL_BYTES: usize = 32 * 1024 * 1024;
+/// The most of a run's journal the controller puts into a report: the report must stay under
+/// `report::MAX_REPORT_BYTES`; a node's default caps (10,000 records, 16 MiB) are below.
+const RUN_JOURNAL_BOUNDS: operator::JournalBounds = operator::JournalBounds {
+    records: 100_000,
+    bytes: 32 * 1024 * 1024,
+};
 
 /// Awaits `call` for at most `limit`, unless the interrupts reach `abandon_at` first.
 async fn within<T, E: std::fmt::Display>(
@@ -1786,16 +1791,7 @@ async fn within<T, E: std::fmt::Display>(
     if *interrupts.borrow() >= abandon_at {
         return Err(CallError::Abandoned);
     }
-    let abandon = async {
-        loop {
-            if *interrupts.borrow_and_update() >= abandon_at {
-                return;
-            }
-            if interrupts.changed().await.is_err() {
-                std::future::pending::<()>().await;
-            }
-        }
-    };
+    let abandon = interrupted_to(interrupts, abandon_at);
     tokio::select! {
         result = tokio::time::timeout(limit, call) => match result {
             Ok(Ok(value)) => Ok(value),
@@ -1805,10 +1801,6 @@ async fn within<T, E: std::fmt::Display>(
         },
         () = abandon => Err(CallError::Abandoned),
     }
-}
-
-fn status_lost(status: &tonic::Status) -> bool {
-    connection_lost(status)
 }
 
 fn node_error_lost(error: &NodeError) -> bool {
@@ -1947,7 +1939,7 @@ async fn clean_up(recorder: &mut Recorder<'_>, mut session: Session, mut lost: b
             client.cleanup(pb::CleanupRequest {
                 run_id: run_id.clone(),
             }),
-            status_lost,
+            connection_lost,
         )
         .await
         {
@@ -2009,7 +2001,7 @@ async fn clean_up(recorder: &mut Recorder<'_>, mut session: Session, mut lost: b
                                 ABANDON_CLEANUP,
                                 RUN_CALL_TIMEOUT,
                                 client.end_run(pb::EndRunRequest {}),
-                                status_lost,
+                                connection_lost,
                             )
                             .await
                             .map(|_| ())
@@ -2127,27 +2119,8 @@ async fn read_journal(
             OPERATOR_NAME,
             OffsetDateTime::now_utc(),
         )
-        .await
-        .map_err(|e| e.to_string())?;
-        let mut stream = connection
-            .read_journal(pb::ReadJournalRequest {
-                run_id: run_id.to_owned(),
-            })
-            .await
-            .map_err(|s| describe_status(&s))?
-            .into_inner();
-        let mut records = Vec::new();
-        let mut bytes = 0usize;
-        while let Some(record) = stream.message().await.map_err(|s| describe_status(&s))? {
-            bytes = bytes.saturating_add(prost::Message::encoded_len(&record));
-            if records.len() >= MAX_RUN_JOURNAL_RECORDS || bytes > MAX_RUN_JOURNAL_BYTES {
-                return Err(format!(
-                    "the node streamed more than {MAX_RUN_JOURNAL_RECORDS} records or {MAX_RUN_JOURNAL_BYTES} bytes of journal for one run; read it with `certistack-ctl journal`"
-                ));
-            }
-            records.push(report::JournalRecord::from(&record));
-        }
-        Ok::<_, String>(records)
+        .await?;
+        operator::read_journal_within(&mut connection, run_id, RUN_JOURNAL_BOUNDS, |_| {}).await
     };
     let records = within(
         interrupts,

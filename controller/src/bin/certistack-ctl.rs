@@ -710,7 +710,7 @@ fn operator_failure(error: certistack_controller::operator::OperatorError) -> Fa
         OperatorError::Node(client::NodeError::Tls(_)) => {
             Failure::Coded(EXIT_LOCAL_CONFIG, error.to_string())
         }
-        OperatorError::Node(_) | OperatorError::TooManyRecords => {
+        OperatorError::Node(_) | OperatorError::TooManyRecords(_) => {
             Failure::Coded(EXIT_INFRASTRUCTURE, error.to_string())
         }
     }
