@@ -22,8 +22,8 @@ root=$(cd "$here/../.." && pwd)
 dir=${1:-$root/target/lab-assets}
 # The recipe is the contents of this script and the guest's init (not the paths they were called
 # by), and the host programs copied into the guest: a change to any of them is a new recipe.
-stamp=$(cat "$here/build-assets.sh" "$here/guest-init" \
-  "$(PATH=/usr/sbin:/usr/bin:/sbin:/bin command -v busybox)" \
+busybox=$(PATH=/usr/sbin:/usr/bin:/sbin:/bin command -v busybox || true)
+stamp=$(cat "$here/build-assets.sh" "$here/guest-init" "${busybox:-/dev/null}" \
   "$(PATH=/usr/sbin:/usr/bin:/sbin:/bin command -v qemu-ga)" | sha256sum | cut -c1-16)
 out=$dir/$stamp
 
@@ -38,6 +38,11 @@ for tool in apt-get apt-cache dpkg-deb busybox cpio gzip sfdisk mkfs.vfat mcopy 
     exit 69
   fi
 done
+# The guest has no C library of its own: only a static busybox runs as its /init's shell.
+if ! python3 "$here/elf-static" "$busybox"; then
+  echo "guest assets: $busybox is dynamically linked; install busybox-static (it replaces busybox)" >&2
+  exit 69
+fi
 for file in /usr/lib/syslinux/mbr/mbr.bin /usr/lib/syslinux/modules/bios/ldlinux.c32 /usr/sbin/qemu-ga; do
   if [ ! -e "$file" ]; then
     echo "guest assets: $file is missing; install syslinux-common and qemu-guest-agent" >&2
@@ -97,7 +102,7 @@ done
 # The initramfs: busybox, the modules, qemu-ga with its libraries, /init.
 initrd=$work/initrd
 mkdir -p "$initrd"/{bin,dev,proc,sys,run,tmp,etc,lib/modules,var/www}
-cp /usr/bin/busybox "$initrd/bin/busybox"
+cp "$busybox" "$initrd/bin/busybox"
 for path in "${ordered[@]}"; do
   file=$modules/$path
   base=$(basename "$path")

@@ -52,6 +52,11 @@ for tool in qemu-system-x86_64 qemu-img qemu-ga losetup python3 ip nft busybox c
   PATH=/usr/sbin:/usr/bin:/sbin:/bin command -v "$tool" >/dev/null 2>&1 || { echo "missing: $tool"; missing=1; }
 done
 [ -e /usr/lib/syslinux/mbr/mbr.bin ] || { echo "missing: /usr/lib/syslinux/mbr/mbr.bin"; missing=1; }
+# The guest runs busybox without a C library: Debian's dynamic busybox is not enough.
+if busybox=$(PATH=/usr/sbin:/usr/bin:/sbin:/bin command -v busybox) && ! python3 "$root/tests/lab/elf-static" "$busybox" 2>/dev/null; then
+  echo "missing: a static busybox ($busybox is dynamically linked)"
+  missing=1
+fi
 if [ "$missing" = 1 ]; then
   apt-get update -qq
   # Debian's QEMU emulator conflicts with a newer qemu-utils some machines ship: installing it
@@ -76,6 +81,18 @@ phase_end build
 # ---- set-up ---------------------------------------------------------------------------------
 say "set-up"
 mkdir -p "$root/target/lab"
+# A lab run killed before its teardown (kill -9, a power cut of the terminal) leaves its
+# namespace, connector, QEMU and loop devices; its work directory says what they are.
+leftovers=()
+for old in "$root"/target/lab/run.*; do
+  [ -f "$old/lab.env" ] || continue
+  owner=$(sed -n 's/^owner=//p' "$old/lab.env")
+  if [ -n "$owner" ] && [ "$(cat "/proc/${owner%% *}/stat" 2>/dev/null | awk '{print $22}')" = "${owner#* }" ]; then
+    echo "another lab run (pid ${owner%% *}) is using $old; leaving it alone"
+    continue
+  fi
+  leftovers+=("$old")
+done
 work=$(mktemp -d "$root/target/lab/run.XXXXXX")
 keep=$root/target/lab/last
 ns=cslab$(head -c 3 /dev/urandom | od -An -tx1 | tr -d ' \n')
@@ -88,13 +105,14 @@ vmid=9101
 marker=lab-$(head -c 6 /dev/urandom | od -An -tx1 | tr -d ' \n')
 guest=10.77.1.10
 exec 3>&1
+printf 'ns=%s\nowner=%s %s\n' "$ns" "$$" "$(awk '{print $22}' /proc/$$/stat)" >"$work/lab.env"
 
 # Stops whatever is still running, detaches what is still attached and removes the namespace.
 # Safe to run twice and after any failure; it only touches what this lab made (all of it lives
 # below $work or in namespace $ns).
 teardown() {
   set +e
-  if [ -n "$daemon" ] && kill -0 "$daemon" 2>/dev/null; then
+  if [ -n "$daemon" ] && grep -qF -- "$node/connector.toml" "/proc/$daemon/cmdline" 2>/dev/null; then
     kill -TERM "$daemon"
     # A drained shutdown takes well under a second; a connector that hangs is killed.
     for _ in $(seq 1 50); do
@@ -115,7 +133,30 @@ teardown() {
     losetup -d "$device" 2>/dev/null
   done
   ip netns del "$ns" 2>/dev/null
+  # Anything of this lab still running: the controller of a lab killed mid-run (its working
+  # directory is in $work), a holder or QEMU the steps above could not stop.
+  local pids
+  pids=$(lab_pids)
+  [ -n "$pids" ] && kill -KILL $pids 2>/dev/null
+  for _ in $(seq 1 20); do
+    [ -z "$(lab_pids)" ] && break
+    sleep 0.1
+  done
   set -e
+}
+
+# Processes of this lab: their command line names $work, or they run in it.
+lab_pids() {
+  local pid found=""
+  for pid in $(pgrep -f -- "$work/" || true); do
+    [ "$pid" != $$ ] && found+="$pid "
+  done
+  for pid in /proc/[0-9]*; do
+    case "$(readlink "$pid/cwd" 2>/dev/null)/" in
+      "$work"/*) [ "${pid#/proc/}" != $$ ] && found+="${pid#/proc/} " ;;
+    esac
+  done
+  printf '%s' "$found"
 }
 
 # What the lab left on the machine: must be nothing.
@@ -126,7 +167,7 @@ residue() {
   loops=$(losetup -n -O NAME,BACK-FILE -l 2>/dev/null | awk -v w="$work/" 'index($2, w) == 1 {print $1}')
   [ -n "$loops" ] && found+=" loop devices $(echo "$loops" | tr '\n' ' ');"
   local pids
-  pids=$(pgrep -f -- "$work" | tr '\n' ' ' || true)
+  pids=$(lab_pids)
   [ -n "$pids" ] && found+=" processes $pids;"
   [ -e "/run/netns/$ns" ] && found+=" /run/netns/$ns;"
   printf '%s' "$found"
@@ -184,6 +225,26 @@ trap on_exit EXIT
 trap 'exit 130' INT TERM
 trap 'echo "lab: failed at line $LINENO: $BASH_COMMAND" >&2; exit 70' ERR
 
+# Leftovers of earlier lab runs go first, with the same teardown and the same residue check.
+for old in "${leftovers[@]}"; do
+  saved="$ns $work $node"
+  ns=$(sed -n 's/^ns=//p' "$old/lab.env")
+  daemon=$(sed -n 's/^daemon=//p' "$old/lab.env")
+  work=$old
+  node=$old/node
+  teardown
+  left=$(residue)
+  if [ -n "$left" ]; then
+    echo "lab: an earlier lab run left$left and it cannot be removed; remove it by hand, then re-run" >&2
+    read -r ns work node <<<"$saved"
+    exit 71
+  fi
+  rm -rf "$old"
+  echo "removed what an earlier lab run killed before its teardown left: namespace $ns and everything in $old"
+  read -r ns work node <<<"$saved"
+done
+daemon=""
+
 ip netns add "$ns"
 in_ns() { ip netns exec "$ns" "$@"; }
 in_ns ip link set lo up
@@ -200,7 +261,10 @@ mkdir -p "$node/bin" "$node/pbs/store1/vm/100/$snapshot_time" "$ctl"
 install -m 0755 "$root/tests/doubles/proxmox-backup-client" "$root/tests/doubles/qm" "$node/bin/"
 pbs_password=$(head -c 18 /dev/urandom | base64)
 fingerprint=$(python3 -c 'print(":".join(["ab"] * 32))')
-printf '{"node": "pve1", "pbs_password": "%s", "pbs_fingerprint": "%s"}\n' "$pbs_password" "$fingerprint" >"$node/double.json"
+# The qm double runs guests under KVM only where a probe guest really ran under it, else TCG; the
+# verdict is kept for this boot and QEMU binary beside the guest assets.
+printf '{"node": "pve1", "pbs_password": "%s", "pbs_fingerprint": "%s", "accel_cache": "%s"}\n' \
+  "$pbs_password" "$fingerprint" "$root/target/lab-assets/qm-accel.json" >"$node/double.json"
 disk=$node/pbs/store1/vm/100/$snapshot_time/drive-scsi0.img
 cp --sparse=always "$assets/disk-boot.img" "$disk"
 printf 'certistack-lab-disk v1\nmarker=%s\naddress=%s/24\nagent=yes\n' "$marker" "$guest" |
@@ -303,6 +367,7 @@ PLAN
 # connector, and not the connector itself.
 setsid ip netns exec "$ns" "$bin/certistack-connector" --config "$node/connector.toml" 2>"$work/connector.log" &
 daemon=$!
+echo "daemon=$daemon" >>"$work/lab.env"
 up=0
 for _ in $(seq 1 100); do
   if in_ns "$bin/certistack-ctl" hello --state-dir "$ctl/state" --node "127.0.0.1:$port" --name pve1 >/dev/null 2>&1; then
@@ -407,6 +472,14 @@ if report:
     lines.append(f"verdict       {verdict['result']}" + "".join(f"\n              {r}" for r in verdict.get("reasons", [])))
     os_info = p.get("guest", {}).get("os_info", {})
     lines.append(f"guest         {p.get('guest', {}).get('status', '?')}; QGA: {os_info.get('pretty-name') or os_info.get('pretty_name') or os_info or 'no answer'}")
+    try:
+        import os
+        starts = [json.loads(line) for line in open(os.path.join(os.path.dirname(report), "doubles-calls.log"))]
+        starts = [r for r in starts if r.get("event") == "qemu-start" and r.get("accel")]
+        if starts:
+            lines.append(f"accelerator   {starts[-1]['accel']} ({starts[-1].get('accel_why', '')})")
+    except (OSError, ValueError):
+        pass
     for probe in p.get("probes", []):
         lines.append(f"probe         {probe['target']}: {'passed' if probe['passed'] else 'FAILED'} ({probe.get('detail', '')}; expected {probe['expected']})")
     cleanup = p.get("cleanup", {})

@@ -8,7 +8,7 @@ use super::runs::{Fleet, RUN_TOOLS, run_tables, split_output, start_ctl, summary
 use super::*;
 use certistack_controller::report::{StepResult, Verdict};
 use sha2::Digest;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -471,4 +471,128 @@ fn lab_connector_killed_while_the_guest_runs_is_cleaned_up_by_the_operator() {
             "{closing}"
         );
     });
+}
+
+/// The last `qemu-start` record of the `qm` double's call log.
+fn last_qemu_start(lab: &Lab) -> serde_json::Value {
+    std::fs::read_to_string(lab.root.join("calls.log"))
+        .unwrap()
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|record| record["event"] == "qemu-start")
+        .last()
+        .expect("qm start logged no qemu-start record")
+}
+
+/// Starts and stops VM 9150 (no disk: only the accelerator matters here) and returns the
+/// double's record of the start.
+fn start_and_stop(lab: &Lab) -> serde_json::Value {
+    for args in [
+        &["start", "9150"][..],
+        &["stop", "9150", "--timeout", "5"][..],
+    ] {
+        let out = lab.qm(args);
+        assert!(
+            out.status.success(),
+            "qm {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    last_qemu_start(lab)
+}
+
+#[test]
+fn the_qm_double_runs_guests_under_kvm_only_when_a_probe_guest_really_ran() {
+    if !privileged(
+        "the_qm_double_runs_guests_under_kvm_only_when_a_probe_guest_really_ran",
+        QEMU_TOOLS,
+    ) {
+        return;
+    }
+    let lab = Lab::new("accel");
+    let out = lab.qm(&["create", "9150", "--memory", "64"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // A device that cannot be opened: TCG, and the reason names the device.
+    lab.settings(serde_json::json!({ "kvm_device": lab.root.join("no-kvm") }));
+    let start = start_and_stop(&lab);
+    assert_eq!(start["accel"], "tcg");
+    assert!(
+        start["accel_why"].as_str().unwrap().contains("no-kvm"),
+        "{start}"
+    );
+    assert_eq!(start["argv_qemu"][1], "-accel");
+    assert_eq!(start["argv_qemu"][2], "tcg");
+
+    // KVM that accepts a guest and never runs it: a QEMU that hangs whenever it is asked for
+    // KVM. The probe gives up within its bound, the VM runs under TCG, and the verdict is kept.
+    let argv_log = lab.root.join("qemu-argv.log");
+    let wrapper = |name: &str, on_kvm: &str| {
+        let path = lab.root.join(name);
+        std::fs::write(
+            &path,
+            format!(
+                "#!/bin/sh\necho \"$*\" >> {log}\ncase \" $* \" in *\" -accel kvm \"*) {on_kvm};; esac\nexec qemu-system-x86_64 \"$@\"\n",
+                log = argv_log.display()
+            ),
+        )
+        .unwrap();
+        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
+        path
+    };
+    let hangs = wrapper("qemu-kvm-hangs", "exec sleep 59.125");
+    lab.settings(serde_json::json!({
+        "kvm_device": "/dev/null",
+        "qemu": hangs,
+        "accel_probe_seconds": 2,
+    }));
+    let probing = Instant::now();
+    let start = start_and_stop(&lab);
+    assert!(
+        probing.elapsed() < Duration::from_secs(30),
+        "the probe was not bounded"
+    );
+    assert_eq!(start["accel"], "tcg", "{start}");
+    assert!(
+        start["accel_why"]
+            .as_str()
+            .unwrap()
+            .contains("did not run under KVM"),
+        "{start}"
+    );
+    let start = start_and_stop(&lab);
+    assert!(
+        start["accel_why"].as_str().unwrap().ends_with("(cached)"),
+        "{start}"
+    );
+    let probes = |log: &Path| {
+        std::fs::read_to_string(log)
+            .unwrap()
+            .lines()
+            .filter(|line| line.contains("-accel kvm") && line.contains("isa-debug-exit"))
+            .count()
+    };
+    assert_eq!(probes(&argv_log), 1, "the verdict was not cached");
+    let hung = Command::new("pgrep")
+        .args(["-f", "^sleep 59.125$"])
+        .output()
+        .unwrap();
+    assert!(hung.stdout.is_empty(), "the hung probe was left running");
+
+    // KVM under which the probe guest really runs (here: the wrapper lets QEMU emulate it):
+    // the VM is started with KVM.
+    let runs = wrapper(
+        "qemu-kvm-runs",
+        "set -- $(echo \" $* \" | sed 's/ -accel kvm / -accel tcg /')",
+    );
+    lab.settings(serde_json::json!({ "qemu": runs }));
+    let start = start_and_stop(&lab);
+    assert_eq!(start["accel"], "kvm", "{start}");
+    assert_eq!(start["argv_qemu"][2], "kvm");
+    assert_eq!(lab.qm(&["destroy", "9150"]).status.code(), Some(0));
 }
