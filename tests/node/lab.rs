@@ -478,9 +478,9 @@ fn last_qemu_start(lab: &Lab) -> serde_json::Value {
     std::fs::read_to_string(lab.root.join("calls.log"))
         .unwrap()
         .lines()
+        .rev()
         .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
-        .filter(|record| record["event"] == "qemu-start")
-        .last()
+        .find(|record| record["event"] == "qemu-start")
         .expect("qm start logged no qemu-start record")
 }
 
@@ -547,6 +547,7 @@ fn the_qm_double_runs_guests_under_kvm_only_when_a_probe_guest_really_ran() {
     };
     let hangs = wrapper("qemu-kvm-hangs", "exec sleep 59.125");
     lab.settings(serde_json::json!({
+        "accel_cache": lab.root.join("var/lib/qm-accel.json"),
         "kvm_device": "/dev/null",
         "qemu": hangs,
         "accel_probe_seconds": 2,
