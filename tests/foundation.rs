@@ -5079,6 +5079,7 @@ async fn doctor_judges_what_node_checks_reports_and_exits_by_the_worst() {
         inventory.nodes.values().next().unwrap(),
         authority.ca_pem(),
         &identity,
+        None,
         std::time::Duration::from_secs(20),
     )
     .await;
@@ -5202,7 +5203,7 @@ async fn node_checks_is_refused_to_a_run_identity() {
     let credentials = mint(&authority, &grant(RUN_ID, NODE));
     let mut client = run_client(&authority, &node, &credentials).await;
     assert_status(
-        client.node_checks(pb::NodeChecksRequest {}).await,
+        client.node_checks(pb::NodeChecksRequest::default()).await,
         Code::PermissionDenied,
         "may not call NodeChecks",
     );
