@@ -5174,6 +5174,44 @@ async fn doctor_judges_what_node_checks_reports_and_exits_by_the_worst() {
         "{out}"
     );
     assert!(out.lines().all(|l| l.starts_with("pve1 ")), "{out}");
+    // Without a VNet the forwarding check says how to ask for one; the dpkg fixture lists no
+    // pve-qemu-kvm, which is a warning.
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("pve1 vnet-forwarding ok not checked: no VNet named")),
+        "{out}"
+    );
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("pve1 qemu warn ") && l.contains("pve-qemu-kvm")),
+        "{out}"
+    );
+    // A VNet name is validated on both sides: the CLI refuses it as a usage error, the node
+    // as an invalid argument naming the field.
+    let (code, out, err) = ctl(vec![
+        "doctor".into(),
+        NODE.into(),
+        "--vnet".into(),
+        "../eth0".into(),
+        "--config".into(),
+        c.clone(),
+    ])
+    .await
+    .unwrap();
+    assert_eq!(code, 64, "{out}{err}");
+    assert!(err.contains("--vnet \"../eth0\""), "{err}");
+    let mut operator_client = client(&authority, &node.address, NODE, &identity)
+        .await
+        .unwrap();
+    assert_status(
+        operator_client
+            .node_checks(pb::NodeChecksRequest {
+                vnet: "../eth0".into(),
+            })
+            .await,
+        Code::InvalidArgument,
+        "NodeChecksRequest.vnet",
+    );
     let (code, out, err) = ctl(vec!["doctor".into(), "--json".into(), "--config".into(), c])
         .await
         .unwrap();
