@@ -354,14 +354,11 @@ fn cgroup_facts(mounts: &Path) -> pb::CgroupFacts {
 /// The filesystem type mounted on `/sys/fs/cgroup` in a mount table (`/proc/self/mounts`
 /// format): the last entry wins, as later mounts cover earlier ones.
 fn sys_fs_cgroup_type(table: &str) -> Option<&str> {
-    table
-        .lines()
-        .filter_map(|line| {
-            let mut fields = line.split_whitespace();
-            let (_source, target, kind) = (fields.next()?, fields.next()?, fields.next()?);
-            (target == "/sys/fs/cgroup").then_some(kind)
-        })
-        .last()
+    table.lines().rev().find_map(|line| {
+        let mut fields = line.split_whitespace();
+        let (_source, target, kind) = (fields.next()?, fields.next()?, fields.next()?);
+        (target == "/sys/fs/cgroup").then_some(kind)
+    })
 }
 
 fn vnet_facts(vnet: &VnetName, sdn_interfaces: &Path) -> pb::VnetFacts {

@@ -943,8 +943,9 @@ impl Connector for ConnectorService {
         &self,
         request: Request<pb::NodeChecksRequest>,
     ) -> Result<Response<pb::NodeChecksReply>, Status> {
-        self.authenticate(&request, Rpc::NodeChecks)?;
-        let vnet = crate::action::parse::node_checks(request.get_ref()).map_err(invalid)?;
+        let peer = self.authenticate(&request, Rpc::NodeChecks)?;
+        let vnet = crate::action::parse::node_checks(request.get_ref())
+            .map_err(|error| self.refuse(Rpc::NodeChecks, &peer.label(), "", invalid(error)))?;
         let Some(prerequisites) = &self.prerequisites else {
             return Err(Status::unimplemented(
                 "this connector was started without a node configuration to check",
