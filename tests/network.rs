@@ -1997,19 +1997,14 @@ fn doctor_judges_a_vnet_its_legacy_nat_the_lvm_filter_and_the_firewall() {
         .unwrap();
         // The server runs on this thread's runtime: the CLI is awaited, never waited for.
         let ctl = binary("certistack-ctl");
-        let doctor = || {
+        let doctor_with = |args: &[&str]| {
             let mut command = tokio::process::Command::new("ip");
             command
                 .args(["netns", "exec", &topology.node])
                 .arg(&ctl)
-                .args([
-                    "doctor",
-                    NODE,
-                    "--vnet",
-                    VNET,
-                    "--config",
-                    controller_config.to_str().unwrap(),
-                ]);
+                .arg("doctor")
+                .args(args)
+                .args(["--config", controller_config.to_str().unwrap()]);
             async move {
                 let out = command.output().await.unwrap();
                 (
@@ -2018,6 +2013,7 @@ fn doctor_judges_a_vnet_its_legacy_nat_the_lvm_filter_and_the_firewall() {
                 )
             }
         };
+        let doctor = || doctor_with(&[NODE, "--vnet", VNET]);
         let line = |out: &str, check: &str| -> String {
             out.lines()
                 .find(|l| l.starts_with(&format!("{NODE} {check} ")))
@@ -2118,6 +2114,28 @@ fn doctor_judges_a_vnet_its_legacy_nat_the_lvm_filter_and_the_firewall() {
         );
         assert!(
             line(&out, "legacy-nat").contains("0 legacy NAT rule(s), none touches csbox1"),
+            "{out}"
+        );
+
+        // With a plan instead of --vnet, each node is checked with its validation's VNet.
+        let secret = topology.dir.0.join("pbs-password");
+        std::fs::write(&secret, "secret\n").unwrap();
+        std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+            .unwrap();
+        let plan = topology.dir.0.join("plan.yaml");
+        std::fs::write(
+            &plan,
+            format!(
+                "storage:\n  server: pbs.lab\n  datastore: store1\n  auth_id: certistack@pbs!restore\n  fingerprint: \"{}\"\n  pbs_password_file: pbs-password\nvalidations:\n  - name: web1\n    node: {NODE}\n    source_vmid: 100\n    snapshot: \"2026-11-01T02:00:00Z\"\n    archives: [{ARCHIVE}]\n    sandbox:\n      - vmid: 9101\n        cores: 1\n        memory_mib: 256\n    network:\n      lifecycle: preprovisioned\n      vnet: {VNET}\n      probe_source: {PROBE_SOURCE}\n    timeouts:\n      run_seconds: 600\n      guest_agent_seconds: 60\n",
+                ["ab"; 32].join(":")
+            ),
+        )
+        .unwrap();
+        let (code, out) = doctor_with(&["--plan", plan.to_str().unwrap()]).await;
+        assert_eq!(code, 0, "{out}");
+        assert_eq!(
+            line(&out, "vnet-forwarding"),
+            "pve1 vnet-forwarding ok forwarding is off on csbox1 and its stanza keeps it off (ip-forward off)",
             "{out}"
         );
         node.stop().await;
