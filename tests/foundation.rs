@@ -5234,7 +5234,8 @@ async fn doctor_judges_what_node_checks_reports_and_exits_by_the_worst() {
     );
 }
 
-/// NodeChecks is an operator call: a run certificate is refused before anything is read.
+/// NodeChecks is an operator call: a run certificate is refused before anything is read, with or
+/// without a VNet to check.
 #[tokio::test]
 async fn node_checks_is_refused_to_a_run_identity() {
     let (_dir, authority, node) = started("node-checks-run").await;
@@ -5242,6 +5243,13 @@ async fn node_checks_is_refused_to_a_run_identity() {
     let mut client = run_client(&authority, &node, &credentials).await;
     assert_status(
         client.node_checks(pb::NodeChecksRequest::default()).await,
+        Code::PermissionDenied,
+        "may not call NodeChecks",
+    );
+    assert_status(
+        client
+            .node_checks(pb::NodeChecksRequest { vnet: VNET.into() })
+            .await,
         Code::PermissionDenied,
         "may not call NodeChecks",
     );
