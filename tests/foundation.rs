@@ -5079,6 +5079,7 @@ async fn doctor_judges_what_node_checks_reports_and_exits_by_the_worst() {
         inventory.nodes.values().next().unwrap(),
         authority.ca_pem(),
         &identity,
+        None,
         std::time::Duration::from_secs(20),
     )
     .await;
@@ -5173,6 +5174,44 @@ async fn doctor_judges_what_node_checks_reports_and_exits_by_the_worst() {
         "{out}"
     );
     assert!(out.lines().all(|l| l.starts_with("pve1 ")), "{out}");
+    // Without a VNet the forwarding check says how to ask for one; the dpkg fixture lists no
+    // pve-qemu-kvm, which is a warning.
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("pve1 vnet-forwarding ok not checked: no VNet named")),
+        "{out}"
+    );
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("pve1 qemu warn ") && l.contains("pve-qemu-kvm")),
+        "{out}"
+    );
+    // A VNet name is validated on both sides: the CLI refuses it as a usage error, the node
+    // as an invalid argument naming the field.
+    let (code, out, err) = ctl(vec![
+        "doctor".into(),
+        NODE.into(),
+        "--vnet".into(),
+        "../eth0".into(),
+        "--config".into(),
+        c.clone(),
+    ])
+    .await
+    .unwrap();
+    assert_eq!(code, 64, "{out}{err}");
+    assert!(err.contains("--vnet \"../eth0\""), "{err}");
+    let mut operator_client = client(&authority, &node.address, NODE, &identity)
+        .await
+        .unwrap();
+    assert_status(
+        operator_client
+            .node_checks(pb::NodeChecksRequest {
+                vnet: "../eth0".into(),
+            })
+            .await,
+        Code::InvalidArgument,
+        "NodeChecksRequest.vnet",
+    );
     let (code, out, err) = ctl(vec!["doctor".into(), "--json".into(), "--config".into(), c])
         .await
         .unwrap();
@@ -5195,14 +5234,22 @@ async fn doctor_judges_what_node_checks_reports_and_exits_by_the_worst() {
     );
 }
 
-/// NodeChecks is an operator call: a run certificate is refused before anything is read.
+/// NodeChecks is an operator call: a run certificate is refused before anything is read, with or
+/// without a VNet to check.
 #[tokio::test]
 async fn node_checks_is_refused_to_a_run_identity() {
     let (_dir, authority, node) = started("node-checks-run").await;
     let credentials = mint(&authority, &grant(RUN_ID, NODE));
     let mut client = run_client(&authority, &node, &credentials).await;
     assert_status(
-        client.node_checks(pb::NodeChecksRequest {}).await,
+        client.node_checks(pb::NodeChecksRequest::default()).await,
+        Code::PermissionDenied,
+        "may not call NodeChecks",
+    );
+    assert_status(
+        client
+            .node_checks(pb::NodeChecksRequest { vnet: VNET.into() })
+            .await,
         Code::PermissionDenied,
         "may not call NodeChecks",
     );

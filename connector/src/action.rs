@@ -377,6 +377,14 @@ pub mod parse {
             run_id: field("CleanupRequest.run_id", &req.run_id)?,
         })
     }
+
+    /// The VNet NodeChecks is asked about, if any: an empty name asks only node-wide facts.
+    pub fn node_checks(req: &pb::NodeChecksRequest) -> Result<Option<VnetName>, FieldError> {
+        if req.vnet.is_empty() {
+            return Ok(None);
+        }
+        field("NodeChecksRequest.vnet", &req.vnet).map(Some)
+    }
 }
 
 /// Why a grant does not cover an action: the object and the rule, for the caller and the log.
@@ -930,6 +938,10 @@ mod tests {
         for request in full_requests() {
             request.unwrap();
         }
+        parse::node_checks(&pb::NodeChecksRequest {
+            vnet: "csbox1".into(),
+        })
+        .unwrap();
         let key = SigningKey::from_bytes(&[1; 32]);
         crate::grant::verify(&sign(&key, &full_wire_grant()), &key.verifying_key()).unwrap();
         let used: std::collections::BTreeMap<String, String> = crate::validate::usage::take()
@@ -997,6 +1009,18 @@ mod tests {
         })
         .unwrap_err();
         assert_eq!(err.field, "ProbeRequest.port");
+        let err = parse::node_checks(&pb::NodeChecksRequest {
+            vnet: "../eth0".into(),
+        })
+        .unwrap_err();
+        assert_eq!(
+            (err.field, err.validator),
+            ("NodeChecksRequest.vnet", "vnet")
+        );
+        assert_eq!(
+            parse::node_checks(&pb::NodeChecksRequest::default()).unwrap(),
+            None
+        );
     }
 
     #[test]

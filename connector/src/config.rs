@@ -74,6 +74,18 @@ pub struct PvePaths {
     /// dpkg's status database, read (never executed) for the `pve-manager` and `qemu-server`
     /// package versions that NodeChecks reports.
     pub dpkg_status: PathBuf,
+    /// The interfaces file SDN writes its VNets to, read by NodeChecks for the stanza
+    /// ifupdown2 applies to a VNet on `ifreload -a` (its forwarding follows from it).
+    pub sdn_interfaces: PathBuf,
+    /// The host's LVM configuration, read by NodeChecks for whether `global_filter` keeps
+    /// LVM off the loop devices of backup mappings.
+    pub lvm_conf: PathBuf,
+    /// The cluster's per-node directories; NodeChecks reads `<nodes_dir>/<node_name>/host.fw`
+    /// for the firewall the node runs (pve-firewall or proxmox-firewall).
+    pub nodes_dir: PathBuf,
+    /// The mount table NodeChecks reads for the cgroup version (what is mounted on
+    /// `/sys/fs/cgroup`).
+    pub mounts: PathBuf,
 }
 
 impl Default for PvePaths {
@@ -84,6 +96,10 @@ impl Default for PvePaths {
             pbs_loopdev_dir: "/run/pbs-loopdev".into(),
             pve_cluster_dir: "/var/lib/pve-cluster".into(),
             dpkg_status: "/var/lib/dpkg/status".into(),
+            sdn_interfaces: "/etc/network/interfaces.d/sdn".into(),
+            lvm_conf: "/etc/lvm/lvm.conf".into(),
+            nodes_dir: "/etc/pve/nodes".into(),
+            mounts: "/proc/self/mounts".into(),
         }
     }
 }
@@ -278,7 +294,7 @@ impl Config {
             value: self.node_name.clone(),
             reason,
         })?;
-        let absolute: [(&'static str, &Path); 18] = [
+        let absolute: [(&'static str, &Path); 22] = [
             ("tls.certificate", &self.tls.certificate),
             ("tls.private_key", &self.tls.private_key),
             ("tls.controller_ca", &self.tls.controller_ca),
@@ -309,6 +325,10 @@ impl Config {
             ("pve.pbs_loopdev_dir", &self.pve.pbs_loopdev_dir),
             ("pve.pve_cluster_dir", &self.pve.pve_cluster_dir),
             ("pve.dpkg_status", &self.pve.dpkg_status),
+            ("pve.sdn_interfaces", &self.pve.sdn_interfaces),
+            ("pve.lvm_conf", &self.pve.lvm_conf),
+            ("pve.nodes_dir", &self.pve.nodes_dir),
+            ("pve.mounts", &self.pve.mounts),
         ];
         for (key, value) in absolute {
             if !value.is_absolute() {

@@ -5,16 +5,24 @@
 //! read, not executed, so a broken `pveversion` cannot hang the call), `qemu-img --version`
 //! and `proxmox-backup-client version` through the tool runner with a short timeout and a
 //! cleared environment (so the client never contacts a server), whether `nft` and `ip` are
-//! executable, and the overlay root's free space and filesystem. Every text is bounded and
-//! escaped ([`crate::untrusted`]) before it leaves the node; the controller judges the facts.
+//! executable, and the overlay root's free space and filesystem. Then what decides how a real
+//! Proxmox VE 9 node treats a sandbox: the `pve-qemu-kvm` version (dpkg), the cgroup version
+//! (the mount table), the firewall in use (`host.fw` and `nft list tables`), the LVM
+//! `global_filter` (`lvm.conf`), the NAT rules in the iptables-legacy tables (through the same
+//! reader `PrepareSandbox` uses) and, for a VNet the caller names, its forwarding now and the
+//! stanza ifupdown2 applies to it on the next `ifreload -a`. Every file is read up to a bound,
+//! every tool runs with a timeout and an output cap. Every text is bounded and escaped
+//! ([`crate::untrusted`]) before it leaves the node; the controller judges the facts.
 //!
 //! Nothing is journaled: nothing changes. One reading runs at a time; concurrent callers wait
 //! for the slot, and a caller that goes away drops its reading, which kills the tools it
 //! started (the tool runner kills a dropped tool's process group).
 
-use crate::config::Config;
+use crate::config::{Config, ForwardingPolicy};
+use crate::node::sandbox::{self, LegacyNat};
 use crate::process::{self, ToolCall};
 use crate::untrusted::printable;
+use crate::validate::VnetName;
 use certistack_proto::v1 as pb;
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
@@ -27,6 +35,19 @@ pub const MAX_DPKG_STATUS_BYTES: u64 = 64 * 1024 * 1024;
 /// Characters kept of a version or of an error text.
 const MAX_VERSION_CHARS: usize = 64;
 const MAX_ERROR_CHARS: usize = 512;
+/// Bytes read at most of a configuration file (interfaces, lvm.conf, host.fw) or of the mount
+/// table: each is a few KiB on a node.
+const MAX_CONFIG_FILE_BYTES: u64 = 1024 * 1024;
+/// Bytes of `nft list tables` kept: one short line per table.
+const MAX_TABLE_LIST_BYTES: usize = 64 * 1024;
+/// LVM filter patterns and VNet NAT rules reported at most.
+const MAX_FILTER_PATTERNS: usize = 64;
+const MAX_LISTED_RULES: usize = 8;
+/// Characters kept of one filter pattern, stanza value or NAT rule.
+const MAX_ITEM_CHARS: usize = 512;
+/// The tables proxmox-firewall creates (its `nftables` backend of the host firewall).
+const PROXMOX_FIREWALL_TABLE: &str = "inet proxmox-firewall";
+const PROXMOX_FIREWALL_GUESTS_TABLE: &str = "bridge proxmox-firewall-guests";
 
 /// The paths NodeChecks reads, from the connector config.
 #[derive(Debug)]
@@ -40,6 +61,15 @@ pub struct Prerequisites {
     pve_cluster_dir: PathBuf,
     timeout: Duration,
     slot: tokio::sync::Mutex<()>,
+    sdn_interfaces: PathBuf,
+    lvm_conf: PathBuf,
+    host_fw: PathBuf,
+    mounts: PathBuf,
+    iptables_legacy_save: PathBuf,
+    ip6tables_legacy_save: PathBuf,
+    max_ruleset_bytes: usize,
+    forwarding_policy: ForwardingPolicy,
+    sandbox_cpu_units: u32,
 }
 
 impl Prerequisites {
@@ -54,20 +84,50 @@ impl Prerequisites {
             pve_cluster_dir: config.pve.pve_cluster_dir.clone(),
             timeout: CHECK_TOOL_TIMEOUT.min(Duration::from_secs(config.limits.tool_timeout_secs)),
             slot: tokio::sync::Mutex::new(()),
+            sdn_interfaces: config.pve.sdn_interfaces.clone(),
+            lvm_conf: config.pve.lvm_conf.clone(),
+            host_fw: config.pve.nodes_dir.join(&config.node_name).join("host.fw"),
+            mounts: config.pve.mounts.clone(),
+            iptables_legacy_save: config.tools.iptables_legacy_save.clone(),
+            ip6tables_legacy_save: config.tools.ip6tables_legacy_save.clone(),
+            max_ruleset_bytes: config.limits.max_ruleset_bytes,
+            forwarding_policy: config.sandbox.forwarding,
+            sandbox_cpu_units: config.limits.sandbox_cpu_units,
         }
     }
 
-    /// Reads every fact; `node_time_unix_ms` is left for the caller, who owns the clock.
-    pub async fn read(&self) -> pb::NodeChecksReply {
+    /// Reads every fact, those of `vnet` too when one is named; `node_time_unix_ms` is left
+    /// for the caller, who owns the clock.
+    pub async fn read(&self, vnet: Option<&VnetName>) -> pb::NodeChecksReply {
         let _slot = self.slot.lock().await;
         let dpkg_status = self.dpkg_status.clone();
         let packages = tokio::task::spawn_blocking(move || {
-            installed_versions(&dpkg_status, &["pve-manager", "qemu-server"])
+            installed_versions(
+                &dpkg_status,
+                &["pve-manager", "qemu-server", "pve-qemu-kvm"],
+            )
         });
+        let files = {
+            let (mounts, lvm_conf, host_fw, sdn_interfaces) = (
+                self.mounts.clone(),
+                self.lvm_conf.clone(),
+                self.host_fw.clone(),
+                self.sdn_interfaces.clone(),
+            );
+            let vnet = vnet.cloned();
+            tokio::task::spawn_blocking(move || {
+                (
+                    cgroup_facts(&mounts),
+                    lvm_filter_facts(&lvm_conf),
+                    host_fw_facts(&host_fw),
+                    vnet.map(|vnet| vnet_facts(&vnet, &sdn_interfaces)),
+                )
+            })
+        };
         let overlay_root = self.overlay_root.clone();
         let cluster = self.pve_cluster_dir.clone();
         let disk = tokio::task::spawn_blocking(move || overlay_disk(&overlay_root, &cluster));
-        let (qemu_img, pbs_client) = tokio::join!(
+        let (qemu_img, pbs_client, legacy_nat, tables) = tokio::join!(
             tool_version(
                 &self.qemu_img,
                 &["--version"],
@@ -80,6 +140,8 @@ impl Prerequisites {
                 "client version: ",
                 self.timeout
             ),
+            self.legacy_nat(vnet),
+            self.nft_tables(),
         );
         let packages = packages
             .await
@@ -108,6 +170,41 @@ impl Prerequisites {
         let (qemu_server_version, qemu_server_error) = split(package("qemu-server"));
         let (qemu_img_version, qemu_img_error) = split(qemu_img);
         let (pbs_client_version, pbs_client_error) = split(pbs_client);
+        let (qemu_version, qemu_error) = split(package("pve-qemu-kvm"));
+        let (cgroup, lvm_filter, mut firewall, vnet) = match files.await {
+            Ok(read) => read,
+            Err(error) => {
+                let error = bounded(&format!("reading the node's files stopped: {error}"));
+                (
+                    pb::CgroupFacts {
+                        error: error.clone(),
+                        ..Default::default()
+                    },
+                    pb::LvmFilterFacts {
+                        error: error.clone(),
+                        ..Default::default()
+                    },
+                    pb::FirewallFacts {
+                        host_fw_error: error.clone(),
+                        ..Default::default()
+                    },
+                    vnet.map(|vnet| pb::VnetFacts {
+                        name: vnet.to_string(),
+                        stanza_error: error,
+                        ..Default::default()
+                    }),
+                )
+            }
+        };
+        match tables {
+            Ok(tables) => {
+                firewall.proxmox_firewall_table =
+                    tables.iter().any(|t| t == PROXMOX_FIREWALL_TABLE);
+                firewall.proxmox_firewall_guests_table =
+                    tables.iter().any(|t| t == PROXMOX_FIREWALL_GUESTS_TABLE);
+            }
+            Err(error) => firewall.nft_error = bounded(&error),
+        }
         let (overlay_free_bytes, overlay_shares_pve_cluster_fs, overlay_error) = match disk {
             Ok((free, shares)) => (free, shares, String::new()),
             Err(error) => (0, false, bounded(&error)),
@@ -127,8 +224,391 @@ impl Prerequisites {
             overlay_error,
             overlay_shares_pve_cluster_fs,
             node_time_unix_ms: 0,
+            qemu_version,
+            qemu_error,
+            cgroup: Some(cgroup),
+            forwarding_policy: match self.forwarding_policy {
+                ForwardingPolicy::Refuse => "refuse",
+                ForwardingPolicy::DisableForRun => "disable-for-run",
+            }
+            .to_owned(),
+            sandbox_cpu_units: self.sandbox_cpu_units,
+            vnet,
+            legacy_nat: Some(legacy_nat),
+            lvm_filter: Some(lvm_filter),
+            firewall: Some(firewall),
         }
     }
+
+    /// The iptables-legacy NAT tables of both families, read as `PrepareSandbox` reads them
+    /// (never creating a table that is not there), and the rules that involve `vnet`.
+    async fn legacy_nat(&self, vnet: Option<&VnetName>) -> pb::LegacyNatFacts {
+        let mut facts = pb::LegacyNatFacts::default();
+        let mut errors = Vec::new();
+        for (tool, tables_file) in [
+            (&self.iptables_legacy_save, "ip_tables_names"),
+            (&self.ip6tables_legacy_save, "ip6_tables_names"),
+        ] {
+            match sandbox::read_legacy_nat(tool, tables_file, self.max_ruleset_bytes, self.timeout)
+                .await
+            {
+                Ok(listing) => {
+                    facts
+                        .sources
+                        .push(bounded(&listing.source(tool, tables_file)));
+                    if let LegacyNat::Read(listing) = &listing {
+                        let rules = listing
+                            .lines()
+                            .filter(|line| line.trim_start().starts_with("-A "))
+                            .count();
+                        facts.rule_count = facts
+                            .rule_count
+                            .saturating_add(u32::try_from(rules).unwrap_or(u32::MAX));
+                        if let Some(vnet) = vnet {
+                            facts.vnet_rules.extend(
+                                sandbox::legacy_nat_rules(listing, vnet, None)
+                                    .into_iter()
+                                    .map(|rule| format!("{rule} ({} -t nat)", tool.display())),
+                            );
+                        }
+                    }
+                }
+                Err(error) => errors.push(error.to_string()),
+            }
+        }
+        facts.vnet_rules.truncate(MAX_LISTED_RULES);
+        facts.error = bounded(&errors.join("; "));
+        facts
+    }
+
+    /// The names (`family name`) of the nftables tables on the node.
+    async fn nft_tables(&self) -> Result<Vec<String>, String> {
+        let call = ToolCall::new(&self.nft, self.timeout)
+            .output_cap(MAX_TABLE_LIST_BYTES)
+            .arg("list")
+            .arg("tables");
+        let shown = call.display();
+        let output = process::run(call)
+            .await
+            .map_err(|error| error.to_string())?;
+        if !output.success() {
+            return Err(format!(
+                "{shown} exited with {:?}: {}",
+                output.exit_code,
+                output.stderr_excerpt()
+            ));
+        }
+        if output.truncated {
+            return Err(format!(
+                "{shown} printed more than {MAX_TABLE_LIST_BYTES} bytes"
+            ));
+        }
+        Ok(parse_nft_tables(&output.stdout))
+    }
+}
+
+/// `table <family> <name>` lines of `nft list tables`, as `family name`.
+fn parse_nft_tables(listing: &str) -> Vec<String> {
+    listing
+        .lines()
+        .filter_map(|line| {
+            let mut words = line.split_whitespace();
+            (words.next() == Some("table")).then_some(())?;
+            let (family, name) = (words.next()?, words.next()?);
+            Some(format!("{family} {name}"))
+        })
+        .collect()
+}
+
+/// Up to [`MAX_CONFIG_FILE_BYTES`] of a text file; a larger file is refused, since a cut
+/// configuration could hide the line that matters.
+fn read_config_file(path: &Path) -> Result<String, std::io::Error> {
+    use std::io::Read;
+    let file = std::fs::File::open(path)?;
+    let mut bytes = Vec::new();
+    file.take(MAX_CONFIG_FILE_BYTES + 1)
+        .read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > MAX_CONFIG_FILE_BYTES {
+        return Err(std::io::Error::other(format!(
+            "larger than {MAX_CONFIG_FILE_BYTES} bytes"
+        )));
+    }
+    Ok(String::from_utf8_lossy(&bytes).into_owned())
+}
+
+fn cgroup_facts(mounts: &Path) -> pb::CgroupFacts {
+    match read_config_file(mounts) {
+        Ok(table) => pb::CgroupFacts {
+            sys_fs_cgroup_type: sys_fs_cgroup_type(&table)
+                .map(|kind| printable(kind.as_bytes(), MAX_VERSION_CHARS))
+                .unwrap_or_default(),
+            error: String::new(),
+        },
+        Err(error) => pb::CgroupFacts {
+            sys_fs_cgroup_type: String::new(),
+            error: bounded(&format!("cannot read {}: {error}", mounts.display())),
+        },
+    }
+}
+
+/// The filesystem type mounted on `/sys/fs/cgroup` in a mount table (`/proc/self/mounts`
+/// format): the last entry wins, as later mounts cover earlier ones.
+fn sys_fs_cgroup_type(table: &str) -> Option<&str> {
+    table.lines().rev().find_map(|line| {
+        let mut fields = line.split_whitespace();
+        let (_source, target, kind) = (fields.next()?, fields.next()?, fields.next()?);
+        (target == "/sys/fs/cgroup").then_some(kind)
+    })
+}
+
+fn vnet_facts(vnet: &VnetName, sdn_interfaces: &Path) -> pb::VnetFacts {
+    let sysctl = |family: &str| {
+        read_config_file(Path::new(&format!(
+            "/proc/sys/net/{family}/conf/{vnet}/forwarding"
+        )))
+        .map(|value| printable(value.trim().as_bytes(), MAX_VERSION_CHARS))
+        .unwrap_or_default()
+    };
+    let mut facts = pb::VnetFacts {
+        name: vnet.to_string(),
+        ipv4_forwarding: sysctl("ipv4"),
+        ipv6_forwarding: sysctl("ipv6"),
+        stanza_file: bounded(&sdn_interfaces.display().to_string()),
+        ..Default::default()
+    };
+    match read_config_file(sdn_interfaces) {
+        Ok(text) => {
+            if let Some(stanza) = interface_stanza(&text, vnet.as_str()) {
+                facts.stanza_found = true;
+                facts.address_method = item(&stanza.address_method);
+                facts.ip_forward = item(&stanza.ip_forward);
+                facts.ip6_forward = item(&stanza.ip6_forward);
+            }
+        }
+        // No SDN file: SDN was never applied on this node, so ifreload writes no VNet.
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+        Err(error) => {
+            facts.stanza_error = bounded(&format!(
+                "cannot read {}: {error}",
+                sdn_interfaces.display()
+            ));
+        }
+    }
+    facts
+}
+
+fn item(text: &str) -> String {
+    printable(text.as_bytes(), MAX_ITEM_CHARS)
+}
+
+/// What ifupdown2 reads for one interface: its address method and forwarding attributes.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Stanza {
+    /// `inet static`, `inet6 manual`, ...; empty for a bare `iface <name>`.
+    address_method: String,
+    ip_forward: String,
+    ip6_forward: String,
+}
+
+/// The stanza of `name` in an ifupdown2 interfaces file. ifupdown2 merges the stanzas of one
+/// interface, so every `iface name` block counts: a method from any, attributes from the last.
+fn interface_stanza(text: &str, name: &str) -> Option<Stanza> {
+    const STANZA_KEYWORDS: [&str; 5] = ["iface", "auto", "source", "mapping", "source-directory"];
+    let mut found: Option<Stanza> = None;
+    let mut inside = false;
+    for line in text.lines() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let mut words = line.split_whitespace();
+        let Some(first) = words.next() else { continue };
+        if STANZA_KEYWORDS.contains(&first) || first.starts_with("allow-") {
+            inside = first == "iface" && words.next() == Some(name);
+            if inside {
+                let method = words.collect::<Vec<_>>().join(" ");
+                let stanza = found.get_or_insert_with(Stanza::default);
+                if !method.is_empty() {
+                    stanza.address_method = method;
+                }
+            }
+            continue;
+        }
+        if let (true, Some(stanza)) = (inside, found.as_mut()) {
+            let value = words.collect::<Vec<_>>().join(" ");
+            match first {
+                "ip-forward" => stanza.ip_forward = value,
+                "ip6-forward" => stanza.ip6_forward = value,
+                _ => {}
+            }
+        }
+    }
+    found
+}
+
+fn lvm_filter_facts(lvm_conf: &Path) -> pb::LvmFilterFacts {
+    let mut facts = pb::LvmFilterFacts {
+        path: bounded(&lvm_conf.display().to_string()),
+        ..Default::default()
+    };
+    match read_config_file(lvm_conf) {
+        Ok(text) => {
+            if let Some(patterns) = lvm_global_filter(&text) {
+                facts.found = true;
+                facts.patterns = patterns
+                    .iter()
+                    .take(MAX_FILTER_PATTERNS)
+                    .map(|p| item(p))
+                    .collect();
+            }
+        }
+        Err(error) => {
+            facts.error = bounded(&format!("cannot read {}: {error}", lvm_conf.display()));
+        }
+    }
+    facts
+}
+
+/// A token of LVM's configuration syntax.
+#[derive(Debug, PartialEq, Eq)]
+enum LvmToken {
+    Word(String),
+    Text(String),
+    Punct(char),
+}
+
+/// LVM's configuration tokens, `#` comments dropped (a `#` inside a string is text).
+fn lvm_tokens(text: &str) -> Vec<LvmToken> {
+    let mut tokens = Vec::new();
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '#' => {
+                for c in chars.by_ref() {
+                    if c == '\n' {
+                        break;
+                    }
+                }
+            }
+            '"' => {
+                let mut value = String::new();
+                while let Some(c) = chars.next() {
+                    match c {
+                        '"' => break,
+                        '\\' => value.extend(chars.next()),
+                        c => value.push(c),
+                    }
+                }
+                tokens.push(LvmToken::Text(value));
+            }
+            '{' | '}' | '[' | ']' | '=' | ',' => tokens.push(LvmToken::Punct(c)),
+            c if c.is_whitespace() => {}
+            c => {
+                let mut word = String::from(c);
+                while let Some(&next) = chars.peek() {
+                    if next.is_whitespace() || "{}[]=,#\"".contains(next) {
+                        break;
+                    }
+                    word.push(next);
+                    chars.next();
+                }
+                tokens.push(LvmToken::Word(word));
+            }
+        }
+    }
+    tokens
+}
+
+/// The patterns of `devices { global_filter = [ ... ] }` (the last setting wins, as in LVM),
+/// or `None` when no devices section sets it. Commented-out lines do not count.
+fn lvm_global_filter(text: &str) -> Option<Vec<String>> {
+    let tokens = lvm_tokens(text);
+    let mut sections: Vec<String> = Vec::new();
+    let mut found = None;
+    let mut at = 0;
+    while let Some(token) = tokens.get(at) {
+        at += 1;
+        match token {
+            LvmToken::Word(word) if tokens.get(at) == Some(&LvmToken::Punct('{')) => {
+                sections.push(word.clone());
+                at += 1;
+            }
+            LvmToken::Punct('}') => {
+                sections.pop();
+            }
+            LvmToken::Word(word)
+                if word == "global_filter"
+                    && sections.len() == 1
+                    && sections.first().is_some_and(|s| s == "devices")
+                    && tokens.get(at) == Some(&LvmToken::Punct('=')) =>
+            {
+                at += 1;
+                let mut patterns = Vec::new();
+                match tokens.get(at) {
+                    Some(LvmToken::Text(single)) => {
+                        patterns.push(single.clone());
+                        at += 1;
+                    }
+                    Some(LvmToken::Punct('[')) => {
+                        at += 1;
+                        while let Some(token) = tokens.get(at) {
+                            at += 1;
+                            match token {
+                                LvmToken::Text(pattern) => patterns.push(pattern.clone()),
+                                LvmToken::Punct(']') => break,
+                                _ => {}
+                            }
+                        }
+                    }
+                    _ => {}
+                }
+                found = Some(patterns);
+            }
+            _ => {}
+        }
+    }
+    found
+}
+
+fn host_fw_facts(host_fw: &Path) -> pb::FirewallFacts {
+    let mut facts = pb::FirewallFacts {
+        host_fw: bounded(&host_fw.display().to_string()),
+        ..Default::default()
+    };
+    match read_config_file(host_fw) {
+        Ok(text) => {
+            facts.nftables_option = item(&host_fw_option(&text, "nftables").unwrap_or_default())
+        }
+        // No host.fw: every option has its default, and `nftables` defaults to off.
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+        Err(error) => {
+            facts.host_fw_error = bounded(&format!("cannot read {}: {error}", host_fw.display()));
+        }
+    }
+    facts
+}
+
+/// The value of `key:` in the `[OPTIONS]` section of a pve-firewall file (`host.fw`).
+fn host_fw_option(text: &str, key: &str) -> Option<String> {
+    let mut in_options = false;
+    let mut value = None;
+    for line in text.lines() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        if line.starts_with('[') {
+            in_options = line.eq_ignore_ascii_case("[options]");
+            continue;
+        }
+        if in_options
+            && let Some((name, found)) = line.split_once(':')
+            && name.trim().eq_ignore_ascii_case(key)
+        {
+            value = Some(found.trim().to_owned());
+        }
+    }
+    value
 }
 
 fn bounded(text: &str) -> String {
@@ -291,6 +771,150 @@ mod tests {
         .unwrap();
         let found = installed_versions(&path, &["pve-manager", "qemu-server"]).unwrap();
         assert_eq!(found, [("pve-manager".to_owned(), "9.0.6".to_owned())]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_cgroup_version_is_what_is_mounted_on_sys_fs_cgroup() {
+        let v2 = "sysfs /sys sysfs rw 0 0\ncgroup2 /sys/fs/cgroup cgroup2 rw,nosuid 0 0\n";
+        assert_eq!(sys_fs_cgroup_type(v2), Some("cgroup2"));
+        // Hybrid: a tmpfs with v1 controllers below it and v2 only at .../unified.
+        let hybrid = "tmpfs /sys/fs/cgroup tmpfs rw,mode=755 0 0\n\
+                      cgroup /sys/fs/cgroup/cpu cgroup rw,cpu 0 0\n\
+                      cgroup2 /sys/fs/cgroup/unified cgroup2 rw 0 0\n";
+        assert_eq!(sys_fs_cgroup_type(hybrid), Some("tmpfs"));
+        // A later mount covers an earlier one.
+        let stacked = format!("{hybrid}cgroup2 /sys/fs/cgroup cgroup2 rw 0 0\n");
+        assert_eq!(sys_fs_cgroup_type(&stacked), Some("cgroup2"));
+        assert_eq!(sys_fs_cgroup_type("proc /proc proc rw 0 0\n"), None);
+    }
+
+    /// SDN writes VNets as bare stanzas; a gateway or an address method changes what
+    /// ifupdown2 does with forwarding.
+    #[test]
+    fn the_vnet_stanza_gives_its_address_method_and_forwarding_attributes() {
+        let sdn = "#version:7\n\n\
+                   auto csbox1\n\
+                   iface csbox1\n\
+                   \tbridge_ports none\n\
+                   \tbridge_stp off\n\
+                   \tbridge_fd 0\n\
+                   \tmtu 1500\n\n\
+                   auto csnet2\n\
+                   iface csnet2 inet static\n\
+                   \taddress 10.0.0.1/24\n\
+                   \tip-forward on\n\n\
+                   auto csnet3\n\
+                   iface csnet3\n\
+                   \tbridge_ports none\n\
+                   \tip-forward off\n\
+                   \t# ip6-forward on\n\
+                   \tip6-forward off\n";
+        assert_eq!(
+            interface_stanza(sdn, "csbox1"),
+            Some(Stanza::default()),
+            "a bare stanza has no method"
+        );
+        assert_eq!(
+            interface_stanza(sdn, "csnet2"),
+            Some(Stanza {
+                address_method: "inet static".into(),
+                ip_forward: "on".into(),
+                ip6_forward: String::new(),
+            })
+        );
+        assert_eq!(
+            interface_stanza(sdn, "csnet3"),
+            Some(Stanza {
+                address_method: String::new(),
+                ip_forward: "off".into(),
+                ip6_forward: "off".into(),
+            })
+        );
+        // A name that only prefixes another, or appears in an attribute, is no stanza.
+        assert_eq!(interface_stanza(sdn, "csbox"), None);
+        assert_eq!(interface_stanza("#iface csbox1\n", "csbox1"), None);
+        // The attributes of the next interface do not leak into the previous one.
+        let two = "iface a\nauto b\niface b\n ip-forward on\n";
+        assert_eq!(interface_stanza(two, "a"), Some(Stanza::default()));
+    }
+
+    #[test]
+    fn the_lvm_global_filter_is_read_from_the_devices_section_only() {
+        let pve = "# This is an example configuration file for the LVM2 system.\n\
+                   config {\n  checks = 1\n}\n\
+                   devices {\n\
+                   \t# global_filter = [ \"a|.*|\" ]\n\
+                   \tdir = \"/dev\"\n\
+                   \t# added by pve-manager to avoid scanning ZFS zvols and Ceph rbds\n\
+                   \tglobal_filter=[\"r|/dev/zd.*|\",\"r|/dev/rbd.*|\"]\n\
+                   }\n";
+        assert_eq!(
+            lvm_global_filter(pve),
+            Some(vec!["r|/dev/zd.*|".to_owned(), "r|/dev/rbd.*|".to_owned()])
+        );
+        // Over several lines, a `#` inside a pattern is not a comment, the last setting wins.
+        let multi = "devices {\n global_filter = [ \"a|/dev/sda#1|\" ]\n global_filter = [\n   \"r|/dev/loop.*|\", # loops\n   \"a|.*|\"\n ]\n}\n";
+        assert_eq!(
+            lvm_global_filter(multi),
+            Some(vec!["r|/dev/loop.*|".to_owned(), "a|.*|".to_owned()])
+        );
+        // Commented out, or in another section: not set.
+        assert_eq!(
+            lvm_global_filter("devices {\n# global_filter = [ \"r|/dev/loop.*|\" ]\n}\n"),
+            None
+        );
+        assert_eq!(
+            lvm_global_filter("activation {\n global_filter = [ \"r|.*|\" ]\n}\n"),
+            None
+        );
+        assert_eq!(
+            lvm_global_filter("devices {\n filter = [ \"r|/dev/loop.*|\" ]\n}\n"),
+            None
+        );
+    }
+
+    #[test]
+    fn host_fw_options_select_the_firewall() {
+        let host_fw = "[OPTIONS]\n\n# nftables: 0\nnftables: 1\nenable: 1\n\n[RULES]\n\nIN ACCEPT -p tcp -dport 22\n";
+        assert_eq!(host_fw_option(host_fw, "nftables").as_deref(), Some("1"));
+        assert_eq!(host_fw_option(host_fw, "enable").as_deref(), Some("1"));
+        // An option in another section, or commented out, is not set.
+        assert_eq!(
+            host_fw_option(
+                "[RULES]\nnftables: 1\n[options]\n#nftables: 1\n",
+                "nftables"
+            ),
+            None
+        );
+        assert_eq!(
+            parse_nft_tables(
+                "table inet filter\ntable inet proxmox-firewall\ntable bridge proxmox-firewall-guests\n"
+            ),
+            [
+                "inet filter",
+                "inet proxmox-firewall",
+                "bridge proxmox-firewall-guests"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_config_file_past_its_bound_is_refused_not_cut() {
+        let dir = std::env::temp_dir().join(format!("certistack-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("lvm.conf");
+        std::fs::write(&path, vec![b' '; MAX_CONFIG_FILE_BYTES as usize + 1]).unwrap();
+        let facts = lvm_filter_facts(&path);
+        assert!(!facts.found);
+        assert!(facts.error.contains("larger than"), "{facts:?}");
+        std::fs::write(&path, "devices { global_filter = [ \"r|.*|\" ] }").unwrap();
+        assert_eq!(lvm_filter_facts(&path).patterns, ["r|.*|"]);
+        assert!(
+            host_fw_facts(&dir.join("absent.fw"))
+                .host_fw_error
+                .is_empty()
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

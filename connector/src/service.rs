@@ -943,13 +943,15 @@ impl Connector for ConnectorService {
         &self,
         request: Request<pb::NodeChecksRequest>,
     ) -> Result<Response<pb::NodeChecksReply>, Status> {
-        self.authenticate(&request, Rpc::NodeChecks)?;
+        let peer = self.authenticate(&request, Rpc::NodeChecks)?;
+        let vnet = crate::action::parse::node_checks(request.get_ref())
+            .map_err(|error| self.refuse(Rpc::NodeChecks, &peer.label(), "", invalid(error)))?;
         let Some(prerequisites) = &self.prerequisites else {
             return Err(Status::unimplemented(
                 "this connector was started without a node configuration to check",
             ));
         };
-        let mut reply = prerequisites.read().await;
+        let mut reply = prerequisites.read(vnet.as_ref()).await;
         reply.node_time_unix_ms = self.clock.now_unix_ms();
         Ok(Response::new(reply))
     }

@@ -16,6 +16,12 @@
 //! | `overlay-space` | ≥ 20 GB free | under 20 GB | overlay root unreadable |
 //! | `overlay-disk` | own filesystem | shares `/var/lib/pve-cluster`'s | |
 //! | `clock` | within 5 s | further off | more than 60 s off (grants would be refused) |
+//! | `qemu` | `pve-qemu-kvm` ≥ 10.0 | older or unreadable | |
+//! | `cgroup` | cgroup2 on `/sys/fs/cgroup`, sandbox weight under 100 | sandbox weight ≥ 100, or unreadable | v1 or hybrid |
+//! | `vnet-forwarding` | off and stays off, or policy `disable-for-run` | off now, but a bare SDN stanza turns it on at `ifreload` | on now under policy `refuse`, or no such VNet |
+//! | `legacy-nat` | no legacy NAT rule touches the VNet | | a rule touches it, or the tables cannot be read |
+//! | `lvm-filter` | `global_filter` rejects `/dev/loop*` | it does not (the fixing line is printed), or unreadable | |
+//! | `firewall` | pve-firewall, or proxmox-firewall with its tables loaded | host.fw and the loaded tables disagree, or unreadable | |
 //!
 //! The PBS client is a warning above major 4 rather than a failure: the map/unmap interface the
 //! connector drives has been stable across majors, and PVE 9 ships 4.x; below 4 it fails,
@@ -31,6 +37,7 @@ pub const MAX_GRANT_SKEW_MS: i64 = crate::plan::NOT_BEFORE_SLACK_SECS * 1000;
 use crate::authority::IssuedCertificate;
 use crate::client;
 use crate::config::InventoryNode;
+use certistack_connector::validate::VnetName;
 use certistack_proto::v1 as pb;
 use std::sync::Arc;
 use std::time::Duration;
@@ -113,13 +120,18 @@ pub fn exit_code<'a>(checks: impl IntoIterator<Item = &'a Check>) -> u8 {
 }
 
 /// Connects to `node` as the operator `identity`, checks its Hello and judges what its
-/// NodeChecks reports, all within `timeout`. Unreachable: one failed `connect` check.
+/// NodeChecks reports about it and about the sandbox `vnet`, all within `timeout`.
+/// Unreachable: one failed `connect` check.
 pub async fn check_node(
     node: &InventoryNode,
     ca_pem: &str,
     identity: &IssuedCertificate,
+    vnet: Option<&VnetName>,
     timeout: Duration,
 ) -> Vec<Check> {
+    let request = pb::NodeChecksRequest {
+        vnet: vnet.map(ToString::to_string).unwrap_or_default(),
+    };
     let name = node.name.to_string();
     let endpoint = node.endpoint();
     let asked = tokio::time::timeout(timeout, async {
@@ -128,10 +140,7 @@ pub async fn check_node(
         if let Err(mismatch) = client::check_hello(&hello, &name) {
             return Ok(Err(mismatch.to_string()));
         }
-        let facts = connection
-            .node_checks(pb::NodeChecksRequest {})
-            .await?
-            .into_inner();
+        let facts = connection.node_checks(request).await?.into_inner();
         Ok::<_, client::NodeError>(Ok((facts, skew_ms)))
     })
     .await;
@@ -174,11 +183,16 @@ pub async fn check_node(
     }
 }
 
-/// Every node concurrently (at most `concurrency` at once); checks in inventory order.
+/// The sandbox VNet checked on each node, by node name.
+pub type VnetsByNode = std::collections::BTreeMap<String, VnetName>;
+
+/// Every node concurrently (at most `concurrency` at once), each with its VNet from `vnets`;
+/// checks in inventory order.
 pub async fn check_fleet<'a>(
     nodes: impl IntoIterator<Item = &'a InventoryNode>,
     ca_pem: &str,
     identity: Arc<IssuedCertificate>,
+    vnets: Arc<VnetsByNode>,
     concurrency: usize,
     timeout: Duration,
 ) -> Vec<Vec<Check>> {
@@ -187,8 +201,11 @@ pub async fn check_fleet<'a>(
         nodes,
         concurrency,
         move |node| {
-            let (ca_pem, identity) = (ca_pem.clone(), identity.clone());
-            async move { check_node(&node, &ca_pem, &identity, timeout).await }
+            let (ca_pem, identity, vnets) = (ca_pem.clone(), identity.clone(), vnets.clone());
+            async move {
+                let vnet = vnets.get(&node.name.to_string());
+                check_node(&node, &ca_pem, &identity, vnet, timeout).await
+            }
         },
         |node| {
             vec![Check {
@@ -367,6 +384,12 @@ pub fn judge(facts: &pb::NodeChecksReply, skew_ms: i64) -> Vec<(&'static str, Le
             )
         });
     }
+    checks.push(judge_qemu(facts));
+    checks.push(judge_cgroup(facts));
+    checks.push(judge_forwarding(facts));
+    checks.push(judge_legacy_nat(facts));
+    checks.push(judge_lvm_filter(facts.lvm_filter.as_ref()));
+    checks.push(judge_firewall(facts.firewall.as_ref()));
     checks.push(if skew_ms.abs() > MAX_GRANT_SKEW_MS {
         // A grant is valid from 60 s before the run starts: a node further behind refuses it.
         (
@@ -390,6 +413,429 @@ pub fn judge(facts: &pb::NodeChecksReply, skew_ms: i64) -> Vec<(&'static str, Le
     checks
 }
 
+type Judged = (&'static str, Level, String);
+
+const UPGRADE_CONNECTOR: &str = "the node did not report it; upgrade the connector";
+
+/// The QEMU that runs PVE's VMs (`/usr/bin/kvm`), from the `pve-qemu-kvm` package.
+fn judge_qemu(facts: &pb::NodeChecksReply) -> Judged {
+    match major_minor(&facts.qemu_version) {
+        Some(version) if version >= (10, 0) => (
+            "qemu",
+            Level::Ok,
+            format!("pve-qemu-kvm {}", facts.qemu_version),
+        ),
+        Some(_) => (
+            "qemu",
+            Level::Warn,
+            format!(
+                "pve-qemu-kvm {} is older than the 10.x PVE 9 ships: upgrade the node (apt full-upgrade)",
+                facts.qemu_version
+            ),
+        ),
+        None => (
+            "qemu",
+            Level::Warn,
+            format!(
+                "QEMU version not read: {}; PVE runs its VMs with pve-qemu-kvm: is this a Proxmox VE node?",
+                facts.qemu_error
+            ),
+        ),
+    }
+}
+
+/// The weight PVE 9 gives every VM on cgroup v2 (`cpuunits` default).
+pub const PVE_DEFAULT_CPU_WEIGHT: u32 = 100;
+
+fn judge_cgroup(facts: &pb::NodeChecksReply) -> Judged {
+    let Some(cgroup) = &facts.cgroup else {
+        return ("cgroup", Level::Warn, UPGRADE_CONNECTOR.to_owned());
+    };
+    let units = facts.sandbox_cpu_units;
+    match cgroup.sys_fs_cgroup_type.as_str() {
+        "cgroup2" if units >= PVE_DEFAULT_CPU_WEIGHT => (
+            "cgroup",
+            Level::Warn,
+            format!(
+                "cgroup v2: every VM weighs {PVE_DEFAULT_CPU_WEIGHT} by default (cpuunits), and sandbox VMs weigh {units}, so they do not yield to production VMs; lower limits.sandbox_cpu_units (default 10)"
+            ),
+        ),
+        "cgroup2" => (
+            "cgroup",
+            Level::Ok,
+            format!(
+                "cgroup v2: VMs weigh {PVE_DEFAULT_CPU_WEIGHT} by default (cpuunits), sandbox VMs {units}"
+            ),
+        ),
+        "" if !cgroup.error.is_empty() => (
+            "cgroup",
+            Level::Warn,
+            format!(
+                "cgroup version not read: {}; check pve.mounts in the connector config",
+                cgroup.error
+            ),
+        ),
+        other => (
+            "cgroup",
+            Level::Fail,
+            format!(
+                "/sys/fs/cgroup is {} (cgroup v1 or hybrid): PVE 9 runs on cgroup v2 only and weighs VMs differently on v1; boot the node with the unified hierarchy (remove systemd.unified_cgroup_hierarchy=0 from the kernel command line)",
+                if other.is_empty() {
+                    "not mounted"
+                } else {
+                    other
+                }
+            ),
+        ),
+    }
+}
+
+/// Whether a forwarding sysctl or ifupdown2 attribute value means "on".
+fn is_on(value: &str) -> bool {
+    matches!(value.trim(), "1" | "on" | "yes")
+}
+
+fn is_off(value: &str) -> bool {
+    matches!(value.trim(), "0" | "off" | "no")
+}
+
+fn judge_forwarding(facts: &pb::NodeChecksReply) -> Judged {
+    const NAME: &str = "vnet-forwarding";
+    let Some(vnet) = &facts.vnet else {
+        return (
+            NAME,
+            Level::Ok,
+            "not checked: no VNet named (give --vnet VNET or --plan PLAN)".to_owned(),
+        );
+    };
+    let name = &vnet.name;
+    let refuse = facts.forwarding_policy != "disable-for-run";
+    if vnet.ipv4_forwarding.is_empty() {
+        return (
+            NAME,
+            Level::Fail,
+            format!(
+                "VNet {name} does not exist on this node (no /proc/sys/net/ipv4/conf/{name}): PrepareSandbox would refuse it; create it in SDN and apply (pvesh set /cluster/sdn)"
+            ),
+        );
+    }
+    let on_now: Vec<String> = [
+        ("ipv4", &vnet.ipv4_forwarding),
+        ("ipv6", &vnet.ipv6_forwarding),
+    ]
+    .into_iter()
+    .filter(|(_, value)| is_on(value))
+    .map(|(family, value)| format!("net.{family}.conf.{name}.forwarding = {value}"))
+    .collect();
+    if !on_now.is_empty() {
+        return if refuse {
+            (
+                NAME,
+                Level::Fail,
+                format!(
+                    "{} now: with sandbox.forwarding = \"refuse\" PrepareSandbox refuses this VNet; set sandbox.forwarding = \"disable-for-run\" in the connector config, or turn forwarding off on {name}",
+                    on_now.join(", ")
+                ),
+            )
+        } else {
+            (
+                NAME,
+                Level::Ok,
+                format!(
+                    "{} now; sandbox.forwarding = \"disable-for-run\" sets it to 0 for each run and restores it at release",
+                    on_now.join(", ")
+                ),
+            )
+        };
+    }
+    if !vnet.stanza_error.is_empty() {
+        return (
+            NAME,
+            Level::Warn,
+            format!(
+                "forwarding is off on {name} now, but what ifreload writes is unknown: {}; check pve.sdn_interfaces",
+                vnet.stanza_error
+            ),
+        );
+    }
+    if !vnet.stanza_found {
+        return (
+            NAME,
+            Level::Ok,
+            format!(
+                "forwarding is off on {name}; {} has no stanza for it, so ifreload -a leaves it",
+                vnet.stanza_file
+            ),
+        );
+    }
+    let explicitly_off = is_off(&vnet.ip_forward);
+    if vnet.address_method.is_empty() && !explicitly_off {
+        let stanza = format!("iface {name} in {} has no address method", vnet.stanza_file);
+        return if refuse {
+            (
+                NAME,
+                Level::Warn,
+                format!(
+                    "forwarding is off on {name} now, but {stanza}: ifupdown2 sets forwarding=1 on reload; set sandbox.forwarding = \"disable-for-run\""
+                ),
+            )
+        } else {
+            (
+                NAME,
+                Level::Ok,
+                format!(
+                    "{stanza}, so ifreload -a may turn forwarding on; sandbox.forwarding = \"disable-for-run\" turns it off for each run"
+                ),
+            )
+        };
+    }
+    (
+        NAME,
+        Level::Ok,
+        format!(
+            "forwarding is off on {name} and its stanza keeps it off ({})",
+            if explicitly_off {
+                format!("ip-forward {}", vnet.ip_forward)
+            } else {
+                format!("iface {name} {}", vnet.address_method)
+            }
+        ),
+    )
+}
+
+fn judge_legacy_nat(facts: &pb::NodeChecksReply) -> Judged {
+    const NAME: &str = "legacy-nat";
+    let Some(nat) = &facts.legacy_nat else {
+        return (NAME, Level::Warn, UPGRADE_CONNECTOR.to_owned());
+    };
+    if let Some(rule) = nat.vnet_rules.first() {
+        let vnet = facts
+            .vnet
+            .as_ref()
+            .map(|v| v.name.as_str())
+            .unwrap_or("the VNet");
+        return (
+            NAME,
+            Level::Fail,
+            format!(
+                "a NAT rule in iptables-legacy touches {vnet}: {rule}{}; PrepareSandbox refuses the VNet: remove SNAT from its SDN subnet (or the rule)",
+                match nat.vnet_rules.len() {
+                    1 => String::new(),
+                    more => format!(" (and {} more)", more - 1),
+                }
+            ),
+        );
+    }
+    if !nat.error.is_empty() {
+        return (
+            NAME,
+            Level::Fail,
+            format!(
+                "{}; PrepareSandbox cannot complete its NAT check either: fix tools.iptables_legacy_save / limits.max_ruleset_bytes",
+                nat.error
+            ),
+        );
+    }
+    let read = nat.sources.join("; ");
+    match &facts.vnet {
+        Some(vnet) => (
+            NAME,
+            Level::Ok,
+            format!(
+                "{} legacy NAT rule(s), none touches {} ({read})",
+                nat.rule_count, vnet.name
+            ),
+        ),
+        None => (
+            NAME,
+            Level::Ok,
+            format!(
+                "{} legacy NAT rule(s), not checked against a VNet (give --vnet or --plan) ({read})",
+                nat.rule_count
+            ),
+        ),
+    }
+}
+
+/// The pattern that keeps LVM off every loop device and its partitions.
+pub const LOOP_REJECT: &str = "r|/dev/loop.*|";
+/// PVE's own `global_filter` (pve-manager writes it into lvm.conf): ZFS zvols and Ceph RBDs.
+pub const PVE_GLOBAL_FILTER: [&str; 2] = ["r|/dev/zd.*|", "r|/dev/rbd.*|"];
+/// Device names a backup mapping shows to LVM (the loop device and its scanned partitions).
+const LOOP_DEVICES: [&str; 3] = ["/dev/loop0", "/dev/loop3p1", "/dev/loop12p2"];
+
+/// What one `global_filter` pattern does to `device`: `Some(true)` rejects, `Some(false)`
+/// accepts, `None` does not match. `Err` for a pattern this release cannot read.
+fn filter_decision(pattern: &str, device: &str) -> Result<Option<bool>, String> {
+    let mut chars = pattern.chars();
+    let reject = match chars.next() {
+        Some('r') => true,
+        Some('a') => false,
+        _ => return Err(format!("\"{pattern}\" starts with neither a nor r")),
+    };
+    let delimiter = chars
+        .next()
+        .ok_or_else(|| format!("\"{pattern}\" has no expression"))?;
+    let body = chars.as_str();
+    let expression = body
+        .strip_suffix(delimiter)
+        .ok_or_else(|| format!("\"{pattern}\" does not end with its delimiter {delimiter}"))?;
+    let regex = regex::Regex::new(expression).map_err(|error| {
+        format!("\"{pattern}\" is not a regular expression this release reads: {error}")
+    })?;
+    Ok(regex.is_match(device).then_some(reject))
+}
+
+/// Whether `patterns` (first match wins; no match accepts) reject every loop device name.
+fn rejects_loop_devices(patterns: &[String]) -> Result<bool, String> {
+    for device in LOOP_DEVICES {
+        let mut decided = None;
+        for pattern in patterns {
+            if let Some(reject) = filter_decision(pattern, device)? {
+                decided = Some(reject);
+                break;
+            }
+        }
+        if decided != Some(true) {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// The `global_filter` line that keeps `patterns` and rejects loop devices: the loop reject
+/// goes before the first pattern that would accept a loop device (first match wins).
+pub fn filter_fix(patterns: &[String]) -> String {
+    let mut fixed: Vec<String> = if patterns.is_empty() {
+        PVE_GLOBAL_FILTER.iter().map(|p| (*p).to_owned()).collect()
+    } else {
+        patterns.to_vec()
+    };
+    let at = fixed
+        .iter()
+        .position(|pattern| {
+            LOOP_DEVICES
+                .iter()
+                .any(|device| filter_decision(pattern, device) == Ok(Some(false)))
+        })
+        .unwrap_or(fixed.len());
+    fixed.insert(at, LOOP_REJECT.to_owned());
+    format!(
+        "global_filter = [ {} ]",
+        fixed
+            .iter()
+            .map(|p| format!("\"{p}\""))
+            .collect::<Vec<_>>()
+            .join(", ")
+    )
+}
+
+fn judge_lvm_filter(lvm: Option<&pb::LvmFilterFacts>) -> Judged {
+    const NAME: &str = "lvm-filter";
+    let Some(lvm) = lvm else {
+        return (NAME, Level::Warn, UPGRADE_CONNECTOR.to_owned());
+    };
+    let why = "backup mappings are scanned for partitions, so a guest's LVM volumes on /dev/loopNpM become the host's";
+    if !lvm.error.is_empty() {
+        return (
+            NAME,
+            Level::Warn,
+            format!(
+                "{}; {why}: make sure the devices section of lvm.conf has {}",
+                lvm.error,
+                filter_fix(&[])
+            ),
+        );
+    }
+    if !lvm.found {
+        return (
+            NAME,
+            Level::Warn,
+            format!(
+                "{} sets no devices/global_filter, so LVM scans loop devices: {why}; put this line in its devices section: {}",
+                lvm.path,
+                filter_fix(&[])
+            ),
+        );
+    }
+    match rejects_loop_devices(&lvm.patterns) {
+        Ok(true) => (
+            NAME,
+            Level::Ok,
+            format!("{} global_filter rejects loop devices", lvm.path),
+        ),
+        Ok(false) => (
+            NAME,
+            Level::Warn,
+            format!(
+                "{} global_filter does not reject loop devices: {why}; replace it in the devices section with: {}",
+                lvm.path,
+                filter_fix(&lvm.patterns)
+            ),
+        ),
+        Err(unreadable) => (
+            NAME,
+            Level::Warn,
+            format!(
+                "{} global_filter cannot be judged ({unreadable}); make sure it rejects /dev/loop* like: {}",
+                lvm.path,
+                filter_fix(&lvm.patterns)
+            ),
+        ),
+    }
+}
+
+fn judge_firewall(firewall: Option<&pb::FirewallFacts>) -> Judged {
+    const NAME: &str = "firewall";
+    let Some(fw) = firewall else {
+        return (NAME, Level::Warn, UPGRADE_CONNECTOR.to_owned());
+    };
+    if !fw.host_fw_error.is_empty() || !fw.nft_error.is_empty() {
+        return (
+            NAME,
+            Level::Warn,
+            format!(
+                "firewall not determined: {}; check pve.nodes_dir and tools.nft",
+                [fw.host_fw_error.as_str(), fw.nft_error.as_str()]
+                    .into_iter()
+                    .filter(|e| !e.is_empty())
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            ),
+        );
+    }
+    let selected = is_on(&fw.nftables_option);
+    let loaded = fw.proxmox_firewall_table || fw.proxmox_firewall_guests_table;
+    match (selected, loaded) {
+        (true, true) => (
+            NAME,
+            Level::Ok,
+            "proxmox-firewall (nftables): its tables hook at filter-1/filter/filter+1 and a drop there is final, so a VNet firewall with a DROP policy can drop probe traffic; keep the sandbox VNet's firewall off or allow the probe ports".to_owned(),
+        ),
+        (true, false) => (
+            NAME,
+            Level::Warn,
+            format!(
+                "{} selects proxmox-firewall (nftables: {}) but its tables are not loaded: check proxmox-firewall.service (systemctl status proxmox-firewall)",
+                fw.host_fw, fw.nftables_option
+            ),
+        ),
+        (false, true) => (
+            NAME,
+            Level::Warn,
+            format!(
+                "proxmox-firewall tables are loaded but {} does not select nftables: leftovers of a switch back to pve-firewall; reboot or restart the firewall services so one firewall remains",
+                fw.host_fw
+            ),
+        ),
+        (false, false) => (
+            NAME,
+            Level::Ok,
+            "pve-firewall (iptables-legacy) or none: its rules and SDN's SNAT live in iptables-legacy, which the legacy-nat check reads".to_owned(),
+        ),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -408,8 +854,225 @@ mod tests {
             nft: Some(tool("/usr/sbin/nft")),
             ip: Some(tool("/usr/sbin/ip")),
             overlay_free_bytes: 100_000_000_000,
+            qemu_version: "10.0.2-4".into(),
+            cgroup: Some(pb::CgroupFacts {
+                sys_fs_cgroup_type: "cgroup2".into(),
+                error: String::new(),
+            }),
+            forwarding_policy: "refuse".into(),
+            sandbox_cpu_units: 10,
+            vnet: Some(pb::VnetFacts {
+                name: "csbox1".into(),
+                ipv4_forwarding: "0".into(),
+                ipv6_forwarding: "0".into(),
+                stanza_file: "/etc/network/interfaces.d/sdn".into(),
+                ..Default::default()
+            }),
+            legacy_nat: Some(pb::LegacyNatFacts {
+                sources: vec!["/usr/sbin/iptables-legacy-save -t nat: 120 bytes read".into()],
+                rule_count: 1,
+                ..Default::default()
+            }),
+            lvm_filter: Some(pb::LvmFilterFacts {
+                path: "/etc/lvm/lvm.conf".into(),
+                found: true,
+                patterns: vec![
+                    "r|/dev/zd.*|".into(),
+                    "r|/dev/rbd.*|".into(),
+                    "r|/dev/loop.*|".into(),
+                ],
+                error: String::new(),
+            }),
+            firewall: Some(pb::FirewallFacts::default()),
             ..Default::default()
         }
+    }
+
+    fn detail_of(facts: &pb::NodeChecksReply, name: &str) -> (Level, String) {
+        judge(facts, 0)
+            .into_iter()
+            .find(|(check, _, _)| *check == name)
+            .map(|(_, level, detail)| (level, detail))
+            .unwrap()
+    }
+
+    #[test]
+    fn qemu_and_cgroup_are_judged_for_pve_9() {
+        let mut facts = healthy();
+        facts.qemu_version = "9.2.0-7".into();
+        assert_eq!(level_of(&facts, 0, "qemu"), Level::Warn);
+        facts.qemu_version = String::new();
+        facts.qemu_error = "package pve-qemu-kvm is not installed".into();
+        assert_eq!(level_of(&facts, 0, "qemu"), Level::Warn);
+        let mut facts = healthy();
+        facts.cgroup = Some(pb::CgroupFacts {
+            sys_fs_cgroup_type: "tmpfs".into(),
+            error: String::new(),
+        });
+        let (level, detail) = detail_of(&facts, "cgroup");
+        assert_eq!(level, Level::Fail);
+        assert!(detail.contains("PVE 9 runs on cgroup v2 only"), "{detail}");
+        let mut facts = healthy();
+        facts.sandbox_cpu_units = 100;
+        let (level, detail) = detail_of(&facts, "cgroup");
+        assert_eq!(level, Level::Warn);
+        assert!(detail.contains("limits.sandbox_cpu_units"), "{detail}");
+    }
+
+    #[test]
+    fn forwarding_is_judged_now_and_after_ifreload_by_the_policy() {
+        let with_vnet = |edit: &dyn Fn(&mut pb::VnetFacts), policy: &str| {
+            let mut facts = healthy();
+            facts.forwarding_policy = policy.into();
+            edit(facts.vnet.as_mut().unwrap());
+            detail_of(&facts, "vnet-forwarding")
+        };
+        // Off, no SDN stanza: nothing will turn it on.
+        assert_eq!(with_vnet(&|_| {}, "refuse").0, Level::Ok);
+        // Off now, but a bare stanza: ifupdown2 turns it on at the next reload.
+        let bare = |v: &mut pb::VnetFacts| v.stanza_found = true;
+        let (level, detail) = with_vnet(&bare, "refuse");
+        assert_eq!(level, Level::Warn);
+        assert!(
+            detail.contains(
+                "ifupdown2 sets forwarding=1 on reload; set sandbox.forwarding = \"disable-for-run\""
+            ),
+            "{detail}"
+        );
+        assert_eq!(with_vnet(&bare, "disable-for-run").0, Level::Ok);
+        let kept_off = |v: &mut pb::VnetFacts| {
+            v.stanza_found = true;
+            v.ip_forward = "off".into();
+        };
+        assert_eq!(with_vnet(&kept_off, "refuse").0, Level::Ok);
+        let with_method = |v: &mut pb::VnetFacts| {
+            v.stanza_found = true;
+            v.address_method = "inet manual".into();
+        };
+        assert_eq!(with_vnet(&with_method, "refuse").0, Level::Ok);
+        // On now: refused under "refuse", handled under "disable-for-run".
+        let on = |v: &mut pb::VnetFacts| v.ipv6_forwarding = "1".into();
+        let (level, detail) = with_vnet(&on, "refuse");
+        assert_eq!(level, Level::Fail);
+        assert!(
+            detail.contains("net.ipv6.conf.csbox1.forwarding = 1"),
+            "{detail}"
+        );
+        assert_eq!(with_vnet(&on, "disable-for-run").0, Level::Ok);
+        // No such VNet on the node.
+        let absent = |v: &mut pb::VnetFacts| {
+            v.ipv4_forwarding.clear();
+            v.ipv6_forwarding.clear();
+        };
+        assert_eq!(with_vnet(&absent, "refuse").0, Level::Fail);
+        let unreadable = |v: &mut pb::VnetFacts| v.stanza_error = "cannot read".into();
+        assert_eq!(with_vnet(&unreadable, "refuse").0, Level::Warn);
+        // Without a VNet the check says how to ask for it.
+        let mut facts = healthy();
+        facts.vnet = None;
+        let (level, detail) = detail_of(&facts, "vnet-forwarding");
+        assert_eq!(level, Level::Ok);
+        assert!(detail.contains("--vnet"), "{detail}");
+    }
+
+    #[test]
+    fn a_legacy_nat_rule_on_the_vnet_fails_with_the_rule() {
+        let mut facts = healthy();
+        facts.legacy_nat.as_mut().unwrap().vnet_rules = vec![
+            "-A POSTROUTING -o csbox1 -j MASQUERADE (/usr/sbin/iptables-legacy-save -t nat)".into(),
+        ];
+        let (level, detail) = detail_of(&facts, "legacy-nat");
+        assert_eq!(level, Level::Fail);
+        assert!(
+            detail.contains("-A POSTROUTING -o csbox1 -j MASQUERADE"),
+            "{detail}"
+        );
+        let mut facts = healthy();
+        facts.legacy_nat.as_mut().unwrap().error = "iptables-legacy-save failed".into();
+        assert_eq!(level_of(&facts, 0, "legacy-nat"), Level::Fail);
+        let (level, detail) = detail_of(&healthy(), "legacy-nat");
+        assert_eq!(level, Level::Ok);
+        assert!(
+            detail.starts_with("1 legacy NAT rule(s), none touches csbox1"),
+            "{detail}"
+        );
+    }
+
+    #[test]
+    fn the_lvm_filter_must_reject_loop_devices_and_the_fix_is_printed() {
+        let judged = |patterns: &[&str]| {
+            judge_lvm_filter(Some(&pb::LvmFilterFacts {
+                path: "/etc/lvm/lvm.conf".into(),
+                found: true,
+                patterns: patterns.iter().map(|p| (*p).to_owned()).collect(),
+                error: String::new(),
+            }))
+        };
+        for rejecting in [
+            &["r|/dev/zd.*|", "r|/dev/rbd.*|", "r|/dev/loop.*|"][..],
+            &["r|^/dev/loop|"],
+            &["r/loop/"],
+            &["a|/dev/sda|", "r|.*|"],
+        ] {
+            assert_eq!(judged(rejecting).1, Level::Ok, "{rejecting:?}");
+        }
+        // PVE's own filter: loop devices pass.
+        let (_, level, detail) = judged(&["r|/dev/zd.*|", "r|/dev/rbd.*|"]);
+        assert_eq!(level, Level::Warn);
+        assert!(
+            detail.ends_with(
+                "global_filter = [ \"r|/dev/zd.*|\", \"r|/dev/rbd.*|\", \"r|/dev/loop.*|\" ]"
+            ),
+            "{detail}"
+        );
+        // An accept-all before the reject wins (first match): the fix goes before it.
+        let (_, level, detail) = judged(&["a|.*|", "r|/dev/loop.*|"]);
+        assert_eq!(level, Level::Warn);
+        assert!(
+            detail
+                .ends_with("global_filter = [ \"r|/dev/loop.*|\", \"a|.*|\", \"r|/dev/loop.*|\" ]"),
+            "{detail}"
+        );
+        // Only whole loop devices rejected, not their partitions.
+        assert_eq!(judged(&["r|/dev/loop[0-9]+$|"]).1, Level::Warn);
+        assert_eq!(judged(&["x|foo|"]).1, Level::Warn);
+        let (_, level, detail) = judge_lvm_filter(Some(&pb::LvmFilterFacts {
+            path: "/etc/lvm/lvm.conf".into(),
+            ..Default::default()
+        }));
+        assert_eq!(level, Level::Warn);
+        assert!(detail.contains("r|/dev/loop.*|"), "{detail}");
+    }
+
+    #[test]
+    fn the_firewall_in_use_is_named_with_what_it_means_for_probes() {
+        let judged = |option: &str, table: bool| {
+            judge_firewall(Some(&pb::FirewallFacts {
+                host_fw: "/etc/pve/nodes/pve1/host.fw".into(),
+                nftables_option: option.into(),
+                proxmox_firewall_table: table,
+                proxmox_firewall_guests_table: table,
+                ..Default::default()
+            }))
+        };
+        let (_, level, detail) = judged("1", true);
+        assert_eq!(level, Level::Ok);
+        assert!(
+            detail.starts_with("proxmox-firewall (nftables)") && detail.contains("DROP policy")
+        );
+        let (_, level, detail) = judged("", false);
+        assert_eq!(level, Level::Ok);
+        assert!(
+            detail.starts_with("pve-firewall (iptables-legacy)"),
+            "{detail}"
+        );
+        assert_eq!(judged("1", false).1, Level::Warn);
+        assert_eq!(judged("0", true).1, Level::Warn);
+        let (_, level, _) = judge_firewall(Some(&pb::FirewallFacts {
+            nft_error: "nft: not found".into(),
+            ..Default::default()
+        }));
+        assert_eq!(level, Level::Warn);
     }
 
     fn level_of(facts: &pb::NodeChecksReply, skew: i64, name: &str) -> Level {

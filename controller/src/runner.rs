@@ -725,7 +725,7 @@ async fn drive(
     // validation before anything is asked of the node.
     let at = recorder.begin("doctor");
     let checks = prerequisites
-        .get_or_init(|| check_prerequisites(context, &node))
+        .get_or_init(|| check_prerequisites(context, &node, &validation.grant.vnet))
         .await;
     let failing: Vec<String> = checks
         .iter()
@@ -920,8 +920,12 @@ async fn drive(
     finish(recorder, evidence, &validation, stop, Some(session)).await
 }
 
-/// The node's prerequisites, asked as an operator.
-async fn check_prerequisites(context: &RunContext, node: &str) -> Vec<doctor::Check> {
+/// The node's prerequisites, asked as an operator, with the plan's sandbox VNet.
+async fn check_prerequisites(
+    context: &RunContext,
+    node: &str,
+    vnet: &certistack_connector::validate::VnetName,
+) -> Vec<doctor::Check> {
     let fail = |detail: String| {
         vec![doctor::Check {
             node: node.to_owned(),
@@ -942,6 +946,7 @@ async fn check_prerequisites(context: &RunContext, node: &str) -> Vec<doctor::Ch
                 inventory,
                 context.authority.ca_pem(),
                 &identity,
+                Some(vnet),
                 doctor::DEFAULT_NODE_TIMEOUT,
             )
             .await

@@ -1119,3 +1119,41 @@ fn a_probe_address_the_node_removed_is_an_infrastructure_error() {
         assert!(run_tables().is_empty(), "{:?}", run_tables());
     });
 }
+
+/// `run` checks the prerequisites with the plan's VNet: forwarding on it (under the default
+/// `sandbox.forwarding = "refuse"`) stops the validation before the run begins, naming the
+/// sysctl, instead of failing later at PrepareSandbox.
+#[test]
+fn run_checks_the_plans_vnet_among_the_prerequisites() {
+    if !privileged(
+        "run_checks_the_plans_vnet_among_the_prerequisites",
+        RUN_TOOLS,
+    ) {
+        return;
+    }
+    let netns = Netns::new("fwd", &[]);
+    inside(&netns.name, || async {
+        let mut fleet = Fleet::empty("ctl-forwarding");
+        fleet.add_node(1, true, false);
+        std::fs::write("/proc/sys/net/ipv4/conf/csv1/forwarding", "1").unwrap();
+        let config = fleet.controller_config(&[("pve1", 17441)]);
+        let plan = fleet.plan_with("forwarding.yaml", &[("web1", 1, 9101)], 60, false);
+        let (code, _, summaries) = fleet.run(&plan, &config).await;
+        assert_eq!(code, 2, "{summaries:?}");
+        let s = summary(&summaries, "web1");
+        assert_eq!(s["outcome"], "error", "{s}");
+        assert_eq!(s["cleanup"], "notneeded", "{s}");
+        let reasons = s["reasons"].to_string();
+        assert!(
+            reasons.contains(
+                "node pve1 fails its prerequisites (see `certistack-ctl doctor pve1`): vnet-forwarding: net.ipv4.conf.csv1.forwarding = 1 now"
+            ),
+            "{reasons}"
+        );
+        assert!(
+            fleet.nodes[0].residue().is_empty(),
+            "{:?}",
+            fleet.nodes[0].residue()
+        );
+    });
+}

@@ -153,6 +153,9 @@ pub struct TestNode {
     task: Option<tokio::task::JoinHandle<()>>,
 }
 
+/// Files as a Proxmox VE 9 node has them, for the NodeChecks a node config reads.
+pub const PVE9_FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/support/pve9");
+
 pub fn node_config(dir: &Path, node: &str) -> Config {
     Config {
         node_name: node.into(),
@@ -168,7 +171,12 @@ pub fn node_config(dir: &Path, node: &str) -> Config {
             overlay_root: dir.join("overlays"),
         },
         tools: ToolPaths::default(),
-        pve: PvePaths::default(),
+        pve: PvePaths {
+            // A PVE 9 node's mount table and LVM filter, not this machine's.
+            mounts: Path::new(PVE9_FIXTURES).join("mounts"),
+            lvm_conf: Path::new(PVE9_FIXTURES).join("lvm.conf"),
+            ..PvePaths::default()
+        },
         limits: Limits::default(),
         sandbox: Default::default(),
     }
@@ -481,7 +489,8 @@ impl Lab {
         std::fs::write(
             dpkg.join("status"),
             "Package: pve-manager\nStatus: install ok installed\nVersion: 9.0.6\n\n\
-             Package: qemu-server\nStatus: install ok installed\nVersion: 9.0.18\n",
+             Package: qemu-server\nStatus: install ok installed\nVersion: 9.0.18\n\n\
+             Package: pve-qemu-kvm\nStatus: install ok installed\nVersion: 10.0.2-4\n",
         )
         .unwrap();
         Self { root, _dir: dir }
@@ -655,6 +664,7 @@ pub fn write_config_file(path: &Path, config: &Config, port: u16) {
          [tools]\nproxmox_backup_client = \"{}\"\nqm = \"{}\"\nqemu_img = \"{}\"\nip = \"{}\"\nnft = \"{}\"\n\
          iptables_legacy_save = \"{}\"\nip6tables_legacy_save = \"{}\"\n\
          [pve]\nqemu_server_run_dir = \"{}\"\nvm_config_dir = \"{}\"\npbs_loopdev_dir = \"{}\"\npve_cluster_dir = \"{}\"\ndpkg_status = \"{}\"\n\
+         sdn_interfaces = \"{}\"\nlvm_conf = \"{}\"\nnodes_dir = \"{}\"\nmounts = \"{}\"\n\
          [limits]\n{}\n[sandbox]\n{}",
         config.node_name,
         p(&config.tls.certificate),
@@ -675,6 +685,10 @@ pub fn write_config_file(path: &Path, config: &Config, port: u16) {
         p(&config.pve.pbs_loopdev_dir),
         p(&config.pve.pve_cluster_dir),
         p(&config.pve.dpkg_status),
+        p(&config.pve.sdn_interfaces),
+        p(&config.pve.lvm_conf),
+        p(&config.pve.nodes_dir),
+        p(&config.pve.mounts),
         toml::to_string(&config.limits).unwrap(),
         toml::to_string(&config.sandbox).unwrap(),
     );

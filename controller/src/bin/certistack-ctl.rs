@@ -52,7 +52,9 @@ enum Command {
     #[command(after_help = OPERATOR_EXIT_CODES)]
     Cleanup(RunArgs),
     /// Check the prerequisites of inventory nodes (all when none is named), concurrently: PVE
-    /// 9.x, qemu-img >= 8.0, PBS client 4.x, nft and ip, overlay free space and disk, clock.
+    /// 9.x, qemu-img >= 8.0, PBS client 4.x, QEMU, nft and ip, overlay free space and disk,
+    /// clock, cgroup v2, the firewall in use, the LVM filter, legacy NAT rules and, for the
+    /// sandbox VNet (--vnet, or each node's from --plan), its forwarding now and after ifreload.
     #[command(after_help = DOCTOR_EXIT_CODES)]
     Doctor(DoctorArgs),
     /// The fleet of the inventory.
@@ -103,8 +105,9 @@ is refused; 78 also a key that cannot be used for the certificate.";
 
 const DOCTOR_EXIT_CODES: &str = "One line per check: NODE CHECK ok|warn|fail WHAT-TO-DO (--json: one \
 object per check). Exit codes: 0 every check ok or warn; 1 a check failed; 2 a node could not be \
-reached; 64 usage error (also a NODE not in the inventory); 66, 77, 78 the configuration (or the state \
-directory's keys: 66, 77) cannot be read, may be written by others, or is refused.";
+reached; 64 usage error (also a NODE not in the inventory, or a --vnet that is no VNet name); 65 the \
+--plan is refused; 66, 77, 78 the configuration (or the state directory's keys, or the plan's \
+files: 66, 77) cannot be read, may be written by others, or is refused.";
 
 /// A node addressed by its inventory name, or directly by state directory and address.
 #[derive(clap::Args, Debug)]
@@ -154,6 +157,13 @@ struct DoctorArgs {
     /// One JSON object per check, one per line.
     #[arg(long)]
     json: bool,
+    /// The sandbox VNet to check on every node checked (its forwarding, its SDN stanza, the
+    /// legacy NAT rules that touch it).
+    #[arg(long, conflicts_with = "plan")]
+    vnet: Option<String>,
+    /// A plan: each node is checked with the VNet of the plan's first validation on it.
+    #[arg(long)]
+    plan: Option<PathBuf>,
 }
 
 const AUDIT_EXIT_CODES: &str = "Exit codes: 0 every node serves the controller's surface with no warning; \
@@ -837,6 +847,22 @@ fn doctor(args: &DoctorArgs, now: OffsetDateTime) -> Result<(), Failure> {
             .map(|name| inventory_lookup(&config, name, &args.config))
             .collect::<Result<Vec<_>, _>>()?
     };
+    let mut vnets = doctor::VnetsByNode::new();
+    if let Some(vnet) = &args.vnet {
+        use certistack_connector::validate::{Validated, VnetName};
+        let vnet = VnetName::validate(vnet)
+            .map_err(|reason| Failure::Coded(EXIT_USAGE, format!("--vnet {vnet:?}: {reason}")))?;
+        for node in &nodes {
+            vnets.insert(node.name.to_string(), vnet.clone());
+        }
+    }
+    if let Some(plan) = &args.plan {
+        for validation in load_plan(plan, &config, now)?.validations {
+            vnets
+                .entry(validation.grant.node.to_string())
+                .or_insert(validation.grant.vnet);
+        }
+    }
     let authority = load_authority(&config.state_dir)?;
     let identity = authority
         .issue_operator("doctor", now)
@@ -850,6 +876,7 @@ fn doctor(args: &DoctorArgs, now: OffsetDateTime) -> Result<(), Failure> {
         nodes,
         authority.ca_pem(),
         std::sync::Arc::new(identity),
+        std::sync::Arc::new(vnets),
         certistack_controller::audit::DEFAULT_CONCURRENCY,
         doctor::DEFAULT_NODE_TIMEOUT,
     ));
