@@ -64,6 +64,7 @@ async fn call_every_operation(
                 cores: 2,
                 memory_mib: 1024,
                 archives: vec![ARCHIVE.into()],
+                mirror_source_hardware: false,
             })
             .await),
         ok(client
@@ -830,6 +831,7 @@ async fn objects_outside_the_grant_are_refused() {
             cores: 1,
             memory_mib: 512,
             archives: vec![ARCHIVE.into()],
+            mirror_source_hardware: false,
         })
         .await,
         pd,
@@ -841,6 +843,7 @@ async fn objects_outside_the_grant_are_refused() {
             cores: 8,
             memory_mib: 512,
             archives: vec![ARCHIVE.into()],
+            mirror_source_hardware: false,
         })
         .await,
         pd,
@@ -852,6 +855,7 @@ async fn objects_outside_the_grant_are_refused() {
             cores: 1,
             memory_mib: 65536,
             archives: vec![ARCHIVE.into()],
+            mirror_source_hardware: false,
         })
         .await,
         pd,

@@ -641,6 +641,7 @@ async fn overlay_and_vm(client: &mut ConnectorClient<Channel>, vmid: u32) -> Str
             cores: 1,
             memory_mib: 256,
             archives: vec![ARCHIVE.into()],
+            mirror_source_hardware: false,
         })
         .await
         .unwrap()
@@ -1048,6 +1049,7 @@ async fn vms_the_run_did_not_create_are_never_touched() {
                 cores: 1,
                 memory_mib: 256,
                 archives: vec![ARCHIVE.into()],
+                mirror_source_hardware: false,
             })
             .await,
         Code::AlreadyExists,
@@ -1271,6 +1273,7 @@ async fn a_step_runs_to_its_end_when_its_caller_goes_away() {
         cores: 1,
         memory_mib: 256,
         archives: vec![ARCHIVE.into()],
+        mirror_source_hardware: false,
     };
     assert_cut(run.client.create_vm(cut(create(), 250)).await);
     assert_status(
@@ -1720,6 +1723,7 @@ mod crash {
                     cores: 1,
                     memory_mib: 256,
                     archives: vec![ARCHIVE.into()],
+                    mirror_source_hardware: false,
                 })
                 .await
         });
@@ -1807,6 +1811,7 @@ mod crash {
                 cores: 1,
                 memory_mib: 256,
                 archives: vec![ARCHIVE.into()],
+                mirror_source_hardware: false,
             })
             .await
             .unwrap();
@@ -2320,6 +2325,7 @@ async fn repeated_stops_cannot_spend_the_reserve_cleanup_needs() {
             cores: 1,
             memory_mib: 256,
             archives: vec![ARCHIVE.into()],
+            mirror_source_hardware: false,
         })
         .await
         .unwrap();
