@@ -131,10 +131,17 @@ async fn call_every_operation(
                 run_id: RUN_ID.into(),
             })
             .await),
+        ok(client
+            .read_source_config(pb::ReadSourceConfigRequest {
+                snapshot: SNAPSHOT.into(),
+                pbs_secret: "s3cret".into(),
+                encryption_key: vec![],
+            })
+            .await),
     ]
 }
 
-const EVERY_OPERATION: [&str; 17] = [
+const EVERY_OPERATION: [&str; 18] = [
     "MapBackup",
     "CreateOverlay",
     "CreateVm",
@@ -152,6 +159,7 @@ const EVERY_OPERATION: [&str; 17] = [
     "UnmapBackup",
     "ReadJournal",
     "Cleanup",
+    "ReadSourceConfig",
 ];
 
 // ----------------------------------------------------------------------------------------------
@@ -1144,14 +1152,15 @@ async fn the_shipped_executor_refuses_precisely_on_a_node_without_the_tools() {
             "sandbox.release",
             "sandbox.probe",
             "journal.read",
-            "recovery.cleanup"
+            "recovery.cleanup",
+            "source.config"
         ]
     );
     c.begin_run(begin_request(&credentials)).await.unwrap();
     let results = call_every_operation(&mut c).await;
     for (result, rpc) in results.into_iter().zip(EVERY_OPERATION) {
         let (code, needle) = match rpc {
-            "MapBackup" => (
+            "MapBackup" | "ReadSourceConfig" => (
                 Code::Internal,
                 "check the tool path in the connector config",
             ),
@@ -4258,6 +4267,7 @@ mod evidence_report {
                 file: format!("20261130T202000Z-{NODE}-{RUN}.png"),
                 sha256: hex::encode(sha2::Sha256::digest(b"png")),
             }),
+            hardware: None,
         }
     }
 
