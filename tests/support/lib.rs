@@ -913,6 +913,7 @@ pub mod drifted {
         list_runs(pb::ListRunsRequest) -> pb::ListRunsReply;
         cleanup(pb::CleanupRequest) -> pb::CleanupReply;
         node_checks(pb::NodeChecksRequest) -> pb::NodeChecksReply;
+        read_source_config(pb::ReadSourceConfigRequest) -> pb::ReadSourceConfigReply;
     }
 }
 
