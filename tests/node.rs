@@ -2753,8 +2753,17 @@ fn sandbox_vms_mirror_the_source_hardware() {
                 && net0.contains("firewall=0"),
             "{net0}"
         );
-        for absent in ["vmbr0", "BC:24:11:AA:BB:01", "tag=", "tpmstate0", "local-lvm"] {
-            assert!(!conf.contains(absent), "{absent} reached the sandbox:\n{conf}");
+        for absent in [
+            "vmbr0",
+            "BC:24:11:AA:BB:01",
+            "tag=",
+            "tpmstate0",
+            "local-lvm",
+        ] {
+            assert!(
+                !conf.contains(absent),
+                "{absent} reached the sandbox:\n{conf}"
+            );
         }
         run.client
             .start_vm(pb::VmRequest { vmid: 9100 })
@@ -2810,13 +2819,30 @@ fn sandbox_vms_mirror_the_source_hardware() {
                 .starts_with(&format!("{}/9101-drive-sata0.qcow2,", overlays.display())),
             "{conf}"
         );
-        assert_eq!(conf_value(&conf, "sata1").as_deref(), Some("none,media=cdrom"));
+        assert_eq!(
+            conf_value(&conf, "sata1").as_deref(),
+            Some("none,media=cdrom")
+        );
         assert_eq!(conf_value(&conf, "machine").as_deref(), Some("pc"));
         assert_eq!(conf_value(&conf, "ostype").as_deref(), Some("win10"));
-        assert_eq!(conf_value(&conf, "boot").as_deref(), Some("order=virtio0;net0"));
+        assert_eq!(
+            conf_value(&conf, "boot").as_deref(),
+            Some("order=virtio0;net0")
+        );
         assert!(conf_value(&conf, "net0").unwrap().starts_with("e1000="));
-        for absent in ["hostpci", "usb0", "serial0", "hookscript", "args", "vmbr1", "scsi0"] {
-            assert!(!conf.contains(absent), "{absent} reached the sandbox:\n{conf}");
+        for absent in [
+            "hostpci",
+            "usb0",
+            "serial0",
+            "hookscript",
+            "args",
+            "vmbr1",
+            "scsi0",
+        ] {
+            assert!(
+                !conf.contains(absent),
+                "{absent} reached the sandbox:\n{conf}"
+            );
         }
         run.client
             .start_vm(pb::VmRequest { vmid: 9101 })

@@ -329,7 +329,9 @@ fn omission_reason(key: &str) -> &'static str {
         }
         "hookscript" => "a script on the node: never run for a sandbox",
         "args" => "raw QEMU arguments: never passed to a sandbox",
-        "virtiofs" | "ivshmem" => "shares memory or a directory of the node: never given to a sandbox",
+        "virtiofs" | "ivshmem" => {
+            "shares memory or a directory of the node: never given to a sandbox"
+        }
         "tpmstate" => {
             "TPM state is not mirrored: the sandbox has no TPM, so a guest that seals secrets to its TPM asks for its recovery key"
         }
@@ -387,7 +389,9 @@ fn top_section(bytes: &[u8]) -> Result<Vec<(String, String)>, SourceConfigError>
                 .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '_');
         if !key_ok
             || value.chars().count() > MAX_VALUE_CHARS
-            || value.chars().any(|c| c.is_control() || c == char::REPLACEMENT_CHARACTER)
+            || value
+                .chars()
+                .any(|c| c.is_control() || c == char::REPLACEMENT_CHARACTER)
         {
             return Err(SourceConfigError::Garbled { line: line_no });
         }
@@ -424,7 +428,10 @@ impl SourceHardware {
                 if opts.get("media") == Some(&"cdrom") {
                     hw.disks.push(Disk { slot, cdrom: true });
                 } else if opts.get("backup") == Some(&"0") {
-                    omit(key, "excluded from the backup (backup=0): there is nothing to restore");
+                    omit(
+                        key,
+                        "excluded from the backup (backup=0): there is nothing to restore",
+                    );
                 } else {
                     hw.disks.push(Disk { slot, cdrom: false });
                 }
@@ -473,7 +480,10 @@ impl SourceHardware {
                         ),
                     }
                     for sub in opts.keys().filter(|k| !matches!(**k, "cputype" | "flags")) {
-                        omit(&format!("cpu.{sub}"), "not mirrored: the sandbox keeps PVE's default");
+                        omit(
+                            &format!("cpu.{sub}"),
+                            "not mirrored: the sandbox keeps PVE's default",
+                        );
                     }
                 }
                 "bios" => match value.as_str() {
@@ -684,7 +694,11 @@ impl SourceHardware {
 
     pub fn to_wire(&self) -> pb::SourceHardware {
         pb::SourceHardware {
-            cpu: self.cpu.as_ref().map(|c| c.as_str().to_owned()).unwrap_or_default(),
+            cpu: self
+                .cpu
+                .as_ref()
+                .map(|c| c.as_str().to_owned())
+                .unwrap_or_default(),
             bios: match self.bios {
                 Some(Bios::Seabios) => "seabios".into(),
                 Some(Bios::Ovmf) => "ovmf".into(),
@@ -902,13 +916,23 @@ mod tests {
         ] {
             assert!(!cpu_ok(cpu), "{cpu}");
         }
-        for cpu in ["x86-64-v2-AES", "host", "Skylake-Server-v4,flags=+pcid;-spec-ctrl"] {
+        for cpu in [
+            "x86-64-v2-AES",
+            "host",
+            "Skylake-Server-v4,flags=+pcid;-spec-ctrl",
+        ] {
             assert!(cpu_ok(cpu), "{cpu}");
         }
         for machine in ["pc-q35-9.2+pve1", "pc-i440fx-8.1", "q35", "pc"] {
             assert!(machine_ok(machine), "{machine}");
         }
-        for machine in ["virt", "pc-q35-", "q35,viommu=intel", "pc-q35-9.2+pvex", "microvm"] {
+        for machine in [
+            "virt",
+            "pc-q35-",
+            "q35,viommu=intel",
+            "pc-q35-9.2+pvex",
+            "microvm",
+        ] {
             assert!(!machine_ok(machine), "{machine}");
         }
         assert_eq!(Slot::parse("scsi31"), None);

@@ -479,7 +479,10 @@ fn assert_passed_with_evidence(fleet: &Fleet, summary: &serde_json::Value, index
         (hardware.machine.as_str(), hardware.scsihw.as_str()),
         ("q35", "virtio-scsi-pci")
     );
-    assert_eq!(hardware.disks, ["ide2=cdrom (empty)", "scsi0=drive-scsi0.img"]);
+    assert_eq!(
+        hardware.disks,
+        ["ide2=cdrom (empty)", "scsi0=drive-scsi0.img"]
+    );
     assert_eq!(hardware.nics, ["net0=virtio"]);
     assert_eq!(hardware.config_sha256.len(), 64);
     assert!(

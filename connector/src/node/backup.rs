@@ -18,10 +18,10 @@ use crate::journal::{Phase, Record};
 use crate::process::{SecretInput, SecretKind, ToolCall, ToolOutput};
 use crate::runs::{RunGuard, RunHandle};
 use crate::source_hardware::{MAX_CONFIG_BYTES, SourceConfigError, SourceHardware};
-use sha2::{Digest, Sha256};
 use crate::validate::{ArchiveName, Secret, Snapshot};
 use certistack_proto::v1 as pb;
 use serde_json::json;
+use sha2::{Digest, Sha256};
 use std::path::PathBuf;
 use std::time::Duration;
 

@@ -6,15 +6,15 @@
 //! stop and destroy, and before cleanup undoes anything, the VM config is re-read: only a VM
 //! carrying this run's description, tag and journaled SMBIOS UUID is ever touched.
 
-use super::resources::{self, EndState, Op, Resource, ResourceState, Standing};
 use super::backup::SOURCE_CONFIG_OP;
+use super::resources::{self, EndState, Op, Resource, ResourceState, Standing};
 use super::{NodeExecutor, tool_detail, tool_error, tool_result};
 use crate::executor::{ExecError, Outcome};
 use crate::grant::Grant;
 use crate::journal::{Phase, Record};
-use crate::source_hardware::SourceHardware;
 use crate::process::{self, ToolCall};
 use crate::runs::{RunGuard, RunHandle};
+use crate::source_hardware::SourceHardware;
 use crate::validate::{ArchiveName, Vmid};
 use certistack_proto::v1 as pb;
 use serde_json::json;
