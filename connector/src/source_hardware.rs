@@ -346,6 +346,24 @@ fn omission_reason(key: &str) -> &'static str {
     }
 }
 
+fn is_config_key(key: &str) -> bool {
+    (1..=32).contains(&key.len())
+        && key.starts_with(|c: char| c.is_ascii_lowercase())
+        && key
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '_')
+}
+
+/// `<key>.<option>` for an omitted option; an option name outside the key grammar is not
+/// echoed (it is text of the source config, passed on to the report).
+fn option_key(key: &str, option: &str) -> String {
+    if is_config_key(option) {
+        format!("{key}.{option}")
+    } else {
+        format!("{key}.<unnamed option>")
+    }
+}
+
 /// `key=value` options of a property string, the first part possibly without a key.
 fn options(value: &str) -> (Option<&str>, BTreeMap<&str, &str>) {
     let mut first = None;
@@ -382,12 +400,7 @@ fn top_section(bytes: &[u8]) -> Result<Vec<(String, String)>, SourceConfigError>
         };
         let key = key.trim();
         let value = value.trim();
-        let key_ok = (1..=32).contains(&key.len())
-            && key.starts_with(|c: char| c.is_ascii_lowercase())
-            && key
-                .chars()
-                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '_');
-        if !key_ok
+        if !is_config_key(key)
             || value.chars().count() > MAX_VALUE_CHARS
             || value
                 .chars()
@@ -481,7 +494,7 @@ impl SourceHardware {
                     }
                     for sub in opts.keys().filter(|k| !matches!(**k, "cputype" | "flags")) {
                         omit(
-                            &format!("cpu.{sub}"),
+                            &option_key(key, sub),
                             "not mirrored: the sandbox keeps PVE's default",
                         );
                     }
@@ -501,7 +514,7 @@ impl SourceHardware {
                     }
                     for sub in opts.keys().filter(|k| **k != "type") {
                         omit(
-                            &format!("machine.{sub}"),
+                            &option_key(key, sub),
                             "not mirrored: the sandbox keeps PVE's default (no vIOMMU)",
                         );
                     }
@@ -868,6 +881,8 @@ mod tests {
         assert!(reasons["args"].contains("never passed"));
         assert!(reasons["virtiofs0"].contains("never given"));
         assert!(reasons.contains_key("machine.viommu"));
+        let odd = SourceHardware::parse("cpu: host,<b>x</b>=1\n".as_bytes()).unwrap();
+        assert_eq!(odd.omitted[0].key, "cpu.<unnamed option>");
         assert!(reasons.contains_key("cpu"));
         assert!(reasons["net2"].contains("NIC model"));
         assert_eq!(hw.machine.unwrap().as_str(), "q35");
