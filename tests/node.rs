@@ -2568,6 +2568,7 @@ async fn a_guest_volume_the_host_activated_blocks_boot_and_is_reported_by_cleanu
 const EFI_ARCHIVE: &str = "drive-efidisk0.img";
 const VIRTIO_ARCHIVE: &str = "drive-virtio0.img";
 const SATA_ARCHIVE: &str = "drive-sata0.img";
+const VIRTIO_BOOT_MARKER: &str = "VIRTIO-BLK-BOOT-7f3a";
 
 /// A UEFI guest: OVMF with a 4 MiB EFI vars disk, q35, an x86-64-v2 CPU, a TPM and a NIC on
 /// the source's bridge.
@@ -2699,9 +2700,31 @@ fn sandbox_vms_mirror_the_source_hardware() {
                 // The EFI vars archive is a real OVMF vars store, as PVE backs it up.
                 let efi = lab.root.join("pbs/store1").join(SNAPSHOT).join(EFI_ARCHIVE);
                 std::fs::copy(ovmf_vars, efi).unwrap();
+                // The virtio-blk system disk is the lab guest: it boots only if its kernel
+                // finds its data partition on the virtio-blk disk.
+                lab.add_guest_backup(
+                    SNAPSHOT,
+                    VIRTIO_ARCHIVE,
+                    &GuestDisk {
+                        marker: VIRTIO_BOOT_MARKER,
+                        address: "10.77.9.10/24",
+                        agent: true,
+                        boots: true,
+                    },
+                );
                 lab.add_source_config(SNAPSHOT, UEFI_SOURCE);
             },
-            sandbox_grant,
+            |wire| {
+                sandbox_grant(wire);
+                wire.qga_assertions.push(pb::QgaAssertion {
+                    id: "lab-banner".into(),
+                    program: "/bin/cat".into(),
+                    args: vec!["/run/banner".into()],
+                    expect_exit_code: 0,
+                    expect_stdout_contains: format!("CERTISTACK-LAB {VIRTIO_BOOT_MARKER}"),
+                    timeout_seconds: 20,
+                });
+            },
         )
         .await;
         run.client
@@ -2784,6 +2807,14 @@ fn sandbox_vms_mirror_the_source_hardware() {
             assert!(blocks.contains(device), "{device} not in {blocks}");
         }
         assert!(blocks.contains("9100-drive-efidisk0.qcow2"), "{blocks}");
+        // TCG has two cores to share: the firmware of a guest without an OS need not spin on.
+        run.client
+            .stop_vm(pb::StopVmRequest {
+                vmid: 9100,
+                timeout_seconds: 5,
+            })
+            .await
+            .unwrap();
 
         // virtio-blk + SATA guest with passthrough: a config of the same snapshot, read again.
         run.lab
@@ -2862,6 +2893,29 @@ fn sandbox_vms_mirror_the_source_hardware() {
         let blocks = run.query_block(9101).await.to_string();
         for device in ["drive-virtio0", "drive-sata0", "9101-drive-virtio0.qcow2"] {
             assert!(blocks.contains(device), "{device} not in {blocks}");
+        }
+        // The restored guest boots from its virtio-blk disk (SeaBIOS, SYSLINUX, the kernel, an
+        // initramfs reading its data partition on /dev/vda2): the banner it built from the
+        // disk's marker is what the guest agent reads back.
+        let booted = std::time::Instant::now();
+        loop {
+            let answer = run
+                .client
+                .qga(pb::QgaRequest {
+                    vmid: 9101,
+                    call: Some(pb::qga_request::Call::AssertionId("lab-banner".into())),
+                })
+                .await;
+            if let Ok(reply) = &answer
+                && reply.get_ref().assertion_passed
+            {
+                break;
+            }
+            assert!(
+                booted.elapsed() < std::time::Duration::from_secs(240),
+                "the guest did not boot from virtio-blk: {answer:?}"
+            );
+            tokio::time::sleep(std::time::Duration::from_secs(2)).await;
         }
         let journal = run.journal().await;
         assert_eq!(
