@@ -758,6 +758,49 @@ mod tests {
         assert_eq!(percent_decode("a%3Ab%ZZ%4"), "a:b%ZZ%4");
     }
 
+    /// The shape `CreateVm` mirrors is the last one a completed `ReadSourceConfig` journaled,
+    /// read back from the journal file as a restarted daemon reads it; a failed read after it
+    /// changes nothing, and a run without one is refused.
+    #[test]
+    fn the_mirrored_shape_comes_from_the_journal_file() {
+        let dir = std::env::temp_dir().join(format!("certistack-srchw-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let run = "0f0e1c2d-3b4a-4c5d-8e6f-7a8b9c0d1e2f";
+        let mut journal = crate::journal::Journal::create(&dir, run).unwrap();
+        let first = SourceHardware::parse(b"scsi0: a\n").unwrap();
+        let second = SourceHardware::parse(b"virtio0: a\nbios: ovmf\n").unwrap();
+        let op = SOURCE_CONFIG_OP;
+        let key = "source:qemu-server.conf";
+        journal
+            .append(0, "run.begin", "run:x", Phase::Done, json!(null))
+            .unwrap();
+        let before = crate::journal::read(journal.path(), run).unwrap().records;
+        assert!(matches!(
+            source_hardware(&before),
+            Err(ExecError::FailedPrecondition(m)) if m.contains("call ReadSourceConfig first")
+        ));
+        for (phase, hardware) in [
+            (Phase::Done, Some(&first)),
+            (Phase::Done, Some(&second)),
+            (Phase::Failed, None),
+        ] {
+            let detail = match hardware {
+                Some(h) => json!({ "hardware": h }),
+                None => json!({ "reason": "garbled" }),
+            };
+            journal
+                .append(0, op, key, Phase::Intent, json!(null))
+                .unwrap();
+            journal.append(0, op, key, phase, detail).unwrap();
+        }
+        let records = crate::journal::read(journal.path(), run).unwrap().records;
+        assert_eq!(source_hardware(&records).unwrap(), second);
+        // Source reads leave nothing on the node: no resource for cleanup.
+        assert!(!resources::states(&records).contains_key(key));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     #[test]
     fn a_stop_always_fits_inside_the_tool_timeout() {
         // qm waits --timeout, then SIGTERM, 10 s, SIGKILL, 1 s.
