@@ -816,9 +816,14 @@ pub fn describe(statement: &Statement, report_path: &Path) -> String {
         };
         let _ = writeln!(
             out,
-            "hardware: cpu {} bios {} machine {} ostype {} scsihw {}; disks [{}]; nics [{}]; boot [{}]",
+            "hardware: cpu {} bios {}{} machine {} ostype {} scsihw {}; disks [{}]; nics [{}]; boot [{}]",
             or_default(&hw.cpu),
             or_default(&hw.bios),
+            if hw.efidisk.is_empty() {
+                String::new()
+            } else {
+                format!(" (efidisk {})", hw.efidisk)
+            },
             or_default(&hw.machine),
             or_default(&hw.ostype),
             or_default(&hw.scsihw),
@@ -1000,7 +1005,21 @@ mod tests {
                 file: "shot.png".into(),
                 sha256: "12".repeat(32),
             }),
-            hardware: None,
+            hardware: Some(SandboxHardware {
+                config_sha256: "ab".repeat(32),
+                cpu: "x86-64-v2-AES".into(),
+                bios: "ovmf".into(),
+                machine: "q35".into(),
+                disks: vec![
+                    "virtio0=drive-virtio0.img".into(),
+                    "ide2=cdrom (empty)".into(),
+                ],
+                efidisk: "efitype=4m,pre-enrolled-keys=1".into(),
+                nics: vec!["net0=e1000".into()],
+                boot_order: vec!["virtio0".into()],
+                omitted: vec!["hostpci0: passthrough of a device".into()],
+                ..SandboxHardware::default()
+            }),
         }
     }
 
@@ -1200,6 +1219,10 @@ mod tests {
             &path,
         );
         assert!(shown.starts_with("verdict: passed\n"), "{shown}");
+        assert!(
+            shown.contains("hardware: cpu x86-64-v2-AES bios ovmf (efidisk efitype=4m,pre-enrolled-keys=1) machine q35 ostype default scsihw default; disks [virtio0=drive-virtio0.img, ide2=cdrom (empty)]; nics [net0=e1000]; boot [virtio0]\n  omitted hostpci0: passthrough of a device\n"),
+            "{shown}"
+        );
         assert!(
             shown.contains(&format!("screenshot: {}", dir.join("shot.png").display())),
             "{shown}"
