@@ -64,6 +64,7 @@ async fn call_every_operation(
                 cores: 2,
                 memory_mib: 1024,
                 archives: vec![ARCHIVE.into()],
+                mirror_source_hardware: false,
             })
             .await),
         ok(client
@@ -130,10 +131,17 @@ async fn call_every_operation(
                 run_id: RUN_ID.into(),
             })
             .await),
+        ok(client
+            .read_source_config(pb::ReadSourceConfigRequest {
+                snapshot: SNAPSHOT.into(),
+                pbs_secret: "s3cret".into(),
+                encryption_key: vec![],
+            })
+            .await),
     ]
 }
 
-const EVERY_OPERATION: [&str; 17] = [
+const EVERY_OPERATION: [&str; 18] = [
     "MapBackup",
     "CreateOverlay",
     "CreateVm",
@@ -151,6 +159,7 @@ const EVERY_OPERATION: [&str; 17] = [
     "UnmapBackup",
     "ReadJournal",
     "Cleanup",
+    "ReadSourceConfig",
 ];
 
 // ----------------------------------------------------------------------------------------------
@@ -830,6 +839,7 @@ async fn objects_outside_the_grant_are_refused() {
             cores: 1,
             memory_mib: 512,
             archives: vec![ARCHIVE.into()],
+            mirror_source_hardware: false,
         })
         .await,
         pd,
@@ -841,6 +851,7 @@ async fn objects_outside_the_grant_are_refused() {
             cores: 8,
             memory_mib: 512,
             archives: vec![ARCHIVE.into()],
+            mirror_source_hardware: false,
         })
         .await,
         pd,
@@ -852,6 +863,7 @@ async fn objects_outside_the_grant_are_refused() {
             cores: 1,
             memory_mib: 65536,
             archives: vec![ARCHIVE.into()],
+            mirror_source_hardware: false,
         })
         .await,
         pd,
@@ -1140,14 +1152,15 @@ async fn the_shipped_executor_refuses_precisely_on_a_node_without_the_tools() {
             "sandbox.release",
             "sandbox.probe",
             "journal.read",
-            "recovery.cleanup"
+            "recovery.cleanup",
+            "source.config"
         ]
     );
     c.begin_run(begin_request(&credentials)).await.unwrap();
     let results = call_every_operation(&mut c).await;
     for (result, rpc) in results.into_iter().zip(EVERY_OPERATION) {
         let (code, needle) = match rpc {
-            "MapBackup" => (
+            "MapBackup" | "ReadSourceConfig" => (
                 Code::Internal,
                 "check the tool path in the connector config",
             ),
@@ -4254,6 +4267,7 @@ mod evidence_report {
                 file: format!("20261130T202000Z-{NODE}-{RUN}.png"),
                 sha256: hex::encode(sha2::Sha256::digest(b"png")),
             }),
+            hardware: None,
         }
     }
 

@@ -142,6 +142,8 @@ pub enum Action {
         cores: u32,
         memory_mib: u32,
         archives: Vec<ArchiveName>,
+        /// Attach the archives at their source slots and mirror the source's hardware.
+        mirror_source: bool,
     },
     StartVm {
         vmid: Vmid,
@@ -182,6 +184,11 @@ pub enum Action {
     Cleanup {
         run_id: RunId,
     },
+    ReadSourceConfig {
+        snapshot: Snapshot,
+        secret: Secret,
+        encryption_key: Option<EncryptionKey>,
+    },
 }
 
 impl Action {
@@ -203,6 +210,7 @@ impl Action {
             Action::Probe { .. } => Rpc::Probe,
             Action::ReadJournal { .. } => Rpc::ReadJournal,
             Action::Cleanup { .. } => Rpc::Cleanup,
+            Action::ReadSourceConfig { .. } => Rpc::ReadSourceConfig,
         }
     }
 }
@@ -227,6 +235,21 @@ pub mod parse {
             snapshot: field("MapBackupRequest.snapshot", &req.snapshot)?,
             archive: field("MapBackupRequest.archive", &req.archive)?,
             secret: field("MapBackupRequest.pbs_secret", &req.pbs_secret)?,
+            encryption_key: (!key.is_empty()).then(|| EncryptionKey(Zeroizing::new(key.to_vec()))),
+        })
+    }
+
+    pub fn read_source_config(req: pb::ReadSourceConfigRequest) -> Result<Action, FieldError> {
+        let key = bytes_field(
+            "ReadSourceConfigRequest.encryption_key",
+            "encryption_key",
+            &req.encryption_key,
+            0,
+            16 * 1024,
+        )?;
+        Ok(Action::ReadSourceConfig {
+            snapshot: field("ReadSourceConfigRequest.snapshot", &req.snapshot)?,
+            secret: field("ReadSourceConfigRequest.pbs_secret", &req.pbs_secret)?,
             encryption_key: (!key.is_empty()).then(|| EncryptionKey(Zeroizing::new(key.to_vec()))),
         })
     }
@@ -281,6 +304,7 @@ pub mod parse {
             cores: range("CreateVmRequest.cores", req.cores, 1, 64)?,
             memory_mib: range("CreateVmRequest.memory_mib", req.memory_mib, 64, 262_144)?,
             archives,
+            mirror_source: req.mirror_source_hardware,
         })
     }
 
@@ -448,6 +472,15 @@ pub fn authorize(grant: &Grant, action: &Action) -> Result<(), Denial> {
             }
             archive_ok(archive)
         }
+        Action::ReadSourceConfig { snapshot, .. } => {
+            if snapshot != &grant.snapshot {
+                return Err(deny(
+                    format!("snapshot {snapshot}"),
+                    "the run may read only the grant's snapshot",
+                ));
+            }
+            Ok(())
+        }
         Action::UnmapBackup { archive } => archive_ok(archive),
         Action::CreateOverlay { vmid, archive } | Action::DeleteOverlay { vmid, archive } => {
             vmid_ok(vmid)?;
@@ -458,6 +491,7 @@ pub fn authorize(grant: &Grant, action: &Action) -> Result<(), Denial> {
             cores,
             memory_mib,
             archives,
+            ..
         } => {
             vmid_ok(vmid)?;
             let limits = grant
@@ -595,6 +629,22 @@ mod tests {
                 Some("archive drive-scsi9.img"),
             ),
             (
+                Action::ReadSourceConfig {
+                    snapshot: v("vm/100/2026-11-01T02:00:00Z"),
+                    secret: v("pw"),
+                    encryption_key: None,
+                },
+                None,
+            ),
+            (
+                Action::ReadSourceConfig {
+                    snapshot: v("vm/100/2026-10-01T02:00:00Z"),
+                    secret: v("pw"),
+                    encryption_key: None,
+                },
+                Some("snapshot vm/100/2026-10-01T02:00:00Z"),
+            ),
+            (
                 Action::UnmapBackup {
                     archive: in_archive.clone(),
                 },
@@ -647,6 +697,7 @@ mod tests {
                     cores: 2,
                     memory_mib: 2048,
                     archives: vec![in_archive.clone()],
+                    mirror_source: false,
                 },
                 None,
             ),
@@ -656,6 +707,7 @@ mod tests {
                     cores: 1,
                     memory_mib: 512,
                     archives: vec![in_archive.clone()],
+                    mirror_source: false,
                 },
                 Some("VMID 100"),
             ),
@@ -665,6 +717,7 @@ mod tests {
                     cores: 3,
                     memory_mib: 512,
                     archives: vec![in_archive.clone()],
+                    mirror_source: false,
                 },
                 Some("3 cores for VM 9100"),
             ),
@@ -674,6 +727,7 @@ mod tests {
                     cores: 1,
                     memory_mib: 4096,
                     archives: vec![in_archive.clone()],
+                    mirror_source: false,
                 },
                 Some("4096 MiB for VM 9100"),
             ),
@@ -683,6 +737,7 @@ mod tests {
                     cores: 1,
                     memory_mib: 512,
                     archives: vec![in_archive, out_archive],
+                    mirror_source: false,
                 },
                 Some("archive drive-scsi9.img"),
             ),
@@ -893,6 +948,12 @@ mod tests {
                 cores: 1,
                 memory_mib: 512,
                 archives: vec!["drive-scsi0.img".into()],
+                mirror_source_hardware: true,
+            }),
+            parse::read_source_config(pb::ReadSourceConfigRequest {
+                snapshot: "vm/100/2026-11-01T02:00:00Z".into(),
+                pbs_secret: "pw".into(),
+                encryption_key: b"{}".to_vec(),
             }),
             parse::start_vm(pb::VmRequest { vmid: 9100 }),
             parse::stop_vm(pb::StopVmRequest {
@@ -993,6 +1054,7 @@ mod tests {
             cores: 1,
             memory_mib: 512,
             archives: vec!["d.img".into(); 9],
+            mirror_source_hardware: false,
         })
         .unwrap_err();
         assert_eq!(err.validator, "count");

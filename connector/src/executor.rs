@@ -35,6 +35,7 @@ pub enum Outcome {
     ReleaseSandbox(pb::ReleaseSandboxReply),
     Probe(pb::ProbeReply),
     Cleanup(pb::CleanupReply),
+    ReadSourceConfig(pb::ReadSourceConfigReply),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -96,7 +97,7 @@ pub trait Executor: Send + Sync + 'static {
 }
 
 /// Every capability, in the order `Hello` reports them.
-pub const CAPABILITIES: [&str; 16] = [
+pub const CAPABILITIES: [&str; 17] = [
     "backup.map",
     "backup.unmap",
     "overlay.create",
@@ -113,6 +114,7 @@ pub const CAPABILITIES: [&str; 16] = [
     "sandbox.probe",
     "journal.read",
     "recovery.cleanup",
+    "source.config",
 ];
 
 /// The capability an action needs, one of [`CAPABILITIES`].
@@ -134,6 +136,7 @@ pub fn capability(action: &Action) -> &'static str {
         Action::Probe { .. } => "sandbox.probe",
         Action::ReadJournal { .. } => "journal.read",
         Action::Cleanup { .. } => "recovery.cleanup",
+        Action::ReadSourceConfig { .. } => "source.config",
     }
 }
 

@@ -28,6 +28,7 @@ pub mod resources;
 pub mod runs;
 pub mod server;
 pub mod service;
+pub mod source_hardware;
 pub mod tls;
 pub mod untrusted;
 pub mod validate;

@@ -33,10 +33,11 @@ pub enum Rpc {
     ListRuns,
     Cleanup,
     NodeChecks,
+    ReadSourceConfig,
 }
 
 impl Rpc {
-    pub const ALL: [Rpc; 21] = [
+    pub const ALL: [Rpc; 22] = [
         Rpc::Hello,
         Rpc::BeginRun,
         Rpc::EndRun,
@@ -58,6 +59,7 @@ impl Rpc {
         Rpc::ListRuns,
         Rpc::Cleanup,
         Rpc::NodeChecks,
+        Rpc::ReadSourceConfig,
     ];
 
     pub fn name(self) -> &'static str {
@@ -83,6 +85,7 @@ impl Rpc {
             Rpc::ListRuns => "ListRuns",
             Rpc::Cleanup => "Cleanup",
             Rpc::NodeChecks => "NodeChecks",
+            Rpc::ReadSourceConfig => "ReadSourceConfig",
         }
     }
 
@@ -93,6 +96,7 @@ impl Rpc {
             Rpc::BeginRun => "grant-matches-certificate",
             Rpc::EndRun => "own-open-run",
             Rpc::MapBackup | Rpc::UnmapBackup => "backup-in-grant",
+            Rpc::ReadSourceConfig => "snapshot-in-grant",
             Rpc::CreateOverlay | Rpc::DeleteOverlay => "overlay-in-grant",
             Rpc::CreateVm => "vm-within-grant-limits",
             Rpc::StartVm | Rpc::StopVm | Rpc::DestroyVm | Rpc::VmStatus | Rpc::Qmp => {

@@ -257,6 +257,7 @@ pub fn states(records: &[Record]) -> BTreeMap<String, ResourceState> {
         if record.entry.resource.starts_with("run:")
             || record.entry.op.starts_with("journal.")
             || record.entry.op.starts_with("probe.")
+            || record.entry.op.starts_with("source.")
         {
             continue;
         }

@@ -460,7 +460,8 @@ fn undoes_or_reads(action: &Action) -> bool {
         | Action::Qmp { .. }
         | Action::Qga { .. }
         | Action::PrepareSandbox { .. }
-        | Action::Probe { .. } => false,
+        | Action::Probe { .. }
+        | Action::ReadSourceConfig { .. } => false,
     }
 }
 
@@ -754,6 +755,19 @@ impl Connector for ConnectorService {
         request: Request<pb::CreateVmRequest>,
     ) -> Result<Response<pb::CreateVmReply>, Status> {
         operation!(self, request, Rpc::CreateVm, parse::create_vm, CreateVm)
+    }
+
+    async fn read_source_config(
+        &self,
+        request: Request<pb::ReadSourceConfigRequest>,
+    ) -> Result<Response<pb::ReadSourceConfigReply>, Status> {
+        operation!(
+            self,
+            request,
+            Rpc::ReadSourceConfig,
+            parse::read_source_config,
+            ReadSourceConfig
+        )
     }
 
     async fn start_vm(

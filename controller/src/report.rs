@@ -16,6 +16,7 @@ use base64::engine::general_purpose::STANDARD as BASE64;
 use certistack_connector::files::{self, FileError};
 use certistack_connector::journal;
 use certistack_connector::validate::{NodeName, RunId, Validated};
+use certistack_proto::v1 as pb;
 use ed25519_dalek::pkcs8::{DecodePublicKey, EncodePublicKey};
 use ed25519_dalek::{Signature, Signer, SigningKey, VerifyingKey};
 use serde::{Deserialize, Serialize};
@@ -169,6 +170,78 @@ pub struct Validation {
     pub verdict: Verdict,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub screenshot: Option<Screenshot>,
+    /// The source VM's hardware the sandbox mirrored, as the node read it from the snapshot's
+    /// `qemu-server.conf`, and what it left out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hardware: Option<SandboxHardware>,
+}
+
+/// The sandbox VM's hardware, mirrored from the source VM's config.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SandboxHardware {
+    /// Lower-case hex SHA-256 of the config as the node read it.
+    pub config_sha256: String,
+    /// Empty where the source sets nothing (PVE's default applies to both).
+    pub cpu: String,
+    pub bios: String,
+    pub machine: String,
+    pub ostype: String,
+    pub scsihw: String,
+    /// `<slot>=<archive>` for disks, `<slot>=cdrom (empty)` for CD-ROM drives.
+    pub disks: Vec<String>,
+    /// `efitype=4m,pre-enrolled-keys=1`, or empty without an EFI vars disk.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub efidisk: String,
+    /// `net<N>=<model>`: on the run's VNet, fresh MAC, firewall off.
+    pub nics: Vec<String>,
+    pub boot_order: Vec<String>,
+    /// Every part of the source config the sandbox did not get, `<key>: <reason>`.
+    pub omitted: Vec<String>,
+}
+
+impl SandboxHardware {
+    pub fn from_wire(hardware: &pb::SourceHardware, config_sha256: &str) -> Self {
+        SandboxHardware {
+            config_sha256: config_sha256.to_owned(),
+            cpu: hardware.cpu.clone(),
+            bios: hardware.bios.clone(),
+            machine: hardware.machine.clone(),
+            ostype: hardware.ostype.clone(),
+            scsihw: hardware.scsihw.clone(),
+            disks: hardware
+                .disks
+                .iter()
+                .map(|d| {
+                    if d.cdrom {
+                        format!("{}=cdrom (empty)", d.slot)
+                    } else {
+                        format!("{}={}", d.slot, d.archive)
+                    }
+                })
+                .collect(),
+            efidisk: if hardware.efidisk {
+                format!(
+                    "efitype={},pre-enrolled-keys={}",
+                    hardware.efitype,
+                    u8::from(hardware.pre_enrolled_keys)
+                )
+            } else {
+                String::new()
+            },
+            nics: hardware
+                .nics
+                .iter()
+                .map(|n| format!("net{}={}", n.index, n.model))
+                .collect(),
+            boot_order: hardware.boot_order.clone(),
+            omitted: hardware
+                .omitted
+                .iter()
+                .map(|o| format!("{}: {}", o.key, o.reason))
+                .collect(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -733,6 +806,35 @@ pub fn describe(statement: &Statement, report_path: &Path) -> String {
             if assertion.passed { "ok" } else { "FAILED" }
         );
     }
+    if let Some(hw) = &p.hardware {
+        let or_default = |v: &str| {
+            if v.is_empty() {
+                "default".to_owned()
+            } else {
+                v.to_owned()
+            }
+        };
+        let _ = writeln!(
+            out,
+            "hardware: cpu {} bios {}{} machine {} ostype {} scsihw {}; disks [{}]; nics [{}]; boot [{}]",
+            or_default(&hw.cpu),
+            or_default(&hw.bios),
+            if hw.efidisk.is_empty() {
+                String::new()
+            } else {
+                format!(" (efidisk {})", hw.efidisk)
+            },
+            or_default(&hw.machine),
+            or_default(&hw.ostype),
+            or_default(&hw.scsihw),
+            hw.disks.join(", "),
+            hw.nics.join(", "),
+            hw.boot_order.join(", ")
+        );
+        for omitted in &hw.omitted {
+            let _ = writeln!(out, "  omitted {omitted}");
+        }
+    }
     let _ = writeln!(out, "isolation: ruleset {}", p.isolation.ruleset_digest);
     let _ = writeln!(
         out,
@@ -902,6 +1004,21 @@ mod tests {
             screenshot: Some(Screenshot {
                 file: "shot.png".into(),
                 sha256: "12".repeat(32),
+            }),
+            hardware: Some(SandboxHardware {
+                config_sha256: "ab".repeat(32),
+                cpu: "x86-64-v2-AES".into(),
+                bios: "ovmf".into(),
+                machine: "q35".into(),
+                disks: vec![
+                    "virtio0=drive-virtio0.img".into(),
+                    "ide2=cdrom (empty)".into(),
+                ],
+                efidisk: "efitype=4m,pre-enrolled-keys=1".into(),
+                nics: vec!["net0=e1000".into()],
+                boot_order: vec!["virtio0".into()],
+                omitted: vec!["hostpci0: passthrough of a device".into()],
+                ..SandboxHardware::default()
             }),
         }
     }
@@ -1102,6 +1219,10 @@ mod tests {
             &path,
         );
         assert!(shown.starts_with("verdict: passed\n"), "{shown}");
+        assert!(
+            shown.contains("hardware: cpu x86-64-v2-AES bios ovmf (efidisk efitype=4m,pre-enrolled-keys=1) machine q35 ostype default scsihw default; disks [virtio0=drive-virtio0.img, ide2=cdrom (empty)]; nics [net0=e1000]; boot [virtio0]\n  omitted hostpci0: passthrough of a device\n"),
+            "{shown}"
+        );
         assert!(
             shown.contains(&format!("screenshot: {}", dir.join("shot.png").display())),
             "{shown}"

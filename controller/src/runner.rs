@@ -688,6 +688,8 @@ struct Evidence {
     screenshot: Option<screenshot::Screenshot>,
     /// Each step's name and the journal head its reply named.
     heads: Vec<(String, String)>,
+    /// The source hardware the sandbox VMs mirror, as the node read it.
+    hardware: Option<report::SandboxHardware>,
 }
 
 /// Drives one validation to its summary; never panics, never leaves without trying cleanup once
@@ -1069,6 +1071,29 @@ async fn steps(
             );
         }
     }
+    // The sandbox gets the source VM's hardware: its CPU, firmware, disk buses and NIC models.
+    // Passthrough and whatever reaches outside the sandbox are left out and reported.
+    let source = step!(
+        "read source config",
+        |r: &pb::ReadSourceConfigReply| {
+            let omitted = r.hardware.as_ref().map_or(0, |h| h.omitted.len());
+            format!("config sha256 {}; {omitted} parts omitted", r.config_sha256)
+        },
+        client.read_source_config(pb::ReadSourceConfigRequest {
+            snapshot: snapshot.clone(),
+            pbs_secret: context.secrets.pbs_secret.to_string(),
+            encryption_key: context
+                .secrets
+                .encryption_key
+                .as_ref()
+                .map(|k| k.to_vec())
+                .unwrap_or_default(),
+        })
+    );
+    evidence.hardware = source
+        .hardware
+        .as_ref()
+        .map(|h| report::SandboxHardware::from_wire(h, &source.config_sha256));
     for (vmid, limits) in &grant.sandbox_vms {
         let name = format!("create {vmid}");
         step!(
@@ -1079,6 +1104,7 @@ async fn steps(
                 cores: limits.max_cores,
                 memory_mib: limits.max_memory_mib,
                 archives: grant.archives.iter().map(ToString::to_string).collect(),
+                mirror_source_hardware: true,
             })
         );
     }
@@ -1712,6 +1738,7 @@ async fn finish(
         journal,
         verdict,
         screenshot: saved_screenshot,
+        hardware: evidence.hardware.clone(),
     };
     let statement = report::Statement::new(predicate);
     let report_path = match report::write(

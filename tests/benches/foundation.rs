@@ -70,6 +70,7 @@ fn main() {
             cores: 2,
             memory_mib: 1024,
             archives: vec![ARCHIVE.into()],
+            mirror_source_hardware: false,
         };
         let action = parse::create_vm(request()).unwrap();
 

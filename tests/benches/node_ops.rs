@@ -222,7 +222,8 @@ fn main() {
                     vmid: VMID,
                     cores: 1,
                     memory_mib: 256,
-                    archives: vec![ARCHIVE.into()]
+                    archives: vec![ARCHIVE.into()],
+                    mirror_source_hardware: false,
                 }),
                 |r| tool_ms(&r.tool)
             );

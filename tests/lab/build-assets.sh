@@ -77,7 +77,8 @@ busybox depmod -b "$work/kernel" "$version"
 vmlinuz=$work/kernel/boot/vmlinuz-$version
 
 # Modules the guest needs, dependencies first (modules.dep lists each module's dependencies).
-wanted="virtio_pci virtio_scsi sd_mod virtio_net virtio_console"
+# virtio_blk too: a sandbox mirrors the source's disk bus, and a guest may boot from virtio-blk.
+wanted="virtio_pci virtio_scsi sd_mod virtio_blk virtio_net virtio_console"
 declare -A seen=()
 ordered=()
 add_module() {

@@ -473,6 +473,23 @@ fn assert_passed_with_evidence(fleet: &Fleet, summary: &serde_json::Value, index
         p.isolation.ruleset
     );
     assert!(p.cleanup.complete && p.cleanup.residue.is_empty());
+    // The sandbox mirrored the source VM's config; the source's bridge is reported as omitted.
+    let hardware = p.hardware.as_ref().expect("the mirrored source hardware");
+    assert_eq!(
+        (hardware.machine.as_str(), hardware.scsihw.as_str()),
+        ("q35", "virtio-scsi-pci")
+    );
+    assert_eq!(
+        hardware.disks,
+        ["ide2=cdrom (empty)", "scsi0=drive-scsi0.img"]
+    );
+    assert_eq!(hardware.nics, ["net0=virtio"]);
+    assert_eq!(hardware.config_sha256.len(), 64);
+    assert!(
+        hardware.omitted.iter().any(|o| o.starts_with("net0: ")),
+        "{:?}",
+        hardware.omitted
+    );
     // The journal in the report was recomputed by the controller and ends with the run's end.
     let last = p.journal.records.last().unwrap();
     assert_eq!(last.operation, "run.end", "{last:?}");
@@ -500,6 +517,7 @@ fn assert_passed_with_evidence(fleet: &Fleet, summary: &serde_json::Value, index
         "connect",
         "begin",
         "map drive-scsi0.img",
+        "read source config",
         "prepare sandbox",
         &format!("screenshot {}", 9100 + u32::from(index)),
         "release sandbox",

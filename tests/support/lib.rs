@@ -137,6 +137,12 @@ impl Executor for RecordingExecutor {
                 journal_head: head,
                 ..Default::default()
             }),
+            Action::ReadSourceConfig { .. } => {
+                Outcome::ReadSourceConfig(pb::ReadSourceConfigReply {
+                    journal_head: head,
+                    ..Default::default()
+                })
+            }
         };
         self.actions.lock().unwrap().push(action);
         Box::pin(async move { Ok(outcome) })
@@ -288,6 +294,38 @@ pub async fn operator(authority: &Authority, node: &TestNode) -> ConnectorClient
 pub const RUN_ID: &str = "0f0e1c2d-3b4a-4c5d-8e6f-7a8b9c0d1e2f";
 pub const VMID: u32 = 9100;
 pub const ARCHIVE: &str = "drive-scsi0.img";
+/// The blob a PVE VM backup keeps the VM's config in, as the PBS double stores it.
+pub const SOURCE_CONFIG_BLOB: &str = "qemu-server.conf.blob";
+/// The first line of the config the support writes when a test gives none.
+const DEFAULT_SOURCE_CONFIG_MARK: &str = "#certistack test default";
+
+/// A source VM config for the snapshot in `dir` with the sandbox's long-standing shape (q35,
+/// virtio-scsi, each `drive-scsiN.img` as scsiN, an empty CD-ROM, a virtio NIC), unless a test
+/// stored its own config there.
+fn write_default_source_config(dir: &Path) {
+    let path = dir.join(SOURCE_CONFIG_BLOB);
+    if std::fs::read_to_string(&path).is_ok_and(|t| !t.starts_with(DEFAULT_SOURCE_CONFIG_MARK)) {
+        return;
+    }
+    let mut disks: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter_map(|n| {
+            let slot = n.strip_prefix("drive-scsi")?.strip_suffix(".img")?;
+            slot.parse::<u8>().ok()?;
+            Some(format!("scsi{slot}"))
+        })
+        .collect();
+    disks.sort();
+    let mut text = format!(
+        "{DEFAULT_SOURCE_CONFIG_MARK}\nboot: order={}\ncores: 1\nide2: none,media=cdrom\nmachine: q35\nmemory: 512\nnet0: virtio=BC:24:11:0A:0B:0C,bridge=vmbr0,firewall=1\nscsihw: virtio-scsi-pci\n",
+        disks.first().map_or("net0", String::as_str)
+    );
+    for disk in &disks {
+        text.push_str(&format!("{disk}: local-lvm:vm-100-disk-{disk},size=64M\n"));
+    }
+    std::fs::write(&path, text).unwrap();
+}
 pub const SNAPSHOT: &str = "vm/100/2026-11-01T02:00:00Z";
 pub const VNET: &str = "csbox1";
 pub const PROBE_SOURCE: &str = "198.51.100.2/24";
@@ -524,6 +562,17 @@ impl Lab {
         let file = std::fs::File::create(&path).unwrap();
         file.set_len(size).unwrap();
         std::os::unix::fs::FileExt::write_all_at(&file, marker, 0).unwrap();
+        write_default_source_config(&dir);
+        path
+    }
+
+    /// Stores `config` as the snapshot's `qemu-server.conf` blob (every PVE VM backup carries
+    /// one), replacing the default one.
+    pub fn add_source_config(&self, snapshot: &str, config: &str) -> PathBuf {
+        let dir = self.root.join("pbs/store1").join(snapshot);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(SOURCE_CONFIG_BLOB);
+        std::fs::write(&path, config).unwrap();
         path
     }
 
@@ -881,6 +930,7 @@ pub mod drifted {
         list_runs(pb::ListRunsRequest) -> pb::ListRunsReply;
         cleanup(pb::CleanupRequest) -> pb::CleanupReply;
         node_checks(pb::NodeChecksRequest) -> pb::NodeChecksReply;
+        read_source_config(pb::ReadSourceConfigRequest) -> pb::ReadSourceConfigReply;
     }
 }
 
@@ -1017,6 +1067,7 @@ impl Lab {
         let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
         std::os::unix::fs::FileExt::write_all_at(&file, data.as_bytes(), assets.data_offset)
             .unwrap();
+        write_default_source_config(&dir);
         path
     }
 }

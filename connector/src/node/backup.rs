@@ -17,11 +17,19 @@ use crate::grant::Grant;
 use crate::journal::{Phase, Record};
 use crate::process::{SecretInput, SecretKind, ToolCall, ToolOutput};
 use crate::runs::{RunGuard, RunHandle};
+use crate::source_hardware::{MAX_CONFIG_BYTES, SourceConfigError, SourceHardware};
 use crate::validate::{ArchiveName, Secret, Snapshot};
 use certistack_proto::v1 as pb;
 use serde_json::json;
+use sha2::{Digest, Sha256};
 use std::path::PathBuf;
 use std::time::Duration;
+
+/// The blob every PVE VM backup carries the VM's config in.
+const SOURCE_CONFIG_ARCHIVE: &str = "qemu-server.conf";
+/// Journal op and key of the source config read: nothing on the node to undo.
+pub(super) const SOURCE_CONFIG_OP: &str = "source.config";
+const SOURCE_CONFIG_RESOURCE: &str = "source:qemu-server.conf";
 
 /// The descriptor `proxmox-backup-client` reads the password from (`PBS_PASSWORD_FD`).
 const PASSWORD_FD: i32 = 3;
@@ -147,6 +155,148 @@ impl NodeExecutor {
         matching == [ours]
     }
 
+    /// A `proxmox-backup-client` call on the grant's repository: the PBS secret goes through a
+    /// pipe (`PBS_PASSWORD_FD`), the encryption key through a memfd, never argv or environment.
+    fn pbs_call(
+        &self,
+        grant: &Grant,
+        args: &[&str],
+        timeout: Duration,
+        secret: Secret,
+        key: Option<EncryptionKey>,
+    ) -> ToolCall {
+        let mut call = args.iter().fold(
+            ToolCall::new(&self.config.tools.proxmox_backup_client, timeout),
+            |call, arg| call.arg(arg),
+        );
+        call = call
+            .arg("--repository")
+            .arg(repository_string(&grant.repository))
+            .env("PBS_PASSWORD_FD", PASSWORD_FD.to_string())
+            .env("PBS_FINGERPRINT", grant.repository.fingerprint.to_string())
+            .secret(SecretInput {
+                child_fd: PASSWORD_FD,
+                bytes: zeroize::Zeroizing::new(secret.expose().as_bytes().to_vec()),
+                kind: SecretKind::Pipe,
+            });
+        drop(secret);
+        if !grant.repository.namespace.as_str().is_empty() {
+            call = call.arg("--ns").arg(grant.repository.namespace.as_str());
+        }
+        if let Some(key) = key {
+            call = call
+                .arg("--keyfile")
+                .arg(format!("/proc/self/fd/{KEYFILE_FD}"))
+                .secret(SecretInput {
+                    child_fd: KEYFILE_FD,
+                    bytes: key.0,
+                    kind: SecretKind::Memfd,
+                });
+        }
+        call
+    }
+
+    /// `proxmox-backup-client restore <snapshot> qemu-server.conf -`: the source VM's config,
+    /// parsed into the hardware shape the run's sandbox VMs may mirror. Journaled with the
+    /// shape, so `CreateVm` (and a restarted daemon) uses exactly what was read here.
+    pub(super) async fn read_source_config(
+        &self,
+        run: &RunHandle,
+        snapshot: Snapshot,
+        secret: Secret,
+        key: Option<EncryptionKey>,
+    ) -> Result<Outcome, ExecError> {
+        let grant = &run.grant;
+        let mut guard = self.lock_open(run).await?;
+        let call = self
+            .pbs_call(
+                grant,
+                &["restore", snapshot.as_str(), SOURCE_CONFIG_ARCHIVE, "-"],
+                self.tool_timeout(),
+                secret,
+                key,
+            )
+            // One byte over the limit tells an oversized config from one that fits.
+            .output_cap(MAX_CONFIG_BYTES.saturating_add(1));
+        guard
+            .append(
+                self.now_ms(),
+                SOURCE_CONFIG_OP,
+                SOURCE_CONFIG_RESOURCE,
+                Phase::Intent,
+                json!({ "snapshot": snapshot.as_str(), "command": call.display() }),
+            )
+            .await?;
+        let output = self
+            .run_step(&mut guard, SOURCE_CONFIG_OP, SOURCE_CONFIG_RESOURCE, call)
+            .await?;
+        if !output.success() {
+            self.journal_tool_failed(
+                &mut guard,
+                SOURCE_CONFIG_OP,
+                SOURCE_CONFIG_RESOURCE,
+                &output,
+                &[],
+            )
+            .await?;
+            return Err(ExecError::FailedPrecondition(format!(
+                "proxmox-backup-client could not read {SOURCE_CONFIG_ARCHIVE} of {snapshot} (exit {:?}): {}",
+                output.exit_code,
+                output.stderr_excerpt()
+            )));
+        }
+        let parsed = if output.truncated {
+            Err(SourceConfigError::TooLarge)
+        } else {
+            SourceHardware::parse(output.stdout.as_bytes())
+        };
+        let config_sha256 = hex::encode(Sha256::digest(output.stdout.as_bytes()));
+        let hardware = match parsed {
+            Ok(hardware) => hardware,
+            Err(error) => {
+                let reason = error.to_string();
+                self.journal_tool_failed(
+                    &mut guard,
+                    SOURCE_CONFIG_OP,
+                    SOURCE_CONFIG_RESOURCE,
+                    &output,
+                    &[
+                        ("reason", json!(reason)),
+                        ("config_sha256", json!(config_sha256)),
+                    ],
+                )
+                .await?;
+                return Err(ExecError::FailedPrecondition(format!(
+                    "the VM config in {snapshot} cannot be mirrored: {reason}; the sandbox is not created from it"
+                )));
+            }
+        };
+        let journaled = serde_json::to_value(&hardware).map_err(|e| {
+            ExecError::Failed(format!("the source hardware cannot be journaled: {e}"))
+        })?;
+        guard
+            .append(
+                self.now_ms(),
+                SOURCE_CONFIG_OP,
+                SOURCE_CONFIG_RESOURCE,
+                Phase::Done,
+                tool_detail(
+                    &output,
+                    &[
+                        ("config_sha256", json!(config_sha256)),
+                        ("hardware", journaled),
+                    ],
+                ),
+            )
+            .await?;
+        Ok(Outcome::ReadSourceConfig(pb::ReadSourceConfigReply {
+            hardware: Some(hardware.to_wire()),
+            tool: Some(tool_result("proxmox-backup-client restore", &output)),
+            journal_head: guard.head_hex(),
+            config_sha256,
+        }))
+    }
+
     pub(super) async fn map_backup(
         &self,
         run: &RunHandle,
@@ -170,36 +320,13 @@ impl NodeExecutor {
         }
         let op = Op::BackupMap.as_str();
         let repository = repository_string(&grant.repository);
-        let mut call = ToolCall::new(
-            &self.config.tools.proxmox_backup_client,
+        let call = self.pbs_call(
+            grant,
+            &["map", snapshot.as_str(), archive.as_str()],
             Duration::from_secs(self.config.limits.map_timeout_secs),
-        )
-        .arg("map")
-        .arg(snapshot.as_str())
-        .arg(archive.as_str())
-        .arg("--repository")
-        .arg(&repository)
-        .env("PBS_PASSWORD_FD", PASSWORD_FD.to_string())
-        .env("PBS_FINGERPRINT", grant.repository.fingerprint.to_string())
-        .secret(SecretInput {
-            child_fd: PASSWORD_FD,
-            bytes: zeroize::Zeroizing::new(secret.expose().as_bytes().to_vec()),
-            kind: SecretKind::Pipe,
-        });
-        drop(secret);
-        if !grant.repository.namespace.as_str().is_empty() {
-            call = call.arg("--ns").arg(grant.repository.namespace.as_str());
-        }
-        if let Some(key) = key {
-            call = call
-                .arg("--keyfile")
-                .arg(format!("/proc/self/fd/{KEYFILE_FD}"))
-                .secret(SecretInput {
-                    child_fd: KEYFILE_FD,
-                    bytes: key.0,
-                    kind: SecretKind::Memfd,
-                });
-        }
+            secret,
+            key,
+        );
         guard.append(
             self.now_ms(),
             op,

@@ -171,7 +171,19 @@ impl NodeExecutor {
                 cores,
                 memory_mib,
                 archives,
-            } => self.create_vm(run, vmid, cores, memory_mib, archives).await,
+                mirror_source,
+            } => {
+                self.create_vm(run, vmid, cores, memory_mib, archives, mirror_source)
+                    .await
+            }
+            Action::ReadSourceConfig {
+                snapshot,
+                secret,
+                encryption_key,
+            } => {
+                self.read_source_config(run, snapshot, secret, encryption_key)
+                    .await
+            }
             Action::StartVm { vmid } => self.vm_lifecycle(run, vmid, vm::Verb::Start).await,
             Action::StopVm { vmid, timeout_secs } => {
                 self.vm_lifecycle(run, vmid, vm::Verb::Stop { timeout_secs })

@@ -6,13 +6,15 @@
 //! stop and destroy, and before cleanup undoes anything, the VM config is re-read: only a VM
 //! carrying this run's description, tag and journaled SMBIOS UUID is ever touched.
 
+use super::backup::SOURCE_CONFIG_OP;
 use super::resources::{self, EndState, Op, Resource, ResourceState, Standing};
 use super::{NodeExecutor, tool_detail, tool_error, tool_result};
 use crate::executor::{ExecError, Outcome};
 use crate::grant::Grant;
-use crate::journal::Phase;
+use crate::journal::{Phase, Record};
 use crate::process::{self, ToolCall};
 use crate::runs::{RunGuard, RunHandle};
+use crate::source_hardware::SourceHardware;
 use crate::validate::{ArchiveName, Vmid};
 use certistack_proto::v1 as pb;
 use serde_json::json;
@@ -354,9 +356,15 @@ impl NodeExecutor {
         cores: u32,
         memory_mib: u32,
         archives: Vec<ArchiveName>,
+        mirror_source: bool,
     ) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
         let mut guard = self.lock_open(run).await?;
+        let source = if mirror_source {
+            Some(source_hardware(&guard.records())?)
+        } else {
+            None
+        };
         let states = resources::states(&guard.records());
         let resource = Resource::Vm(vmid).key();
         if let Some(state) = states.get(&resource).filter(|s| s.is_open()) {
@@ -393,11 +401,42 @@ impl NodeExecutor {
                 )));
             }
             let path = self.overlay_path(grant, vmid, archive);
-            disks.push((
-                format!("--scsi{slot}"),
-                format!("{},format=qcow2,backup=0", path.display()),
-            ));
+            disks.push((archive.clone(), slot, path.display().to_string()));
         }
+        // The source's shape, or the connector's own: q35, virtio-scsi, scsiN in order.
+        let hardware = match &source {
+            Some(source) => {
+                let overlays: Vec<(ArchiveName, String)> =
+                    disks.into_iter().map(|(a, _, path)| (a, path)).collect();
+                source
+                    .qm_options(&overlays, grant.vnet.as_str())
+                    .map_err(|reason| {
+                        ExecError::FailedPrecondition(format!(
+                            "VM {vmid} cannot mirror the source: {reason}"
+                        ))
+                    })?
+            }
+            None => {
+                let mut own: Vec<(String, String)> =
+                    vec![("--scsihw".into(), "virtio-scsi-pci".into())];
+                own.extend(disks.into_iter().map(|(_, slot, path)| {
+                    (
+                        format!("--scsi{slot}"),
+                        format!("{path},format=qcow2,backup=0"),
+                    )
+                }));
+                own.extend([
+                    ("--ide2".into(), "none,media=cdrom".into()),
+                    (
+                        "--net0".into(),
+                        format!("virtio,bridge={},firewall=0", grant.vnet),
+                    ),
+                    ("--machine".into(), "q35".into()),
+                    ("--boot".into(), "order=scsi0".into()),
+                ]);
+                own
+            }
+        };
         let smbios_uuid = uuid::Uuid::new_v4().to_string();
         let mut args: Vec<String> = vec!["create".into(), vmid.to_string()];
         let mut push = |k: &str, v: String| {
@@ -407,20 +446,15 @@ impl NodeExecutor {
         push("--name", format!("certistack-{vmid}"));
         push("--memory", memory_mib.to_string());
         push("--cores", cores.to_string());
-        push("--scsihw", "virtio-scsi-pci".into());
-        for (key, value) in disks {
+        for (key, value) in hardware {
             push(&key, value);
         }
-        push("--ide2", "none,media=cdrom".into());
         push("--agent", "1".into());
-        push("--net0", format!("virtio,bridge={},firewall=0", grant.vnet));
         push("--smbios1", format!("uuid={smbios_uuid}"));
-        push("--machine", "q35".into());
         push(
             "--cpuunits",
             self.config.limits.sandbox_cpu_units.to_string(),
         );
-        push("--boot", "order=scsi0".into());
         push("--tags", TAG.into());
         push("--description", marker(grant.run_id.as_str()));
         let op = Op::VmCreate.as_str();
@@ -667,6 +701,25 @@ impl NodeExecutor {
     }
 }
 
+/// The source hardware this run's last successful `ReadSourceConfig` journaled.
+fn source_hardware(records: &[Record]) -> Result<SourceHardware, ExecError> {
+    let detail = records
+        .iter()
+        .rev()
+        .find(|r| r.entry.op == SOURCE_CONFIG_OP && r.entry.phase == Phase::Done)
+        .and_then(|r| r.entry.detail.get("hardware"))
+        .ok_or_else(|| {
+            ExecError::FailedPrecondition(
+                "this run has not read the source VM's config: call ReadSourceConfig first".into(),
+            )
+        })?;
+    serde_json::from_value(detail.clone()).map_err(|e| {
+        ExecError::Failed(format!(
+            "the source hardware this run journaled does not read back: {e}"
+        ))
+    })
+}
+
 /// Whether this run's last `qm create` of the VM never reported its outcome (the daemon died,
 /// or qm was killed at its deadline) and no create of it completed: then a claim config is
 /// what that create left, and only then.
@@ -703,6 +756,49 @@ mod tests {
         assert_eq!(keys.get("agent").map(String::as_str), Some("1"));
         assert_eq!(keys.get("smbios1").map(String::as_str), Some("uuid=ABC"));
         assert_eq!(percent_decode("a%3Ab%ZZ%4"), "a:b%ZZ%4");
+    }
+
+    /// The shape `CreateVm` mirrors is the last one a completed `ReadSourceConfig` journaled,
+    /// read back from the journal file as a restarted daemon reads it; a failed read after it
+    /// changes nothing, and a run without one is refused.
+    #[test]
+    fn the_mirrored_shape_comes_from_the_journal_file() {
+        let dir = std::env::temp_dir().join(format!("certistack-srchw-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let run = "0f0e1c2d-3b4a-4c5d-8e6f-7a8b9c0d1e2f";
+        let mut journal = crate::journal::Journal::create(&dir, run).unwrap();
+        let first = SourceHardware::parse(b"scsi0: a\n").unwrap();
+        let second = SourceHardware::parse(b"virtio0: a\nbios: ovmf\n").unwrap();
+        let op = SOURCE_CONFIG_OP;
+        let key = "source:qemu-server.conf";
+        journal
+            .append(0, "run.begin", "run:x", Phase::Done, json!(null))
+            .unwrap();
+        let before = crate::journal::read(journal.path(), run).unwrap().records;
+        assert!(matches!(
+            source_hardware(&before),
+            Err(ExecError::FailedPrecondition(m)) if m.contains("call ReadSourceConfig first")
+        ));
+        for (phase, hardware) in [
+            (Phase::Done, Some(&first)),
+            (Phase::Done, Some(&second)),
+            (Phase::Failed, None),
+        ] {
+            let detail = match hardware {
+                Some(h) => json!({ "hardware": h }),
+                None => json!({ "reason": "garbled" }),
+            };
+            journal
+                .append(0, op, key, Phase::Intent, json!(null))
+                .unwrap();
+            journal.append(0, op, key, phase, detail).unwrap();
+        }
+        let records = crate::journal::read(journal.path(), run).unwrap().records;
+        assert_eq!(source_hardware(&records).unwrap(), second);
+        // Source reads leave nothing on the node: no resource for cleanup.
+        assert!(!resources::states(&records).contains_key(key));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
