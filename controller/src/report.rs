@@ -177,6 +177,9 @@ pub struct Validation {
 }
 
 /// The sandbox VM's hardware, mirrored from the source VM's config.
+/// The archive PVE's backup gives a VM's EFI vars disk (`efidisk0`).
+pub const EFIDISK_ARCHIVE: &str = "drive-efidisk0.img";
+
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SandboxHardware {
@@ -201,7 +204,55 @@ pub struct SandboxHardware {
 }
 
 impl SandboxHardware {
-    pub fn from_wire(hardware: &pb::SourceHardware, config_sha256: &str) -> Self {
+    /// What the sandbox got of the source's hardware when created with the overlays of
+    /// `archives`: the source's disks and EFI vars disk whose archives the run does not
+    /// restore are not attached, so they are listed as omitted (with what to change), and the
+    /// boot order keeps only devices the sandbox has, as the node builds it.
+    pub fn from_wire(
+        hardware: &pb::SourceHardware,
+        config_sha256: &str,
+        archives: &[String],
+    ) -> Self {
+        let restored = |archive: &str| archives.iter().any(|a| a == archive);
+        let mut omitted: Vec<String> = hardware
+            .omitted
+            .iter()
+            .map(|o| format!("{}: {}", o.key, o.reason))
+            .collect();
+        let mut present: Vec<&str> = Vec::new();
+        let mut disks = Vec::new();
+        for disk in &hardware.disks {
+            if disk.cdrom {
+                disks.push(format!("{}=cdrom (empty)", disk.slot));
+            } else if restored(&disk.archive) {
+                disks.push(format!("{}={}", disk.slot, disk.archive));
+            } else {
+                omitted.push(format!(
+                    "{}: its archive {} is not among the plan's archives; add it to restore this disk",
+                    disk.slot, disk.archive
+                ));
+                continue;
+            }
+            present.push(&disk.slot);
+        }
+        let efidisk_restored = restored(EFIDISK_ARCHIVE);
+        if hardware.efidisk && !efidisk_restored {
+            omitted.push(format!(
+                "efidisk0: its archive {EFIDISK_ARCHIVE} is not among the plan's archives, so the \
+                 firmware starts with empty EFI variables (boot entries and Secure Boot keys of \
+                 the source are missing); add it to the plan's archives"
+            ));
+        }
+        let nics: Vec<String> = hardware
+            .nics
+            .iter()
+            .map(|n| format!("net{}={}", n.index, n.model))
+            .collect();
+        let nic_keys: Vec<String> = hardware
+            .nics
+            .iter()
+            .map(|n| format!("net{}", n.index))
+            .collect();
         SandboxHardware {
             config_sha256: config_sha256.to_owned(),
             cpu: hardware.cpu.clone(),
@@ -209,18 +260,8 @@ impl SandboxHardware {
             machine: hardware.machine.clone(),
             ostype: hardware.ostype.clone(),
             scsihw: hardware.scsihw.clone(),
-            disks: hardware
-                .disks
-                .iter()
-                .map(|d| {
-                    if d.cdrom {
-                        format!("{}=cdrom (empty)", d.slot)
-                    } else {
-                        format!("{}={}", d.slot, d.archive)
-                    }
-                })
-                .collect(),
-            efidisk: if hardware.efidisk {
+            disks,
+            efidisk: if hardware.efidisk && efidisk_restored {
                 format!(
                     "efitype={},pre-enrolled-keys={}",
                     hardware.efitype,
@@ -229,17 +270,14 @@ impl SandboxHardware {
             } else {
                 String::new()
             },
-            nics: hardware
-                .nics
+            nics,
+            boot_order: hardware
+                .boot_order
                 .iter()
-                .map(|n| format!("net{}={}", n.index, n.model))
+                .filter(|key| present.contains(&key.as_str()) || nic_keys.contains(key))
+                .cloned()
                 .collect(),
-            boot_order: hardware.boot_order.clone(),
-            omitted: hardware
-                .omitted
-                .iter()
-                .map(|o| format!("{}: {}", o.key, o.reason))
-                .collect(),
+            omitted,
         }
     }
 }
@@ -1025,6 +1063,69 @@ mod tests {
 
     fn signed(key: &SigningKey) -> Vec<u8> {
         serde_json::to_vec(&sign(&Statement::new(validation()), key).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn the_hardware_shows_what_the_sandbox_got_of_the_source() {
+        let disk = |slot: &str, cdrom: bool| pb::SourceDisk {
+            slot: slot.into(),
+            archive: if cdrom {
+                String::new()
+            } else {
+                format!("drive-{slot}.img")
+            },
+            cdrom,
+        };
+        let source = pb::SourceHardware {
+            bios: "ovmf".into(),
+            disks: vec![
+                disk("scsi0", false),
+                disk("scsi1", false),
+                disk("ide2", true),
+            ],
+            efidisk: true,
+            efitype: "4m".into(),
+            pre_enrolled_keys: true,
+            nics: vec![pb::SourceNic {
+                index: 0,
+                model: "virtio".into(),
+            }],
+            boot_order: vec!["scsi1".into(), "scsi0".into(), "ide2".into(), "net0".into()],
+            ..pb::SourceHardware::default()
+        };
+        let all = SandboxHardware::from_wire(
+            &source,
+            "ab",
+            &[
+                "drive-scsi0.img".into(),
+                "drive-scsi1.img".into(),
+                EFIDISK_ARCHIVE.into(),
+            ],
+        );
+        assert_eq!(all.efidisk, "efitype=4m,pre-enrolled-keys=1");
+        assert_eq!(all.boot_order, ["scsi1", "scsi0", "ide2", "net0"]);
+        assert!(all.omitted.is_empty(), "{:?}", all.omitted);
+
+        let some = SandboxHardware::from_wire(&source, "ab", &["drive-scsi0.img".into()]);
+        assert_eq!(some.disks, ["scsi0=drive-scsi0.img", "ide2=cdrom (empty)"]);
+        assert_eq!(
+            some.efidisk, "",
+            "an EFI disk the run does not restore is not the sandbox's"
+        );
+        assert_eq!(some.boot_order, ["scsi0", "ide2", "net0"]);
+        assert!(
+            some.omitted
+                .iter()
+                .any(|o| o.starts_with("scsi1: its archive drive-scsi1.img"))
+        );
+        assert!(
+            some.omitted.iter().any(
+                |o| o.starts_with("efidisk0: its archive drive-efidisk0.img")
+                    && o.contains("empty EFI variables")
+            ),
+            "{:?}",
+            some.omitted
+        );
     }
 
     #[test]

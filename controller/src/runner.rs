@@ -1090,10 +1090,10 @@ async fn steps(
                 .unwrap_or_default(),
         })
     );
-    evidence.hardware = source
-        .hardware
-        .as_ref()
-        .map(|h| report::SandboxHardware::from_wire(h, &source.config_sha256));
+    evidence.hardware = source.hardware.as_ref().map(|h| {
+        let archives: Vec<String> = grant.archives.iter().map(ToString::to_string).collect();
+        report::SandboxHardware::from_wire(h, &source.config_sha256, &archives)
+    });
     for (vmid, limits) in &grant.sandbox_vms {
         let name = format!("create {vmid}");
         step!(
