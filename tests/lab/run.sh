@@ -269,6 +269,19 @@ disk=$node/pbs/store1/vm/100/$snapshot_time/drive-scsi0.img
 cp --sparse=always "$assets/disk-boot.img" "$disk"
 printf 'certistack-lab-disk v1\nmarker=%s\naddress=%s/24\nagent=yes\n' "$marker" "$guest" |
   dd of="$disk" bs=512 seek=$((DATA_OFFSET / 512)) conv=notrunc status=none
+# Every PVE VM backup carries the source VM's config; the sandbox mirrors its hardware.
+cat >"$node/pbs/store1/vm/100/$snapshot_time/qemu-server.conf.blob" <<SOURCE
+boot: order=scsi0;ide2;net0
+cores: 1
+ide2: none,media=cdrom
+machine: q35
+memory: 256
+name: lab-web
+net0: virtio=BC:24:11:0A:0B:0C,bridge=vmbr0,firewall=1
+ostype: l26
+scsi0: local-lvm:vm-100-disk-0,size=64M
+scsihw: virtio-scsi-pci
+SOURCE
 body="certistack lab guest: marker $marker"
 body_sha256=$(printf '%s\n' "$body" | sha256sum | cut -d' ' -f1)
 
@@ -298,6 +311,8 @@ vm_config_dir = "$node/etc/pve/qemu-server"
 pbs_loopdev_dir = "$node/run/pbs-loopdev"
 pve_cluster_dir = "$node/var/lib/pve-cluster"
 dpkg_status = "$node/var/lib/dpkg/status"
+# The mount table of a PVE 9 node (cgroup v2): this machine's own may be hybrid.
+mounts = "$root/tests/support/pve9/mounts"
 CONF
 
 "$bin/certistack-ctl" ca init --state-dir "$ctl/state" >"$work/ca-init.txt"
@@ -470,7 +485,7 @@ if report:
     teardown_ms = span(lambda n: n.startswith("stop "), lambda n: n == "journal")
     verdict = p["verdict"]
     lines.append(f"verdict       {verdict['result']}" + "".join(f"\n              {r}" for r in verdict.get("reasons", [])))
-    os_info = p.get("guest", {}).get("os_info", {})
+    os_info = (p.get("guest") or {}).get("os_info") or {}
     lines.append(f"guest         {p.get('guest', {}).get('status', '?')}; QGA: {os_info.get('pretty-name') or os_info.get('pretty_name') or os_info or 'no answer'}")
     try:
         import os
