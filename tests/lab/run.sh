@@ -145,15 +145,26 @@ teardown() {
   set -e
 }
 
-# Processes of this lab: their command line names $work, or they run in it.
+# Processes of this lab: programs the lab starts (the connector, the controller, the doubles'
+# Python, QEMU) whose command line names $work or that run in it. An operator's shell, pager or
+# editor looking at the work directory is not the lab's and is never killed.
+lab_program() {
+  case "$(readlink "/proc/$1/exe" 2>/dev/null)" in
+    "$bin"/certistack-connector | "$bin"/certistack-ctl | */python3* | */qemu-system-*) return 0 ;;
+  esac
+  return 1
+}
 lab_pids() {
-  local pid found=""
-  for pid in $(pgrep -f -- "$work/" || true); do
-    [ "$pid" != $$ ] && found+="$pid "
+  local pid found="" pattern
+  # pgrep takes a regular expression: the path is matched literally.
+  pattern=$(printf '%s/' "$work" | sed 's/[][\.*^$+?(){}|]/\\&/g')
+  for pid in $(pgrep -f -- "$pattern" || true); do
+    [ "$pid" != $$ ] && lab_program "$pid" && found+="$pid "
   done
   for pid in /proc/[0-9]*; do
-    case "$(readlink "$pid/cwd" 2>/dev/null)/" in
-      "$work"/*) [ "${pid#/proc/}" != $$ ] && found+="${pid#/proc/} " ;;
+    pid=${pid#/proc/}
+    case "$(readlink "/proc/$pid/cwd" 2>/dev/null)/" in
+      "$work"/*) [ "$pid" != $$ ] && lab_program "$pid" && case " $found" in *" $pid "*) ;; *) found+="$pid " ;; esac ;;
     esac
   done
   printf '%s' "$found"
