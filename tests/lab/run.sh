@@ -149,8 +149,10 @@ teardown() {
 # Python, QEMU) whose command line names $work or that run in it. An operator's shell, pager or
 # editor looking at the work directory is not the lab's and is never killed.
 lab_program() {
+  # A binary rebuilt since it started reads as "<path> (deleted)".
   case "$(readlink "/proc/$1/exe" 2>/dev/null)" in
-    "$bin"/certistack-connector | "$bin"/certistack-ctl | */python3* | */qemu-system-*) return 0 ;;
+    "$bin"/certistack-connector | "$bin/certistack-connector (deleted)" | "$bin"/certistack-ctl | \
+      "$bin/certistack-ctl (deleted)" | */python3* | */qemu-system-*) return 0 ;;
   esac
   return 1
 }
