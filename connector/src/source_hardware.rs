@@ -27,7 +27,7 @@ use std::collections::BTreeMap;
 pub const MAX_CONFIG_BYTES: usize = 64 * 1024;
 /// Omitted parts listed one by one; the rest are counted in one last entry.
 const MAX_OMITTED: usize = 64;
-/// Longest value a mirrored key may carry.
+/// Longest value a key may carry to be mirrored; a longer one is omitted.
 const MAX_VALUE_CHARS: usize = 4096;
 
 /// The archive PVE's backup stores the EFI vars disk in.
@@ -75,11 +75,38 @@ impl Bus {
     }
 }
 
-/// A disk bus and slot that exists in PVE, e.g. `virtio1`.
+/// A disk bus and slot that exists in PVE, e.g. `virtio1`; deserializing (from the journal)
+/// checks the slot exists again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(try_from = "SlotFields")]
 pub struct Slot {
     pub bus: Bus,
     pub index: u8,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SlotFields {
+    bus: Bus,
+    index: u8,
+}
+
+impl TryFrom<SlotFields> for Slot {
+    type Error = String;
+    fn try_from(fields: SlotFields) -> Result<Self, String> {
+        if fields.index < fields.bus.slots() {
+            Ok(Slot {
+                bus: fields.bus,
+                index: fields.index,
+            })
+        } else {
+            Err(format!(
+                "{}{} is not a disk slot PVE has",
+                fields.bus.name(),
+                fields.index
+            ))
+        }
+    }
 }
 
 impl Slot {
@@ -166,10 +193,36 @@ impl NicModel {
     }
 }
 
+/// qemu-server's `$MAX_NETS`: `net0` to `net31`.
+const MAX_NICS: u8 = 32;
+
+/// A NIC slot and model; deserializing (from the journal) checks the slot exists again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "NicFields")]
 pub struct Nic {
     pub index: u8,
     pub model: NicModel,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NicFields {
+    index: u8,
+    model: NicModel,
+}
+
+impl TryFrom<NicFields> for Nic {
+    type Error = String;
+    fn try_from(fields: NicFields) -> Result<Self, String> {
+        if fields.index < MAX_NICS {
+            Ok(Nic {
+                index: fields.index,
+                model: fields.model,
+            })
+        } else {
+            Err(format!("net{} is not a NIC slot PVE has", fields.index))
+        }
+    }
 }
 
 /// qemu-server's `ostype` enumeration.
@@ -401,7 +454,6 @@ fn top_section(bytes: &[u8]) -> Result<Vec<(String, String)>, SourceConfigError>
         let key = key.trim();
         let value = value.trim();
         if !is_config_key(key)
-            || value.chars().count() > MAX_VALUE_CHARS
             || value
                 .chars()
                 .any(|c| c.is_control() || c == char::REPLACEMENT_CHARACTER)
@@ -436,6 +488,17 @@ impl SourceHardware {
         let mut bootdisk = None;
         for (key, value) in &keys {
             let key = key.as_str();
+            // The config as a whole is bounded; one long value (a cloud-init VM's `sshkeys`)
+            // is left out, not a reason to refuse the rest.
+            if value.chars().count() > MAX_VALUE_CHARS {
+                omit(
+                    key,
+                    &format!(
+                        "its value is longer than {MAX_VALUE_CHARS} characters: never mirrored"
+                    ),
+                );
+                continue;
+            }
             let (first, opts) = options(value);
             if let Some(slot) = Slot::parse(key) {
                 if opts.get("media") == Some(&"cdrom") {
@@ -451,7 +514,7 @@ impl SourceHardware {
                 continue;
             }
             if let Some(index) = key.strip_prefix("net").and_then(|n| n.parse::<u8>().ok())
-                && index < 32
+                && index < MAX_NICS
                 && key == format!("net{index}")
             {
                 let model = first
@@ -979,5 +1042,56 @@ mod tests {
             .qm_options(&[overlay(EFIDISK_ARCHIVE)], "csbox1")
             .unwrap_err();
         assert!(err.contains("no efidisk0"));
+    }
+
+    /// A real cloud-init VM carries its admin keys URL-encoded in `sshkeys`; a handful of RSA
+    /// keys pass 4096 characters. The key is never mirrored, so its length must not make the
+    /// whole config unreadable.
+    #[test]
+    fn a_long_value_of_a_key_that_is_not_mirrored_does_not_refuse_the_config() {
+        let key = format!("ssh-rsa%20{}%20admin%40example", "A".repeat(720));
+        let sshkeys = vec![key; 6].join("%0A");
+        assert!(sshkeys.len() > MAX_VALUE_CHARS);
+        let config =
+            format!("cpu: x86-64-v2-AES\nscsi0: local-lvm:vm-1-disk-0\nsshkeys: {sshkeys}\n");
+        let hw = SourceHardware::parse(config.as_bytes()).unwrap();
+        assert_eq!(hw.cpu.unwrap().as_str(), "x86-64-v2-AES");
+        assert!(hw.omitted.iter().any(|o| o.key == "sshkeys"));
+    }
+
+    /// Slots and NIC indexes read back from the journal are checked again, like the CPU: a
+    /// shape no parse could produce never reaches `qm create`.
+    #[test]
+    fn a_journaled_shape_with_a_slot_or_nic_pve_lacks_is_refused() {
+        let shape = |disks: serde_json::Value, nics: serde_json::Value| {
+            serde_json::json!({
+                "cpu": null, "bios": null, "machine": null, "ostype": null, "scsihw": null,
+                "disks": disks, "efidisk": null, "nics": nics, "boot_order": [], "omitted": []
+            })
+        };
+        let good = shape(
+            serde_json::json!([{ "slot": { "bus": "scsi", "index": 30 }, "cdrom": false }]),
+            serde_json::json!([{ "index": 31, "model": "virtio" }]),
+        );
+        assert!(serde_json::from_value::<SourceHardware>(good).is_ok());
+        for tampered in [
+            shape(
+                serde_json::json!([{ "slot": { "bus": "scsi", "index": 200 }, "cdrom": false }]),
+                serde_json::json!([]),
+            ),
+            shape(
+                serde_json::json!([{ "slot": { "bus": "ide", "index": 4 }, "cdrom": true }]),
+                serde_json::json!([]),
+            ),
+            shape(
+                serde_json::json!([]),
+                serde_json::json!([{ "index": 99, "model": "virtio" }]),
+            ),
+        ] {
+            assert!(
+                serde_json::from_value::<SourceHardware>(tampered.clone()).is_err(),
+                "{tampered}"
+            );
+        }
     }
 }

@@ -145,15 +145,28 @@ teardown() {
   set -e
 }
 
-# Processes of this lab: their command line names $work, or they run in it.
+# Processes of this lab: programs the lab starts (the connector, the controller, the doubles'
+# Python, QEMU) whose command line names $work or that run in it. An operator's shell, pager or
+# editor looking at the work directory is not the lab's and is never killed.
+lab_program() {
+  # A binary rebuilt since it started reads as "<path> (deleted)".
+  case "$(readlink "/proc/$1/exe" 2>/dev/null)" in
+    "$bin"/certistack-connector | "$bin/certistack-connector (deleted)" | "$bin"/certistack-ctl | \
+      "$bin/certistack-ctl (deleted)" | */python3* | */qemu-system-*) return 0 ;;
+  esac
+  return 1
+}
 lab_pids() {
-  local pid found=""
-  for pid in $(pgrep -f -- "$work/" || true); do
-    [ "$pid" != $$ ] && found+="$pid "
+  local pid found="" pattern
+  # pgrep takes a regular expression: the path is matched literally.
+  pattern=$(printf '%s/' "$work" | sed 's/[][\.*^$+?(){}|]/\\&/g')
+  for pid in $(pgrep -f -- "$pattern" || true); do
+    [ "$pid" != $$ ] && lab_program "$pid" && found+="$pid "
   done
   for pid in /proc/[0-9]*; do
-    case "$(readlink "$pid/cwd" 2>/dev/null)/" in
-      "$work"/*) [ "${pid#/proc/}" != $$ ] && found+="${pid#/proc/} " ;;
+    pid=${pid#/proc/}
+    case "$(readlink "/proc/$pid/cwd" 2>/dev/null)/" in
+      "$work"/*) [ "$pid" != $$ ] && lab_program "$pid" && case " $found" in *" $pid "*) ;; *) found+="$pid " ;; esac ;;
     esac
   done
   printf '%s' "$found"
@@ -269,6 +282,19 @@ disk=$node/pbs/store1/vm/100/$snapshot_time/drive-scsi0.img
 cp --sparse=always "$assets/disk-boot.img" "$disk"
 printf 'certistack-lab-disk v1\nmarker=%s\naddress=%s/24\nagent=yes\n' "$marker" "$guest" |
   dd of="$disk" bs=512 seek=$((DATA_OFFSET / 512)) conv=notrunc status=none
+# Every PVE VM backup carries the source VM's config; the sandbox mirrors its hardware.
+cat >"$node/pbs/store1/vm/100/$snapshot_time/qemu-server.conf.blob" <<SOURCE
+boot: order=scsi0;ide2;net0
+cores: 1
+ide2: none,media=cdrom
+machine: q35
+memory: 256
+name: lab-web
+net0: virtio=BC:24:11:0A:0B:0C,bridge=vmbr0,firewall=1
+ostype: l26
+scsi0: local-lvm:vm-100-disk-0,size=64M
+scsihw: virtio-scsi-pci
+SOURCE
 body="certistack lab guest: marker $marker"
 body_sha256=$(printf '%s\n' "$body" | sha256sum | cut -d' ' -f1)
 
@@ -298,6 +324,8 @@ vm_config_dir = "$node/etc/pve/qemu-server"
 pbs_loopdev_dir = "$node/run/pbs-loopdev"
 pve_cluster_dir = "$node/var/lib/pve-cluster"
 dpkg_status = "$node/var/lib/dpkg/status"
+# The mount table of a PVE 9 node (cgroup v2): this machine's own may be hybrid.
+mounts = "$root/tests/support/pve9/mounts"
 CONF
 
 "$bin/certistack-ctl" ca init --state-dir "$ctl/state" >"$work/ca-init.txt"
@@ -470,7 +498,7 @@ if report:
     teardown_ms = span(lambda n: n.startswith("stop "), lambda n: n == "journal")
     verdict = p["verdict"]
     lines.append(f"verdict       {verdict['result']}" + "".join(f"\n              {r}" for r in verdict.get("reasons", [])))
-    os_info = p.get("guest", {}).get("os_info", {})
+    os_info = (p.get("guest") or {}).get("os_info") or {}
     lines.append(f"guest         {p.get('guest', {}).get('status', '?')}; QGA: {os_info.get('pretty-name') or os_info.get('pretty_name') or os_info or 'no answer'}")
     try:
         import os
