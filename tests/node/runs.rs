@@ -1175,3 +1175,50 @@ fn run_checks_the_plans_vnet_among_the_prerequisites() {
         );
     });
 }
+
+/// Two validations on one node, each on its own VNet: each validation's prerequisites are
+/// judged with its own VNet. Forwarding on the first one's VNet must stop that validation at
+/// its `doctor` step, naming that VNet, and must not stop (or be blamed on) the other one.
+#[test]
+fn each_validation_is_checked_with_its_own_vnet() {
+    if !privileged("each_validation_is_checked_with_its_own_vnet", RUN_TOOLS) {
+        return;
+    }
+    let netns = Netns::new("fwd2", &[]);
+    inside(&netns.name, || async {
+        let mut fleet = Fleet::empty("ctl-forwarding-two");
+        fleet.add_node(1, true, false);
+        run_ip(&["link", "add", "csv9", "type", "bridge"]);
+        run_ip(&["link", "set", "csv9", "up"]);
+        std::fs::write("/proc/sys/net/ipv4/conf/csv9/forwarding", "1").unwrap();
+        let config = fleet.controller_config(&[("pve1", 17441)]);
+        let plan = fleet.plan_with(
+            "two-vnets.yaml",
+            &[("onfwd", 1, 9101), ("clean", 1, 9102)],
+            60,
+            false,
+        );
+        let text = std::fs::read_to_string(&plan)
+            .unwrap()
+            .replacen("vnet: csv1", "vnet: csv9", 1);
+        std::fs::write(&plan, text).unwrap();
+        let (_, _, summaries) = fleet.run(&plan, &config).await;
+        let forwarding = summary(&summaries, "onfwd");
+        let forwarding_reasons = forwarding["reasons"].to_string();
+        assert!(
+            forwarding_reasons.contains("fails its prerequisites")
+                && forwarding_reasons.contains("net.ipv4.conf.csv9.forwarding = 1"),
+            "{forwarding}"
+        );
+        let clean = summary(&summaries, "clean");
+        assert!(
+            !clean["reasons"].to_string().contains("csv9"),
+            "the validation on csv1 was judged by csv9: {clean}"
+        );
+        assert!(
+            fleet.nodes[0].residue().is_empty(),
+            "{:?}",
+            fleet.nodes[0].residue()
+        );
+    });
+}
