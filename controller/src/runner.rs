@@ -394,9 +394,13 @@ pub async fn run_plan(
     let total = Arc::new(Semaphore::new(total.max(1)));
     let mut per_node_limits: BTreeMap<String, Arc<Semaphore>> = BTreeMap::new();
     let mut exclusive: BTreeMap<String, Arc<Semaphore>> = BTreeMap::new();
-    // Each node's prerequisites are checked once per run, by its first validation.
-    let mut prerequisites: BTreeMap<String, Arc<tokio::sync::OnceCell<Vec<doctor::Check>>>> =
-        BTreeMap::new();
+    // A node's prerequisites are checked once per run and sandbox VNet, by the first validation
+    // using that VNet: part of the judgement (forwarding, SDN SNAT) is about the VNet itself.
+    #[allow(clippy::type_complexity)]
+    let mut prerequisites: BTreeMap<
+        (String, String),
+        Arc<tokio::sync::OnceCell<Vec<doctor::Check>>>,
+    > = BTreeMap::new();
     let mut tasks = tokio::task::JoinSet::new();
     let mut names = Vec::with_capacity(plan.validations.len());
     for (index, validation) in plan.validations.into_iter().enumerate() {
@@ -418,7 +422,10 @@ pub async fn run_plan(
             })
             .collect();
         let checked = prerequisites
-            .entry(validation.grant.node.to_string())
+            .entry((
+                validation.grant.node.to_string(),
+                validation.grant.vnet.to_string(),
+            ))
             .or_default()
             .clone();
         let total = total.clone();
