@@ -162,22 +162,46 @@ pub struct EfiDisk {
     pub pre_enrolled_keys: bool,
 }
 
-/// NIC models a sandbox may get: the ones PVE offers in its UI, all emulated by QEMU itself.
+/// NIC models a sandbox may get: every model qemu-server accepts (`$nic_model_list`), all
+/// emulated by QEMU itself, so none reaches outside the sandbox; a guest keeps the driver it has.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum NicModel {
     Virtio,
     E1000,
+    #[serde(rename = "e1000-82540em")]
+    E1000_82540em,
+    #[serde(rename = "e1000-82544gc")]
+    E1000_82544gc,
+    #[serde(rename = "e1000-82545em")]
+    E1000_82545em,
     E1000e,
+    I82551,
+    I82557b,
+    I82559er,
+    #[serde(rename = "ne2k_isa")]
+    Ne2kIsa,
+    #[serde(rename = "ne2k_pci")]
+    Ne2kPci,
+    Pcnet,
     Rtl8139,
     Vmxnet3,
 }
 
 impl NicModel {
-    const ALL: [NicModel; 5] = [
+    const ALL: [NicModel; 14] = [
         NicModel::Virtio,
         NicModel::E1000,
+        NicModel::E1000_82540em,
+        NicModel::E1000_82544gc,
+        NicModel::E1000_82545em,
         NicModel::E1000e,
+        NicModel::I82551,
+        NicModel::I82557b,
+        NicModel::I82559er,
+        NicModel::Ne2kIsa,
+        NicModel::Ne2kPci,
+        NicModel::Pcnet,
         NicModel::Rtl8139,
         NicModel::Vmxnet3,
     ];
@@ -186,7 +210,16 @@ impl NicModel {
         match self {
             NicModel::Virtio => "virtio",
             NicModel::E1000 => "e1000",
+            NicModel::E1000_82540em => "e1000-82540em",
+            NicModel::E1000_82544gc => "e1000-82544gc",
+            NicModel::E1000_82545em => "e1000-82545em",
             NicModel::E1000e => "e1000e",
+            NicModel::I82551 => "i82551",
+            NicModel::I82557b => "i82557b",
+            NicModel::I82559er => "i82559er",
+            NicModel::Ne2kIsa => "ne2k_isa",
+            NicModel::Ne2kPci => "ne2k_pci",
+            NicModel::Pcnet => "pcnet",
             NicModel::Rtl8139 => "rtl8139",
             NicModel::Vmxnet3 => "vmxnet3",
         }
@@ -534,10 +567,7 @@ impl SourceHardware {
                             "bridge, VLAN tag, MAC address and firewall are the source's: the sandbox NIC is on the run's VNet with a fresh MAC and the firewall off",
                         );
                     }
-                    None => omit(
-                        key,
-                        "its NIC model is not one a sandbox may have (virtio, e1000, e1000e, rtl8139, vmxnet3)",
-                    ),
+                    None => omit(key, "its NIC model is not one qemu-server accepts"),
                 }
                 continue;
             }
@@ -929,8 +959,36 @@ mod tests {
     }
 
     #[test]
+    fn every_nic_model_qemu_server_accepts_is_mirrored_and_no_other() {
+        let config = "net0: pcnet=BC:24:11:00:00:01,bridge=vmbr0\nnet1: e1000-82545em=BC:24:11:00:00:02,bridge=vmbr0\nnet2: ne2k_pci=BC:24:11:00:00:03,bridge=vmbr0\nnet3: tulip=BC:24:11:00:00:04,bridge=vmbr0\n";
+        let hw = SourceHardware::parse(config.as_bytes()).unwrap();
+        let models: Vec<(u8, &str)> = hw.nics.iter().map(|n| (n.index, n.model.name())).collect();
+        assert_eq!(
+            models,
+            [(0, "pcnet"), (1, "e1000-82545em"), (2, "ne2k_pci")]
+        );
+        assert!(
+            hw.omitted
+                .iter()
+                .any(|o| o.key == "net3" && o.reason.contains("not one qemu-server accepts"))
+        );
+        let args = hw.qm_options(&[], "csbox1").unwrap();
+        assert!(args.contains(&(
+            "--net1".into(),
+            "e1000-82545em,bridge=csbox1,firewall=0".into()
+        )));
+        // The journal keeps the model by its PVE name and reads it back.
+        let journaled = serde_json::to_string(&hw).unwrap();
+        assert!(journaled.contains("\"e1000-82545em\""), "{journaled}");
+        assert_eq!(
+            serde_json::from_str::<SourceHardware>(&journaled).unwrap(),
+            hw
+        );
+    }
+
+    #[test]
     fn passthrough_and_node_reaching_keys_are_omitted_with_a_reason() {
-        let text = "args: -device foo\nhookscript: local:snippets/hook.pl\nhostpci0: 0000:01:00.0,pcie=1\nusb0: host=1234:5678\nserial0: /dev/ttyS0\nparallel0: /dev/parport0\nvirtiofs0: share1\nmachine: q35,viommu=intel\ncpu: custom-mine\nnet1: virtio,bridge=vmbr0\nnet2: ne2k_isa,bridge=vmbr0\nscsi0: local-lvm:vm-104-disk-0\n";
+        let text = "args: -device foo\nhookscript: local:snippets/hook.pl\nhostpci0: 0000:01:00.0,pcie=1\nusb0: host=1234:5678\nserial0: /dev/ttyS0\nparallel0: /dev/parport0\nvirtiofs0: share1\nmachine: q35,viommu=intel\ncpu: custom-mine\nnet1: virtio,bridge=vmbr0\nnet2: tulip,bridge=vmbr0\nscsi0: local-lvm:vm-104-disk-0\n";
         let hw = SourceHardware::parse(text.as_bytes()).unwrap();
         let reasons: BTreeMap<&str, &str> = hw
             .omitted
