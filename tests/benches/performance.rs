@@ -252,8 +252,9 @@ mod echo {
 
         fn call(&mut self, request: http::Request<B>) -> Self::Future {
             Box::pin(async move {
-                let mut grpc =
-                    tonic::server::Grpc::new(tonic_prost::ProstCodec::<Message, Message>::default());
+                let mut grpc = tonic::server::Grpc::new(
+                    tonic_prost::ProstCodec::<Message, Message>::default(),
+                );
                 Ok(grpc.unary(Unary, request).await)
             })
         }
@@ -374,7 +375,7 @@ async fn transport(settings: &Settings) {
         "echo, h2c (floor without TLS)",
         "echo, mTLS (the floor)",
         "Hello",
-        "VmStatus (recording executor; journal appends fsync'd)",
+        "VmStatus (recording executor; read-only, not journaled)",
         "ReadJournal (a run's journal, streamed)",
         "ListRuns (operator)",
         "echo, mTLS: new connection + TLS 1.3 handshake + first call",
@@ -565,7 +566,12 @@ impl Sshd {
                 "UserKnownHostsFile={}",
                 self.dir.join("known_hosts").display()
             ))
-            .args(["-o", "IdentitiesOnly=yes", "-o", "GlobalKnownHostsFile=/dev/null"])
+            .args([
+                "-o",
+                "IdentitiesOnly=yes",
+                "-o",
+                "GlobalKnownHostsFile=/dev/null",
+            ])
             .arg("-i")
             .arg(self.dir.join("client_key"))
             .args(["-p", &self.port.to_string(), "root@127.0.0.1", remote]);
@@ -761,7 +767,12 @@ async fn fsyncs(authority: &Authority, dir: &Path, operator: &IssuedCertificate)
     let daemon = start_daemon(authority, &config, dir, operator).await;
     let out_file = dir.join("strace.txt");
     let mut strace = Command::new("strace")
-        .args(["-f", "-c", "-e", "trace=fsync,fdatasync,sync_file_range,syncfs"])
+        .args([
+            "-f",
+            "-c",
+            "-e",
+            "trace=fsync,fdatasync,sync_file_range,syncfs",
+        ])
         .arg("-o")
         .arg(&out_file)
         .args(["-p", &daemon.pid().to_string()])
@@ -923,7 +934,10 @@ async fn history(settings: &Settings) {
         "| node | start-to-ready median | p99 | idle RSS | open descriptors | ListRuns median | p99 | runs listed |"
     );
     println!("|---|---:|---:|---:|---:|---:|---:|---:|");
-    for (name, f) in [("no runs", &a), (&format!("{closed} closed runs") as &str, &b)] {
+    for (name, f) in [
+        ("no runs", &a),
+        (&format!("{closed} closed runs") as &str, &b),
+    ] {
         println!(
             "| {name} | {} | {} | {} | {} | {} | {} | {} |",
             ms(f.ready.median()),
@@ -957,21 +971,34 @@ const STEPS: [&str; 7] = [
     "EndRun",
 ];
 
-/// One run's steps on `address`, each step's latency added to `into`.
+/// The backup snapshot of validation slot `slot`: runs at once on one node never share a
+/// backup, a VMID or a VNet.
+fn slot_snapshot(slot: u32) -> String {
+    format!("vm/{}/2026-11-01T02:00:00Z", 100 + slot)
+}
+
+/// One run's steps on `address` in validation slot `slot`, each step's latency added to `into`.
 async fn validation(
     authority: &Authority,
     address: &str,
     node: &str,
-    vmid: u32,
+    slot: u32,
     into: &mut [Samples],
 ) {
     let run_id = uuid::Uuid::new_v4().to_string();
+    let vmid = 9100 + slot;
     let mut wire = grant(&run_id, node);
     wire.sandbox_vms = vec![pb::SandboxVm {
         vmid,
         max_cores: 1,
         max_memory_mib: 256,
     }];
+    wire.snapshot = slot_snapshot(slot);
+    wire.vnet = format!("csv{slot}");
+    wire.probe_source = format!("10.77.{slot}.2/24");
+    for target in &mut wire.probe_targets {
+        target.address = format!("10.77.{slot}.10");
+    }
     let mut t = Instant::now();
     let mut lap = |into: &mut [Samples], i: usize| {
         into[i].push(t.elapsed());
@@ -987,7 +1014,7 @@ async fn validation(
     c.begin_run(begin_request(&credentials)).await.unwrap();
     lap(into, 0);
     c.map_backup(pb::MapBackupRequest {
-        snapshot: SNAPSHOT.into(),
+        snapshot: slot_snapshot(slot),
         archive: ARCHIVE.into(),
         pbs_secret: PBS_PASSWORD.into(),
         encryption_key: vec![],
@@ -1026,11 +1053,13 @@ async fn validation(
     lap(into, 6);
 }
 
-/// A node with the doubles: its lab, config and a backup to map.
-fn sim_node(authority: &Authority, dir: &Path, name: &str) -> (Lab, Config) {
+/// A node with the doubles: its lab, config and a backup to map for each of `slots`.
+fn sim_node(authority: &Authority, dir: &Path, name: &str, slots: u32) -> (Lab, Config) {
     let lab = Lab::new(&format!("bench-{name}"));
     lab.settings(serde_json::json!({ "node": name }));
-    lab.add_backup(SNAPSHOT, ARCHIVE, b"BENCH", 8 << 20);
+    for slot in 0..slots {
+        lab.add_backup(&slot_snapshot(slot), ARCHIVE, b"BENCH", 8 << 20);
+    }
     let mut config = enroll(authority, &dir.join(name), name);
     config.tools.proxmox_backup_client = lab.root.join("bin/proxmox-backup-client");
     config.tools.qm = lab.root.join("bin/qm");
@@ -1073,7 +1102,9 @@ async fn concurrency(settings: &Settings) {
     let dir = TempDir::new("bench-concurrency");
     let authority = Arc::new(controller(&dir.0));
     let operator = authority.issue_operator("bench", now()).unwrap();
-    let (_lab, config) = sim_node(&authority, &dir.0, NODE);
+    let (_lab, mut config) = sim_node(&authority, &dir.0, NODE, runs as u32 + 1);
+    // The default admits 4 runs at once; an operator raises it for a node meant to take more.
+    config.limits.max_concurrent_runs = runs;
     let daemon = start_daemon(&authority, &config, &dir.0, &operator).await;
     let pid = daemon.pid();
     let idle_rss = status_kib(pid, "VmRSS:");
@@ -1086,7 +1117,7 @@ async fn concurrency(settings: &Settings) {
             &authority,
             &daemon.address,
             NODE,
-            9100 + i as u32,
+            i as u32 % (runs as u32 + 1),
             &mut one_at_a_time,
         )
         .await;
@@ -1102,7 +1133,7 @@ async fn concurrency(settings: &Settings) {
         tasks.spawn(async move {
             let mut steps = vec![Samples::default(); STEPS.len()];
             let started = Instant::now();
-            validation(&authority, &address, NODE, 9200 + i as u32, &mut steps).await;
+            validation(&authority, &address, NODE, i as u32, &mut steps).await;
             (steps, started.elapsed())
         });
     }
@@ -1214,7 +1245,10 @@ fn main() {
     println!(
         "performance bench{}: sections {sections:?}; load average at start {}",
         if short { " (short)" } else { "" },
-        load.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
+        load.split_whitespace()
+            .take(3)
+            .collect::<Vec<_>>()
+            .join(" ")
     );
     runtime.block_on(async {
         for section in &sections {
@@ -1234,13 +1268,19 @@ fn main() {
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!(
         "\nload average at the end: {}",
-        load.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
+        load.split_whitespace()
+            .take(3)
+            .collect::<Vec<_>>()
+            .join(" ")
     );
 }
 
 mod fleet {
     use super::*;
     use certistack_controller::runner::{DEFAULT_PER_NODE, DEFAULT_TOTAL};
+
+    /// Backups per node: the 1,000 validations are 10 per node.
+    const SLOTS: u32 = 10;
 
     struct FleetNode {
         name: String,
@@ -1293,14 +1333,14 @@ mod fleet {
             let authority = authority.clone();
             let address = nodes[n].daemon.address.clone();
             let name = nodes[n].name.clone();
-            // Distinct VMIDs for the validations that may share a node at once.
-            let vmid = 9100 + (i / nodes.len()) as u32 % 100;
+            // Validations that may share a node at once use different slots.
+            let slot = (i / nodes.len()) as u32 % SLOTS;
             tasks.spawn(async move {
                 let _node = node_slot.acquire_owned().await.unwrap();
                 let _slot = slots.acquire_owned().await.unwrap();
                 let mut steps = vec![Samples::default(); STEPS.len()];
                 let started = Instant::now();
-                validation(&authority, &address, &name, vmid, &mut steps).await;
+                validation(&authority, &address, &name, slot, &mut steps).await;
                 (steps, started.elapsed())
             });
         }
@@ -1337,7 +1377,7 @@ mod fleet {
         let started = Instant::now();
         for i in 1..=count {
             let name = format!("pve{i}");
-            let (lab, config) = sim_node(&authority, &dir.0, &name);
+            let (lab, config) = sim_node(&authority, &dir.0, &name, SLOTS);
             let daemon = start_daemon(&authority, &config, &dir.0, &operator).await;
             ready.push(daemon.ready);
             nodes.push(FleetNode {
