@@ -756,7 +756,7 @@ async fn setup(settings: &Settings) {
     fsyncs(&authority, &dir.0, &operator).await;
 }
 
-/// The fsyncs one BeginRun + one operation + EndRun issue in the shipped daemon, counted by
+/// The fsyncs one BeginRun + EndRun issue in the shipped daemon, counted by
 /// strace attached to it.
 async fn fsyncs(authority: &Authority, dir: &Path, operator: &IssuedCertificate) {
     if !Path::new("/usr/bin/strace").exists() {
