@@ -1,0 +1,1466 @@
+//! What the connector costs against its floors, measured side by side in one run and printed as
+//! markdown tables (median and p99; ratios are computed within the run, because the machines
+//! these run on are shared and noisy).
+//!
+//! Sections (arguments after `--`; default `transport setup history concurrency footprint`):
+//! - `transport`: a minimal tonic echo service over plain h2c and over mTLS with the connector's
+//!   own TLS configuration, beside the connector's Hello, VmStatus and ReadJournal on an open
+//!   connection and a new connection (TCP + TLS 1.3 handshake) + first call;
+//! - `setup`: a run's set-up (mint grant and run certificate, connect, Hello, BeginRun, first
+//!   operation) against a new mTLS connection with the same number of echo calls, and against
+//!   an SSH bootstrap (Debian's OpenSSH on a loopback port, key authentication, strict
+//!   known_hosts, worker directory, a static binary of the connector's size copied and run once);
+//!   the fsyncs one BeginRun + EndRun issues, counted by strace;
+//! - `history`: the shipped daemon over 10,000 closed runs against an empty state directory:
+//!   start-to-ready, idle RSS, open descriptors, ListRuns latency;
+//! - `concurrency`: 16 runs at once on one daemon with the Proxmox doubles (map, overlay,
+//!   create, status, cleanup): per-step latency, daemon CPU and peak RSS (needs root);
+//! - `footprint`: stripped release binary sizes, start-to-ready and idle RSS of an empty node;
+//! - `fleet`: 100 daemons on loopback, `certistack-ctl nodes audit` of all of them, then one
+//!   validation per node and 1,000 across the 100 driven by this process with the controller's
+//!   library at the controller's default concurrency (needs root).
+//!
+//! `--short` (or `CERTISTACK_BENCH_SHORT=1`) runs fewer iterations and a smaller history, for CI.
+//! The daemons are the binaries next to this bench (`target/release`): build them first with
+//! `cargo build --release --bins`.
+//!
+//! Run: `cargo build --release --bins && cargo bench -p certistack-tests --bench performance`
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::print_stdout,
+    clippy::indexing_slicing,
+    clippy::panic,
+    missing_debug_implementations
+)]
+
+use certistack_connector::config::Config;
+use certistack_connector::{files, tls};
+use certistack_controller::authority::{Authority, IssuedCertificate};
+use certistack_proto::v1 as pb;
+use certistack_proto::v1::connector_client::ConnectorClient;
+use certistack_tests::*;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tonic::transport::Channel;
+
+// ---------------------------------------------------------------------------------------------
+// Statistics and tables
+
+/// Samples of one measurement, in the order taken.
+#[derive(Default, Clone)]
+struct Samples(Vec<Duration>);
+
+impl Samples {
+    fn push(&mut self, d: Duration) {
+        self.0.push(d);
+    }
+    fn sorted(&self) -> Vec<Duration> {
+        let mut s = self.0.clone();
+        s.sort();
+        s
+    }
+    fn median(&self) -> Duration {
+        let s = self.sorted();
+        s[s.len() / 2]
+    }
+    fn p99(&self) -> Duration {
+        let s = self.sorted();
+        let rank = (s.len() * 99).div_ceil(100).max(1);
+        s[rank - 1]
+    }
+    fn max(&self) -> Duration {
+        self.sorted()[self.0.len() - 1]
+    }
+}
+
+fn ms(d: Duration) -> String {
+    let v = d.as_secs_f64() * 1000.0;
+    if v < 1.0 {
+        format!("{:.0} µs", v * 1000.0)
+    } else if v < 100.0 {
+        format!("{v:.2} ms")
+    } else {
+        format!("{v:.0} ms")
+    }
+}
+
+fn ratio(a: Duration, b: Duration) -> String {
+    format!("{:.1}×", a.as_secs_f64() / b.as_secs_f64())
+}
+
+fn heading(title: &str) {
+    println!("\n### {title}\n");
+}
+
+async fn timed<F, Fut, T>(samples: &mut Samples, f: F) -> T
+where
+    F: FnOnce() -> Fut,
+    Fut: std::future::Future<Output = T>,
+{
+    let started = Instant::now();
+    let out = f().await;
+    samples.push(started.elapsed());
+    out
+}
+
+// ---------------------------------------------------------------------------------------------
+// Processes: the shipped daemon, its memory, descriptors and CPU
+
+/// Clock ticks in /proc/<pid>/stat: USER_HZ, 100 on Linux.
+const TICKS_PER_SECOND: f64 = 100.0;
+
+fn status_kib(pid: u32, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}
+
+fn descriptors(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count()
+}
+
+/// User + system CPU seconds the process used so far.
+fn cpu_seconds(pid: &str) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the command name, which is in parentheses and may hold spaces.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let fields: Vec<&str> = rest.split(' ').collect();
+    let utime: f64 = fields[11].parse().unwrap();
+    let stime: f64 = fields[12].parse().unwrap();
+    (utime + stime) / TICKS_PER_SECOND
+}
+
+fn mib(kib: u64) -> String {
+    format!("{:.1} MiB", kib as f64 / 1024.0)
+}
+
+/// A daemon started from the shipped binary; SIGTERM on drop.
+struct Daemon {
+    child: Child,
+    address: String,
+    /// From spawn to the first Hello answered over mTLS.
+    ready: Duration,
+}
+
+impl Daemon {
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `certistack-connector` on `config` and waits until a Hello over mTLS answers.
+async fn start_daemon(
+    authority: &Authority,
+    config: &Config,
+    dir: &Path,
+    identity: &IssuedCertificate,
+) -> Daemon {
+    let port = free_local_port();
+    let config_path = dir.join(format!("connector-{port}.toml"));
+    write_config_file(&config_path, config, port);
+    let address = format!("127.0.0.1:{port}");
+    let started = Instant::now();
+    let child = Command::new(binary("certistack-connector"))
+        .args(["--config", config_path.to_str().unwrap(), "serve"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let name = config.node_name.clone();
+    let ready = loop {
+        if let Ok(mut c) = client(authority, &address, &name, identity).await
+            && c.hello(pb::HelloRequest {}).await.is_ok()
+        {
+            break started.elapsed();
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the connector at {address} did not come up"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    };
+    Daemon {
+        child,
+        address,
+        ready,
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The transport floor: an echo service on the same tonic, rustls and tokio
+
+mod echo {
+    use std::convert::Infallible;
+    use std::task::{Context, Poll};
+    use tonic::codegen::{BoxFuture, Service, http};
+
+    pub const PATH: &str = "/bench.Echo/Echo";
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Message {
+        #[prost(bytes = "vec", tag = "1")]
+        pub payload: Vec<u8>,
+    }
+
+    /// Answers every call with the request's message.
+    #[derive(Clone, Default)]
+    pub struct EchoServer;
+
+    impl tonic::server::NamedService for EchoServer {
+        const NAME: &'static str = "bench.Echo";
+    }
+
+    struct Unary;
+
+    impl tonic::server::UnaryService<Message> for Unary {
+        type Response = Message;
+        type Future = std::future::Ready<Result<tonic::Response<Message>, tonic::Status>>;
+        fn call(&mut self, request: tonic::Request<Message>) -> Self::Future {
+            std::future::ready(Ok(tonic::Response::new(request.into_inner())))
+        }
+    }
+
+    impl<B> Service<http::Request<B>> for EchoServer
+    where
+        B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+        B::Error: Into<tonic::codegen::StdError> + Send + 'static,
+    {
+        type Response = http::Response<tonic::body::Body>;
+        type Error = Infallible;
+        type Future = BoxFuture<Self::Response, Self::Error>;
+
+        fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn call(&mut self, request: http::Request<B>) -> Self::Future {
+            Box::pin(async move {
+                let mut grpc = tonic::server::Grpc::new(
+                    tonic_prost::ProstCodec::<Message, Message>::default(),
+                );
+                Ok(grpc.unary(Unary, request).await)
+            })
+        }
+    }
+
+    /// One unary echo call on `channel`.
+    pub async fn call(channel: &tonic::transport::Channel, payload: &[u8]) {
+        let mut grpc = tonic::client::Grpc::new(channel.clone());
+        grpc.ready().await.unwrap();
+        let reply: tonic::Response<Message> = grpc
+            .unary(
+                tonic::Request::new(Message {
+                    payload: payload.to_vec(),
+                }),
+                http::uri::PathAndQuery::from_static(PATH),
+                tonic_prost::ProstCodec::<Message, Message>::default(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(reply.into_inner().payload, payload);
+    }
+}
+
+/// The echo service over plain h2c on loopback; returns its address.
+async fn serve_echo_h2c() -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(echo::EchoServer)
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    address
+}
+
+/// The echo service behind the connector's own TLS server configuration and connection
+/// handling (`tls::server_config`, `tls::incoming`), with the node certificate of `config`.
+async fn serve_echo_mtls(authority: &Authority, config: &Config) -> String {
+    let chain = tls::parse_certificates(
+        &files::read_trusted(&config.tls.certificate).unwrap(),
+        "node",
+    )
+    .unwrap();
+    let key = tls::parse_private_key(
+        &files::read_private(&config.tls.private_key).unwrap(),
+        "key",
+    )
+    .unwrap();
+    let ca = tls::parse_certificates(authority.ca_pem(), "ca").unwrap();
+    let server_config = tls::server_config(chain, key, tls::ca_roots(&ca).unwrap()).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(echo::EchoServer)
+            .serve_with_incoming(tls::incoming(listener, server_config)),
+    );
+    address
+}
+
+/// The controller's client TLS configuration for `identity`.
+fn controller_tls(
+    authority: &Authority,
+    identity: &IssuedCertificate,
+) -> Arc<rustls::ClientConfig> {
+    let ca = tls::parse_certificates(authority.ca_pem(), "ca").unwrap();
+    tls::client_config(
+        tls::ca_roots(&ca).unwrap(),
+        tls::parse_certificates(&identity.certificate_pem, "client").unwrap(),
+        tls::parse_private_key(&identity.key_pem, "key").unwrap(),
+    )
+    .unwrap()
+}
+
+async fn h2c_channel(address: &str) -> Channel {
+    tonic::transport::Endpoint::from_shared(format!("http://{address}"))
+        .unwrap()
+        .tcp_nodelay(true)
+        .connect()
+        .await
+        .unwrap()
+}
+
+struct Settings {
+    short: bool,
+}
+
+impl Settings {
+    fn n(&self, full: usize, short: usize) -> usize {
+        if self.short { short } else { full }
+    }
+}
+
+async fn transport(settings: &Settings) {
+    let dir = TempDir::new("bench-transport");
+    let authority = controller(&dir.0);
+    let node = TestNode::start(&authority, &dir.0.join("node"), NODE).await;
+    let operator = authority.issue_operator("bench", now()).unwrap();
+    let tls_config = controller_tls(&authority, &operator);
+
+    let h2c_address = serve_echo_h2c().await;
+    let mtls_address = serve_echo_mtls(&authority, &node.config).await;
+    let h2c = h2c_channel(&h2c_address).await;
+    let mtls = tls::connect(mtls_address.clone(), NODE, tls_config.clone())
+        .await
+        .unwrap();
+
+    let credentials = mint(&authority, &grant(RUN_ID, NODE));
+    let mut run = run_client(&authority, &node, &credentials).await;
+    run.begin_run(begin_request(&credentials)).await.unwrap();
+    run.vm_status(pb::VmRequest { vmid: VMID }).await.unwrap();
+    let mut op = operator_client(&authority, &node.address, &operator).await;
+
+    let calls = settings.n(400, 60);
+    let connections = settings.n(60, 10);
+    let rounds = 5;
+    let names = [
+        "echo, h2c (floor without TLS)",
+        "echo, mTLS (the floor)",
+        "Hello",
+        "VmStatus (recording executor; read-only, not journaled)",
+        "ReadJournal (a run's journal, streamed)",
+        "ListRuns (operator)",
+        "echo, mTLS: new connection + TLS 1.3 handshake + first call",
+        "Hello: new connection + TLS 1.3 handshake + first call",
+    ];
+    let mut samples: Vec<Samples> = vec![Samples::default(); names.len()];
+    let payload = vec![0x5a; 64];
+    // Round-robin in batches so a change in the machine's load hits every row alike.
+    for _ in 0..rounds {
+        for _ in 0..calls / rounds {
+            timed(&mut samples[0], || echo::call(&h2c, &payload)).await;
+        }
+        for _ in 0..calls / rounds {
+            timed(&mut samples[1], || echo::call(&mtls, &payload)).await;
+        }
+        for _ in 0..calls / rounds {
+            let mut c = run.clone();
+            timed(&mut samples[2], || async move {
+                c.hello(pb::HelloRequest {}).await.unwrap();
+            })
+            .await;
+        }
+        for _ in 0..calls / rounds {
+            let mut c = run.clone();
+            timed(&mut samples[3], || async move {
+                c.vm_status(pb::VmRequest { vmid: VMID }).await.unwrap();
+            })
+            .await;
+        }
+        for _ in 0..calls / rounds {
+            let mut c = run.clone();
+            timed(&mut samples[4], || async move {
+                let mut stream = c
+                    .read_journal(pb::ReadJournalRequest {
+                        run_id: RUN_ID.into(),
+                    })
+                    .await
+                    .unwrap()
+                    .into_inner();
+                while stream.message().await.unwrap().is_some() {}
+            })
+            .await;
+        }
+        for _ in 0..calls / rounds {
+            let mut c = op.clone();
+            timed(&mut samples[5], || async move {
+                c.list_runs(pb::ListRunsRequest {}).await.unwrap();
+            })
+            .await;
+        }
+        for _ in 0..connections / rounds {
+            let config = tls_config.clone();
+            let address = mtls_address.clone();
+            let payload = &payload;
+            timed(&mut samples[6], || async move {
+                let channel = tls::connect(address, NODE, config).await.unwrap();
+                echo::call(&channel, payload).await;
+            })
+            .await;
+        }
+        for _ in 0..connections / rounds {
+            let address = node.address.clone();
+            let authority = &authority;
+            let operator = &operator;
+            timed(&mut samples[7], || async move {
+                let mut c = client(authority, &address, NODE, operator).await.unwrap();
+                c.hello(pb::HelloRequest {}).await.unwrap();
+            })
+            .await;
+        }
+    }
+    // Keep the operator's connection in use so it is not idle-closed between rounds.
+    op.hello(pb::HelloRequest {}).await.unwrap();
+    let journal_records = journal_steps(&mut run, RUN_ID).await.len();
+
+    heading("1. Transport floor: calls on one open connection, and a new connection");
+    println!(
+        "In-process server and client on loopback; {} calls per row (one at a time), {} new connections. The journal streamed holds {journal_records} records.\n",
+        samples[0].0.len(),
+        samples[6].0.len()
+    );
+    println!("| call | median | p99 | median ÷ mTLS floor |");
+    println!("|---|---:|---:|---:|");
+    let floor = samples[1].median();
+    let new_floor = samples[6].median();
+    for (i, name) in names.iter().enumerate() {
+        let base = if i >= 6 { new_floor } else { floor };
+        println!(
+            "| {name} | {} | {} | {} |",
+            ms(samples[i].median()),
+            ms(samples[i].p99()),
+            ratio(samples[i].median(), base)
+        );
+    }
+    println!(
+        "\nRows on a new connection are divided by the echo's new-connection row; the others by the echo on an open mTLS connection."
+    );
+}
+
+async fn operator_client(
+    authority: &Authority,
+    address: &str,
+    identity: &IssuedCertificate,
+) -> ConnectorClient<Channel> {
+    client(authority, address, NODE, identity).await.unwrap()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per-run set-up against a new mTLS connection and against an SSH bootstrap
+
+/// Debian's OpenSSH server on a loopback port, with its own host key, an authorized client key
+/// and a strict known_hosts file, all in `dir`. Stopped on drop.
+struct Sshd {
+    child: Child,
+    port: u16,
+    dir: PathBuf,
+}
+
+impl Sshd {
+    fn start(dir: &Path) -> Option<Self> {
+        if !Path::new("/usr/sbin/sshd").exists() || !Path::new("/usr/bin/ssh").exists() {
+            println!(
+                "\nSSH bootstrap skipped: /usr/sbin/sshd or /usr/bin/ssh is missing (apt-get install openssh-server openssh-client)."
+            );
+            return None;
+        }
+        std::fs::create_dir_all(dir).unwrap();
+        let keygen = |file: &str| {
+            let out = Command::new("ssh-keygen")
+                .args(["-q", "-t", "ed25519", "-N", "", "-f"])
+                .arg(dir.join(file))
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "{out:?}");
+        };
+        keygen("host_key");
+        keygen("client_key");
+        std::fs::copy(dir.join("client_key.pub"), dir.join("authorized_keys")).unwrap();
+        let port = free_local_port();
+        let host_pub = std::fs::read_to_string(dir.join("host_key.pub")).unwrap();
+        let mut fields = host_pub.split_whitespace();
+        let (kind, key) = (fields.next().unwrap(), fields.next().unwrap());
+        std::fs::write(
+            dir.join("known_hosts"),
+            format!("[127.0.0.1]:{port} {kind} {key}\n"),
+        )
+        .unwrap();
+        let config = format!(
+            "ListenAddress 127.0.0.1\nPort {port}\nHostKey {d}/host_key\nPidFile {d}/sshd.pid\n\
+             AuthorizedKeysFile {d}/authorized_keys\nPubkeyAuthentication yes\nPasswordAuthentication no\n\
+             KbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\nPermitRootLogin prohibit-password\n\
+             LogLevel ERROR\n",
+            d = dir.display()
+        );
+        std::fs::write(dir.join("sshd_config"), config).unwrap();
+        // sshd's privilege separation needs its empty directory; the package ships it under /run.
+        std::fs::create_dir_all("/run/sshd").unwrap();
+        let child = Command::new("/usr/sbin/sshd")
+            .args(["-D", "-e", "-f"])
+            .arg(dir.join("sshd_config"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let up = (0..500).any(|_| {
+            let ok = std::net::TcpStream::connect(("127.0.0.1", port)).is_ok();
+            if !ok {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            ok
+        });
+        assert!(up, "sshd on 127.0.0.1:{port} did not come up");
+        Some(Self {
+            child,
+            port,
+            dir: dir.to_owned(),
+        })
+    }
+
+    /// `ssh` with key authentication only, strict known_hosts, no system configuration.
+    fn ssh(&self, remote: &str) -> Command {
+        let mut command = Command::new("/usr/bin/ssh");
+        command
+            .args(["-F", "/dev/null", "-o", "BatchMode=yes", "-o"])
+            .arg("StrictHostKeyChecking=yes")
+            .arg("-o")
+            .arg(format!(
+                "UserKnownHostsFile={}",
+                self.dir.join("known_hosts").display()
+            ))
+            .args([
+                "-o",
+                "IdentitiesOnly=yes",
+                "-o",
+                "GlobalKnownHostsFile=/dev/null",
+            ])
+            .arg("-i")
+            .arg(self.dir.join("client_key"))
+            .args(["-p", &self.port.to_string(), "root@127.0.0.1", remote]);
+        command
+    }
+}
+
+impl Drop for Sshd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn run_ok(command: &mut Command, stdin: Option<&Path>) {
+    if let Some(file) = stdin {
+        command.stdin(std::fs::File::open(file).unwrap());
+    }
+    let out = command.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{command:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A static binary as large as the connector's release binary: busybox, padded (an ELF file
+/// runs the same with bytes appended).
+fn payload_binary(dir: &Path) -> (PathBuf, u64) {
+    let size = std::fs::metadata(binary("certistack-connector"))
+        .unwrap()
+        .len();
+    let path = dir.join("busybox");
+    std::fs::copy("/bin/busybox", &path).unwrap();
+    let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    let current = file.metadata().unwrap().len();
+    file.set_len(size.max(current)).unwrap();
+    (path, size.max(current))
+}
+
+async fn setup(settings: &Settings) {
+    let dir = TempDir::new("bench-setup");
+    let authority = controller(&dir.0);
+    let node = TestNode::start(&authority, &dir.0.join("node"), NODE).await;
+    let operator = authority.issue_operator("bench", now()).unwrap();
+    let tls_config = controller_tls(&authority, &operator);
+    let mtls_address = serve_echo_mtls(&authority, &node.config).await;
+    let iterations = settings.n(40, 8);
+    let payload = vec![0x5a; 64];
+
+    let mut connector = Samples::default();
+    let mut floor = Samples::default();
+    let mut steps: Vec<(&str, Samples)> = [
+        "mint grant + run certificate",
+        "connect (TCP + TLS 1.3 handshake)",
+        "Hello",
+        "BeginRun (grant verified, run directory and journal created)",
+        "first operation (VmStatus, recording executor)",
+    ]
+    .into_iter()
+    .map(|n| (n, Samples::default()))
+    .collect();
+    for i in 0..iterations {
+        let started = Instant::now();
+        let run_id = uuid::Uuid::new_v4().to_string();
+        let mut t = Instant::now();
+        let mut lap = |steps: &mut Vec<(&str, Samples)>, index: usize| {
+            steps[index].1.push(t.elapsed());
+            t = Instant::now();
+        };
+        let credentials = mint(&authority, &grant(&run_id, NODE));
+        lap(&mut steps, 0);
+        let mut c = client(&authority, &node.address, NODE, &credentials.certificate)
+            .await
+            .unwrap();
+        lap(&mut steps, 1);
+        certistack_controller::client::hello(&mut c, NODE)
+            .await
+            .unwrap();
+        lap(&mut steps, 2);
+        c.begin_run(begin_request(&credentials)).await.unwrap();
+        lap(&mut steps, 3);
+        c.vm_status(pb::VmRequest { vmid: VMID }).await.unwrap();
+        lap(&mut steps, 4);
+        connector.push(started.elapsed());
+        c.end_run(pb::EndRunRequest {}).await.unwrap();
+
+        let started = Instant::now();
+        let channel = tls::connect(mtls_address.clone(), NODE, tls_config.clone())
+            .await
+            .unwrap();
+        for _ in 0..3 {
+            echo::call(&channel, &payload).await;
+        }
+        floor.push(started.elapsed());
+        let _ = i;
+    }
+
+    let mut ssh_one = Samples::default();
+    let mut ssh_three = Samples::default();
+    let ssh_dir = dir.0.join("ssh");
+    let sshd = Sshd::start(&ssh_dir);
+    let mut payload_size = 0;
+    if let Some(sshd) = &sshd {
+        let (payload_path, size) = payload_binary(&dir.0);
+        payload_size = size;
+        let remote_root = dir.0.join("remote");
+        std::fs::create_dir_all(&remote_root).unwrap();
+        for i in 0..iterations {
+            // As a configuration-management tool does it: one connection per step.
+            let worker = remote_root.join(format!("three-{i}"));
+            let w = worker.display();
+            let started = Instant::now();
+            run_ok(&mut sshd.ssh(&format!("mkdir -p {w}")), None);
+            run_ok(
+                &mut sshd.ssh(&format!("cat > {w}/busybox && chmod 0755 {w}/busybox")),
+                Some(&payload_path),
+            );
+            run_ok(&mut sshd.ssh(&format!("{w}/busybox true")), None);
+            ssh_three.push(started.elapsed());
+            // The least SSH can do: one connection for all three.
+            let worker = remote_root.join(format!("one-{i}"));
+            let w = worker.display();
+            let started = Instant::now();
+            run_ok(
+                &mut sshd.ssh(&format!(
+                    "mkdir -p {w} && cat > {w}/busybox && chmod 0755 {w}/busybox && {w}/busybox true"
+                )),
+                Some(&payload_path),
+            );
+            ssh_one.push(started.elapsed());
+        }
+    }
+
+    heading("2. Per-run set-up against its floor and against an SSH bootstrap");
+    println!(
+        "{iterations} set-ups each, interleaved. The connector is in-process with the recording executor, its state directory on {}.\n",
+        std::env::temp_dir().display()
+    );
+    println!("| set-up | median | p99 | median ÷ floor |");
+    println!("|---|---:|---:|---:|");
+    let base = floor.median();
+    println!(
+        "| floor: new mTLS connection + 3 echo calls | {} | {} | 1.0× |",
+        ms(base),
+        ms(floor.p99())
+    );
+    println!(
+        "| run set-up: mint, connect, Hello, BeginRun, first operation | {} | {} | {} |",
+        ms(connector.median()),
+        ms(connector.p99()),
+        ratio(connector.median(), base)
+    );
+    for (name, s) in &steps {
+        println!(
+            "| — {name} | {} | {} | {} |",
+            ms(s.median()),
+            ms(s.p99()),
+            ratio(s.median(), base)
+        );
+    }
+    if sshd.is_some() {
+        println!(
+            "| SSH bootstrap, 1 connection: mkdir, copy {:.1} MiB static binary, run it | {} | {} | {} |",
+            payload_size as f64 / (1 << 20) as f64,
+            ms(ssh_one.median()),
+            ms(ssh_one.p99()),
+            ratio(ssh_one.median(), base)
+        );
+        println!(
+            "| SSH bootstrap, 3 connections (mkdir; copy; run) | {} | {} | {} |",
+            ms(ssh_three.median()),
+            ms(ssh_three.p99()),
+            ratio(ssh_three.median(), base)
+        );
+        println!(
+            "\nSSH (1 connection) ÷ run set-up: {}; SSH (3 connections) ÷ run set-up: {}.",
+            ratio(ssh_one.median(), connector.median()),
+            ratio(ssh_three.median(), connector.median())
+        );
+    }
+    fsyncs(&authority, &dir.0, &operator).await;
+}
+
+/// The fsyncs one BeginRun + EndRun issue in the shipped daemon, counted by
+/// strace attached to it.
+async fn fsyncs(authority: &Authority, dir: &Path, operator: &IssuedCertificate) {
+    if !Path::new("/usr/bin/strace").exists() {
+        println!("\nfsync count skipped: strace is missing.");
+        return;
+    }
+    let config = enroll(authority, &dir.join("strace-node"), NODE);
+    let daemon = start_daemon(authority, &config, dir, operator).await;
+    let out_file = dir.join("strace.txt");
+    let mut strace = Command::new("strace")
+        .args([
+            "-f",
+            "-c",
+            "-e",
+            "trace=fsync,fdatasync,sync_file_range,syncfs",
+        ])
+        .arg("-o")
+        .arg(&out_file)
+        .args(["-p", &daemon.pid().to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    const RUNS: usize = 10;
+    for _ in 0..RUNS {
+        let run_id = uuid::Uuid::new_v4().to_string();
+        let credentials = mint(authority, &grant(&run_id, NODE));
+        let mut c = client(authority, &daemon.address, NODE, &credentials.certificate)
+            .await
+            .unwrap();
+        c.begin_run(begin_request(&credentials)).await.unwrap();
+        c.end_run(pb::EndRunRequest {}).await.unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let _ = Command::new("kill")
+        .args(["-INT", &strace.id().to_string()])
+        .status();
+    let _ = strace.wait();
+    let summary = std::fs::read_to_string(&out_file).unwrap_or_default();
+    let count = |call: &str| -> u64 {
+        summary
+            .lines()
+            .find(|l| l.split_whitespace().last() == Some(call))
+            .and_then(|l| l.split_whitespace().nth(3))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    println!(
+        "\nfsyncs per BeginRun + EndRun in the shipped daemon (strace -f -c over {RUNS} runs): fsync {:.1}, fdatasync {:.1}.",
+        count("fsync") as f64 / RUNS as f64,
+        count("fdatasync") as f64 / RUNS as f64
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// History: 10,000 closed runs on disk against none
+
+/// Begins and ends `count` runs in the registry of `config`, with the connector's own code.
+async fn closed_runs_on_disk(authority: &Authority, config: &Config, count: usize) {
+    use certistack_connector::runs::{RegistryLimits, RunRegistry};
+    use certistack_connector::server::load_authority_key;
+    use certistack_connector::validate::{RunId, Validated};
+    use certistack_controller::run::sign_grant;
+    let key = load_authority_key(&config.tls.run_authority_public_key).unwrap();
+    let now_ms = now().unix_timestamp() * 1000;
+    let registry = RunRegistry::open(
+        &config.paths.state_dir,
+        &key,
+        RegistryLimits::from_config(&config.limits),
+        now_ms,
+    )
+    .unwrap();
+    // One verified grant as a template; each run has its own run id and its own digest.
+    let template = {
+        let signed = sign_grant(authority.run_authority(), &grant(RUN_ID, NODE));
+        certistack_connector::grant::verify(&signed, &key).unwrap()
+    };
+    for _ in 0..count {
+        let run_id = uuid::Uuid::new_v4().to_string();
+        let signed = sign_grant(authority.run_authority(), &grant(&run_id, NODE));
+        let mut verified = template.clone();
+        verified.run_id = RunId::validate(&run_id).unwrap();
+        verified.digest = certistack_connector::grant::digest(&signed.grant);
+        let id = verified.run_id.clone();
+        registry.begin(&signed, verified, now_ms).await.unwrap();
+        registry.end(&id, now_ms).await.unwrap();
+    }
+}
+
+struct NodeFigures {
+    ready: Samples,
+    rss_kib: u64,
+    fds: usize,
+    list_runs: Samples,
+    listed: usize,
+}
+
+/// Starts the daemon `starts` times on `config` and measures it idle.
+async fn measure_node(
+    authority: &Authority,
+    config: &Config,
+    dir: &Path,
+    operator: &IssuedCertificate,
+    starts: usize,
+    calls: usize,
+) -> NodeFigures {
+    let mut ready = Samples::default();
+    let mut figures = None;
+    for i in 0..starts {
+        let daemon = start_daemon(authority, config, dir, operator).await;
+        ready.push(daemon.ready);
+        if i + 1 < starts {
+            continue;
+        }
+        let mut op = operator_client(authority, &daemon.address, operator).await;
+        let mut list_runs = Samples::default();
+        let mut listed = 0;
+        for _ in 0..calls {
+            let mut c = op.clone();
+            listed = timed(&mut list_runs, || async move {
+                c.list_runs(pb::ListRunsRequest {})
+                    .await
+                    .unwrap()
+                    .into_inner()
+                    .runs
+                    .len()
+            })
+            .await;
+        }
+        op.hello(pb::HelloRequest {}).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let pid = daemon.pid();
+        figures = Some((
+            status_kib(pid, "VmRSS:"),
+            descriptors(pid),
+            list_runs,
+            listed,
+        ));
+    }
+    let (rss_kib, fds, list_runs, listed) = figures.unwrap();
+    NodeFigures {
+        ready,
+        rss_kib,
+        fds,
+        list_runs,
+        listed,
+    }
+}
+
+async fn history(settings: &Settings) {
+    let closed = settings.n(10_000, 1_000);
+    let dir = TempDir::new("bench-history");
+    let authority = controller(&dir.0);
+    let operator = authority.issue_operator("bench", now()).unwrap();
+    let empty = enroll(&authority, &dir.0.join("empty"), NODE);
+    let full = enroll(&authority, &dir.0.join("full"), NODE);
+    let written = Instant::now();
+    closed_runs_on_disk(&authority, &full, closed).await;
+    let written = written.elapsed();
+    let starts = settings.n(7, 3);
+    let calls = settings.n(50, 10);
+    let a = measure_node(&authority, &empty, &dir.0, &operator, starts, calls).await;
+    let b = measure_node(&authority, &full, &dir.0, &operator, starts, calls).await;
+    heading(&format!(
+        "4. History: a node with {closed} closed runs against an empty one"
+    ));
+    println!(
+        "The shipped daemon (`{}`), state directory under {}; the runs were written with the connector's registry code in {:.1} s. Start-to-ready is spawn → first Hello answered over mTLS ({starts} starts); ListRuns {calls} calls.\n",
+        binary("certistack-connector").display(),
+        std::env::temp_dir().display(),
+        written.as_secs_f64()
+    );
+    println!(
+        "| node | start-to-ready median | p99 | idle RSS | open descriptors | ListRuns median | p99 | runs listed |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    for (name, f) in [
+        ("no runs", &a),
+        (&format!("{closed} closed runs") as &str, &b),
+    ] {
+        println!(
+            "| {name} | {} | {} | {} | {} | {} | {} | {} |",
+            ms(f.ready.median()),
+            ms(f.ready.p99()),
+            mib(f.rss_kib),
+            f.fds,
+            ms(f.list_runs.median()),
+            ms(f.list_runs.p99()),
+            f.listed
+        );
+    }
+    println!(
+        "| ratio | {} | | {:.2}× | {:+} | {} | | |",
+        ratio(b.ready.median(), a.ready.median()),
+        b.rss_kib as f64 / a.rss_kib as f64,
+        b.fds as i64 - a.fds as i64,
+        ratio(b.list_runs.median(), a.list_runs.median()),
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Concurrency on one node: 16 runs at once against the doubles
+
+const STEPS: [&str; 7] = [
+    "set-up (connect, BeginRun)",
+    "MapBackup",
+    "CreateOverlay",
+    "CreateVm",
+    "VmStatus",
+    "Cleanup",
+    "EndRun",
+];
+
+/// The backup snapshot of validation slot `slot`: runs at once on one node never share a
+/// backup, a VMID or a VNet.
+fn slot_snapshot(slot: u32) -> String {
+    format!("vm/{}/2026-11-01T02:00:00Z", 100 + slot)
+}
+
+/// One run's steps on `address` in validation slot `slot`, each step's latency added to `into`.
+async fn validation(
+    authority: &Authority,
+    address: &str,
+    node: &str,
+    slot: u32,
+    into: &mut [Samples],
+) {
+    let run_id = uuid::Uuid::new_v4().to_string();
+    let vmid = 9100 + slot;
+    let mut wire = grant(&run_id, node);
+    wire.sandbox_vms = vec![pb::SandboxVm {
+        vmid,
+        max_cores: 1,
+        max_memory_mib: 256,
+    }];
+    wire.snapshot = slot_snapshot(slot);
+    wire.vnet = format!("csv{slot}");
+    wire.probe_source = format!("10.77.{slot}.2/24");
+    for target in &mut wire.probe_targets {
+        target.address = format!("10.77.{slot}.10");
+    }
+    let mut t = Instant::now();
+    let mut lap = |into: &mut [Samples], i: usize| {
+        into[i].push(t.elapsed());
+        t = Instant::now();
+    };
+    let credentials = mint(authority, &wire);
+    let mut c = client(authority, address, node, &credentials.certificate)
+        .await
+        .unwrap();
+    certistack_controller::client::hello(&mut c, node)
+        .await
+        .unwrap();
+    c.begin_run(begin_request(&credentials)).await.unwrap();
+    lap(into, 0);
+    c.map_backup(pb::MapBackupRequest {
+        snapshot: slot_snapshot(slot),
+        archive: ARCHIVE.into(),
+        pbs_secret: PBS_PASSWORD.into(),
+        encryption_key: vec![],
+    })
+    .await
+    .unwrap();
+    lap(into, 1);
+    c.create_overlay(pb::CreateOverlayRequest {
+        vmid,
+        archive: ARCHIVE.into(),
+    })
+    .await
+    .unwrap();
+    lap(into, 2);
+    c.create_vm(pb::CreateVmRequest {
+        vmid,
+        cores: 1,
+        memory_mib: 256,
+        archives: vec![ARCHIVE.into()],
+    })
+    .await
+    .unwrap();
+    lap(into, 3);
+    c.vm_status(pb::VmRequest { vmid }).await.unwrap();
+    lap(into, 4);
+    let reply = c
+        .cleanup(pb::CleanupRequest {
+            run_id: run_id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(reply.residue.is_empty(), "residue: {:?}", reply.residue);
+    lap(into, 5);
+    c.end_run(pb::EndRunRequest {}).await.unwrap();
+    lap(into, 6);
+}
+
+/// A node with the doubles: its lab, config and a backup to map for each of `slots`.
+fn sim_node(authority: &Authority, dir: &Path, name: &str, slots: u32) -> (Lab, Config) {
+    let lab = Lab::new(&format!("bench-{name}"));
+    lab.settings(serde_json::json!({ "node": name }));
+    for slot in 0..slots {
+        lab.add_backup(&slot_snapshot(slot), ARCHIVE, b"BENCH", 8 << 20);
+    }
+    let mut config = enroll(authority, &dir.join(name), name);
+    config.tools.proxmox_backup_client = lab.root.join("bin/proxmox-backup-client");
+    config.tools.qm = lab.root.join("bin/qm");
+    config.pve.qemu_server_run_dir = lab.root.join("var/run/qemu-server");
+    config.pve.vm_config_dir = lab.root.join("etc/pve/qemu-server");
+    config.pve.pbs_loopdev_dir = lab.root.join("run/pbs-loopdev");
+    config.pve.pve_cluster_dir = lab.root.join("var/lib/pve-cluster");
+    config.pve.dpkg_status = lab.root.join("var/lib/dpkg/status");
+    config.paths.overlay_root = lab.root.join("overlays");
+    (lab, config)
+}
+
+fn print_steps(per_step: &[Samples], whole: &Samples) {
+    println!("| step | median | p99 | max |");
+    println!("|---|---:|---:|---:|");
+    for (name, s) in STEPS.iter().zip(per_step) {
+        println!(
+            "| {name} | {} | {} | {} |",
+            ms(s.median()),
+            ms(s.p99()),
+            ms(s.max())
+        );
+    }
+    println!(
+        "| whole validation | {} | {} | {} |",
+        ms(whole.median()),
+        ms(whole.p99()),
+        ms(whole.max())
+    );
+}
+
+async fn concurrency(settings: &Settings) {
+    if !privileged(
+        "performance bench: concurrency",
+        &["losetup", "qemu-img", "python3"],
+    ) {
+        return;
+    }
+    let runs = settings.n(16, 4);
+    let dir = TempDir::new("bench-concurrency");
+    let authority = Arc::new(controller(&dir.0));
+    let operator = authority.issue_operator("bench", now()).unwrap();
+    let (_lab, mut config) = sim_node(&authority, &dir.0, NODE, runs as u32 + 1);
+    // The default admits 4 runs at once; an operator raises it for a node meant to take more.
+    config.limits.max_concurrent_runs = runs;
+    let daemon = start_daemon(&authority, &config, &dir.0, &operator).await;
+    let pid = daemon.pid();
+    let idle_rss = status_kib(pid, "VmRSS:");
+
+    let mut one_at_a_time = vec![Samples::default(); STEPS.len()];
+    let mut whole_serial = Samples::default();
+    for i in 0..settings.n(4, 1) {
+        let started = Instant::now();
+        validation(
+            &authority,
+            &daemon.address,
+            NODE,
+            i as u32 % (runs as u32 + 1),
+            &mut one_at_a_time,
+        )
+        .await;
+        whole_serial.push(started.elapsed());
+    }
+
+    let cpu_before = cpu_seconds(&pid.to_string());
+    let started = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..runs {
+        let authority = authority.clone();
+        let address = daemon.address.clone();
+        tasks.spawn(async move {
+            let mut steps = vec![Samples::default(); STEPS.len()];
+            let started = Instant::now();
+            validation(&authority, &address, NODE, i as u32, &mut steps).await;
+            (steps, started.elapsed())
+        });
+    }
+    let mut per_step = vec![Samples::default(); STEPS.len()];
+    let mut whole = Samples::default();
+    while let Some(done) = tasks.join_next().await {
+        let (steps, elapsed) = done.unwrap();
+        for (into, s) in per_step.iter_mut().zip(steps) {
+            into.0.extend(s.0);
+        }
+        whole.push(elapsed);
+    }
+    let wall = started.elapsed();
+    let cpu = cpu_seconds(&pid.to_string()) - cpu_before;
+    let peak = status_kib(pid, "VmHWM:");
+
+    heading(&format!(
+        "5. Concurrency: {runs} runs at once on one node (the doubles, real loop devices and qemu-img)"
+    ));
+    println!(
+        "The shipped daemon; each run: connect + BeginRun, MapBackup, CreateOverlay, CreateVm, VmStatus, Cleanup, EndRun. First one at a time ({} runs), then {runs} at once.\n",
+        whole_serial.0.len()
+    );
+    println!("One at a time:\n");
+    print_steps(&one_at_a_time, &whole_serial);
+    println!("\n{runs} at once:\n");
+    print_steps(&per_step, &whole);
+    println!(
+        "\nWall time for {runs} at once: {}; the daemon's CPU (user + system, its own threads, not the tools it runs): {:.2} s; idle RSS {}, peak RSS (VmHWM) {}.",
+        ms(wall),
+        cpu,
+        mib(idle_rss),
+        mib(peak)
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Footprint
+
+async fn footprint(settings: &Settings) {
+    heading("6. Footprint");
+    let dir = TempDir::new("bench-footprint");
+    println!("| binary | size | stripped |");
+    println!("|---|---:|---:|");
+    for name in ["certistack-connector", "certistack-ctl"] {
+        let path = binary(name);
+        let size = std::fs::metadata(&path).unwrap().len();
+        let stripped = dir.0.join(format!("{name}.stripped"));
+        let out = Command::new("strip")
+            .arg("-o")
+            .arg(&stripped)
+            .arg(&path)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "strip: {out:?}");
+        let small = std::fs::metadata(&stripped).unwrap().len();
+        println!(
+            "| {name} (`{}`) | {:.1} MiB | {:.1} MiB |",
+            path.display(),
+            size as f64 / (1 << 20) as f64,
+            small as f64 / (1 << 20) as f64
+        );
+    }
+    let authority = controller(&dir.0);
+    let operator = authority.issue_operator("bench", now()).unwrap();
+    let config = enroll(&authority, &dir.0.join("node"), NODE);
+    let f = measure_node(
+        &authority,
+        &config,
+        &dir.0,
+        &operator,
+        settings.n(9, 3),
+        settings.n(10, 3),
+    )
+    .await;
+    println!(
+        "\nThe shipped daemon on an empty node: start-to-ready median {} (p99 {}, {} starts), idle RSS {}, {} open descriptors. RSS under load: see sections 4, 5 and 3.",
+        ms(f.ready.median()),
+        ms(f.ready.p99()),
+        f.ready.0.len(),
+        mib(f.rss_kib),
+        f.fds
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+
+fn main() {
+    let args: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| a != "--bench")
+        .collect();
+    let short = args.iter().any(|a| a == "--short")
+        || std::env::var("CERTISTACK_BENCH_SHORT").as_deref() == Ok("1");
+    let mut sections: Vec<&str> = args
+        .iter()
+        .filter(|a| !a.starts_with("--"))
+        .map(String::as_str)
+        .collect();
+    if sections.is_empty() {
+        sections = vec!["transport", "setup", "history", "concurrency", "footprint"];
+    }
+    let settings = Settings { short };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    println!(
+        "performance bench{}: sections {sections:?}; load average at start {}",
+        if short { " (short)" } else { "" },
+        load.split_whitespace()
+            .take(3)
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    runtime.block_on(async {
+        for section in &sections {
+            match *section {
+                "transport" => transport(&settings).await,
+                "setup" => setup(&settings).await,
+                "history" => history(&settings).await,
+                "concurrency" => concurrency(&settings).await,
+                "footprint" => footprint(&settings).await,
+                "fleet" => fleet::fleet(&settings).await,
+                other => panic!(
+                    "unknown section {other:?}: transport, setup, history, concurrency, footprint, fleet"
+                ),
+            }
+        }
+    });
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    println!(
+        "\nload average at the end: {}",
+        load.split_whitespace()
+            .take(3)
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+}
+
+mod fleet {
+    use super::*;
+    use certistack_controller::runner::{DEFAULT_PER_NODE, DEFAULT_TOTAL};
+
+    /// Backups per node: the 1,000 validations are 10 per node.
+    const SLOTS: u32 = 10;
+
+    struct FleetNode {
+        name: String,
+        _lab: Lab,
+        daemon: Daemon,
+    }
+
+    /// `certistack-ctl` under GNU time: wall seconds, CPU seconds, peak RSS in KiB, stdout.
+    fn ctl_timed(args: &[&str]) -> (f64, f64, u64, String) {
+        let out = Command::new("/usr/bin/time")
+            .args(["-f", "TIME %e %U %S %M"])
+            .arg(binary("certistack-ctl"))
+            .args(args)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let line = stderr
+            .lines()
+            .rev()
+            .find_map(|l| l.strip_prefix("TIME "))
+            .unwrap_or_else(|| panic!("no timing from /usr/bin/time: {stderr}"));
+        let v: Vec<f64> = line.split(' ').map(|x| x.parse().unwrap()).collect();
+        (
+            v[0],
+            v[1] + v[2],
+            v[3] as u64,
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        )
+    }
+
+    /// `total` validations over `nodes`, at most DEFAULT_TOTAL at once and DEFAULT_PER_NODE at
+    /// once on a node, as `certistack-ctl run` schedules them.
+    async fn validations(
+        authority: &Arc<Authority>,
+        nodes: &[FleetNode],
+        total: usize,
+    ) -> (Duration, f64, Vec<Samples>, Samples) {
+        let slots = Arc::new(tokio::sync::Semaphore::new(DEFAULT_TOTAL));
+        let per_node: Vec<Arc<tokio::sync::Semaphore>> = nodes
+            .iter()
+            .map(|_| Arc::new(tokio::sync::Semaphore::new(DEFAULT_PER_NODE)))
+            .collect();
+        let cpu_before = cpu_seconds("self");
+        let started = Instant::now();
+        let mut tasks = tokio::task::JoinSet::new();
+        for i in 0..total {
+            let n = i % nodes.len();
+            let node_slot = per_node[n].clone();
+            let slots = slots.clone();
+            let authority = authority.clone();
+            let address = nodes[n].daemon.address.clone();
+            let name = nodes[n].name.clone();
+            // Validations that may share a node at once use different slots.
+            let slot = (i / nodes.len()) as u32 % SLOTS;
+            tasks.spawn(async move {
+                let _node = node_slot.acquire_owned().await.unwrap();
+                let _slot = slots.acquire_owned().await.unwrap();
+                let mut steps = vec![Samples::default(); STEPS.len()];
+                let started = Instant::now();
+                validation(&authority, &address, &name, slot, &mut steps).await;
+                (steps, started.elapsed())
+            });
+        }
+        let mut per_step = vec![Samples::default(); STEPS.len()];
+        let mut whole = Samples::default();
+        while let Some(done) = tasks.join_next().await {
+            let (steps, elapsed) = done.unwrap();
+            for (into, s) in per_step.iter_mut().zip(steps) {
+                into.0.extend(s.0);
+            }
+            whole.push(elapsed);
+        }
+        (
+            started.elapsed(),
+            cpu_seconds("self") - cpu_before,
+            per_step,
+            whole,
+        )
+    }
+
+    pub async fn fleet(settings: &Settings) {
+        if !privileged(
+            "performance bench: fleet",
+            &["losetup", "qemu-img", "python3"],
+        ) {
+            return;
+        }
+        let count = settings.n(100, 10);
+        let dir = TempDir::new("bench-fleet");
+        let authority = Arc::new(controller(&dir.0));
+        let operator = authority.issue_operator("bench", now()).unwrap();
+        let mut nodes = Vec::new();
+        let mut ready = Samples::default();
+        let started = Instant::now();
+        for i in 1..=count {
+            let name = format!("pve{i}");
+            let (lab, config) = sim_node(&authority, &dir.0, &name, SLOTS);
+            let daemon = start_daemon(&authority, &config, &dir.0, &operator).await;
+            ready.push(daemon.ready);
+            nodes.push(FleetNode {
+                name,
+                _lab: lab,
+                daemon,
+            });
+        }
+        let brought_up = started.elapsed();
+        let mut inventory = format!(
+            "state_dir = {:?}\nreports_dir = {:?}\n",
+            authority.dir(),
+            dir.0.join("reports")
+        );
+        for node in &nodes {
+            let port = node.daemon.address.rsplit(':').next().unwrap();
+            inventory.push_str(&format!(
+                "\n[[nodes]]\nname = \"{}\"\naddress = \"127.0.0.1\"\nport = {port}\n",
+                node.name
+            ));
+        }
+        let config_path = dir.0.join("controller.toml");
+        std::fs::write(&config_path, inventory).unwrap();
+        let config_arg = config_path.to_str().unwrap();
+        let audits = settings.n(5, 2);
+        let mut audit_wall = Samples::default();
+        let mut audit_cpu = Vec::new();
+        let mut audit_rss = 0;
+        let mut reachable = 0;
+        for _ in 0..audits {
+            let (wall, cpu, rss, stdout) =
+                ctl_timed(&["nodes", "audit", "--config", config_arg, "--json"]);
+            audit_wall.push(Duration::from_secs_f64(wall));
+            audit_cpu.push(cpu);
+            audit_rss = audit_rss.max(rss);
+            reachable = stdout
+                .lines()
+                .filter(|l| l.contains("\"reachable\":true"))
+                .count();
+        }
+        let idle_rss: u64 = nodes
+            .iter()
+            .map(|n| status_kib(n.daemon.pid(), "VmRSS:"))
+            .sum();
+
+        heading(&format!(
+            "3. Fleet: {count} connector daemons on loopback, one controller"
+        ));
+        println!(
+            "Each node: the shipped daemon with its own name, port, state directory and Proxmox doubles. Brought up one after another in {:.1} s (start-to-ready median {}, p99 {}); together {} idle RSS.\n",
+            brought_up.as_secs_f64(),
+            ms(ready.median()),
+            ms(ready.p99()),
+            mib(idle_rss)
+        );
+        println!(
+            "`certistack-ctl nodes audit --json` of all {count} ({audits} times, concurrency {}): wall median {} (max {}), controller CPU median {:.2} s, peak RSS {}; {reachable} of {count} reachable.\n",
+            certistack_controller::audit::DEFAULT_CONCURRENCY,
+            ms(audit_wall.median()),
+            ms(audit_wall.max()),
+            {
+                let mut c = audit_cpu.clone();
+                c.sort_by(f64::total_cmp);
+                c[c.len() / 2]
+            },
+            mib(audit_rss)
+        );
+        for total in [count, count * 10] {
+            let (wall, cpu, per_step, whole) = validations(&authority, &nodes, total).await;
+            let daemon_peak: u64 = nodes
+                .iter()
+                .map(|n| status_kib(n.daemon.pid(), "VmHWM:"))
+                .max()
+                .unwrap();
+            println!(
+                "{total} validations over {count} nodes (map, overlay, create, status, cleanup; no VM boot), at most {DEFAULT_TOTAL} at once and {DEFAULT_PER_NODE} on a node (the controller's defaults): wall {:.1} s, {:.1} validations/s; the driving process's CPU {cpu:.1} s, its peak RSS {}; the largest daemon's peak RSS {}.\n",
+                wall.as_secs_f64(),
+                total as f64 / wall.as_secs_f64(),
+                mib(status_kib(std::process::id(), "VmHWM:")),
+                mib(daemon_peak)
+            );
+            print_steps(&per_step, &whole);
+            println!();
+        }
+    }
+}
