@@ -1974,7 +1974,7 @@ fn doctor_judges_a_vnet_its_legacy_nat_the_lvm_filter_and_the_firewall() {
         .unwrap();
         std::fs::write(
             &lvm_conf,
-            "devices {\n\t# global_filter = [ \"r|/dev/loop.*|\" ]\n\tglobal_filter=[\"r|/dev/zd.*|\",\"r|/dev/rbd.*|\"]\n}\n",
+            "devices {\n\t# global_filter = [ \"r|/dev/loop.*|\" ]\n}\ndevices {\n\tglobal_filter=[\"r|/dev/zd.*|\",\"r|/dev/rbd.*|\",\"r|/dev/nbd.*|\"]\n}\n",
         )
         .unwrap();
         std::fs::write(&host_fw, "[OPTIONS]\n\nnftables: 1\n").unwrap();
@@ -2022,8 +2022,8 @@ fn doctor_judges_a_vnet_its_legacy_nat_the_lvm_filter_and_the_firewall() {
         };
 
         // Forwarding is off now, but the bare stanza turns it on at the next reload; the
-        // loop devices pass PVE's filter; host.fw selects proxmox-firewall, whose tables are
-        // not loaded. Warnings only: exit 0.
+        // loop devices pass PVE's filter; host.fw selects proxmox-firewall, but without
+        // cluster.fw the datacenter firewall is off, so no tables is right. Warnings only: exit 0.
         let (code, out) = doctor().await;
         assert_eq!(code, 0, "{out}");
         assert!(
@@ -2036,13 +2036,13 @@ fn doctor_judges_a_vnet_its_legacy_nat_the_lvm_filter_and_the_firewall() {
         assert!(
             line(&out, "lvm-filter").starts_with("pve1 lvm-filter warn ")
                 && line(&out, "lvm-filter").ends_with(
-                    "global_filter = [ \"r|/dev/zd.*|\", \"r|/dev/rbd.*|\", \"r|/dev/loop.*|\" ]"
+                    "global_filter = [ \"r|/dev/zd.*|\", \"r|/dev/rbd.*|\", \"r|/dev/nbd.*|\", \"r|/dev/loop.*|\" ]"
                 ),
             "{out}"
         );
         assert!(
-            line(&out, "firewall").starts_with("pve1 firewall warn ")
-                && line(&out, "firewall").contains("proxmox-firewall.service"),
+            line(&out, "firewall").starts_with("pve1 firewall ok ")
+                && line(&out, "firewall").contains("the datacenter firewall is off"),
             "{out}"
         );
         assert!(
@@ -2059,12 +2059,36 @@ fn doctor_judges_a_vnet_its_legacy_nat_the_lvm_filter_and_the_firewall() {
             "{out}"
         );
 
-        // Forwarding on now, and SDN-style masquerading out of the VNet in iptables-legacy,
-        // where nftables does not show it: both fail, the rule is named. Exit 1.
-        let masquerade = ["POSTROUTING", "-o", "csbox1", "-j", "MASQUERADE"];
+        // Forwarding on now, and SNAT on the VNet's subnet as SDN's Simple zone writes it: a
+        // post-up line in the VNet's stanza, and a rule in iptables-legacy (where nftables does
+        // not show it) that names the subnet and the uplink, never the VNet. Both fail, the
+        // line and the rule are named. With the datacenter firewall on, proxmox-firewall's
+        // missing tables are a warning. Exit 1.
+        let snat_line = "iptables -t nat -A POSTROUTING -s '10.77.3.0/24' -o csup0 -j SNAT --to-source 192.0.2.10";
+        std::fs::write(
+            &sdn,
+            format!(
+                "#version:4\n\nauto csbox1\niface csbox1\n\taddress 10.77.3.1/24\n\tpost-up {snat_line}\n\tpost-down iptables -t nat -D POSTROUTING -s '10.77.3.0/24' -o csup0 -j SNAT --to-source 192.0.2.10\n\tpost-up iptables -t raw -I PREROUTING -i fwbr+ -j CT --zone 1\n\tpost-down iptables -t raw -D PREROUTING -i fwbr+ -j CT --zone 1\n\tbridge_ports none\n\tbridge_stp off\n\tbridge_fd 0\n"
+            ),
+        )
+        .unwrap();
+        let cluster_fw = files.join("firewall").join("cluster.fw");
+        std::fs::create_dir_all(cluster_fw.parent().unwrap()).unwrap();
+        std::fs::write(&cluster_fw, "[OPTIONS]\n\nenable: 1\n").unwrap();
+        let snat = [
+            "POSTROUTING",
+            "-s",
+            "10.77.3.0/24",
+            "-o",
+            "csup0",
+            "-j",
+            "SNAT",
+            "--to-source",
+            "192.0.2.10",
+        ];
         let rule = |op: &'static str| {
             let mut args = vec!["iptables-legacy", "-t", "nat", op];
-            args.extend_from_slice(&masquerade);
+            args.extend_from_slice(&snat);
             args
         };
         topology.node_sh(&rule("-A"));
@@ -2073,10 +2097,16 @@ fn doctor_judges_a_vnet_its_legacy_nat_the_lvm_filter_and_the_firewall() {
         topology.node_sh(&rule("-D"));
         topology.node_sh(&["sysctl", "-qw", "net.ipv4.conf.csbox1.forwarding=0"]);
         assert_eq!(code, 1, "{out}");
-        assert!(
-            line(&out, "legacy-nat").starts_with(
-                "pve1 legacy-nat fail a NAT rule in iptables-legacy touches csbox1: -A POSTROUTING -o csbox1 -j MASQUERADE (/usr/sbin/iptables-legacy-save -t nat)"
+        assert_eq!(
+            line(&out, "legacy-nat"),
+            format!(
+                "pve1 legacy-nat fail SDN SNAT is configured on this VNet's subnet ({snat_line}), loaded in iptables-legacy as -A POSTROUTING -s 10.77.3.0/24 -o csup0 -j SNAT --to-source 192.0.2.10 (/usr/sbin/iptables-legacy-save -t nat): remove `snat` from the subnet in Datacenter → SDN → VNets, then apply SDN"
             ),
+            "{out}"
+        );
+        assert!(
+            line(&out, "firewall").starts_with("pve1 firewall warn ")
+                && line(&out, "firewall").contains("proxmox-firewall.service"),
             "{out}"
         );
         assert!(
@@ -2085,16 +2115,17 @@ fn doctor_judges_a_vnet_its_legacy_nat_the_lvm_filter_and_the_firewall() {
             "{out}"
         );
 
-        // The node fixed: the stanza keeps forwarding off, loop devices rejected, and
-        // proxmox-firewall's tables loaded as host.fw asks.
+        // The node fixed: no SNAT, a stanza that keeps forwarding off (a method other than
+        // dhcp or auto, no address), loop devices rejected, and proxmox-firewall's tables
+        // loaded as cluster.fw and host.fw ask.
         std::fs::write(
             &sdn,
-            "auto csbox1\niface csbox1\n\tbridge_ports none\n\tip-forward off\n\tip6-forward off\n",
+            "auto csbox1\niface csbox1 inet manual\n\tbridge_ports none\n\tbridge_stp off\n\tbridge_fd 0\n",
         )
         .unwrap();
         std::fs::write(
             &lvm_conf,
-            "devices {\n\tglobal_filter=[\"r|/dev/zd.*|\",\"r|/dev/rbd.*|\",\"r|/dev/loop.*|\"]\n}\n",
+            "devices {\n\tglobal_filter=[\"r|/dev/zd.*|\",\"r|/dev/rbd.*|\",\"r|/dev/nbd.*|\",\"r|/dev/loop.*|\"]\n}\n",
         )
         .unwrap();
         topology.node_sh(&["nft", "add", "table", "inet", "proxmox-firewall"]);
@@ -2135,7 +2166,7 @@ fn doctor_judges_a_vnet_its_legacy_nat_the_lvm_filter_and_the_firewall() {
         assert_eq!(code, 0, "{out}");
         assert_eq!(
             line(&out, "vnet-forwarding"),
-            "pve1 vnet-forwarding ok forwarding is off on csbox1 and its stanza keeps it off (ip-forward off)",
+            "pve1 vnet-forwarding ok forwarding is off on csbox1 and its stanza keeps it off (iface csbox1 inet manual without an address)",
             "{out}"
         );
         node.stop().await;

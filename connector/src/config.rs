@@ -38,8 +38,9 @@ pub struct Config {
 
 /// What `PrepareSandbox` does with a VNet the node forwards for.
 ///
-/// ifupdown2 writes `forwarding=1` on a bridge whose stanza has no address method, and SDN
-/// writes VNets as such stanzas, so a node may forward on every VNet it has. The run's table
+/// ifupdown2 writes `forwarding=1` on a bridge unless its stanza has an address method other
+/// than `dhcp` or `auto` and no `address` (`ip-forward off` does not prevent it), and SDN
+/// writes VNets as bare stanzas, so a node may forward on every VNet it has. The run's table
 /// drops all forwarding into and out of the VNet either way; the sysctl is a second layer.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]

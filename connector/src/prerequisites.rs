@@ -64,6 +64,7 @@ pub struct Prerequisites {
     sdn_interfaces: PathBuf,
     lvm_conf: PathBuf,
     host_fw: PathBuf,
+    cluster_fw: PathBuf,
     mounts: PathBuf,
     iptables_legacy_save: PathBuf,
     ip6tables_legacy_save: PathBuf,
@@ -87,6 +88,14 @@ impl Prerequisites {
             sdn_interfaces: config.pve.sdn_interfaces.clone(),
             lvm_conf: config.pve.lvm_conf.clone(),
             host_fw: config.pve.nodes_dir.join(&config.node_name).join("host.fw"),
+            // pmxcfs keeps the datacenter's firewall next to the nodes: /etc/pve/firewall.
+            cluster_fw: config
+                .pve
+                .nodes_dir
+                .parent()
+                .unwrap_or(&config.pve.nodes_dir)
+                .join("firewall")
+                .join("cluster.fw"),
             mounts: config.pve.mounts.clone(),
             iptables_legacy_save: config.tools.iptables_legacy_save.clone(),
             ip6tables_legacy_save: config.tools.ip6tables_legacy_save.clone(),
@@ -108,26 +117,42 @@ impl Prerequisites {
             )
         });
         let files = {
-            let (mounts, lvm_conf, host_fw, sdn_interfaces) = (
+            let (mounts, lvm_conf, host_fw, cluster_fw) = (
                 self.mounts.clone(),
                 self.lvm_conf.clone(),
                 self.host_fw.clone(),
-                self.sdn_interfaces.clone(),
+                self.cluster_fw.clone(),
             );
-            let vnet = vnet.cloned();
             tokio::task::spawn_blocking(move || {
                 (
                     cgroup_facts(&mounts),
                     lvm_filter_facts(&lvm_conf),
-                    host_fw_facts(&host_fw),
-                    vnet.map(|vnet| vnet_facts(&vnet, &sdn_interfaces)),
+                    firewall_file_facts(&host_fw, &cluster_fw),
                 )
             })
+        };
+        // The legacy NAT check needs the subnets the VNet's stanza SNATs, so it waits for it.
+        let vnet_and_nat = async {
+            let sdn_interfaces = self.sdn_interfaces.clone();
+            let owned = vnet.cloned();
+            let read = tokio::task::spawn_blocking(move || {
+                owned.map(|vnet| vnet_facts(&vnet, &sdn_interfaces))
+            })
+            .await;
+            let snat_subnets: Vec<String> = match &read {
+                Ok(Some(facts)) => facts
+                    .snat_lines
+                    .iter()
+                    .filter_map(|line| snat_source(line))
+                    .collect(),
+                _ => Vec::new(),
+            };
+            (read, self.legacy_nat(vnet, &snat_subnets).await)
         };
         let overlay_root = self.overlay_root.clone();
         let cluster = self.pve_cluster_dir.clone();
         let disk = tokio::task::spawn_blocking(move || overlay_disk(&overlay_root, &cluster));
-        let (qemu_img, pbs_client, legacy_nat, tables) = tokio::join!(
+        let (qemu_img, pbs_client, (vnet_read, legacy_nat), tables) = tokio::join!(
             tool_version(
                 &self.qemu_img,
                 &["--version"],
@@ -140,7 +165,7 @@ impl Prerequisites {
                 "client version: ",
                 self.timeout
             ),
-            self.legacy_nat(vnet),
+            vnet_and_nat,
             self.nft_tables(),
         );
         let packages = packages
@@ -171,7 +196,15 @@ impl Prerequisites {
         let (qemu_img_version, qemu_img_error) = split(qemu_img);
         let (pbs_client_version, pbs_client_error) = split(pbs_client);
         let (qemu_version, qemu_error) = split(package("pve-qemu-kvm"));
-        let (cgroup, lvm_filter, mut firewall, vnet) = match files.await {
+        let vnet = match vnet_read {
+            Ok(read) => read,
+            Err(error) => vnet.map(|vnet| pb::VnetFacts {
+                name: vnet.to_string(),
+                stanza_error: bounded(&format!("reading the SDN interfaces stopped: {error}")),
+                ..Default::default()
+            }),
+        };
+        let (cgroup, lvm_filter, mut firewall) = match files.await {
             Ok(read) => read,
             Err(error) => {
                 let error = bounded(&format!("reading the node's files stopped: {error}"));
@@ -185,14 +218,9 @@ impl Prerequisites {
                         ..Default::default()
                     },
                     pb::FirewallFacts {
-                        host_fw_error: error.clone(),
+                        host_fw_error: error,
                         ..Default::default()
                     },
-                    vnet.map(|vnet| pb::VnetFacts {
-                        name: vnet.to_string(),
-                        stanza_error: error,
-                        ..Default::default()
-                    }),
                 )
             }
         };
@@ -241,8 +269,14 @@ impl Prerequisites {
     }
 
     /// The iptables-legacy NAT tables of both families, read as `PrepareSandbox` reads them
-    /// (never creating a table that is not there), and the rules that involve `vnet`.
-    async fn legacy_nat(&self, vnet: Option<&VnetName>) -> pb::LegacyNatFacts {
+    /// (never creating a table that is not there), and the rules that involve `vnet` or that
+    /// name one of `snat_subnets` (the sources of the SNAT lines in its SDN stanza: SDN's rule
+    /// names the subnet and the uplink, never the VNet).
+    async fn legacy_nat(
+        &self,
+        vnet: Option<&VnetName>,
+        snat_subnets: &[String],
+    ) -> pb::LegacyNatFacts {
         let mut facts = pb::LegacyNatFacts::default();
         let mut errors = Vec::new();
         for (tool, tables_file) in [
@@ -265,11 +299,16 @@ impl Prerequisites {
                             .rule_count
                             .saturating_add(u32::try_from(rules).unwrap_or(u32::MAX));
                         if let Some(vnet) = vnet {
-                            facts.vnet_rules.extend(
-                                sandbox::legacy_nat_rules(listing, vnet, None)
-                                    .into_iter()
-                                    .map(|rule| format!("{rule} ({} -t nat)", tool.display())),
-                            );
+                            let subnets = std::iter::once(None)
+                                .chain(snat_subnets.iter().map(|subnet| Some(subnet.as_str())));
+                            for subnet in subnets {
+                                for rule in sandbox::legacy_nat_rules(listing, vnet, subnet) {
+                                    let rule = format!("{rule} ({} -t nat)", tool.display());
+                                    if !facts.vnet_rules.contains(&rule) {
+                                        facts.vnet_rules.push(rule);
+                                    }
+                                }
+                            }
                         }
                     }
                 }
@@ -383,6 +422,13 @@ fn vnet_facts(vnet: &VnetName, sdn_interfaces: &Path) -> pb::VnetFacts {
                 facts.address_method = item(&stanza.address_method);
                 facts.ip_forward = item(&stanza.ip_forward);
                 facts.ip6_forward = item(&stanza.ip6_forward);
+                facts.address_present = stanza.address_present;
+                facts.snat_lines = stanza
+                    .snat_lines
+                    .iter()
+                    .take(MAX_LISTED_RULES)
+                    .map(|line| item(line))
+                    .collect();
             }
         }
         // No SDN file: SDN was never applied on this node, so ifreload writes no VNet.
@@ -408,6 +454,30 @@ struct Stanza {
     address_method: String,
     ip_forward: String,
     ip6_forward: String,
+    /// An `address` attribute is set.
+    address_present: bool,
+    /// `post-up` commands that add an iptables NAT rule (SDN's subnet SNAT), as written.
+    snat_lines: Vec<String>,
+}
+
+/// Whether an `up`/`post-up` command adds a rule to an iptables `nat` table.
+fn adds_nat_rule(command: &str) -> bool {
+    let words: Vec<&str> = command.split_whitespace().collect();
+    words
+        .first()
+        .is_some_and(|tool| tool.ends_with("iptables") || tool.ends_with("ip6tables"))
+        && words.windows(2).any(|pair| pair == ["-t", "nat"])
+        && words
+            .iter()
+            .any(|word| matches!(*word, "-A" | "-I" | "--append" | "--insert"))
+}
+
+/// The source (`-s`) of a NAT command, unquoted: the subnet SDN's SNAT names.
+fn snat_source(command: &str) -> Option<String> {
+    let mut words = command.split_whitespace();
+    words.find(|word| matches!(*word, "-s" | "--source"))?;
+    let source = words.next()?.trim_matches(|c| c == '\'' || c == '"');
+    (!source.is_empty()).then(|| source.to_owned())
 }
 
 /// The stanza of `name` in an ifupdown2 interfaces file. ifupdown2 merges the stanzas of one
@@ -439,6 +509,8 @@ fn interface_stanza(text: &str, name: &str) -> Option<Stanza> {
             match first {
                 "ip-forward" => stanza.ip_forward = value,
                 "ip6-forward" => stanza.ip6_forward = value,
+                "address" => stanza.address_present = true,
+                "post-up" | "up" if adds_nat_rule(&value) => stanza.snat_lines.push(value),
                 _ => {}
             }
         }
@@ -570,11 +642,24 @@ fn lvm_global_filter(text: &str) -> Option<Vec<String>> {
     found
 }
 
-fn host_fw_facts(host_fw: &Path) -> pb::FirewallFacts {
+fn firewall_file_facts(host_fw: &Path, cluster_fw: &Path) -> pb::FirewallFacts {
     let mut facts = pb::FirewallFacts {
         host_fw: bounded(&host_fw.display().to_string()),
+        cluster_fw: bounded(&cluster_fw.display().to_string()),
         ..Default::default()
     };
+    match read_config_file(cluster_fw) {
+        Ok(text) => {
+            facts.datacenter_enable_option =
+                item(&host_fw_option(&text, "enable").unwrap_or_default());
+        }
+        // No cluster.fw: the datacenter firewall is off.
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+        Err(error) => {
+            facts.cluster_fw_error =
+                bounded(&format!("cannot read {}: {error}", cluster_fw.display()));
+        }
+    }
     match read_config_file(host_fw) {
         Ok(text) => {
             facts.nftables_option = item(&host_fw_option(&text, "nftables").unwrap_or_default())
@@ -588,7 +673,8 @@ fn host_fw_facts(host_fw: &Path) -> pb::FirewallFacts {
     facts
 }
 
-/// The value of `key:` in the `[OPTIONS]` section of a pve-firewall file (`host.fw`).
+/// The value of `key:` in the `[OPTIONS]` section of a pve-firewall file (`host.fw`,
+/// `cluster.fw`).
 fn host_fw_option(text: &str, key: &str) -> Option<String> {
     let mut in_options = false;
     let mut value = None;
@@ -820,15 +906,16 @@ mod tests {
             Some(Stanza {
                 address_method: "inet static".into(),
                 ip_forward: "on".into(),
-                ip6_forward: String::new(),
+                address_present: true,
+                ..Default::default()
             })
         );
         assert_eq!(
             interface_stanza(sdn, "csnet3"),
             Some(Stanza {
-                address_method: String::new(),
                 ip_forward: "off".into(),
                 ip6_forward: "off".into(),
+                ..Default::default()
             })
         );
         // A name that only prefixes another, or appears in an attribute, is no stanza.
@@ -837,6 +924,65 @@ mod tests {
         // The attributes of the next interface do not leak into the previous one.
         let two = "iface a\nauto b\niface b\n ip-forward on\n";
         assert_eq!(interface_stanza(two, "a"), Some(Stanza::default()));
+    }
+
+    /// pve-network's Simple zone writes a subnet's `snat` into the VNet's stanza; the rule names
+    /// the subnet and the uplink, never the VNet.
+    #[test]
+    fn the_snat_sdn_writes_into_a_vnet_stanza_is_found_with_its_subnet() {
+        let sdn = "auto csbox1\n\
+                   iface csbox1\n\
+                   \taddress 10.7.3.1/24\n\
+                   \tpost-up iptables -t nat -A POSTROUTING -s '10.7.3.0/24' -o vmbr0 -j SNAT --to-source 192.0.2.10\n\
+                   \tpost-down iptables -t nat -D POSTROUTING -s '10.7.3.0/24' -o vmbr0 -j SNAT --to-source 192.0.2.10\n\
+                   \tpost-up iptables -t raw -I PREROUTING -i fwbr+ -j CT --zone 1\n\
+                   \tpost-down iptables -t raw -D PREROUTING -i fwbr+ -j CT --zone 1\n\
+                   \tbridge_ports none\n";
+        let stanza = interface_stanza(sdn, "csbox1").unwrap();
+        assert!(stanza.address_present);
+        assert_eq!(
+            stanza.snat_lines,
+            [
+                "iptables -t nat -A POSTROUTING -s '10.7.3.0/24' -o vmbr0 -j SNAT --to-source 192.0.2.10"
+            ]
+        );
+        assert_eq!(
+            snat_source(&stanza.snat_lines[0]).as_deref(),
+            Some("10.7.3.0/24")
+        );
+        assert_eq!(
+            snat_source("iptables -t nat -A POSTROUTING -o vmbr0 -j MASQUERADE"),
+            None
+        );
+        let listing = "*nat\n\
+                       -A POSTROUTING -s 10.7.3.0/24 -o vmbr0 -j SNAT --to-source 192.0.2.10\n\
+                       -A POSTROUTING -s 10.9.0.0/24 -o vmbr0 -j MASQUERADE\nCOMMIT\n";
+        let vnet = <VnetName as crate::validate::Validated>::validate("csbox1").unwrap();
+        assert_eq!(
+            sandbox::legacy_nat_rules(listing, &vnet, Some("10.7.3.0/24")),
+            ["-A POSTROUTING -s 10.7.3.0/24 -o vmbr0 -j SNAT --to-source 192.0.2.10"]
+        );
+    }
+
+    #[test]
+    fn the_datacenter_firewall_switch_is_read_from_cluster_fw() {
+        let dir = std::env::temp_dir().join(format!("certistack-fw-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (host_fw, cluster_fw) = (dir.join("host.fw"), dir.join("cluster.fw"));
+        std::fs::write(&host_fw, "[OPTIONS]\nnftables: 1\n").unwrap();
+        let facts = firewall_file_facts(&host_fw, &cluster_fw);
+        assert_eq!(facts.nftables_option, "1");
+        assert_eq!(facts.datacenter_enable_option, "");
+        assert!(facts.cluster_fw_error.is_empty(), "{facts:?}");
+        std::fs::write(
+            &cluster_fw,
+            "[OPTIONS]\n\nenable: 1\n\n[RULES]\nIN ACCEPT\n",
+        )
+        .unwrap();
+        let facts = firewall_file_facts(&host_fw, &cluster_fw);
+        assert_eq!(facts.datacenter_enable_option, "1");
+        assert_eq!(facts.cluster_fw, cluster_fw.display().to_string());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
@@ -911,7 +1057,7 @@ mod tests {
         std::fs::write(&path, "devices { global_filter = [ \"r|.*|\" ] }").unwrap();
         assert_eq!(lvm_filter_facts(&path).patterns, ["r|.*|"]);
         assert!(
-            host_fw_facts(&dir.join("absent.fw"))
+            firewall_file_facts(&dir.join("absent.fw"), &dir.join("absent-cluster.fw"))
                 .host_fw_error
                 .is_empty()
         );

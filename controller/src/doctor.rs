@@ -495,8 +495,25 @@ fn is_on(value: &str) -> bool {
     matches!(value.trim(), "1" | "on" | "yes")
 }
 
-fn is_off(value: &str) -> bool {
-    matches!(value.trim(), "0" | "off" | "no")
+/// Why `ifreload -a` writes forwarding=1 on the VNet's bridge, or `None` when it writes 0.
+/// ifupdown2 (`addons/address.py` `_set_bridge_forwarding`) writes 0 only on a bridge with
+/// no upper interface, no `address` and an address method other than `dhcp` (and, patched by
+/// Proxmox, `auto`); 1 otherwise, for IPv4 and IPv6. `ip-forward off` is no exception: 3.2.0
+/// ignores it on bridges and 3.9.0 applies it only after writing 1.
+fn reload_turns_forwarding_on(vnet: &pb::VnetFacts) -> Option<String> {
+    let name = &vnet.name;
+    let stanza = format!("iface {name} in {}", vnet.stanza_file);
+    // `inet static`: the family, then the method.
+    let method = vnet.address_method.split_whitespace().nth(1).unwrap_or("");
+    if vnet.address_present {
+        Some(format!("{stanza} has an address"))
+    } else if method.is_empty() {
+        Some(format!("{stanza} has no address method"))
+    } else if matches!(method, "dhcp" | "auto") {
+        Some(format!("{stanza} uses the {method} method"))
+    } else {
+        None
+    }
 }
 
 fn judge_forwarding(facts: &pb::NodeChecksReply) -> Judged {
@@ -568,9 +585,7 @@ fn judge_forwarding(facts: &pb::NodeChecksReply) -> Judged {
             ),
         );
     }
-    let explicitly_off = is_off(&vnet.ip_forward);
-    if vnet.address_method.is_empty() && !explicitly_off {
-        let stanza = format!("iface {name} in {} has no address method", vnet.stanza_file);
+    if let Some(stanza) = reload_turns_forwarding_on(vnet) {
         return if refuse {
             (
                 NAME,
@@ -593,12 +608,8 @@ fn judge_forwarding(facts: &pb::NodeChecksReply) -> Judged {
         NAME,
         Level::Ok,
         format!(
-            "forwarding is off on {name} and its stanza keeps it off ({})",
-            if explicitly_off {
-                format!("ip-forward {}", vnet.ip_forward)
-            } else {
-                format!("iface {name} {}", vnet.address_method)
-            }
+            "forwarding is off on {name} and its stanza keeps it off (iface {name} {} without an address)",
+            vnet.address_method
         ),
     )
 }
@@ -608,6 +619,20 @@ fn judge_legacy_nat(facts: &pb::NodeChecksReply) -> Judged {
     let Some(nat) = &facts.legacy_nat else {
         return (NAME, Level::Warn, UPGRADE_CONNECTOR.to_owned());
     };
+    // SDN's SNAT names the subnet and the uplink, never the VNet: its stanza says it is there.
+    if let Some(line) = facts.vnet.as_ref().and_then(|vnet| vnet.snat_lines.first()) {
+        return (
+            NAME,
+            Level::Fail,
+            format!(
+                "SDN SNAT is configured on this VNet's subnet ({line}){}: remove `snat` from the subnet in Datacenter → SDN → VNets, then apply SDN",
+                match nat.vnet_rules.first() {
+                    Some(rule) => format!(", loaded in iptables-legacy as {rule}"),
+                    None => String::new(),
+                }
+            ),
+        );
+    }
     if let Some(rule) = nat.vnet_rules.first() {
         let vnet = facts
             .vnet
@@ -659,8 +684,9 @@ fn judge_legacy_nat(facts: &pb::NodeChecksReply) -> Judged {
 
 /// The pattern that keeps LVM off every loop device and its partitions.
 pub const LOOP_REJECT: &str = "r|/dev/loop.*|";
-/// PVE's own `global_filter` (pve-manager writes it into lvm.conf): ZFS zvols and Ceph RBDs.
-pub const PVE_GLOBAL_FILTER: [&str; 2] = ["r|/dev/zd.*|", "r|/dev/rbd.*|"];
+/// PVE's own `global_filter` (pve-manager's postinst `set_lvm_conf` writes it into lvm.conf's
+/// `devices` section): ZFS zvols, Ceph RBDs and network block devices.
+pub const PVE_GLOBAL_FILTER: [&str; 3] = ["r|/dev/zd.*|", "r|/dev/rbd.*|", "r|/dev/nbd.*|"];
 /// Device names a backup mapping shows to LVM (the loop device and its scanned partitions).
 const LOOP_DEVICES: [&str; 3] = ["/dev/loop0", "/dev/loop3p1", "/dev/loop12p2"];
 
@@ -790,42 +816,61 @@ fn judge_firewall(firewall: Option<&pb::FirewallFacts>) -> Judged {
     let Some(fw) = firewall else {
         return (NAME, Level::Warn, UPGRADE_CONNECTOR.to_owned());
     };
-    if !fw.host_fw_error.is_empty() || !fw.nft_error.is_empty() {
+    let errors: Vec<&str> = [
+        fw.host_fw_error.as_str(),
+        fw.cluster_fw_error.as_str(),
+        fw.nft_error.as_str(),
+    ]
+    .into_iter()
+    .filter(|e| !e.is_empty())
+    .collect();
+    if !errors.is_empty() {
         return (
             NAME,
             Level::Warn,
             format!(
                 "firewall not determined: {}; check pve.nodes_dir and tools.nft",
-                [fw.host_fw_error.as_str(), fw.nft_error.as_str()]
-                    .into_iter()
-                    .filter(|e| !e.is_empty())
-                    .collect::<Vec<_>>()
-                    .join("; ")
+                errors.join("; ")
             ),
         );
     }
+    // proxmox-firewall keeps its tables only while the datacenter firewall and the host's
+    // `nftables` option are both on; otherwise it removes them.
+    let datacenter_on = is_on(&fw.datacenter_enable_option);
     let selected = is_on(&fw.nftables_option);
     let loaded = fw.proxmox_firewall_table || fw.proxmox_firewall_guests_table;
-    match (selected, loaded) {
+    match (datacenter_on && selected, loaded) {
         (true, true) => (
             NAME,
             Level::Ok,
-            "proxmox-firewall (nftables): its tables hook at filter-1/filter/filter+1 and a drop there is final, so a VNet firewall with a DROP policy can drop probe traffic; keep the sandbox VNet's firewall off or allow the probe ports".to_owned(),
+            "proxmox-firewall (nftables): its table inet proxmox-firewall hooks at priorities filter-1, filter and filter+1 and its table bridge proxmox-firewall-guests at 0, and a drop there is final, so a VNet firewall with a DROP policy can drop probe traffic; keep the sandbox VNet's firewall off or allow the probe ports".to_owned(),
         ),
         (true, false) => (
             NAME,
             Level::Warn,
             format!(
-                "{} selects proxmox-firewall (nftables: {}) but its tables are not loaded: check proxmox-firewall.service (systemctl status proxmox-firewall)",
-                fw.host_fw, fw.nftables_option
+                "{} enables the datacenter firewall and {} selects proxmox-firewall (nftables: {}), but its tables are not loaded: check proxmox-firewall.service (systemctl status proxmox-firewall)",
+                fw.cluster_fw, fw.host_fw, fw.nftables_option
             ),
         ),
         (false, true) => (
             NAME,
             Level::Warn,
             format!(
-                "proxmox-firewall tables are loaded but {} does not select nftables: leftovers of a switch back to pve-firewall; reboot or restart the firewall services so one firewall remains",
-                fw.host_fw
+                "proxmox-firewall tables are loaded, but {}: proxmox-firewall removes its tables in that case, so these are leftovers or it is not running; restart proxmox-firewall.service (systemctl restart proxmox-firewall) so one firewall remains",
+                if selected {
+                    format!("the datacenter firewall is off ({} has no enable: 1)", fw.cluster_fw)
+                } else {
+                    format!("{} does not select nftables", fw.host_fw)
+                }
+            ),
+        ),
+        (false, false) if selected => (
+            NAME,
+            Level::Ok,
+            format!(
+                "{} selects nftables, but the datacenter firewall is off ({} has no enable: 1), so proxmox-firewall loads no tables and no host firewall filters; SDN's SNAT lives in iptables-legacy, which the legacy-nat check reads",
+                fw.host_fw, fw.cluster_fw
             ),
         ),
         (false, false) => (
@@ -940,16 +985,47 @@ mod tests {
             "{detail}"
         );
         assert_eq!(with_vnet(&bare, "disable-for-run").0, Level::Ok);
-        let kept_off = |v: &mut pb::VnetFacts| {
-            v.stanza_found = true;
-            v.ip_forward = "off".into();
+        // ifupdown2's rule for what a reload writes: 0 only with a method other than dhcp or
+        // auto and no address; `ip-forward off` does not keep it off on a bridge.
+        let stanza = |method: &'static str, address: bool, ip_forward: &'static str| {
+            move |v: &mut pb::VnetFacts| {
+                v.stanza_found = true;
+                v.address_method = method.into();
+                v.address_present = address;
+                v.ip_forward = ip_forward.into();
+                v.ip6_forward = ip_forward.into();
+            }
         };
-        assert_eq!(with_vnet(&kept_off, "refuse").0, Level::Ok);
-        let with_method = |v: &mut pb::VnetFacts| {
-            v.stanza_found = true;
-            v.address_method = "inet manual".into();
-        };
-        assert_eq!(with_vnet(&with_method, "refuse").0, Level::Ok);
+        for (method, address, ip_forward, reason) in [
+            ("", false, "off", "has no address method"),
+            ("inet static", true, "", "has an address"),
+            ("inet manual", true, "off", "has an address"),
+            ("inet dhcp", false, "", "uses the dhcp method"),
+            ("inet6 auto", false, "off", "uses the auto method"),
+        ] {
+            let (level, detail) = with_vnet(&stanza(method, address, ip_forward), "refuse");
+            assert_eq!(level, Level::Warn, "{method} {address} {detail}");
+            assert!(
+                detail.contains(&format!(
+                    "iface csbox1 in /etc/network/interfaces.d/sdn {reason}: ifupdown2 sets forwarding=1 on reload"
+                )),
+                "{detail}"
+            );
+            assert_eq!(
+                with_vnet(&stanza(method, address, ip_forward), "disable-for-run").0,
+                Level::Ok
+            );
+        }
+        for method in ["inet manual", "inet static", "inet6 manual"] {
+            let (level, detail) = with_vnet(&stanza(method, false, ""), "refuse");
+            assert_eq!(level, Level::Ok, "{detail}");
+            assert_eq!(
+                detail,
+                format!(
+                    "forwarding is off on csbox1 and its stanza keeps it off (iface csbox1 {method} without an address)"
+                )
+            );
+        }
         // On now: refused under "refuse", handled under "disable-for-run".
         let on = |v: &mut pb::VnetFacts| v.ipv6_forwarding = "1".into();
         let (level, detail) = with_vnet(&on, "refuse");
@@ -990,6 +1066,29 @@ mod tests {
         let mut facts = healthy();
         facts.legacy_nat.as_mut().unwrap().error = "iptables-legacy-save failed".into();
         assert_eq!(level_of(&facts, 0, "legacy-nat"), Level::Fail);
+        // SDN's SNAT names the subnet, not the VNet: the stanza's post-up line says so, and the
+        // rule found by its subnet is named with it.
+        let snat = "iptables -t nat -A POSTROUTING -s '10.7.3.0/24' -o vmbr0 -j SNAT --to-source 192.0.2.10";
+        let mut facts = healthy();
+        facts.vnet.as_mut().unwrap().snat_lines = vec![snat.into()];
+        let (level, detail) = detail_of(&facts, "legacy-nat");
+        assert_eq!(level, Level::Fail);
+        assert_eq!(
+            detail,
+            format!(
+                "SDN SNAT is configured on this VNet's subnet ({snat}): remove `snat` from the subnet in Datacenter → SDN → VNets, then apply SDN"
+            )
+        );
+        let loaded = "-A POSTROUTING -s 10.7.3.0/24 -o vmbr0 -j SNAT --to-source 192.0.2.10 (/usr/sbin/iptables-legacy-save -t nat)";
+        facts.legacy_nat.as_mut().unwrap().vnet_rules = vec![loaded.into()];
+        let (level, detail) = detail_of(&facts, "legacy-nat");
+        assert_eq!(level, Level::Fail);
+        assert!(
+            detail.contains(&format!(
+                "({snat}), loaded in iptables-legacy as {loaded}: remove"
+            )),
+            "{detail}"
+        );
         let (level, detail) = detail_of(&healthy(), "legacy-nat");
         assert_eq!(level, Level::Ok);
         assert!(
@@ -1016,12 +1115,12 @@ mod tests {
         ] {
             assert_eq!(judged(rejecting).1, Level::Ok, "{rejecting:?}");
         }
-        // PVE's own filter: loop devices pass.
-        let (_, level, detail) = judged(&["r|/dev/zd.*|", "r|/dev/rbd.*|"]);
+        // PVE's own filter: loop devices pass; the fix keeps its patterns.
+        let (_, level, detail) = judged(&PVE_GLOBAL_FILTER);
         assert_eq!(level, Level::Warn);
         assert!(
             detail.ends_with(
-                "global_filter = [ \"r|/dev/zd.*|\", \"r|/dev/rbd.*|\", \"r|/dev/loop.*|\" ]"
+                "global_filter = [ \"r|/dev/zd.*|\", \"r|/dev/rbd.*|\", \"r|/dev/nbd.*|\", \"r|/dev/loop.*|\" ]"
             ),
             "{detail}"
         );
@@ -1041,24 +1140,38 @@ mod tests {
             ..Default::default()
         }));
         assert_eq!(level, Level::Warn);
-        assert!(detail.contains("r|/dev/loop.*|"), "{detail}");
+        // Without a filter, the fix is PVE's own filter (with nbd) plus the loop reject.
+        assert!(
+            detail.ends_with(
+                "global_filter = [ \"r|/dev/zd.*|\", \"r|/dev/rbd.*|\", \"r|/dev/nbd.*|\", \"r|/dev/loop.*|\" ]"
+            ),
+            "{detail}"
+        );
     }
 
     #[test]
     fn the_firewall_in_use_is_named_with_what_it_means_for_probes() {
-        let judged = |option: &str, table: bool| {
+        let judged_with = |datacenter: &str, option: &str, table: bool| {
             judge_firewall(Some(&pb::FirewallFacts {
                 host_fw: "/etc/pve/nodes/pve1/host.fw".into(),
                 nftables_option: option.into(),
                 proxmox_firewall_table: table,
                 proxmox_firewall_guests_table: table,
+                cluster_fw: "/etc/pve/firewall/cluster.fw".into(),
+                datacenter_enable_option: datacenter.into(),
                 ..Default::default()
             }))
         };
+        let judged = |option: &str, table: bool| judged_with("1", option, table);
         let (_, level, detail) = judged("1", true);
         assert_eq!(level, Level::Ok);
         assert!(
-            detail.starts_with("proxmox-firewall (nftables)") && detail.contains("DROP policy")
+            detail.starts_with("proxmox-firewall (nftables)")
+                && detail.contains(
+                    "inet proxmox-firewall hooks at priorities filter-1, filter and filter+1 and its table bridge proxmox-firewall-guests at 0"
+                )
+                && detail.contains("DROP policy"),
+            "{detail}"
         );
         let (_, level, detail) = judged("", false);
         assert_eq!(level, Level::Ok);
@@ -1066,8 +1179,27 @@ mod tests {
             detail.starts_with("pve-firewall (iptables-legacy)"),
             "{detail}"
         );
-        assert_eq!(judged("1", false).1, Level::Warn);
+        let (_, level, detail) = judged("1", false);
+        assert_eq!(level, Level::Warn);
+        assert!(detail.contains("proxmox-firewall.service"), "{detail}");
         assert_eq!(judged("0", true).1, Level::Warn);
+        // With the datacenter firewall off proxmox-firewall removes its tables: none is right.
+        for datacenter in ["", "0"] {
+            let (_, level, detail) = judged_with(datacenter, "1", false);
+            assert_eq!(level, Level::Ok, "{detail}");
+            assert!(
+                detail.contains("the datacenter firewall is off (/etc/pve/firewall/cluster.fw has no enable: 1), so proxmox-firewall loads no tables"),
+                "{detail}"
+            );
+            let (_, level, detail) = judged_with(datacenter, "1", true);
+            assert_eq!(level, Level::Warn);
+            assert!(detail.contains("leftovers"), "{detail}");
+        }
+        let (_, level, _) = judge_firewall(Some(&pb::FirewallFacts {
+            cluster_fw_error: "cannot read /etc/pve/firewall/cluster.fw: permission denied".into(),
+            ..Default::default()
+        }));
+        assert_eq!(level, Level::Warn);
         let (_, level, _) = judge_firewall(Some(&pb::FirewallFacts {
             nft_error: "nft: not found".into(),
             ..Default::default()
