@@ -475,16 +475,19 @@ fn judge_cgroup(facts: &pb::NodeChecksReply) -> Judged {
                 cgroup.error
             ),
         ),
+        // Nothing on /sys/fs/cgroup in the mount table the connector reads says more about the
+        // connector's view (another mount namespace, a pve.mounts pointing elsewhere) than
+        // about the node's cgroup version.
+        "" => (
+            "cgroup",
+            Level::Warn,
+            "nothing is mounted on /sys/fs/cgroup in the mount table the connector reads (pve.mounts, /proc/self/mounts by default): the connector runs in another mount namespace, or pve.mounts names the wrong file; the cgroup version was not judged".into(),
+        ),
         other => (
             "cgroup",
             Level::Fail,
             format!(
-                "/sys/fs/cgroup is {} (cgroup v1 or hybrid): PVE 9 runs on cgroup v2 only and weighs VMs differently on v1; boot the node with the unified hierarchy (remove systemd.unified_cgroup_hierarchy=0 from the kernel command line)",
-                if other.is_empty() {
-                    "not mounted"
-                } else {
-                    other
-                }
+                "/sys/fs/cgroup is {other} (cgroup v1 or hybrid): PVE 9 runs on cgroup v2 only and weighs VMs differently on v1; boot the node with the unified hierarchy (remove systemd.unified_cgroup_hierarchy=0 from the kernel command line)"
             ),
         ),
     }
@@ -957,6 +960,11 @@ mod tests {
         let (level, detail) = detail_of(&facts, "cgroup");
         assert_eq!(level, Level::Fail);
         assert!(detail.contains("PVE 9 runs on cgroup v2 only"), "{detail}");
+        // Nothing mounted there is the connector's view, not the node's cgroup version.
+        facts.cgroup = Some(pb::CgroupFacts::default());
+        let (level, detail) = detail_of(&facts, "cgroup");
+        assert_eq!(level, Level::Warn);
+        assert!(detail.contains("another mount namespace"), "{detail}");
         let mut facts = healthy();
         facts.sandbox_cpu_units = 100;
         let (level, detail) = detail_of(&facts, "cgroup");
