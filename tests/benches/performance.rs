@@ -1034,6 +1034,9 @@ async fn validation(
         cores: 1,
         memory_mib: 256,
         archives: vec![ARCHIVE.into()],
+        // The connector's default sandbox shape: reading the source config is a step of its
+        // own, not part of what this measures.
+        mirror_source_hardware: false,
     })
     .await
     .unwrap();
