@@ -26,6 +26,8 @@ use crate::validate::VnetName;
 use certistack_proto::v1 as pb;
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 /// The longest a version tool may take here: a prerequisite check must answer quickly.
@@ -71,6 +73,46 @@ pub struct Prerequisites {
     max_ruleset_bytes: usize,
     forwarding_policy: ForwardingPolicy,
     sandbox_cpu_units: u32,
+    /// One flag per kind of file read, set while a read is on the blocking pool (see
+    /// [`bounded_read`]).
+    reading_packages: Arc<AtomicBool>,
+    reading_files: Arc<AtomicBool>,
+    reading_stanza: Arc<AtomicBool>,
+    reading_overlay_root: Arc<AtomicBool>,
+}
+
+/// Runs `read` on the blocking pool and waits at most `timeout` for it. The node's files can
+/// hang a reader: `/etc/pve` is pmxcfs (FUSE), the overlay root may be a network filesystem. A
+/// thread stuck in such a read cannot be cancelled, so while one has not returned, the next
+/// call of the same kind reports it instead of stranding another thread.
+async fn bounded_read<T: Send + 'static>(
+    in_flight: &Arc<AtomicBool>,
+    what: &str,
+    timeout: Duration,
+    read: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, String> {
+    if in_flight.swap(true, Ordering::AcqRel) {
+        return Err(format!(
+            "an earlier read of {what} has not returned yet (a hung /etc/pve or disk?); not read again until it does"
+        ));
+    }
+    let done = in_flight.clone();
+    let handle = tokio::task::spawn_blocking(move || {
+        let out = read();
+        done.store(false, Ordering::Release);
+        out
+    });
+    match tokio::time::timeout(timeout, handle).await {
+        Ok(Ok(out)) => Ok(out),
+        Ok(Err(error)) => {
+            in_flight.store(false, Ordering::Release);
+            Err(format!("reading {what} stopped: {error}"))
+        }
+        Err(_) => Err(format!(
+            "reading {what} did not finish within {:.1} s (a hung /etc/pve or disk?)",
+            timeout.as_secs_f64()
+        )),
+    }
 }
 
 impl Prerequisites {
@@ -102,6 +144,10 @@ impl Prerequisites {
             max_ruleset_bytes: config.limits.max_ruleset_bytes,
             forwarding_policy: config.sandbox.forwarding,
             sandbox_cpu_units: config.limits.sandbox_cpu_units,
+            reading_packages: Arc::default(),
+            reading_files: Arc::default(),
+            reading_stanza: Arc::default(),
+            reading_overlay_root: Arc::default(),
         }
     }
 
@@ -110,12 +156,17 @@ impl Prerequisites {
     pub async fn read(&self, vnet: Option<&VnetName>) -> pb::NodeChecksReply {
         let _slot = self.slot.lock().await;
         let dpkg_status = self.dpkg_status.clone();
-        let packages = tokio::task::spawn_blocking(move || {
-            installed_versions(
-                &dpkg_status,
-                &["pve-manager", "qemu-server", "pve-qemu-kvm"],
-            )
-        });
+        let packages = bounded_read(
+            &self.reading_packages,
+            "the dpkg status",
+            self.timeout,
+            move || {
+                installed_versions(
+                    &dpkg_status,
+                    &["pve-manager", "qemu-server", "pve-qemu-kvm"],
+                )
+            },
+        );
         let files = {
             let (mounts, lvm_conf, host_fw, cluster_fw) = (
                 self.mounts.clone(),
@@ -123,21 +174,29 @@ impl Prerequisites {
                 self.host_fw.clone(),
                 self.cluster_fw.clone(),
             );
-            tokio::task::spawn_blocking(move || {
-                (
-                    cgroup_facts(&mounts),
-                    lvm_filter_facts(&lvm_conf),
-                    firewall_file_facts(&host_fw, &cluster_fw),
-                )
-            })
+            bounded_read(
+                &self.reading_files,
+                "the node's files (mounts, lvm.conf, host.fw, cluster.fw)",
+                self.timeout,
+                move || {
+                    (
+                        cgroup_facts(&mounts),
+                        lvm_filter_facts(&lvm_conf),
+                        firewall_file_facts(&host_fw, &cluster_fw),
+                    )
+                },
+            )
         };
         // The legacy NAT check needs the subnets the VNet's stanza SNATs, so it waits for it.
         let vnet_and_nat = async {
             let sdn_interfaces = self.sdn_interfaces.clone();
             let owned = vnet.cloned();
-            let read = tokio::task::spawn_blocking(move || {
-                owned.map(|vnet| vnet_facts(&vnet, &sdn_interfaces))
-            })
+            let read = bounded_read(
+                &self.reading_stanza,
+                "the SDN interfaces",
+                self.timeout,
+                move || owned.map(|vnet| vnet_facts(&vnet, &sdn_interfaces)),
+            )
             .await;
             let snat_subnets: Vec<String> = match &read {
                 Ok(Some(facts)) => facts
@@ -151,8 +210,13 @@ impl Prerequisites {
         };
         let overlay_root = self.overlay_root.clone();
         let cluster = self.pve_cluster_dir.clone();
-        let disk = tokio::task::spawn_blocking(move || overlay_disk(&overlay_root, &cluster));
-        let (qemu_img, pbs_client, (vnet_read, legacy_nat), tables) = tokio::join!(
+        let disk = bounded_read(
+            &self.reading_overlay_root,
+            "the overlay root",
+            self.timeout,
+            move || overlay_disk(&overlay_root, &cluster),
+        );
+        let (qemu_img, pbs_client, (vnet_read, legacy_nat), tables, packages, disk, files) = tokio::join!(
             tool_version(
                 &self.qemu_img,
                 &["--version"],
@@ -167,11 +231,11 @@ impl Prerequisites {
             ),
             vnet_and_nat,
             self.nft_tables(),
+            packages,
+            disk,
+            files,
         );
-        let packages = packages
-            .await
-            .map_err(|error| format!("reading the dpkg status stopped: {error}"))
-            .and_then(|read| read);
+        let packages = packages.and_then(|read| read);
         let package = |name: &str| -> Result<String, String> {
             match &packages {
                 Ok(found) => found
@@ -187,10 +251,7 @@ impl Prerequisites {
                 Err(error) => Err(error.clone()),
             }
         };
-        let disk = disk
-            .await
-            .map_err(|error| format!("reading the overlay root stopped: {error}"))
-            .and_then(|read| read);
+        let disk = disk.and_then(|read| read);
         let (pve_manager_version, pve_manager_error) = split(package("pve-manager"));
         let (qemu_server_version, qemu_server_error) = split(package("qemu-server"));
         let (qemu_img_version, qemu_img_error) = split(qemu_img);
@@ -200,14 +261,14 @@ impl Prerequisites {
             Ok(read) => read,
             Err(error) => vnet.map(|vnet| pb::VnetFacts {
                 name: vnet.to_string(),
-                stanza_error: bounded(&format!("reading the SDN interfaces stopped: {error}")),
+                stanza_error: bounded(&error),
                 ..Default::default()
             }),
         };
-        let (cgroup, lvm_filter, mut firewall) = match files.await {
+        let (cgroup, lvm_filter, mut firewall) = match files {
             Ok(read) => read,
             Err(error) => {
-                let error = bounded(&format!("reading the node's files stopped: {error}"));
+                let error = bounded(&error);
                 (
                     pb::CgroupFacts {
                         error: error.clone(),
@@ -1070,5 +1131,48 @@ mod tests {
         assert_eq!(version_token("1:7.2+dfsg-7"), Some("1:7.2+dfsg-7".into()));
         assert_eq!(version_token("9.0\u{1b}[31m"), None);
         assert_eq!(version_token(""), None);
+    }
+
+    #[tokio::test]
+    async fn a_hung_file_read_is_bounded_and_strands_one_thread_at_most() {
+        // A FIFO without a writer blocks its reader in open(2), as a hung pmxcfs would.
+        let dir = std::env::temp_dir().join(format!("certistack-hung-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let fifo = dir.join("host.fw");
+        let _ = std::fs::remove_file(&fifo);
+        rustix::fs::mkfifoat(
+            rustix::fs::CWD,
+            &fifo,
+            rustix::fs::Mode::from_raw_mode(0o600),
+        )
+        .unwrap();
+        let in_flight = Arc::new(AtomicBool::new(false));
+        let bound = Duration::from_millis(300);
+        let read = |in_flight: Arc<AtomicBool>, fifo: PathBuf, cluster: PathBuf| async move {
+            bounded_read(&in_flight, "host.fw", bound, move || {
+                firewall_file_facts(&fifo, &cluster)
+            })
+            .await
+        };
+        let started = std::time::Instant::now();
+        let first = read(in_flight.clone(), fifo.clone(), dir.join("cluster.fw")).await;
+        assert!(started.elapsed() < Duration::from_secs(5));
+        let error = first.unwrap_err();
+        assert!(error.contains("did not finish within 0.3 s"), "{error}");
+        // The stranded reader is still in open(2): no second thread joins it.
+        let second = read(in_flight.clone(), fifo.clone(), dir.join("cluster.fw")).await;
+        assert!(second.unwrap_err().contains("has not returned yet"));
+        // A writer releases it; reads work again once it has returned.
+        let writer = std::fs::OpenOptions::new().write(true).open(&fifo).unwrap();
+        drop(writer);
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while in_flight.load(Ordering::Acquire) && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        std::fs::remove_file(&fifo).unwrap();
+        std::fs::write(&fifo, "[OPTIONS]\nnftables: 1\n").unwrap();
+        let third = read(in_flight, fifo, dir.join("cluster.fw")).await.unwrap();
+        assert!(third.host_fw_error.is_empty(), "{third:?}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
