@@ -387,17 +387,7 @@ impl Prerequisites {
             .output_cap(MAX_TABLE_LIST_BYTES)
             .arg("list")
             .arg("tables");
-        let shown = call.display();
-        let output = process::run(call)
-            .await
-            .map_err(|error| error.to_string())?;
-        if !output.success() {
-            return Err(format!(
-                "{shown} exited with {:?}: {}",
-                output.exit_code,
-                output.stderr_excerpt()
-            ));
-        }
+        let (shown, output) = run_successfully(call).await?;
         if output.truncated {
             return Err(format!(
                 "{shown} printed more than {MAX_TABLE_LIST_BYTES} bytes"
@@ -405,6 +395,23 @@ impl Prerequisites {
         }
         Ok(parse_nft_tables(&output.stdout))
     }
+}
+
+/// Runs a check's tool; its output when it exited 0, else what it said. Returns how the call is
+/// shown, for the messages that follow.
+async fn run_successfully(call: ToolCall) -> Result<(String, process::ToolOutput), String> {
+    let shown = call.display();
+    let output = process::run(call)
+        .await
+        .map_err(|error| error.to_string())?;
+    if !output.success() {
+        return Err(format!(
+            "{shown} exited with {:?}: {}",
+            output.exit_code,
+            output.stderr_excerpt()
+        ));
+    }
+    Ok((shown, output))
 }
 
 /// `table <family> <name>` lines of `nft list tables`, as `family name`.
@@ -789,17 +796,7 @@ async fn tool_version(
     for arg in args {
         call = call.arg(*arg);
     }
-    let shown = call.display();
-    let output = process::run(call)
-        .await
-        .map_err(|error| error.to_string())?;
-    if !output.success() {
-        return Err(format!(
-            "{shown} exited with {:?}: {}",
-            output.exit_code,
-            output.stderr_excerpt()
-        ));
-    }
+    let (shown, output) = run_successfully(call).await?;
     output
         .stdout
         .lines()

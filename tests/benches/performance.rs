@@ -35,7 +35,7 @@
 )]
 
 use certistack_connector::config::Config;
-use certistack_connector::{files, tls};
+use certistack_connector::tls;
 use certistack_controller::authority::{Authority, IssuedCertificate};
 use certistack_proto::v1 as pb;
 use certistack_proto::v1::connector_client::ConnectorClient;
@@ -293,18 +293,7 @@ async fn serve_echo_h2c() -> String {
 /// The echo service behind the connector's own TLS server configuration and connection
 /// handling (`tls::server_config`, `tls::incoming`), with the node certificate of `config`.
 async fn serve_echo_mtls(authority: &Authority, config: &Config) -> String {
-    let chain = tls::parse_certificates(
-        &files::read_trusted(&config.tls.certificate).unwrap(),
-        "node",
-    )
-    .unwrap();
-    let key = tls::parse_private_key(
-        &files::read_private(&config.tls.private_key).unwrap(),
-        "key",
-    )
-    .unwrap();
-    let ca = tls::parse_certificates(authority.ca_pem(), "ca").unwrap();
-    let server_config = tls::server_config(chain, key, tls::ca_roots(&ca).unwrap()).unwrap();
+    let server_config = node_tls_server_config(authority, config);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap().to_string();
     tokio::spawn(

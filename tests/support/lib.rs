@@ -934,11 +934,13 @@ pub mod drifted {
     }
 }
 
-/// Serves the drifted double, answering as `node` under a certificate for `node` enrolled in
-/// `dir`, on a loopback port of the current network namespace; returns its address.
-pub async fn serve_drifted(authority: &Authority, dir: &Path, node: &str) -> String {
+/// The connector's own TLS server configuration for the node certificate of `config`,
+/// trusting `authority`'s CA for clients.
+pub fn node_tls_server_config(
+    authority: &Authority,
+    config: &certistack_connector::config::Config,
+) -> std::sync::Arc<rustls::ServerConfig> {
     use certistack_connector::{files, tls};
-    let config = enroll(authority, dir, node);
     let chain = tls::parse_certificates(
         &files::read_trusted(&config.tls.certificate).unwrap(),
         "node",
@@ -950,7 +952,15 @@ pub async fn serve_drifted(authority: &Authority, dir: &Path, node: &str) -> Str
     )
     .unwrap();
     let ca = tls::parse_certificates(authority.ca_pem(), "ca").unwrap();
-    let server_config = tls::server_config(chain, key, tls::ca_roots(&ca).unwrap()).unwrap();
+    tls::server_config(chain, key, tls::ca_roots(&ca).unwrap()).unwrap()
+}
+
+/// Serves the drifted double, answering as `node` under a certificate for `node` enrolled in
+/// `dir`, on a loopback port of the current network namespace; returns its address.
+pub async fn serve_drifted(authority: &Authority, dir: &Path, node: &str) -> String {
+    use certistack_connector::tls;
+    let config = enroll(authority, dir, node);
+    let server_config = node_tls_server_config(authority, &config);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap().to_string();
     tokio::spawn(
