@@ -223,34 +223,30 @@ pub mod parse {
         Vmid::parse(name, value)
     }
 
+    /// The optional PBS encryption key of a request that reads the backup: at most 16 KiB,
+    /// zeroized on drop.
+    fn encryption_key(name: &'static str, raw: &[u8]) -> Result<Option<EncryptionKey>, FieldError> {
+        let key = bytes_field(name, "encryption_key", raw, 0, 16 * 1024)?;
+        Ok((!key.is_empty()).then(|| EncryptionKey(Zeroizing::new(key.to_vec()))))
+    }
+
     pub fn map_backup(req: pb::MapBackupRequest) -> Result<Action, FieldError> {
-        let key = bytes_field(
-            "MapBackupRequest.encryption_key",
-            "encryption_key",
-            &req.encryption_key,
-            0,
-            16 * 1024,
-        )?;
         Ok(Action::MapBackup {
             snapshot: field("MapBackupRequest.snapshot", &req.snapshot)?,
             archive: field("MapBackupRequest.archive", &req.archive)?,
             secret: field("MapBackupRequest.pbs_secret", &req.pbs_secret)?,
-            encryption_key: (!key.is_empty()).then(|| EncryptionKey(Zeroizing::new(key.to_vec()))),
+            encryption_key: encryption_key("MapBackupRequest.encryption_key", &req.encryption_key)?,
         })
     }
 
     pub fn read_source_config(req: pb::ReadSourceConfigRequest) -> Result<Action, FieldError> {
-        let key = bytes_field(
-            "ReadSourceConfigRequest.encryption_key",
-            "encryption_key",
-            &req.encryption_key,
-            0,
-            16 * 1024,
-        )?;
         Ok(Action::ReadSourceConfig {
             snapshot: field("ReadSourceConfigRequest.snapshot", &req.snapshot)?,
             secret: field("ReadSourceConfigRequest.pbs_secret", &req.pbs_secret)?,
-            encryption_key: (!key.is_empty()).then(|| EncryptionKey(Zeroizing::new(key.to_vec()))),
+            encryption_key: encryption_key(
+                "ReadSourceConfigRequest.encryption_key",
+                &req.encryption_key,
+            )?,
         })
     }
 
