@@ -215,6 +215,13 @@ impl Action {
     }
 }
 
+/// The page of closed runs a ListRuns request asks for: up to `page_size` after `after`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClosedRunsPage {
+    pub after: Option<RunId>,
+    pub page_size: usize,
+}
+
 /// Request → action, one function per RPC.
 pub mod parse {
     use super::*;
@@ -390,6 +397,44 @@ pub mod parse {
         Ok(Action::ReadJournal {
             run_id: field("ReadJournalRequest.run_id", &req.run_id)?,
         })
+    }
+
+    /// Which page of closed runs ListRuns returns.
+    pub fn list_runs(req: &pb::ListRunsRequest) -> Result<ClosedRunsPage, FieldError> {
+        let page_size = match usize::try_from(req.closed_page_size) {
+            Ok(0) => crate::runs::DEFAULT_CLOSED_PAGE,
+            Ok(size) if size <= crate::runs::MAX_CLOSED_PAGE => size,
+            _ => {
+                return Err(FieldError {
+                    field: "ListRunsRequest.closed_page_size",
+                    validator: "count",
+                    reason: format!(
+                        "{} closed runs per page, at most {} are allowed (0 asks for {})",
+                        req.closed_page_size,
+                        crate::runs::MAX_CLOSED_PAGE,
+                        crate::runs::DEFAULT_CLOSED_PAGE
+                    ),
+                });
+            }
+        };
+        // The cursor is the last run id of the previous page: anything else was not returned
+        // by ListRuns.
+        let after = if req.closed_cursor.is_empty() {
+            None
+        } else {
+            Some(
+                field("ListRunsRequest.closed_cursor", &req.closed_cursor).map_err(|error| {
+                    FieldError {
+                        reason: format!(
+                            "is not a cursor ListRuns returned ({}); pass next_closed_cursor as it is, or leave it empty for the first page",
+                            error.reason
+                        ),
+                        ..error
+                    }
+                })?,
+            )
+        };
+        Ok(ClosedRunsPage { after, page_size })
     }
 
     pub fn cleanup(req: pb::CleanupRequest) -> Result<Action, FieldError> {
@@ -999,6 +1044,11 @@ mod tests {
             vnet: "csbox1".into(),
         })
         .unwrap();
+        parse::list_runs(&pb::ListRunsRequest {
+            closed_page_size: 10,
+            closed_cursor: RUN.into(),
+        })
+        .unwrap();
         let key = SigningKey::from_bytes(&[1; 32]);
         crate::grant::verify(&sign(&key, &full_wire_grant()), &key.verifying_key()).unwrap();
         let used: std::collections::BTreeMap<String, String> = crate::validate::usage::take()
@@ -1008,6 +1058,37 @@ mod tests {
         let declared: FieldPolicy =
             toml::from_str(include_str!("../../policy/field-validators.toml")).unwrap();
         assert_eq!(used, declared.fields);
+    }
+
+    #[test]
+    fn a_list_runs_page_is_bounded_and_its_cursor_is_a_run_id() {
+        let page = |closed_page_size: u32, cursor: &str| {
+            parse::list_runs(&pb::ListRunsRequest {
+                closed_page_size,
+                closed_cursor: cursor.into(),
+            })
+        };
+        assert_eq!(
+            page(0, "").unwrap(),
+            ClosedRunsPage {
+                after: None,
+                page_size: crate::runs::DEFAULT_CLOSED_PAGE
+            }
+        );
+        let last = page(1000, RUN).unwrap();
+        assert_eq!(
+            (last.after.unwrap().as_str(), last.page_size),
+            (RUN, 1000)
+        );
+        let too_many = page(1001, "").unwrap_err();
+        assert_eq!(too_many.field, "ListRunsRequest.closed_page_size");
+        assert!(too_many.to_string().contains("at most 1000"), "{too_many}");
+        let not_a_cursor = page(10, "../../etc").unwrap_err();
+        assert_eq!(not_a_cursor.field, "ListRunsRequest.closed_cursor");
+        assert!(
+            not_a_cursor.to_string().contains("not a cursor ListRuns returned"),
+            "{not_a_cursor}"
+        );
     }
 
     #[test]

@@ -211,6 +211,14 @@ fn check_state(config: &Config, report: &mut Report) {
             )),
         }
     }
+    // Closed runs are kept in shards under closed/ (see crate::runs).
+    closed += std::fs::read_dir(state.join("closed"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|shard| std::fs::read_dir(shard.path()).ok())
+        .map(|runs| runs.count())
+        .sum::<usize>();
     report.notes.push(format!(
         "paths.state_dir = {}: {open} open and {closed} closed runs",
         state.display()

@@ -135,6 +135,13 @@ pub fn create_private_dir(path: &Path) -> Result<(), FileError> {
 
 /// Writes a new file with `mode`, refusing to replace an existing one, and syncs it and its directory.
 pub fn write_new(path: &Path, contents: &[u8], mode: u32) -> Result<(), FileError> {
+    write_new_without_dir_sync(path, contents, mode)?;
+    sync_parent(path)
+}
+
+/// [`write_new`] without the sync of the directory: for a caller that creates several entries
+/// in one directory and syncs it once after the last.
+pub fn write_new_without_dir_sync(path: &Path, contents: &[u8], mode: u32) -> Result<(), FileError> {
     let err = |error: std::io::Error| {
         if error.kind() == std::io::ErrorKind::AlreadyExists {
             FileError::Exists {
@@ -154,8 +161,7 @@ pub fn write_new(path: &Path, contents: &[u8], mode: u32) -> Result<(), FileErro
         .open(path)
         .map_err(err)?;
     file.write_all(contents).map_err(err)?;
-    file.sync_all().map_err(err)?;
-    sync_parent(path)
+    file.sync_all().map_err(err)
 }
 
 /// Replaces `path` atomically: temporary file, fsync, rename, fsync of the directory.
@@ -176,6 +182,25 @@ pub fn write_atomic(path: &Path, contents: &[u8], mode: u32) -> Result<(), FileE
     file.sync_all().map_err(err)?;
     fs::rename(&tmp, path).map_err(err)?;
     sync_parent(path)
+}
+
+/// Replaces `path` atomically for readers (temporary file, rename) without syncing anything:
+/// for files rebuilt from a synced source after a crash.
+pub fn replace_without_sync(path: &Path, contents: &[u8], mode: u32) -> Result<(), FileError> {
+    let err = |error| FileError::Write {
+        path: path.to_owned(),
+        error,
+    };
+    let tmp = path.with_extension("tmp");
+    let _ = fs::remove_file(&tmp);
+    let mut file = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .open(&tmp)
+        .map_err(err)?;
+    file.write_all(contents).map_err(err)?;
+    fs::rename(&tmp, path).map_err(err)
 }
 
 /// Makes a directory entry change (create, rename) durable.

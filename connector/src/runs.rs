@@ -1,19 +1,23 @@
 //! The durable registry of runs on this node, and each run's journal.
 //!
-//! `BeginRun` stores the signed grant under `<state>/runs/<run id>/grant.pb` and creates the
-//! run's journal there; `EndRun` journals the end, then writes `<state>/runs/<run id>/summary.json`
-//! (the closed run's index entry) and `<state>/runs/<run id>/closed`. Everything is written
-//! atomically or appended and fsync'd before the reply, and a new run's directory entry is
-//! fsync'd in `runs/`, so a run survives a power loss and a closed run stays closed across a
-//! crash or restart: its certificate and grant are refused even before they expire.
+//! An open run lives in `<state>/runs/<run id>/`: `BeginRun` writes the signed grant there
+//! (`grant.pb`), creates the run's journal and appends its first record, then syncs the run's
+//! directory and `runs/` once each, so everything BeginRun made is durable before it answers.
+//! A start that finds a run directory without its grant or without a first record finds a
+//! BeginRun that never answered: nothing was done for that run, and the directory is removed.
 //!
-//! A run is closed once its journal's last record closes it (`run.end`, `run.expired`); the
-//! marker and the summary are what a restart reads instead of the journal, and a restart that
-//! finds a closing record without a marker writes it. Closed runs hold no file open and no
-//! records in memory: only their summary. At start the registry reopens the journals of open
-//! runs only (setting a torn tail aside, see [`crate::journal`]) so recovery knows what each
-//! run left on the node. Closed runs are pruned after `limits.closed_run_retention_days` once
-//! their grant expired. The registry never holds a secret.
+//! `EndRun` journals the end, writes `summary.json` (the closed run's index entry) and the
+//! `closed` marker, and moves the directory to `<state>/closed/<first two characters of the run
+//! id>/<run id>/`. A run is closed once its journal's last record closes it (`run.end`,
+//! `run.expired`); a start that finds a closing record or a marker under `runs/` finishes the
+//! move. So a start reads `runs/` only, the open runs, however many closed runs are kept, and a
+//! closed run is looked up by its id on disk when it is asked about: its certificate and grant
+//! are refused, its journal read, a page of closed runs listed in run-id order from a few of the
+//! 256 shard directories. Closed runs hold no file open and nothing in memory. At start the
+//! registry reopens the journals of open runs (setting a torn tail aside, see
+//! [`crate::journal`]) so recovery knows what each run left on the node. Closed runs are pruned
+//! after `limits.closed_run_retention_days` once their grant expired, in bounded batches by the
+//! daemon's periodic pass, never on the start path. The registry never holds a secret.
 //!
 //! Journal appends run on the blocking pool, never on an async worker; the run's operation lock
 //! orders them, and a write whose caller went away still completes and is kept in memory.
@@ -37,6 +41,29 @@ const GRANT_FILE: &str = "grant.pb";
 const CLOSED_FILE: &str = "closed";
 const SUMMARY_FILE: &str = "summary.json";
 const LOCK_FILE: &str = "lock";
+/// Under the state directory: closed runs, sharded by the first characters of their id.
+const CLOSED_ROOT: &str = "closed";
+/// Characters of a run id naming its shard: 256 directories of hex pairs.
+const SHARD_CHARS: usize = 2;
+/// Closed runs a ListRuns page holds when the request names no page size.
+pub const DEFAULT_CLOSED_PAGE: usize = 100;
+/// The largest page of closed runs a ListRuns request may ask for.
+pub const MAX_CLOSED_PAGE: usize = 1000;
+/// Closed runs the retention sweep examines in one batch (one trip to the blocking pool).
+pub const PRUNE_BATCH: usize = 256;
+
+/// Where closed run `run_id` is kept under `state_dir`.
+pub fn closed_run_dir(state_dir: &Path, run_id: &RunId) -> PathBuf {
+    state_dir
+        .join(CLOSED_ROOT)
+        .join(shard_of(run_id))
+        .join(run_id.as_str())
+}
+
+fn shard_of(run_id: &RunId) -> &str {
+    // A run id is a validated UUID, longer than its shard prefix.
+    run_id.as_str().get(..SHARD_CHARS).unwrap_or_default()
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RunState {
@@ -327,8 +354,9 @@ impl Default for RegistryLimits {
 #[derive(Debug, Default)]
 struct Inner {
     open: BTreeMap<RunId, Arc<RunHandle>>,
-    /// Closed runs, also those whose grant no longer verifies (e.g. after a key rotation).
-    closed: BTreeMap<RunId, ClosedRun>,
+    /// Closed runs whose directory could not be moved out of `runs/` (or whose marker could not
+    /// be written): closed all the same, and moved by the next start. Only failures land here.
+    closing: BTreeMap<RunId, ClosedRun>,
     /// Open runs that could not be loaded (grant or journal unusable), with the reason: listed,
     /// never resumed, left for an operator to inspect.
     quarantined: BTreeMap<RunId, String>,
@@ -339,7 +367,12 @@ struct Inner {
 
 #[derive(Debug)]
 pub struct RunRegistry {
+    /// `<state>/runs`: open and quarantined runs.
     dir: PathBuf,
+    /// `<state>/closed`: closed runs, in shards.
+    closed_dir: PathBuf,
+    /// Verifies a closed run's stored grant when its summary must be rebuilt.
+    authority: VerifyingKey,
     limits: RegistryLimits,
     inner: Mutex<Inner>,
     begin_lock: tokio::sync::Mutex<()>,
@@ -351,8 +384,9 @@ fn max_line(limits: &JournalLimits) -> u64 {
 }
 
 impl RunRegistry {
-    /// Loads the registry from `<state_dir>/runs`, creating it (0700) if needed. Take the
-    /// [`StateLock`] first: opening repairs torn journals.
+    /// Loads the open runs from `<state_dir>/runs`, creating it and `<state_dir>/closed` (0700)
+    /// if needed. Closed runs are not read. Take the [`StateLock`] first: opening repairs torn
+    /// journals, finishes the move of closed runs and removes half-made ones.
     pub fn open(
         state_dir: &Path,
         authority: &VerifyingKey,
@@ -360,12 +394,18 @@ impl RunRegistry {
         now_ms: i64,
     ) -> Result<Self, RunError> {
         let dir = state_dir.join("runs");
+        let closed_dir = state_dir.join(CLOSED_ROOT);
         files::create_private_dir(&dir)?;
+        files::create_private_dir(&closed_dir)?;
         let mut inner = Inner::default();
         let entries = std::fs::read_dir(&dir).map_err(|error| FileError::Read {
             path: dir.clone(),
             error,
         })?;
+        // Directory changes made here (closed runs moved, half-made runs removed), synced once
+        // at the end rather than once per run.
+        let mut moved = Vec::new();
+        let mut removed = false;
         for entry in entries {
             let entry = entry.map_err(|error| FileError::Read {
                 path: dir.clone(),
@@ -378,8 +418,28 @@ impl RunRegistry {
             };
             let run_dir = entry.path();
             if let Some(closed_unix_ms) = read_closed(&run_dir)? {
-                let summary = closed_summary(&run_dir, &run_id, closed_unix_ms, authority, &limits);
-                inner.closed.insert(run_id, summary);
+                // Closed, but the move into closed/ did not happen (a crash, or a connector
+                // that kept closed runs in runs/): finish it.
+                match move_closed(&run_dir, &closed_dir, &run_id) {
+                    Ok(shard) => moved.push(shard),
+                    Err(error) => {
+                        tracing::error!(%run_id, %error, "cannot move the closed run out of runs/; it stays closed where it is");
+                        let summary =
+                            closed_summary(&run_dir, &run_id, closed_unix_ms, authority, &limits);
+                        inner.closing.insert(run_id, summary);
+                    }
+                }
+                continue;
+            }
+            if half_made(&run_dir, &run_id) {
+                // BeginRun did not answer, so no operation was ever made for this run: what
+                // it left is the start of its own bookkeeping, nothing on the node.
+                tracing::warn!(%run_id, "removing a run directory BeginRun did not finish (no grant or no first record)");
+                std::fs::remove_dir_all(&run_dir).map_err(|error| FileError::Write {
+                    path: run_dir.clone(),
+                    error,
+                })?;
+                removed = true;
                 continue;
             }
             let grant = match load_grant(&run_dir, authority) {
@@ -400,24 +460,19 @@ impl RunRegistry {
                     continue;
                 }
             };
-            let journal = if run_dir.join(journal::FILE_NAME).exists() {
-                match Journal::open(&run_dir, run_id.as_str(), now_ms) {
-                    Ok((journal, _, torn)) => {
-                        if let Some(torn) = torn {
-                            tracing::warn!(%run_id, bytes = torn.bytes.len(), reason = %torn.reason, "journal had a torn last record; preserved it and journaled the repair");
-                        }
-                        journal
+            let journal = match Journal::open(&run_dir, run_id.as_str(), now_ms) {
+                Ok((journal, _, torn)) => {
+                    if let Some(torn) = torn {
+                        tracing::warn!(%run_id, bytes = torn.bytes.len(), reason = %torn.reason, "journal had a torn last record; preserved it and journaled the repair");
                     }
-                    Err(error) => {
-                        tracing::error!(%run_id, %error, "journal cannot be used; the run is not loaded");
-                        inner.quarantined.insert(run_id, error.to_string());
-                        inner.quarantined_grants.push(grant);
-                        continue;
-                    }
+                    journal
                 }
-            } else {
-                // A crash between storing the grant and creating the journal: nothing was done yet.
-                Journal::create(&run_dir, run_id.as_str())?
+                Err(error) => {
+                    tracing::error!(%run_id, %error, "journal cannot be used; the run is not loaded");
+                    inner.quarantined.insert(run_id, error.to_string());
+                    inner.quarantined_grants.push(grant);
+                    continue;
+                }
             };
             let journal = journal.with_limits(limits.journal);
             // A crash (or a failed write) after the closing record but before the marker: the
@@ -433,22 +488,43 @@ impl RunRegistry {
                     bytes: journal.usage().get().1,
                     head_sha256: journal.head_hex(),
                 };
-                write_closed(&run_dir, &summary)?;
-                tracing::warn!(%run_id, "the run's journal ends with {} but its closed marker was missing; wrote it", summary.closed_by);
-                inner.closed.insert(run_id, summary);
+                drop(journal);
+                tracing::warn!(%run_id, "the run's journal ends with {} but it was not closed on disk; closing it", summary.closed_by);
+                match write_closed(&run_dir, &summary)
+                    .and_then(|()| move_closed(&run_dir, &closed_dir, &run_id))
+                {
+                    Ok(shard) => moved.push(shard),
+                    Err(error) => {
+                        tracing::error!(%run_id, %error, "cannot close the run on disk; it stays closed where it is");
+                        inner.closing.insert(run_id, summary);
+                    }
+                }
                 continue;
             }
             let handle = Arc::new(RunHandle::new(run_id.clone(), grant, run_dir, journal));
             inner.open.insert(run_id, handle);
         }
-        let registry = Self {
+        let moved_runs = moved.len();
+        moved.sort();
+        moved.dedup();
+        for shard in &moved {
+            sync_dir(shard)?;
+        }
+        if !moved.is_empty() {
+            sync_dir(&closed_dir)?;
+            tracing::info!(count = moved_runs, "moved closed runs out of runs/");
+        }
+        if removed || !moved.is_empty() {
+            sync_dir(&dir)?;
+        }
+        Ok(Self {
             dir,
+            closed_dir,
+            authority: *authority,
             limits,
             inner: Mutex::new(inner),
             begin_lock: tokio::sync::Mutex::new(()),
-        };
-        registry.prune(now_ms)?;
-        Ok(registry)
+        })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -483,8 +559,28 @@ impl RunRegistry {
             .collect()
     }
 
+    /// Whether `run_id` is closed on this node: a stat on disk unless the run is open.
     pub fn is_closed(&self, run_id: &RunId) -> bool {
-        self.lock().closed.contains_key(run_id)
+        {
+            let inner = self.lock();
+            if let Some(open) = inner.open.get(run_id) {
+                return open.is_closed();
+            }
+            if inner.closing.contains_key(run_id) {
+                return true;
+            }
+        }
+        self.closed_on_disk(run_id)
+    }
+
+    fn closed_on_disk(&self, run_id: &RunId) -> bool {
+        std::fs::symlink_metadata(self.closed_path(run_id)).is_ok()
+    }
+
+    fn closed_path(&self, run_id: &RunId) -> PathBuf {
+        self.closed_dir
+            .join(shard_of(run_id))
+            .join(run_id.as_str())
     }
 
     /// The open runs.
@@ -492,25 +588,103 @@ impl RunRegistry {
         self.lock().open.values().cloned().collect()
     }
 
-    /// The closed runs' index entries.
-    pub fn closed_runs(&self) -> Vec<(RunId, ClosedRun)> {
-        self.lock()
-            .closed
-            .iter()
-            .map(|(id, run)| (id.clone(), run.clone()))
-            .collect()
+    /// Up to `page_size` closed runs whose id sorts after `after`, in run-id order, with the
+    /// cursor of the next page (the last id returned) when more may follow. Reads the shard
+    /// directories the page spans and each listed run's summary, nothing else: the cost is
+    /// that of the page, not of the history. Blocks on the file system.
+    pub fn closed_page(
+        &self,
+        after: Option<&RunId>,
+        page_size: usize,
+    ) -> Result<(Vec<(RunId, ClosedRun)>, Option<RunId>), RunError> {
+        let mut ids = self.closed_ids_after(after, page_size.saturating_add(1))?;
+        {
+            // Runs whose move failed are closed too; they sort in among the others.
+            let inner = self.lock();
+            ids.extend(
+                inner
+                    .closing
+                    .keys()
+                    .filter(|id| after.is_none_or(|after| *id > after))
+                    .cloned(),
+            );
+        }
+        ids.sort();
+        ids.dedup();
+        let more = ids.len() > page_size;
+        ids.truncate(page_size);
+        let next = if more { ids.last().cloned() } else { None };
+        let page = ids
+            .into_iter()
+            .filter_map(|run_id| {
+                let closing = self.lock().closing.get(&run_id).cloned();
+                let summary = match closing {
+                    Some(summary) => summary,
+                    None => {
+                        let run_dir = self.closed_path(&run_id);
+                        // Pruned since the directory was listed.
+                        if std::fs::symlink_metadata(&run_dir).is_err() {
+                            return None;
+                        }
+                        let closed_unix_ms = read_closed(&run_dir).ok().flatten().unwrap_or(0);
+                        closed_summary(
+                            &run_dir,
+                            &run_id,
+                            closed_unix_ms,
+                            &self.authority,
+                            &self.limits,
+                        )
+                    }
+                };
+                Some((run_id, summary))
+            })
+            .collect();
+        Ok((page, next))
+    }
+
+    /// Up to `count` ids of closed runs on disk after `after`, in order: the shards are the
+    /// ids' first characters, so they are read in order and only as far as `count` reaches.
+    fn closed_ids_after(&self, after: Option<&RunId>, count: usize) -> Result<Vec<RunId>, RunError> {
+        let mut shards: Vec<String> = read_names(&self.closed_dir)?
+            .into_iter()
+            .filter(|name| {
+                name.len() == SHARD_CHARS
+                    && after.is_none_or(|after| name.as_str() >= shard_of(after))
+            })
+            .collect();
+        shards.sort();
+        let mut ids = Vec::new();
+        for shard in shards {
+            if ids.len() >= count {
+                break;
+            }
+            let mut in_shard: Vec<RunId> = read_names(&self.closed_dir.join(&shard))?
+                .into_iter()
+                .filter_map(|name| RunId::validate(&name).ok())
+                .filter(|id| after.is_none_or(|after| id > after))
+                .collect();
+            in_shard.sort();
+            ids.extend(in_shard);
+        }
+        ids.truncate(count);
+        #[cfg(test)]
+        tests::closed_read(&self.closed_dir);
+        Ok(ids)
     }
 
     /// The journal file of an open or closed run.
     pub fn journal_path(&self, run_id: &RunId) -> Option<PathBuf> {
-        let inner = self.lock();
-        if let Some(handle) = inner.open.get(run_id) {
-            return Some(handle.journal_path.clone());
+        {
+            let inner = self.lock();
+            if let Some(handle) = inner.open.get(run_id) {
+                return Some(handle.journal_path.clone());
+            }
+            if inner.closing.contains_key(run_id) {
+                return Some(self.dir.join(run_id.as_str()).join(journal::FILE_NAME));
+            }
         }
-        inner
-            .closed
-            .contains_key(run_id)
-            .then(|| self.dir.join(run_id.as_str()).join(journal::FILE_NAME))
+        self.closed_on_disk(run_id)
+            .then(|| self.closed_path(run_id).join(journal::FILE_NAME))
     }
 
     /// The longest journal line a reader accepts.
@@ -531,11 +705,11 @@ impl RunRegistry {
         let _begin = self.begin_lock.lock().await;
         let run_id = grant.run_id.clone();
         let now_unix = now_ms.div_euclid(1000);
+        if self.is_closed(&run_id) {
+            return Err(RunError::Closed(run_id));
+        }
         let others = {
             let inner = self.lock();
-            if inner.closed.contains_key(&run_id) {
-                return Err(RunError::Closed(run_id));
-            }
             if let Some(reason) = inner.quarantined.get(&run_id) {
                 return Err(RunError::Quarantined(run_id, reason.clone()));
             }
@@ -613,29 +787,12 @@ impl RunRegistry {
         let journal_limits = self.limits.journal;
         let (id, dir) = (run_id.clone(), run_dir.clone());
         let journal = tokio::task::spawn_blocking(move || -> Result<Journal, RunError> {
-            files::create_private_dir(&dir)?;
-            // The run's directory entry must survive a power loss before anything is done
-            // for the run: the resources it creates are found through it.
-            sync_dir(&runs_dir)?;
-            files::write_atomic(&dir.join(GRANT_FILE), &grant_bytes, 0o600)?;
-            let mut journal = Journal::create(&dir, id.as_str())?.with_limits(journal_limits);
-            journal.append(
-                now_ms,
-                "run.begin",
-                &format!("run:{id}"),
-                Phase::Done,
-                detail,
-            )?;
-            Ok(journal)
+            create_run(&runs_dir, &dir, &id, &grant_bytes, now_ms, detail, journal_limits)
         })
         .await
         .map_err(|error| RunError::Background(error.to_string()))??;
         let handle = Arc::new(RunHandle::new(run_id.clone(), grant, run_dir, journal));
-        let mut inner = self.lock();
-        if inner.closed.contains_key(&run_id) {
-            return Err(RunError::Closed(run_id));
-        }
-        Ok(inner.open.insert(run_id, handle).is_some())
+        Ok(self.lock().open.insert(run_id, handle).is_some())
     }
 
     /// Closes a run durably; refused for a run that is not open.
@@ -694,45 +851,79 @@ impl RunRegistry {
             bytes,
             head_sha256: hex::encode(record.hash),
         };
-        let dir = handle.dir.clone();
-        let marker = summary.clone();
-        let written = tokio::task::spawn_blocking(move || write_closed(&dir, &marker))
-            .await
-            .map_err(|error| RunError::Background(error.to_string()))
-            .and_then(|written| written.map_err(RunError::from));
-        if let Err(error) = written {
-            tracing::error!(%run_id, %error, "the run is closed (its journal ends with {op}) but its closed marker could not be written; the next start writes it");
-        }
-        {
-            let mut inner = self.lock();
-            inner.open.remove(run_id);
-            inner.closed.insert(run_id.clone(), summary);
+        let (run_dir, runs_dir, closed_dir) =
+            (handle.dir.clone(), self.dir.clone(), self.closed_dir.clone());
+        let (id, marker) = (run_id.clone(), summary.clone());
+        let moved = tokio::task::spawn_blocking(move || {
+            write_closed(&run_dir, &marker)?;
+            let made_shard = !closed_dir.join(shard_of(&id)).exists();
+            let shard = move_closed(&run_dir, &closed_dir, &id)?;
+            sync_dir(&shard)?;
+            if made_shard {
+                sync_dir(&closed_dir)?;
+            }
+            sync_dir(&runs_dir)
+        })
+        .await
+        .map_err(|error| RunError::Background(error.to_string()))
+        .and_then(|moved| moved.map_err(RunError::from));
+        let mut inner = self.lock();
+        inner.open.remove(run_id);
+        if let Err(error) = moved {
+            tracing::error!(%run_id, %error, "the run is closed (its journal ends with {op}) but it could not be moved out of runs/; the next start moves it");
+            inner.closing.insert(run_id.clone(), summary);
         }
         Ok(now_ms)
     }
 
-    /// Removes closed runs older than the retention whose grant has expired. Open and
-    /// quarantined runs are never in the closed index, so they are never pruned. Blocks on the
-    /// file system: call it off the async workers.
+    /// Removes closed runs older than the retention whose grant has expired, in batches of
+    /// [`PRUNE_BATCH`]. Open and quarantined runs are not under `closed/`, so they are never
+    /// pruned. Blocks on the file system: call it off the async workers (the daemon's
+    /// periodic pass calls [`RunRegistry::prune_batch`] once per trip to the blocking pool).
     pub fn prune(&self, now_ms: i64) -> Result<Vec<RunId>, RunError> {
+        let mut pruned = Vec::new();
+        let mut after = None;
+        loop {
+            let (batch, next) = self.prune_batch(now_ms, after.as_ref(), PRUNE_BATCH)?;
+            pruned.extend(batch);
+            match next {
+                Some(next) => after = Some(next),
+                None => return Ok(pruned),
+            }
+        }
+    }
+
+    /// Examines up to `batch` closed runs after `after` (in run-id order) and removes those
+    /// past their retention whose grant has expired. Returns them, and where the next batch
+    /// starts (`None` once the sweep reached the last closed run).
+    pub fn prune_batch(
+        &self,
+        now_ms: i64,
+        after: Option<&RunId>,
+        batch: usize,
+    ) -> Result<(Vec<RunId>, Option<RunId>), RunError> {
         let retention_ms = i64::try_from(self.limits.closed_run_retention_days)
             .unwrap_or(i64::MAX)
             .saturating_mul(86_400_000);
-        let due: Vec<RunId> = self
-            .lock()
-            .closed
-            .iter()
-            .filter(|(_, run)| {
-                run.closed_unix_ms.saturating_add(retention_ms) < now_ms
-                    && run.deadline_unix.saturating_mul(1000) < now_ms
-            })
-            .map(|(id, _)| id.clone())
-            .collect();
+        let ids = self.closed_ids_after(after, batch.max(1))?;
+        let next = (ids.len() >= batch.max(1)).then(|| ids.last().cloned()).flatten();
         let mut pruned = Vec::new();
-        for run_id in due {
-            let run_dir = self.dir.join(run_id.as_str());
-            // The directory goes first: while it is being removed the index still refuses the
-            // run's grant.
+        let mut shards = Vec::new();
+        for run_id in ids {
+            let run_dir = self.closed_path(&run_id);
+            let closed_unix_ms = read_closed(&run_dir).ok().flatten().unwrap_or(0);
+            let run = closed_summary(
+                &run_dir,
+                &run_id,
+                closed_unix_ms,
+                &self.authority,
+                &self.limits,
+            );
+            let due = run.closed_unix_ms.saturating_add(retention_ms) < now_ms
+                && run.deadline_unix.saturating_mul(1000) < now_ms;
+            if !due {
+                continue;
+            }
             match std::fs::remove_dir_all(&run_dir) {
                 Ok(()) => {}
                 Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
@@ -741,9 +932,12 @@ impl RunRegistry {
                     continue;
                 }
             }
-            sync_dir(&self.dir)?;
-            self.lock().closed.remove(&run_id);
+            shards.push(self.closed_dir.join(shard_of(&run_id)));
             pruned.push(run_id);
+        }
+        shards.dedup();
+        for shard in &shards {
+            sync_dir(shard)?;
         }
         if !pruned.is_empty() {
             tracing::info!(
@@ -752,8 +946,106 @@ impl RunRegistry {
                 "pruned closed runs past their retention"
             );
         }
-        Ok(pruned)
+        Ok((pruned, next))
     }
+}
+
+/// Makes a new run's directory with its grant, its journal and the journal's first record, in
+/// four syncs: the grant file, the first record, the run directory, then `runs/`. Everything
+/// is durable before BeginRun answers. A crash before the last sync can leave a run directory
+/// without its grant or without its first record, which the next start removes
+/// ([`half_made`]). A failure removes what was made, so the controller's retry of BeginRun
+/// starts clean.
+fn create_run(
+    runs_dir: &Path,
+    dir: &Path,
+    run_id: &RunId,
+    grant_bytes: &[u8],
+    now_ms: i64,
+    detail: serde_json::Value,
+    limits: JournalLimits,
+) -> Result<Journal, RunError> {
+    let made = (|| -> Result<Journal, RunError> {
+        files::create_private_dir(dir)?;
+        files::write_new_without_dir_sync(&dir.join(GRANT_FILE), grant_bytes, 0o600)?;
+        let mut journal = Journal::create(dir, run_id.as_str())?.with_limits(limits);
+        journal.append(
+            now_ms,
+            "run.begin",
+            &format!("run:{run_id}"),
+            Phase::Done,
+            detail,
+        )?;
+        // The grant file's and the journal's entries, then the run's entry in runs/: the
+        // resources the run creates are found through them after a power loss.
+        sync_dir(dir)?;
+        sync_dir(runs_dir)?;
+        Ok(journal)
+    })();
+    if made.is_err()
+        && let Err(error) = std::fs::remove_dir_all(dir)
+        && error.kind() != std::io::ErrorKind::NotFound
+    {
+        tracing::warn!(%run_id, %error, "cannot remove the run directory a failed BeginRun left; the next start removes it");
+    }
+    made
+}
+
+/// Whether `run_dir` (not closed) is what a BeginRun that never answered leaves: no grant, or no
+/// journal record, or only its first record without the grant. No operation can have been made
+/// for such a run. A journal that cannot be read is not half-made: it is quarantined.
+fn half_made(run_dir: &Path, run_id: &RunId) -> bool {
+    let grant_present = run_dir.join(GRANT_FILE).exists();
+    let journal_path = run_dir.join(journal::FILE_NAME);
+    if !journal_path.exists() {
+        return true;
+    }
+    match journal::read(&journal_path, run_id.as_str()) {
+        Ok(loaded) => match loaded.records.as_slice() {
+            [] => true,
+            [only] => !grant_present && only.entry.op == "run.begin",
+            _ => false,
+        },
+        Err(_) => false,
+    }
+}
+
+/// Moves closed run `run_dir` into its shard under `closed_dir`, creating the shard if needed.
+/// Returns the shard; the caller syncs it, `closed_dir` when a shard was made, and `runs/`.
+fn move_closed(run_dir: &Path, closed_dir: &Path, run_id: &RunId) -> Result<PathBuf, FileError> {
+    let shard = closed_dir.join(shard_of(run_id));
+    files::create_private_dir(&shard)?;
+    let target = shard.join(run_id.as_str());
+    std::fs::rename(run_dir, &target).map_err(|error| FileError::Write {
+        path: target.clone(),
+        error,
+    })?;
+    Ok(shard)
+}
+
+/// The names in `dir`; none when it does not exist.
+fn read_names(dir: &Path) -> Result<Vec<String>, FileError> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(error) => {
+            return Err(FileError::Read {
+                path: dir.to_owned(),
+                error,
+            });
+        }
+    };
+    let mut names = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|error| FileError::Read {
+            path: dir.to_owned(),
+            error,
+        })?;
+        if let Ok(name) = entry.file_name().into_string() {
+            names.push(name);
+        }
+    }
+    Ok(names)
 }
 
 /// vCPUs and MiB the grant's sandbox VMs may ask for together.
@@ -778,6 +1070,8 @@ fn closed_summary(
     authority: &VerifyingKey,
     limits: &RegistryLimits,
 ) -> ClosedRun {
+    #[cfg(test)]
+    tests::closed_read(run_dir);
     if let Ok(text) = std::fs::read(run_dir.join(SUMMARY_FILE))
         && let Ok(summary) = serde_json::from_slice::<ClosedRun>(&text)
     {
@@ -818,11 +1112,13 @@ fn closed_summary(
     summary
 }
 
-/// Writes a closed run's summary, then its marker: the marker is what a restart trusts.
+/// Writes a closed run's summary, then its marker, each replaced atomically but not synced:
+/// the journal's closing record (synced) is what makes the run closed, and a summary or marker
+/// a crash loses is rebuilt from it, so a close costs no sync for them.
 fn write_closed(run_dir: &Path, summary: &ClosedRun) -> Result<(), FileError> {
     let text = serde_json::to_vec(summary).unwrap_or_default();
-    files::write_atomic(&run_dir.join(SUMMARY_FILE), &text, 0o600)?;
-    files::write_atomic(
+    files::replace_without_sync(&run_dir.join(SUMMARY_FILE), &text, 0o600)?;
+    files::replace_without_sync(
         &run_dir.join(CLOSED_FILE),
         summary.closed_unix_ms.to_string().as_bytes(),
         0o600,
@@ -988,6 +1284,223 @@ pub(crate) mod tests {
             .push(dir.to_owned());
     }
 
+    static CLOSED_READS: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+    /// Every closed run read and every listing of closed runs, so tests can see that a start
+    /// reads none.
+    pub(crate) fn closed_read(path: &Path) {
+        CLOSED_READS
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(path.to_owned());
+    }
+
+    fn closed_reads_under(dir: &Path) -> usize {
+        CLOSED_READS
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|path| path.starts_with(dir))
+            .count()
+    }
+
+    fn synced_count(dir: &Path) -> usize {
+        SYNCED.lock().unwrap().iter().filter(|d| *d == dir).count()
+    }
+
+    /// The closed runs' ids, page by page, and the number of pages.
+    fn all_closed(registry: &RunRegistry, page_size: usize) -> (Vec<RunId>, usize) {
+        let (mut ids, mut pages, mut after) = (Vec::new(), 0, None);
+        loop {
+            let (page, next) = registry.closed_page(after.as_ref(), page_size).unwrap();
+            pages += 1;
+            assert!(page.len() <= page_size);
+            ids.extend(page.into_iter().map(|(id, _)| id));
+            match next {
+                Some(next) => after = Some(next),
+                None => return (ids, pages),
+            }
+        }
+    }
+
+    /// `count` runs begun and ended, in a fresh registry; their ids, sorted.
+    async fn closed_runs(tag: &str, count: u32) -> (PathBuf, RunRegistry, Vec<RunId>) {
+        let dir = state_dir(tag);
+        let registry = RunRegistry::open(&dir, &key().verifying_key(), limits(1), 0).unwrap();
+        let mut ids = Vec::new();
+        for n in 0..count {
+            let (signed, grant) = nth_grant(n);
+            let run_id = grant.run_id.clone();
+            registry.begin(&signed, grant, 2_000_000).await.unwrap();
+            registry.end(&run_id, 2_000_500).await.unwrap();
+            ids.push(run_id);
+        }
+        ids.sort();
+        (dir, registry, ids)
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn closed_runs_page_in_run_id_order_with_a_cursor() {
+        let (dir, registry, ids) = closed_runs("page", 7).await;
+        // An open run is not a closed run's page.
+        let (signed, grant) = nth_grant(20);
+        registry.begin(&signed, grant, 2_000_000).await.unwrap();
+        let (first, next) = registry.closed_page(None, 3).unwrap();
+        let first: Vec<RunId> = first.into_iter().map(|(id, _)| id).collect();
+        assert_eq!(first, ids[..3]);
+        assert_eq!(next.as_ref(), Some(&ids[2]), "the cursor is the page's last run");
+        let (second, _) = registry.closed_page(next.as_ref(), 3).unwrap();
+        assert_eq!(second.first().map(|(id, _)| id), Some(&ids[3]));
+        assert_eq!(all_closed(&registry, 3), (ids.clone(), 3));
+        // A page exactly as long as what is left is the last one: no cursor.
+        assert_eq!(all_closed(&registry, 7), (ids.clone(), 1));
+        assert_eq!(all_closed(&registry, 1000), (ids.clone(), 1));
+        // After the last run: an empty last page.
+        let (after_last, next) = registry.closed_page(ids.last(), 3).unwrap();
+        assert!(after_last.is_empty() && next.is_none());
+        // Each entry is the run's summary.
+        let (page, _) = registry.closed_page(None, 1).unwrap();
+        assert_eq!(page[0].1.closed_by, "run.end");
+        assert_eq!(page[0].1.records, 2);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A start lists and reads no closed run, even when every closed run's files are garbage;
+    /// each is still known as closed when asked about by its id, and listed when listed.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_start_reads_no_closed_run_and_finds_each_when_asked() {
+        let (dir, registry, ids) = closed_runs("start-flat", 5).await;
+        drop(registry);
+        for run_id in &ids {
+            let closed = closed_run_dir(&dir, run_id);
+            assert!(closed.is_dir(), "closed runs leave runs/");
+            assert!(!dir.join("runs").join(run_id.as_str()).exists());
+            for file in [SUMMARY_FILE, GRANT_FILE, journal::FILE_NAME] {
+                std::fs::write(closed.join(file), b"garbage\n").unwrap();
+            }
+        }
+        let before = closed_reads_under(&dir);
+        let reopened = RunRegistry::open(&dir, &key().verifying_key(), limits(1), 0).unwrap();
+        assert_eq!(
+            closed_reads_under(&dir),
+            before,
+            "the start read or listed a closed run"
+        );
+        assert!(reopened.quarantined().is_empty());
+        assert!(reopened.open_runs().is_empty());
+        for run_id in &ids {
+            assert!(reopened.is_closed(run_id));
+            assert_eq!(
+                reopened.journal_path(run_id),
+                Some(closed_run_dir(&dir, run_id).join(journal::FILE_NAME))
+            );
+        }
+        let (grant_signed, grant) = nth_grant(0);
+        assert!(matches!(
+            reopened.begin(&grant_signed, grant, 2_000_000).await,
+            Err(RunError::Closed(_))
+        ));
+        assert_eq!(all_closed(&reopened, 2).0, ids);
+        assert!(closed_reads_under(&dir) > before);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Every state a crash during BeginRun can leave before its last sync: a directory with no
+    /// grant, no journal, an empty journal, or a first record whose grant entry was lost. The
+    /// next start removes each; a complete run and a run with more records stay.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_begin_run_interrupted_before_its_last_sync_is_removed_at_start() {
+        let dir = state_dir("half-made");
+        let registry = RunRegistry::open(&dir, &key().verifying_key(), limits(8), 0).unwrap();
+        let mut made = Vec::new();
+        for n in 0..6 {
+            let (signed, grant) = nth_grant(n);
+            made.push(grant.run_id.clone());
+            registry.begin(&signed, grant, 2_000_000).await.unwrap();
+        }
+        hold(&registry, &made[5], "backup:drive-scsi0.img").await;
+        drop(registry);
+        let run_dir = |n: usize| dir.join("runs").join(made[n].as_str());
+        // 0: only the run directory.
+        std::fs::remove_file(run_dir(0).join(GRANT_FILE)).unwrap();
+        std::fs::remove_file(run_dir(0).join(journal::FILE_NAME)).unwrap();
+        // 1: the grant, no journal.
+        std::fs::remove_file(run_dir(1).join(journal::FILE_NAME)).unwrap();
+        // 2: the grant and an empty journal (the first record never reached the disk).
+        std::fs::write(run_dir(2).join(journal::FILE_NAME), b"").unwrap();
+        // 3: the first record, its grant's entry lost.
+        std::fs::remove_file(run_dir(3).join(GRANT_FILE)).unwrap();
+        // 4: complete (the crash came after the last sync, before the reply): kept, open.
+        // 5: its grant lost after an operation: not half-made, quarantined.
+        std::fs::remove_file(run_dir(5).join(GRANT_FILE)).unwrap();
+        let reopened = RunRegistry::open(&dir, &key().verifying_key(), limits(8), 0).unwrap();
+        for n in 0..4 {
+            assert!(!run_dir(n).exists(), "half-made run {n} was kept");
+            assert!(reopened.get(&made[n]).is_none());
+            assert!(!reopened.is_closed(&made[n]));
+            assert!(reopened.quarantine(&made[n]).is_none());
+        }
+        assert!(reopened.get(&made[4]).is_some());
+        assert!(reopened.quarantine(&made[5]).is_some());
+        assert!(synced_count(&dir.join("runs")) >= 1);
+        // The controller's retry of the BeginRun that never answered starts the run afresh.
+        let (signed, grant) = nth_grant(0);
+        assert!(!reopened.begin(&signed, grant, 2_000_000).await.unwrap());
+        assert_eq!(journal_ops(&dir, &made[0]), ["run.begin"]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A failed BeginRun leaves nothing behind, so its retry is not refused by its own debris.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_failed_begin_run_leaves_no_directory_and_can_be_retried() {
+        let dir = state_dir("begin-fails");
+        let registry = RunRegistry::open(&dir, &key().verifying_key(), limits(1), 0).unwrap();
+        let (signed, grant) = nth_grant(0);
+        let run_dir = dir.join("runs").join(grant.run_id.as_str());
+        // The journal cannot be created: a directory stands where it goes.
+        std::fs::create_dir_all(run_dir.join(journal::FILE_NAME)).unwrap();
+        assert!(registry.begin(&signed, grant.clone(), 2_000_000).await.is_err());
+        assert!(!run_dir.exists());
+        assert!(!registry.begin(&signed, grant, 2_000_000).await.unwrap());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn the_retention_sweep_goes_in_bounded_batches() {
+        let dir = state_dir("sweep");
+        let mut bounded = limits(1);
+        bounded.closed_run_retention_days = 1;
+        let registry = RunRegistry::open(&dir, &key().verifying_key(), bounded, 0).unwrap();
+        let mut ids = Vec::new();
+        for n in 0..5 {
+            let (signed, grant) = nth_grant(n);
+            let run_id = grant.run_id.clone();
+            registry.begin(&signed, grant, 2_000_000).await.unwrap();
+            // Closed a day apart.
+            registry
+                .end(&run_id, 2_000_500 + i64::from(n) * 86_400_000)
+                .await
+                .unwrap();
+            ids.push(run_id);
+        }
+        let now = 2_000_501 + 3 * 86_400_000;
+        // Closed on days 0, 1 and 2 are past a day's retention at day 3.
+        let mut due = ids[..3].to_vec();
+        due.sort();
+        let (first, next) = registry.prune_batch(now, None, 2).unwrap();
+        let next = next.expect("two of five examined: more follow");
+        let (rest, last) = registry.prune_batch(now, Some(&next), 2).unwrap();
+        let (tail, end) = registry.prune_batch(now, last.as_ref(), 2).unwrap();
+        assert!(end.is_none());
+        let mut pruned: Vec<RunId> = [first, rest, tail].concat();
+        pruned.sort();
+        assert_eq!(pruned, due);
+        for run_id in &ids {
+            assert_eq!(closed_run_dir(&dir, run_id).exists(), !due.contains(run_id));
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     fn state_dir(tag: &str) -> PathBuf {
         let dir =
             std::env::temp_dir().join(format!("certistack-runs-{tag}-{}", std::process::id()));
@@ -1030,11 +1543,15 @@ pub(crate) mod tests {
         }
     }
 
+    /// The operations in the journal of `run_id`, open or closed.
     fn journal_ops(dir: &Path, run_id: &RunId) -> Vec<String> {
-        let path = dir
-            .join("runs")
-            .join(run_id.as_str())
-            .join(journal::FILE_NAME);
+        let open = dir.join("runs").join(run_id.as_str());
+        let run_dir = if open.exists() {
+            open
+        } else {
+            closed_run_dir(dir, run_id)
+        };
+        let path = run_dir.join(journal::FILE_NAME);
         journal::read(&path, run_id.as_str())
             .unwrap()
             .records
@@ -1096,7 +1613,7 @@ pub(crate) mod tests {
             Err(RunError::Closed(_))
         ));
         assert_eq!(journal_ops(&dir, &run_id), ["run.begin", "run.end"]);
-        let closed = reopened.closed_runs();
+        let (closed, _) = reopened.closed_page(None, 10).unwrap();
         assert_eq!(closed.len(), 1);
         assert_eq!(
             (
@@ -1310,11 +1827,18 @@ pub(crate) mod tests {
         let dir = state_dir("sync");
         let registry = RunRegistry::open(&dir, &key().verifying_key(), limits(1), 0).unwrap();
         let (signed, grant) = nth_grant(0);
+        let run_id = grant.run_id.clone();
         registry.begin(&signed, grant, 2_000_000).await.unwrap();
         let synced = SYNCED.lock().unwrap().clone();
         assert!(
             synced.contains(&dir.join("runs")),
             "runs/ was not fsync'd after the run's directory was created: {synced:?}"
+        );
+        // Once: after the grant file and the journal with its first record are in it.
+        assert_eq!(
+            synced_count(&dir.join("runs").join(run_id.as_str())),
+            1,
+            "{synced:?}"
         );
         std::fs::remove_dir_all(&dir).unwrap();
     }
@@ -1339,10 +1863,7 @@ pub(crate) mod tests {
         );
         drop(registry);
         // An unreadable journal would quarantine an open run: a closed one is not even read.
-        let journal = dir
-            .join("runs")
-            .join(run_id.as_str())
-            .join(journal::FILE_NAME);
+        let journal = closed_run_dir(&dir, &run_id).join(journal::FILE_NAME);
         std::fs::write(&journal, b"not a journal\nat all\n").unwrap();
         let reopened = RunRegistry::open(&dir, &key().verifying_key(), limits(1), 0).unwrap();
         assert!(reopened.is_closed(&run_id));
@@ -1367,11 +1888,19 @@ pub(crate) mod tests {
         let reopened = RunRegistry::open(&dir, &key().verifying_key(), limits(1), 0).unwrap();
         assert!(reopened.is_closed(&run_id));
         assert!(reopened.get(&run_id).is_none());
+        assert!(!run_dir.exists(), "the restart moved the run out of runs/");
         assert_eq!(
-            std::fs::read_to_string(run_dir.join(CLOSED_FILE)).unwrap(),
+            std::fs::read_to_string(closed_run_dir(&dir, &run_id).join(CLOSED_FILE)).unwrap(),
             "2000500"
         );
-        assert_eq!(journal_ops(&dir, &run_id), ["run.begin", "run.end"]);
+        let journal = closed_run_dir(&dir, &run_id).join(journal::FILE_NAME);
+        let ops: Vec<String> = journal::read(&journal, run_id.as_str())
+            .unwrap()
+            .records
+            .into_iter()
+            .map(|r| r.entry.op)
+            .collect();
+        assert_eq!(ops, ["run.begin", "run.end"]);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -1395,24 +1924,28 @@ pub(crate) mod tests {
             registry.prune(2_000_501 + day_ms).unwrap(),
             std::slice::from_ref(&closed_id)
         );
-        assert!(!dir.join("runs").join(closed_id.as_str()).exists());
+        assert!(!closed_run_dir(&dir, &closed_id).exists());
         assert!(!registry.is_closed(&closed_id));
         assert!(dir.join("runs").join(open_id.as_str()).exists());
         assert!(registry.get(&open_id).is_some());
+        let shard = closed_run_dir(&dir, &closed_id)
+            .parent()
+            .unwrap()
+            .to_owned();
         assert!(
-            SYNCED
-                .lock()
-                .unwrap()
-                .iter()
-                .filter(|d| **d == dir.join("runs"))
-                .count()
-                >= 3,
-            "runs/ is synced after each created and pruned directory"
+            synced_count(&shard) >= 2,
+            "the shard is synced after the run moved in and after it was pruned"
         );
-        // A restart prunes too.
+        // A start prunes nothing (the daemon's periodic pass does), and never an open run.
+        let (signed, grant) = nth_grant(2);
+        let later_id = grant.run_id.clone();
+        registry.begin(&signed, grant, 2_000_000).await.unwrap();
+        registry.end(&later_id, 2_000_500).await.unwrap();
         drop(registry);
         let far = 10 * day_ms;
         let reopened = RunRegistry::open(&dir, &key().verifying_key(), bounded, far).unwrap();
+        assert!(reopened.is_closed(&later_id));
+        assert_eq!(reopened.prune(far).unwrap(), [later_id]);
         assert!(
             reopened.get(&open_id).is_some(),
             "an open run is never pruned"

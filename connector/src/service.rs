@@ -266,12 +266,23 @@ impl ConnectorService {
         }
         self.last_prune_unix
             .store(now, std::sync::atomic::Ordering::SeqCst);
-        let runs = self.runs.clone();
         let now_ms = self.clock.now_unix_ms();
-        match tokio::task::spawn_blocking(move || runs.prune(now_ms)).await {
-            Ok(Ok(_)) => {}
-            Ok(Err(error)) => tracing::error!(%error, "cannot prune closed runs"),
-            Err(error) => tracing::error!(%error, "pruning closed runs stopped"),
+        // One bounded batch per trip to the blocking pool, so a long history never holds a
+        // blocking thread (or the pass) for long.
+        let mut after = None;
+        loop {
+            let runs = self.runs.clone();
+            let from = after.clone();
+            let batch = tokio::task::spawn_blocking(move || {
+                runs.prune_batch(now_ms, from.as_ref(), crate::runs::PRUNE_BATCH)
+            })
+            .await;
+            match batch {
+                Ok(Ok((_, Some(next)))) => after = Some(next),
+                Ok(Ok((_, None))) => return,
+                Ok(Err(error)) => return tracing::error!(%error, "cannot prune closed runs"),
+                Err(error) => return tracing::error!(%error, "pruning closed runs stopped"),
+            }
         }
     }
 
@@ -890,7 +901,9 @@ impl Connector for ConnectorService {
         &self,
         request: Request<pb::ListRunsRequest>,
     ) -> Result<Response<pb::ListRunsReply>, Status> {
-        self.authenticate(&request, Rpc::ListRuns)?;
+        let peer = self.authenticate(&request, Rpc::ListRuns)?;
+        let page = parse::list_runs(request.get_ref())
+            .map_err(|error| self.refuse(Rpc::ListRuns, &peer.label(), "", invalid(error)))?;
         let now = self.clock.now_unix();
         // Open runs: what they hold, from the records in memory (which takes each journal's
         // lock, so off the async workers). Closed runs: their index entry.
@@ -919,18 +932,22 @@ impl Connector for ConnectorService {
                 quarantine_reason: String::new(),
             })
             .collect();
-        runs.extend(
-            self.runs
-                .closed_runs()
-                .into_iter()
-                .map(|(run_id, closed)| pb::RunSummary {
-                    run_id: run_id.to_string(),
-                    state: pb::RunState::Closed as i32,
-                    deadline_unix: closed.deadline_unix,
-                    open_resources: Vec::new(),
-                    quarantine_reason: String::new(),
-                }),
-        );
+        let registry = self.runs.clone();
+        let (closed, next) = tokio::task::spawn_blocking(move || {
+            registry.closed_page(page.after.as_ref(), page.page_size)
+        })
+        .await
+        .map_err(|error| Status::internal(format!("listing the closed runs stopped: {error}")))?
+        .map_err(|error| {
+            Status::unavailable(format!("cannot list the closed runs: {error}"))
+        })?;
+        runs.extend(closed.into_iter().map(|(run_id, closed)| pb::RunSummary {
+            run_id: run_id.to_string(),
+            state: pb::RunState::Closed as i32,
+            deadline_unix: closed.deadline_unix,
+            open_resources: Vec::new(),
+            quarantine_reason: String::new(),
+        }));
         runs.sort_by(|a, b| a.run_id.cmp(&b.run_id));
         for (run_id, reason) in self.runs.quarantined() {
             // Its grant could not be read back, so neither its deadline nor what it holds is
@@ -943,7 +960,10 @@ impl Connector for ConnectorService {
                 quarantine_reason: printable(reason.as_bytes(), MAX_QUARANTINE_REASON_CHARS),
             });
         }
-        Ok(Response::new(pb::ListRunsReply { runs }))
+        Ok(Response::new(pb::ListRunsReply {
+            runs,
+            next_closed_cursor: next.map(|id| id.to_string()).unwrap_or_default(),
+        }))
     }
 
     async fn cleanup(
@@ -1083,8 +1103,9 @@ mod tests {
             .0
             .store((5_900 + 91 * 86_400) * 1000, Ordering::SeqCst);
         service.reap_expired().await;
-        assert!(runs.closed_runs().is_empty());
-        assert!(!dir.join("runs").join(run_id.as_str()).exists());
+        assert!(runs.closed_page(None, 10).unwrap().0.is_empty());
+        assert!(!crate::runs::closed_run_dir(&dir, &run_id).exists());
+        assert!(!runs.is_closed(&run_id));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
