@@ -242,7 +242,7 @@ async fn operator_reaches_hello_list_journal_and_cleanup() {
     assert_eq!(hello.peer_identity, "operator:alice");
     assert_eq!(hello.capabilities, ["run.lifecycle", "test.recording"]);
     let runs = operator
-        .list_runs(pb::ListRunsRequest {})
+        .list_runs(pb::ListRunsRequest::default())
         .await
         .unwrap()
         .into_inner()
@@ -605,7 +605,7 @@ async fn run_is_refused_after_end_run_also_across_restart() {
 
     let mut operator = operator(&authority, &node).await;
     let runs = operator
-        .list_runs(pb::ListRunsRequest {})
+        .list_runs(pb::ListRunsRequest::default())
         .await
         .unwrap()
         .into_inner()
@@ -637,12 +637,11 @@ async fn a_run_nobody_ends_is_cleaned_up_and_closed_after_its_deadline() {
         .unwrap();
 
     clock.advance(time::Duration::hours(2));
-    let closed = config
-        .paths
-        .state_dir
-        .join("runs")
-        .join(RUN_ID)
-        .join("closed");
+    let closed_dir = certistack_connector::runs::closed_run_dir(
+        &config.paths.state_dir,
+        &certistack_connector::validate::RunId::validate(RUN_ID).unwrap(),
+    );
+    let closed = closed_dir.join("closed");
     for _ in 0..50 {
         if closed.exists() {
             break;
@@ -651,15 +650,7 @@ async fn a_run_nobody_ends_is_cleaned_up_and_closed_after_its_deadline() {
     }
     assert!(closed.exists(), "the expired run was not closed");
     assert_eq!(executor.rpcs(), ["VmStatus", "Cleanup"]);
-    let journal = std::fs::read_to_string(
-        config
-            .paths
-            .state_dir
-            .join("runs")
-            .join(RUN_ID)
-            .join("journal"),
-    )
-    .unwrap();
+    let journal = std::fs::read_to_string(closed_dir.join("journal")).unwrap();
     let ops: Vec<&str> = journal
         .lines()
         .filter_map(|l| l.split("\"op\":\"").nth(1)?.split('"').next())
@@ -733,7 +724,7 @@ async fn identities_are_confined_to_their_rpcs() {
     let mut run = run_client(&authority, &node, &credentials).await;
     run.begin_run(begin_request(&credentials)).await.unwrap();
     assert_status(
-        run.list_runs(pb::ListRunsRequest {}).await,
+        run.list_runs(pb::ListRunsRequest::default()).await,
         Code::PermissionDenied,
         "a Run identity may not call ListRuns",
     );
@@ -3511,18 +3502,67 @@ mod state_dir {
             "memory grew: {warm:?} -> {after:?}"
         );
 
-        // ListRuns answers from the index; a closed run's journal still streams.
-        let runs = operator
-            .list_runs(pb::ListRunsRequest {})
+        // ListRuns pages the closed runs in run-id order; a closed run's journal still streams.
+        let first = operator
+            .list_runs(pb::ListRunsRequest::default())
             .await
             .unwrap()
-            .into_inner()
-            .runs;
-        let closed_count = runs
-            .iter()
-            .filter(|r| r.state == pb::RunState::Closed as i32)
-            .count();
-        assert_eq!(closed_count, CLOSED + 60);
+            .into_inner();
+        assert_eq!(first.runs.len(), 100, "the default page");
+        let (mut listed, mut cursor, mut pages) = (Vec::new(), String::new(), 0);
+        loop {
+            let reply = operator
+                .list_runs(pb::ListRunsRequest {
+                    closed_page_size: 1000,
+                    closed_cursor: cursor.clone(),
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            pages += 1;
+            assert!(reply.runs.len() <= 1000);
+            assert!(
+                reply
+                    .runs
+                    .iter()
+                    .all(|r| r.state == pb::RunState::Closed as i32)
+            );
+            listed.extend(reply.runs.into_iter().map(|r| r.run_id));
+            if reply.next_closed_cursor.is_empty() {
+                break;
+            }
+            assert_eq!(Some(&reply.next_closed_cursor), listed.last());
+            cursor = reply.next_closed_cursor;
+        }
+        assert_eq!(pages, (CLOSED + 60).div_ceil(1000));
+        assert_eq!(listed.len(), CLOSED + 60);
+        assert!(
+            listed.windows(2).all(|w| w[0] < w[1]),
+            "pages are in run-id order, none repeated"
+        );
+        assert_eq!(listed[..100], first.runs.iter().map(|r| r.run_id.clone()).collect::<Vec<_>>()[..]);
+        for (size, cursor, what) in [
+            (1001, String::new(), "closed_page_size"),
+            (10, "not-a-run".to_owned(), "closed_cursor"),
+        ] {
+            let refused = operator
+                .list_runs(pb::ListRunsRequest {
+                    closed_page_size: size,
+                    closed_cursor: cursor,
+                })
+                .await
+                .unwrap_err();
+            assert_eq!(refused.code(), Code::InvalidArgument, "{refused:?}");
+            assert!(refused.message().contains(what), "{refused:?}");
+        }
+        // The controller's `runs` lists every page.
+        assert_eq!(
+            certistack_controller::operator::list_runs(&mut operator)
+                .await
+                .unwrap()
+                .len(),
+            CLOSED + 60
+        );
         let mut stream = operator
             .read_journal(pb::ReadJournalRequest {
                 run_id: closed[0].clone(),
@@ -3690,7 +3730,11 @@ mod state_dir {
             .await
             .unwrap();
         // Both journals become unreadable on disk.
-        let closed_journal = state.join("runs").join(RUN_ID).join(journal::FILE_NAME);
+        let closed_journal = certistack_connector::runs::closed_run_dir(
+            &state,
+            &certistack_connector::validate::RunId::validate(RUN_ID).unwrap(),
+        )
+        .join(journal::FILE_NAME);
         let text = std::fs::read_to_string(&closed_journal).unwrap();
         std::fs::write(
             &closed_journal,
@@ -3701,7 +3745,7 @@ mod state_dir {
 
         let mut operator = operator(&authority, &node).await;
         let runs = operator
-            .list_runs(pb::ListRunsRequest {})
+            .list_runs(pb::ListRunsRequest::default())
             .await
             .unwrap()
             .into_inner()

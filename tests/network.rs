@@ -822,7 +822,7 @@ fn crash_after_prepare_sandbox_leaves_nothing_after_recovery() {
         let mut daemon = spawn();
         let mut op = client_when_up(&authority, &address, &operator).await;
         let runs = op
-            .list_runs(pb::ListRunsRequest {})
+            .list_runs(pb::ListRunsRequest::default())
             .await
             .unwrap()
             .into_inner()
@@ -1576,7 +1576,7 @@ fn crash_after_prepare_sandbox_restores_forwarding_after_recovery() {
         let mut daemon = spawn();
         let mut op = client_when_up(&authority, &address, &operator).await;
         let runs = op
-            .list_runs(pb::ListRunsRequest {})
+            .list_runs(pb::ListRunsRequest::default())
             .await
             .unwrap()
             .into_inner()

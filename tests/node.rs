@@ -1897,7 +1897,7 @@ mod crash {
         let _daemon = Daemon::start(&config_path);
         let mut op = client_when_up(&authority, &address, &operator).await;
         let runs = op
-            .list_runs(pb::ListRunsRequest {})
+            .list_runs(pb::ListRunsRequest::default())
             .await
             .unwrap()
             .into_inner()
@@ -1926,7 +1926,7 @@ mod crash {
             "{step:?}: residue after recovery: {left:?}"
         );
         let runs = op
-            .list_runs(pb::ListRunsRequest {})
+            .list_runs(pb::ListRunsRequest::default())
             .await
             .unwrap()
             .into_inner()

@@ -93,15 +93,51 @@ pub fn describe_run(run: &pb::RunSummary) -> String {
     )
 }
 
-/// The node's runs.
+/// Closed runs asked for per ListRuns call: the node's largest page.
+pub const CLOSED_RUNS_PER_PAGE: u32 = 1000;
+
+/// Pages of closed runs taken before refusing to go on: a million closed runs, far beyond what
+/// a node's retention keeps, so a node that never ends its pages cannot keep the controller.
+pub const MAX_CLOSED_RUN_PAGES: usize = 1000;
+
+/// The node's runs: every open and quarantined run, then every closed run, page by page in
+/// run-id order.
 pub async fn list_runs(
     connection: &mut ConnectorClient<Channel>,
 ) -> Result<Vec<pb::RunSummary>, OperatorError> {
-    Ok(connection
-        .list_runs(pb::ListRunsRequest {})
-        .await?
-        .into_inner()
-        .runs)
+    let page = |closed_cursor: String| pb::ListRunsRequest {
+        closed_page_size: CLOSED_RUNS_PER_PAGE,
+        closed_cursor,
+    };
+    let first = connection.list_runs(page(String::new())).await?.into_inner();
+    let mut runs = first.runs;
+    let mut cursor = first.next_closed_cursor;
+    let mut pages = 1;
+    while !cursor.is_empty() {
+        if pages >= MAX_CLOSED_RUN_PAGES {
+            return Err(OperatorError::Local(format!(
+                "the node listed more than {MAX_CLOSED_RUN_PAGES} pages of {CLOSED_RUNS_PER_PAGE} closed runs; list them on the node"
+            )));
+        }
+        let reply = connection.list_runs(page(cursor.clone())).await?.into_inner();
+        pages += 1;
+        // Every page repeats the open and quarantined runs; the first one has them.
+        runs.extend(
+            reply
+                .runs
+                .into_iter()
+                .filter(|run| run.state == pb::RunState::Closed as i32),
+        );
+        // Run ids only grow from page to page: a cursor that does not would never end.
+        if !reply.next_closed_cursor.is_empty() && reply.next_closed_cursor <= cursor {
+            return Err(OperatorError::Local(format!(
+                "the node's ListRuns cursor went from {cursor} back to {}; its closed runs cannot be listed",
+                reply.next_closed_cursor
+            )));
+        }
+        cursor = reply.next_closed_cursor;
+    }
+    Ok(runs)
 }
 
 /// One line per journal record: sequence, time, operation, resource, phase, detail.

@@ -411,7 +411,7 @@ async fn transport(settings: &Settings) {
         for _ in 0..calls / rounds {
             let mut c = op.clone();
             timed(&mut samples[5], || async move {
-                c.list_runs(pb::ListRunsRequest {}).await.unwrap();
+                c.list_runs(pb::ListRunsRequest::default()).await.unwrap();
             })
             .await;
         }
@@ -867,7 +867,7 @@ async fn measure_node(
         for _ in 0..calls {
             let mut c = op.clone();
             listed = timed(&mut list_runs, || async move {
-                c.list_runs(pb::ListRunsRequest {})
+                c.list_runs(pb::ListRunsRequest::default())
                     .await
                     .unwrap()
                     .into_inner()
