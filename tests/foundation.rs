@@ -3540,7 +3540,14 @@ mod state_dir {
             listed.windows(2).all(|w| w[0] < w[1]),
             "pages are in run-id order, none repeated"
         );
-        assert_eq!(listed[..100], first.runs.iter().map(|r| r.run_id.clone()).collect::<Vec<_>>()[..]);
+        assert_eq!(
+            listed[..100],
+            first
+                .runs
+                .iter()
+                .map(|r| r.run_id.clone())
+                .collect::<Vec<_>>()[..]
+        );
         for (size, cursor, what) in [
             (1001, String::new(), "closed_page_size"),
             (10, "not-a-run".to_owned(), "closed_cursor"),

@@ -1076,17 +1076,16 @@ mod tests {
             }
         );
         let last = page(1000, RUN).unwrap();
-        assert_eq!(
-            (last.after.unwrap().as_str(), last.page_size),
-            (RUN, 1000)
-        );
+        assert_eq!((last.after.unwrap().as_str(), last.page_size), (RUN, 1000));
         let too_many = page(1001, "").unwrap_err();
         assert_eq!(too_many.field, "ListRunsRequest.closed_page_size");
         assert!(too_many.to_string().contains("at most 1000"), "{too_many}");
         let not_a_cursor = page(10, "../../etc").unwrap_err();
         assert_eq!(not_a_cursor.field, "ListRunsRequest.closed_cursor");
         assert!(
-            not_a_cursor.to_string().contains("not a cursor ListRuns returned"),
+            not_a_cursor
+                .to_string()
+                .contains("not a cursor ListRuns returned"),
             "{not_a_cursor}"
         );
     }

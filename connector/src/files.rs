@@ -141,7 +141,11 @@ pub fn write_new(path: &Path, contents: &[u8], mode: u32) -> Result<(), FileErro
 
 /// [`write_new`] without the sync of the directory: for a caller that creates several entries
 /// in one directory and syncs it once after the last.
-pub fn write_new_without_dir_sync(path: &Path, contents: &[u8], mode: u32) -> Result<(), FileError> {
+pub fn write_new_without_dir_sync(
+    path: &Path,
+    contents: &[u8],
+    mode: u32,
+) -> Result<(), FileError> {
     let err = |error: std::io::Error| {
         if error.kind() == std::io::ErrorKind::AlreadyExists {
             FileError::Exists {

@@ -254,6 +254,9 @@ impl RunGuard<'_> {
     }
 }
 
+/// A page of closed runs with their index entries, and the cursor of the next page.
+pub type ClosedPage = (Vec<(RunId, ClosedRun)>, Option<RunId>);
+
 /// The index entry of a closed run: what is listed and checked without reading its journal.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -578,9 +581,7 @@ impl RunRegistry {
     }
 
     fn closed_path(&self, run_id: &RunId) -> PathBuf {
-        self.closed_dir
-            .join(shard_of(run_id))
-            .join(run_id.as_str())
+        self.closed_dir.join(shard_of(run_id)).join(run_id.as_str())
     }
 
     /// The open runs.
@@ -596,7 +597,7 @@ impl RunRegistry {
         &self,
         after: Option<&RunId>,
         page_size: usize,
-    ) -> Result<(Vec<(RunId, ClosedRun)>, Option<RunId>), RunError> {
+    ) -> Result<ClosedPage, RunError> {
         let mut ids = self.closed_ids_after(after, page_size.saturating_add(1))?;
         {
             // Runs whose move failed are closed too; they sort in among the others.
@@ -644,7 +645,11 @@ impl RunRegistry {
 
     /// Up to `count` ids of closed runs on disk after `after`, in order: the shards are the
     /// ids' first characters, so they are read in order and only as far as `count` reaches.
-    fn closed_ids_after(&self, after: Option<&RunId>, count: usize) -> Result<Vec<RunId>, RunError> {
+    fn closed_ids_after(
+        &self,
+        after: Option<&RunId>,
+        count: usize,
+    ) -> Result<Vec<RunId>, RunError> {
         let mut shards: Vec<String> = read_names(&self.closed_dir)?
             .into_iter()
             .filter(|name| {
@@ -787,7 +792,15 @@ impl RunRegistry {
         let journal_limits = self.limits.journal;
         let (id, dir) = (run_id.clone(), run_dir.clone());
         let journal = tokio::task::spawn_blocking(move || -> Result<Journal, RunError> {
-            create_run(&runs_dir, &dir, &id, &grant_bytes, now_ms, detail, journal_limits)
+            create_run(
+                &runs_dir,
+                &dir,
+                &id,
+                &grant_bytes,
+                now_ms,
+                detail,
+                journal_limits,
+            )
         })
         .await
         .map_err(|error| RunError::Background(error.to_string()))??;
@@ -851,8 +864,11 @@ impl RunRegistry {
             bytes,
             head_sha256: hex::encode(record.hash),
         };
-        let (run_dir, runs_dir, closed_dir) =
-            (handle.dir.clone(), self.dir.clone(), self.closed_dir.clone());
+        let (run_dir, runs_dir, closed_dir) = (
+            handle.dir.clone(),
+            self.dir.clone(),
+            self.closed_dir.clone(),
+        );
         let (id, marker) = (run_id.clone(), summary.clone());
         let moved = tokio::task::spawn_blocking(move || {
             write_closed(&run_dir, &marker)?;
@@ -906,7 +922,9 @@ impl RunRegistry {
             .unwrap_or(i64::MAX)
             .saturating_mul(86_400_000);
         let ids = self.closed_ids_after(after, batch.max(1))?;
-        let next = (ids.len() >= batch.max(1)).then(|| ids.last().cloned()).flatten();
+        let next = (ids.len() >= batch.max(1))
+            .then(|| ids.last().cloned())
+            .flatten();
         let mut pruned = Vec::new();
         let mut shards = Vec::new();
         for run_id in ids {
@@ -1348,7 +1366,11 @@ pub(crate) mod tests {
         let (first, next) = registry.closed_page(None, 3).unwrap();
         let first: Vec<RunId> = first.into_iter().map(|(id, _)| id).collect();
         assert_eq!(first, ids[..3]);
-        assert_eq!(next.as_ref(), Some(&ids[2]), "the cursor is the page's last run");
+        assert_eq!(
+            next.as_ref(),
+            Some(&ids[2]),
+            "the cursor is the page's last run"
+        );
         let (second, _) = registry.closed_page(next.as_ref(), 3).unwrap();
         assert_eq!(second.first().map(|(id, _)| id), Some(&ids[3]));
         assert_eq!(all_closed(&registry, 3), (ids.clone(), 3));
@@ -1434,11 +1456,11 @@ pub(crate) mod tests {
         // 5: its grant lost after an operation: not half-made, quarantined.
         std::fs::remove_file(run_dir(5).join(GRANT_FILE)).unwrap();
         let reopened = RunRegistry::open(&dir, &key().verifying_key(), limits(8), 0).unwrap();
-        for n in 0..4 {
+        for (n, run_id) in made.iter().enumerate().take(4) {
             assert!(!run_dir(n).exists(), "half-made run {n} was kept");
-            assert!(reopened.get(&made[n]).is_none());
-            assert!(!reopened.is_closed(&made[n]));
-            assert!(reopened.quarantine(&made[n]).is_none());
+            assert!(reopened.get(run_id).is_none());
+            assert!(!reopened.is_closed(run_id));
+            assert!(reopened.quarantine(run_id).is_none());
         }
         assert!(reopened.get(&made[4]).is_some());
         assert!(reopened.quarantine(&made[5]).is_some());
@@ -1459,7 +1481,12 @@ pub(crate) mod tests {
         let run_dir = dir.join("runs").join(grant.run_id.as_str());
         // The journal cannot be created: a directory stands where it goes.
         std::fs::create_dir_all(run_dir.join(journal::FILE_NAME)).unwrap();
-        assert!(registry.begin(&signed, grant.clone(), 2_000_000).await.is_err());
+        assert!(
+            registry
+                .begin(&signed, grant.clone(), 2_000_000)
+                .await
+                .is_err()
+        );
         assert!(!run_dir.exists());
         assert!(!registry.begin(&signed, grant, 2_000_000).await.unwrap());
         std::fs::remove_dir_all(&dir).unwrap();

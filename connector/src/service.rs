@@ -938,9 +938,7 @@ impl Connector for ConnectorService {
         })
         .await
         .map_err(|error| Status::internal(format!("listing the closed runs stopped: {error}")))?
-        .map_err(|error| {
-            Status::unavailable(format!("cannot list the closed runs: {error}"))
-        })?;
+        .map_err(|error| Status::unavailable(format!("cannot list the closed runs: {error}")))?;
         runs.extend(closed.into_iter().map(|(run_id, closed)| pb::RunSummary {
             run_id: run_id.to_string(),
             state: pb::RunState::Closed as i32,

@@ -109,7 +109,10 @@ pub async fn list_runs(
         closed_page_size: CLOSED_RUNS_PER_PAGE,
         closed_cursor,
     };
-    let first = connection.list_runs(page(String::new())).await?.into_inner();
+    let first = connection
+        .list_runs(page(String::new()))
+        .await?
+        .into_inner();
     let mut runs = first.runs;
     let mut cursor = first.next_closed_cursor;
     let mut pages = 1;
@@ -119,7 +122,10 @@ pub async fn list_runs(
                 "the node listed more than {MAX_CLOSED_RUN_PAGES} pages of {CLOSED_RUNS_PER_PAGE} closed runs; list them on the node"
             )));
         }
-        let reply = connection.list_runs(page(cursor.clone())).await?.into_inner();
+        let reply = connection
+            .list_runs(page(cursor.clone()))
+            .await?
+            .into_inner();
         pages += 1;
         // Every page repeats the open and quarantined runs; the first one has them.
         runs.extend(

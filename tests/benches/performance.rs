@@ -745,17 +745,9 @@ async fn setup(settings: &Settings) {
     fsyncs(&authority, &dir.0, &operator).await;
 }
 
-/// The fsyncs one BeginRun + EndRun issue in the shipped daemon, counted by
-/// strace attached to it.
-async fn fsyncs(authority: &Authority, dir: &Path, operator: &IssuedCertificate) {
-    if !Path::new("/usr/bin/strace").exists() {
-        println!("\nfsync count skipped: strace is missing.");
-        return;
-    }
-    let config = enroll(authority, &dir.join("strace-node"), NODE);
-    let daemon = start_daemon(authority, &config, dir, operator).await;
-    let out_file = dir.join("strace.txt");
-    let mut strace = Command::new("strace")
+/// strace counting the sync calls of process `pid` (all its threads) into `out_file`.
+fn strace_syncs(pid: u32, out_file: &Path) -> Child {
+    Command::new("strace")
         .args([
             "-f",
             "-c",
@@ -763,29 +755,22 @@ async fn fsyncs(authority: &Authority, dir: &Path, operator: &IssuedCertificate)
             "trace=fsync,fdatasync,sync_file_range,syncfs",
         ])
         .arg("-o")
-        .arg(&out_file)
-        .args(["-p", &daemon.pid().to_string()])
+        .arg(out_file)
+        .args(["-p", &pid.to_string()])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
-        .unwrap();
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    const RUNS: usize = 10;
-    for _ in 0..RUNS {
-        let run_id = uuid::Uuid::new_v4().to_string();
-        let credentials = mint(authority, &grant(&run_id, NODE));
-        let mut c = client(authority, &daemon.address, NODE, &credentials.certificate)
-            .await
-            .unwrap();
-        c.begin_run(begin_request(&credentials)).await.unwrap();
-        c.end_run(pb::EndRunRequest {}).await.unwrap();
-    }
+        .unwrap()
+}
+
+/// Stops `strace` and returns (fsync, fdatasync) from its summary.
+async fn strace_counts(mut strace: Child, out_file: &Path) -> (u64, u64) {
     tokio::time::sleep(Duration::from_millis(200)).await;
     let _ = Command::new("kill")
         .args(["-INT", &strace.id().to_string()])
         .status();
     let _ = strace.wait();
-    let summary = std::fs::read_to_string(&out_file).unwrap_or_default();
+    let summary = std::fs::read_to_string(out_file).unwrap_or_default();
     let count = |call: &str| -> u64 {
         summary
             .lines()
@@ -794,10 +779,49 @@ async fn fsyncs(authority: &Authority, dir: &Path, operator: &IssuedCertificate)
             .and_then(|v| v.parse().ok())
             .unwrap_or(0)
     };
+    (count("fsync"), count("fdatasync"))
+}
+
+/// The syncs one BeginRun and one EndRun issue in the shipped daemon, each counted by strace
+/// attached to it over the same number of calls.
+async fn fsyncs(authority: &Authority, dir: &Path, operator: &IssuedCertificate) {
+    if !Path::new("/usr/bin/strace").exists() {
+        println!("\nfsync count skipped: strace is missing.");
+        return;
+    }
+    let config = enroll(authority, &dir.join("strace-node"), NODE);
+    let daemon = start_daemon(authority, &config, dir, operator).await;
+    const RUNS: usize = 10;
+    let mut clients = Vec::new();
+    for _ in 0..RUNS {
+        let run_id = uuid::Uuid::new_v4().to_string();
+        let credentials = mint(authority, &grant(&run_id, NODE));
+        let c = client(authority, &daemon.address, NODE, &credentials.certificate)
+            .await
+            .unwrap();
+        clients.push((c, credentials));
+    }
+    let begin_file = dir.join("strace-begin.txt");
+    let strace = strace_syncs(daemon.pid(), &begin_file);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for (c, credentials) in &mut clients {
+        c.begin_run(begin_request(credentials)).await.unwrap();
+    }
+    let begin = strace_counts(strace, &begin_file).await;
+    let end_file = dir.join("strace-end.txt");
+    let strace = strace_syncs(daemon.pid(), &end_file);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for (c, _) in &mut clients {
+        c.end_run(pb::EndRunRequest {}).await.unwrap();
+    }
+    let end = strace_counts(strace, &end_file).await;
+    let per = |n: u64| n as f64 / RUNS as f64;
     println!(
-        "\nfsyncs per BeginRun + EndRun in the shipped daemon (strace -f -c over {RUNS} runs): fsync {:.1}, fdatasync {:.1}.",
-        count("fsync") as f64 / RUNS as f64,
-        count("fdatasync") as f64 / RUNS as f64
+        "\nSyncs in the shipped daemon (strace -f -c, {RUNS} calls each): BeginRun fsync {:.1} + fdatasync {:.1}; EndRun fsync {:.1} + fdatasync {:.1}.",
+        per(begin.0),
+        per(begin.1),
+        per(end.0),
+        per(end.1)
     );
 }
 
@@ -901,20 +925,25 @@ async fn history(settings: &Settings) {
     let dir = TempDir::new("bench-history");
     let authority = controller(&dir.0);
     let operator = authority.issue_operator("bench", now()).unwrap();
+    let page = certistack_connector::runs::DEFAULT_CLOSED_PAGE;
     let empty = enroll(&authority, &dir.0.join("empty"), NODE);
+    let one_page = enroll(&authority, &dir.0.join("one-page"), NODE);
     let full = enroll(&authority, &dir.0.join("full"), NODE);
+    closed_runs_on_disk(&authority, &one_page, page).await;
     let written = Instant::now();
     closed_runs_on_disk(&authority, &full, closed).await;
     let written = written.elapsed();
     let starts = settings.n(7, 3);
     let calls = settings.n(50, 10);
     let a = measure_node(&authority, &empty, &dir.0, &operator, starts, calls).await;
+    let p = measure_node(&authority, &one_page, &dir.0, &operator, starts, calls).await;
     let b = measure_node(&authority, &full, &dir.0, &operator, starts, calls).await;
+    let every_page = list_every_page(&authority, &full, &dir.0, &operator, settings.n(5, 2)).await;
     heading(&format!(
         "4. History: a node with {closed} closed runs against an empty one"
     ));
     println!(
-        "The shipped daemon (`{}`), state directory under {}; the runs were written with the connector's registry code in {:.1} s. Start-to-ready is spawn → first Hello answered over mTLS ({starts} starts); ListRuns {calls} calls.\n",
+        "The shipped daemon (`{}`), state directory under {}; the runs were written with the connector's registry code in {:.1} s. Start-to-ready is spawn → first Hello answered over mTLS ({starts} starts); ListRuns {calls} calls, each the first page (open runs and up to {page} closed runs).\n",
         binary("certistack-connector").display(),
         std::env::temp_dir().display(),
         written.as_secs_f64()
@@ -925,6 +954,7 @@ async fn history(settings: &Settings) {
     println!("|---|---:|---:|---:|---:|---:|---:|---:|");
     for (name, f) in [
         ("no runs", &a),
+        (&format!("{page} closed runs (one page)") as &str, &p),
         (&format!("{closed} closed runs") as &str, &b),
     ] {
         println!(
@@ -939,12 +969,42 @@ async fn history(settings: &Settings) {
         );
     }
     println!(
-        "| ratio | {} | | {:.2}× | {:+} | {} | | |",
+        "| ratio {closed} ÷ none (ListRuns: ÷ one page) | {} | | {:.2}× | {:+} | {} | | |",
         ratio(b.ready.median(), a.ready.median()),
         b.rss_kib as f64 / a.rss_kib as f64,
         b.fds as i64 - a.fds as i64,
-        ratio(b.list_runs.median(), a.list_runs.median()),
+        ratio(b.list_runs.median(), p.list_runs.median()),
     );
+    println!(
+        "\nEvery closed run of the {closed}, page by page as `certistack-ctl runs` asks (1000 per page): median {}, p99 {} ({} samples).",
+        ms(every_page.median()),
+        ms(every_page.p99()),
+        every_page.0.len()
+    );
+}
+
+/// The time to list every closed run of the node on `config`, 1000 per page, `times` times.
+async fn list_every_page(
+    authority: &Authority,
+    config: &Config,
+    dir: &Path,
+    operator: &IssuedCertificate,
+    times: usize,
+) -> Samples {
+    let daemon = start_daemon(authority, config, dir, operator).await;
+    let op = operator_client(authority, &daemon.address, operator).await;
+    let mut samples = Samples::default();
+    for _ in 0..times {
+        let mut c = op.clone();
+        timed(&mut samples, || async move {
+            certistack_controller::operator::list_runs(&mut c)
+                .await
+                .unwrap()
+                .len()
+        })
+        .await;
+    }
+    samples
 }
 
 // ---------------------------------------------------------------------------------------------
