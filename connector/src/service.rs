@@ -461,7 +461,8 @@ fn undoes_or_reads(action: &Action) -> bool {
         | Action::Qga { .. }
         | Action::PrepareSandbox { .. }
         | Action::Probe { .. }
-        | Action::ReadSourceConfig { .. } => false,
+        | Action::ReadSourceConfig { .. }
+        | Action::RecoverGuestNetwork { .. } => false,
     }
 }
 
@@ -767,6 +768,19 @@ impl Connector for ConnectorService {
             Rpc::ReadSourceConfig,
             parse::read_source_config,
             ReadSourceConfig
+        )
+    }
+
+    async fn recover_guest_network(
+        &self,
+        request: Request<pb::RecoverGuestNetworkRequest>,
+    ) -> Result<Response<pb::RecoverGuestNetworkReply>, Status> {
+        operation!(
+            self,
+            request,
+            Rpc::RecoverGuestNetwork,
+            parse::recover_guest_network,
+            RecoverGuestNetwork
         )
     }
 

@@ -260,6 +260,13 @@ impl NetworkRecoveryMode {
             Self::Preserve => "preserve",
         }
     }
+
+    /// The mode the run's grant allows.
+    pub fn wire(self) -> pb::NetworkRecoveryMode {
+        match self {
+            Self::Preserve => pb::NetworkRecoveryMode::Preserve,
+        }
+    }
 }
 
 /// A value that must not appear in a plan: deserializing it fails with where the secret goes.
@@ -566,6 +573,8 @@ impl Plan {
                         timeout_seconds: a.timeout_seconds,
                     })
                     .collect(),
+                network_recovery_modes: vec![v.network_recovery.mode.wire() as i32],
+                guest_address: String::new(),
             };
             let grant = as_the_node_reads_it(&wire)
                 .map_err(|error| refused(at(""), grant_refusal(&error)))?;
