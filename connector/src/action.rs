@@ -404,7 +404,9 @@ pub mod parse {
         })
     }
 
-    pub fn recover_guest_network(req: pb::RecoverGuestNetworkRequest) -> Result<Action, FieldError> {
+    pub fn recover_guest_network(
+        req: pb::RecoverGuestNetworkRequest,
+    ) -> Result<Action, FieldError> {
         Ok(Action::RecoverGuestNetwork {
             vmid: vmid("RecoverGuestNetworkRequest.vmid", req.vmid)?,
             archive: field("RecoverGuestNetworkRequest.archive", &req.archive)?,
@@ -890,7 +892,7 @@ mod tests {
             (
                 Action::RecoverGuestNetwork {
                     vmid: vm(9100),
-                    archive: in_archive.clone(),
+                    archive: v("drive-scsi0.img"),
                     mode: NetworkRecoveryMode::Rewrite,
                 },
                 None,
@@ -898,7 +900,7 @@ mod tests {
             (
                 Action::RecoverGuestNetwork {
                     vmid: vm(9100),
-                    archive: in_archive.clone(),
+                    archive: v("drive-scsi0.img"),
                     mode: NetworkRecoveryMode::Preserve,
                 },
                 Some("network recovery mode preserve"),
@@ -906,7 +908,7 @@ mod tests {
             (
                 Action::RecoverGuestNetwork {
                     vmid: vm(9101),
-                    archive: in_archive.clone(),
+                    archive: v("drive-scsi0.img"),
                     mode: NetworkRecoveryMode::Rewrite,
                 },
                 Some("VMID 9101"),
@@ -914,7 +916,7 @@ mod tests {
             (
                 Action::RecoverGuestNetwork {
                     vmid: vm(9100),
-                    archive: out_archive.clone(),
+                    archive: v("drive-scsi9.img"),
                     mode: NetworkRecoveryMode::Rewrite,
                 },
                 Some("archive drive-scsi9.img"),

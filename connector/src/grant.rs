@@ -726,11 +726,13 @@ pub(crate) mod tests {
             check(&|g| g.guest_address.clear()),
             Err(GrantError::Inconsistent(m)) if m.contains("names no guest_address")
         ));
-        assert!(check(&|g| {
-            g.guest_address.clear();
-            g.network_recovery_modes = vec![pb::NetworkRecoveryMode::Preserve as i32];
-        })
-        .is_ok());
+        assert!(
+            check(&|g| {
+                g.guest_address.clear();
+                g.network_recovery_modes = vec![pb::NetworkRecoveryMode::Preserve as i32];
+            })
+            .is_ok()
+        );
         assert!(matches!(
             check(&|g| g.network_recovery_modes.push(pb::NetworkRecoveryMode::Rewrite as i32)),
             Err(GrantError::Inconsistent(m)) if m.contains("listed twice")
@@ -756,6 +758,8 @@ pub(crate) mod tests {
         );
         wire.probe_source = "128.0.0.2/1".into();
         wire.probe_targets.clear();
+        wire.network_recovery_modes.clear();
+        wire.guest_address.clear();
         let wide = verify(&sign(&key, &wire), &key.verifying_key()).unwrap();
         assert!(
             wide.check_probe_prefix(24)
@@ -774,9 +778,10 @@ pub(crate) mod tests {
     fn a_signed_field_this_connector_does_not_know_is_refused() {
         let key = SigningKey::from_bytes(&[1; 32]);
         let mut grant = full_wire_grant().encode_to_vec();
-        // Field 14 of RunGrant, length-delimited: what a newer controller's restriction
+        // Field 16 of RunGrant, length-delimited: what a newer controller's restriction
         // (say, "no probes before 06:00") would look like to this connector.
-        grant.extend([14 << 3 | 2, 3, b'x', b'y', b'z']);
+        // The key (16 << 3 | 2 = 130) is a two-byte varint.
+        grant.extend([0x82, 0x01, 3, b'x', b'y', b'z']);
         let signature = key.sign(&signing_input(&grant)).to_bytes().to_vec();
         let signed = pb::SignedRunGrant { grant, signature };
         // prost alone would accept it and drop the field.
@@ -784,7 +789,7 @@ pub(crate) mod tests {
         let error = verify(&signed, &key.verifying_key()).unwrap_err();
         assert!(
             matches!(error, GrantError::UnknownField(_))
-                && error.to_string().contains("field number 14"),
+                && error.to_string().contains("field number 16"),
             "{error}"
         );
     }

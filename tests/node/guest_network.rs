@@ -82,7 +82,10 @@ const FEDORA: Tree = &[
         "etc/sysconfig/network-scripts/ifcfg-eth0",
         "DEVICE=eth0\nBOOTPROTO=none\nONBOOT=yes\nIPADDR=10.40.0.5\nPREFIX=24\nGATEWAY=10.40.0.1\n",
     ),
-    ("etc/firewalld/firewalld.conf", "# firewalld config file\nDefaultZone=internal\n"),
+    (
+        "etc/firewalld/firewalld.conf",
+        "# firewalld config file\nDefaultZone=internal\n",
+    ),
     (
         "etc/firewalld/zones/internal.xml",
         "<?xml version=\"1.0\" encoding=\"utf-8\"?>\n<zone>\n  <short>Internal</short>\n  <service name=\"ssh\"/>\n  <service name=\"mdns\"/>\n  <rule family=\"ipv4\">\n    <source address=\"10.0.0.0/8\"/>\n    <service name=\"http\"/>\n    <accept/>\n  </rule>\n</zone>\n",
@@ -275,9 +278,7 @@ fn read_back(overlays: &[(PathBuf, &[&str])]) -> Vec<Vec<Option<String>>> {
         let device = format!("/dev/sd{}", char::from(b'a' + i as u8));
         script.push_str(&format!("mount-ro {device} /\n"));
         for (j, path) in paths.iter().enumerate() {
-            script.push_str(&format!(
-                "echo @@{i}-{j}@@\nis-file {path}\n-cat {path}\n"
-            ));
+            script.push_str(&format!("echo @@{i}-{j}@@\nis-file {path}\n-cat {path}\n"));
         }
         script.push_str("umount-all\n");
     }
@@ -393,16 +394,21 @@ async fn guest_network_recovery_writes_each_stack_profile_into_the_overlay_only(
         );
         replies.push(reply);
     }
-    let evidence: Vec<&pb::GuestNetworkEvidence> =
-        replies.iter().map(|r| r.evidence.as_ref().unwrap()).collect();
+    let evidence: Vec<&pb::GuestNetworkEvidence> = replies
+        .iter()
+        .map(|r| r.evidence.as_ref().unwrap())
+        .collect();
     let mac = &evidence[0].mac_address;
     assert_eq!(
         net0,
-        format!("net0: virtio={},bridge=csbox1,firewall=0", mac.to_uppercase()),
+        format!(
+            "net0: virtio={},bridge=csbox1,firewall=0",
+            mac.to_uppercase()
+        ),
         "{conf}"
     );
     for (e, (distro, version, stack)) in evidence.iter().zip([
-        ("debian", "12.0", "ifupdown"),
+        ("debian", "12.5", "ifupdown"),
         ("ubuntu", "24.4", "netplan"),
         ("fedora", "40.0", "networkmanager"),
         ("archlinux", "0.0", "systemd-networkd"),
@@ -463,11 +469,21 @@ async fn guest_network_recovery_writes_each_stack_profile_into_the_overlay_only(
         panic!()
     };
     let stanza = stanza.as_ref().unwrap();
-    assert!(stanza.contains("iface cssandbox0 inet static\n    address 198.51.100.10/24\n"), "{stanza}");
+    assert!(
+        stanza.contains("iface cssandbox0 inet static\n    address 198.51.100.10/24\n"),
+        "{stanza}"
+    );
     assert!(!stanza.contains("gateway"));
-    assert!(link.as_ref().unwrap().contains(&format!("MACAddress={}", mac_of(0))));
+    assert!(
+        link.as_ref()
+            .unwrap()
+            .contains(&format!("MACAddress={}", mac_of(0)))
+    );
     let interfaces = interfaces.as_ref().unwrap();
-    assert!(interfaces.contains("\nauto lo\niface lo inet loopback\n"), "{interfaces}");
+    assert!(
+        interfaces.contains("\nauto lo\niface lo inet loopback\n"),
+        "{interfaces}"
+    );
     assert!(interfaces.contains("#certistack-disabled# iface eth0 inet static\n#certistack-disabled#     address 10.20.0.5/24\n#certistack-disabled#     gateway 10.20.0.1\n"), "{interfaces}");
     assert_eq!(
         changed(&replies[0], "/etc/network/interfaces").sha256,
@@ -479,9 +495,15 @@ async fn guest_network_recovery_writes_each_stack_profile_into_the_overlay_only(
         panic!()
     };
     let profile = profile.as_ref().unwrap();
-    assert!(profile.contains(&format!("macaddress: \"{}\"", mac_of(1))), "{profile}");
+    assert!(
+        profile.contains(&format!("macaddress: \"{}\"", mac_of(1))),
+        "{profile}"
+    );
     assert!(!profile.contains("routes") && !profile.contains("nameservers"));
-    assert_eq!(production, &None, "50-cloud-init.yaml still read by netplan");
+    assert_eq!(
+        production, &None,
+        "50-cloud-init.yaml still read by netplan"
+    );
     assert!(disabled.as_ref().unwrap().contains("via: 10.30.0.1"));
     assert!(storage.as_ref().unwrap().contains(OTHER_MAC));
     let set_aside = changed(&replies[1], "/etc/netplan/50-cloud-init.yaml");
@@ -498,7 +520,9 @@ async fn guest_network_recovery_writes_each_stack_profile_into_the_overlay_only(
     };
     let keyfile = keyfile.as_ref().unwrap();
     assert!(keyfile.contains(&format!("mac-address={}", mac_of(2).to_uppercase())));
-    assert!(keyfile.contains("never-default=true") && keyfile.contains("address1=198.51.100.10/24\n"));
+    assert!(
+        keyfile.contains("never-default=true") && keyfile.contains("address1=198.51.100.10/24\n")
+    );
     assert!(prod.as_ref().unwrap().contains("[connection]\nid=prod\nuuid=5fb06bd0-0bb0-7ffb-45f1-d6edd65f3e03\ntype=ethernet\ninterface-name=eth0\nautoconnect=false\n"));
     assert_eq!(
         storage.as_deref(),
@@ -514,13 +538,22 @@ async fn guest_network_recovery_writes_each_stack_profile_into_the_overlay_only(
     ] {
         assert!(zone.contains(kept), "{kept} lost from\n{zone}");
     }
-    for port in ["<port port=\"22\" protocol=\"tcp\"/>", "<port port=\"80\" protocol=\"tcp\"/>", "<port port=\"53\" protocol=\"udp\"/>"] {
+    for port in [
+        "<port port=\"22\" protocol=\"tcp\"/>",
+        "<port port=\"80\" protocol=\"tcp\"/>",
+        "<port port=\"53\" protocol=\"udp\"/>",
+    ] {
         assert!(
-            zone.contains(&format!("<source address=\"198.51.100.2\"/>\n    {port}\n    <accept/>")),
+            zone.contains(&format!(
+                "<source address=\"198.51.100.2\"/>\n    {port}\n    <accept/>"
+            )),
             "{port} missing from\n{zone}"
         );
     }
-    assert_eq!(changed(&replies[2], "/etc/firewalld/zones/internal.xml").sha256, sha(zone));
+    assert_eq!(
+        changed(&replies[2], "/etc/firewalld/zones/internal.xml").sha256,
+        sha(zone)
+    );
 
     // Arch: the sandbox file matches first; the catch-all production file is set aside.
     let [network, wired, disabled, storage] = &files[3][..] else {
@@ -535,14 +568,23 @@ async fn guest_network_recovery_writes_each_stack_profile_into_the_overlay_only(
 
     // Journaled: intent, then done with the files and their hashes; undone with the overlay.
     let steps = run.journal().await;
-    let recoveries: Vec<&String> = steps.iter().filter(|s| s.contains("guestnet.recover")).collect();
-    assert!(recoveries.iter().filter(|s| s.contains("done")).count() == 4, "{steps:#?}");
+    let recoveries: Vec<&String> = steps
+        .iter()
+        .filter(|s| s.contains("guestnet.recover"))
+        .collect();
+    assert!(
+        recoveries.iter().filter(|s| s.contains("done")).count() == 4,
+        "{steps:#?}"
+    );
     run.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn guest_network_recovery_refuses_what_it_must_not_touch() {
-    if !privileged("guest_network_recovery_refuses_what_it_must_not_touch", GUESTFS_TOOLS) {
+    if !privileged(
+        "guest_network_recovery_refuses_what_it_must_not_touch",
+        GUESTFS_TOOLS,
+    ) {
         return;
     }
     let images: [(&str, &[Tree]); 1] = [(ARCHIVE, &[BASE, BARE])];
@@ -550,7 +592,8 @@ async fn guest_network_recovery_refuses_what_it_must_not_touch() {
 
     // No overlay of this run's yet: nothing to write into.
     assert_status(
-        run.recover(9100, ARCHIVE, pb::NetworkRecoveryMode::Rewrite).await,
+        run.recover(9100, ARCHIVE, pb::NetworkRecoveryMode::Rewrite)
+            .await,
         Code::FailedPrecondition,
         "this run has no overlay of drive-scsi0.img for VM 9100",
     );
@@ -559,12 +602,14 @@ async fn guest_network_recovery_refuses_what_it_must_not_touch() {
 
     // A mode the grant does not allow, a VM and an archive outside the grant.
     assert_status(
-        run.recover(9100, ARCHIVE, pb::NetworkRecoveryMode::Preserve).await,
+        run.recover(9100, ARCHIVE, pb::NetworkRecoveryMode::Preserve)
+            .await,
         Code::PermissionDenied,
         "network recovery mode preserve",
     );
     assert_status(
-        run.recover(9101, ARCHIVE, pb::NetworkRecoveryMode::Rewrite).await,
+        run.recover(9101, ARCHIVE, pb::NetworkRecoveryMode::Rewrite)
+            .await,
         Code::PermissionDenied,
         "VMID 9101",
     );
@@ -578,14 +623,29 @@ async fn guest_network_recovery_refuses_what_it_must_not_touch() {
         .await
         .unwrap_err();
     assert_eq!(refused.code(), Code::FailedPrecondition, "{refused:?}");
-    for part in ["distro debian", "no network stack found", "preserve", "nothing was written"] {
-        assert!(refused.message().contains(part), "{part}: {}", refused.message());
+    for part in [
+        "distro debian",
+        "no network stack found",
+        "preserve",
+        "nothing was written",
+    ] {
+        assert!(
+            refused.message().contains(part),
+            "{part}: {}",
+            refused.message()
+        );
     }
-    assert_eq!(overlay_allocated_bytes(&overlay), allocated, "the overlay was written");
+    assert_eq!(
+        overlay_allocated_bytes(&overlay),
+        allocated,
+        "the overlay was written"
+    );
     assert_eq!(sha256_of(&device), before);
     let steps = run.journal().await;
     assert!(
-        steps.iter().any(|s| s.contains("guestnet.recover") && s.contains("failed")),
+        steps
+            .iter()
+            .any(|s| s.contains("guestnet.recover") && s.contains("failed")),
         "{steps:#?}"
     );
     run.stop().await;
@@ -593,7 +653,10 @@ async fn guest_network_recovery_refuses_what_it_must_not_touch() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_hung_appliance_is_killed_at_its_deadline() {
-    if !privileged("a_hung_appliance_is_killed_at_its_deadline", &["losetup", "qemu-img", "mkfs.ext4", "python3"]) {
+    if !privileged(
+        "a_hung_appliance_is_killed_at_its_deadline",
+        &["losetup", "qemu-img", "mkfs.ext4", "python3"],
+    ) {
         return;
     }
     let images: [(&str, &[Tree]); 1] = [(ARCHIVE, &[BASE, DEBIAN])];
@@ -616,12 +679,22 @@ async fn a_hung_appliance_is_killed_at_its_deadline() {
         .unwrap_err();
     let took = started.elapsed();
     assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
-    assert!(status.message().contains("limits.guest_network_timeout_secs"), "{status:?}");
+    assert!(
+        status
+            .message()
+            .contains("limits.guest_network_timeout_secs"),
+        "{status:?}"
+    );
     assert!(took < std::time::Duration::from_secs(15), "took {took:?}");
     let pids = std::fs::read_to_string(run.lab.root.join("bin/guestfish.pids")).unwrap();
     for pid in pids.split_whitespace() {
         let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-        let state = stat.rsplit(')').next().unwrap_or("").split_whitespace().next();
+        let state = stat
+            .rsplit(')')
+            .next()
+            .unwrap_or("")
+            .split_whitespace()
+            .next();
         assert!(
             stat.is_empty() || state == Some("Z"),
             "process {pid} of the appliance outlived its deadline: {stat}"

@@ -211,14 +211,18 @@ pub fn networkd_fights(text: &str, nic: &SandboxNic) -> bool {
         .into_iter()
         .flat_map(str::split_whitespace)
         .collect();
-    let loopback = values(text, "Name").iter().all(|n| *n == "lo") && !values(text, "Name").is_empty();
+    let loopback =
+        values(text, "Name").iter().all(|n| *n == "lo") && !values(text, "Name").is_empty();
     !loopback && binds_sandbox_nic(&macs, nic)
 }
 
 /// Whether a netplan file declares ethernets that would configure the sandbox NIC: any
 /// `ethernets` entry while none of its `macaddress:` lines names another NIC.
 pub fn netplan_fights(text: &str, nic: &SandboxNic) -> bool {
-    if !text.lines().any(|l| l.trim_start().starts_with("ethernets:")) {
+    if !text
+        .lines()
+        .any(|l| l.trim_start().starts_with("ethernets:"))
+    {
         return false;
     }
     let macs: Vec<&str> = text
@@ -309,8 +313,10 @@ pub fn ifupdown_disable(text: &str) -> Option<String> {
     for line in text.lines() {
         let words: Vec<&str> = line.split_whitespace().collect();
         let first = words.first().copied().unwrap_or("");
-        let starts_stanza = matches!(first, "iface" | "mapping" | "auto" | "source" | "source-directory" | "rename")
-            || first.starts_with("allow-");
+        let starts_stanza = matches!(
+            first,
+            "iface" | "mapping" | "auto" | "source" | "source-directory" | "rename"
+        ) || first.starts_with("allow-");
         if starts_stanza {
             in_disabled_stanza = false;
         }
@@ -353,7 +359,9 @@ fn ifupdown_sources_directory(text: &str) -> bool {
     text.lines().any(|line| {
         let words: Vec<&str> = line.split_whitespace().collect();
         match words.as_slice() {
-            ["source", path, ..] => path.starts_with("/etc/network/interfaces.d/") || path.starts_with("interfaces.d/"),
+            ["source", path, ..] => {
+                path.starts_with("/etc/network/interfaces.d/") || path.starts_with("interfaces.d/")
+            }
             ["source-directory", path, ..] => path.trim_end_matches('/').ends_with("interfaces.d"),
             _ => false,
         }
@@ -402,7 +410,11 @@ pub fn firewalld_allow(
     let end = zone_xml
         .rfind("</zone>")
         .ok_or_else(|| "the zone file has no </zone> element".to_owned())?;
-    let family = if probe_source.is_ipv4() { "ipv4" } else { "ipv6" };
+    let family = if probe_source.is_ipv4() {
+        "ipv4"
+    } else {
+        "ipv6"
+    };
     let mut rules = String::new();
     for (port, protocol) in ports {
         let rule = format!(
@@ -574,11 +586,18 @@ impl Session {
         let mut script = String::new();
         let first = self.batches;
         for (index, command) in commands.iter().enumerate() {
-            let _ = writeln!(script, "{command}\necho {}-{}", self.marker, first + index as u64);
+            let _ = writeln!(
+                script,
+                "{command}\necho {}-{}",
+                self.marker,
+                first + index as u64
+            );
         }
         self.batches += commands.len() as u64;
         if let Err(error) = self.stdin.write_all(script.as_bytes()).await {
-            return Err(self.failure(&format!("guestfish stopped reading: {error}")).await);
+            return Err(self
+                .failure(&format!("guestfish stopped reading: {error}"))
+                .await);
         }
         let _ = self.stdin.flush().await;
         let mut answers = Vec::with_capacity(commands.len());
@@ -590,7 +609,9 @@ impl Session {
                 let n = match self.stdout.read_until(b'\n', &mut line).await {
                     Ok(n) => n,
                     Err(error) => {
-                        return Err(self.failure(&format!("cannot read guestfish: {error}")).await);
+                        return Err(self
+                            .failure(&format!("cannot read guestfish: {error}"))
+                            .await);
                     }
                 };
                 if n == 0 {
@@ -646,9 +667,11 @@ impl Session {
     async fn finish(mut self) -> Result<Option<i32>, RecoveryError> {
         let _ = self.stdin.write_all(b"umount-all\nexit\n").await;
         drop(self.stdin);
-        let status = self.child.wait().await.map_err(|e| {
-            RecoveryError::Tool(format!("cannot wait for guestfish: {e}"))
-        })?;
+        let status = self
+            .child
+            .wait()
+            .await
+            .map_err(|e| RecoveryError::Tool(format!("cannot wait for guestfish: {e}")))?;
         if !status.success() {
             let stderr = match tokio::time::timeout(Duration::from_secs(2), self.stderr).await {
                 Ok(Ok(bytes)) => String::from_utf8_lossy(&bytes).trim().to_owned(),
@@ -696,10 +719,17 @@ async fn recover(
     probe_source: IpAddr,
     ports: &BTreeSet<(u16, &'static str)>,
 ) -> Result<Evidence, RecoveryError> {
-    let started = session.ask_text(&["run".into(), "inspect-os".into()]).await?;
+    let started = session
+        .ask_text(&["run".into(), "inspect-os".into()])
+        .await?;
     let roots: Vec<String> = started
         .get(1)
-        .map(|r| r.lines().map(str::to_owned).filter(|l| !l.is_empty()).collect())
+        .map(|r| {
+            r.lines()
+                .map(str::to_owned)
+                .filter(|l| !l.is_empty())
+                .collect()
+        })
         .unwrap_or_default();
     let root = match roots.as_slice() {
         [] => {
@@ -727,7 +757,12 @@ async fn recover(
             format!("inspect-get-mountpoints {quoted_root}"),
         ])
         .await?;
-    let fact = |i: usize| facts.get(i).map(|f| f.trim().to_owned()).unwrap_or_default();
+    let fact = |i: usize| {
+        facts
+            .get(i)
+            .map(|f| f.trim().to_owned())
+            .unwrap_or_default()
+    };
     let mut evidence = Evidence {
         os_type: fact(0),
         distro: fact(1),
@@ -775,7 +810,8 @@ async fn recover(
             "exists /usr/sbin/ifup".into(),
             "glob-expand /etc/network/interfaces.d/*".into(),
             "glob-expand /etc/systemd/network/*.network".into(),
-            "is-symlink /etc/systemd/system/multi-user.target.wants/systemd-networkd.service".into(),
+            "is-symlink /etc/systemd/system/multi-user.target.wants/systemd-networkd.service"
+                .into(),
             "is-file /etc/firewalld/firewalld.conf".into(),
             "is-dir /usr/lib/firewalld/zones".into(),
             "is-file /etc/nftables.conf".into(),
@@ -785,7 +821,12 @@ async fn recover(
     let list = |i: usize| -> Vec<String> {
         survey
             .get(i)
-            .map(|a| a.lines().filter(|l| !l.is_empty()).map(str::to_owned).collect())
+            .map(|a| {
+                a.lines()
+                    .filter(|l| !l.is_empty())
+                    .map(str::to_owned)
+                    .collect()
+            })
             .unwrap_or_default()
     };
     let netplan_files = list(0);
@@ -841,7 +882,8 @@ async fn recover(
         ));
         candidates.truncate(MAX_PROFILES);
     }
-    let (plain, odd): (Vec<String>, Vec<String>) = candidates.into_iter().partition(|p| plain_path(p));
+    let (plain, odd): (Vec<String>, Vec<String>) =
+        candidates.into_iter().partition(|p| plain_path(p));
     for path in odd {
         evidence.notes.push(format!(
             "{:?} has a name recovery does not hand to guestfish; it was left as it is",
@@ -885,7 +927,11 @@ async fn recover(
     let mut commands = vec!["umount-all".to_owned()];
     commands.extend(mount_commands("mount"));
     for (from, to) in &plan.renames {
-        commands.push(format!("mv {} {}", quote(from.as_bytes()), quote(to.as_bytes())));
+        commands.push(format!(
+            "mv {} {}",
+            quote(from.as_bytes()),
+            quote(to.as_bytes())
+        ));
     }
     for write in &plan.writes {
         if let Some((dir, _)) = write.path.rsplit_once('/')
@@ -966,7 +1012,9 @@ async fn read_files(
             Ok(size) => notes.push(format!(
                 "{path} holds {size} bytes, more than {MAX_GUEST_FILE_BYTES}; it was left as it is"
             )),
-            Err(_) => notes.push(format!("{path} is not a readable file; it was left as it is")),
+            Err(_) => notes.push(format!(
+                "{path} is not a readable file; it was left as it is"
+            )),
         }
     }
     let contents = session
@@ -1116,7 +1164,10 @@ async fn plan_firewalld(
         return Ok(());
     }
     let present = session
-        .ask_text(&[format!("is-file {}", quote(own.as_bytes())), format!("is-file {}", quote(shipped.as_bytes()))])
+        .ask_text(&[
+            format!("is-file {}", quote(own.as_bytes())),
+            format!("is-file {}", quote(shipped.as_bytes())),
+        ])
         .await?;
     let source = if truthy(present.first()) {
         own.clone()
@@ -1171,9 +1222,9 @@ impl NodeExecutor {
         let (has_overlay, started) = {
             let records = guard.records();
             let states = super::resources::states(&records);
-            let has_overlay = states.get(&overlay).is_some_and(|s| {
-                s.is_open() && s.standing() == super::resources::Standing::Done
-            });
+            let has_overlay = states
+                .get(&overlay)
+                .is_some_and(|s| s.is_open() && s.standing() == super::resources::Standing::Done);
             let start = super::resources::Op::VmStart.as_str();
             let started = records
                 .iter()
@@ -1210,7 +1261,7 @@ impl NodeExecutor {
                 journal_head: guard.head_hex(),
             }));
         }
-        let Some(address) = grant.guest_address.clone() else {
+        let Some(address) = grant.guest_address else {
             return Err(ExecError::FailedPrecondition(
                 "the grant names no guest_address for the sandbox NIC".into(),
             ));
@@ -1257,20 +1308,30 @@ impl NodeExecutor {
             Ok(session) => session,
             Err(error) => {
                 return Err(self
-                    .journal_step_error(&mut guard, OP, &overlay, ExecError::Failed(error.to_string()))
+                    .journal_step_error(
+                        &mut guard,
+                        OP,
+                        &overlay,
+                        ExecError::Failed(error.to_string()),
+                    )
                     .await);
             }
         };
         let identity = session.identity();
         if let Some(identity) = identity {
             guard
-                .append(self.now_ms(), OP, &overlay, Phase::Intent, json!({ "tool": identity }))
+                .append(
+                    self.now_ms(),
+                    OP,
+                    &overlay,
+                    Phase::Intent,
+                    json!({ "tool": identity }),
+                )
                 .await?;
         }
         let deadline = Duration::from_secs(timeout_secs);
         let result = match tokio::time::timeout(deadline, async {
-            let evidence =
-                recover(&mut session, &nic, &profile_uuid, probe_source, &ports).await;
+            let evidence = recover(&mut session, &nic, &profile_uuid, probe_source, &ports).await;
             (evidence, session)
         })
         .await
@@ -1408,7 +1469,7 @@ mod tests {
                 "{profile}"
             );
             let lower = profile.to_lowercase();
-            for forbidden in ["gateway", "dns=", "nameserver", "dhcp=yes", "routes:"] {
+            for forbidden in ["gateway", "\ndns=", "nameserver", "dhcp=yes", "routes:"] {
                 assert!(!lower.contains(forbidden), "{forbidden} in {profile}");
             }
         }
@@ -1417,8 +1478,13 @@ mod tests {
         assert!(profiles[1].contains("mac-address=02:AA:BB:CC:DD:EE\n"));
         assert!(profiles[1].contains("never-default=true\n"));
         assert!(profiles[1].contains("address1=198.51.100.10/24\n"));
-        assert!(profiles[2].contains("iface cssandbox0 inet static\n    address 198.51.100.10/24\n"));
-        assert!(networkd_link(&nic).contains("MACAddress=02:aa:bb:cc:dd:ee\n\n[Link]\nName=cssandbox0\n"));
+        assert!(
+            profiles[2].contains("iface cssandbox0 inet static\n    address 198.51.100.10/24\n")
+        );
+        assert!(
+            networkd_link(&nic)
+                .contains("MACAddress=02:aa:bb:cc:dd:ee\n\n[Link]\nName=cssandbox0\n")
+        );
         assert!(profiles[3].contains("macaddress: \"02:aa:bb:cc:dd:ee\""));
         assert!(profiles[3].contains("- \"198.51.100.10/24\""));
         assert!(profiles[4].contains("HWADDR=02:AA:BB:CC:DD:EE\nBOOTPROTO=none\n"));
@@ -1428,31 +1494,52 @@ mod tests {
             mac: nic.mac.clone(),
             address: IpInterface::validate("2001:db8::10/64").unwrap(),
         };
-        assert!(networkmanager_keyfile(&v6, "u").contains("[ipv6]\nmethod=manual\naddress1=2001:db8::10/64\n"));
+        assert!(
+            networkmanager_keyfile(&v6, "u")
+                .contains("[ipv6]\nmethod=manual\naddress1=2001:db8::10/64\n")
+        );
         assert!(ifupdown_stanza(&v6).contains("inet6 static"));
     }
 
     #[test]
     fn a_profile_bound_to_another_mac_is_kept() {
         let nic = nic();
-        assert!(networkd_fights("[Match]\nName=eth0\n[Network]\nDHCP=yes\n", &nic));
-        assert!(networkd_fights("[Match]\nMACAddress=02:AA:BB:CC:DD:EE\n", &nic));
-        assert!(!networkd_fights("[Match]\nMACAddress=52:54:00:00:00:09\n", &nic));
+        assert!(networkd_fights(
+            "[Match]\nName=eth0\n[Network]\nDHCP=yes\n",
+            &nic
+        ));
+        assert!(networkd_fights(
+            "[Match]\nMACAddress=02:AA:BB:CC:DD:EE\n",
+            &nic
+        ));
+        assert!(!networkd_fights(
+            "[Match]\nMACAddress=52:54:00:00:00:09\n",
+            &nic
+        ));
         assert!(!networkd_fights("[Match]\nName=lo\n", &nic));
-        assert!(netplan_fights("network:\n  ethernets:\n    eth0:\n      dhcp4: true\n", &nic));
+        assert!(netplan_fights(
+            "network:\n  ethernets:\n    eth0:\n      dhcp4: true\n",
+            &nic
+        ));
         assert!(!netplan_fights(
             "network:\n  ethernets:\n    storage:\n      match:\n        macaddress: \"52:54:00:00:00:09\"\n",
             &nic
         ));
         assert!(!netplan_fights("network:\n  bridges: {}\n", &nic));
-        assert!(networkmanager_fights("[connection]\ntype=ethernet\ninterface-name=eth0\n", &nic));
+        assert!(networkmanager_fights(
+            "[connection]\ntype=ethernet\ninterface-name=eth0\n",
+            &nic
+        ));
         assert!(!networkmanager_fights(
             "[connection]\ntype=ethernet\n[ethernet]\nmac-address=52:54:00:00:00:09\n",
             &nic
         ));
         assert!(!networkmanager_fights("[connection]\ntype=wifi\n", &nic));
         assert!(ifcfg_fights("DEVICE=eth0\nONBOOT=yes\n", &nic));
-        assert!(!ifcfg_fights("DEVICE=eth1\nHWADDR=52:54:00:00:00:09\n", &nic));
+        assert!(!ifcfg_fights(
+            "DEVICE=eth1\nHWADDR=52:54:00:00:00:09\n",
+            &nic
+        ));
         assert!(!ifcfg_fights("DEVICE=lo\n", &nic));
     }
 
@@ -1466,7 +1553,10 @@ mod tests {
             "[connection]\nid=prod\ntype=ethernet\nautoconnect=false\n\n[ipv4]\nmethod=manual\n"
         );
         let nm = networkmanager_disable("[connection]\nid=prod\n[ipv4]\nmethod=auto\n");
-        assert_eq!(nm, "[connection]\nid=prod\nautoconnect=false\n[ipv4]\nmethod=auto\n");
+        assert_eq!(
+            nm,
+            "[connection]\nid=prod\nautoconnect=false\n[ipv4]\nmethod=auto\n"
+        );
         let ifcfg = ifcfg_disable("DEVICE=eth0\nONBOOT=yes\nIPADDR=10.0.0.5\n");
         assert_eq!(
             ifcfg,
@@ -1485,7 +1575,10 @@ mod tests {
 
     #[test]
     fn firewalld_gets_one_rich_rule_per_probe_port_and_keeps_its_own() {
-        assert_eq!(firewalld_default_zone("# x\nDefaultZone=internal\n").unwrap(), "internal");
+        assert_eq!(
+            firewalld_default_zone("# x\nDefaultZone=internal\n").unwrap(),
+            "internal"
+        );
         assert_eq!(firewalld_default_zone("").unwrap(), "public");
         assert!(firewalld_default_zone("DefaultZone=../../etc/passwd\n").is_err());
         let zone = "<?xml version=\"1.0\" encoding=\"utf-8\"?>\n<zone>\n  <short>Public</short>\n  <service name=\"ssh\"/>\n  <rule family=\"ipv4\">\n    <source address=\"10.0.0.0/8\"/>\n    <drop/>\n  </rule>\n</zone>\n";
@@ -1498,13 +1591,20 @@ mod tests {
         assert!(out.contains("  <rule family=\"ipv4\">\n    <source address=\"198.51.100.2\"/>\n    <port port=\"80\" protocol=\"tcp\"/>\n    <accept/>\n  </rule>\n"));
         assert!(out.contains("<port port=\"53\" protocol=\"udp\"/>"));
         assert!(out.ends_with("</zone>\n"));
-        assert_eq!(firewalld_allow(&out, source, &ports).unwrap(), None, "idempotent");
+        assert_eq!(
+            firewalld_allow(&out, source, &ports).unwrap(),
+            None,
+            "idempotent"
+        );
         assert!(firewalld_allow("<zone/>", source, &ports).is_err());
     }
 
     #[test]
     fn guest_text_never_leaves_its_quoted_argument() {
-        assert_eq!(quote(b"a\"b\\c\nd\te\x01\xff"), "\"a\\\"b\\\\c\\nd\\te\\x01\\xff\"");
+        assert_eq!(
+            quote(b"a\"b\\c\nd\te\x01\xff"),
+            "\"a\\\"b\\\\c\\nd\\te\\x01\\xff\""
+        );
         assert!(plain_path("/etc/netplan/50-cloud-init.yaml"));
         assert!(!plain_path("/etc/netplan/a b.yaml"));
         assert!(!plain_path("/etc/netplan/a\nb.yaml"));

@@ -212,10 +212,7 @@ impl NodeExecutor {
                 vmid,
                 archive,
                 mode,
-            } => {
-                self.recover_guest_network(run, vmid, archive, mode)
-                    .await
-            }
+            } => self.recover_guest_network(run, vmid, archive, mode).await,
         }
     }
 }
