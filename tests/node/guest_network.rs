@@ -315,6 +315,8 @@ fn read_back(overlays: &[(PathBuf, &[&str])]) -> Vec<Vec<Option<String>>> {
                     let end = rest.find("@@").unwrap();
                     let answer = &rest[..end];
                     let (is_file, content) = answer.split_once('\n').unwrap();
+                    // guestfish ends every `cat` with a newline of its own.
+                    let content = content.strip_suffix('\n').unwrap_or(content);
                     (is_file == "true").then(|| content.to_owned())
                 })
                 .collect()
