@@ -138,10 +138,17 @@ async fn call_every_operation(
                 encryption_key: vec![],
             })
             .await),
+        ok(client
+            .recover_guest_network(pb::RecoverGuestNetworkRequest {
+                vmid: VMID,
+                archive: ARCHIVE.into(),
+                mode: pb::NetworkRecoveryMode::Rewrite.into(),
+            })
+            .await),
     ]
 }
 
-const EVERY_OPERATION: [&str; 18] = [
+const EVERY_OPERATION: [&str; 19] = [
     "MapBackup",
     "CreateOverlay",
     "CreateVm",
@@ -160,6 +167,7 @@ const EVERY_OPERATION: [&str; 18] = [
     "ReadJournal",
     "Cleanup",
     "ReadSourceConfig",
+    "RecoverGuestNetwork",
 ];
 
 // ----------------------------------------------------------------------------------------------
@@ -1144,7 +1152,8 @@ async fn the_shipped_executor_refuses_precisely_on_a_node_without_the_tools() {
             "sandbox.probe",
             "journal.read",
             "recovery.cleanup",
-            "source.config"
+            "source.config",
+            "guest.network"
         ]
     );
     c.begin_run(begin_request(&credentials)).await.unwrap();
@@ -1176,6 +1185,10 @@ async fn the_shipped_executor_refuses_precisely_on_a_node_without_the_tools() {
                 "drive-scsi0.img is not mapped by this run",
             ),
             "DeleteOverlay" => (Code::NotFound, "has no overlay"),
+            "RecoverGuestNetwork" => (
+                Code::FailedPrecondition,
+                "this run has no overlay of drive-scsi0.img for VM 9100",
+            ),
             "ReadJournal" | "Cleanup" => {
                 result.unwrap();
                 continue;

@@ -21,6 +21,9 @@ mod runs;
 #[path = "node/lab.rs"]
 mod lab;
 
+#[path = "node/guest_network.rs"]
+mod guest_network;
+
 const MARKER: &[u8] = b"CERTISTACK-RESTORE-MARKER";
 
 /// Loop device numbers, QEMU and the lab tools are shared by the whole machine: these tests

@@ -5,7 +5,7 @@
 //! grant (`PERMISSION_DENIED`, naming the object and the rule). Neither has side effects, so a
 //! refused request changes nothing.
 
-use crate::grant::{Grant, ProbeKind, enum_error};
+use crate::grant::{Grant, NetworkRecoveryMode, ProbeKind, enum_error};
 use crate::policy::Rpc;
 use crate::validate::{
     ArchiveName, AssertionId, FieldError, IpInterface, RunId, Secret, Snapshot, UnicastIp, Vmid,
@@ -189,6 +189,11 @@ pub enum Action {
         secret: Secret,
         encryption_key: Option<EncryptionKey>,
     },
+    RecoverGuestNetwork {
+        vmid: Vmid,
+        archive: ArchiveName,
+        mode: NetworkRecoveryMode,
+    },
 }
 
 impl Action {
@@ -211,6 +216,7 @@ impl Action {
             Action::ReadJournal { .. } => Rpc::ReadJournal,
             Action::Cleanup { .. } => Rpc::Cleanup,
             Action::ReadSourceConfig { .. } => Rpc::ReadSourceConfig,
+            Action::RecoverGuestNetwork { .. } => Rpc::RecoverGuestNetwork,
         }
     }
 }
@@ -443,6 +449,16 @@ pub mod parse {
         })
     }
 
+    pub fn recover_guest_network(
+        req: pb::RecoverGuestNetworkRequest,
+    ) -> Result<Action, FieldError> {
+        Ok(Action::RecoverGuestNetwork {
+            vmid: vmid("RecoverGuestNetworkRequest.vmid", req.vmid)?,
+            archive: field("RecoverGuestNetworkRequest.archive", &req.archive)?,
+            mode: NetworkRecoveryMode::from_wire("RecoverGuestNetworkRequest.mode", req.mode)?,
+        })
+    }
+
     /// The VNet NodeChecks is asked about, if any: an empty name asks only node-wide facts.
     pub fn node_checks(req: &pb::NodeChecksRequest) -> Result<Option<VnetName>, FieldError> {
         if req.vnet.is_empty() {
@@ -596,6 +612,22 @@ pub fn authorize(grant: &Grant, action: &Action) -> Result<(), Denial> {
                 Err(deny(
                     format!("{} probe of {address}:{port}", kind.name()),
                     "the run may probe only the grant's targets",
+                ))
+            }
+        }
+        Action::RecoverGuestNetwork {
+            vmid,
+            archive,
+            mode,
+        } => {
+            vmid_ok(vmid)?;
+            archive_ok(archive)?;
+            if grant.network_recovery_modes.contains(mode) {
+                Ok(())
+            } else {
+                Err(deny(
+                    format!("network recovery mode {}", mode.name()),
+                    "the run may recover a guest's network only in a mode the grant allows",
                 ))
             }
         }
@@ -902,6 +934,38 @@ mod tests {
                 },
                 Some("http probe of 198.51.100.10:8080"),
             ),
+            (
+                Action::RecoverGuestNetwork {
+                    vmid: vm(9100),
+                    archive: v("drive-scsi0.img"),
+                    mode: NetworkRecoveryMode::Rewrite,
+                },
+                None,
+            ),
+            (
+                Action::RecoverGuestNetwork {
+                    vmid: vm(9100),
+                    archive: v("drive-scsi0.img"),
+                    mode: NetworkRecoveryMode::Preserve,
+                },
+                Some("network recovery mode preserve"),
+            ),
+            (
+                Action::RecoverGuestNetwork {
+                    vmid: vm(9101),
+                    archive: v("drive-scsi0.img"),
+                    mode: NetworkRecoveryMode::Rewrite,
+                },
+                Some("VMID 9101"),
+            ),
+            (
+                Action::RecoverGuestNetwork {
+                    vmid: vm(9100),
+                    archive: v("drive-scsi9.img"),
+                    mode: NetworkRecoveryMode::Rewrite,
+                },
+                Some("archive drive-scsi9.img"),
+            ),
             (Action::ReadJournal { run_id: v(RUN) }, None),
             (
                 Action::ReadJournal {
@@ -1025,6 +1089,11 @@ mod tests {
             }),
             parse::read_journal(pb::ReadJournalRequest { run_id: RUN.into() }),
             parse::cleanup(pb::CleanupRequest { run_id: RUN.into() }),
+            parse::recover_guest_network(pb::RecoverGuestNetworkRequest {
+                vmid: 9100,
+                archive: "drive-scsi0.img".into(),
+                mode: pb::NetworkRecoveryMode::Rewrite as i32,
+            }),
         ]
     }
 

@@ -33,6 +33,7 @@ pub fn check(config: &Config) -> Result<Report, ServeError> {
         .notes
         .push(format!("node identity {} loads", identity.node));
     check_tools(config, &mut report);
+    check_guestfish(config, &mut report);
     check_pve(config, &mut report);
     check_overlay_root(&config.paths.overlay_root, &mut report);
     check_state(config, &mut report);
@@ -78,6 +79,19 @@ fn check_tools(config: &Config, report: &mut Report) {
             )
         });
     }
+}
+
+fn check_guestfish(config: &Config, report: &mut Report) {
+    // Optional: without it RecoverGuestNetwork fails and says what to install.
+    let path = &config.tools.guestfish;
+    report.notes.push(if path.is_file() {
+        format!("tools.guestfish = {}", path.display())
+    } else {
+        format!(
+            "tools.guestfish = {}: not installed; RecoverGuestNetwork fails until libguestfs-tools is installed (network_recovery.mode preserve does not need it)",
+            path.display()
+        )
+    });
 }
 
 fn check_pve(config: &Config, report: &mut Report) {

@@ -142,6 +142,8 @@ pub struct ToolPaths {
     pub iptables_legacy_save: PathBuf,
     /// The same for IPv6.
     pub ip6tables_legacy_save: PathBuf,
+    /// libguestfs' shell (libguestfs-tools), for guest network recovery on an overlay.
+    pub guestfish: PathBuf,
 }
 
 impl Default for ToolPaths {
@@ -154,6 +156,7 @@ impl Default for ToolPaths {
             nft: "/usr/sbin/nft".into(),
             iptables_legacy_save: "/usr/sbin/iptables-legacy-save".into(),
             ip6tables_legacy_save: "/usr/sbin/ip6tables-legacy-save".into(),
+            guestfish: "/usr/bin/guestfish".into(),
         }
     }
 }
@@ -225,6 +228,12 @@ pub struct Limits {
     /// CPU weight (`qm create --cpuunits`) of sandbox VMs. PVE 9 runs on cgroup v2 only, where
     /// every VM's default weight is 100: a sandbox must weigh less to yield to production VMs.
     pub sandbox_cpu_units: u32,
+    /// Seconds one guest network recovery may take, libguestfs appliance boot included (it
+    /// boots under TCG where the node's KVM is busy or absent); at the deadline its process
+    /// group is killed and the step fails.
+    pub guest_network_timeout_secs: u64,
+    /// MiB of memory the libguestfs appliance of a guest network recovery gets.
+    pub guest_network_memory_mib: u64,
 }
 
 impl Default for Limits {
@@ -257,6 +266,8 @@ impl Default for Limits {
             max_screendump_bytes: 8 * 1024 * 1024,
             max_ruleset_bytes: 16 * 1024 * 1024,
             sandbox_cpu_units: 10,
+            guest_network_timeout_secs: 300,
+            guest_network_memory_mib: 512,
         }
     }
 }
@@ -295,7 +306,7 @@ impl Config {
             value: self.node_name.clone(),
             reason,
         })?;
-        let absolute: [(&'static str, &Path); 22] = [
+        let absolute: [(&'static str, &Path); 23] = [
             ("tls.certificate", &self.tls.certificate),
             ("tls.private_key", &self.tls.private_key),
             ("tls.controller_ca", &self.tls.controller_ca),
@@ -321,6 +332,7 @@ impl Config {
                 "tools.ip6tables_legacy_save",
                 &self.tools.ip6tables_legacy_save,
             ),
+            ("tools.guestfish", &self.tools.guestfish),
             ("pve.qemu_server_run_dir", &self.pve.qemu_server_run_dir),
             ("pve.vm_config_dir", &self.pve.vm_config_dir),
             ("pve.pbs_loopdev_dir", &self.pve.pbs_loopdev_dir),
@@ -502,6 +514,20 @@ impl Config {
             usize::try_from(l.sandbox_cpu_units).unwrap_or(usize::MAX),
             1,
             99,
+        )?;
+        limit(
+            "limits.guest_network_timeout_secs",
+            secs(l.guest_network_timeout_secs),
+            1,
+            3600,
+        )?;
+        // libguestfs refuses an appliance below 256 MiB; more than 4 GiB is never needed to
+        // edit a few configuration files.
+        limit(
+            "limits.guest_network_memory_mib",
+            secs(l.guest_network_memory_mib),
+            256,
+            4096,
         )?;
         Ok(())
     }

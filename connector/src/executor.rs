@@ -36,6 +36,7 @@ pub enum Outcome {
     Probe(pb::ProbeReply),
     Cleanup(pb::CleanupReply),
     ReadSourceConfig(pb::ReadSourceConfigReply),
+    RecoverGuestNetwork(pb::RecoverGuestNetworkReply),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -97,7 +98,7 @@ pub trait Executor: Send + Sync + 'static {
 }
 
 /// Every capability, in the order `Hello` reports them.
-pub const CAPABILITIES: [&str; 17] = [
+pub const CAPABILITIES: [&str; 18] = [
     "backup.map",
     "backup.unmap",
     "overlay.create",
@@ -115,6 +116,7 @@ pub const CAPABILITIES: [&str; 17] = [
     "journal.read",
     "recovery.cleanup",
     "source.config",
+    "guest.network",
 ];
 
 /// The capability an action needs, one of [`CAPABILITIES`].
@@ -137,6 +139,7 @@ pub fn capability(action: &Action) -> &'static str {
         Action::ReadJournal { .. } => "journal.read",
         Action::Cleanup { .. } => "recovery.cleanup",
         Action::ReadSourceConfig { .. } => "source.config",
+        Action::RecoverGuestNetwork { .. } => "guest.network",
     }
 }
 

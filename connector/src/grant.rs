@@ -86,6 +86,32 @@ pub(crate) fn enum_error(
     }
 }
 
+/// What guest network recovery does to the guest's own network configuration on the overlay.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum NetworkRecoveryMode {
+    /// Nothing is written: the guest boots with its configuration as the backup has it.
+    Preserve,
+    /// The sandbox profile is written and the profiles fighting it for the NIC are disabled.
+    Rewrite,
+}
+
+impl NetworkRecoveryMode {
+    pub fn from_wire(field: &'static str, value: i32) -> Result<Self, validate::FieldError> {
+        match pb::NetworkRecoveryMode::try_from(value) {
+            Ok(pb::NetworkRecoveryMode::Preserve) => Ok(Self::Preserve),
+            Ok(pb::NetworkRecoveryMode::Rewrite) => Ok(Self::Rewrite),
+            _ => Err(enum_error(field, "network_recovery_mode", value)),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Preserve => "preserve",
+            Self::Rewrite => "rewrite",
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Expectation {
     pub banner_prefix: Option<ExpectedText>,
@@ -131,6 +157,11 @@ pub struct Grant {
     pub probe_source: IpInterface,
     pub probe_targets: Vec<ProbeTarget>,
     pub qga_assertions: BTreeMap<AssertionId, QgaAssertion>,
+    /// The guest network recovery modes the run may use.
+    pub network_recovery_modes: BTreeSet<NetworkRecoveryMode>,
+    /// The sandbox NIC's address in a recovered guest: inside the probe network, not the probe
+    /// source. Present whenever `Rewrite` is granted.
+    pub guest_address: Option<IpInterface>,
     /// SHA-256 of the signed grant bytes; the run certificate must carry the same.
     pub digest: [u8; 32],
 }
@@ -326,6 +357,40 @@ fn parse(wire: &pb::RunGrant, digest: [u8; 32]) -> Result<Grant, GrantError> {
         }
     }
 
+    bounded_count(
+        "RunGrant.network_recovery_modes",
+        &wire.network_recovery_modes,
+        2,
+    )?;
+    let mut network_recovery_modes = BTreeSet::new();
+    for mode in &wire.network_recovery_modes {
+        let mode = NetworkRecoveryMode::from_wire("RunGrant.network_recovery_modes", *mode)?;
+        if !network_recovery_modes.insert(mode) {
+            return Err(inconsistent(format!(
+                "network recovery mode {} is listed twice",
+                mode.name()
+            )));
+        }
+    }
+    let guest_address: Option<IpInterface> = opt("RunGrant.guest_address", &wire.guest_address)?;
+    if let Some(guest) = &guest_address {
+        let probe_network = IpNetwork::of(&probe_source);
+        if IpNetwork::of(guest) != probe_network {
+            return Err(inconsistent(format!(
+                "the guest address {guest} is not in the probe network {probe_network}: the sandbox NIC must be reachable from the probe source without a gateway"
+            )));
+        }
+        if guest.address == probe_source.address {
+            return Err(inconsistent(format!(
+                "the guest address {guest} is the probe source itself"
+            )));
+        }
+    } else if network_recovery_modes.contains(&NetworkRecoveryMode::Rewrite) {
+        return Err(inconsistent(
+            "the grant allows network recovery mode rewrite but names no guest_address".into(),
+        ));
+    }
+
     Ok(Grant {
         run_id,
         node,
@@ -339,6 +404,8 @@ fn parse(wire: &pb::RunGrant, digest: [u8; 32]) -> Result<Grant, GrantError> {
         probe_source,
         probe_targets,
         qga_assertions,
+        network_recovery_modes,
+        guest_address,
         digest,
     })
 }
@@ -500,6 +567,8 @@ pub(crate) mod tests {
                 expect_stdout_contains: "active".into(),
                 timeout_seconds: 30,
             }],
+            network_recovery_modes: vec![pb::NetworkRecoveryMode::Rewrite as i32],
+            guest_address: "198.51.100.10/24".into(),
         }
     }
 
@@ -625,6 +694,56 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn the_guest_address_is_inside_the_probe_network_and_not_the_probe_source() {
+        let key = SigningKey::from_bytes(&[1; 32]);
+        let check = |edit: &dyn Fn(&mut pb::RunGrant)| {
+            let mut wire = full_wire_grant();
+            edit(&mut wire);
+            verify(&sign(&key, &wire), &key.verifying_key())
+        };
+        let granted = check(&|_| {}).unwrap();
+        assert_eq!(
+            granted.network_recovery_modes,
+            BTreeSet::from([NetworkRecoveryMode::Rewrite])
+        );
+        assert_eq!(
+            granted.guest_address.map(|a| a.to_string()).as_deref(),
+            Some("198.51.100.10/24")
+        );
+        assert!(matches!(
+            check(&|g| g.guest_address = "192.0.2.10/24".into()),
+            Err(GrantError::Inconsistent(m)) if m.contains("not in the probe network")
+        ));
+        assert!(matches!(
+            check(&|g| g.guest_address = "198.51.100.10/25".into()),
+            Err(GrantError::Inconsistent(m)) if m.contains("not in the probe network")
+        ));
+        assert!(matches!(
+            check(&|g| g.guest_address = "198.51.100.2/24".into()),
+            Err(GrantError::Inconsistent(m)) if m.contains("probe source itself")
+        ));
+        assert!(matches!(
+            check(&|g| g.guest_address.clear()),
+            Err(GrantError::Inconsistent(m)) if m.contains("names no guest_address")
+        ));
+        assert!(
+            check(&|g| {
+                g.guest_address.clear();
+                g.network_recovery_modes = vec![pb::NetworkRecoveryMode::Preserve as i32];
+            })
+            .is_ok()
+        );
+        assert!(matches!(
+            check(&|g| g.network_recovery_modes.push(pb::NetworkRecoveryMode::Rewrite as i32)),
+            Err(GrantError::Inconsistent(m)) if m.contains("listed twice")
+        ));
+        assert!(matches!(
+            check(&|g| g.network_recovery_modes = vec![0]),
+            Err(GrantError::Field(_))
+        ));
+    }
+
+    #[test]
     fn probe_prefix_minimum() {
         let key = SigningKey::from_bytes(&[1; 32]);
         let mut wire = full_wire_grant();
@@ -639,6 +758,8 @@ pub(crate) mod tests {
         );
         wire.probe_source = "128.0.0.2/1".into();
         wire.probe_targets.clear();
+        wire.network_recovery_modes.clear();
+        wire.guest_address.clear();
         let wide = verify(&sign(&key, &wire), &key.verifying_key()).unwrap();
         assert!(
             wide.check_probe_prefix(24)
@@ -657,9 +778,10 @@ pub(crate) mod tests {
     fn a_signed_field_this_connector_does_not_know_is_refused() {
         let key = SigningKey::from_bytes(&[1; 32]);
         let mut grant = full_wire_grant().encode_to_vec();
-        // Field 14 of RunGrant, length-delimited: what a newer controller's restriction
+        // Field 16 of RunGrant, length-delimited: what a newer controller's restriction
         // (say, "no probes before 06:00") would look like to this connector.
-        grant.extend([14 << 3 | 2, 3, b'x', b'y', b'z']);
+        // The key (16 << 3 | 2 = 130) is a two-byte varint.
+        grant.extend([0x82, 0x01, 3, b'x', b'y', b'z']);
         let signature = key.sign(&signing_input(&grant)).to_bytes().to_vec();
         let signed = pb::SignedRunGrant { grant, signature };
         // prost alone would accept it and drop the field.
@@ -667,7 +789,7 @@ pub(crate) mod tests {
         let error = verify(&signed, &key.verifying_key()).unwrap_err();
         assert!(
             matches!(error, GrantError::UnknownField(_))
-                && error.to_string().contains("field number 14"),
+                && error.to_string().contains("field number 16"),
             "{error}"
         );
     }

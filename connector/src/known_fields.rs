@@ -227,12 +227,12 @@ mod tests {
     #[test]
     fn unknown_fields_are_refused_at_any_depth() {
         let mut top = full_wire_grant().encode_to_vec();
-        top.extend(length_delimited(14, b"only-on-weekdays"));
+        top.extend(length_delimited(99, b"only-on-weekdays"));
         assert_eq!(
             check(GRANT, &top),
             Err(UnknownFieldError::Unknown {
                 message: "RunGrant".into(),
-                number: 14
+                number: 99
             })
         );
 

@@ -34,10 +34,11 @@ pub enum Rpc {
     Cleanup,
     NodeChecks,
     ReadSourceConfig,
+    RecoverGuestNetwork,
 }
 
 impl Rpc {
-    pub const ALL: [Rpc; 22] = [
+    pub const ALL: [Rpc; 23] = [
         Rpc::Hello,
         Rpc::BeginRun,
         Rpc::EndRun,
@@ -60,6 +61,7 @@ impl Rpc {
         Rpc::Cleanup,
         Rpc::NodeChecks,
         Rpc::ReadSourceConfig,
+        Rpc::RecoverGuestNetwork,
     ];
 
     pub fn name(self) -> &'static str {
@@ -86,6 +88,7 @@ impl Rpc {
             Rpc::Cleanup => "Cleanup",
             Rpc::NodeChecks => "NodeChecks",
             Rpc::ReadSourceConfig => "ReadSourceConfig",
+            Rpc::RecoverGuestNetwork => "RecoverGuestNetwork",
         }
     }
 
@@ -108,6 +111,7 @@ impl Rpc {
             Rpc::Probe => "probe-target-in-grant",
             Rpc::ReadJournal | Rpc::Cleanup => "own-run-or-operator",
             Rpc::ListRuns | Rpc::NodeChecks => "operator-only",
+            Rpc::RecoverGuestNetwork => "guest-network-in-grant",
         }
     }
 }

@@ -327,7 +327,7 @@ fn all_processes() -> Vec<ProcStat> {
 }
 
 impl ToolIdentity {
-    fn of(pid: i32) -> Option<Self> {
+    pub(crate) fn of(pid: i32) -> Option<Self> {
         let stat = proc_stat(pid)?;
         Some(Self {
             pid,

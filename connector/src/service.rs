@@ -472,7 +472,8 @@ fn undoes_or_reads(action: &Action) -> bool {
         | Action::Qga { .. }
         | Action::PrepareSandbox { .. }
         | Action::Probe { .. }
-        | Action::ReadSourceConfig { .. } => false,
+        | Action::ReadSourceConfig { .. }
+        | Action::RecoverGuestNetwork { .. } => false,
     }
 }
 
@@ -778,6 +779,19 @@ impl Connector for ConnectorService {
             Rpc::ReadSourceConfig,
             parse::read_source_config,
             ReadSourceConfig
+        )
+    }
+
+    async fn recover_guest_network(
+        &self,
+        request: Request<pb::RecoverGuestNetworkRequest>,
+    ) -> Result<Response<pb::RecoverGuestNetworkReply>, Status> {
+        operation!(
+            self,
+            request,
+            Rpc::RecoverGuestNetwork,
+            parse::recover_guest_network,
+            RecoverGuestNetwork
         )
     }
 

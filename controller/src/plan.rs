@@ -240,6 +240,10 @@ fn default_guest_agent_seconds() -> u32 {
 struct NetworkRecoveryFile {
     #[serde(default)]
     mode: NetworkRecoveryMode,
+    /// `rewrite`: the sandbox NIC's address/prefix; by default the one address the probes
+    /// target, with the probe network's prefix.
+    #[serde(default)]
+    guest_address: Option<String>,
 }
 
 /// How the restored guest finds its network in the sandbox.
@@ -249,15 +253,28 @@ pub enum NetworkRecoveryMode {
     /// The guest keeps the network configuration it was backed up with: the VNet is an
     /// isolated copy of its subnet, and probes target those addresses. Nothing in the guest is
     /// changed. (Writing a sandbox network profile into the overlay before boot is a mode of its
-    /// own, not offered yet.)
+    /// own: `rewrite`.)
     #[default]
     Preserve,
+    /// Before the sandbox VM first starts, the node writes a MAC-bound, no-gateway profile for
+    /// its NIC (and a firewalld allow for the probe source) into the overlay
+    /// (docs/guest-network.md).
+    Rewrite,
 }
 
 impl NetworkRecoveryMode {
     pub fn name(self) -> &'static str {
         match self {
             Self::Preserve => "preserve",
+            Self::Rewrite => "rewrite",
+        }
+    }
+
+    /// The mode the run's grant allows.
+    pub fn wire(self) -> pb::NetworkRecoveryMode {
+        match self {
+            Self::Preserve => pb::NetworkRecoveryMode::Preserve,
+            Self::Rewrite => pb::NetworkRecoveryMode::Rewrite,
         }
     }
 }
@@ -533,6 +550,27 @@ impl Plan {
                     ),
                 ));
             }
+            let guest_address = match (v.network_recovery.mode, &v.network_recovery.guest_address) {
+                (_, Some(address)) => address.clone(),
+                (NetworkRecoveryMode::Preserve, None) => String::new(),
+                (NetworkRecoveryMode::Rewrite, None) => {
+                    let addresses: BTreeSet<&str> =
+                        v.probes.iter().map(|p| p.address.as_str()).collect();
+                    let prefix = v.network.probe_source.rsplit_once('/').map(|(_, p)| p);
+                    match (addresses.len(), addresses.first(), prefix) {
+                        (1, Some(address), Some(prefix)) => format!("{address}/{prefix}"),
+                        _ => {
+                            return Err(refused(
+                                at(".network_recovery.guest_address"),
+                                format!(
+                                    "mode rewrite needs the sandbox NIC's address: the probes target {} addresses, so name it (address/prefix inside network.probe_source)",
+                                    addresses.len()
+                                ),
+                            ));
+                        }
+                    }
+                }
+            };
             let wire = pb::RunGrant {
                 version: grant::GRANT_VERSION,
                 run_id: uuid::Uuid::new_v4().hyphenated().to_string(),
@@ -566,6 +604,8 @@ impl Plan {
                         timeout_seconds: a.timeout_seconds,
                     })
                     .collect(),
+                network_recovery_modes: vec![v.network_recovery.mode.wire() as i32],
+                guest_address,
             };
             let grant = as_the_node_reads_it(&wire)
                 .map_err(|error| refused(at(""), grant_refusal(&error)))?;
@@ -680,6 +720,7 @@ const PLAN_KEYS: &[(&str, &str)] = &[
     ("SandboxVm.vmid", "sandbox[].vmid"),
     ("RunGrant.vnet", "network.vnet"),
     ("RunGrant.probe_source", "network.probe_source"),
+    ("RunGrant.guest_address", "network_recovery.guest_address"),
     ("RunGrant.probe_targets", "probes"),
     ("ProbeTarget.kind", "probes[].kind"),
     ("ProbeTarget.address", "probes[].address"),
@@ -916,6 +957,48 @@ validations:
             error.contains("sandbox VMID 9100 is also used by validation web01 on node pve1"),
             "{error}"
         );
+    }
+
+    #[test]
+    fn rewrite_grants_the_recovery_and_the_sandbox_nic_address() {
+        let plan = check(&PLAN.replace(
+            "        timeout_seconds: 30\n  - name: db01",
+            "        timeout_seconds: 30\n    network_recovery:\n      mode: rewrite\n  - name: db01",
+        ))
+        .unwrap();
+        let web = &plan.validations[0];
+        assert_eq!(web.network_recovery, NetworkRecoveryMode::Rewrite);
+        assert_eq!(
+            web.wire.network_recovery_modes,
+            [pb::NetworkRecoveryMode::Rewrite as i32]
+        );
+        // The one address the probes target, with the probe network's prefix.
+        assert_eq!(web.wire.guest_address, "10.99.0.10/24");
+        assert_eq!(
+            plan.validations[1].wire.network_recovery_modes,
+            [pb::NetworkRecoveryMode::Preserve as i32],
+            "preserve stays the default"
+        );
+        assert!(plan.validations[1].wire.guest_address.is_empty());
+
+        // Without probes there is no address to take: the plan must name it.
+        let error = refusal(&format!(
+            "{PLAN}    network_recovery:\n      mode: rewrite\n"
+        ));
+        assert!(
+            error.contains("validations[1] (db01).network_recovery.guest_address"),
+            "{error}"
+        );
+        let named = check(&format!(
+            "{PLAN}    network_recovery:\n      mode: rewrite\n      guest_address: 10.99.0.20/24\n"
+        ))
+        .unwrap();
+        assert_eq!(named.validations[1].wire.guest_address, "10.99.0.20/24");
+        // The node's rule, in the plan's words: inside the probe network.
+        let error = refusal(&format!(
+            "{PLAN}    network_recovery:\n      mode: rewrite\n      guest_address: 10.98.0.20/24\n"
+        ));
+        assert!(error.contains("not in the probe network"), "{error}");
     }
 
     #[test]

@@ -1001,6 +1001,49 @@ async fn guarded<T>(
     }
 }
 
+/// The evidence of a guest network recovery, for its step in the report: what inspection
+/// found, the MAC and address of the profile, each file written, changed or set aside with its
+/// SHA-256, the firewalld zone, and the notes.
+fn guest_network_detail(reply: &pb::RecoverGuestNetworkReply) -> String {
+    let Some(e) = &reply.evidence else {
+        return String::new();
+    };
+    let files: Vec<String> = e
+        .files
+        .iter()
+        .map(|f| {
+            let renamed = if f.renamed_to.is_empty() {
+                String::new()
+            } else {
+                format!(" -> {}", f.renamed_to)
+            };
+            format!("{} {}{renamed} sha256 {}", f.action, f.path, f.sha256)
+        })
+        .collect();
+    let mut detail = format!(
+        "{} {} {} ({}), stack {}; profile {} on {}; files: {}",
+        e.os_type,
+        e.distro,
+        e.version,
+        e.product_name,
+        e.network_stack,
+        e.guest_address,
+        e.mac_address,
+        files.join(", ")
+    );
+    if !e.firewalld_zone.is_empty() {
+        detail.push_str(&format!(
+            "; firewalld zone {} allows the probe source",
+            e.firewalld_zone
+        ));
+    }
+    for note in &e.notes {
+        detail.push_str("; ");
+        detail.push_str(note);
+    }
+    detail
+}
+
 /// The happy path, step by step; `None` when it ran to the end (checks that failed are in
 /// `evidence.failures`), otherwise why it stopped early.
 async fn steps(
@@ -1114,6 +1157,29 @@ async fn steps(
                 mirror_source_hardware: true,
             })
         );
+    }
+    // A guest whose own configuration names a production network gets a sandbox profile in
+    // its overlay before its first start (docs/guest-network.md); `preserve` leaves it as is.
+    if validation.network_recovery == crate::plan::NetworkRecoveryMode::Rewrite {
+        // The guest's root filesystem is on a disk, not on its EFI vars or TPM state.
+        let boot = grant
+            .archives
+            .iter()
+            .find(|a| !a.as_str().contains("efidisk") && !a.as_str().contains("tpmstate"));
+        if let Some(boot) = boot {
+            for vmid in grant.sandbox_vms.keys() {
+                let name = format!("recover network {vmid}");
+                step!(
+                    name.as_str(),
+                    |r: &pb::RecoverGuestNetworkReply| guest_network_detail(r),
+                    client.recover_guest_network(pb::RecoverGuestNetworkRequest {
+                        vmid: vmid.get(),
+                        archive: boot.to_string(),
+                        mode: pb::NetworkRecoveryMode::Rewrite.into(),
+                    })
+                );
+            }
+        }
     }
     let sandbox = step!(
         "prepare sandbox",
@@ -2333,6 +2399,8 @@ mod tests {
             probe_source: "10.99.0.1/24".into(),
             probe_targets: Vec::new(),
             qga_assertions: Vec::new(),
+            network_recovery_modes: Vec::new(),
+            guest_address: String::new(),
         };
         let key = ed25519_dalek::SigningKey::from_bytes(&[7; 32]);
         let signed = crate::run::sign_grant(&key, &wire);

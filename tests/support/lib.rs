@@ -143,6 +143,12 @@ impl Executor for RecordingExecutor {
                     ..Default::default()
                 })
             }
+            Action::RecoverGuestNetwork { .. } => {
+                Outcome::RecoverGuestNetwork(pb::RecoverGuestNetworkReply {
+                    journal_head: head,
+                    ..Default::default()
+                })
+            }
         };
         self.actions.lock().unwrap().push(action);
         Box::pin(async move { Ok(outcome) })
@@ -374,6 +380,8 @@ pub fn grant(run_id: &str, node: &str) -> pb::RunGrant {
             expect_stdout_contains: String::new(),
             timeout_seconds: 30,
         }],
+        network_recovery_modes: vec![pb::NetworkRecoveryMode::Rewrite as i32],
+        guest_address: format!("{TARGET}/24"),
     }
 }
 
@@ -711,7 +719,7 @@ pub fn write_config_file(path: &Path, config: &Config, port: u16) {
          [tls]\ncertificate = \"{}\"\nprivate_key = \"{}\"\ncontroller_ca = \"{}\"\nrun_authority_public_key = \"{}\"\n\
          [paths]\nstate_dir = \"{}\"\noverlay_root = \"{}\"\n\
          [tools]\nproxmox_backup_client = \"{}\"\nqm = \"{}\"\nqemu_img = \"{}\"\nip = \"{}\"\nnft = \"{}\"\n\
-         iptables_legacy_save = \"{}\"\nip6tables_legacy_save = \"{}\"\n\
+         iptables_legacy_save = \"{}\"\nip6tables_legacy_save = \"{}\"\nguestfish = \"{}\"\n\
          [pve]\nqemu_server_run_dir = \"{}\"\nvm_config_dir = \"{}\"\npbs_loopdev_dir = \"{}\"\npve_cluster_dir = \"{}\"\ndpkg_status = \"{}\"\n\
          sdn_interfaces = \"{}\"\nlvm_conf = \"{}\"\nnodes_dir = \"{}\"\nmounts = \"{}\"\n\
          [limits]\n{}\n[sandbox]\n{}",
@@ -729,6 +737,7 @@ pub fn write_config_file(path: &Path, config: &Config, port: u16) {
         p(&config.tools.nft),
         p(&config.tools.iptables_legacy_save),
         p(&config.tools.ip6tables_legacy_save),
+        p(&config.tools.guestfish),
         p(&config.pve.qemu_server_run_dir),
         p(&config.pve.vm_config_dir),
         p(&config.pve.pbs_loopdev_dir),
@@ -931,6 +940,7 @@ pub mod drifted {
         cleanup(pb::CleanupRequest) -> pb::CleanupReply;
         node_checks(pb::NodeChecksRequest) -> pb::NodeChecksReply;
         read_source_config(pb::ReadSourceConfigRequest) -> pb::ReadSourceConfigReply;
+        recover_guest_network(pb::RecoverGuestNetworkRequest) -> pb::RecoverGuestNetworkReply;
     }
 }
 

@@ -15,6 +15,7 @@
 pub mod backup;
 pub mod cleanup;
 pub mod guest;
+pub mod guest_network;
 pub mod loopdev;
 pub mod overlay;
 pub mod probe;
@@ -207,6 +208,11 @@ impl NodeExecutor {
                 "ReadJournal is answered by the run registry, never by the executor".into(),
             )),
             Action::Cleanup { .. } => self.cleanup(run).await,
+            Action::RecoverGuestNetwork {
+                vmid,
+                archive,
+                mode,
+            } => self.recover_guest_network(run, vmid, archive, mode).await,
         }
     }
 }

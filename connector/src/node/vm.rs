@@ -437,6 +437,25 @@ impl NodeExecutor {
                 own
             }
         };
+        // Every NIC gets the MAC derived from the run and VMID, so guest network recovery can
+        // bind its profile to the NIC the VM really has; the first NIC is the sandbox NIC.
+        let mut ordinal = 0u32;
+        let hardware: Vec<(String, String)> = hardware
+            .into_iter()
+            .map(|(key, value)| {
+                let is_nic = key
+                    .strip_prefix("--net")
+                    .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+                match value.split_once(',') {
+                    Some((model, rest)) if is_nic && !model.contains('=') => {
+                        let mac = super::guest_network::sandbox_mac(&grant.run_id, vmid, ordinal);
+                        ordinal += 1;
+                        (key, format!("{model}={},{rest}", mac.to_uppercase()))
+                    }
+                    _ => (key, value),
+                }
+            })
+            .collect();
         let smbios_uuid = uuid::Uuid::new_v4().to_string();
         let mut args: Vec<String> = vec!["create".into(), vmid.to_string()];
         let mut push = |k: &str, v: String| {

@@ -1,0 +1,732 @@
+//! Guest network recovery against real libguestfs: ext4 images made from directory trees that
+//! libguestfs inspection takes for Debian (ifupdown), Ubuntu (netplan), Fedora
+//! (NetworkManager, firewalld) and Arch (systemd-networkd), each served by the PBS double on a
+//! real loop device, overlaid with qemu-img, recovered by the connector, then read back through
+//! libguestfs. Each appliance boot costs tens of seconds under TCG: the four recoveries share
+//! one run, and one read-back session reads all four overlays.
+
+use super::*;
+use certistack_connector::config::Config;
+use sha2::{Digest, Sha256};
+use std::path::{Path, PathBuf};
+
+const GUESTFS_TOOLS: &[&str] = &["losetup", "qemu-img", "guestfish", "mkfs.ext4", "python3"];
+/// MAC of a second production NIC: profiles bound to it must be kept.
+const OTHER_MAC: &str = "52:54:00:00:00:09";
+const IMAGE_BYTES: u64 = 64 << 20;
+
+/// A directory tree as (path, content) pairs; paths ending in `/` are directories, contents
+/// starting with `->` symlinks.
+type Tree = &'static [(&'static str, &'static str)];
+
+const BASE: Tree = &[
+    ("bin/", ""),
+    ("sbin/", ""),
+    ("usr/bin/", ""),
+    ("usr/sbin/", ""),
+    ("usr/lib/", ""),
+    ("var/", ""),
+    ("tmp/", ""),
+    ("root/", ""),
+    ("etc/fstab", "/dev/sda / ext4 defaults 0 1\n"),
+    ("etc/hostname", "restored\n"),
+];
+
+const DEBIAN: Tree = &[
+    (
+        "etc/os-release",
+        "PRETTY_NAME=\"Debian GNU/Linux 12 (bookworm)\"\nNAME=\"Debian GNU/Linux\"\nVERSION_ID=\"12\"\nVERSION=\"12 (bookworm)\"\nID=debian\n",
+    ),
+    ("etc/debian_version", "12.5\n"),
+    ("sbin/ifup", "#!/bin/sh\n"),
+    (
+        "etc/network/interfaces",
+        "source /etc/network/interfaces.d/*\n\nauto lo\niface lo inet loopback\n\nallow-hotplug eth0\niface eth0 inet static\n    address 10.20.0.5/24\n    gateway 10.20.0.1\n",
+    ),
+    ("etc/network/interfaces.d/", ""),
+];
+
+const UBUNTU: Tree = &[
+    (
+        "etc/os-release",
+        "PRETTY_NAME=\"Ubuntu 24.04 LTS\"\nNAME=\"Ubuntu\"\nVERSION_ID=\"24.04\"\nVERSION=\"24.04 LTS (Noble Numbat)\"\nID=ubuntu\nID_LIKE=debian\n",
+    ),
+    ("etc/debian_version", "trixie/sid\n"),
+    (
+        "etc/netplan/50-cloud-init.yaml",
+        "network:\n  version: 2\n  ethernets:\n    eth0:\n      addresses: [10.30.0.5/24]\n      routes:\n        - to: default\n          via: 10.30.0.1\n      nameservers:\n        addresses: [10.30.0.53]\n",
+    ),
+    (
+        "etc/netplan/60-storage.yaml",
+        "network:\n  version: 2\n  ethernets:\n    storage:\n      match:\n        macaddress: \"52:54:00:00:00:09\"\n      addresses: [10.99.0.5/24]\n",
+    ),
+];
+
+const FEDORA: Tree = &[
+    (
+        "etc/os-release",
+        "NAME=\"Fedora Linux\"\nVERSION=\"40 (Server Edition)\"\nID=fedora\nVERSION_ID=40\nPRETTY_NAME=\"Fedora Linux 40 (Server Edition)\"\n",
+    ),
+    ("etc/redhat-release", "Fedora release 40 (Forty)\n"),
+    ("usr/sbin/NetworkManager", "#!/bin/sh\n"),
+    ("etc/NetworkManager/NetworkManager.conf", "[main]\n"),
+    (
+        "etc/NetworkManager/system-connections/prod.nmconnection",
+        "[connection]\nid=prod\nuuid=5fb06bd0-0bb0-7ffb-45f1-d6edd65f3e03\ntype=ethernet\ninterface-name=eth0\n\n[ipv4]\nmethod=manual\naddress1=10.40.0.5/24,10.40.0.1\ndns=10.40.0.53;\n",
+    ),
+    (
+        "etc/NetworkManager/system-connections/storage.nmconnection",
+        "[connection]\nid=storage\ntype=ethernet\n\n[ethernet]\nmac-address=52:54:00:00:00:09\n\n[ipv4]\nmethod=manual\naddress1=10.99.0.5/24\n",
+    ),
+    (
+        "etc/sysconfig/network-scripts/ifcfg-eth0",
+        "DEVICE=eth0\nBOOTPROTO=none\nONBOOT=yes\nIPADDR=10.40.0.5\nPREFIX=24\nGATEWAY=10.40.0.1\n",
+    ),
+    (
+        "etc/firewalld/firewalld.conf",
+        "# firewalld config file\nDefaultZone=internal\n",
+    ),
+    (
+        "etc/firewalld/zones/internal.xml",
+        "<?xml version=\"1.0\" encoding=\"utf-8\"?>\n<zone>\n  <short>Internal</short>\n  <service name=\"ssh\"/>\n  <service name=\"mdns\"/>\n  <rule family=\"ipv4\">\n    <source address=\"10.0.0.0/8\"/>\n    <service name=\"http\"/>\n    <accept/>\n  </rule>\n</zone>\n",
+    ),
+];
+
+const ARCH: Tree = &[
+    (
+        "etc/os-release",
+        "NAME=\"Arch Linux\"\nPRETTY_NAME=\"Arch Linux\"\nID=arch\nBUILD_ID=rolling\n",
+    ),
+    ("etc/arch-release", ""),
+    (
+        "etc/systemd/network/20-wired.network",
+        "[Match]\nName=en*\n\n[Network]\nAddress=10.50.0.5/24\nGateway=10.50.0.1\nDNS=10.50.0.53\n",
+    ),
+    (
+        "etc/systemd/network/30-storage.network",
+        "[Match]\nMACAddress=52:54:00:00:00:09\n\n[Network]\nAddress=10.99.0.5/24\n",
+    ),
+    (
+        "etc/systemd/system/multi-user.target.wants/systemd-networkd.service",
+        "->/usr/lib/systemd/system/systemd-networkd.service",
+    ),
+];
+
+/// A Debian without any network configuration recovery knows.
+const BARE: Tree = &[(
+    "etc/os-release",
+    "NAME=\"Debian GNU/Linux\"\nVERSION_ID=\"12\"\nID=debian\n",
+)];
+
+fn write_tree(dir: &Path, trees: &[Tree]) {
+    for tree in trees {
+        for (path, content) in tree.iter() {
+            let target = dir.join(path);
+            if path.ends_with('/') {
+                std::fs::create_dir_all(&target).unwrap();
+                continue;
+            }
+            std::fs::create_dir_all(target.parent().unwrap()).unwrap();
+            if let Some(link) = content.strip_prefix("->") {
+                std::os::unix::fs::symlink(link, &target).unwrap();
+            } else {
+                std::fs::write(&target, content).unwrap();
+            }
+        }
+    }
+}
+
+/// Replaces the backup `archive` of the lab's snapshot with an ext4 image of `trees`.
+fn store_image(lab: &Lab, archive: &str, trees: &[Tree]) {
+    let tree = lab.root.join(format!("tree-{archive}"));
+    write_tree(&tree, trees);
+    let image = lab.root.join("pbs/store1").join(SNAPSHOT).join(archive);
+    let file = std::fs::File::create(&image).unwrap();
+    file.set_len(IMAGE_BYTES).unwrap();
+    drop(file);
+    let out = std::process::Command::new("mkfs.ext4")
+        .args(["-q", "-F", "-d"])
+        .arg(&tree)
+        .arg(&image)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "mkfs.ext4: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn sha256_of(path: &str) -> String {
+    let mut file = std::fs::File::open(path).unwrap();
+    let mut hasher = Sha256::new();
+    std::io::copy(&mut file, &mut hasher).unwrap();
+    hex::encode(hasher.finalize())
+}
+
+/// A run over `archives` (one sandbox VM per archive, 9100 upwards), with the connector's
+/// config adjusted by `configure`.
+async fn begin(
+    tag: &str,
+    images: &[(&str, &[Tree])],
+    configure: impl FnOnce(&Lab, &mut Config),
+) -> Run {
+    let serial = SERIAL.lock().await;
+    let lab = Lab::new(tag);
+    for (archive, trees) in images {
+        lab.add_backup(SNAPSHOT, archive, b"", IMAGE_BYTES);
+        store_image(&lab, archive, trees);
+    }
+    let authority_dir = TempDir::new(&format!("{tag}-ctl"));
+    let authority = controller(&authority_dir.0);
+    let mut config = lab.node_config(&authority, &lab.root.join("node"));
+    configure(&lab, &mut config);
+    let (address, shutdown, task) = serve_node(config).await;
+    let mut wire = grant(RUN_ID, NODE);
+    wire.archives = images.iter().map(|(a, _)| (*a).to_owned()).collect();
+    wire.sandbox_vms = (0..images.len() as u32)
+        .map(|i| pb::SandboxVm {
+            vmid: 9100 + i,
+            max_cores: 1,
+            max_memory_mib: 256,
+        })
+        .collect();
+    // The guest serves HTTP and DNS on the granted guest address; SSH is probed too.
+    wire.probe_targets.extend([
+        pb::ProbeTarget {
+            kind: pb::ProbeKind::Http as i32,
+            address: TARGET.into(),
+            port: 80,
+            expect: None,
+        },
+        pb::ProbeTarget {
+            kind: pb::ProbeKind::Dns as i32,
+            address: TARGET.into(),
+            port: 53,
+            expect: None,
+        },
+    ]);
+    let credentials = mint(&authority, &wire);
+    let mut client = client(&authority, &address, NODE, &credentials.certificate)
+        .await
+        .unwrap();
+    client.begin_run(begin_request(&credentials)).await.unwrap();
+    Run {
+        lab,
+        client,
+        shutdown: Some(shutdown),
+        task: Some(task),
+        _authority_dir: authority_dir,
+        _serial: serial,
+    }
+}
+
+impl Run {
+    /// Maps `archive` and overlays it for `vmid`; the loop device's path.
+    async fn map_and_overlay_archive(&mut self, archive: &str, vmid: u32) -> String {
+        let device = self
+            .client
+            .map_backup(map_request(archive, PBS_PASSWORD))
+            .await
+            .unwrap()
+            .into_inner()
+            .loop_device;
+        self.client
+            .create_overlay(pb::CreateOverlayRequest {
+                vmid,
+                archive: archive.into(),
+            })
+            .await
+            .unwrap();
+        device
+    }
+
+    async fn recover(
+        &mut self,
+        vmid: u32,
+        archive: &str,
+        mode: pb::NetworkRecoveryMode,
+    ) -> Result<pb::RecoverGuestNetworkReply, tonic::Status> {
+        self.client
+            .recover_guest_network(pb::RecoverGuestNetworkRequest {
+                vmid,
+                archive: archive.into(),
+                mode: mode as i32,
+            })
+            .await
+            .map(|r| r.into_inner())
+    }
+
+    fn overlay(&self, vmid: u32, archive: &str) -> PathBuf {
+        let stem = archive.strip_suffix(".img").unwrap();
+        self.lab
+            .root
+            .join("overlays")
+            .join(RUN_ID)
+            .join(format!("{vmid}-{stem}.qcow2"))
+    }
+}
+
+/// Reads files of several overlays in one read-only libguestfs session: for each overlay, each
+/// path's content (`None` when it is not a file).
+fn read_back(overlays: &[(PathBuf, &[&str])]) -> Vec<Vec<Option<String>>> {
+    let mut command = std::process::Command::new("guestfish");
+    command.env("LIBGUESTFS_BACKEND", "direct").arg("--ro");
+    let mut script = String::from("run\n");
+    for (i, (overlay, paths)) in overlays.iter().enumerate() {
+        command.arg("--format=qcow2").arg("-a").arg(overlay);
+        let device = format!("/dev/sd{}", char::from(b'a' + i as u8));
+        script.push_str(&format!("mount-ro {device} /\n"));
+        for (j, path) in paths.iter().enumerate() {
+            script.push_str(&format!("echo @@{i}-{j}@@\nis-file {path}\n-cat {path}\n"));
+        }
+        script.push_str("umount-all\n");
+    }
+    script.push_str("echo @@end@@\n");
+    let mut child = command
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(script.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        stdout.contains("@@end@@"),
+        "guestfish read-back failed: {}\n{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    overlays
+        .iter()
+        .enumerate()
+        .map(|(i, (_, paths))| {
+            (0..paths.len())
+                .map(|j| {
+                    let start = stdout.find(&format!("@@{i}-{j}@@\n")).unwrap();
+                    let rest = &stdout[start..];
+                    let rest = &rest[rest.find('\n').unwrap() + 1..];
+                    let end = rest.find("@@").unwrap();
+                    let answer = &rest[..end];
+                    let (is_file, content) = answer.split_once('\n').unwrap();
+                    // guestfish ends every `cat` with a newline of its own.
+                    let content = content.strip_suffix('\n').unwrap_or(content);
+                    (is_file == "true").then(|| content.to_owned())
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Clusters the overlay holds itself (not read from its backing).
+fn overlay_allocated_bytes(overlay: &Path) -> u64 {
+    let out = std::process::Command::new("qemu-img")
+        .args(["map", "--output=json", "-U"])
+        .arg(overlay)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let map: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+    map.iter()
+        .filter(|e| e["depth"] == 0 && e["data"] == true)
+        .map(|e| e["length"].as_u64().unwrap())
+        .sum()
+}
+
+fn changed<'a>(reply: &'a pb::RecoverGuestNetworkReply, path: &str) -> &'a pb::GuestFileChange {
+    let evidence = reply.evidence.as_ref().unwrap();
+    evidence
+        .files
+        .iter()
+        .find(|f| f.path == path)
+        .unwrap_or_else(|| panic!("{path} not in {evidence:#?}"))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn guest_network_recovery_writes_each_stack_profile_into_the_overlay_only() {
+    if !privileged(
+        "guest_network_recovery_writes_each_stack_profile_into_the_overlay_only",
+        GUESTFS_TOOLS,
+    ) {
+        return;
+    }
+    let images: [(&str, &[Tree]); 4] = [
+        ("drive-scsi0.img", &[BASE, DEBIAN]),
+        ("drive-scsi1.img", &[BASE, UBUNTU]),
+        ("drive-scsi2.img", &[BASE, FEDORA]),
+        ("drive-scsi3.img", &[BASE, ARCH]),
+    ];
+    let mut run = begin("guestnet", &images, |_, _| {}).await;
+    let mut devices = Vec::new();
+    for (i, (archive, _)) in images.iter().enumerate() {
+        devices.push(run.map_and_overlay_archive(archive, 9100 + i as u32).await);
+    }
+    let before: Vec<String> = devices.iter().map(|d| sha256_of(d)).collect();
+
+    // The profile binds the MAC the connector gives the VM's NIC at CreateVm.
+    run.client
+        .create_vm(pb::CreateVmRequest {
+            vmid: 9100,
+            cores: 1,
+            memory_mib: 256,
+            archives: vec![images[0].0.into()],
+            mirror_source_hardware: false,
+        })
+        .await
+        .unwrap();
+    let conf = run.conf(9100);
+    let net0 = conf.lines().find(|l| l.starts_with("net0: ")).unwrap();
+
+    let mut replies = Vec::new();
+    for (i, (archive, _)) in images.iter().enumerate() {
+        let started = std::time::Instant::now();
+        let reply = run
+            .recover(9100 + i as u32, archive, pb::NetworkRecoveryMode::Rewrite)
+            .await
+            .unwrap();
+        eprintln!(
+            "recovery of {archive} took {:.1} s: {reply:#?}",
+            started.elapsed().as_secs_f64()
+        );
+        replies.push(reply);
+    }
+    let evidence: Vec<&pb::GuestNetworkEvidence> = replies
+        .iter()
+        .map(|r| r.evidence.as_ref().unwrap())
+        .collect();
+    let mac = &evidence[0].mac_address;
+    assert_eq!(
+        net0,
+        format!(
+            "net0: virtio={},bridge=csbox1,firewall=0",
+            mac.to_uppercase()
+        ),
+        "{conf}"
+    );
+    for (e, (distro, version, stack)) in evidence.iter().zip([
+        ("debian", "12.5", "ifupdown"),
+        ("ubuntu", "24.4", "netplan"),
+        ("fedora", "40.0", "networkmanager"),
+        ("archlinux", "0.0", "systemd-networkd"),
+    ]) {
+        assert_eq!(e.os_type, "linux");
+        assert_eq!(e.distro, distro, "{e:#?}");
+        assert_eq!(e.version, version, "{e:#?}");
+        assert_eq!(e.network_stack, stack, "{e:#?}");
+        assert_eq!(e.guest_address, format!("{TARGET}/24"));
+        for file in &e.files {
+            assert_eq!(file.sha256.len(), 64, "{file:?}");
+        }
+    }
+    assert_eq!(evidence[2].firewalld_zone, "internal");
+    assert_eq!(evidence[0].firewalld_zone, "");
+
+    // The backups never changed: every write went into the overlays.
+    let after: Vec<String> = devices.iter().map(|d| sha256_of(d)).collect();
+    assert_eq!(before, after, "a backing loop device changed");
+
+    let debian = [
+        "/etc/network/interfaces.d/certistack-sandbox",
+        "/etc/systemd/network/10-certistack-sandbox.link",
+        "/etc/network/interfaces",
+    ];
+    let ubuntu = [
+        "/etc/netplan/99-certistack-sandbox.yaml",
+        "/etc/netplan/50-cloud-init.yaml",
+        "/etc/netplan/50-cloud-init.yaml.certistack-disabled",
+        "/etc/netplan/60-storage.yaml",
+    ];
+    let fedora = [
+        "/etc/NetworkManager/system-connections/certistack-sandbox.nmconnection",
+        "/etc/NetworkManager/system-connections/prod.nmconnection",
+        "/etc/NetworkManager/system-connections/storage.nmconnection",
+        "/etc/sysconfig/network-scripts/ifcfg-eth0",
+        "/etc/firewalld/zones/internal.xml",
+    ];
+    let arch = [
+        "/etc/systemd/network/00-certistack-sandbox.network",
+        "/etc/systemd/network/20-wired.network",
+        "/etc/systemd/network/20-wired.network.certistack-disabled",
+        "/etc/systemd/network/30-storage.network",
+    ];
+    let overlays: Vec<(PathBuf, &[&str])> = vec![
+        (run.overlay(9100, images[0].0), &debian),
+        (run.overlay(9101, images[1].0), &ubuntu),
+        (run.overlay(9102, images[2].0), &fedora),
+        (run.overlay(9103, images[3].0), &arch),
+    ];
+    let files = read_back(&overlays);
+    let sha = |text: &str| hex::encode(Sha256::digest(text.as_bytes()));
+    let mac_of = |i: usize| evidence[i].mac_address.clone();
+
+    // Debian: the NIC is named by its MAC, the sandbox stanza has no gateway, eth0's stanza is
+    // commented out and lo's kept.
+    let [stanza, link, interfaces] = &files[0][..] else {
+        panic!()
+    };
+    let stanza = stanza.as_ref().unwrap();
+    assert!(
+        stanza.contains("iface cssandbox0 inet static\n    address 198.51.100.10/24\n"),
+        "{stanza}"
+    );
+    assert!(!stanza.contains("gateway"));
+    assert!(
+        link.as_ref()
+            .unwrap()
+            .contains(&format!("MACAddress={}", mac_of(0)))
+    );
+    let interfaces = interfaces.as_ref().unwrap();
+    assert!(
+        interfaces.contains("\nauto lo\niface lo inet loopback\n"),
+        "{interfaces}"
+    );
+    assert!(interfaces.contains("#certistack-disabled# iface eth0 inet static\n#certistack-disabled#     address 10.20.0.5/24\n#certistack-disabled#     gateway 10.20.0.1\n"), "{interfaces}");
+    assert_eq!(
+        changed(&replies[0], "/etc/network/interfaces").sha256,
+        sha(interfaces)
+    );
+
+    // Ubuntu: the production file is set aside, the other NIC's file kept.
+    let [profile, production, disabled, storage] = &files[1][..] else {
+        panic!()
+    };
+    let profile = profile.as_ref().unwrap();
+    assert!(
+        profile.contains(&format!("macaddress: \"{}\"", mac_of(1))),
+        "{profile}"
+    );
+    assert!(!profile.contains("routes") && !profile.contains("nameservers"));
+    assert_eq!(
+        production, &None,
+        "50-cloud-init.yaml still read by netplan"
+    );
+    assert!(disabled.as_ref().unwrap().contains("via: 10.30.0.1"));
+    assert!(storage.as_ref().unwrap().contains(OTHER_MAC));
+    let set_aside = changed(&replies[1], "/etc/netplan/50-cloud-init.yaml");
+    assert_eq!(set_aside.action, "disabled");
+    assert_eq!(
+        set_aside.renamed_to,
+        "/etc/netplan/50-cloud-init.yaml.certistack-disabled"
+    );
+
+    // Fedora: a MAC-bound, never-default keyfile; the eth0 profile no longer autoconnects,
+    // the storage NIC's keyfile is untouched; firewalld keeps its rules plus the probe's.
+    let [keyfile, prod, storage, ifcfg, zone] = &files[2][..] else {
+        panic!()
+    };
+    let keyfile = keyfile.as_ref().unwrap();
+    assert!(keyfile.contains(&format!("mac-address={}", mac_of(2).to_uppercase())));
+    assert!(
+        keyfile.contains("never-default=true") && keyfile.contains("address1=198.51.100.10/24\n")
+    );
+    assert!(prod.as_ref().unwrap().contains("[connection]\nid=prod\nuuid=5fb06bd0-0bb0-7ffb-45f1-d6edd65f3e03\ntype=ethernet\ninterface-name=eth0\nautoconnect=false\n"));
+    assert_eq!(
+        storage.as_deref(),
+        Some(FEDORA[5].1),
+        "the storage NIC's profile changed"
+    );
+    assert!(ifcfg.as_ref().unwrap().ends_with("ONBOOT=no\n"));
+    let zone = zone.as_ref().unwrap();
+    for kept in [
+        "<service name=\"ssh\"/>",
+        "<service name=\"mdns\"/>",
+        "<source address=\"10.0.0.0/8\"/>\n    <service name=\"http\"/>",
+    ] {
+        assert!(zone.contains(kept), "{kept} lost from\n{zone}");
+    }
+    for port in [
+        "<port port=\"22\" protocol=\"tcp\"/>",
+        "<port port=\"80\" protocol=\"tcp\"/>",
+        "<port port=\"53\" protocol=\"udp\"/>",
+    ] {
+        assert!(
+            zone.contains(&format!(
+                "<source address=\"198.51.100.2\"/>\n    {port}\n    <accept/>"
+            )),
+            "{port} missing from\n{zone}"
+        );
+    }
+    assert_eq!(
+        changed(&replies[2], "/etc/firewalld/zones/internal.xml").sha256,
+        sha(zone)
+    );
+
+    // Arch: the sandbox file matches first; the catch-all production file is set aside.
+    let [network, wired, disabled, storage] = &files[3][..] else {
+        panic!()
+    };
+    let network = network.as_ref().unwrap();
+    assert!(network.contains(&format!("[Match]\nMACAddress={}\n", mac_of(3))));
+    assert!(!network.contains("Gateway") && !network.contains("DNS="));
+    assert_eq!(wired, &None);
+    assert!(disabled.as_ref().unwrap().contains("Gateway=10.50.0.1"));
+    assert!(storage.as_ref().unwrap().contains(OTHER_MAC));
+
+    // Journaled: intent, then done with the files and their hashes; undone with the overlay.
+    let steps = run.journal().await;
+    let recoveries: Vec<&String> = steps
+        .iter()
+        .filter(|s| s.contains("guestnet.recover"))
+        .collect();
+    assert!(
+        recoveries.iter().filter(|s| s.contains("done")).count() == 4,
+        "{steps:#?}"
+    );
+    run.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn guest_network_recovery_refuses_what_it_must_not_touch() {
+    if !privileged(
+        "guest_network_recovery_refuses_what_it_must_not_touch",
+        GUESTFS_TOOLS,
+    ) {
+        return;
+    }
+    let images: [(&str, &[Tree]); 1] = [(ARCHIVE, &[BASE, BARE])];
+    let mut run = begin("guestnet-refusals", &images, |_, _| {}).await;
+
+    // No overlay of this run's yet: nothing to write into.
+    assert_status(
+        run.recover(9100, ARCHIVE, pb::NetworkRecoveryMode::Rewrite)
+            .await,
+        Code::FailedPrecondition,
+        "this run has no overlay of drive-scsi0.img for VM 9100",
+    );
+    let device = run.map_and_overlay_archive(ARCHIVE, 9100).await;
+    let before = sha256_of(&device);
+
+    // A mode the grant does not allow, a VM and an archive outside the grant.
+    assert_status(
+        run.recover(9100, ARCHIVE, pb::NetworkRecoveryMode::Preserve)
+            .await,
+        Code::PermissionDenied,
+        "network recovery mode preserve",
+    );
+    assert_status(
+        run.recover(9101, ARCHIVE, pb::NetworkRecoveryMode::Rewrite)
+            .await,
+        Code::PermissionDenied,
+        "VMID 9101",
+    );
+
+    // An OS whose network stack recovery does not know: the inspection result, `preserve` as
+    // the way out, and nothing written into the overlay.
+    let overlay = run.overlay(9100, ARCHIVE);
+    let allocated = overlay_allocated_bytes(&overlay);
+    let refused = run
+        .recover(9100, ARCHIVE, pb::NetworkRecoveryMode::Rewrite)
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::FailedPrecondition, "{refused:?}");
+    for part in [
+        "distro debian",
+        "no network stack found",
+        "preserve",
+        "nothing was written",
+    ] {
+        assert!(
+            refused.message().contains(part),
+            "{part}: {}",
+            refused.message()
+        );
+    }
+    assert_eq!(
+        overlay_allocated_bytes(&overlay),
+        allocated,
+        "the overlay was written"
+    );
+    assert_eq!(sha256_of(&device), before);
+    let steps = run.journal().await;
+    assert!(
+        steps
+            .iter()
+            .any(|s| s.contains("guestnet.recover") && s.contains("failed")),
+        "{steps:#?}"
+    );
+    run.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hung_appliance_is_killed_at_its_deadline() {
+    if !privileged(
+        "a_hung_appliance_is_killed_at_its_deadline",
+        &["losetup", "qemu-img", "mkfs.ext4", "python3"],
+    ) {
+        return;
+    }
+    let images: [(&str, &[Tree]); 1] = [(ARCHIVE, &[BASE, DEBIAN])];
+    let mut run = begin("guestnet-hang", &images, |lab, config| {
+        let double = lab.root.join("bin/guestfish");
+        std::fs::copy(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("doubles/guestfish-hang"),
+            &double,
+        )
+        .unwrap();
+        config.tools.guestfish = double;
+        config.limits.guest_network_timeout_secs = 2;
+    })
+    .await;
+    run.map_and_overlay_archive(ARCHIVE, 9100).await;
+    let started = std::time::Instant::now();
+    let status = run
+        .recover(9100, ARCHIVE, pb::NetworkRecoveryMode::Rewrite)
+        .await
+        .unwrap_err();
+    let took = started.elapsed();
+    assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
+    assert!(
+        status
+            .message()
+            .contains("limits.guest_network_timeout_secs"),
+        "{status:?}"
+    );
+    assert!(took < std::time::Duration::from_secs(15), "took {took:?}");
+    let pids = std::fs::read_to_string(run.lab.root.join("bin/guestfish.pids")).unwrap();
+    for pid in pids.split_whitespace() {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let state = stat
+            .rsplit(')')
+            .next()
+            .unwrap_or("")
+            .split_whitespace()
+            .next();
+        assert!(
+            stat.is_empty() || state == Some("Z"),
+            "process {pid} of the appliance outlived its deadline: {stat}"
+        );
+    }
+    run.stop().await;
+}
+
+#[test]
+fn guest_network_recovery_is_refused_once_the_vm_has_started() {
+    if !privileged(
+        "guest_network_recovery_is_refused_once_the_vm_has_started",
+        QEMU_TOOLS,
+    ) {
+        return;
+    }
+    let netns = Netns::new("gnstart", &["csbox1"]);
+    inside(&netns.name, || async {
+        let mut run = Run::begin_with("guestnet-started", &[ARCHIVE], |_| {}, sandbox_grant).await;
+        run.sandbox_vm(9100).await;
+        run.client
+            .start_vm(pb::VmRequest { vmid: 9100 })
+            .await
+            .unwrap();
+        assert_status(
+            run.recover(9100, ARCHIVE, pb::NetworkRecoveryMode::Rewrite)
+                .await,
+            Code::FailedPrecondition,
+            "VM 9100 has been started",
+        );
+        run.stop().await;
+    });
+}
