@@ -250,7 +250,7 @@ fn control_from_tar(member: impl Read) -> Result<String, String> {
         let entry = entry.map_err(|e| e.to_string())?;
         let is_control = entry
             .path()
-            .map(|p| p.as_os_str() == "./control" || p.as_os_str() == "control")
+            .map(|p| matches!(p.to_string_lossy().as_ref(), "./control" | "control"))
             .unwrap_or(false);
         if !is_control {
             continue;

@@ -7,8 +7,9 @@
 # through install, reinstall, upgrade, remove and purge, and have the installed daemon answer
 # Hello with the digest the package declares. Exits non-zero on the first failure.
 #
-# Needs root (chroot), cargo-deb, dpkg-dev, minisign, mmdebstrap, apt-utils and gpg
-# (.ci/run installs them). The Debian root is built once and cached in target/packaging/.
+# Needs root (chroot). Installs what is missing: dpkg-dev, minisign, mmdebstrap, apt-utils and
+# gpg from Debian, cargo-deb (pinned) with cargo. The Debian root is built once and cached in
+# target/packaging/.
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -16,6 +17,7 @@ cd "$root"
 release="$root/target/release"
 cache="$root/target/packaging"
 suite_debian=trixie   # Proxmox VE 9's Debian
+cargo_deb_version=3.8.0
 
 fail() { echo "packaging test FAILED: $*" >&2; exit 1; }
 step() { echo "== $*"; }
@@ -25,9 +27,19 @@ expect_fail() {
 }
 
 [ "$(id -u)" = 0 ] || fail "needs root (it chroots into a Debian root)"
-for tool in cargo-deb dpkg-deb minisign mmdebstrap apt-ftparchive gpg readelf; do
-  command -v "$tool" >/dev/null || fail "$tool is missing (.ci/run installs it)"
+step "tools: dpkg-dev, minisign, mmdebstrap, apt-utils, gpg; cargo-deb $cargo_deb_version"
+need_apt=0
+for tool in dpkg-deb dpkg-shlibdeps minisign mmdebstrap apt-ftparchive gpg gpg-agent readelf; do
+  command -v "$tool" >/dev/null || need_apt=1
 done
+if [ "$need_apt" = 1 ]; then
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+    dpkg-dev minisign mmdebstrap apt-utils gpg gpg-agent binutils ca-certificates
+fi
+if ! cargo deb --version 2>/dev/null | grep -q " $cargo_deb_version\b"; then
+  cargo install --locked --quiet cargo-deb --version "$cargo_deb_version"
+fi
 
 step "release build (a no-op after CI's cargo build --release --locked --bins)"
 cargo build --release --locked --bins --quiet
