@@ -75,8 +75,8 @@ pub enum PackageError {
         "the signature was made for {signed} but the package's control file says {control}; do not install it"
     )]
     CommentMismatch {
-        signed: PackageIdentity,
-        control: PackageIdentity,
+        signed: Box<PackageIdentity>,
+        control: Box<PackageIdentity>,
     },
     #[error(
         "{package} serves surface {packaged} but this controller speaks {controller}: a node running it would fail the audit (DRIFT); install the connector release built with this certistack-ctl, or use the certistack-ctl of the package's release"
@@ -368,20 +368,40 @@ fn load_secret_key(
         path: path.to_owned(),
         reason,
     };
-    let secret_box = minisign::SecretKeyBox::from_string(&read_bounded(path)?)
-        .map_err(|e| key_error(e.to_string()))?;
-    let key = match password {
-        // With a password given, minisign never prompts.
-        Some(password) => secret_box.into_secret_key(Some(password)),
-        None => secret_box.into_unencrypted_secret_key(),
-    }
-    .map_err(|e| key_error(e.to_string()))?;
-    if key.is_encrypted() {
-        return Err(PackageError::EncryptedKey {
+    let text = read_bounded(path)?;
+    let secret_box =
+        minisign::SecretKeyBox::from_string(&text).map_err(|e| key_error(e.to_string()))?;
+    match (kdf_is_set(&text), password) {
+        (true, None) => Err(PackageError::EncryptedKey {
             path: path.to_owned(),
-        });
+        }),
+        // With a password given, minisign never prompts.
+        (true, Some(password)) => secret_box
+            .into_secret_key(Some(password))
+            .map_err(|e| key_error(e.to_string())),
+        // A password for an unencrypted key (`minisign -G -W`) is not needed.
+        (false, _) => secret_box
+            .into_unencrypted_secret_key()
+            .map_err(|e| key_error(e.to_string())),
     }
-    Ok(key)
+}
+
+/// Whether a minisign secret key box names a key derivation (an encrypted key): the key line
+/// decodes to the signature algorithm (2 bytes), then the KDF algorithm (2 bytes, zero when the
+/// key is stored unencrypted). The minisign crate prompts on a terminal for an encrypted key
+/// given no password, so this is decided before the crate sees it.
+fn kdf_is_set(secret_box: &str) -> bool {
+    use base64::Engine;
+    secret_box
+        .lines()
+        .nth(1)
+        .and_then(|line| {
+            base64::engine::general_purpose::STANDARD
+                .decode(line.trim())
+                .ok()
+        })
+        .and_then(|bytes| bytes.get(2..4).map(|kdf| kdf != [0, 0]))
+        .unwrap_or(false)
 }
 
 fn load_public_key(path: &Path) -> Result<minisign::PublicKey, PackageError> {
@@ -478,7 +498,10 @@ pub fn verify(
     let signed = PackageIdentity::from_trusted_comment(&comment)?;
     let control = read_control(package)?;
     if signed != control {
-        return Err(PackageError::CommentMismatch { signed, control });
+        return Err(PackageError::CommentMismatch {
+            signed: Box::new(signed),
+            control: Box::new(control),
+        });
     }
     if control.surface_digest != controller_surface {
         return Err(PackageError::SurfaceDiffers {
@@ -601,9 +624,8 @@ mod tests {
             &control_text("0.2.0-1", Some(SURFACE)),
             "control.tar.gz",
         );
-        let (secret, public) = keys(&dir, Some("correct horse"));
-        let (signature, identity) =
-            sign(&deb, &secret, Some("correct horse".into()), 1_700_000_000).unwrap();
+        let (secret, public) = keys(&dir, None);
+        let (signature, identity) = sign(&deb, &secret, None, 1_700_000_000).unwrap();
         assert_eq!(signature, dir.join("p.deb.minisig"));
         let text = std::fs::read_to_string(&signature).unwrap();
         assert!(
@@ -765,7 +787,7 @@ mod tests {
         std::fs::write(signature_path(&deb), signature.to_string()).unwrap();
         assert!(matches!(
             verify(&deb, &public, SURFACE),
-            Err(PackageError::CommentMismatch { signed, .. }) if signed == older
+            Err(PackageError::CommentMismatch { signed, .. }) if *signed == older
         ));
     }
 
