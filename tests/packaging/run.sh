@@ -129,7 +129,7 @@ echo "changed package refused by both"
 
 step "one changed byte in the signature: both verifiers refuse"
 cp "$v1" "$work/resigned.deb"
-awk 'NR == 2 { c = substr($0, 11, 1); $0 = substr($0, 1, 10) (c == "A" ? "B" : "A") substr($0, 12) } { print }' \
+awk 'NR == 2 { c = substr($0, 40, 1); $0 = substr($0, 1, 39) (c == "A" ? "B" : "A") substr($0, 41) } { print }' \
   "$v1.minisig" > "$work/resigned.deb.minisig"
 cmp -s "$v1.minisig" "$work/resigned.deb.minisig" && fail "the signature was not changed"
 expect_fail "$ctl" package verify --pubkey "$work/sign.pub" "$work/resigned.deb"
@@ -157,8 +157,8 @@ step "a throwaway $suite_debian root (mmdebstrap, cached in target/packaging)"
 if [ ! -f "$cache/$suite_debian-base.tar" ]; then
   mkdir -p "$cache"
   mmdebstrap --quiet --variant=minbase --include=qemu-utils,nftables,iproute2 \
-    "$suite_debian" "$cache/$suite_debian-base.tar.partial" http://deb.debian.org/debian
-  mv "$cache/$suite_debian-base.tar.partial" "$cache/$suite_debian-base.tar"
+    "$suite_debian" "$cache/$suite_debian-base.partial.tar" http://deb.debian.org/debian
+  mv "$cache/$suite_debian-base.partial.tar" "$cache/$suite_debian-base.tar"
 fi
 mkdir -p "$chroot_dir"
 tar -C "$chroot_dir" -xf "$cache/$suite_debian-base.tar"
