@@ -9,6 +9,7 @@ pub mod client;
 pub mod config;
 pub mod doctor;
 pub mod operator;
+pub mod package;
 pub mod plan;
 pub mod report;
 pub mod run;

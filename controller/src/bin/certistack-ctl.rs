@@ -3,7 +3,7 @@
 #![allow(clippy::print_stdout)]
 
 use certistack_connector::tls::ConnectError;
-use certistack_controller::{authority, client, report, runner, surface};
+use certistack_controller::{authority, client, package, report, runner, surface};
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -66,6 +66,57 @@ enum Command {
     /// still clean up.
     #[command(after_help = RUN_EXIT_CODES)]
     Run(RunPlanArgs),
+    /// Sign a connector package, or verify one before installing it: its minisign signature,
+    /// the package, version and surface the signature names, and that the surface is this
+    /// controller's.
+    #[command(subcommand, after_help = PACKAGE_EXIT_CODES)]
+    Package(PackageCommand),
+}
+
+const PACKAGE_EXIT_CODES: &str = "Exit codes: 0 success (verify: the package is signed by the key, \
+names itself as its control file does and serves this controller's surface); 1 local failure (a \
+key, password or package that cannot be read or written, a key that would be overwritten); 4 the \
+package is refused (signature, trusted comment, control file or surface digest): do not install it.";
+
+#[derive(Subcommand, Debug)]
+enum PackageCommand {
+    /// Create a minisign key pair for signing packages (the secret key 0600; never overwrites).
+    #[command(after_help = PACKAGE_EXIT_CODES)]
+    Keygen {
+        /// Where to write the secret key.
+        #[arg(long)]
+        secret_key: PathBuf,
+        /// Where to write the public key (give it to operators, e.g. beside the repository key).
+        #[arg(long)]
+        public_key: PathBuf,
+        /// Encrypt the secret key with the password on this file's first line (as `minisign
+        /// -G`); without it the key is stored unencrypted (as `minisign -G -W`).
+        #[arg(long)]
+        password_file: Option<PathBuf>,
+    },
+    /// Sign PKG, writing PKG.minisig with a trusted comment naming package, version and surface.
+    #[command(after_help = PACKAGE_EXIT_CODES)]
+    Sign {
+        /// The minisign secret key.
+        #[arg(long)]
+        key: PathBuf,
+        /// The file holding the secret key's password (first line), if it is encrypted.
+        #[arg(long)]
+        password_file: Option<PathBuf>,
+        /// The connector package (.deb).
+        package: PathBuf,
+    },
+    /// Verify PKG against PKG.minisig and the public key, and that it serves this controller's
+    /// surface.
+    #[command(after_help = PACKAGE_EXIT_CODES)]
+    Verify {
+        /// The minisign public key (the file `package keygen` or `minisign -G` wrote, or the
+        /// bare base64 key).
+        #[arg(long)]
+        pubkey: PathBuf,
+        /// The connector package (.deb); its signature is PKG.minisig.
+        package: PathBuf,
+    },
 }
 
 const RUN_EXIT_CODES: &str = "Exit codes: 0 every validation passed; 1 a validation failed (the \
@@ -383,6 +434,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
             operator_cleanup(&node, &run, now)
         }
         Command::Doctor(args) => doctor(&args, now),
+        Command::Package(command) => package_command(command, now),
         Command::Nodes(NodesCommand::Audit { config, json }) => nodes_audit(&config, json, now),
         Command::Run(args) => run_plan(&args, now),
     }
@@ -393,6 +445,67 @@ const EXIT_OS_ERROR: u8 = 71;
 
 /// Loads the controller's state directory (CA and keys), mapping its failures to the documented
 /// exit codes: 66 unreadable, 77 owner or mode refused.
+fn package_command(command: PackageCommand, now: OffsetDateTime) -> Result<(), Failure> {
+    let failure = |error: package::PackageError| {
+        if error.is_refusal() {
+            Failure::Mismatch(error.to_string())
+        } else {
+            local(error)
+        }
+    };
+    let password = |file: Option<PathBuf>| {
+        file.map(|path| package::read_password(&path))
+            .transpose()
+            .map_err(failure)
+    };
+    match command {
+        PackageCommand::Keygen {
+            secret_key,
+            public_key,
+            password_file,
+        } => {
+            let encrypted = password_file.is_some();
+            package::generate_key(&secret_key, &public_key, password(password_file)?)
+                .map_err(failure)?;
+            println!(
+                "wrote {} ({}) and {}",
+                secret_key.display(),
+                if encrypted {
+                    "encrypted"
+                } else {
+                    "unencrypted"
+                },
+                public_key.display()
+            );
+            Ok(())
+        }
+        PackageCommand::Sign {
+            key,
+            password_file,
+            package: path,
+        } => {
+            let timestamp = u64::try_from(now.unix_timestamp()).unwrap_or_default();
+            let (signature, identity) =
+                package::sign(&path, &key, password(password_file)?, timestamp).map_err(failure)?;
+            println!("signed {identity}: {}", signature.display());
+            Ok(())
+        }
+        PackageCommand::Verify {
+            pubkey,
+            package: path,
+        } => {
+            let identity = package::verify(&path, &pubkey, certistack_proto::SURFACE_DIGEST)
+                .map_err(failure)?;
+            println!(
+                "ok: {} is {identity}, signed by the key in {}, and serves this controller's surface",
+                path.display(),
+                pubkey.display()
+            );
+            Ok(())
+        }
+    }
+}
+
 fn load_authority(state_dir: &std::path::Path) -> Result<authority::Authority, Failure> {
     authority::Authority::load(state_dir).map_err(|error| {
         let code = match &error {
