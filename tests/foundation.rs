@@ -3199,6 +3199,7 @@ mod state_dir {
     use certistack_connector::server::load_authority_key;
     use certistack_controller::authority::Authority;
     use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
     use std::path::{Path, PathBuf};
     use std::process::{Command, Stdio};
 
@@ -3796,6 +3797,326 @@ mod state_dir {
             status.message().contains("record 1 is invalid"),
             "{status:?}"
         );
+    }
+
+    /// The service manager's side of `Type=notify`: a datagram socket standing for systemd.
+    struct NotifySocket {
+        socket: std::os::unix::net::UnixDatagram,
+        path: PathBuf,
+    }
+
+    impl NotifySocket {
+        fn bind(dir: &Path) -> Self {
+            let path = dir.join("notify.sock");
+            let socket = std::os::unix::net::UnixDatagram::bind(&path).unwrap();
+            socket
+                .set_read_timeout(Some(std::time::Duration::from_millis(200)))
+                .unwrap();
+            Self { socket, path }
+        }
+
+        /// The next message, waiting up to `within`.
+        fn next(&self, within: std::time::Duration) -> Option<String> {
+            let until = std::time::Instant::now() + within;
+            let mut buf = [0u8; 4096];
+            while std::time::Instant::now() < until {
+                if let Ok(n) = self.socket.recv(&mut buf) {
+                    return Some(String::from_utf8_lossy(&buf[..n]).into_owned());
+                }
+            }
+            None
+        }
+    }
+
+    fn start_time_of(pid: u32) -> u64 {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+        let rest = &stat[stat.rfind(')').unwrap() + 1..];
+        rest.split_whitespace().nth(19).unwrap().parse().unwrap()
+    }
+
+    /// Started with NOTIFY_SOCKET and WATCHDOG_USEC as systemd starts a `Type=notify` unit with
+    /// `WatchdogSec=`: READY=1 comes only once the step a previous daemon was interrupted in is
+    /// settled (its tool killed, the journal saying so), WATCHDOG=1 follows at half the
+    /// interval, and SIGTERM brings STOPPING=1 before the daemon exits cleanly.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn notifies_ready_after_recovery_feeds_the_watchdog_and_says_stopping() {
+        let dir = TempDir::new("sd-notify");
+        let authority = controller(&dir.0);
+        let config = enroll(&authority, &dir.0.join("node"), NODE);
+        let run_id = runs_on_disk(&authority, &config, 1, false).await.remove(0);
+        // A tool of the interrupted step, still running as it would after a crash.
+        let mut tool = Command::new("sleep")
+            .arg("300")
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        {
+            let key = load_authority_key(&config.tls.run_authority_public_key).unwrap();
+            let now_ms = now().unix_timestamp() * 1000;
+            let registry = RunRegistry::open(
+                &config.paths.state_dir,
+                &key,
+                RegistryLimits::from_config(&config.limits),
+                now_ms,
+            )
+            .unwrap();
+            let run = registry.get(&RunId::validate(&run_id).unwrap()).unwrap();
+            let mut guard = run.lock().await;
+            let pid = tool.id();
+            guard
+                .append(
+                    now_ms,
+                    "overlay.create",
+                    &format!("overlay:{VMID}:{ARCHIVE}"),
+                    Phase::Intent,
+                    serde_json::json!({ "tool": {
+                        "pid": pid, "start_time": start_time_of(pid), "process_group": pid,
+                    }}),
+                )
+                .await
+                .unwrap();
+        }
+        let notify = NotifySocket::bind(&dir.0);
+        let port = free_port();
+        let config_path = dir.0.join("connector.toml");
+        write_config_file(&config_path, &config, port);
+        let mut daemon = Command::new(binary("certistack-connector"))
+            .args(["--config", config_path.to_str().unwrap(), "serve"])
+            .env("NOTIFY_SOCKET", &notify.path)
+            .env("WATCHDOG_USEC", "400000")
+            .env_remove("WATCHDOG_PID")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let first = notify.next(std::time::Duration::from_secs(20));
+        // Whatever came first, READY=1 must not precede the recovery's effects.
+        let mut seen = Vec::new();
+        let mut message = first;
+        while let Some(m) = message.clone() {
+            seen.push(m.clone());
+            if m.lines().any(|l| l == "READY=1") {
+                break;
+            }
+            message = notify.next(std::time::Duration::from_secs(20));
+        }
+        assert!(message.is_some(), "no READY=1 in {seen:?}");
+        assert!(
+            tool.try_wait().unwrap().is_some(),
+            "READY=1 came while the interrupted step's tool was still running"
+        );
+        let journal = std::fs::read_to_string(journal_of(&config, &run_id)).unwrap();
+        assert!(
+            journal.contains("outcome_unknown"),
+            "READY=1 came before the interrupted step was journaled as settled: {journal}"
+        );
+        // The daemon serves once ready.
+        let operator = authority.issue_operator("alice", now()).unwrap();
+        client_when_up(&authority, &format!("127.0.0.1:{port}"), &operator).await;
+
+        // Pings at half of the 400 ms interval: at least 4 in a second.
+        let started = std::time::Instant::now();
+        let mut pings = 0;
+        while started.elapsed() < std::time::Duration::from_secs(1) {
+            if let Some(m) = notify.next(std::time::Duration::from_millis(300))
+                && m.lines().any(|l| l == "WATCHDOG=1")
+            {
+                pings += 1;
+            }
+        }
+        assert!((4..=7).contains(&pings), "{pings} WATCHDOG=1 in one second");
+
+        Command::new("kill")
+            .args(["-TERM", &daemon.id().to_string()])
+            .status()
+            .unwrap();
+        let mut stopping = false;
+        while let Some(m) = notify.next(std::time::Duration::from_secs(5)) {
+            if m.lines().any(|l| l == "STOPPING=1") {
+                stopping = true;
+                break;
+            }
+        }
+        assert!(stopping, "no STOPPING=1 after SIGTERM");
+        assert!(daemon.wait().unwrap().success());
+    }
+
+    /// The daemon's log once `needle` appeared in it `count` times (5 s at most).
+    async fn log_has(log_path: &Path, needle: &str, count: usize) -> String {
+        for _ in 0..100 {
+            let log = std::fs::read_to_string(log_path).unwrap();
+            if log.matches(needle).count() >= count {
+                return log;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        panic!(
+            "{needle:?} not logged {count} time(s): {}",
+            std::fs::read_to_string(log_path).unwrap()
+        );
+    }
+
+    /// The node certificate the connector at `address` presents to a new connection.
+    async fn presented_certificate(authority: &Authority, address: &str) -> Vec<u8> {
+        let operator = authority.issue_operator("alice", now()).unwrap();
+        let config = raw_client_config(authority, &[&rustls::version::TLS13], Some(&operator));
+        let tcp = tokio::net::TcpStream::connect(address).await.unwrap();
+        let tls = tokio_rustls::TlsConnector::from(config)
+            .connect(
+                rustls_pki_types::ServerName::try_from(NODE.to_owned()).unwrap(),
+                tcp,
+            )
+            .await
+            .unwrap();
+        tls.get_ref().1.peer_certificates().unwrap()[0].to_vec()
+    }
+
+    fn pem_to_der(pem: &str) -> Vec<u8> {
+        certistack_connector::tls::parse_certificates(pem, "certificate").unwrap()[0].to_vec()
+    }
+
+    /// Renewal under a live run: new files and SIGHUP, and the next connection is served with
+    /// the new certificate while the open run goes on; then each bad set (unparsable, a key
+    /// that is not the certificate's, expired, issued by another CA) is refused with a log
+    /// line saying what, and the node keeps serving with the renewed set.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn sighup_renews_the_certificate_under_a_live_run_and_refuses_a_bad_set() {
+        let dir = TempDir::new("sighup");
+        let authority = controller(&dir.0);
+        let config = enroll(&authority, &dir.0.join("node"), NODE);
+        let port = free_port();
+        let address = format!("127.0.0.1:{port}");
+        let config_path = dir.0.join("connector.toml");
+        write_config_file(&config_path, &config, port);
+        let log_path = dir.0.join("connector.log");
+        let mut daemon = Command::new(binary("certistack-connector"))
+            .args(["--config", config_path.to_str().unwrap(), "serve"])
+            .env_remove("CERTISTACK_LOG")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log_path).unwrap())
+            .spawn()
+            .unwrap();
+        struct Stop(u32);
+        impl Drop for Stop {
+            fn drop(&mut self) {
+                let _ = Command::new("kill")
+                    .args(["-TERM", &self.0.to_string()])
+                    .status();
+            }
+        }
+        let _stop = Stop(daemon.id());
+        let hangup = || {
+            Command::new("kill")
+                .args(["-HUP", &daemon.id().to_string()])
+                .status()
+                .unwrap();
+        };
+        let credentials = mint(&authority, &grant(RUN_ID, NODE));
+        let mut run = client_when_up(&authority, &address, &credentials.certificate).await;
+        run.begin_run(begin_request(&credentials)).await.unwrap();
+        let original = std::fs::read_to_string(&config.tls.certificate).unwrap();
+        assert_eq!(
+            presented_certificate(&authority, &address).await,
+            pem_to_der(&original)
+        );
+
+        // Renewal: the same node key, a new certificate from the same CA.
+        let csr = certistack_connector::enroll::certificate_request(&config).unwrap();
+        let renewed = authority.sign_node_csr(&csr, NODE, now()).unwrap();
+        std::fs::write(&config.tls.certificate, &renewed).unwrap();
+        hangup();
+        log_has(&log_path, "reloaded node certificate", 1).await;
+        assert_eq!(
+            presented_certificate(&authority, &address).await,
+            pem_to_der(&renewed)
+        );
+        assert_ne!(pem_to_der(&renewed), pem_to_der(&original));
+        // The run opened before the renewal goes on, over a new connection too.
+        let mut again = client(&authority, &address, NODE, &credentials.certificate)
+            .await
+            .unwrap();
+        let identity = authority.issue_operator("alice", now()).unwrap();
+        let mut operator = client(&authority, &address, NODE, &identity).await.unwrap();
+        let listed = operator
+            .list_runs(pb::ListRunsRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .runs;
+        assert!(
+            listed
+                .iter()
+                .any(|r| r.run_id == RUN_ID && r.state == pb::RunState::Open as i32),
+            "{listed:?}"
+        );
+
+        // Bad sets, each refused with what is wrong; the renewed set stays in use.
+        let other_dir = TempDir::new("sighup-other-ca");
+        let other = controller(&other_dir.0);
+        let expired = authority
+            .sign_node_csr(&csr, NODE, now() - time::Duration::days(500))
+            .unwrap();
+        let from_other_ca = other.sign_node_csr(&csr, NODE, now()).unwrap();
+        let original_key = std::fs::read(&config.tls.private_key).unwrap();
+        let other_key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)
+            .unwrap()
+            .serialize_pem();
+        let cases: [(&str, String, Option<String>, &str); 4] = [
+            (
+                "unparsable",
+                "not a certificate".into(),
+                None,
+                "no PEM certificate",
+            ),
+            (
+                "key of another certificate",
+                renewed.clone(),
+                Some(other_key),
+                "TLS configuration rejected",
+            ),
+            ("expired", expired, None, "is not valid now"),
+            (
+                "issued by another CA",
+                from_other_ca,
+                None,
+                "was not issued by the controller CA",
+            ),
+        ];
+        for (refusals, (what, certificate, key, reason)) in cases.into_iter().enumerate() {
+            std::fs::write(&config.tls.certificate, &certificate).unwrap();
+            std::fs::write(
+                &config.tls.private_key,
+                key.as_deref().map(str::as_bytes).unwrap_or(&original_key),
+            )
+            .unwrap();
+            hangup();
+            let log = log_has(
+                &log_path,
+                "refused the certificate set on disk",
+                refusals + 1,
+            )
+            .await;
+            let last = log
+                .lines()
+                .filter(|l| l.contains("refused the certificate set on disk"))
+                .last()
+                .unwrap();
+            assert!(last.contains(reason), "{what}: {last}");
+            assert_eq!(
+                presented_certificate(&authority, &address).await,
+                pem_to_der(&renewed),
+                "{what}: the node stopped serving the renewed set"
+            );
+            std::fs::write(&config.tls.private_key, &original_key).unwrap();
+        }
+        // The run's next call works, and ends it.
+        again.end_run(pb::EndRunRequest {}).await.unwrap();
+        drop(run);
+        Command::new("kill")
+            .args(["-TERM", &daemon.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(daemon.wait().unwrap().success());
     }
 }
 
@@ -5331,4 +5652,230 @@ async fn node_checks_is_refused_to_a_run_identity() {
         Code::PermissionDenied,
         "may not call NodeChecks",
     );
+}
+
+/// The packaged unit against its reviewed relaxations, and systemd's own checks of it.
+mod unit_file {
+    use super::*;
+    use std::collections::BTreeMap;
+    use std::path::Path;
+    use std::process::Command;
+
+    const UNIT: &str = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../packaging/certistack-connector.service"
+    );
+    const RELAXATIONS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../policy/unit-hardening.toml");
+
+    /// The strictest value of every hardening directive `systemd-analyze security` weighs for
+    /// a network daemon; the unit sets each of these or the policy file says why not.
+    pub const STRICT_BASELINE: &[(&str, &str)] = &[
+        ("NoNewPrivileges", "yes"),
+        ("ProtectSystem", "strict"),
+        ("ProtectHome", "yes"),
+        ("PrivateTmp", "yes"),
+        ("PrivateDevices", "yes"),
+        ("PrivateNetwork", "yes"),
+        ("PrivateUsers", "yes"),
+        ("PrivateMounts", "yes"),
+        ("ProtectKernelTunables", "yes"),
+        ("ProtectKernelModules", "yes"),
+        ("ProtectKernelLogs", "yes"),
+        ("ProtectControlGroups", "yes"),
+        ("ProtectClock", "yes"),
+        ("ProtectHostname", "yes"),
+        ("ProtectProc", "invisible"),
+        ("ProcSubset", "pid"),
+        ("RestrictNamespaces", "yes"),
+        ("RestrictRealtime", "yes"),
+        ("RestrictSUIDSGID", "yes"),
+        ("LockPersonality", "yes"),
+        ("MemoryDenyWriteExecute", "yes"),
+        ("SystemCallArchitectures", "native"),
+        ("SystemCallFilter", "@system-service"),
+        ("RestrictAddressFamilies", "AF_UNIX AF_INET AF_INET6"),
+        ("CapabilityBoundingSet", ""),
+        ("UMask", "0077"),
+        ("KeyringMode", "private"),
+        ("RemoveIPC", "yes"),
+        ("DevicePolicy", "closed"),
+        ("IPAddressDeny", "any"),
+        ("NotifyAccess", "main"),
+    ];
+
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Relaxations {
+        relaxation: Vec<Relaxation>,
+    }
+
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Relaxation {
+        directive: String,
+        unit: String,
+        needs: String,
+    }
+
+    /// The `[Service]` settings of a unit file (the last assignment wins, as systemd reads
+    /// single-valued settings).
+    fn service_settings(text: &str) -> BTreeMap<String, String> {
+        let mut section = "";
+        let mut settings = BTreeMap::new();
+        for line in text.lines().map(str::trim) {
+            if line.starts_with('#') || line.is_empty() {
+                continue;
+            }
+            if line.starts_with('[') {
+                section = line;
+                continue;
+            }
+            if section == "[Service]"
+                && let Some((key, value)) = line.split_once('=')
+            {
+                settings.insert(key.trim().to_owned(), value.trim().to_owned());
+            }
+        }
+        settings
+    }
+
+    /// Which baseline directives `unit` sets weaker than strict, and whether `relaxations`
+    /// accounts for exactly those: the problems found, empty when they agree.
+    fn disagreements(unit: &str, relaxations: &str) -> Vec<String> {
+        let settings = service_settings(unit);
+        let relaxations: Relaxations = toml::from_str(relaxations).unwrap();
+        let mut problems = Vec::new();
+        let mut listed = BTreeMap::new();
+        for entry in &relaxations.relaxation {
+            if entry.needs.trim().len() < 20 {
+                problems.push(format!(
+                    "{}: `needs` does not say which operation",
+                    entry.directive
+                ));
+            }
+            if listed.insert(entry.directive.clone(), entry).is_some() {
+                problems.push(format!("{}: listed twice", entry.directive));
+            }
+            if !STRICT_BASELINE.iter().any(|(d, _)| *d == entry.directive) {
+                problems.push(format!(
+                    "{}: not a hardening directive of the baseline",
+                    entry.directive
+                ));
+            }
+        }
+        for (directive, strict) in STRICT_BASELINE {
+            let actual = settings.get(*directive).map(String::as_str);
+            let is_strict = actual == Some(*strict);
+            match (is_strict, listed.get(*directive)) {
+                (true, Some(_)) => problems.push(format!(
+                    "{directive}: the unit sets the strict value {strict:?}; the relaxation entry is stale"
+                )),
+                (false, None) => problems.push(format!(
+                    "{directive}: the unit sets {:?} instead of {strict:?} and policy/unit-hardening.toml does not say why",
+                    actual.unwrap_or("nothing")
+                )),
+                (false, Some(entry)) if entry.unit != actual.unwrap_or("") => problems.push(format!(
+                    "{directive}: the unit sets {:?}, the relaxation entry says {:?}",
+                    actual.unwrap_or(""),
+                    entry.unit
+                )),
+                _ => {}
+            }
+        }
+        problems
+    }
+
+    #[test]
+    fn the_unit_and_its_relaxations_agree() {
+        let unit = std::fs::read_to_string(UNIT).unwrap();
+        let relaxations = std::fs::read_to_string(RELAXATIONS).unwrap();
+        let problems = disagreements(&unit, &relaxations);
+        assert!(problems.is_empty(), "{problems:#?}");
+        let settings = service_settings(&unit);
+        for (key, value) in [
+            ("Type", "notify"),
+            ("ExecReload", "/bin/kill -HUP $MAINPID"),
+            ("WatchdogSec", "30s"),
+        ] {
+            assert_eq!(settings.get(key).map(String::as_str), Some(value), "{key}");
+        }
+        assert!(settings["ExecCondition"].contains("/etc/certistack/node.crt"));
+        assert!(settings["ExecCondition"].contains("enroll --csr"));
+
+        // Loosening a directive without an entry, an entry for a strict directive, an entry
+        // that is not a hardening directive, and an entry that misquotes the unit all fail.
+        let loosened = unit.replace("MemoryDenyWriteExecute=yes\n", "");
+        assert!(
+            disagreements(&loosened, &relaxations)
+                .iter()
+                .any(|p| p.starts_with("MemoryDenyWriteExecute: the unit sets \"nothing\"")),
+        );
+        let stale = format!(
+            "{relaxations}\n[[relaxation]]\ndirective = \"NoNewPrivileges\"\nunit = \"\"\nneeds = \"nothing needs this any more, but the entry stayed\"\n"
+        );
+        assert!(
+            disagreements(&unit, &stale)
+                .iter()
+                .any(|p| p.starts_with("NoNewPrivileges: the unit sets the strict value"))
+        );
+        let unknown = format!(
+            "{relaxations}\n[[relaxation]]\ndirective = \"Nice\"\nunit = \"\"\nneeds = \"an entry with no hardening directive behind it\"\n"
+        );
+        assert!(
+            disagreements(&unit, &unknown)
+                .iter()
+                .any(|p| p.starts_with("Nice: not a hardening directive"))
+        );
+        let widened = unit.replace("AF_INET6 AF_NETLINK", "AF_INET6 AF_NETLINK AF_PACKET");
+        assert!(
+            disagreements(&widened, &relaxations)
+                .iter()
+                .any(|p| p.starts_with("RestrictAddressFamilies: the unit sets"))
+        );
+    }
+
+    /// `systemd-analyze verify` finds nothing, and `security --offline` scores the unit; the
+    /// score is printed (docs/systemd.md quotes it) and may not get worse than 4.0.
+    #[test]
+    fn systemd_analyze_verifies_and_scores_the_unit() {
+        if !privileged(
+            "systemd_analyze_verifies_and_scores_the_unit",
+            &["systemd-analyze"],
+        ) {
+            return;
+        }
+        let dir = TempDir::new("unit-verify");
+        // The unit as installed, with ExecStart naming the binary this build made.
+        let unit = std::fs::read_to_string(UNIT).unwrap().replace(
+            "/usr/sbin/certistack-connector",
+            binary("certistack-connector").to_str().unwrap(),
+        );
+        let path = dir.0.join("certistack-connector.service");
+        std::fs::write(&path, unit).unwrap();
+        let verify = Command::new("systemd-analyze")
+            .arg("verify")
+            .arg(&path)
+            .output()
+            .unwrap();
+        let said = format!(
+            "{}{}",
+            String::from_utf8_lossy(&verify.stdout),
+            String::from_utf8_lossy(&verify.stderr)
+        );
+        assert!(verify.status.success() && said.trim().is_empty(), "{said}");
+
+        let security = Command::new("systemd-analyze")
+            .args(["security", "--offline=true", "--no-pager"])
+            .arg(Path::new(UNIT))
+            .output()
+            .unwrap();
+        let report = String::from_utf8_lossy(&security.stdout);
+        let score: f64 = report
+            .lines()
+            .find_map(|l| l.split_once("Overall exposure level for certistack-connector.service: "))
+            .and_then(|(_, rest)| rest.split_whitespace().next()?.parse().ok())
+            .unwrap_or_else(|| panic!("no score in {report}"));
+        eprintln!("systemd-analyze security --offline=true: exposure {score}");
+        assert!(score <= 4.0, "exposure {score}:\n{report}");
+    }
 }

@@ -34,6 +34,35 @@ pub struct Config {
     /// How the sandbox network treats what the node does to its VNets.
     #[serde(default)]
     pub sandbox: SandboxPolicy,
+    /// How the tools that must outlive the daemon are started (`[process]`).
+    #[serde(default)]
+    pub process: ProcessPolicy,
+}
+
+/// Where `qm start` and `proxmox-backup-client map` run.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TransientUnits {
+    /// In transient systemd units of their own when systemd is the init system
+    /// (`/run/systemd/system` exists), directly as the daemon's children otherwise.
+    #[default]
+    Auto,
+    /// Always as the daemon's children: a restart of the daemon's unit then unmaps every
+    /// backup, and QEMU inherits the daemon's sandbox.
+    Never,
+}
+
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ProcessPolicy {
+    /// `"auto"` (the default) or `"never"`. Under systemd, the mapping holder and QEMU live in
+    /// `certistack-map-…`/`certistack-qm-start-…` units outside the connector's cgroup and
+    /// sandbox, so restarting or upgrading the connector keeps every run's mappings.
+    pub transient_units: TransientUnits,
+    /// `systemd-run`, which starts those units.
+    pub systemd_run: PathBuf,
+    /// `systemctl`, which stops and resets them at unmap and cleanup.
+    pub systemctl: PathBuf,
 }
 
 /// What `PrepareSandbox` does with a VNet the node forwards for.
@@ -144,6 +173,26 @@ pub struct ToolPaths {
     pub ip6tables_legacy_save: PathBuf,
     /// libguestfs' shell (libguestfs-tools), for guest network recovery on an overlay.
     pub guestfish: PathBuf,
+}
+
+impl Default for ProcessPolicy {
+    fn default() -> Self {
+        Self {
+            transient_units: TransientUnits::Auto,
+            systemd_run: "/usr/bin/systemd-run".into(),
+            systemctl: "/usr/bin/systemctl".into(),
+        }
+    }
+}
+
+impl ProcessPolicy {
+    /// Whether this daemon starts the outliving tools in transient units.
+    pub fn use_transient_units(&self) -> bool {
+        match self.transient_units {
+            TransientUnits::Auto => crate::systemd::booted(),
+            TransientUnits::Never => false,
+        }
+    }
 }
 
 impl Default for ToolPaths {

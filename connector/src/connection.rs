@@ -22,7 +22,6 @@
 use crate::call_log::{RefusalLog, printable};
 use crate::config::Limits;
 use crate::identity::{ClientIdentity, IdentityError, parse_client_certificate};
-use rustls::ServerConfig;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
@@ -530,12 +529,11 @@ fn source_of(remote: &SocketAddr) -> IpAddr {
 /// through `handshake_refusals` and never reach the gRPC layer.
 pub fn incoming(
     listener: TcpListener,
-    config: Arc<ServerConfig>,
+    config: crate::tls::SharedServerConfig,
     limits: ConnectionLimits,
     handshake_refusals: Arc<RefusalLog>,
 ) -> tokio_stream::wrappers::ReceiverStream<std::io::Result<PeerStream>> {
     let (tx, rx) = tokio::sync::mpsc::channel(64);
-    let acceptor = tokio_rustls::TlsAcceptor::from(config);
     let admission = Arc::new(Admission {
         limits,
         state: Mutex::new(AdmissionState::default()),
@@ -601,7 +599,9 @@ pub fn incoming(
                 remote,
                 pending,
                 evicted,
-                acceptor.clone(),
+                // Each handshake takes the configuration current when it was accepted, so a
+                // reloaded certificate applies from the next connection on.
+                tokio_rustls::TlsAcceptor::from(config.current()),
                 handshake_refusals.clone(),
                 tx.clone(),
             ));

@@ -29,6 +29,7 @@ pub mod runs;
 pub mod server;
 pub mod service;
 pub mod source_hardware;
+pub mod systemd;
 pub mod tls;
 pub mod untrusted;
 pub mod validate;

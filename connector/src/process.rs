@@ -13,7 +13,7 @@
 
 use std::ffi::OsString;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -64,6 +64,21 @@ pub struct ToolCall {
     pub timeout: Duration,
     /// Bytes of stdout and of stderr kept; [`OUTPUT_CAP`] unless the caller reads more.
     pub output_cap: usize,
+    /// A secret written to the child's stdin, which is then closed (instead of /dev/null):
+    /// for `systemd-run --pipe`, which hands only stdio to the unit it starts.
+    pub stdin_secret: Option<Zeroizing<Vec<u8>>>,
+    /// A transient unit whose main process the call waits for instead of the child's exit:
+    /// `systemd-run --pipe` stays until the unit is inactive, which a unit that keeps a holder
+    /// with `RemainAfterExit=yes` never is; once the unit's main process has exited the
+    /// child is stopped (the unit stays) and its output is what the unit printed.
+    pub settles_with_unit: Option<UnitWatch>,
+}
+
+/// How to watch a transient unit's state.
+#[derive(Debug, Clone)]
+pub struct UnitWatch {
+    pub systemctl: PathBuf,
+    pub unit: String,
 }
 
 impl ToolCall {
@@ -75,6 +90,8 @@ impl ToolCall {
             secrets: Vec::new(),
             timeout,
             output_cap: OUTPUT_CAP,
+            stdin_secret: None,
+            settles_with_unit: None,
         }
     }
 
@@ -415,6 +432,7 @@ pub struct RunningTool {
     group: GroupGuard,
     program: String,
     timeout: Duration,
+    settles_with_unit: Option<UnitWatch>,
     started: Instant,
     stdout: Arc<Mutex<Vec<u8>>>,
     stderr: Arc<Mutex<Vec<u8>>>,
@@ -447,7 +465,11 @@ pub fn start(call: ToolCall) -> Result<RunningTool, ToolError> {
         .env_clear()
         .env("PATH", TOOL_PATH)
         .envs(call.env.iter().map(|(k, v)| (*k, v.as_str())))
-        .stdin(Stdio::null())
+        .stdin(if call.stdin_secret.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .process_group(0)
@@ -468,6 +490,14 @@ pub fn start(call: ToolCall) -> Result<RunningTool, ToolError> {
     // The child has its copies; ours close now so only the child holds the secret.
     drop(inherited);
     drop(call.secrets);
+    if let (Some(secret), Some(mut stdin)) = (call.stdin_secret, child.stdin.take()) {
+        tokio::spawn(async move {
+            use tokio::io::AsyncWriteExt;
+            // A child that exits without reading fails on its own; the write error adds nothing.
+            let _ = stdin.write_all(&secret).await;
+            drop(stdin);
+        });
+    }
     let pid = child.id().and_then(|id| i32::try_from(id).ok());
     // If the running tool is dropped (the daemon shuts down mid-step), the whole process group
     // goes with it.
@@ -501,6 +531,7 @@ pub fn start(call: ToolCall) -> Result<RunningTool, ToolError> {
         group,
         program,
         timeout: call.timeout,
+        settles_with_unit: call.settles_with_unit,
         started,
         stdout,
         stderr,
@@ -521,7 +552,24 @@ impl RunningTool {
         let text = |buffer: &Arc<Mutex<Vec<u8>>>| {
             String::from_utf8_lossy(&buffer.lock().unwrap_or_else(|p| p.into_inner())).into_owned()
         };
-        let status = match tokio::time::timeout(self.timeout, self.child.wait()).await {
+        let exited = async {
+            match self.settles_with_unit.clone() {
+                None => self.child.wait().await,
+                Some(watch) => {
+                    tokio::select! {
+                        status = self.child.wait() => status,
+                        () = main_process_exited(&watch) => {
+                            // systemd-run only relays now; the unit and its holder stay.
+                            if let Some(pid) = self.child.id().and_then(|id| i32::try_from(id).ok()).and_then(rustix::process::Pid::from_raw) {
+                                let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+                            }
+                            self.child.wait().await
+                        }
+                    }
+                }
+            }
+        };
+        let status = match tokio::time::timeout(self.timeout, exited).await {
             Ok(status) => status.map_err(|error| ToolError::Wait {
                 program: self.program.clone(),
                 error,
@@ -569,6 +617,40 @@ impl RunningTool {
             elapsed: self.started.elapsed(),
             truncated: self.truncated.load(std::sync::atomic::Ordering::SeqCst),
         })
+    }
+}
+
+/// Completes once `watch.unit` exists and its main process has exited (`SubState` `exited`,
+/// `failed` or `dead` after having run).
+async fn main_process_exited(watch: &UnitWatch) {
+    loop {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let shown = tokio::process::Command::new(&watch.systemctl)
+            .args([
+                "show",
+                "--property=SubState,ExecMainPID,ExecMainExitTimestampMonotonic",
+                "--",
+            ])
+            .arg(&watch.unit)
+            .env_clear()
+            .env("PATH", TOOL_PATH)
+            .stdin(Stdio::null())
+            .stderr(Stdio::null())
+            .output()
+            .await;
+        let Ok(shown) = shown else { continue };
+        let text = String::from_utf8_lossy(&shown.stdout);
+        let value = |key: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(key)?.strip_prefix('='))
+                .unwrap_or_default()
+                .to_owned()
+        };
+        let ran = value("ExecMainExitTimestampMonotonic") != "0"
+            && !value("ExecMainExitTimestampMonotonic").is_empty();
+        if ran && matches!(value("SubState").as_str(), "exited" | "failed" | "dead") {
+            return;
+        }
     }
 }
 
@@ -683,9 +765,307 @@ fn install_descriptors(
     Ok(())
 }
 
+/// What a transient unit started for a tool is for; each kind has its own properties.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransientRole {
+    /// `proxmox-backup-client map`: its forked holder must outlive the call and the daemon.
+    /// `Type=oneshot` + `RemainAfterExit=yes` keeps the unit (and the holder in its cgroup)
+    /// after the client exits; `KillSignal=SIGINT` is how `unmap` ends a holder cleanly.
+    MapHolder,
+    /// `qm start`: qemu-server moves QEMU into its own `<vmid>.scope`; the unit only keeps qm
+    /// itself outside the daemon's sandbox and ends when qm does.
+    QmStart,
+}
+
+impl TransientRole {
+    fn prefix(self) -> &'static str {
+        match self {
+            TransientRole::MapHolder => "certistack-map",
+            TransientRole::QmStart => "certistack-qm-start",
+        }
+    }
+
+    fn properties(self) -> &'static [&'static str] {
+        match self {
+            TransientRole::MapHolder => &[
+                "Type=oneshot",
+                "RemainAfterExit=yes",
+                "KillSignal=SIGINT",
+                "TimeoutStopSec=15s",
+                "SendSIGKILL=yes",
+            ],
+            TransientRole::QmStart => &["Type=oneshot"],
+        }
+    }
+}
+
+/// Longest unit name systemd accepts.
+const MAX_UNIT_NAME: usize = 255;
+
+/// The unit name for `role` of run `run_id` on `object` (an archive name or a VMID):
+/// `certistack-map-<run id>-<archive>.service`. Both parts come validated; this checks again
+/// that only the characters systemd allows in a unit name, and nothing that would make it a
+/// template or a path, are used.
+pub fn transient_unit_name(
+    role: TransientRole,
+    run_id: &str,
+    object: &str,
+) -> Result<String, String> {
+    let name = format!("{}-{run_id}-{object}.service", role.prefix());
+    let allowed = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | ':');
+    if run_id.is_empty() || object.is_empty() || !name.chars().all(allowed) {
+        return Err(format!("{name:?} is not a unit name this connector makes"));
+    }
+    if name.len() > MAX_UNIT_NAME {
+        return Err(format!(
+            "{name:?} is longer than {MAX_UNIT_NAME} characters"
+        ));
+    }
+    Ok(name)
+}
+
+/// The description a transient unit carries; the daemon checks it before it stops a unit, so
+/// it never stops a unit it did not start for that run.
+pub fn transient_unit_description(role: TransientRole, run_id: &str, object: &str) -> String {
+    let what = match role {
+        TransientRole::MapHolder => "backup mapping",
+        TransientRole::QmStart => "qm start",
+    };
+    format!("CertiStack run {run_id}: {what} {object}")
+}
+
+/// `call` started through `systemd-run` in the transient unit `unit`, outside the daemon's
+/// cgroup and sandbox. Its environment goes in as `--setenv`, a pipe secret (a password) moves
+/// to the unit's stdin (`systemd-run --pipe`), so it never reaches argv, environment or disk;
+/// `rename_fd_env` names the variable that carried the secret's descriptor (now 0). A call
+/// with a memfd secret (a key file opened as `/proc/self/fd/N`) cannot cross: refused.
+pub fn in_transient_unit(
+    call: ToolCall,
+    role: TransientRole,
+    unit: &str,
+    description: &str,
+    systemd_run: &Path,
+    systemctl: &Path,
+    rename_fd_env: Option<&'static str>,
+) -> Result<ToolCall, String> {
+    if call.secrets.iter().any(|s| s.kind == SecretKind::Memfd) || call.secrets.len() > 1 {
+        return Err("a key file cannot be handed to a transient unit".into());
+    }
+    let mut wrapped = ToolCall::new(systemd_run, call.timeout).output_cap(call.output_cap);
+    wrapped = wrapped
+        .arg(format!("--unit={unit}"))
+        .arg(format!("--description={description}"))
+        .arg("--quiet")
+        .arg("--collect")
+        .arg("--pipe");
+    if role == TransientRole::QmStart {
+        wrapped = wrapped.arg("--wait");
+    }
+    for property in role.properties() {
+        wrapped = wrapped.arg("--property").arg(*property);
+    }
+    for (key, value) in &call.env {
+        let value = if Some(*key) == rename_fd_env && !call.secrets.is_empty() {
+            "0".to_owned()
+        } else {
+            value.clone()
+        };
+        wrapped = wrapped.arg(format!("--setenv={key}={value}"));
+    }
+    wrapped = wrapped.arg("--").arg(call.program.as_os_str().to_owned());
+    for arg in call.args {
+        wrapped = wrapped.arg(arg);
+    }
+    if let Some(secret) = call.secrets.into_iter().next() {
+        wrapped.stdin_secret = Some(secret.bytes);
+    }
+    if role == TransientRole::MapHolder {
+        wrapped.settles_with_unit = Some(UnitWatch {
+            systemctl: systemctl.to_owned(),
+            unit: unit.to_owned(),
+        });
+    }
+    Ok(wrapped)
+}
+
+/// Stops and forgets the transient unit `unit` if it is the one described by `description`
+/// (started by this daemon for that run); a unit that is not loaded is already gone.
+pub async fn release_transient_unit(
+    systemctl: &Path,
+    unit: &str,
+    description: &str,
+    timeout: Duration,
+) -> Result<(), String> {
+    let show = run(ToolCall::new(systemctl, timeout)
+        .arg("show")
+        .arg("--property=LoadState,Description")
+        .arg("--")
+        .arg(unit))
+    .await
+    .map_err(|e| e.to_string())?;
+    let value = |key: &str| {
+        show.stdout
+            .lines()
+            .find_map(|l| l.strip_prefix(key)?.strip_prefix('='))
+            .unwrap_or_default()
+            .to_owned()
+    };
+    if value("LoadState") != "loaded" {
+        return Ok(());
+    }
+    if value("Description") != description {
+        return Err(format!(
+            "{unit} is described as {:?}, not as this run's {description:?}; left alone",
+            value("Description")
+        ));
+    }
+    for verb in ["stop", "reset-failed"] {
+        let output = run(ToolCall::new(systemctl, timeout)
+            .arg(verb)
+            .arg("--")
+            .arg(unit))
+        .await
+        .map_err(|e| e.to_string())?;
+        // reset-failed refuses a unit already collected: that is the state wanted.
+        if verb == "stop" && !output.success() {
+            return Err(format!(
+                "systemctl stop {unit}: {}",
+                output.stderr_excerpt()
+            ));
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn map_call() -> ToolCall {
+        ToolCall::new("/usr/bin/proxmox-backup-client", Duration::from_secs(5))
+            .arg("map")
+            .arg("vm/100/2026-01-01T00:00:00Z")
+            .arg("drive-scsi0.img")
+            .env("PBS_PASSWORD_FD", "3")
+            .env("PBS_FINGERPRINT", "aa:bb")
+            .secret(pipe_secret(3, b"hunter2-secret"))
+    }
+
+    #[test]
+    fn a_map_in_a_transient_unit_gets_its_secret_on_stdin_never_in_argv_or_env() {
+        let unit = transient_unit_name(
+            TransientRole::MapHolder,
+            "0f0e1c2d-3b4a-4c5d-8e6f-7a8b9c0d1e2f",
+            "drive-scsi0.img",
+        )
+        .unwrap();
+        assert_eq!(
+            unit,
+            "certistack-map-0f0e1c2d-3b4a-4c5d-8e6f-7a8b9c0d1e2f-drive-scsi0.img.service"
+        );
+        let wrapped = in_transient_unit(
+            map_call(),
+            TransientRole::MapHolder,
+            &unit,
+            "CertiStack run x: backup mapping drive-scsi0.img",
+            Path::new("/usr/bin/systemd-run"),
+            Path::new("/usr/bin/systemctl"),
+            Some("PBS_PASSWORD_FD"),
+        )
+        .unwrap();
+        let argv: Vec<String> = wrapped
+            .args
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(wrapped.program, Path::new("/usr/bin/systemd-run"));
+        for expected in [
+            format!("--unit={unit}"),
+            "--pipe".into(),
+            "--collect".into(),
+            "Type=oneshot".into(),
+            "RemainAfterExit=yes".into(),
+            "KillSignal=SIGINT".into(),
+            "--setenv=PBS_PASSWORD_FD=0".into(),
+            "--setenv=PBS_FINGERPRINT=aa:bb".into(),
+        ] {
+            assert!(argv.contains(&expected), "{expected} missing from {argv:?}");
+        }
+        // The holder must stay: systemd-run is not asked to wait for the unit to end.
+        assert!(!argv.contains(&"--wait".to_owned()), "{argv:?}");
+        let tool_at = argv.iter().position(|a| a == "--").unwrap();
+        assert_eq!(
+            argv[tool_at + 1..],
+            [
+                "/usr/bin/proxmox-backup-client",
+                "map",
+                "vm/100/2026-01-01T00:00:00Z",
+                "drive-scsi0.img"
+            ]
+        );
+        assert!(!wrapped.display().contains("hunter2"));
+        assert!(wrapped.env.is_empty() && wrapped.secrets.is_empty());
+        assert_eq!(
+            wrapped.stdin_secret.as_deref().map(Vec::as_slice),
+            Some(&b"hunter2-secret"[..])
+        );
+        assert_eq!(wrapped.settles_with_unit.unwrap().unit, unit);
+
+        // A key file cannot cross into a unit.
+        let keyed = map_call().secret(SecretInput {
+            child_fd: 4,
+            bytes: Zeroizing::new(b"key".to_vec()),
+            kind: SecretKind::Memfd,
+        });
+        assert!(
+            in_transient_unit(
+                keyed,
+                TransientRole::MapHolder,
+                &unit,
+                "d",
+                Path::new("/usr/bin/systemd-run"),
+                Path::new("/usr/bin/systemctl"),
+                Some("PBS_PASSWORD_FD"),
+            )
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn qm_start_in_a_transient_unit_waits_for_qm_and_unit_names_are_checked() {
+        let unit = transient_unit_name(TransientRole::QmStart, "run", "9100").unwrap();
+        assert_eq!(unit, "certistack-qm-start-run-9100.service");
+        let wrapped = in_transient_unit(
+            ToolCall::new("/usr/sbin/qm", Duration::from_secs(5))
+                .arg("start")
+                .arg("9100"),
+            TransientRole::QmStart,
+            &unit,
+            "d",
+            Path::new("/usr/bin/systemd-run"),
+            Path::new("/usr/bin/systemctl"),
+            None,
+        )
+        .unwrap();
+        let argv = wrapped.display();
+        assert!(argv.contains(" --wait "), "{argv}");
+        assert!(argv.ends_with(" -- /usr/sbin/qm start 9100"), "{argv}");
+        assert!(wrapped.settles_with_unit.is_none() && wrapped.stdin_secret.is_none());
+        for (run, object) in [
+            ("run", "../x"),
+            ("run", "a@b"),
+            ("run", "a b"),
+            ("", "9100"),
+            ("run", ""),
+        ] {
+            assert!(
+                transient_unit_name(TransientRole::MapHolder, run, object).is_err(),
+                "{run:?} {object:?}"
+            );
+        }
+        let long = "a".repeat(250);
+        assert!(transient_unit_name(TransientRole::QmStart, "run", &long).is_err());
+    }
 
     #[test]
     fn stderr_excerpts_keep_the_last_lines_escaped_and_capped() {

@@ -248,6 +248,11 @@ impl RunGuard<'_> {
         lock_journal(&self.run.journal).head_hex()
     }
 
+    /// The grant of the run this guard holds.
+    pub fn grant(&self) -> &Grant {
+        &self.run.grant
+    }
+
     /// The run's records as this daemon wrote or loaded them (no file read, no copy).
     pub fn records(&self) -> Records<'_> {
         Records(lock_journal(&self.run.journal))

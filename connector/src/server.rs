@@ -8,11 +8,12 @@ use crate::files::{self, FileError};
 use crate::policy::{PolicyError, SurfacePolicy};
 use crate::runs::{RunError, RunRegistry};
 use crate::service::{Clock, ConnectorService};
-use crate::tls::{self, TlsError};
+use crate::tls::{self, SharedServerConfig, TlsError};
 use crate::validate::NodeName;
 use certistack_proto::v1::connector_server::ConnectorServer;
 use ed25519_dalek::VerifyingKey;
 use ed25519_dalek::pkcs8::DecodePublicKey;
+use rustls::pki_types::CertificateDer;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -58,6 +59,20 @@ pub enum ServeError {
         address: String,
         source: std::io::Error,
     },
+    #[error(
+        "the node certificate {path} is not valid now (valid from {not_before} to {not_after}); renew it with `certistack-ctl node sign` and `enroll --install`"
+    )]
+    CertificateNotValidNow {
+        path: String,
+        not_before: String,
+        not_after: String,
+    },
+    #[error(
+        "the node certificate {path} was not issued by the controller CA in {ca}; install the certificate and the CA of the same controller"
+    )]
+    NotIssuedByCa { path: String, ca: String },
+    #[error("the node certificate {path} cannot be read as X.509: {reason}")]
+    CertificateUnreadable { path: String, reason: String },
     #[error("the gRPC server stopped: {0}")]
     Transport(#[from] tonic::transport::Error),
 }
@@ -66,7 +81,7 @@ pub enum ServeError {
 #[derive(Debug)]
 pub struct Connector {
     config: Config,
-    tls: Arc<rustls::ServerConfig>,
+    tls: SharedServerConfig,
     service: ConnectorService,
 }
 
@@ -116,33 +131,7 @@ impl std::fmt::Debug for NodeIdentity {
 impl NodeIdentity {
     pub fn load(config: &Config) -> Result<Self, ServeError> {
         let node: NodeName = config.node().map_err(ServeError::NodeName)?;
-        let cert_path = &config.tls.certificate;
-        let chain = tls::parse_certificates(
-            &files::read_trusted(cert_path)?,
-            &cert_path.display().to_string(),
-        )?;
-        let names = chain
-            .first()
-            .map(|leaf| dns_names(leaf))
-            .unwrap_or_default();
-        if !names.iter().any(|n| n == node.as_str()) {
-            return Err(ServeError::CertificateName {
-                path: cert_path.display().to_string(),
-                node: node.to_string(),
-                names,
-            });
-        }
-        let key_path = &config.tls.private_key;
-        let key = tls::parse_private_key(
-            &files::read_private(key_path)?,
-            &key_path.display().to_string(),
-        )?;
-        let ca_path = &config.tls.controller_ca;
-        let ca = tls::parse_certificates(
-            &files::read_trusted(ca_path)?,
-            &ca_path.display().to_string(),
-        )?;
-        let tls = tls::server_config(chain, key, tls::ca_roots(&ca)?)?;
+        let tls = node_tls(config, &node)?.config;
         let authority = load_authority_key(&config.tls.run_authority_public_key)?;
         let gate = SurfacePolicy::compiled()?
             .gate()?
@@ -153,6 +142,136 @@ impl NodeIdentity {
             authority,
             gate,
         })
+    }
+}
+
+/// The TLS server configuration built from the certificate, key and CA files, with what was
+/// read to build it.
+struct NodeTls {
+    config: Arc<rustls::ServerConfig>,
+    leaf: Vec<u8>,
+    ca: Vec<CertificateDer<'static>>,
+}
+
+fn node_tls(config: &Config, node: &NodeName) -> Result<NodeTls, ServeError> {
+    let cert_path = &config.tls.certificate;
+    let chain = tls::parse_certificates(
+        &files::read_trusted(cert_path)?,
+        &cert_path.display().to_string(),
+    )?;
+    let leaf = chain.first().map(|leaf| leaf.to_vec()).unwrap_or_default();
+    let names = dns_names(&leaf);
+    if !names.iter().any(|n| n == node.as_str()) {
+        return Err(ServeError::CertificateName {
+            path: cert_path.display().to_string(),
+            node: node.to_string(),
+            names,
+        });
+    }
+    let key_path = &config.tls.private_key;
+    let key = tls::parse_private_key(
+        &files::read_private(key_path)?,
+        &key_path.display().to_string(),
+    )?;
+    let ca_path = &config.tls.controller_ca;
+    let ca = tls::parse_certificates(
+        &files::read_trusted(ca_path)?,
+        &ca_path.display().to_string(),
+    )?;
+    // rustls refuses a key that does not belong to the certificate here.
+    let server = tls::server_config(chain, key, tls::ca_roots(&ca)?)?;
+    Ok(NodeTls {
+        config: server,
+        leaf,
+        ca,
+    })
+}
+
+/// Reloads the node's certificate, key and controller CA into the running listener (SIGHUP,
+/// `systemctl reload`). A set that would not serve is refused whole and the current one kept:
+/// unreadable or insecure files, a key that is not the certificate's, a certificate for
+/// another node, not valid now, or not issued by the CA in the set.
+#[derive(Debug, Clone)]
+pub struct TlsReload {
+    config: Config,
+    shared: SharedServerConfig,
+}
+
+/// What a reload installed, for the log line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReloadedCertificate {
+    pub serial: String,
+    pub not_after: String,
+}
+
+impl TlsReload {
+    pub fn reload(&self, now_unix: i64) -> Result<ReloadedCertificate, ServeError> {
+        let node: NodeName = self.config.node().map_err(ServeError::NodeName)?;
+        let loaded = node_tls(&self.config, &node)?;
+        let path = self.config.tls.certificate.display().to_string();
+        let unreadable = |reason: String| ServeError::CertificateUnreadable {
+            path: path.clone(),
+            reason,
+        };
+        let (_, leaf) =
+            X509Certificate::from_der(&loaded.leaf).map_err(|e| unreadable(e.to_string()))?;
+        let validity = leaf.validity();
+        if now_unix < validity.not_before.timestamp() || now_unix > validity.not_after.timestamp() {
+            return Err(ServeError::CertificateNotValidNow {
+                path,
+                not_before: validity.not_before.to_string(),
+                not_after: validity.not_after.to_string(),
+            });
+        }
+        let issued_by_ca = loaded.ca.iter().any(|ca| {
+            X509Certificate::from_der(ca)
+                .is_ok_and(|(_, ca)| leaf.verify_signature(Some(ca.public_key())).is_ok())
+        });
+        if !issued_by_ca {
+            return Err(ServeError::NotIssuedByCa {
+                path,
+                ca: self.config.tls.controller_ca.display().to_string(),
+            });
+        }
+        let installed = ReloadedCertificate {
+            serial: leaf.raw_serial_as_string(),
+            not_after: validity.not_after.to_string(),
+        };
+        self.shared.replace(loaded.config);
+        Ok(installed)
+    }
+}
+
+/// Reloads the TLS files on every SIGHUP until the process ends, telling the service
+/// manager around each reload. A refused set is logged with its reason; serving goes on with
+/// the set in use.
+pub async fn reload_on_hangup(reload: TlsReload) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let Ok(mut hangups) = signal(SignalKind::hangup()) else {
+        tracing::error!(
+            "cannot install the SIGHUP handler; restart the daemon to renew its certificate"
+        );
+        return;
+    };
+    while hangups.recv().await.is_some() {
+        crate::systemd::notify_reloading();
+        let reloading = reload.clone();
+        let now = time::OffsetDateTime::now_utc().unix_timestamp();
+        match tokio::task::spawn_blocking(move || reloading.reload(now)).await {
+            Ok(Ok(installed)) => tracing::info!(
+                serial = %installed.serial,
+                not_after = %installed.not_after,
+                "SIGHUP: new connections use the reloaded node certificate, key and controller CA"
+            ),
+            Ok(Err(error)) => tracing::error!(
+                %error,
+                "SIGHUP: refused the certificate set on disk; new connections keep using the current one"
+            ),
+            Err(error) => {
+                tracing::error!(%error, "SIGHUP: the reload stopped; the current certificate set stays")
+            }
+        }
+        crate::systemd::notify_ready();
     }
 }
 
@@ -198,9 +317,17 @@ impl Connector {
         .with_prerequisites(crate::prerequisites::Prerequisites::new(&config));
         Ok(Self {
             config,
-            tls,
+            tls: SharedServerConfig::new(tls),
             service,
         })
+    }
+
+    /// The handle that reloads this connector's TLS files while it serves.
+    pub fn tls_reload(&self) -> TlsReload {
+        TlsReload {
+            config: self.config.clone(),
+            shared: self.tls.clone(),
+        }
     }
 
     /// Binds the configured address.
@@ -243,6 +370,10 @@ impl Connector {
             tokio::spawn(async move {
                 // First, before any run is cleaned up: tools a previous daemon left running.
                 service.recover_interrupted().await;
+                // Only now is the journal consistent: a start or an upgrade's restart waits
+                // for this.
+                crate::systemd::notify_ready();
+                tracing::info!("ready: interrupted steps settled");
                 let mut ticks = tokio::time::interval(every);
                 loop {
                     ticks.tick().await;
@@ -278,6 +409,12 @@ impl Connector {
                 }
             })
         };
+        let watchdog = crate::systemd::watchdog_interval()
+            .map(|every| tokio::spawn(crate::systemd::keep_watchdog_fed(every)));
+        let shutdown = async {
+            shutdown.await;
+            crate::systemd::notify_stopping();
+        };
         let incoming = connection::incoming(
             listener,
             self.tls,
@@ -297,6 +434,9 @@ impl Connector {
             .await;
         summaries.abort();
         reaper.abort();
+        if let Some(watchdog) = watchdog {
+            watchdog.abort();
+        }
         served?;
         tracing::info!("stopped");
         Ok(())

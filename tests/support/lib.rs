@@ -191,6 +191,7 @@ pub fn node_config(dir: &Path, node: &str) -> Config {
         },
         limits: Limits::default(),
         sandbox: Default::default(),
+        process: Default::default(),
     }
 }
 
@@ -722,7 +723,7 @@ pub fn write_config_file(path: &Path, config: &Config, port: u16) {
          iptables_legacy_save = \"{}\"\nip6tables_legacy_save = \"{}\"\nguestfish = \"{}\"\n\
          [pve]\nqemu_server_run_dir = \"{}\"\nvm_config_dir = \"{}\"\npbs_loopdev_dir = \"{}\"\npve_cluster_dir = \"{}\"\ndpkg_status = \"{}\"\n\
          sdn_interfaces = \"{}\"\nlvm_conf = \"{}\"\nnodes_dir = \"{}\"\nmounts = \"{}\"\n\
-         [limits]\n{}\n[sandbox]\n{}",
+         [limits]\n{}\n[sandbox]\n{}\n[process]\n{}",
         config.node_name,
         p(&config.tls.certificate),
         p(&config.tls.private_key),
@@ -749,6 +750,7 @@ pub fn write_config_file(path: &Path, config: &Config, port: u16) {
         p(&config.pve.mounts),
         toml::to_string(&config.limits).unwrap(),
         toml::to_string(&config.sandbox).unwrap(),
+        toml::to_string(&config.process).unwrap(),
     );
     std::fs::write(path, text).unwrap();
 }

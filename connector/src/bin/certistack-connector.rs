@@ -1,11 +1,12 @@
-//! certistack-connector: reads its config, sets up logging and TLS, serves, drains on SIGTERM.
+//! certistack-connector: reads its config, sets up logging and TLS, serves, reloads its TLS
+//! files on SIGHUP, drains on SIGTERM.
 #![forbid(unsafe_code)]
 #![allow(clippy::print_stdout)]
 
 use anyhow::Context;
 use certistack_connector::config::{self, Config};
 use certistack_connector::runs::StateLock;
-use certistack_connector::server::Connector;
+use certistack_connector::server::{self, Connector};
 use certistack_connector::{check, enroll, tls};
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -88,12 +89,30 @@ fn main() -> ExitCode {
 }
 
 fn init_logging(json: bool) {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("CERTISTACK_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    // Colour only on a terminal: under systemd, stderr goes to the journal.
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    let filter = || {
+        tracing_subscriber::EnvFilter::try_from_env("CERTISTACK_LOG")
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"))
+    };
+    // Started by systemd: records go to the journal with their fields as journal fields
+    // (RUN_ID, RPC, PEER, …), so `journalctl RUN_ID=…` finds a run's lines.
+    if certistack_connector::systemd::stderr_is_journal() {
+        match tracing_journald::layer() {
+            Ok(journald) => {
+                tracing_subscriber::registry()
+                    .with(filter())
+                    .with(journald.with_field_prefix(None))
+                    .init();
+                return;
+            }
+            Err(error) => eprintln!("cannot reach journald ({error}); logging to stderr"),
+        }
+    }
+    // Colour only on a terminal.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+        .with_env_filter(filter())
         .with_writer(std::io::stderr)
         .with_ansi(ansi);
     if json {
@@ -170,6 +189,7 @@ fn serve(config: Config) -> Result<(), Failure> {
             .bind()
             .await
             .map_err(|e| Failure::Refused(e.into()))?;
+        tokio::spawn(server::reload_on_hangup(connector.tls_reload()));
         connector
             .serve(listener, shutdown_signal())
             .await

@@ -15,7 +15,7 @@ use crate::action::EncryptionKey;
 use crate::executor::{ExecError, Outcome};
 use crate::grant::Grant;
 use crate::journal::{Phase, Record};
-use crate::process::{SecretInput, SecretKind, ToolCall, ToolOutput};
+use crate::process::{self, SecretInput, SecretKind, ToolCall, ToolOutput, TransientRole};
 use crate::runs::{RunGuard, RunHandle};
 use crate::source_hardware::{MAX_CONFIG_BYTES, SourceConfigError, SourceHardware};
 use crate::validate::{ArchiveName, Secret, Snapshot};
@@ -153,6 +153,38 @@ impl NodeExecutor {
             .filter(|n| !n.ends_with(".pid") && n.ends_with(ours))
             .collect();
         matching == [ours]
+    }
+
+    /// The transient unit (name, description) a mapping of `archive` for this run lives in,
+    /// when this daemon starts holders in units.
+    fn map_unit(&self, grant: &Grant, archive: &ArchiveName) -> Option<(String, String)> {
+        if !self.config.process.use_transient_units() {
+            return None;
+        }
+        let run_id = grant.run_id.as_str();
+        let unit = process::transient_unit_name(TransientRole::MapHolder, run_id, archive.as_str())
+            .ok()?;
+        let description =
+            process::transient_unit_description(TransientRole::MapHolder, run_id, archive.as_str());
+        Some((unit, description))
+    }
+
+    /// Stops and forgets the mapping's unit once its holder is gone (unmap, cleanup,
+    /// recovery), after checking the unit is this run's.
+    async fn release_map_unit(&self, grant: &Grant, archive: &ArchiveName) {
+        let Some((unit, description)) = self.map_unit(grant, archive) else {
+            return;
+        };
+        if let Err(reason) = process::release_transient_unit(
+            &self.config.process.systemctl,
+            &unit,
+            &description,
+            self.tool_timeout(),
+        )
+        .await
+        {
+            tracing::warn!(run_id = %grant.run_id, %archive, unit, %reason, "the mapping's unit was not released");
+        }
     }
 
     /// A `proxmox-backup-client` call on the grant's repository: the PBS secret goes through a
@@ -320,19 +352,43 @@ impl NodeExecutor {
         }
         let op = Op::BackupMap.as_str();
         let repository = repository_string(&grant.repository);
-        let call = self.pbs_call(
+        let encrypted = key.is_some();
+        let mut call = self.pbs_call(
             grant,
             &["map", snapshot.as_str(), archive.as_str()],
             Duration::from_secs(self.config.limits.map_timeout_secs),
             secret,
             key,
         );
+        // Under systemd the holder lives in a unit of its own, so restarting or upgrading the
+        // daemon keeps the mapping. A key file cannot cross into a unit (systemd-run hands on
+        // stdio only): an encrypted backup's holder stays the daemon's child.
+        let unit = match self.map_unit(grant, &archive) {
+            Some((unit, description)) if !encrypted => {
+                call = process::in_transient_unit(
+                    call,
+                    TransientRole::MapHolder,
+                    &unit,
+                    &description,
+                    &self.config.process.systemd_run,
+                    &self.config.process.systemctl,
+                    Some("PBS_PASSWORD_FD"),
+                )
+                .map_err(ExecError::Failed)?;
+                Some(unit)
+            }
+            Some((unit, _)) => {
+                tracing::warn!(run_id = %grant.run_id, %archive, unit, "an encrypted backup's mapping holder runs as the daemon's child: a restart of the daemon unmaps it");
+                None
+            }
+            None => None,
+        };
         guard.append(
             self.now_ms(),
             op,
             &resource,
             Phase::Intent,
-            json!({ "snapshot": snapshot.as_str(), "archive": archive.as_str(), "repository": repository, "command": call.display() }),
+            json!({ "snapshot": snapshot.as_str(), "archive": archive.as_str(), "repository": repository, "command": call.display(), "unit": unit }),
         ).await?;
         let output = match self.run_step(&mut guard, op, &resource, call).await {
             Ok(output) => output,
@@ -400,6 +456,7 @@ impl NodeExecutor {
             &[
                 ("loop_device", json!(device)),
                 ("backing_file", json!(expected.display().to_string())),
+                ("unit", json!(unit)),
             ],
         );
         guard
@@ -514,6 +571,7 @@ impl NodeExecutor {
         });
         devices.dedup();
         if devices.is_empty() && !dangling {
+            self.release_map_unit(grant, archive).await;
             self.journal_end_state(guard, op, &resource, &EndState::AlreadyGone)
                 .await?;
             return Ok((EndState::AlreadyGone, None));
@@ -610,6 +668,7 @@ impl NodeExecutor {
             Some(output) => tool_detail(output, &extra),
             None => json!({ "loop_devices": devices, "end_state": EndState::Unmapped.wire() }),
         };
+        self.release_map_unit(grant, archive).await;
         guard
             .append(self.now_ms(), op, &resource, Phase::Undone, detail)
             .await?;

@@ -12,7 +12,7 @@ use super::{NodeExecutor, tool_detail, tool_error, tool_result};
 use crate::executor::{ExecError, Outcome};
 use crate::grant::Grant;
 use crate::journal::{Phase, Record};
-use crate::process::{self, ToolCall};
+use crate::process::{self, ToolCall, TransientRole};
 use crate::runs::{RunGuard, RunHandle};
 use crate::source_hardware::SourceHardware;
 use crate::validate::{ArchiveName, Vmid};
@@ -305,23 +305,39 @@ impl NodeExecutor {
             Verb::Start | Verb::Unlock => {}
         }
         let op = verb.op().as_str();
+        let mut call = self.qm_call(&args, verb.grace(self.tool_timeout()));
+        // Under systemd, qm start (and the QEMU it execs before qemu-server moves it to the
+        // VM's scope) runs in a unit of its own: the VM never inherits the daemon's sandbox.
+        let mut unit = None;
+        if verb == Verb::Start && self.config.process.use_transient_units() {
+            let run_id = guard.grant().run_id.as_str().to_owned();
+            let vm = vmid.to_string();
+            let name = process::transient_unit_name(TransientRole::QmStart, &run_id, &vm)
+                .map_err(ExecError::Failed)?;
+            let description =
+                process::transient_unit_description(TransientRole::QmStart, &run_id, &vm);
+            call = process::in_transient_unit(
+                call,
+                TransientRole::QmStart,
+                &name,
+                &description,
+                &self.config.process.systemd_run,
+                &self.config.process.systemctl,
+                None,
+            )
+            .map_err(ExecError::Failed)?;
+            unit = Some(name);
+        }
         guard
             .append(
                 self.now_ms(),
                 op,
                 &resource,
                 Phase::Intent,
-                json!({ "argv": args }),
+                json!({ "argv": args, "unit": unit }),
             )
             .await?;
-        let output = self
-            .run_step(
-                guard,
-                op,
-                &resource,
-                self.qm_call(&args, verb.grace(self.tool_timeout())),
-            )
-            .await?;
+        let output = self.run_step(guard, op, &resource, call).await?;
         if !output.success() {
             self.journal_tool_failed(guard, op, &resource, &output, &[])
                 .await?;
