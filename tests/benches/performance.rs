@@ -791,30 +791,29 @@ async fn fsyncs(authority: &Authority, dir: &Path, operator: &IssuedCertificate)
     }
     let config = enroll(authority, &dir.join("strace-node"), NODE);
     let daemon = start_daemon(authority, &config, dir, operator).await;
+    // One run at a time (runs made by `grant` share a VMID, so they may not be open together),
+    // each call in its own strace window.
     const RUNS: usize = 10;
-    let mut clients = Vec::new();
-    for _ in 0..RUNS {
+    let (mut begin, mut end) = ((0, 0), (0, 0));
+    for n in 0..RUNS {
         let run_id = uuid::Uuid::new_v4().to_string();
         let credentials = mint(authority, &grant(&run_id, NODE));
-        let c = client(authority, &daemon.address, NODE, &credentials.certificate)
+        let mut c = client(authority, &daemon.address, NODE, &credentials.certificate)
             .await
             .unwrap();
-        clients.push((c, credentials));
-    }
-    let begin_file = dir.join("strace-begin.txt");
-    let strace = strace_syncs(daemon.pid(), &begin_file);
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    for (c, credentials) in &mut clients {
-        c.begin_run(begin_request(credentials)).await.unwrap();
-    }
-    let begin = strace_counts(strace, &begin_file).await;
-    let end_file = dir.join("strace-end.txt");
-    let strace = strace_syncs(daemon.pid(), &end_file);
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    for (c, _) in &mut clients {
+        let begin_file = dir.join(format!("strace-begin-{n}.txt"));
+        let strace = strace_syncs(daemon.pid(), &begin_file);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        c.begin_run(begin_request(&credentials)).await.unwrap();
+        let counted = strace_counts(strace, &begin_file).await;
+        begin = (begin.0 + counted.0, begin.1 + counted.1);
+        let end_file = dir.join(format!("strace-end-{n}.txt"));
+        let strace = strace_syncs(daemon.pid(), &end_file);
+        tokio::time::sleep(Duration::from_millis(300)).await;
         c.end_run(pb::EndRunRequest {}).await.unwrap();
+        let counted = strace_counts(strace, &end_file).await;
+        end = (end.0 + counted.0, end.1 + counted.1);
     }
-    let end = strace_counts(strace, &end_file).await;
     let per = |n: u64| n as f64 / RUNS as f64;
     println!(
         "\nSyncs in the shipped daemon (strace -f -c, {RUNS} calls each): BeginRun fsync {:.1} + fdatasync {:.1}; EndRun fsync {:.1} + fdatasync {:.1}.",
