@@ -247,38 +247,36 @@ pub fn ifcfg_fights(text: &str, nic: &SandboxNic) -> bool {
     !loopback && binds_sandbox_nic(&values(text, "HWADDR"), nic)
 }
 
-/// A NetworkManager keyfile with `autoconnect=false` in its `[connection]` section.
+/// A NetworkManager keyfile with `autoconnect=false` first in its `[connection]` section (an
+/// `autoconnect` line of its own is commented out); everything else is kept as written.
 pub fn networkmanager_disable(text: &str) -> String {
     let mut out = String::new();
     let mut in_connection = false;
-    let mut done = false;
+    let mut found = false;
     for line in text.lines() {
         let trimmed = line.trim();
         if trimmed.starts_with('[') {
-            if in_connection && !done {
-                out.push_str("autoconnect=false\n");
-                done = true;
-            }
             in_connection = trimmed == "[connection]";
-        } else if in_connection
+            out.push_str(line);
+            out.push('\n');
+            if in_connection && !found {
+                out.push_str("autoconnect=false\n");
+                found = true;
+            }
+            continue;
+        }
+        if in_connection
             && trimmed
                 .split_once('=')
                 .is_some_and(|(k, _)| k.trim() == "autoconnect")
         {
-            if !done {
-                out.push_str("autoconnect=false\n");
-                done = true;
-            }
-            continue;
+            out.push_str(COMMENT_PREFIX);
         }
         out.push_str(line);
         out.push('\n');
     }
-    if !done {
-        if !in_connection {
-            out.push_str("[connection]\n");
-        }
-        out.push_str("autoconnect=false\n");
+    if !found {
+        out.push_str("[connection]\nautoconnect=false\n");
     }
     out
 }
@@ -1567,13 +1565,10 @@ mod tests {
         );
         assert_eq!(
             nm,
-            "[connection]\nid=prod\ntype=ethernet\nautoconnect=false\n\n[ipv4]\nmethod=manual\n"
+            "[connection]\nautoconnect=false\nid=prod\ntype=ethernet\n#certistack-disabled# autoconnect=true\n\n[ipv4]\nmethod=manual\n"
         );
-        let nm = networkmanager_disable("[connection]\nid=prod\n[ipv4]\nmethod=auto\n");
-        assert_eq!(
-            nm,
-            "[connection]\nid=prod\nautoconnect=false\n[ipv4]\nmethod=auto\n"
-        );
+        let nm = networkmanager_disable("[ipv4]\nmethod=auto\n");
+        assert_eq!(nm, "[ipv4]\nmethod=auto\n[connection]\nautoconnect=false\n");
         let ifcfg = ifcfg_disable("DEVICE=eth0\nONBOOT=yes\nIPADDR=10.0.0.5\n");
         assert_eq!(
             ifcfg,
