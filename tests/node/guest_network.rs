@@ -180,6 +180,8 @@ async fn begin(
     let authority_dir = TempDir::new(&format!("{tag}-ctl"));
     let authority = controller(&authority_dir.0);
     let mut config = lab.node_config(&authority, &lab.root.join("node"));
+    // Appliances boot under TCG on a machine other builds share: room for a slow boot.
+    config.limits.guest_network_timeout_secs = 900;
     configure(&lab, &mut config);
     let (address, shutdown, task) = serve_node(config).await;
     let mut wire = grant(RUN_ID, NODE);
