@@ -942,6 +942,9 @@ async fn run_with_source(
     let mut wire = grant(run_id, NODE);
     wire.probe_source = probe_source.into();
     wire.probe_targets = targets;
+    // No guest network recovery: its guest address would have to be in this probe network.
+    wire.network_recovery_modes.clear();
+    wire.guest_address.clear();
     let credentials = mint(&node.authority, &wire);
     let mut c = client(
         &node.authority,

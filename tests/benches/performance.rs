@@ -1044,6 +1044,7 @@ async fn validation(
     wire.snapshot = slot_snapshot(slot);
     wire.vnet = format!("csv{slot}");
     wire.probe_source = format!("10.77.{slot}.2/24");
+    wire.guest_address = format!("10.77.{slot}.10/24");
     for target in &mut wire.probe_targets {
         target.address = format!("10.77.{slot}.10");
     }

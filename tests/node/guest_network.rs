@@ -180,6 +180,8 @@ async fn begin(
     let authority_dir = TempDir::new(&format!("{tag}-ctl"));
     let authority = controller(&authority_dir.0);
     let mut config = lab.node_config(&authority, &lab.root.join("node"));
+    // Appliances boot under TCG on a machine other builds share: room for a slow boot.
+    config.limits.guest_network_timeout_secs = 900;
     configure(&lab, &mut config);
     let (address, shutdown, task) = serve_node(config).await;
     let mut wire = grant(RUN_ID, NODE);
@@ -525,7 +527,7 @@ async fn guest_network_recovery_writes_each_stack_profile_into_the_overlay_only(
     assert!(
         keyfile.contains("never-default=true") && keyfile.contains("address1=198.51.100.10/24\n")
     );
-    assert!(prod.as_ref().unwrap().contains("[connection]\nid=prod\nuuid=5fb06bd0-0bb0-7ffb-45f1-d6edd65f3e03\ntype=ethernet\ninterface-name=eth0\nautoconnect=false\n"));
+    assert!(prod.as_ref().unwrap().contains("[connection]\nautoconnect=false\nid=prod\nuuid=5fb06bd0-0bb0-7ffb-45f1-d6edd65f3e03\ntype=ethernet\ninterface-name=eth0\n\n[ipv4]\n"));
     assert_eq!(
         storage.as_deref(),
         Some(FEDORA[5].1),

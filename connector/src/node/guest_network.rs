@@ -247,38 +247,36 @@ pub fn ifcfg_fights(text: &str, nic: &SandboxNic) -> bool {
     !loopback && binds_sandbox_nic(&values(text, "HWADDR"), nic)
 }
 
-/// A NetworkManager keyfile with `autoconnect=false` in its `[connection]` section.
+/// A NetworkManager keyfile with `autoconnect=false` first in its `[connection]` section (an
+/// `autoconnect` line of its own is commented out); everything else is kept as written.
 pub fn networkmanager_disable(text: &str) -> String {
     let mut out = String::new();
     let mut in_connection = false;
-    let mut done = false;
+    let mut found = false;
     for line in text.lines() {
         let trimmed = line.trim();
         if trimmed.starts_with('[') {
-            if in_connection && !done {
-                out.push_str("autoconnect=false\n");
-                done = true;
-            }
             in_connection = trimmed == "[connection]";
-        } else if in_connection
+            out.push_str(line);
+            out.push('\n');
+            if in_connection && !found {
+                out.push_str("autoconnect=false\n");
+                found = true;
+            }
+            continue;
+        }
+        if in_connection
             && trimmed
                 .split_once('=')
                 .is_some_and(|(k, _)| k.trim() == "autoconnect")
         {
-            if !done {
-                out.push_str("autoconnect=false\n");
-                done = true;
-            }
-            continue;
+            out.push_str(COMMENT_PREFIX);
         }
         out.push_str(line);
         out.push('\n');
     }
-    if !done {
-        if !in_connection {
-            out.push_str("[connection]\n");
-        }
-        out.push_str("autoconnect=false\n");
+    if !found {
+        out.push_str("[connection]\nautoconnect=false\n");
     }
     out
 }
@@ -513,7 +511,8 @@ pub struct Evidence {
 /// One guestfish process on the overlay, driven batch by batch over its stdin.
 struct Session {
     child: tokio::process::Child,
-    stdin: tokio::process::ChildStdin,
+    /// `None` once `finish` closed it.
+    stdin: Option<tokio::process::ChildStdin>,
     stdout: tokio::io::BufReader<tokio::process::ChildStdout>,
     stderr: tokio::task::JoinHandle<Vec<u8>>,
     marker: String,
@@ -563,7 +562,7 @@ impl Session {
         });
         Ok(Self {
             child,
-            stdin,
+            stdin: Some(stdin),
             stdout: tokio::io::BufReader::new(stdout),
             stderr,
             marker: format!("certistack-{}", uuid::Uuid::new_v4().simple()),
@@ -594,12 +593,18 @@ impl Session {
             );
         }
         self.batches += commands.len() as u64;
-        if let Err(error) = self.stdin.write_all(script.as_bytes()).await {
+        let written = match self.stdin.as_mut() {
+            Some(stdin) => match stdin.write_all(script.as_bytes()).await {
+                Ok(()) => stdin.flush().await,
+                Err(error) => Err(error),
+            },
+            None => Err(std::io::Error::from(std::io::ErrorKind::BrokenPipe)),
+        };
+        if let Err(error) = written {
             return Err(self
                 .failure(&format!("guestfish stopped reading: {error}"))
                 .await);
         }
-        let _ = self.stdin.flush().await;
         let mut answers = Vec::with_capacity(commands.len());
         for index in 0..commands.len() {
             let end = format!("{}-{}\n", self.marker, first + index as u64);
@@ -665,24 +670,37 @@ impl Session {
 
     /// Ends the session: guestfish shuts the appliance down, which flushes the overlay.
     async fn finish(mut self) -> Result<Option<i32>, RecoveryError> {
-        let _ = self.stdin.write_all(b"umount-all\nexit\n").await;
-        drop(self.stdin);
+        if let Some(mut stdin) = self.stdin.take() {
+            let _ = stdin.write_all(b"umount-all\nexit\n").await;
+        }
         let status = self
             .child
             .wait()
             .await
             .map_err(|e| RecoveryError::Tool(format!("cannot wait for guestfish: {e}")))?;
         if !status.success() {
-            let stderr = match tokio::time::timeout(Duration::from_secs(2), self.stderr).await {
-                Ok(Ok(bytes)) => String::from_utf8_lossy(&bytes).trim().to_owned(),
-                _ => String::new(),
-            };
+            let stderr = self.stderr_text().await;
             return Err(RecoveryError::Tool(format!(
                 "guestfish failed closing the overlay (exit {:?}): {stderr}",
                 status.code()
             )));
         }
         Ok(status.code())
+    }
+}
+
+impl Drop for Session {
+    /// A session dropped before `finish` (a failure, the deadline, the daemon going away) takes
+    /// guestfish's whole process group with it: the appliance's QEMU runs in that group.
+    fn drop(&mut self) {
+        if let Some(pid) = self
+            .child
+            .id()
+            .and_then(|id| i32::try_from(id).ok())
+            .and_then(rustix::process::Pid::from_raw)
+        {
+            let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
+        }
     }
 }
 
@@ -1111,12 +1129,10 @@ fn plan_stack(
             }
         }
         NetworkStack::Ifupdown => {
-            let mut sources_directory = false;
             for file in files {
                 if file.path == "/etc/network/interfaces" {
-                    sources_directory = ifupdown_sources_directory(&file.text);
                     let mut text = ifupdown_disable(&file.text);
-                    if !sources_directory {
+                    if !ifupdown_sources_directory(&file.text) {
                         let mut base = text.clone().unwrap_or_else(|| file.text.clone());
                         if !base.ends_with('\n') && !base.is_empty() {
                             base.push('\n');
@@ -1133,7 +1149,6 @@ fn plan_stack(
                         .push(changed(file.path.clone(), text, Some("0644")));
                 }
             }
-            let _ = sources_directory;
             plan.writes.push(new(
                 format!("/etc/systemd/network/10-{PROFILE_NAME}.link"),
                 networkd_link(nic),
@@ -1550,13 +1565,10 @@ mod tests {
         );
         assert_eq!(
             nm,
-            "[connection]\nid=prod\ntype=ethernet\nautoconnect=false\n\n[ipv4]\nmethod=manual\n"
+            "[connection]\nautoconnect=false\nid=prod\ntype=ethernet\n#certistack-disabled# autoconnect=true\n\n[ipv4]\nmethod=manual\n"
         );
-        let nm = networkmanager_disable("[connection]\nid=prod\n[ipv4]\nmethod=auto\n");
-        assert_eq!(
-            nm,
-            "[connection]\nid=prod\nautoconnect=false\n[ipv4]\nmethod=auto\n"
-        );
+        let nm = networkmanager_disable("[ipv4]\nmethod=auto\n");
+        assert_eq!(nm, "[ipv4]\nmethod=auto\n[connection]\nautoconnect=false\n");
         let ifcfg = ifcfg_disable("DEVICE=eth0\nONBOOT=yes\nIPADDR=10.0.0.5\n");
         assert_eq!(
             ifcfg,
