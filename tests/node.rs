@@ -3143,17 +3143,6 @@ mod systemd_unit {
             text
         }
 
-        fn succeeds(&self, argv: &[&str]) -> bool {
-            Command::new("nsenter")
-                .args(["-t", &self.leader.to_string(), "-a", "--"])
-                .args(argv)
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status()
-                .unwrap()
-                .success()
-        }
-
         fn property(&self, unit: &str, property: &str) -> String {
             self.run(&["systemctl", "show", "--value", "-p", property, unit])
                 .trim()
@@ -3332,7 +3321,7 @@ mod systemd_unit {
         assert_eq!(container.property(&map_unit, "ActiveState"), "active");
         let loopdev_dir = lab.root.join("run/pbs-loopdev");
         let loops = container.loops_under(&loopdev_dir);
-        assert_eq!(loops, [mapped.loop_device.clone()]);
+        assert_eq!(loops, std::slice::from_ref(&mapped.loop_device));
         // The holder's pid file, as the PBS client writes it (a pid of the container).
         let pid_file = std::fs::read_dir(lab.root.join("run/pbs-loopdev"))
             .unwrap()
