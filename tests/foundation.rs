@@ -4098,8 +4098,7 @@ mod state_dir {
             .await;
             let last = log
                 .lines()
-                .filter(|l| l.contains("refused the certificate set on disk"))
-                .last()
+                .rfind(|l| l.contains("refused the certificate set on disk"))
                 .unwrap();
             assert!(last.contains(reason), "{what}: {last}");
             assert_eq!(

@@ -355,7 +355,7 @@ impl Config {
             value: self.node_name.clone(),
             reason,
         })?;
-        let absolute: [(&'static str, &Path); 23] = [
+        let absolute: [(&'static str, &Path); 25] = [
             ("tls.certificate", &self.tls.certificate),
             ("tls.private_key", &self.tls.private_key),
             ("tls.controller_ca", &self.tls.controller_ca),
@@ -391,6 +391,8 @@ impl Config {
             ("pve.lvm_conf", &self.pve.lvm_conf),
             ("pve.nodes_dir", &self.pve.nodes_dir),
             ("pve.mounts", &self.pve.mounts),
+            ("process.systemd_run", &self.process.systemd_run),
+            ("process.systemctl", &self.process.systemctl),
         ];
         for (key, value) in absolute {
             if !value.is_absolute() {
@@ -612,6 +614,44 @@ overlay_root = "/var/lib/certistack/overlays"
         std::fs::write(&path, text).unwrap();
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
         path
+    }
+
+    #[test]
+    fn process_settings_default_to_auto_and_refuse_what_they_do_not_know() {
+        let good = write("process-good", GOOD, 0o644);
+        let config = Config::load(&good).unwrap();
+        assert_eq!(config.process.transient_units, TransientUnits::Auto);
+        assert_eq!(
+            config.process.use_transient_units(),
+            std::path::Path::new("/run/systemd/system").is_dir()
+        );
+        let never = write(
+            "process-never",
+            &format!("{GOOD}[process]\ntransient_units = \"never\"\n"),
+            0o644,
+        );
+        let never_config = Config::load(&never).unwrap();
+        assert_eq!(never_config.process.transient_units, TransientUnits::Never);
+        assert!(!never_config.process.use_transient_units());
+        let unknown = write(
+            "process-always",
+            &format!("{GOOD}[process]\ntransient_units = \"always\"\n"),
+            0o644,
+        );
+        assert!(matches!(
+            Config::load(&unknown),
+            Err(ConfigError::Parse { .. })
+        ));
+        let relative = write(
+            "process-relative",
+            &format!("{GOOD}[process]\nsystemd_run = \"systemd-run\"\n"),
+            0o644,
+        );
+        let err = Config::load(&relative).unwrap_err().to_string();
+        assert!(err.contains("process.systemd_run"), "{err}");
+        for path in [good, never, unknown, relative] {
+            std::fs::remove_file(path).unwrap();
+        }
     }
 
     #[test]
