@@ -41,8 +41,11 @@ if ! cargo deb --version 2>/dev/null | grep -q " $cargo_deb_version\b"; then
   cargo install --locked --quiet cargo-deb --version "$cargo_deb_version"
 fi
 
-step "release build (a no-op after CI's cargo build --release --locked --bins)"
-cargo build --release --locked --bins --quiet
+# The package is made from the release build CI has just made (`cargo build --release --locked
+# --bins`), never a second one.
+for bin in certistack-connector certistack-ctl; do
+  [ -x "$release/$bin" ] || fail "$release/$bin is missing: run cargo build --release --locked --bins first"
+done
 ctl="$release/certistack-ctl"
 controller_digest=$("$ctl" surface | sed -n 's/^digest: //p')
 
@@ -84,7 +87,7 @@ expect_entry -rw-r----- ./etc/certistack/connector.toml
 expect_entry -rw-r--r-- ./usr/share/doc/certistack-connector/copyright
 expect_entry -rw-r--r-- ./usr/share/doc/certistack-connector/changelog.Debian.gz
 expect_entry -rw-r--r-- ./usr/share/doc/certistack-connector/install.md
-field() { dpkg-deb --field "$1" "$2"; }
+field() { dpkg-deb --field "$2" "$1"; }
 [ "$(field Package "$v1")" = certistack-connector ] || fail "Package field"
 [ "$(field Architecture "$v1")" = amd64 ] || fail "Architecture field"
 [ "$(field Version "$v1")" = 0.1.0-1 ] && [ "$(field Version "$v2")" = 0.1.0-2 ] || fail "Version fields"
