@@ -4038,7 +4038,7 @@ mod state_dir {
         let identity = authority.issue_operator("alice", now()).unwrap();
         let mut operator = client(&authority, &address, NODE, &identity).await.unwrap();
         let listed = operator
-            .list_runs(pb::ListRunsRequest {})
+            .list_runs(pb::ListRunsRequest::default())
             .await
             .unwrap()
             .into_inner()
