@@ -43,6 +43,15 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
 pub const MAX_SESSION_BYTES: usize = 4 * 1024 * 1024;
 /// Bytes of one guest configuration file read; a larger file is not edited (and reported).
 pub const MAX_GUEST_FILE_BYTES: u64 = 64 * 1024;
+/// The longest command line sent to guestfish. guestfish reads its script with an 8 KiB
+/// `fgets`, so a longer line would reach its parser as two commands, the second starting with
+/// guest-controlled text (a leading `!` is a host shell command): no line may come near it.
+pub const MAX_COMMAND_BYTES: usize = 4096;
+/// The raw bytes of a guest file written per `write`/`write-append` command: quoted, a byte
+/// takes at most 4 characters, so a chunk stays far below [`MAX_COMMAND_BYTES`] with its path.
+const WRITE_CHUNK_BYTES: usize = 768;
+// guestfish's `fgets` reads at most 8191 bytes of a line.
+const _: () = assert!(MAX_COMMAND_BYTES < 8191);
 /// Files of one configuration directory considered; more are reported, not read.
 pub const MAX_PROFILES: usize = 64;
 /// The journal's `op` of a recovery. Its records do not open a resource of their own: what it
@@ -467,6 +476,16 @@ fn plain_path(path: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || "/._-@+:".contains(c))
 }
 
+/// Whether a device name from the guest's inspection (its fstab, so guest-controlled) is one
+/// recovery will mount: a short `/dev/` path of plain characters.
+fn plain_device(device: &str) -> bool {
+    device.starts_with("/dev/")
+        && device.len() <= 128
+        && device
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "/._:+-".contains(c))
+}
+
 /// Why a recovery did not complete.
 #[derive(Debug, thiserror::Error)]
 pub enum RecoveryError {
@@ -582,6 +601,16 @@ impl Session {
 
     /// Sends `commands`, one answer (its output, without the trailing newline) per command.
     async fn ask(&mut self, commands: &[String]) -> Result<Vec<Vec<u8>>, RecoveryError> {
+        if let Some(command) = commands
+            .iter()
+            .find(|c| c.len() > MAX_COMMAND_BYTES || c.contains(['\n', '\r']))
+        {
+            let shown: String = command.chars().take(120).collect();
+            return Err(RecoveryError::Tool(format!(
+                "refused to send guestfish a command of {} bytes or with a line break (`{shown}`…): guestfish would split it",
+                command.len()
+            )));
+        }
         let mut script = String::new();
         let first = self.batches;
         for (index, command) in commands.iter().enumerate() {
@@ -611,7 +640,13 @@ impl Session {
             let mut answer = Vec::new();
             loop {
                 let mut line = Vec::new();
-                let n = match self.stdout.read_until(b'\n', &mut line).await {
+                // One line may not exceed what the session may still read.
+                let room = (MAX_SESSION_BYTES.saturating_sub(self.read) as u64).saturating_add(1);
+                let n = match (&mut self.stdout)
+                    .take(room)
+                    .read_until(b'\n', &mut line)
+                    .await
+                {
                     Ok(n) => n,
                     Err(error) => {
                         return Err(self
@@ -755,7 +790,13 @@ async fn recover(
                 "libguestfs inspection found no operating system on the disk".into(),
             ));
         }
-        [root] => root.clone(),
+        [root] if plain_device(root) => root.clone(),
+        [root] => {
+            let shown: String = root.chars().take(120).collect();
+            return Err(RecoveryError::Unrecognized(format!(
+                "libguestfs inspection named the operating system's root {shown:?}, not a plain device name; recovery does not touch it"
+            )));
+        }
         more => {
             return Err(RecoveryError::Unrecognized(format!(
                 "libguestfs inspection found {} operating systems ({}); recovery cannot tell which one boots",
@@ -802,18 +843,29 @@ async fn recover(
         .lines()
         .filter_map(|l| l.split_once(": "))
         .map(|(mp, dev)| (mp.trim().to_owned(), dev.trim().to_owned()))
-        .filter(|(mp, dev)| plain_path(mp) && dev.starts_with("/dev/"))
+        .filter(|(mp, dev)| plain_path(mp) && plain_device(dev))
         .collect();
     mounts.sort_by_key(|(mp, _)| mp.len());
     // Read-only until there is something to write: a guest recovery refuses leaves the
     // overlay as it found it (a read-write mount alone updates the superblock).
-    let mount_commands = |verb: &str| -> Vec<String> {
+    // nodev: a device node in the guest (say /dev/zero named as a netplan file) cannot be
+    // opened, so a read cannot stream without end into the host's temporary files.
+    let mount_commands = |options: &str| -> Vec<String> {
         mounts
             .iter()
-            .map(|(mp, dev)| format!("-{verb} {} {}", quote(dev.as_bytes()), quote(mp.as_bytes())))
+            .map(|(mp, dev)| {
+                format!(
+                    "-mount-options {} {} {}",
+                    quote(options.as_bytes()),
+                    quote(dev.as_bytes()),
+                    quote(mp.as_bytes())
+                )
+            })
             .collect()
     };
-    session.ask(&mount_commands("mount-ro")).await?;
+    session
+        .ask(&mount_commands("ro,nodev,nosuid,noexec"))
+        .await?;
 
     // The survey: what each stack leaves on disk.
     let survey = session
@@ -943,7 +995,7 @@ async fn recover(
 
     // The writes, then the read-back of what landed.
     let mut commands = vec!["umount-all".to_owned()];
-    commands.extend(mount_commands("mount"));
+    commands.extend(mount_commands("nodev,nosuid,noexec"));
     for (from, to) in &plan.renames {
         commands.push(format!(
             "mv {} {}",
@@ -957,11 +1009,20 @@ async fn recover(
         {
             commands.push(format!("mkdir-p {}", quote(dir.as_bytes())));
         }
+        // In chunks: one quoted line per command stays under MAX_COMMAND_BYTES.
+        let mut chunks = write.content.as_bytes().chunks(WRITE_CHUNK_BYTES);
         commands.push(format!(
             "write {} {}",
             quote(write.path.as_bytes()),
-            quote(write.content.as_bytes())
+            quote(chunks.next().unwrap_or_default())
         ));
+        for chunk in chunks {
+            commands.push(format!(
+                "write-append {} {}",
+                quote(write.path.as_bytes()),
+                quote(chunk)
+            ));
+        }
         if let Some(mode) = write.mode {
             commands.push(format!("chmod {mode} {}", quote(write.path.as_bytes())));
         }
@@ -1015,6 +1076,26 @@ async fn read_files(
     paths: &[String],
     notes: &mut Vec<String>,
 ) -> Result<Vec<GuestFile>, RecoveryError> {
+    // Regular files only (a FIFO or device node named like a profile is not read).
+    let kinds = session
+        .ask_text(
+            &paths
+                .iter()
+                .map(|p| format!("-is-file {} followsymlinks:true", quote(p.as_bytes())))
+                .collect::<Vec<_>>(),
+        )
+        .await?;
+    let mut files = Vec::new();
+    for (path, kind) in paths.iter().zip(&kinds) {
+        if kind.trim() == "true" {
+            files.push(path.clone());
+        } else {
+            notes.push(format!(
+                "{path} is not a regular file; it was left as it is"
+            ));
+        }
+    }
+    let paths = &files;
     let sizes = session
         .ask_text(
             &paths
@@ -1609,6 +1690,44 @@ mod tests {
             "idempotent"
         );
         assert!(firewalld_allow("<zone/>", source, &ports).is_err());
+    }
+
+    #[test]
+    fn guest_device_names_are_plain_and_short() {
+        assert!(plain_device("/dev/sda1"));
+        assert!(plain_device("/dev/mapper/vg-root"));
+        assert!(plain_device("/dev/vg0/lv_root"));
+        assert!(!plain_device("/dev/sda1!touch${IFS}/x"));
+        assert!(!plain_device("/dev/a b"));
+        assert!(!plain_device(&format!("/dev/{}", "A".repeat(8180))));
+        assert!(!plain_device("btrfsvol:/dev/sda2/root"));
+    }
+
+    #[test]
+    fn no_command_sent_to_guestfish_comes_near_its_line_limit() {
+        // The largest guest file recovery writes, of the bytes that quote the longest.
+        let content = vec![0xffu8; MAX_GUEST_FILE_BYTES as usize];
+        let path = format!("/{}", "a".repeat(255));
+        for chunk in content.chunks(WRITE_CHUNK_BYTES) {
+            let line = format!("write-append {} {}", quote(path.as_bytes()), quote(chunk));
+            assert!(line.len() <= MAX_COMMAND_BYTES, "{}", line.len());
+        }
+    }
+
+    #[tokio::test]
+    async fn a_command_guestfish_would_split_is_never_sent() {
+        let mut session = Session::start(Path::new("/bin/cat"), Path::new("/nonexistent"), 256)
+            .expect("cat starts");
+        for command in [
+            format!("-mount-ro \"/dev/{}!touch /x\" \"/srv\"", "A".repeat(8180)),
+            "is-file /etc\n!touch /x".to_owned(),
+            "is-file /etc\r!touch /x".to_owned(),
+        ] {
+            match session.ask(&[command]).await {
+                Err(RecoveryError::Tool(why)) => assert!(why.contains("would split it"), "{why}"),
+                other => panic!("sent: {other:?}"),
+            }
+        }
     }
 
     #[test]
