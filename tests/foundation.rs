@@ -3850,6 +3850,12 @@ mod state_dir {
             .process_group(0)
             .spawn()
             .unwrap();
+        // A guest network recovery's appliance, which holds the overlay open, interrupted too.
+        let mut appliance = Command::new("sleep")
+            .arg("300")
+            .process_group(0)
+            .spawn()
+            .unwrap();
         {
             let key = load_authority_key(&config.tls.run_authority_public_key).unwrap();
             let now_ms = now().unix_timestamp() * 1000;
@@ -3867,6 +3873,19 @@ mod state_dir {
                 .append(
                     now_ms,
                     "overlay.create",
+                    &format!("overlay:{VMID}:{ARCHIVE}"),
+                    Phase::Intent,
+                    serde_json::json!({ "tool": {
+                        "pid": pid, "start_time": start_time_of(pid), "process_group": pid,
+                    }}),
+                )
+                .await
+                .unwrap();
+            let pid = appliance.id();
+            guard
+                .append(
+                    now_ms,
+                    "guestnet.recover",
                     &format!("overlay:{VMID}:{ARCHIVE}"),
                     Phase::Intent,
                     serde_json::json!({ "tool": {
@@ -3909,6 +3928,16 @@ mod state_dir {
         assert!(
             journal.contains("outcome_unknown"),
             "READY=1 came before the interrupted step was journaled as settled: {journal}"
+        );
+        assert!(
+            appliance.try_wait().unwrap().is_some(),
+            "READY=1 came while an interrupted guest network recovery's appliance still held the overlay"
+        );
+        assert!(
+            journal
+                .lines()
+                .any(|l| l.contains("guestnet.recover") && l.contains("outcome_unknown")),
+            "the interrupted guest network recovery was not journaled as settled: {journal}"
         );
         // The daemon serves once ready.
         let operator = authority.issue_operator("alice", now()).unwrap();

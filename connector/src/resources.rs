@@ -249,6 +249,48 @@ impl ResourceState {
     }
 }
 
+/// A step that leaves nothing of its own to undo but runs a tool (guest network recovery in
+/// an overlay's appliance), whose `intent` has no outcome: the daemon died during it, and its
+/// tool may still be running with the overlay open.
+#[derive(Debug)]
+pub struct InterruptedSideStep {
+    pub op: String,
+    pub key: String,
+    pub tools: Vec<ToolIdentity>,
+}
+
+/// The side steps (ops whose records [`states`] skips because deleting their resource undoes
+/// them) that were interrupted: the last record of the op on its resource is an `intent`.
+pub fn interrupted_side_steps(records: &[Record]) -> Vec<InterruptedSideStep> {
+    let mut last: BTreeMap<(String, String), Vec<&Record>> = BTreeMap::new();
+    for record in records
+        .iter()
+        .filter(|r| r.entry.op.starts_with("guestnet."))
+    {
+        let key = (record.entry.op.clone(), record.entry.resource.clone());
+        let history = last.entry(key).or_default();
+        if record.entry.phase != Phase::Intent {
+            history.clear();
+        }
+        history.push(record);
+    }
+    last.into_iter()
+        .filter(|(_, history)| {
+            history
+                .last()
+                .is_some_and(|r| r.entry.phase == Phase::Intent)
+        })
+        .map(|((op, key), history)| InterruptedSideStep {
+            op,
+            key,
+            tools: history
+                .iter()
+                .filter_map(|r| serde_json::from_value(r.entry.detail.get("tool")?.clone()).ok())
+                .collect(),
+        })
+        .collect()
+}
+
 /// Every resource the journal mentions, keyed by resource.
 pub fn states(records: &[Record]) -> BTreeMap<String, ResourceState> {
     let mut states: BTreeMap<String, ResourceState> = BTreeMap::new();

@@ -101,6 +101,39 @@ impl NodeExecutor {
                 tracing::warn!(resource = %state.key, killed, "killed the tools of a step the connector was interrupted in");
             }
         }
+        // A guest network recovery's appliance holds the overlay open; it must be gone before
+        // anything decides about the overlay.
+        for step in resources::interrupted_side_steps(&records) {
+            let mut killed = 0usize;
+            let mut left = Vec::new();
+            for tool in &step.tools {
+                match tool.reap(REAP_WITHIN).await {
+                    Ok(n) => killed = killed.saturating_add(n),
+                    Err(reason) => left.push(reason),
+                }
+            }
+            if !left.is_empty() {
+                problems.push(format!("{} ({}): {}", step.key, step.op, left.join("; ")));
+                continue;
+            }
+            guard
+                .append(
+                    self.now_ms(),
+                    &step.op,
+                    &step.key,
+                    Phase::Failed,
+                    json!({
+                        "error": "the connector stopped during this step",
+                        "outcome_unknown": true,
+                        "tools": step.tools,
+                        "processes_killed": killed,
+                    }),
+                )
+                .await?;
+            if killed > 0 {
+                tracing::warn!(resource = %step.key, op = %step.op, killed, "killed the tools of a step the connector was interrupted in");
+            }
+        }
         if problems.is_empty() {
             Ok(())
         } else {
