@@ -864,6 +864,13 @@ pub fn in_transient_unit(
     for property in role.properties() {
         wrapped = wrapped.arg("--property").arg(*property);
     }
+    // A oneshot unit's start has no time limit by default, and at the call's timeout only
+    // systemd-run is killed: the unit itself must give up at the same bound, or `qm start` (or
+    // the map) would go on after the step reported its deadline.
+    wrapped = wrapped.arg("--property").arg(format!(
+        "TimeoutStartSec={}ms",
+        call.timeout.as_millis().max(1)
+    ));
     for (key, value) in &call.env {
         let value = if Some(*key) == rename_fd_env && !call.secrets.is_empty() {
             "0".to_owned()
@@ -991,6 +998,11 @@ mod tests {
         ] {
             assert!(argv.contains(&expected), "{expected} missing from {argv:?}");
         }
+        assert!(
+            argv.iter()
+                .any(|a| a.starts_with("TimeoutStartSec=") && a.ends_with("ms")),
+            "the unit's start is not bounded: {argv:?}"
+        );
         // The holder must stay: systemd-run is not asked to wait for the unit to end.
         assert!(!argv.contains(&"--wait".to_owned()), "{argv:?}");
         let tool_at = argv.iter().position(|a| a == "--").unwrap();
