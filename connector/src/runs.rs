@@ -632,7 +632,7 @@ impl RunRegistry {
                         if std::fs::symlink_metadata(&run_dir).is_err() {
                             return None;
                         }
-                        let closed_unix_ms = read_closed(&run_dir).ok().flatten().unwrap_or(0);
+                        let closed_unix_ms = closed_time(&run_dir).unwrap_or(0);
                         closed_summary(
                             &run_dir,
                             &run_id,
@@ -934,7 +934,10 @@ impl RunRegistry {
         let mut shards = Vec::new();
         for run_id in ids {
             let run_dir = self.closed_path(&run_id);
-            let closed_unix_ms = read_closed(&run_dir).ok().flatten().unwrap_or(0);
+            let Some(closed_unix_ms) = closed_time(&run_dir) else {
+                tracing::warn!(%run_id, "the closed run's close time cannot be read (no marker, no journal); it is kept");
+                continue;
+            };
             let run = closed_summary(
                 &run_dir,
                 &run_id,
@@ -1273,6 +1276,27 @@ pub fn overlap(a: &Grant, b: &Grant) -> Option<String> {
         return Some(format!("archive {archive} of {}", a.snapshot));
     }
     None
+}
+
+/// When a closed run closed, for its retention: the marker's time, or, when a crash lost the
+/// marker's content (it is written without a sync: the journal's closing record is what is
+/// durable), the time of the journal's last write. Never 0, which would make a run whose
+/// marker was lost due for pruning at once; `None` when neither can be read.
+fn closed_time(run_dir: &Path) -> Option<i64> {
+    if let Ok(Some(time)) = read_closed(run_dir)
+        && time > 0
+    {
+        return Some(time);
+    }
+    let modified = std::fs::metadata(run_dir.join(journal::FILE_NAME))
+        .ok()?
+        .modified()
+        .ok()?;
+    let ms = modified
+        .duration_since(std::time::UNIX_EPOCH)
+        .ok()?
+        .as_millis();
+    i64::try_from(ms).ok().filter(|ms| *ms > 0)
 }
 
 fn read_closed(run_dir: &Path) -> Result<Option<i64>, FileError> {
@@ -1982,6 +2006,27 @@ pub(crate) mod tests {
             reopened.get(&open_id).is_some(),
             "an open run is never pruned"
         );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_closed_run_whose_marker_lost_its_time_keeps_its_retention() {
+        let dir = state_dir("prune-lost-marker");
+        let mut bounded = limits(4);
+        bounded.closed_run_retention_days = 1;
+        let registry = RunRegistry::open(&dir, &key().verifying_key(), bounded, 0).unwrap();
+        let (signed, grant) = nth_grant(0);
+        let run_id = grant.run_id.clone();
+        registry.begin(&signed, grant, 2_000_000).await.unwrap();
+        registry.end(&run_id, 2_000_500).await.unwrap();
+        // The marker and the summary are written without a sync: a crash can leave the marker
+        // empty and the summary gone (the journal's closing record is what is durable).
+        std::fs::write(closed_run_dir(&dir, &run_id).join(CLOSED_FILE), b"").unwrap();
+        std::fs::remove_file(closed_run_dir(&dir, &run_id).join(SUMMARY_FILE)).unwrap();
+        let day_ms = 86_400_000;
+        // Read as closed at time 0, the run would be due now; its journal says it closed later.
+        assert!(registry.prune(2_000_501 + day_ms).unwrap().is_empty());
+        assert!(closed_run_dir(&dir, &run_id).exists());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
