@@ -170,27 +170,18 @@ pub fn write_new_without_dir_sync(
 
 /// Replaces `path` atomically: temporary file, fsync, rename, fsync of the directory.
 pub fn write_atomic(path: &Path, contents: &[u8], mode: u32) -> Result<(), FileError> {
-    let err = |error| FileError::Write {
-        path: path.to_owned(),
-        error,
-    };
-    let tmp = path.with_extension("tmp");
-    let _ = fs::remove_file(&tmp);
-    let mut file = OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(mode)
-        .open(&tmp)
-        .map_err(err)?;
-    file.write_all(contents).map_err(err)?;
-    file.sync_all().map_err(err)?;
-    fs::rename(&tmp, path).map_err(err)?;
+    replace(path, contents, mode, true)?;
     sync_parent(path)
 }
 
 /// Replaces `path` atomically for readers (temporary file, rename) without syncing anything:
 /// for files rebuilt from a synced source after a crash.
 pub fn replace_without_sync(path: &Path, contents: &[u8], mode: u32) -> Result<(), FileError> {
+    replace(path, contents, mode, false)
+}
+
+/// Writes `contents` to `<path>.tmp` (fsync'd when `sync`) and renames it over `path`.
+fn replace(path: &Path, contents: &[u8], mode: u32, sync: bool) -> Result<(), FileError> {
     let err = |error| FileError::Write {
         path: path.to_owned(),
         error,
@@ -204,6 +195,9 @@ pub fn replace_without_sync(path: &Path, contents: &[u8], mode: u32) -> Result<(
         .open(&tmp)
         .map_err(err)?;
     file.write_all(contents).map_err(err)?;
+    if sync {
+        file.sync_all().map_err(err)?;
+    }
     fs::rename(&tmp, path).map_err(err)
 }
 
