@@ -249,11 +249,10 @@ impl ResourceState {
     }
 }
 
-/// A step that leaves nothing of its own to undo but runs a tool (guest network recovery in
-/// an overlay's appliance), whose `intent` has no outcome: the daemon died during it, and its
-/// tool may still be running with the overlay open.
+/// A step whose `intent` has no outcome: the daemon died during it, and its tools may still
+/// be running (for a guest network recovery, with the overlay open).
 #[derive(Debug)]
-pub struct InterruptedSideStep {
+pub struct InterruptedStep {
     pub op: String,
     pub key: String,
     pub tools: Vec<ToolIdentity>,
@@ -261,7 +260,7 @@ pub struct InterruptedSideStep {
 
 /// The side steps (ops whose records [`states`] skips because deleting their resource undoes
 /// them) that were interrupted: the last record of the op on its resource is an `intent`.
-pub fn interrupted_side_steps(records: &[Record]) -> Vec<InterruptedSideStep> {
+pub fn interrupted_side_steps(records: &[Record]) -> Vec<InterruptedStep> {
     let mut last: BTreeMap<(String, String), Vec<&Record>> = BTreeMap::new();
     for record in records
         .iter()
@@ -280,7 +279,7 @@ pub fn interrupted_side_steps(records: &[Record]) -> Vec<InterruptedSideStep> {
                 .last()
                 .is_some_and(|r| r.entry.phase == Phase::Intent)
         })
-        .map(|((op, key), history)| InterruptedSideStep {
+        .map(|((op, key), history)| InterruptedStep {
             op,
             key,
             tools: history

@@ -12,7 +12,7 @@
 //!   name, the probe address, the run directory, the VM marker), not from the journal alone.
 
 use super::NodeExecutor;
-use super::resources::{self, EndState, Op, Resource, ResourceState, Standing};
+use super::resources::{self, EndState, InterruptedStep, Op, Resource, ResourceState, Standing};
 use super::sandbox;
 use crate::executor::{ExecError, Outcome};
 use crate::grant::Grant;
@@ -64,46 +64,20 @@ impl NodeExecutor {
         guard: &mut RunGuard<'_>,
     ) -> Result<(), ExecError> {
         let records = guard.records().to_vec();
-        let interrupted: Vec<ResourceState> = resources::states(&records)
+        // Steps on resources, and side steps (a guest network recovery's appliance holds the
+        // overlay open): every tool must be gone before anything decides about the resource.
+        let steps: Vec<InterruptedStep> = resources::states(&records)
             .into_values()
             .filter(|s| s.standing() == Standing::Interrupted)
+            .map(|s| InterruptedStep {
+                tools: s.interrupted_tools(),
+                op: s.last.entry.op,
+                key: s.key,
+            })
+            .chain(resources::interrupted_side_steps(&records))
             .collect();
         let mut problems = Vec::new();
-        for state in interrupted {
-            let tools = state.interrupted_tools();
-            let mut killed = 0usize;
-            let mut left = Vec::new();
-            for tool in &tools {
-                match tool.reap(REAP_WITHIN).await {
-                    Ok(n) => killed = killed.saturating_add(n),
-                    Err(reason) => left.push(reason),
-                }
-            }
-            if !left.is_empty() {
-                problems.push(format!("{}: {}", state.key, left.join("; ")));
-                continue;
-            }
-            guard
-                .append(
-                    self.now_ms(),
-                    &state.last.entry.op,
-                    &state.key,
-                    Phase::Failed,
-                    json!({
-                        "error": "the connector stopped during this step",
-                        "outcome_unknown": true,
-                        "tools": tools,
-                        "processes_killed": killed,
-                    }),
-                )
-                .await?;
-            if killed > 0 {
-                tracing::warn!(resource = %state.key, killed, "killed the tools of a step the connector was interrupted in");
-            }
-        }
-        // A guest network recovery's appliance holds the overlay open; it must be gone before
-        // anything decides about the overlay.
-        for step in resources::interrupted_side_steps(&records) {
+        for step in steps {
             let mut killed = 0usize;
             let mut left = Vec::new();
             for tool in &step.tools {
