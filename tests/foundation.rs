@@ -3868,32 +3868,23 @@ mod state_dir {
             .unwrap();
             let run = registry.get(&RunId::validate(&run_id).unwrap()).unwrap();
             let mut guard = run.lock().await;
-            let pid = tool.id();
-            guard
-                .append(
-                    now_ms,
-                    "overlay.create",
-                    &format!("overlay:{VMID}:{ARCHIVE}"),
-                    Phase::Intent,
-                    serde_json::json!({ "tool": {
-                        "pid": pid, "start_time": start_time_of(pid), "process_group": pid,
-                    }}),
-                )
-                .await
-                .unwrap();
-            let pid = appliance.id();
-            guard
-                .append(
-                    now_ms,
-                    "guestnet.recover",
-                    &format!("overlay:{VMID}:{ARCHIVE}"),
-                    Phase::Intent,
-                    serde_json::json!({ "tool": {
-                        "pid": pid, "start_time": start_time_of(pid), "process_group": pid,
-                    }}),
-                )
-                .await
-                .unwrap();
+            for (op, pid) in [
+                ("overlay.create", tool.id()),
+                ("guestnet.recover", appliance.id()),
+            ] {
+                guard
+                    .append(
+                        now_ms,
+                        op,
+                        &format!("overlay:{VMID}:{ARCHIVE}"),
+                        Phase::Intent,
+                        serde_json::json!({ "tool": {
+                            "pid": pid, "start_time": start_time_of(pid), "process_group": pid,
+                        }}),
+                    )
+                    .await
+                    .unwrap();
+            }
         }
         let notify = NotifySocket::bind(&dir.0);
         let port = free_port();
