@@ -8,13 +8,15 @@
 #   tests/lab/build-assets.sh [DIR]     (default target/lab-assets)
 #
 # Outputs in DIR/<stamp>/ (the stamp is this script's digest, so a changed recipe rebuilds):
-#   disk-boot.img     boots; /init reads its settings and marker from partition 2 (raw bytes)
+#   disk-boot.img     boots; /init reads its settings and marker from partition 2 (raw bytes),
+#                     or boots the Debian-like root filesystem an ext4 partition 2 holds
 #   disk-panic.img    the same disk whose boot loader asks for an init that does not exist:
 #                     the kernel panics ("VFS: Unable to mount root fs") and nothing answers
 #   layout            DATA_OFFSET=<bytes of partition 2 into the image>, DATA_SIZE=<bytes>
 #   kernel-version
 # and DIR/current -> <stamp>. A disk for a backup is a copy of one of the images with its data
-# area written at DATA_OFFSET (the format is at the top of tests/lab/guest-init).
+# area (raw settings, or an ext4 filesystem of at most DATA_SIZE bytes) written at DATA_OFFSET
+# (the formats are at the top of tests/lab/guest-init).
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -99,21 +101,42 @@ for name in $wanted; do
   fi
   add_module "$path"
 done
+boot_modules=("${ordered[@]}")
+
+# ext4, for a guest whose partition 2 is its root filesystem: loaded only then. modules.dep
+# gives crc16, mbcache and jbd2; ext4 and jbd2 also ask for the crc32c hash through the crypto
+# API (modules.softdep "pre: crypto-crc32c"), which crc32c_generic provides.
+ordered=()
+for name in crc32c_generic ext4; do
+  path=$(awk -F: -v m="/$name.ko" 'index($1, m) {print $1; exit}' "$modules/modules.dep")
+  if [ -z "$path" ]; then
+    echo "guest assets: module $name not found in $package" >&2
+    exit 70
+  fi
+  add_module "$path"
+done
+ext4_modules=("${ordered[@]}")
 
 # The initramfs: busybox, the modules, qemu-ga with its libraries, /init.
 initrd=$work/initrd
 mkdir -p "$initrd"/{bin,dev,proc,sys,run,tmp,etc,lib/modules,var/www}
 cp "$busybox" "$initrd/bin/busybox"
-for path in "${ordered[@]}"; do
-  file=$modules/$path
-  base=$(basename "$path")
-  case "$file" in
-    *.ko.xz) xz -dc "$file" >"$initrd/lib/modules/${base%.xz}"; base=${base%.xz} ;;
-    *.ko.zst) zstd -qdc "$file" >"$initrd/lib/modules/${base%.zst}"; base=${base%.zst} ;;
-    *) cp "$file" "$initrd/lib/modules/$base" ;;
-  esac
-  echo "$base" >>"$initrd/lib/modules/order"
-done
+copy_modules() {
+  local list=$1 path file base
+  shift
+  for path in "$@"; do
+    file=$modules/$path
+    base=$(basename "$path")
+    case "$file" in
+      *.ko.xz) xz -dc "$file" >"$initrd/lib/modules/${base%.xz}"; base=${base%.xz} ;;
+      *.ko.zst) zstd -qdc "$file" >"$initrd/lib/modules/${base%.zst}"; base=${base%.zst} ;;
+      *) cp "$file" "$initrd/lib/modules/$base" ;;
+    esac
+    echo "$base" >>"$initrd/lib/modules/$list"
+  done
+}
+copy_modules order "${boot_modules[@]}"
+copy_modules order-ext4 "${ext4_modules[@]}"
 mkdir -p "$initrd/usr/sbin"
 cp /usr/sbin/qemu-ga "$initrd/usr/sbin/qemu-ga"
 for lib in $(ldd /usr/sbin/qemu-ga | awk '/=> \// {print $3} /^\t\/lib/ {print $1}'); do
@@ -132,12 +155,13 @@ echo "root:x:0:0:root:/:/bin/sh" >"$initrd/etc/passwd"
 (cd "$initrd" && find . -print0 | cpio --null -o -H newc --quiet | gzip -6) >"$work/initrd.gz"
 
 # The disk: MBR with SYSLINUX's boot code, partition 1 FAT (bootable) with the kernel, the
-# initramfs and syslinux.cfg, partition 2 the raw data area /init reads.
+# initramfs and syslinux.cfg, partition 2 the data area /init reads (16 MiB: room for a small
+# ext4 root filesystem).
 boot_start=2048
 boot_sectors=$(( (($(stat -c %s "$vmlinuz") + $(stat -c %s "$work/initrd.gz")) / 512) + 16384 ))
 boot_sectors=$(( (boot_sectors + 2047) / 2048 * 2048 ))
 data_start=$((boot_start + boot_sectors))
-data_sectors=2048
+data_sectors=32768
 image=$work/disk-boot.img
 truncate -s $(((data_start + data_sectors) * 512)) "$image"
 printf 'label: dos\nstart=%d, size=%d, type=c, bootable\nstart=%d, size=%d, type=83\n' \
