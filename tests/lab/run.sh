@@ -120,9 +120,13 @@ snapshot_time=2026-11-01T02:00:00Z
 vmid=9101
 marker=lab-$(head -c 6 /dev/urandom | od -An -tx1 | tr -d ' \n')
 guest=10.77.1.10
-# The production guest: restored as it is, then with network recovery.
+# The production guest: restored as it is, and with network recovery. The three validations
+# run at once, each on a sandbox VNet (and probe network) of its own.
 preserve_vmid=9102
 rewrite_vmid=9103
+vnets="csv1 csv2 csv3"
+preserve_guest=10.77.2.10
+rewrite_guest=10.77.3.10
 prod_marker=prod-$(head -c 6 /dev/urandom | od -An -tx1 | tr -d ' \n')
 prod_address=192.168.77.10/24
 prod_gateway=192.168.77.1
@@ -216,8 +220,11 @@ node_residue() {
   tables=$(in_ns nft list tables 2>/dev/null | grep certistack_ | tr '\n' ' ' || true)
   [ -n "$tables" ] && found+=" nft tables $tables;"
   local addresses
-  addresses=$(in_ns ip -o -4 address show dev csv1 2>/dev/null | awk '{print $4}' | tr '\n' ' ')
-  [ -n "$addresses" ] && found+=" addresses on csv1 $addresses;"
+  local vnet
+  for vnet in $vnets; do
+    addresses=$(in_ns ip -o -4 address show dev "$vnet" 2>/dev/null | awk '{print $4}' | tr '\n' ' ')
+    [ -n "$addresses" ] && found+=" addresses on $vnet $addresses;"
+  done
   local configs
   configs=$(ls "$node"/etc/pve/qemu-server/ 2>/dev/null | tr '\n' ' ')
   [ -n "$configs" ] && found+=" VM configs $configs;"
@@ -285,10 +292,12 @@ in_ns() { ip netns exec "$ns" "$@"; }
 in_ns ip link set lo up
 # The sandbox VNet as a Simple zone makes it: a bridge without ports, no address, no forwarding.
 in_ns sysctl -qw net.ipv4.ip_forward=0
-in_ns ip link add csv1 type bridge
-in_ns sysctl -qw net.ipv4.conf.csv1.forwarding=0
-in_ns ip link set csv1 up
-echo "node namespace $ns, VNet csv1 (no uplink, forwarding off), work directory $work"
+for vnet in $vnets; do
+  in_ns ip link add "$vnet" type bridge
+  in_ns sysctl -qw "net.ipv4.conf.$vnet.forwarding=0"
+  in_ns ip link set "$vnet" up
+done
+echo "node namespace $ns, VNets $vnets (no uplink, forwarding off), work directory $work"
 
 # The node: the doubles of proxmox-backup-client and qm, and one "PBS snapshot" whose disk
 # is a lab guest disk carrying this run's marker.
@@ -325,6 +334,10 @@ body_sha256=$(printf '%s\n' "$body" | sha256sum | cut -d' ' -f1)
 # what the guest's /init boots: tests/lab/guest-init), whose own configuration puts its NIC on
 # a production subnet with a gateway.
 prod_disk=$node/pbs/store1/vm/101/$snapshot_time/drive-scsi0.img
+# Its backup of the day before, the same disk: the node runs validations of one archive one
+# after the other, and the two restores of this guest run at the same time.
+prod_snapshot_before=2026-10-31T02:00:00Z
+prod_disk_before=$node/pbs/store1/vm/101/$prod_snapshot_before/drive-scsi0.img
 mkdir -p "$(dirname "$prod_disk")" "$work/prod-root"
 (
   cd "$work/prod-root"
@@ -348,6 +361,8 @@ truncate -s "$DATA_SIZE" "$work/prod-root.ext4"
 mkfs.ext4 -q -F -L prod-root -d "$work/prod-root" "$work/prod-root.ext4"
 dd if="$work/prod-root.ext4" of="$prod_disk" bs=1M oflag=seek_bytes seek="$DATA_OFFSET" conv=notrunc,sparse status=none
 rm -rf "$work/prod-root" "$work/prod-root.ext4"
+mkdir -p "$(dirname "$prod_disk_before")"
+cp --sparse=always "$prod_disk" "$prod_disk_before"
 cat >"$node/pbs/store1/vm/101/$snapshot_time/qemu-server.conf.blob" <<SOURCE
 boot: order=scsi0;ide2;net0
 cores: 1
@@ -360,10 +375,11 @@ ostype: l26
 scsi0: local-lvm:vm-101-disk-0,size=64M
 scsihw: virtio-scsi-pci
 SOURCE
+cp "$node/pbs/store1/vm/101/$snapshot_time/qemu-server.conf.blob" "$node/pbs/store1/vm/101/$prod_snapshot_before/"
 prod_body="certistack lab guest: marker $prod_marker"
 prod_body_sha256=$(printf '%s\n' "$prod_body" | sha256sum | cut -d' ' -f1)
 # What the backups hold: no validation may change it.
-backups_sha256=$(sha256sum "$disk" "$prod_disk")
+backups_sha256=$(sha256sum "$disk" "$prod_disk" "$prod_disk_before")
 
 # The packages a PVE 9 node has installed, as the node's prerequisite check (NodeChecks, which
 # `certistack-ctl run` asks before it starts) reads them from dpkg's status file.
@@ -416,27 +432,31 @@ name = "pve1"
 address = "127.0.0.1"
 port = $port
 CONF
-prod_probes=$(cat <<PROBES
+# The production guest's probes, to the address a guest on the validation's probe network has.
+prod_probes() {
+  cat <<PROBES
       - kind: tcp
-        address: $guest
+        address: $1
         port: 22
         expect:
           banner_prefix: "CERTISTACK-LAB $prod_marker"
       - kind: http
-        address: $guest
+        address: $1
         port: 80
         expect:
           http_path: /
           body_contains: "$prod_marker"
           body_sha256: "$prod_body_sha256"
 PROBES
-)
+}
+preserve_probes=$(prod_probes "$preserve_guest")
+rewrite_probes=$(prod_probes "$rewrite_guest")
 cat >"$ctl/lab.yaml" <<PLAN
 # The lab plan: restore VM 100's disk from its snapshot into sandbox VM $vmid on VNet csv1,
-# boot it, and prove the guest serves what the backup holds; then VM 101's, whose guest
-# configures a production network of its own, twice: as it is (its probes cannot reach it),
-# and with network recovery (they do). Each says its network_recovery mode: none relies on the
-# default.
+# boot it, and prove the guest serves what the backup holds; at the same time VM 101's, whose
+# guest configures a production network of its own, twice: as it is on csv2 (its probes cannot
+# reach it), and with network recovery on csv3 (they do). Each says its network_recovery mode:
+# none relies on the default.
 storage:
   server: pbs.lab
   datastore: store1
@@ -478,7 +498,7 @@ validations:
   - name: lab-prod-preserve
     node: pve1
     source_vmid: 101
-    snapshot: "$snapshot_time"
+    snapshot: "$prod_snapshot_before"
     archives: [drive-scsi0.img]
     sandbox:
       - vmid: $preserve_vmid
@@ -486,11 +506,11 @@ validations:
         memory_mib: 256
     network:
       lifecycle: preprovisioned
-      vnet: csv1
-      probe_source: 10.77.1.2/24
+      vnet: csv2
+      probe_source: 10.77.2.2/24
     # Each probe is one attempt bounded by the node's limits.probe_timeout_secs.
     probes:
-$prod_probes
+$preserve_probes
     network_recovery:
       mode: preserve
     timeouts:
@@ -507,13 +527,13 @@ $prod_probes
         memory_mib: 256
     network:
       lifecycle: preprovisioned
-      vnet: csv1
-      probe_source: 10.77.1.2/24
+      vnet: csv3
+      probe_source: 10.77.3.2/24
     probes:
-$prod_probes
+$rewrite_probes
     network_recovery:
       mode: rewrite
-      guest_address: $guest/24
+      guest_address: $rewrite_guest/24
     timeouts:
       # One libguestfs appliance boot under TCG comes on top of the guest's.
       run_seconds: 900
@@ -544,7 +564,7 @@ say "certistack-ctl run lab.yaml"
 times >"$work/times.before"
 # The run's own exit code (1 failed, 2 error) is the lab's answer, not a failure of the lab.
 run_code=0
-(cd "$ctl" && in_ns "$bin/certistack-ctl" run lab.yaml --config controller.toml) || run_code=$?
+(cd "$ctl" && in_ns "$bin/certistack-ctl" run lab.yaml --config controller.toml --per-node 3) || run_code=$?
 times >"$work/times.after"
 cpu_before=$(tail -n 1 "$work/times.before")
 cpu_after=$(tail -n 1 "$work/times.after")
@@ -563,9 +583,9 @@ fi
 reports=$(ls -1 "$ctl/reports"/*.json 2>/dev/null || true)
 # The backups' content, after every validation restored, booted and cleaned up.
 backups_changed=0
-if [ "$(sha256sum "$disk" "$prod_disk")" != "$backups_sha256" ]; then
+if [ "$(sha256sum "$disk" "$prod_disk" "$prod_disk_before")" != "$backups_sha256" ]; then
   echo "lab: a backup's image changed during the run:" >&2
-  printf 'before:\n%s\nafter:\n%s\n' "$backups_sha256" "$(sha256sum "$disk" "$prod_disk")" >&2
+  printf 'before:\n%s\nafter:\n%s\n' "$backups_sha256" "$(sha256sum "$disk" "$prod_disk" "$prod_disk_before")" >&2
   backups_changed=1
 fi
 
@@ -605,7 +625,8 @@ for report in $reports; do
 done
 say "summary"
 expectations=0
-python3 - "$run_code" "$verify_code" "$run_ms" "$connector_cpu" "$connector_children_cpu" \
+LAB_PRESERVE_PROBE_NETWORK=${preserve_guest%.*}.0/24 LAB_REWRITE_ADDRESS=$rewrite_guest/24 \
+  python3 - "$run_code" "$verify_code" "$run_ms" "$connector_cpu" "$connector_children_cpu" \
   "$cpu_before" "$cpu_after" "$backups_changed" "${phases[*]}" "${kept_reports[@]}" <<'PY' || expectations=$?
 import base64, ipaddress, json, os, re, sys
 
@@ -624,7 +645,8 @@ before, after = sys.argv[6].split(), sys.argv[7].split()
 controller_cpu = int(1000 * (sum(map(seconds, after)) - sum(map(seconds, before))))
 
 PROD_SUBNET = ipaddress.ip_network("192.168.77.0/24")
-PROBE_NET = ipaddress.ip_network("10.77.1.0/24")
+PROBE_NET = ipaddress.ip_network(os.environ["LAB_PRESERVE_PROBE_NETWORK"])
+REWRITE_ADDRESS = ipaddress.ip_interface(os.environ["LAB_REWRITE_ADDRESS"])
 
 def addresses(predicate):
     """The guest's IPv4 addresses per interface, as its agent reported them."""
@@ -676,7 +698,7 @@ def expect_recovered(p, problems):
         problems.append(f"expected one successful recover network step, got {[(s['name'], s['result']) for s in steps]}")
     else:
         detail = steps[0].get("detail", "")
-        for needed in ("linux debian 12.", "stack ifupdown", "10.77.1.10/24",
+        for needed in ("linux debian 12.", "stack ifupdown", f"profile {REWRITE_ADDRESS} on",
                        "written /etc/network/interfaces.d/certistack-sandbox",
                        "written /etc/systemd/network/10-certistack-sandbox.link",
                        "changed /etc/network/interfaces"):
@@ -684,8 +706,8 @@ def expect_recovered(p, problems):
                 problems.append(f"the recovery evidence lacks {needed!r}: {detail}")
     nics = addresses(p)
     sandbox = nics.get("cssandbox0", [])
-    if ipaddress.ip_interface("10.77.1.10/24") not in sandbox:
-        problems.append(f"the guest agent reported no 10.77.1.10/24 on cssandbox0 (the NIC the recovery's link file names): {nics}")
+    if REWRITE_ADDRESS not in sandbox:
+        problems.append(f"the guest agent reported no {REWRITE_ADDRESS} on cssandbox0 (the NIC the recovery's link file names): {nics}")
     if any(a in PROD_SUBNET for found in nics.values() for a in found):
         problems.append(f"the guest still configured its production subnet: {nics}")
 
