@@ -12,14 +12,15 @@
 # down, checking that nothing is left: namespace, loop devices, processes, nft tables.
 # The reports, their public key, the plan and the logs stay in target/lab/last/.
 #
-# The plan has three validations:
+# The plan has three validations, run at once, each on a sandbox VNet of its own:
 #   lab-web             a guest that takes the address the lab gives it (network_recovery
 #                       preserve); it must pass.
 #   lab-prod-preserve   a Debian guest (ext4 root, ifupdown) whose own configuration puts its
 #                       NIC on a production subnet with a gateway (192.168.77.10/24 via
 #                       192.168.77.1), restored as it is: the guest boots and answers its agent,
 #                       and every wire probe to the probe network must fail, unreachable.
-#   lab-prod-rewrite    the same backup with network_recovery rewrite: the node writes a
+#   lab-prod-rewrite    another backup of that guest (the same disk) with network_recovery
+#                       rewrite and a guest address on its probe network: the node writes a
 #                       sandbox profile into the overlay before boot (libguestfs); it must pass,
 #                       and its report must show the recovery's evidence.
 # The backups' image files must hash the same after the run as before.
