@@ -46,13 +46,15 @@ impl Case<'_> {
         format!("certistack lab guest: marker {}\n", self.expected_marker)
     }
 
+    /// The lab's guests take the address the lab gives them: each entry names its
+    /// `network_recovery` mode rather than relying on the default.
     fn plan_entry(&self) -> String {
         let index = self.index;
         let guest = self.guest();
         let marker = self.expected_marker;
         let body_sha256 = hex::encode(sha2::Sha256::digest(self.expected_body()));
         format!(
-            "  - name: {name}\n    node: pve1\n    source_vmid: {source}\n    snapshot: \"{SNAPSHOT_TIME}\"\n    archives: [{ARCHIVE}]\n    sandbox:\n      - vmid: {vmid}\n        cores: 1\n        memory_mib: 256\n    network:\n      lifecycle: preprovisioned\n      vnet: csv{index}\n      probe_source: 10.77.{index}.2/24\n    probes:\n      - kind: tcp\n        address: {guest}\n        port: 22\n        expect:\n          banner_prefix: \"CERTISTACK-LAB {marker}\"\n      - kind: http\n        address: {guest}\n        port: 80\n        expect:\n          http_path: /\n          body_contains: \"{marker}\"\n          body_sha256: \"{body_sha256}\"\n    timeouts:\n      run_seconds: 900\n      guest_agent_seconds: {agent}\n",
+            "  - name: {name}\n    node: pve1\n    source_vmid: {source}\n    snapshot: \"{SNAPSHOT_TIME}\"\n    archives: [{ARCHIVE}]\n    sandbox:\n      - vmid: {vmid}\n        cores: 1\n        memory_mib: 256\n    network:\n      lifecycle: preprovisioned\n      vnet: csv{index}\n      probe_source: 10.77.{index}.2/24\n    probes:\n      - kind: tcp\n        address: {guest}\n        port: 22\n        expect:\n          banner_prefix: \"CERTISTACK-LAB {marker}\"\n      - kind: http\n        address: {guest}\n        port: 80\n        expect:\n          http_path: /\n          body_contains: \"{marker}\"\n          body_sha256: \"{body_sha256}\"\n    network_recovery:\n      mode: preserve\n    timeouts:\n      run_seconds: 900\n      guest_agent_seconds: {agent}\n",
             name = self.name,
             source = 100 + u32::from(index),
             vmid = self.vmid(),
