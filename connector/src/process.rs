@@ -983,7 +983,7 @@ mod tests {
     }
 
     #[test]
-    fn a_map_in_a_transient_unit_gets_its_secret_on_stdin_never_in_argv_or_env() {
+    fn a_map_in_a_transient_unit_reads_its_secret_from_descriptor_3_never_stdin_argv_or_env() {
         let unit = transient_unit_name(
             TransientRole::MapHolder,
             "0f0e1c2d-3b4a-4c5d-8e6f-7a8b9c0d1e2f",
