@@ -3428,6 +3428,10 @@ mod systemd_unit {
                 backup_digest,
                 "{when}: the device's data"
             );
+            eprintln!(
+                "{when}: holder {holder_pid} {now:?} in {map_unit}, {} reads sha256 {backup_digest}",
+                mapped.loop_device
+            );
         };
         let map_step = format!("backup.map backup:{ARCHIVE} done");
 
