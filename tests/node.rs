@@ -3166,6 +3166,33 @@ mod systemd_unit {
             loops
         }
 
+        /// SHA-256 of the first MiB of `device`, read with O_DIRECT: every read reaches the
+        /// mapping's holder through the loop device, none is served from a cache. Fails (the
+        /// error in the text) when the device cannot be read.
+        fn device_digest(&self, device: &str) -> String {
+            const READ: &str = "import hashlib, mmap, os, sys\n\
+                fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECT)\n\
+                buf = mmap.mmap(-1, 1 << 20)\n\
+                n = os.readv(fd, [buf])\n\
+                assert n == 1 << 20, 'short read: %d bytes' % n\n\
+                print(hashlib.sha256(buf).hexdigest())\n";
+            self.run(&["python3", "-c", READ, device]).trim().to_owned()
+        }
+
+        /// A process of the container as (state, start time): the start time tells a process
+        /// from a later one given the same pid.
+        fn process(&self, pid: &str) -> (String, String) {
+            let stat = self.run(&["cat", &format!("/proc/{pid}/stat")]);
+            let fields: Vec<&str> = stat
+                .rsplit_once(')')
+                .map(|(_, rest)| rest.split_whitespace().collect())
+                .unwrap_or_default();
+            match (fields.first(), fields.get(19)) {
+                (Some(state), Some(start)) => ((*state).to_owned(), (*start).to_owned()),
+                _ => (format!("gone: {stat}"), String::new()),
+            }
+        }
+
         /// `/proc/<pid>/status` lines and mount namespace of a process in the container.
         fn confinement(&self, pid: &str) -> BTreeMap<String, String> {
             let status = self.run(&["cat", &format!("/proc/{pid}/status")]);
@@ -3230,17 +3257,15 @@ mod systemd_unit {
     /// Under the packaged, hardened unit started by systemd (Type=notify: `systemctl start`
     /// returns once the connector is ready): MapBackup's holder runs in a transient unit of its
     /// own, with none of the connector's restrictions (no NoNewPrivs, no seccomp filter beyond
-    /// the container's own, the full capability bounding set, the mount namespace of PID 1);
-    /// `systemctl restart` of the connector leaves that unit active and the run goes on under
-    /// the new daemon; UnmapBackup removes the mapping and its unit.
-    ///
-    /// Not shown here: that the holder itself and the device's reads survive the restart. In
-    /// this container the PBS double's FUSE-backed device fails reads with EIO and its holder
-    /// exits within seconds of mapping, restart or not (docs/systemd.md).
+    /// the container's own, the full capability bounding set, the mount namespace of PID 1).
+    /// A `systemctl restart` of the connector, and a stop followed by a start (as an upgrade
+    /// does), leave the holder (same process), its loop device and the device's data (read
+    /// through the holder) as they were, and the run goes on under the new daemon; Cleanup
+    /// then removes the mapping and its unit.
     #[tokio::test(flavor = "multi_thread")]
-    async fn the_map_holder_runs_in_its_own_unit_outside_the_connectors_sandbox() {
+    async fn the_map_holder_runs_outside_the_connectors_sandbox_and_outlives_its_restart() {
         if !privileged(
-            "the_map_holder_runs_in_its_own_unit_outside_the_connectors_sandbox",
+            "the_map_holder_runs_outside_the_connectors_sandbox_and_outlives_its_restart",
             &[
                 "systemd-nspawn",
                 "mmdebstrap",
@@ -3254,7 +3279,13 @@ mod systemd_unit {
         let _serial = SERIAL.lock().await;
         let root = container_root();
         let lab = Lab::new("systemd-unit");
-        lab.add_backup(SNAPSHOT, ARCHIVE, MARKER, 8 << 20);
+        let image = lab.add_backup(SNAPSHOT, ARCHIVE, MARKER, 8 << 20);
+        // What the device must read: the backup's first MiB (the marker, then zeros).
+        let backup_digest = {
+            use sha2::Digest;
+            let data = std::fs::read(&image).unwrap();
+            hex::encode(sha2::Sha256::digest(&data[..1 << 20]))
+        };
         let dir = lab.root.parent().unwrap().to_owned();
         let authority_dir = TempDir::new("systemd-unit-ctl");
         let authority = controller(&authority_dir.0);
@@ -3365,26 +3396,88 @@ mod systemd_unit {
         assert_eq!(unconfined["mnt"], init["mnt"]);
         assert_ne!(connector["mnt"], init["mnt"]);
 
-        // A restart of the connector's unit (as an upgrade does) leaves the map unit alone;
-        // the run goes on under the new daemon, over a new connection.
+        // What a restart or an upgrade must leave alone: the holder (the same process, still
+        // in the map unit's cgroup), its loop device, and the data read through it.
+        let holder = container.process(&holder_pid);
+        assert_ne!(holder.0, "Z", "{holder:?}");
+        assert_eq!(
+            container.device_digest(&mapped.loop_device),
+            backup_digest,
+            "the mapped device does not read as the backup"
+        );
+        let still_held = |when: &str| {
+            assert_eq!(
+                container.property(&map_unit, "ActiveState"),
+                "active",
+                "{when}"
+            );
+            let now = container.process(&holder_pid);
+            assert!(
+                now.1 == holder.1 && now.0 != "Z",
+                "{when}: the holder was {holder:?}, is {now:?}"
+            );
+            let cgroup = container.run(&["cat", &format!("/proc/{holder_pid}/cgroup")]);
+            assert!(cgroup.contains(&map_unit), "{when}: {cgroup}");
+            assert_eq!(
+                container.loops_under(&loopdev_dir),
+                std::slice::from_ref(&mapped.loop_device),
+                "{when}"
+            );
+            assert_eq!(
+                container.device_digest(&mapped.loop_device),
+                backup_digest,
+                "{when}: the device's data"
+            );
+            eprintln!(
+                "{when}: holder {holder_pid} {now:?} in {map_unit}, {} reads sha256 {backup_digest}",
+                mapped.loop_device
+            );
+        };
+        let map_step = format!("backup.map backup:{ARCHIVE} done");
+
+        // A restart of the connector's unit; the run goes on under the new daemon, over a new
+        // connection.
         drop(run);
         container.run(&["systemctl", "restart", UNIT]);
         assert_eq!(container.property(UNIT, "ActiveState"), "active");
-        assert_ne!(container.property(UNIT, "MainPID"), connector_pid);
-        assert_eq!(container.property(&map_unit, "ActiveState"), "active");
+        let restarted_pid = container.property(UNIT, "MainPID");
+        assert_ne!(restarted_pid, connector_pid);
+        still_held("after systemctl restart");
         let mut run = client_when_up(&authority, &address, &credentials.certificate).await;
-
-        // Unmapping removes the map unit too.
-        run.unmap_backup(pb::UnmapBackupRequest {
-            archive: ARCHIVE.into(),
-        })
-        .await
-        .unwrap();
-        assert!(container.loops_under(&loopdev_dir).is_empty());
-        assert_ne!(container.property(&map_unit, "ActiveState"), "active");
-        assert_ne!(container.property(&map_unit, "LoadState"), "loaded");
         let journal = journal_steps(&mut run, RUN_ID).await;
-        eprintln!("{journal:?}");
+        assert!(journal.contains(&map_step), "{journal:?}");
+
+        // An upgrade stops the old daemon and starts the new one.
+        drop(run);
+        container.run(&["systemctl", "stop", UNIT]);
+        assert_eq!(container.property(UNIT, "ActiveState"), "inactive");
+        still_held("with the connector stopped");
+        container.run(&["systemctl", "start", UNIT]);
+        assert_eq!(container.property(UNIT, "ActiveState"), "active");
+        assert_ne!(container.property(UNIT, "MainPID"), restarted_pid);
+        still_held("after systemctl stop and start");
+        let mut run = client_when_up(&authority, &address, &credentials.certificate).await;
+        let journal = journal_steps(&mut run, RUN_ID).await;
+        assert!(journal.contains(&map_step), "{journal:?}");
+
+        // Cleanup unmaps (the holder ends) and removes the map unit.
+        let (receipts, residue) = cleanup_receipts(&mut run, RUN_ID).await;
+        assert!(residue.is_empty(), "{receipts:?} {residue:?}");
+        assert!(container.loops_under(&loopdev_dir).is_empty());
+        assert!(
+            container.process(&holder_pid).0.starts_with("gone"),
+            "the holder {holder_pid} outlived its mapping"
+        );
+        assert_ne!(container.property(&map_unit, "LoadState"), "loaded");
+        let left = container.run(&[
+            "systemctl",
+            "list-units",
+            "--all",
+            "--plain",
+            "--no-legend",
+            "certistack-map-*",
+        ]);
+        assert_eq!(left.trim(), "", "units left after Cleanup");
         run.end_run(pb::EndRunRequest {}).await.unwrap();
         container.run(&["systemctl", "stop", UNIT]);
     }

@@ -799,6 +799,13 @@ impl TransientRole {
     }
 }
 
+/// The descriptor a transient unit's tool reads its secret from: never stdio (see
+/// [`in_transient_unit`]), and the one the daemon's own children use.
+pub const SECRET_FD_IN_UNIT: i32 = 3;
+/// Moves the secret from the unit's stdin to [`SECRET_FD_IN_UNIT`] before the tool starts
+/// (systemd-run hands a unit nothing but stdio). Debian's essential `/bin/sh`.
+const UNIT_SHELL: &str = "/bin/sh";
+
 /// Longest unit name systemd accepts.
 const MAX_UNIT_NAME: usize = 255;
 
@@ -837,7 +844,8 @@ pub fn transient_unit_description(role: TransientRole, run_id: &str, object: &st
 /// `call` started through `systemd-run` in the transient unit `unit`, outside the daemon's
 /// cgroup and sandbox. Its environment goes in as `--setenv`, a pipe secret (a password) moves
 /// to the unit's stdin (`systemd-run --pipe`), so it never reaches argv, environment or disk;
-/// `rename_fd_env` names the variable that carried the secret's descriptor (now 0). A call
+/// in the unit a shell moves it to [`SECRET_FD_IN_UNIT`] and `rename_fd_env`, the variable
+/// that carried the secret's descriptor, names that descriptor. A call
 /// with a memfd secret (a key file opened as `/proc/self/fd/N`) cannot cross: refused.
 pub fn in_transient_unit(
     call: ToolCall,
@@ -871,15 +879,31 @@ pub fn in_transient_unit(
         "TimeoutStartSec={}ms",
         call.timeout.as_millis().max(1)
     ));
+    let moves_secret = rename_fd_env.is_some() && !call.secrets.is_empty();
     for (key, value) in &call.env {
-        let value = if Some(*key) == rename_fd_env && !call.secrets.is_empty() {
-            "0".to_owned()
+        let value = if Some(*key) == rename_fd_env && moves_secret {
+            SECRET_FD_IN_UNIT.to_string()
         } else {
             value.clone()
         };
         wrapped = wrapped.arg(format!("--setenv={key}={value}"));
     }
-    wrapped = wrapped.arg("--").arg(call.program.as_os_str().to_owned());
+    wrapped = wrapped.arg("--");
+    if moves_secret {
+        // A tool that reads its secret from a descriptor closes it, and the next file it
+        // opens takes that number. Were it stdin, the daemonizing holder's later
+        // `dup2(/dev/null, 0)` would swap whatever took descriptor 0 (the PBS connection, an
+        // image) for /dev/null, and the mapped device would read EOF or fail. The secret
+        // therefore moves from the unit's stdin to SECRET_FD_IN_UNIT, and stdin is /dev/null.
+        wrapped = wrapped
+            .arg(UNIT_SHELL)
+            .arg("-c")
+            .arg(format!(
+                "exec {SECRET_FD_IN_UNIT}<&0 </dev/null && exec \"$@\""
+            ))
+            .arg(role.prefix());
+    }
+    wrapped = wrapped.arg(call.program.as_os_str().to_owned());
     for arg in call.args {
         wrapped = wrapped.arg(arg);
     }
@@ -959,7 +983,7 @@ mod tests {
     }
 
     #[test]
-    fn a_map_in_a_transient_unit_gets_its_secret_on_stdin_never_in_argv_or_env() {
+    fn a_map_in_a_transient_unit_reads_its_secret_from_descriptor_3_never_stdin_argv_or_env() {
         let unit = transient_unit_name(
             TransientRole::MapHolder,
             "0f0e1c2d-3b4a-4c5d-8e6f-7a8b9c0d1e2f",
@@ -993,7 +1017,7 @@ mod tests {
             "Type=oneshot".into(),
             "RemainAfterExit=yes".into(),
             "KillSignal=SIGINT".into(),
-            "--setenv=PBS_PASSWORD_FD=0".into(),
+            "--setenv=PBS_PASSWORD_FD=3".into(),
             "--setenv=PBS_FINGERPRINT=aa:bb".into(),
         ] {
             assert!(argv.contains(&expected), "{expected} missing from {argv:?}");
@@ -1006,14 +1030,33 @@ mod tests {
         // The holder must stay: systemd-run is not asked to wait for the unit to end.
         assert!(!argv.contains(&"--wait".to_owned()), "{argv:?}");
         let tool_at = argv.iter().position(|a| a == "--").unwrap();
+        assert_eq!(argv[tool_at + 1..tool_at + 3], ["/bin/sh", "-c"]);
         assert_eq!(
-            argv[tool_at + 1..],
+            argv[tool_at + 4..],
             [
+                "certistack-map",
                 "/usr/bin/proxmox-backup-client",
                 "map",
                 "vm/100/2026-01-01T00:00:00Z",
                 "drive-scsi0.img"
             ]
+        );
+        // What the unit runs, with systemd-run's stdin pipe: the tool finds the secret on
+        // descriptor 3 and /dev/null on stdin, so a descriptor it opens after closing the
+        // secret's never becomes stdin (which a daemonizing holder points at /dev/null).
+        let probe = "read -r secret <&3; printf '%s|' \"$secret\"; readlink /proc/self/fd/0";
+        let mut shell = std::process::Command::new(&argv[tool_at + 1])
+            .args(&argv[tool_at + 2..tool_at + 5])
+            .args(["/bin/sh", "-c", probe])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::io::Write::write_all(&mut shell.stdin.take().unwrap(), b"hunter2-secret\n").unwrap();
+        let seen = shell.wait_with_output().unwrap();
+        assert_eq!(
+            String::from_utf8_lossy(&seen.stdout).trim(),
+            "hunter2-secret|/dev/null"
         );
         assert!(!wrapped.display().contains("hunter2"));
         assert!(wrapped.env.is_empty() && wrapped.secrets.is_empty());
