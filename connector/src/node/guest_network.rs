@@ -25,7 +25,7 @@ use super::tool_result;
 use crate::executor::{ExecError, Outcome};
 use crate::grant::{NetworkRecoveryMode, ProbeKind};
 use crate::journal::Phase;
-use crate::process::{TOOL_PATH, ToolIdentity, ToolOutput};
+use crate::process::{self, TOOL_PATH, ToolCall, ToolIdentity, ToolOutput, TransientRole};
 use crate::runs::RunHandle;
 use crate::validate::{ArchiveName, IpInterface, RunId, Vmid};
 use certistack_proto::v1 as pb;
@@ -34,7 +34,6 @@ use sha2::{Digest, Sha256};
 use std::collections::BTreeSet;
 use std::fmt::Write as _;
 use std::net::IpAddr;
-use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
@@ -540,17 +539,15 @@ struct Session {
 }
 
 impl Session {
-    fn start(program: &Path, overlay: &Path, memory_mib: u64) -> Result<Self, RecoveryError> {
-        let mut command = tokio::process::Command::new(program);
+    /// Starts `call` (guestfish on the overlay, or `systemd-run` starting it in a transient
+    /// unit with `--pipe`, which hands these same pipes to guestfish).
+    fn start(call: ToolCall) -> Result<Self, RecoveryError> {
+        let mut command = tokio::process::Command::new(&call.program);
         command
-            .arg("--format=qcow2")
-            .arg("-a")
-            .arg(overlay)
+            .args(&call.args)
             .env_clear()
             .env("PATH", TOOL_PATH)
-            // PVE runs no libvirt: the appliance is a QEMU child of guestfish.
-            .env("LIBGUESTFS_BACKEND", "direct")
-            .env("LIBGUESTFS_MEMSIZE", memory_mib.to_string())
+            .envs(call.env.iter().map(|(k, v)| (*k, v.as_str())))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -558,8 +555,8 @@ impl Session {
             .kill_on_drop(true);
         let mut child = command.spawn().map_err(|e| {
             RecoveryError::Tool(format!(
-                "cannot start {} (tools.guestfish; install libguestfs-tools): {e}",
-                program.display()
+                "cannot start {} (tools.guestfish, process.systemd_run; install libguestfs-tools): {e}",
+                call.program.display()
             ))
         })?;
         let missing = || RecoveryError::Tool("guestfish started without its pipes".into());
@@ -1299,7 +1296,53 @@ async fn plan_firewalld(
     Ok(())
 }
 
+/// The transient unit one recovery's guestfish runs in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GuestNetworkUnit {
+    pub role: TransientRole,
+    pub name: String,
+    pub description: String,
+}
+
+/// What the unit may use beyond the appliance's own memory (`LIBGUESTFS_MEMSIZE`): QEMU
+/// itself and its TCG translation cache, guestfish, and the page cache of the appliance
+/// supermin builds.
+pub const UNIT_MEMORY_OVERHEAD_MIB: u64 = 1024;
+
+/// The unit of run `run_id`'s recovery on VM `vmid` (`certistack-guestnet-<run>-<vmid>`);
+/// recoveries of one run are serialised by its lock, so one name per VM is enough.
+pub fn guest_network_unit(
+    run_id: &RunId,
+    vmid: Vmid,
+    memory_mib: u64,
+) -> Result<GuestNetworkUnit, String> {
+    let role = TransientRole::GuestNetwork {
+        memory_max_mib: memory_mib.saturating_add(UNIT_MEMORY_OVERHEAD_MIB),
+    };
+    let object = vmid.to_string();
+    Ok(GuestNetworkUnit {
+        role,
+        name: process::transient_unit_name(role, run_id.as_str(), &object)?,
+        description: process::transient_unit_description(role, run_id.as_str(), &object),
+    })
+}
+
 impl NodeExecutor {
+    /// The unit a recovery runs in, when this daemon starts tools in transient units.
+    fn guest_network_unit(
+        &self,
+        grant: &crate::grant::Grant,
+        vmid: Vmid,
+        memory_mib: u64,
+    ) -> Result<Option<GuestNetworkUnit>, ExecError> {
+        if !self.config.process.use_transient_units() {
+            return Ok(None);
+        }
+        guest_network_unit(&grant.run_id, vmid, memory_mib)
+            .map(Some)
+            .map_err(ExecError::Failed)
+    }
+
     pub(super) async fn recover_guest_network(
         &self,
         run: &RunHandle,
@@ -1387,20 +1430,45 @@ impl NodeExecutor {
         let program = self.config.tools.guestfish.clone();
         let timeout_secs = self.config.limits.guest_network_timeout_secs;
         let memory_mib = self.config.limits.guest_network_memory_mib;
+        let mut call = ToolCall::new(&program, Duration::from_secs(timeout_secs))
+            .arg("--format=qcow2")
+            .arg("-a")
+            .arg(&path)
+            // PVE runs no libvirt: the appliance is a QEMU child of guestfish.
+            .env("LIBGUESTFS_BACKEND", "direct")
+            .env("LIBGUESTFS_MEMSIZE", memory_mib.to_string());
+        // Under systemd, guestfish and its appliance run in a unit of their own, outside the
+        // daemon's sandbox (which forbids QEMU's TCG and hides /lib/modules), bounded by the
+        // unit even if the daemon dies.
+        let unit = self.guest_network_unit(grant, vmid, memory_mib)?;
+        if let Some(unit) = &unit {
+            call = process::in_transient_unit(
+                call,
+                unit.role,
+                &unit.name,
+                &unit.description,
+                &self.config.process.systemd_run,
+                &self.config.process.systemctl,
+                None,
+            )
+            .map_err(ExecError::Failed)?;
+        }
         let intent = json!({
             "mode": mode.name(),
             "path": path.display().to_string(),
             "mac": nic.mac,
             "address": nic.address.to_string(),
-            "command": format!("{} --format=qcow2 -a {}", program.display(), path.display()),
+            "command": call.display(),
             "timeout_secs": timeout_secs,
             "memory_mib": memory_mib,
+            "unit": unit.as_ref().map(|u| u.name.clone()),
+            "unit_description": unit.as_ref().map(|u| u.description.clone()),
         });
         guard
             .append(self.now_ms(), OP, &overlay, Phase::Intent, intent)
             .await?;
         let started = Instant::now();
-        let mut session = match Session::start(&program, &path, memory_mib) {
+        let mut session = match Session::start(call) {
             Ok(session) => session,
             Err(error) => {
                 return Err(self
@@ -1450,6 +1518,19 @@ impl NodeExecutor {
         // group is killed on drop, and the tree is reaped here (QEMU included).
         if let Some(identity) = identity {
             let _ = identity.reap(Duration::from_secs(10)).await;
+        }
+        // Killing systemd-run leaves its unit: the unit itself is stopped (its whole cgroup,
+        // the appliance's QEMU included). A unit that ended by itself was collected already.
+        if let Some(unit) = &unit
+            && let Err(reason) = process::release_transient_unit(
+                &self.config.process.systemctl,
+                &unit.name,
+                &unit.description,
+                self.tool_timeout(),
+            )
+            .await
+        {
+            tracing::warn!(run_id = %grant.run_id, %vmid, unit = %unit.name, %reason, "the guest network recovery's unit was not stopped");
         }
         let elapsed = started.elapsed();
         let (evidence, code) = match result {
@@ -1716,8 +1797,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_command_guestfish_would_split_is_never_sent() {
-        let mut session = Session::start(Path::new("/bin/cat"), Path::new("/nonexistent"), 256)
-            .expect("cat starts");
+        let mut session =
+            Session::start(ToolCall::new("/bin/cat", Duration::from_secs(5))).expect("cat starts");
         for command in [
             format!("-mount-ro \"/dev/{}!touch /x\" \"/srv\"", "A".repeat(8180)),
             "is-file /etc\n!touch /x".to_owned(),
