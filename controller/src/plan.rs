@@ -1012,8 +1012,8 @@ validations:
         ))
         .unwrap();
         assert_eq!(named.validations[1].wire.guest_address, "10.99.0.20/24");
-        let defaulted = check(&PLAN.replace("mode: preserve\n", "guest_address: 10.99.0.20/24\n"))
-            .unwrap();
+        let defaulted =
+            check(&PLAN.replace("mode: preserve\n", "guest_address: 10.99.0.20/24\n")).unwrap();
         assert_eq!(
             defaulted.validations[1].network_recovery,
             NetworkRecoveryMode::Rewrite
