@@ -327,12 +327,6 @@ struct ReadBack {
     bytes: Vec<u8>,
 }
 
-impl ReadBack {
-    fn text(&self) -> String {
-        String::from_utf8(self.bytes.clone()).unwrap()
-    }
-}
-
 /// Reads files of several overlays (each with the mountable of its root, `{disk}` standing
 /// for its device) in one read-only libguestfs session: for each overlay, each path's content
 /// (`None` when it is not a file).

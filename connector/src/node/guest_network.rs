@@ -34,6 +34,7 @@ use sha2::{Digest, Sha256};
 use std::collections::BTreeSet;
 use std::fmt::Write as _;
 use std::net::IpAddr;
+use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
@@ -1423,6 +1424,40 @@ pub fn guest_network_unit(
     })
 }
 
+/// The call of one recovery's guestfish session on `overlay`: guestfish itself, or with `unit`
+/// `systemd-run` starting it in that unit, outside the daemon's sandbox (which forbids QEMU's
+/// TCG and hides /lib/modules) and bounded by the unit even if the daemon dies; `--pipe`
+/// hands the session's pipes to guestfish.
+pub fn guestfish_call(
+    program: &Path,
+    overlay: &Path,
+    timeout: Duration,
+    memory_mib: u64,
+    unit: Option<&GuestNetworkUnit>,
+    systemd_run: &Path,
+    systemctl: &Path,
+) -> Result<ToolCall, String> {
+    let call = ToolCall::new(program, timeout)
+        .arg("--format=qcow2")
+        .arg("-a")
+        .arg(overlay)
+        // PVE runs no libvirt: the appliance is a QEMU child of guestfish.
+        .env("LIBGUESTFS_BACKEND", "direct")
+        .env("LIBGUESTFS_MEMSIZE", memory_mib.to_string());
+    match unit {
+        None => Ok(call),
+        Some(unit) => process::in_transient_unit(
+            call,
+            unit.role,
+            &unit.name,
+            &unit.description,
+            systemd_run,
+            systemctl,
+            None,
+        ),
+    }
+}
+
 impl NodeExecutor {
     /// The unit a recovery runs in, when this daemon starts tools in transient units.
     fn guest_network_unit(
@@ -1526,29 +1561,17 @@ impl NodeExecutor {
         let program = self.config.tools.guestfish.clone();
         let timeout_secs = self.config.limits.guest_network_timeout_secs;
         let memory_mib = self.config.limits.guest_network_memory_mib;
-        let mut call = ToolCall::new(&program, Duration::from_secs(timeout_secs))
-            .arg("--format=qcow2")
-            .arg("-a")
-            .arg(&path)
-            // PVE runs no libvirt: the appliance is a QEMU child of guestfish.
-            .env("LIBGUESTFS_BACKEND", "direct")
-            .env("LIBGUESTFS_MEMSIZE", memory_mib.to_string());
-        // Under systemd, guestfish and its appliance run in a unit of their own, outside the
-        // daemon's sandbox (which forbids QEMU's TCG and hides /lib/modules), bounded by the
-        // unit even if the daemon dies.
         let unit = self.guest_network_unit(grant, vmid, memory_mib)?;
-        if let Some(unit) = &unit {
-            call = process::in_transient_unit(
-                call,
-                unit.role,
-                &unit.name,
-                &unit.description,
-                &self.config.process.systemd_run,
-                &self.config.process.systemctl,
-                None,
-            )
-            .map_err(ExecError::Failed)?;
-        }
+        let call = guestfish_call(
+            &program,
+            &path,
+            Duration::from_secs(timeout_secs),
+            memory_mib,
+            unit.as_ref(),
+            &self.config.process.systemd_run,
+            &self.config.process.systemctl,
+        )
+        .map_err(ExecError::Failed)?;
         let intent = json!({
             "mode": mode.name(),
             "path": path.display().to_string(),
