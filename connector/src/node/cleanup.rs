@@ -90,18 +90,21 @@ impl NodeExecutor {
             // A unit outlives the daemon that started it (a guest network recovery's
             // appliance): stopped, after checking it is this run's. Without systemd as init
             // no unit can exist.
-            if crate::systemd::booted() {
-                for (unit, description) in &step.units {
-                    if let Err(reason) = crate::process::release_transient_unit(
-                        &self.config.process.systemctl,
-                        unit,
-                        description,
-                        self.tool_timeout(),
-                    )
-                    .await
-                    {
-                        left.push(reason);
-                    }
+            let units: &[(String, String)] = if crate::systemd::booted() {
+                &step.units
+            } else {
+                &[]
+            };
+            for (unit, description) in units {
+                if let Err(reason) = crate::process::release_transient_unit(
+                    &self.config.process.systemctl,
+                    unit,
+                    description,
+                    self.tool_timeout(),
+                )
+                .await
+                {
+                    left.push(reason);
                 }
             }
             if !left.is_empty() {
@@ -118,7 +121,7 @@ impl NodeExecutor {
                         "error": "the connector stopped during this step",
                         "outcome_unknown": true,
                         "tools": step.tools,
-                        "units_stopped": step.units.iter().map(|(unit, _)| unit).collect::<Vec<_>>(),
+                        "units_stopped": units.iter().map(|(unit, _)| unit).collect::<Vec<_>>(),
                         "processes_killed": killed,
                     }),
                 )
