@@ -2160,7 +2160,7 @@ fn doctor_judges_a_vnet_its_legacy_nat_the_lvm_filter_and_the_firewall() {
         std::fs::write(
             &plan,
             format!(
-                "storage:\n  server: pbs.lab\n  datastore: store1\n  auth_id: certistack@pbs!restore\n  fingerprint: \"{}\"\n  pbs_password_file: pbs-password\nvalidations:\n  - name: web1\n    node: {NODE}\n    source_vmid: 100\n    snapshot: \"2026-11-01T02:00:00Z\"\n    archives: [{ARCHIVE}]\n    sandbox:\n      - vmid: 9101\n        cores: 1\n        memory_mib: 256\n    network:\n      lifecycle: preprovisioned\n      vnet: {VNET}\n      probe_source: {PROBE_SOURCE}\n    timeouts:\n      run_seconds: 600\n      guest_agent_seconds: 60\n",
+                "storage:\n  server: pbs.lab\n  datastore: store1\n  auth_id: certistack@pbs!restore\n  fingerprint: \"{}\"\n  pbs_password_file: pbs-password\nvalidations:\n  - name: web1\n    node: {NODE}\n    source_vmid: 100\n    snapshot: \"2026-11-01T02:00:00Z\"\n    archives: [{ARCHIVE}]\n    sandbox:\n      - vmid: 9101\n        cores: 1\n        memory_mib: 256\n    network:\n      lifecycle: preprovisioned\n      vnet: {VNET}\n      probe_source: {PROBE_SOURCE}\n    timeouts:\n      run_seconds: 600\n      guest_agent_seconds: 60\n    network_recovery:\n      mode: preserve\n",
                 ["ab"; 32].join(":")
             ),
         )

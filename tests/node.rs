@@ -3481,4 +3481,110 @@ mod systemd_unit {
         run.end_run(pb::EndRunRequest {}).await.unwrap();
         container.run(&["systemctl", "stop", UNIT]);
     }
+
+    /// A guest network recovery's session under systemd, started as the connector starts it
+    /// (`guestfish_call` with its unit), with a stand-in for guestfish: the session's commands
+    /// reach it on stdin and its answers come back on stdout (`--pipe`), it runs in
+    /// `certistack-guestnet-<run>-<vmid>.service` with the unit's `MemoryMax` and
+    /// `RuntimeMaxSec`, its exit status is the call's (`--wait`) and the unit is collected
+    /// after it. A session that hangs is ended by systemd at `RuntimeMaxSec`, its cgroup with
+    /// it, without anyone killing `systemd-run`. (libguestfs itself is not installed in the
+    /// container: its appliance is shown by the guest network tests outside systemd.)
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_guest_network_session_runs_in_its_unit_with_the_callers_pipes_and_the_units_bounds()
+    {
+        if !privileged(
+            "a_guest_network_session_runs_in_its_unit_with_the_callers_pipes_and_the_units_bounds",
+            &["systemd-nspawn", "mmdebstrap", "nsenter"],
+        ) {
+            return;
+        }
+        use certistack_connector::node::guest_network;
+        use certistack_connector::validate::{RunId, Validated, Vmid};
+        use std::io::Write;
+        let _serial = SERIAL.lock().await;
+        let root = container_root();
+        let dir = TempDir::new("guestnet-unit");
+        let run_id = RunId::validate(RUN_ID).unwrap();
+        let unit = guest_network::guest_network_unit(&run_id, Vmid::parse("t", 9100).unwrap(), 512)
+            .unwrap();
+        let standin = dir.0.join("guestfish");
+        std::fs::write(
+            &standin,
+            format!(
+                "#!/bin/sh\nwhile read -r line; do\n  [ \"$line\" = hang ] && exec sleep 600\n  echo \"answer: $line\"\ndone\necho \"args: $*\"\necho \"env: $LIBGUESTFS_BACKEND $LIBGUESTFS_MEMSIZE\"\necho \"cgroup: $(cat /proc/self/cgroup)\"\nsystemctl show -p MemoryMax -p RuntimeMaxUSec {}\nexit 7\n",
+                unit.name
+            ),
+        )
+        .unwrap();
+        std::fs::set_permissions(
+            &standin,
+            std::os::unix::fs::PermissionsExt::from_mode(0o755),
+        )
+        .unwrap();
+        let container = Container::boot(&root, &[(dir.0.clone(), dir.0.clone())]);
+        let session = |timeout: std::time::Duration, commands: &str| {
+            let call = guest_network::guestfish_call(
+                &standin,
+                Path::new("/var/lib/certistack-overlays/9100-drive-scsi0.qcow2"),
+                timeout,
+                512,
+                Some(&unit),
+                Path::new("/usr/bin/systemd-run"),
+                Path::new("/usr/bin/systemctl"),
+            )
+            .unwrap();
+            let mut child = Command::new("nsenter")
+                .args(["-t", &container.leader.to_string(), "-a", "--"])
+                .arg(&call.program)
+                .args(&call.args)
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap();
+            child
+                .stdin
+                .take()
+                .unwrap()
+                .write_all(commands.as_bytes())
+                .unwrap();
+            let started = std::time::Instant::now();
+            let output = child.wait_with_output().unwrap();
+            (output, started.elapsed())
+        };
+
+        let (output, _) = session(std::time::Duration::from_secs(600), "run\ninspect-os\n");
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        assert_eq!(
+            output.status.code(),
+            Some(7),
+            "{stdout}{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        for line in [
+            "answer: run\nanswer: inspect-os\n",
+            "args: --format=qcow2 -a /var/lib/certistack-overlays/9100-drive-scsi0.qcow2\n",
+            "env: direct 512\n",
+            // The unit's own cgroup (cgroup v2, or v1's name=systemd hierarchy).
+            &format!(":/system.slice/{}\n", unit.name),
+            // 512 MiB for the appliance and 1024 MiB around it.
+            "MemoryMax=1610612736\n",
+            "RuntimeMaxUSec=10min\n",
+        ] {
+            assert!(stdout.contains(line), "{line:?} missing from {stdout}");
+        }
+        assert_eq!(container.property(&unit.name, "LoadState"), "not-found");
+
+        // A hung session: systemd stops the unit at RuntimeMaxSec, sleep and all.
+        let (output, took) = session(std::time::Duration::from_secs(3), "run\nhang\n");
+        assert!(!output.status.success(), "{output:?}");
+        assert!(took < std::time::Duration::from_secs(30), "took {took:?}");
+        assert_eq!(container.property(&unit.name, "LoadState"), "not-found");
+        assert_eq!(
+            container.run(&["pgrep", "-f", "sleep 600"]).trim(),
+            "",
+            "the hung session outlived its unit"
+        );
+    }
 }

@@ -39,7 +39,7 @@ pub struct Config {
     pub process: ProcessPolicy,
 }
 
-/// Where `qm start` and `proxmox-backup-client map` run.
+/// Where `qm start`, `proxmox-backup-client map` and guest network recovery's guestfish run.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum TransientUnits {
@@ -57,7 +57,8 @@ pub enum TransientUnits {
 pub struct ProcessPolicy {
     /// `"auto"` (the default) or `"never"`. Under systemd, the mapping holder and QEMU live in
     /// `certistack-map-…`/`certistack-qm-start-…` units outside the connector's cgroup and
-    /// sandbox, so restarting or upgrading the connector keeps every run's mappings.
+    /// sandbox, so restarting or upgrading the connector keeps every run's mappings; a guest
+    /// network recovery's guestfish and appliance in a `certistack-guestnet-…` unit.
     pub transient_units: TransientUnits,
     /// `systemd-run`, which starts those units.
     pub systemd_run: PathBuf,

@@ -775,6 +775,15 @@ pub enum TransientRole {
     /// `qm start`: qemu-server moves QEMU into its own `<vmid>.scope`; the unit only keeps qm
     /// itself outside the daemon's sandbox and ends when qm does.
     QmStart,
+    /// guestfish and the libguestfs appliance it boots (supermin builds it from the node's
+    /// `/lib/modules`, QEMU runs it, under TCG with writable executable memory): none of it
+    /// works inside the daemon's sandbox. The unit ends when guestfish does; `RuntimeMaxSec`
+    /// (the step's deadline) and `MemoryMax` bound it even when the daemon is gone.
+    GuestNetwork {
+        /// The unit's `MemoryMax`, in MiB: the appliance's memory and what QEMU, guestfish
+        /// and supermin need around it.
+        memory_max_mib: u64,
+    },
 }
 
 impl TransientRole {
@@ -782,6 +791,7 @@ impl TransientRole {
         match self {
             TransientRole::MapHolder => "certistack-map",
             TransientRole::QmStart => "certistack-qm-start",
+            TransientRole::GuestNetwork { .. } => "certistack-guestnet",
         }
     }
 
@@ -795,6 +805,11 @@ impl TransientRole {
                 "SendSIGKILL=yes",
             ],
             TransientRole::QmStart => &["Type=oneshot"],
+            // At stop (the step's deadline, a leftover of an interrupted step) guestfish gets
+            // SIGTERM, then the whole cgroup (QEMU included) SIGKILL.
+            TransientRole::GuestNetwork { .. } => {
+                &["Type=exec", "TimeoutStopSec=15s", "SendSIGKILL=yes"]
+            }
         }
     }
 }
@@ -837,6 +852,7 @@ pub fn transient_unit_description(role: TransientRole, run_id: &str, object: &st
     let what = match role {
         TransientRole::MapHolder => "backup mapping",
         TransientRole::QmStart => "qm start",
+        TransientRole::GuestNetwork { .. } => "guest network recovery of",
     };
     format!("CertiStack run {run_id}: {what} {object}")
 }
@@ -866,11 +882,25 @@ pub fn in_transient_unit(
         .arg("--quiet")
         .arg("--collect")
         .arg("--pipe");
-    if role == TransientRole::QmStart {
+    if matches!(
+        role,
+        TransientRole::QmStart | TransientRole::GuestNetwork { .. }
+    ) {
         wrapped = wrapped.arg("--wait");
     }
     for property in role.properties() {
         wrapped = wrapped.arg("--property").arg(*property);
+    }
+    if let TransientRole::GuestNetwork { memory_max_mib } = role {
+        // The session's deadline holds even without the daemon: systemd stops the unit then.
+        wrapped = wrapped
+            .arg("--property")
+            .arg(format!(
+                "RuntimeMaxSec={}ms",
+                call.timeout.as_millis().max(1)
+            ))
+            .arg("--property")
+            .arg(format!("MemoryMax={memory_max_mib}M"));
     }
     // A oneshot unit's start has no time limit by default, and at the call's timeout only
     // systemd-run is killed: the unit itself must give up at the same bound, or `qm start` (or
@@ -1120,6 +1150,83 @@ mod tests {
         }
         let long = "a".repeat(250);
         assert!(transient_unit_name(TransientRole::QmStart, "run", &long).is_err());
+    }
+
+    #[test]
+    fn a_guestfish_session_in_a_transient_unit_keeps_its_pipes_and_is_bounded_by_the_unit() {
+        let run = "0f0e1c2d-3b4a-4c5d-8e6f-7a8b9c0d1e2f";
+        let role = TransientRole::GuestNetwork {
+            memory_max_mib: 1536,
+        };
+        let unit = transient_unit_name(role, run, "9100").unwrap();
+        assert_eq!(unit, format!("certistack-guestnet-{run}-9100.service"));
+        let description = transient_unit_description(role, run, "9100");
+        assert_eq!(
+            description,
+            format!("CertiStack run {run}: guest network recovery of 9100")
+        );
+        let wrapped = in_transient_unit(
+            ToolCall::new("/usr/bin/guestfish", Duration::from_secs(300))
+                .arg("--format=qcow2")
+                .arg("-a")
+                .arg("/var/lib/certistack-overlays/run/9100-drive-scsi0.qcow2")
+                .env("LIBGUESTFS_BACKEND", "direct")
+                .env("LIBGUESTFS_MEMSIZE", "512"),
+            role,
+            &unit,
+            &description,
+            Path::new("/usr/bin/systemd-run"),
+            Path::new("/usr/bin/systemctl"),
+            None,
+        )
+        .unwrap();
+        let argv: Vec<String> = wrapped
+            .args
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        let properties: Vec<&str> = argv
+            .windows(2)
+            .filter(|w| w[0] == "--property")
+            .map(|w| w[1].as_str())
+            .collect();
+        assert_eq!(
+            properties,
+            [
+                "Type=exec",
+                "TimeoutStopSec=15s",
+                "SendSIGKILL=yes",
+                "RuntimeMaxSec=300000ms",
+                "MemoryMax=1536M",
+                "TimeoutStartSec=300000ms",
+            ],
+            "{argv:?}"
+        );
+        let tool_at = argv.iter().position(|a| a == "--").unwrap();
+        // guestfish's commands and answers flow over the daemon's pipes (--pipe), and
+        // systemd-run returns with guestfish's exit status once the unit is gone (--wait).
+        assert_eq!(
+            argv[..tool_at]
+                .iter()
+                .filter(|a| !a.starts_with("--property") && !a.contains('='))
+                .collect::<Vec<_>>(),
+            ["--quiet", "--collect", "--pipe", "--wait"],
+            "{argv:?}"
+        );
+        assert!(argv.contains(&format!("--unit={unit}")));
+        assert!(argv.contains(&format!("--description={description}")));
+        assert!(argv.contains(&"--setenv=LIBGUESTFS_BACKEND=direct".to_owned()));
+        assert!(argv.contains(&"--setenv=LIBGUESTFS_MEMSIZE=512".to_owned()));
+        assert_eq!(
+            argv[tool_at + 1..],
+            [
+                "/usr/bin/guestfish",
+                "--format=qcow2",
+                "-a",
+                "/var/lib/certistack-overlays/run/9100-drive-scsi0.qcow2"
+            ]
+        );
+        assert!(wrapped.settles_with_unit.is_none() && wrapped.env.is_empty());
     }
 
     #[test]

@@ -256,6 +256,9 @@ pub struct InterruptedStep {
     pub op: String,
     pub key: String,
     pub tools: Vec<ToolIdentity>,
+    /// Transient units the step started its tools in, (name, description), as its intents
+    /// name them (`unit`, `unit_description`): killing the tools' client leaves a unit.
+    pub units: Vec<(String, String)>,
 }
 
 /// The side steps (ops whose records [`states`] skips because deleting their resource undoes
@@ -285,6 +288,16 @@ pub fn interrupted_side_steps(records: &[Record]) -> Vec<InterruptedStep> {
             tools: history
                 .iter()
                 .filter_map(|r| serde_json::from_value(r.entry.detail.get("tool")?.clone()).ok())
+                .collect(),
+            units: history
+                .iter()
+                .filter_map(|r| {
+                    let detail = &r.entry.detail;
+                    Some((
+                        detail.get("unit")?.as_str()?.to_owned(),
+                        detail.get("unit_description")?.as_str()?.to_owned(),
+                    ))
+                })
                 .collect(),
         })
         .collect()
@@ -450,5 +463,61 @@ mod tests {
             Resource::parse("backup:../x"),
             Resource::Unrecognized("backup:../x".into())
         );
+    }
+
+    #[test]
+    fn an_interrupted_recovery_names_the_unit_its_appliance_runs_in() {
+        let dir = std::env::temp_dir().join(format!(
+            "certistack-side-steps-{}-{}",
+            std::process::id(),
+            uuid::Uuid::new_v4().simple()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let run = "0f0e1c2d-3b4a-4c5d-8e6f-7a8b9c0d1e2f";
+        let mut j = Journal::create(&dir, run).unwrap();
+        let unit = format!("certistack-guestnet-{run}-9100.service");
+        let description = format!("CertiStack run {run}: guest network recovery of 9100");
+        let intent = json!({ "mode": "rewrite", "unit": unit, "unit_description": description });
+        let tool = json!({ "tool": { "pid": 4242, "start_time": 7, "process_group": 4242 } });
+        let records = vec![
+            j.append(
+                0,
+                "guestnet.recover",
+                "overlay:9101:a.img",
+                Phase::Intent,
+                json!({ "unit": null }),
+            )
+            .unwrap(),
+            j.append(
+                0,
+                "guestnet.recover",
+                "overlay:9101:a.img",
+                Phase::Done,
+                json!({}),
+            )
+            .unwrap(),
+            j.append(
+                0,
+                "guestnet.recover",
+                "overlay:9100:a.img",
+                Phase::Intent,
+                intent,
+            )
+            .unwrap(),
+            j.append(
+                0,
+                "guestnet.recover",
+                "overlay:9100:a.img",
+                Phase::Intent,
+                tool,
+            )
+            .unwrap(),
+        ];
+        let steps = interrupted_side_steps(&records);
+        assert_eq!(steps.len(), 1, "{steps:?}");
+        assert_eq!(steps[0].key, "overlay:9100:a.img");
+        assert_eq!(steps[0].units, [(unit, description)]);
+        assert_eq!(steps[0].tools.len(), 1);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -238,8 +238,9 @@ fn default_guest_agent_seconds() -> u32 {
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct NetworkRecoveryFile {
+    /// `rewrite` when not written: `preserve` is the explicit opt-out.
     #[serde(default)]
-    mode: NetworkRecoveryMode,
+    mode: Option<NetworkRecoveryMode>,
     /// `rewrite`: the sandbox NIC's address/prefix; by default the one address the probes
     /// target, with the probe network's prefix.
     #[serde(default)]
@@ -250,15 +251,14 @@ struct NetworkRecoveryFile {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum NetworkRecoveryMode {
-    /// The guest keeps the network configuration it was backed up with: the VNet is an
-    /// isolated copy of its subnet, and probes target those addresses. Nothing in the guest is
-    /// changed. (Writing a sandbox network profile into the overlay before boot is a mode of its
-    /// own: `rewrite`.)
-    #[default]
+    /// The explicit opt-out: the guest keeps the network configuration it was backed up
+    /// with, the VNet is an isolated copy of its subnet, and probes target those addresses.
+    /// Nothing in the guest is changed.
     Preserve,
-    /// Before the sandbox VM first starts, the node writes a MAC-bound, no-gateway profile for
-    /// its NIC (and a firewalld allow for the probe source) into the overlay
-    /// (docs/guest-network.md).
+    /// The default: before the sandbox VM first starts, the node writes a MAC-bound,
+    /// no-gateway profile for its NIC (and a firewalld allow for the probe source) into the
+    /// overlay (docs/guest-network.md).
+    #[default]
     Rewrite,
 }
 
@@ -550,7 +550,8 @@ impl Plan {
                     ),
                 ));
             }
-            let guest_address = match (v.network_recovery.mode, &v.network_recovery.guest_address) {
+            let recovery_mode = v.network_recovery.mode.unwrap_or_default();
+            let guest_address = match (recovery_mode, &v.network_recovery.guest_address) {
                 (_, Some(address)) => address.clone(),
                 (NetworkRecoveryMode::Preserve, None) => String::new(),
                 (NetworkRecoveryMode::Rewrite, None) => {
@@ -563,8 +564,14 @@ impl Plan {
                             return Err(refused(
                                 at(".network_recovery.guest_address"),
                                 format!(
-                                    "mode rewrite needs the sandbox NIC's address: the probes target {} addresses, so name it (address/prefix inside network.probe_source)",
-                                    addresses.len()
+                                    "network_recovery.mode is {} and needs the sandbox NIC's address, which is taken from the probes only when they target exactly one address (they target {}): write `network_recovery: {{guest_address: <address>/<prefix>}}` with an address inside network.probe_source {} other than the probe source itself, or `network_recovery: {{mode: preserve}}` to leave the guest's network configuration as it was backed up",
+                                    if v.network_recovery.mode.is_some() {
+                                        "rewrite"
+                                    } else {
+                                        "rewrite (the default)"
+                                    },
+                                    addresses.len(),
+                                    v.network.probe_source
                                 ),
                             ));
                         }
@@ -604,7 +611,7 @@ impl Plan {
                         timeout_seconds: a.timeout_seconds,
                     })
                     .collect(),
-                network_recovery_modes: vec![v.network_recovery.mode.wire() as i32],
+                network_recovery_modes: vec![recovery_mode.wire() as i32],
                 guest_address,
             };
             let grant = as_the_node_reads_it(&wire)
@@ -618,7 +625,7 @@ impl Plan {
                 run_seconds: v.timeouts.run_seconds,
                 guest_agent_seconds: v.timeouts.guest_agent_seconds,
                 network_lifecycle: v.network.lifecycle,
-                network_recovery: v.network_recovery.mode,
+                network_recovery: recovery_mode,
             });
         }
         Ok(Self {
@@ -848,6 +855,8 @@ validations:
       lifecycle: preprovisioned
       vnet: csnet1
       probe_source: 10.99.0.1/24
+    network_recovery:
+      mode: preserve
 "#;
 
     fn config() -> ControllerConfig {
@@ -960,43 +969,59 @@ validations:
     }
 
     #[test]
-    fn rewrite_grants_the_recovery_and_the_sandbox_nic_address() {
-        let plan = check(&PLAN.replace(
-            "        timeout_seconds: 30\n  - name: db01",
-            "        timeout_seconds: 30\n    network_recovery:\n      mode: rewrite\n  - name: db01",
-        ))
-        .unwrap();
+    fn rewrite_is_the_default_and_preserve_the_explicit_opt_out() {
+        let plan = check(PLAN).unwrap();
         let web = &plan.validations[0];
         assert_eq!(web.network_recovery, NetworkRecoveryMode::Rewrite);
         assert_eq!(
             web.wire.network_recovery_modes,
-            [pb::NetworkRecoveryMode::Rewrite as i32]
+            [pb::NetworkRecoveryMode::Rewrite as i32],
+            "a validation without network_recovery rewrites"
         );
         // The one address the probes target, with the probe network's prefix.
         assert_eq!(web.wire.guest_address, "10.99.0.10/24");
         assert_eq!(
             plan.validations[1].wire.network_recovery_modes,
             [pb::NetworkRecoveryMode::Preserve as i32],
-            "preserve stays the default"
+            "preserve, written, is the opt-out"
         );
         assert!(plan.validations[1].wire.guest_address.is_empty());
 
-        // Without probes there is no address to take: the plan must name it.
-        let error = refusal(&format!(
-            "{PLAN}    network_recovery:\n      mode: rewrite\n"
-        ));
+        // Without probes there is no address to take: the error names the field, says the
+        // mode came by default, and what to write instead.
+        let preserve = "    network_recovery:\n      mode: preserve\n";
+        let error = refusal(&PLAN.replace(preserve, ""));
+        for part in [
+            "validations[1] (db01).network_recovery.guest_address",
+            "network_recovery.mode is rewrite (the default)",
+            "they target 0",
+            "`network_recovery: {guest_address: <address>/<prefix>}`",
+            "inside network.probe_source 10.99.0.1/24",
+            "`network_recovery: {mode: preserve}`",
+        ] {
+            assert!(error.contains(part), "{part}: {error}");
+        }
+        let error = refusal(&PLAN.replace("mode: preserve", "mode: rewrite"));
         assert!(
-            error.contains("validations[1] (db01).network_recovery.guest_address"),
+            error.contains("network_recovery.mode is rewrite and needs"),
             "{error}"
         );
-        let named = check(&format!(
-            "{PLAN}    network_recovery:\n      mode: rewrite\n      guest_address: 10.99.0.20/24\n"
+        let named = check(&PLAN.replace(
+            "mode: preserve\n",
+            "mode: rewrite\n      guest_address: 10.99.0.20/24\n",
         ))
         .unwrap();
         assert_eq!(named.validations[1].wire.guest_address, "10.99.0.20/24");
+        let defaulted =
+            check(&PLAN.replace("mode: preserve\n", "guest_address: 10.99.0.20/24\n")).unwrap();
+        assert_eq!(
+            defaulted.validations[1].network_recovery,
+            NetworkRecoveryMode::Rewrite
+        );
         // The node's rule, in the plan's words: inside the probe network.
-        let error = refusal(&format!(
-            "{PLAN}    network_recovery:\n      mode: rewrite\n      guest_address: 10.98.0.20/24\n"
+        let error = refusal(&PLAN.replace(
+            "mode: preserve\n",
+            "mode: rewrite\n      guest_address: 10.98.0.20/24\n",
         ));
         assert!(error.contains("not in the probe network"), "{error}");
     }

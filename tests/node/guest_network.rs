@@ -11,12 +11,16 @@ use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 
 const GUESTFS_TOOLS: &[&str] = &["losetup", "qemu-img", "guestfish", "mkfs.ext4", "python3"];
+/// What the btrfs image needs besides: its root is a subvolume, made in a mount namespace of
+/// the test's own.
+const BTRFS_TOOLS: &[&str] = &["mkfs.btrfs", "btrfs", "unshare", "mount"];
 /// MAC of a second production NIC: profiles bound to it must be kept.
 const OTHER_MAC: &str = "52:54:00:00:00:09";
 const IMAGE_BYTES: u64 = 64 << 20;
 
 /// A directory tree as (path, content) pairs; paths ending in `/` are directories, contents
-/// starting with `->` symlinks.
+/// starting with `->` symlinks. Contents are written Latin-1: a character U+0080..U+00FF is
+/// that one byte, so a tree can hold a guest file that is not UTF-8.
 type Tree = &'static [(&'static str, &'static str)];
 
 const BASE: Tree = &[
@@ -39,11 +43,25 @@ const DEBIAN: Tree = &[
     ),
     ("etc/debian_version", "12.5\n"),
     ("sbin/ifup", "#!/bin/sh\n"),
+    ("etc/network/interfaces", DEBIAN_INTERFACES),
+    // A NUL byte: guestfish reads it as a shorter text, so recovery must leave it alone.
     (
-        "etc/network/interfaces",
-        "source /etc/network/interfaces.d/*\n\nauto lo\niface lo inet loopback\n\nallow-hotplug eth0\niface eth0 inet static\n    address 10.20.0.5/24\n    gateway 10.20.0.1\n",
+        "etc/network/interfaces.d/legacy",
+        "auto eth1\niface eth1 inet dhcp\n\0# generated\n",
     ),
-    ("etc/network/interfaces.d/", ""),
+];
+
+/// A Latin-1 comment (the byte 0xfc is not UTF-8) that must survive the edit byte for byte.
+const DEBIAN_INTERFACES: &str = "# B\u{fc}ro-Netz\nsource /etc/network/interfaces.d/*\n\nauto lo\niface lo inet loopback\n\nallow-hotplug eth0\niface eth0 inet static\n    address 10.20.0.5/24\n    gateway 10.20.0.1\n";
+
+/// Root on the btrfs subvolume `@` (see [`store_image`]).
+const BTRFS: Tree = &[("etc/fstab", "/dev/sda / btrfs subvol=@ 0 0\n")];
+
+/// A systemd-networkd guest with a name holding a line break: listed one path a line, it
+/// would read as `/etc/systemd/network/25-lab` (a file networkd ignores) and `.network`.
+const HOSTILE_NAME: Tree = &[
+    ("etc/systemd/network/25-lab\n.network", "[Match]\nName=*\n"),
+    ("etc/systemd/network/25-lab", "[Match]\nName=*\n"),
 ];
 
 const UBUNTU: Tree = &[
@@ -130,13 +148,20 @@ fn write_tree(dir: &Path, trees: &[Tree]) {
             if let Some(link) = content.strip_prefix("->") {
                 std::os::unix::fs::symlink(link, &target).unwrap();
             } else {
-                std::fs::write(&target, content).unwrap();
+                std::fs::write(&target, latin1(content)).unwrap();
             }
         }
     }
 }
 
-/// Replaces the backup `archive` of the lab's snapshot with an ext4 image of `trees`.
+fn latin1(text: &str) -> Vec<u8> {
+    text.chars()
+        .map(|c| u8::try_from(u32::from(c)).expect("a tree holds Latin-1 text"))
+        .collect()
+}
+
+/// Replaces the backup `archive` of the lab's snapshot with an ext4 image of `trees`, or a
+/// btrfs image whose subvolume `@` holds them when their fstab says so.
 fn store_image(lab: &Lab, archive: &str, trees: &[Tree]) {
     let tree = lab.root.join(format!("tree-{archive}"));
     write_tree(&tree, trees);
@@ -144,6 +169,32 @@ fn store_image(lab: &Lab, archive: &str, trees: &[Tree]) {
     let file = std::fs::File::create(&image).unwrap();
     file.set_len(IMAGE_BYTES).unwrap();
     drop(file);
+    if std::fs::read_to_string(tree.join("etc/fstab"))
+        .unwrap()
+        .contains(" btrfs ")
+    {
+        let made = std::process::Command::new("mkfs.btrfs")
+            .args(["-q", "-f", "--mixed"])
+            .arg(&image)
+            .output()
+            .unwrap();
+        assert!(made.status.success(), "{made:?}");
+        // mkfs.btrfs of this btrfs-progs cannot make subvolumes: mounted once, in a mount
+        // namespace of its own, by the test (never by the connector).
+        let mount = lab.root.join(format!("mnt-{archive}"));
+        std::fs::create_dir_all(&mount).unwrap();
+        let filled = std::process::Command::new("unshare")
+            .args(["-m", "sh", "-ec"])
+            .arg("mount -o loop \"$1\" \"$2\"; btrfs -q subvolume create \"$2/@\"; cp -a \"$3/.\" \"$2/@/\"; umount \"$2\"")
+            .arg("sh")
+            .arg(&image)
+            .arg(&mount)
+            .arg(&tree)
+            .output()
+            .unwrap();
+        assert!(filled.status.success(), "{filled:?}");
+        return;
+    }
     let out = std::process::Command::new("mkfs.ext4")
         .args(["-q", "-F", "-d"])
         .arg(&tree)
@@ -269,18 +320,28 @@ impl Run {
     }
 }
 
-/// Reads files of several overlays in one read-only libguestfs session: for each overlay, each
-/// path's content (`None` when it is not a file).
-fn read_back(overlays: &[(PathBuf, &[&str])]) -> Vec<Vec<Option<String>>> {
+/// A guest file read back: its SHA-256 (of every byte) and its text as guestfish prints it
+/// (to its first NUL byte).
+struct ReadBack {
+    sha256: String,
+    bytes: Vec<u8>,
+}
+
+/// Reads files of several overlays (each with the mountable of its root, `{disk}` standing
+/// for its device) in one read-only libguestfs session: for each overlay, each path's content
+/// (`None` when it is not a file).
+fn read_back(overlays: &[(PathBuf, &str, &[&str])]) -> Vec<Vec<Option<ReadBack>>> {
     let mut command = std::process::Command::new("guestfish");
     command.env("LIBGUESTFS_BACKEND", "direct").arg("--ro");
     let mut script = String::from("run\n");
-    for (i, (overlay, paths)) in overlays.iter().enumerate() {
+    for (i, (overlay, root, paths)) in overlays.iter().enumerate() {
         command.arg("--format=qcow2").arg("-a").arg(overlay);
         let device = format!("/dev/sd{}", char::from(b'a' + i as u8));
-        script.push_str(&format!("mount-ro {device} /\n"));
+        script.push_str(&format!("mount-ro {} /\n", root.replace("{disk}", &device)));
         for (j, path) in paths.iter().enumerate() {
-            script.push_str(&format!("echo @@{i}-{j}@@\nis-file {path}\n-cat {path}\n"));
+            script.push_str(&format!(
+                "echo @@{i}-{j}@@\nis-file {path}\n-checksum sha256 {path}\n-cat {path}\n"
+            ));
         }
         script.push_str("umount-all\n");
     }
@@ -299,27 +360,39 @@ fn read_back(overlays: &[(PathBuf, &[&str])]) -> Vec<Vec<Option<String>>> {
         .write_all(script.as_bytes())
         .unwrap();
     let out = child.wait_with_output().unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stdout = out.stdout;
+    let find =
+        |haystack: &[u8], needle: &[u8]| haystack.windows(needle.len()).position(|w| w == needle);
     assert!(
-        stdout.contains("@@end@@"),
-        "guestfish read-back failed: {}\n{stdout}",
-        String::from_utf8_lossy(&out.stderr)
+        find(&stdout, b"@@end@@").is_some(),
+        "guestfish read-back failed: {}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        String::from_utf8_lossy(&stdout)
     );
     overlays
         .iter()
         .enumerate()
-        .map(|(i, (_, paths))| {
+        .map(|(i, (_, _, paths))| {
             (0..paths.len())
                 .map(|j| {
-                    let start = stdout.find(&format!("@@{i}-{j}@@\n")).unwrap();
+                    let marker = format!("@@{i}-{j}@@\n");
+                    let start = find(&stdout, marker.as_bytes()).unwrap() + marker.len();
                     let rest = &stdout[start..];
-                    let rest = &rest[rest.find('\n').unwrap() + 1..];
-                    let end = rest.find("@@").unwrap();
-                    let answer = &rest[..end];
-                    let (is_file, content) = answer.split_once('\n').unwrap();
+                    let answer = &rest[..find(rest, b"@@").unwrap()];
+                    let newline = find(answer, b"\n").unwrap();
+                    if &answer[..newline] != b"true" {
+                        return None;
+                    }
+                    let answer = &answer[newline + 1..];
+                    let newline = find(answer, b"\n").unwrap();
+                    let sha256 = String::from_utf8(answer[..newline].to_vec()).unwrap();
+                    let content = &answer[newline + 1..];
                     // guestfish ends every `cat` with a newline of its own.
-                    let content = content.strip_suffix('\n').unwrap_or(content);
-                    (is_file == "true").then(|| content.to_owned())
+                    let content = content.strip_suffix(b"\n").unwrap_or(content);
+                    Some(ReadBack {
+                        sha256,
+                        bytes: content.to_vec(),
+                    })
                 })
                 .collect()
         })
@@ -354,15 +427,16 @@ fn changed<'a>(reply: &'a pb::RecoverGuestNetworkReply, path: &str) -> &'a pb::G
 async fn guest_network_recovery_writes_each_stack_profile_into_the_overlay_only() {
     if !privileged(
         "guest_network_recovery_writes_each_stack_profile_into_the_overlay_only",
-        GUESTFS_TOOLS,
+        &[GUESTFS_TOOLS, BTRFS_TOOLS].concat(),
     ) {
         return;
     }
-    let images: [(&str, &[Tree]); 4] = [
+    let images: [(&str, &[Tree]); 5] = [
         ("drive-scsi0.img", &[BASE, DEBIAN]),
         ("drive-scsi1.img", &[BASE, UBUNTU]),
         ("drive-scsi2.img", &[BASE, FEDORA]),
         ("drive-scsi3.img", &[BASE, ARCH]),
+        ("drive-scsi4.img", &[BASE, ARCH, BTRFS]),
     ];
     let mut run = begin("guestnet", &images, |_, _| {}).await;
     let mut devices = Vec::new();
@@ -416,6 +490,7 @@ async fn guest_network_recovery_writes_each_stack_profile_into_the_overlay_only(
         ("ubuntu", "24.4", "netplan"),
         ("fedora", "40.0", "networkmanager"),
         ("archlinux", "0.0", "systemd-networkd"),
+        ("archlinux", "0.0", "systemd-networkd"),
     ]) {
         assert_eq!(e.os_type, "linux");
         assert_eq!(e.distro, distro, "{e:#?}");
@@ -437,6 +512,7 @@ async fn guest_network_recovery_writes_each_stack_profile_into_the_overlay_only(
         "/etc/network/interfaces.d/certistack-sandbox",
         "/etc/systemd/network/10-certistack-sandbox.link",
         "/etc/network/interfaces",
+        "/etc/network/interfaces.d/legacy",
     ];
     let ubuntu = [
         "/etc/netplan/99-certistack-sandbox.yaml",
@@ -457,19 +533,32 @@ async fn guest_network_recovery_writes_each_stack_profile_into_the_overlay_only(
         "/etc/systemd/network/20-wired.network.certistack-disabled",
         "/etc/systemd/network/30-storage.network",
     ];
-    let overlays: Vec<(PathBuf, &[&str])> = vec![
-        (run.overlay(9100, images[0].0), &debian),
-        (run.overlay(9101, images[1].0), &ubuntu),
-        (run.overlay(9102, images[2].0), &fedora),
-        (run.overlay(9103, images[3].0), &arch),
+    let overlays: Vec<(PathBuf, &str, &[&str])> = vec![
+        (run.overlay(9100, images[0].0), "{disk}", &debian),
+        (run.overlay(9101, images[1].0), "{disk}", &ubuntu),
+        (run.overlay(9102, images[2].0), "{disk}", &fedora),
+        (run.overlay(9103, images[3].0), "{disk}", &arch),
+        (run.overlay(9104, images[4].0), "btrfsvol:{disk}/@", &arch),
     ];
-    let files = read_back(&overlays);
+    let raw = read_back(&overlays);
+    let files: Vec<Vec<Option<String>>> = raw
+        .iter()
+        .map(|overlay| {
+            overlay
+                .iter()
+                .map(|file| {
+                    file.as_ref()
+                        .map(|f| String::from_utf8_lossy(&f.bytes).into_owned())
+                })
+                .collect()
+        })
+        .collect();
     let sha = |text: &str| hex::encode(Sha256::digest(text.as_bytes()));
     let mac_of = |i: usize| evidence[i].mac_address.clone();
 
     // Debian: the NIC is named by its MAC, the sandbox stanza has no gateway, eth0's stanza is
     // commented out and lo's kept.
-    let [stanza, link, interfaces] = &files[0][..] else {
+    let [stanza, link, interfaces, _] = &files[0][..] else {
         panic!()
     };
     let stanza = stanza.as_ref().unwrap();
@@ -489,9 +578,46 @@ async fn guest_network_recovery_writes_each_stack_profile_into_the_overlay_only(
         "{interfaces}"
     );
     assert!(interfaces.contains("#certistack-disabled# iface eth0 inet static\n#certistack-disabled#     address 10.20.0.5/24\n#certistack-disabled#     gateway 10.20.0.1\n"), "{interfaces}");
+    // Byte for byte: the Latin-1 comment (not UTF-8) kept, only the eth0 lines changed.
+    let expected = DEBIAN_INTERFACES.replace(
+        "allow-hotplug eth0\niface eth0 inet static\n    address 10.20.0.5/24\n    gateway 10.20.0.1\n",
+        "#certistack-disabled# allow-hotplug eth0\n#certistack-disabled# iface eth0 inet static\n#certistack-disabled#     address 10.20.0.5/24\n#certistack-disabled#     gateway 10.20.0.1\n",
+    );
+    let interfaces_raw = raw[0][2].as_ref().unwrap();
+    assert_eq!(
+        interfaces_raw.bytes,
+        latin1(&expected),
+        "{}",
+        String::from_utf8_lossy(&interfaces_raw.bytes)
+    );
     assert_eq!(
         changed(&replies[0], "/etc/network/interfaces").sha256,
-        sha(interfaces)
+        interfaces_raw.sha256
+    );
+    assert_eq!(
+        interfaces_raw.sha256,
+        hex::encode(Sha256::digest(latin1(&expected)))
+    );
+    // The file with a NUL byte is left exactly as it was, and the reply says so.
+    let legacy = raw[0][3].as_ref().unwrap();
+    assert_eq!(
+        legacy.sha256,
+        hex::encode(Sha256::digest(latin1(DEBIAN[4].1))),
+        "the file with a NUL byte changed"
+    );
+    assert!(
+        evidence[0]
+            .notes
+            .iter()
+            .any(|n| n.contains("/etc/network/interfaces.d/legacy holds a NUL byte")),
+        "{:#?}",
+        evidence[0]
+    );
+    assert!(
+        evidence[0]
+            .files
+            .iter()
+            .all(|f| f.path != "/etc/network/interfaces.d/legacy")
     );
 
     // Ubuntu: the production file is set aside, the other NIC's file kept.
@@ -570,6 +696,20 @@ async fn guest_network_recovery_writes_each_stack_profile_into_the_overlay_only(
     assert!(disabled.as_ref().unwrap().contains("Gateway=10.50.0.1"));
     assert!(storage.as_ref().unwrap().contains(OTHER_MAC));
 
+    // The same guest with its root on the btrfs subvolume @: recovered the same way.
+    let [network, wired, disabled, storage] = &files[4][..] else {
+        panic!()
+    };
+    assert!(
+        network
+            .as_ref()
+            .unwrap()
+            .contains(&format!("[Match]\nMACAddress={}\n", mac_of(4)))
+    );
+    assert_eq!(wired, &None);
+    assert!(disabled.as_ref().unwrap().contains("Gateway=10.50.0.1"));
+    assert!(storage.as_ref().unwrap().contains(OTHER_MAC));
+
     // Journaled: intent, then done with the files and their hashes; undone with the overlay.
     let steps = run.journal().await;
     let recoveries: Vec<&String> = steps
@@ -577,7 +717,7 @@ async fn guest_network_recovery_writes_each_stack_profile_into_the_overlay_only(
         .filter(|s| s.contains("guestnet.recover"))
         .collect();
     assert!(
-        recoveries.iter().filter(|s| s.contains("done")).count() == 4,
+        recoveries.iter().filter(|s| s.contains("done")).count() == 5,
         "{steps:#?}"
     );
     run.stop().await;
@@ -591,7 +731,10 @@ async fn guest_network_recovery_refuses_what_it_must_not_touch() {
     ) {
         return;
     }
-    let images: [(&str, &[Tree]); 1] = [(ARCHIVE, &[BASE, BARE])];
+    let images: [(&str, &[Tree]); 2] = [
+        (ARCHIVE, &[BASE, BARE]),
+        ("drive-scsi1.img", &[BASE, ARCH, HOSTILE_NAME]),
+    ];
     let mut run = begin("guestnet-refusals", &images, |_, _| {}).await;
 
     // No overlay of this run's yet: nothing to write into.
@@ -612,10 +755,10 @@ async fn guest_network_recovery_refuses_what_it_must_not_touch() {
         "network recovery mode preserve",
     );
     assert_status(
-        run.recover(9101, ARCHIVE, pb::NetworkRecoveryMode::Rewrite)
+        run.recover(9102, ARCHIVE, pb::NetworkRecoveryMode::Rewrite)
             .await,
         Code::PermissionDenied,
-        "VMID 9101",
+        "VMID 9102",
     );
 
     // An OS whose network stack recovery does not know: the inspection result, `preserve` as
@@ -632,6 +775,38 @@ async fn guest_network_recovery_refuses_what_it_must_not_touch() {
         "no network stack found",
         "preserve",
         "nothing was written",
+    ] {
+        assert!(
+            refused.message().contains(part),
+            "{part}: {}",
+            refused.message()
+        );
+    }
+    assert_eq!(
+        overlay_allocated_bytes(&overlay),
+        allocated,
+        "the overlay was written"
+    );
+    assert_eq!(sha256_of(&device), before);
+
+    // A file name with a line break in a directory recovery lists: refused, with the name
+    // escaped, and nothing written.
+    let archive = images[1].0;
+    let device = run.map_and_overlay_archive(archive, 9101).await;
+    let before = sha256_of(&device);
+    let overlay = run.overlay(9101, archive);
+    let allocated = overlay_allocated_bytes(&overlay);
+    let refused = run
+        .recover(9101, archive, pb::NetworkRecoveryMode::Rewrite)
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::FailedPrecondition, "{refused:?}");
+    for part in [
+        "distro archlinux",
+        "systemd-networkd configuration directory /etc/systemd/network holds a file with a control character",
+        "\"/etc/systemd/network/25-lab\\n.network\"",
+        "nothing was written",
+        "preserve",
     ] {
         assert!(
             refused.message().contains(part),

@@ -73,6 +73,7 @@ impl NodeExecutor {
                 tools: s.interrupted_tools(),
                 op: s.last.entry.op,
                 key: s.key,
+                units: Vec::new(),
             })
             .chain(resources::interrupted_side_steps(&records))
             .collect();
@@ -84,6 +85,26 @@ impl NodeExecutor {
                 match tool.reap(REAP_WITHIN).await {
                     Ok(n) => killed = killed.saturating_add(n),
                     Err(reason) => left.push(reason),
+                }
+            }
+            // A unit outlives the daemon that started it (a guest network recovery's
+            // appliance): stopped, after checking it is this run's. Without systemd as init
+            // no unit can exist.
+            let units: &[(String, String)] = if crate::systemd::booted() {
+                &step.units
+            } else {
+                &[]
+            };
+            for (unit, description) in units {
+                if let Err(reason) = crate::process::release_transient_unit(
+                    &self.config.process.systemctl,
+                    unit,
+                    description,
+                    self.tool_timeout(),
+                )
+                .await
+                {
+                    left.push(reason);
                 }
             }
             if !left.is_empty() {
@@ -100,6 +121,7 @@ impl NodeExecutor {
                         "error": "the connector stopped during this step",
                         "outcome_unknown": true,
                         "tools": step.tools,
+                        "units_stopped": units.iter().map(|(unit, _)| unit).collect::<Vec<_>>(),
                         "processes_killed": killed,
                     }),
                 )

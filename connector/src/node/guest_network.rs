@@ -25,7 +25,7 @@ use super::tool_result;
 use crate::executor::{ExecError, Outcome};
 use crate::grant::{NetworkRecoveryMode, ProbeKind};
 use crate::journal::Phase;
-use crate::process::{TOOL_PATH, ToolIdentity, ToolOutput};
+use crate::process::{self, TOOL_PATH, ToolCall, ToolIdentity, ToolOutput, TransientRole};
 use crate::runs::RunHandle;
 use crate::validate::{ArchiveName, IpInterface, RunId, Vmid};
 use certistack_proto::v1 as pb;
@@ -65,6 +65,31 @@ const DISABLED_SUFFIX: &str = ".certistack-disabled";
 const IFUPDOWN_NAME: &str = "cssandbox0";
 /// Lines of ifupdown and ifcfg files the recovery comments out start with this.
 const COMMENT_PREFIX: &str = "#certistack-disabled# ";
+/// The directories whose listings recovery acts on; each is checked for names with control
+/// characters, which guestfish's one-path-a-line listings cannot carry.
+const CONFIG_DIRECTORIES: [&str; 5] = [
+    "/etc/netplan",
+    "/etc/NetworkManager/system-connections",
+    "/etc/sysconfig/network-scripts",
+    "/etc/network/interfaces.d",
+    "/etc/systemd/network",
+];
+/// Answers of the survey before its checks of [`CONFIG_DIRECTORIES`].
+const SURVEY_LISTINGS: usize = 15;
+
+/// Whether `stack`'s recovery lists (and may act on) the files of `dir`.
+fn stack_reads(stack: NetworkStack, dir: &str) -> bool {
+    match stack {
+        NetworkStack::Netplan => dir == "/etc/netplan",
+        NetworkStack::NetworkManager => {
+            dir == "/etc/NetworkManager/system-connections"
+                || dir == "/etc/sysconfig/network-scripts"
+        }
+        NetworkStack::Ifcfg => dir == "/etc/sysconfig/network-scripts",
+        NetworkStack::Ifupdown => dir == "/etc/network/interfaces.d",
+        NetworkStack::Networkd => dir == "/etc/systemd/network",
+    }
+}
 /// Characters of stderr kept in an error.
 const STDERR_KEPT: usize = 2048;
 
@@ -256,20 +281,38 @@ pub fn ifcfg_fights(text: &str, nic: &SandboxNic) -> bool {
     !loopback && binds_sandbox_nic(&values(text, "HWADDR"), nic)
 }
 
+/// The lines of a guest file, each with its own `\n` (the last may have none) and every
+/// other byte as the file has it: edits insert or prefix whole lines and copy the rest, so a
+/// file in another encoding, with `\r\n` line ends or without a final newline keeps every
+/// byte outside the changed lines.
+fn raw_lines(bytes: &[u8]) -> impl Iterator<Item = (&[u8], String)> {
+    bytes.split_inclusive(|b| *b == b'\n').map(|line| {
+        let content = line.strip_suffix(b"\n").unwrap_or(line);
+        (line, String::from_utf8_lossy(content).into_owned())
+    })
+}
+
+/// Ends `out` with a newline before a line is appended after the file's own last line.
+fn end_line(out: &mut Vec<u8>) {
+    if !out.is_empty() && !out.ends_with(b"\n") {
+        out.push(b'\n');
+    }
+}
+
 /// A NetworkManager keyfile with `autoconnect=false` first in its `[connection]` section (an
-/// `autoconnect` line of its own is commented out); everything else is kept as written.
-pub fn networkmanager_disable(text: &str) -> String {
-    let mut out = String::new();
+/// `autoconnect` line of its own is commented out); every other byte is kept as written.
+pub fn networkmanager_disable(bytes: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(bytes.len() + 64);
     let mut in_connection = false;
     let mut found = false;
-    for line in text.lines() {
-        let trimmed = line.trim();
+    for (line, text) in raw_lines(bytes) {
+        let trimmed = text.trim();
         if trimmed.starts_with('[') {
             in_connection = trimmed == "[connection]";
-            out.push_str(line);
-            out.push('\n');
+            out.extend_from_slice(line);
             if in_connection && !found {
-                out.push_str("autoconnect=false\n");
+                end_line(&mut out);
+                out.extend_from_slice(b"autoconnect=false\n");
                 found = true;
             }
             continue;
@@ -279,32 +322,32 @@ pub fn networkmanager_disable(text: &str) -> String {
                 .split_once('=')
                 .is_some_and(|(k, _)| k.trim() == "autoconnect")
         {
-            out.push_str(COMMENT_PREFIX);
+            out.extend_from_slice(COMMENT_PREFIX.as_bytes());
         }
-        out.push_str(line);
-        out.push('\n');
+        out.extend_from_slice(line);
     }
     if !found {
-        out.push_str("[connection]\nautoconnect=false\n");
+        end_line(&mut out);
+        out.extend_from_slice(b"[connection]\nautoconnect=false\n");
     }
     out
 }
 
-/// An `ifcfg-*` file that no longer starts at boot (`ONBOOT=no`).
-pub fn ifcfg_disable(text: &str) -> String {
-    let mut out = String::new();
-    for line in text.lines() {
-        if line
+/// An `ifcfg-*` file that no longer starts at boot (`ONBOOT=no`); every other byte is kept.
+pub fn ifcfg_disable(bytes: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(bytes.len() + 64);
+    for (line, text) in raw_lines(bytes) {
+        if text
             .trim()
             .split_once('=')
             .is_some_and(|(k, _)| k.trim().eq_ignore_ascii_case("ONBOOT"))
         {
-            out.push_str(COMMENT_PREFIX);
+            out.extend_from_slice(COMMENT_PREFIX.as_bytes());
         }
-        out.push_str(line);
-        out.push('\n');
+        out.extend_from_slice(line);
     }
-    out.push_str("ONBOOT=no\n");
+    end_line(&mut out);
+    out.extend_from_slice(b"ONBOOT=no\n");
     out
 }
 
@@ -312,13 +355,13 @@ pub fn ifcfg_disable(text: &str) -> String {
 /// than `lo` and the sandbox NIC's own commented out; `None` when nothing changes. ifupdown
 /// names interfaces, not MACs, and the guest may give the sandbox NIC the name its production
 /// NIC had, so every other interface's stanza could configure it.
-pub fn ifupdown_disable(text: &str) -> Option<String> {
+pub fn ifupdown_disable(bytes: &[u8]) -> Option<Vec<u8>> {
     let keep = |name: &str| name == "lo" || name == IFUPDOWN_NAME;
-    let mut out = String::new();
+    let mut out = Vec::with_capacity(bytes.len() + 256);
     let mut changed = false;
     let mut in_disabled_stanza = false;
-    for line in text.lines() {
-        let words: Vec<&str> = line.split_whitespace().collect();
+    for (line, text) in raw_lines(bytes) {
+        let words: Vec<&str> = text.split_whitespace().collect();
         let first = words.first().copied().unwrap_or("");
         let starts_stanza = matches!(
             first,
@@ -339,23 +382,22 @@ pub fn ifupdown_disable(text: &str) -> Option<String> {
             }
             "auto" => words.iter().skip(1).any(|n| !keep(n)),
             f if f.starts_with("allow-") => words.iter().skip(1).any(|n| !keep(n)),
-            _ => in_disabled_stanza && !line.trim().is_empty() && !starts_stanza,
+            _ => in_disabled_stanza && !text.trim().is_empty() && !starts_stanza,
         };
         if disable {
             changed = true;
-            out.push_str(COMMENT_PREFIX);
-            out.push_str(line);
-            out.push('\n');
+            out.extend_from_slice(COMMENT_PREFIX.as_bytes());
+            out.extend_from_slice(line);
             // `auto lo eth0`: lo keeps coming up.
             if matches!(first, "auto") || first.starts_with("allow-") {
                 let kept: Vec<&str> = words.iter().skip(1).copied().filter(|n| keep(n)).collect();
                 if !kept.is_empty() {
-                    let _ = writeln!(out, "{first} {}", kept.join(" "));
+                    end_line(&mut out);
+                    out.extend_from_slice(format!("{first} {}\n", kept.join(" ")).as_bytes());
                 }
             }
         } else {
-            out.push_str(line);
-            out.push('\n');
+            out.extend_from_slice(line);
         }
     }
     changed.then_some(out)
@@ -410,12 +452,14 @@ fn probe_ports(kind: ProbeKind, port: u16) -> Vec<(u16, &'static str)> {
 /// before `</zone>`; every existing element is kept as written. `None` when every rule is there
 /// already.
 pub fn firewalld_allow(
-    zone_xml: &str,
+    zone_xml: &[u8],
     probe_source: IpAddr,
     ports: &BTreeSet<(u16, &'static str)>,
-) -> Result<Option<String>, String> {
+) -> Result<Option<Vec<u8>>, String> {
+    let close = b"</zone>";
     let end = zone_xml
-        .rfind("</zone>")
+        .windows(close.len())
+        .rposition(|w| w == close)
         .ok_or_else(|| "the zone file has no </zone> element".to_owned())?;
     let family = if probe_source.is_ipv4() {
         "ipv4"
@@ -427,7 +471,7 @@ pub fn firewalld_allow(
         let rule = format!(
             "  <rule family=\"{family}\">\n    <source address=\"{probe_source}\"/>\n    <port port=\"{port}\" protocol=\"{protocol}\"/>\n    <accept/>\n  </rule>\n"
         );
-        if !zone_xml.contains(&rule) {
+        if !zone_xml.windows(rule.len()).any(|w| w == rule.as_bytes()) {
             rules.push_str(&rule);
         }
     }
@@ -435,12 +479,10 @@ pub fn firewalld_allow(
         return Ok(None);
     }
     let (head, tail) = zone_xml.split_at(end);
-    let mut out = head.to_owned();
-    if !out.ends_with('\n') {
-        out.push('\n');
-    }
-    out.push_str(&rules);
-    out.push_str(tail);
+    let mut out = head.to_vec();
+    end_line(&mut out);
+    out.extend_from_slice(rules.as_bytes());
+    out.extend_from_slice(tail);
     Ok(Some(out))
 }
 
@@ -476,14 +518,27 @@ fn plain_path(path: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || "/._-@+:".contains(c))
 }
 
-/// Whether a device name from the guest's inspection (its fstab, so guest-controlled) is one
-/// recovery will mount: a short `/dev/` path of plain characters.
-fn plain_device(device: &str) -> bool {
-    device.starts_with("/dev/")
-        && device.len() <= 128
-        && device
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || "/._:+-".contains(c))
+/// Whether a mountable from the guest's inspection (its fstab, so guest-controlled) is one
+/// recovery will mount: a short `/dev/` path of plain characters, or a btrfs subvolume of one
+/// (`btrfsvol:/dev/sda2/@root`, as libguestfs names a root or a mount on a subvolume) whose
+/// name is plain too and climbs nowhere.
+fn plain_mountable(mountable: &str) -> bool {
+    let plain = |text: &str| {
+        text.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "/._:+-@".contains(c))
+    };
+    if mountable.len() > 128 {
+        return false;
+    }
+    match mountable.strip_prefix("btrfsvol:") {
+        Some(volume) => {
+            volume.starts_with("/dev/")
+                && plain(volume)
+                && volume.split('/').skip(3).all(|part| part != "..")
+                && volume.split('/').count() > 3
+        }
+        None => mountable.starts_with("/dev/") && !mountable.contains('@') && plain(mountable),
+    }
 }
 
 /// Why a recovery did not complete.
@@ -503,6 +558,10 @@ pub enum RecoveryError {
     Timeout(u64),
     #[error("{0}")]
     Tool(String),
+    #[error(
+        "{0}; nothing was written (use network_recovery.mode preserve, or fix it in the source VM)"
+    )]
+    Refused(String),
 }
 
 /// A file recovery wrote, changed or set aside.
@@ -540,17 +599,15 @@ struct Session {
 }
 
 impl Session {
-    fn start(program: &Path, overlay: &Path, memory_mib: u64) -> Result<Self, RecoveryError> {
-        let mut command = tokio::process::Command::new(program);
+    /// Starts `call` (guestfish on the overlay, or `systemd-run` starting it in a transient
+    /// unit with `--pipe`, which hands these same pipes to guestfish).
+    fn start(call: ToolCall) -> Result<Self, RecoveryError> {
+        let mut command = tokio::process::Command::new(&call.program);
         command
-            .arg("--format=qcow2")
-            .arg("-a")
-            .arg(overlay)
+            .args(&call.args)
             .env_clear()
             .env("PATH", TOOL_PATH)
-            // PVE runs no libvirt: the appliance is a QEMU child of guestfish.
-            .env("LIBGUESTFS_BACKEND", "direct")
-            .env("LIBGUESTFS_MEMSIZE", memory_mib.to_string())
+            .envs(call.env.iter().map(|(k, v)| (*k, v.as_str())))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -558,8 +615,8 @@ impl Session {
             .kill_on_drop(true);
         let mut child = command.spawn().map_err(|e| {
             RecoveryError::Tool(format!(
-                "cannot start {} (tools.guestfish; install libguestfs-tools): {e}",
-                program.display()
+                "cannot start {} (tools.guestfish, process.systemd_run; install libguestfs-tools): {e}",
+                call.program.display()
             ))
         })?;
         let missing = || RecoveryError::Tool("guestfish started without its pipes".into());
@@ -743,16 +800,18 @@ fn truthy(answer: Option<&String>) -> bool {
     answer.is_some_and(|a| a.trim() == "true")
 }
 
-/// One guest configuration file read during the survey.
+/// One guest configuration file read during the survey: its bytes exactly, and as text (any
+/// invalid UTF-8 replaced) for the decisions.
 struct GuestFile {
     path: String,
+    bytes: Vec<u8>,
     text: String,
 }
 
 /// What the recovery will write: (path, content, mode).
 struct Write {
     path: String,
-    content: String,
+    content: Vec<u8>,
     mode: Option<&'static str>,
     action: &'static str,
 }
@@ -790,7 +849,7 @@ async fn recover(
                 "libguestfs inspection found no operating system on the disk".into(),
             ));
         }
-        [root] if plain_device(root) => root.clone(),
+        [root] if plain_mountable(root) => root.clone(),
         [root] => {
             let shown: String = root.chars().take(120).collect();
             return Err(RecoveryError::Unrecognized(format!(
@@ -843,7 +902,7 @@ async fn recover(
         .lines()
         .filter_map(|l| l.split_once(": "))
         .map(|(mp, dev)| (mp.trim().to_owned(), dev.trim().to_owned()))
-        .filter(|(mp, dev)| plain_path(mp) && plain_device(dev))
+        .filter(|(mp, dev)| plain_path(mp) && plain_mountable(dev))
         .collect();
     mounts.sort_by_key(|(mp, _)| mp.len());
     // Read-only until there is something to write: a guest recovery refuses leaves the
@@ -869,24 +928,34 @@ async fn recover(
 
     // The survey: what each stack leaves on disk.
     let survey = session
-        .ask_text(&[
-            "glob-expand /etc/netplan/*.yaml".into(),
-            "is-dir /etc/NetworkManager".into(),
-            "exists /usr/sbin/NetworkManager".into(),
-            "glob-expand /etc/NetworkManager/system-connections/*".into(),
-            "glob-expand /etc/sysconfig/network-scripts/ifcfg-*".into(),
-            "is-file /etc/network/interfaces".into(),
-            "exists /sbin/ifup".into(),
-            "exists /usr/sbin/ifup".into(),
-            "glob-expand /etc/network/interfaces.d/*".into(),
-            "glob-expand /etc/systemd/network/*.network".into(),
-            "is-symlink /etc/systemd/system/multi-user.target.wants/systemd-networkd.service"
-                .into(),
-            "is-file /etc/firewalld/firewalld.conf".into(),
-            "is-dir /usr/lib/firewalld/zones".into(),
-            "is-file /etc/nftables.conf".into(),
-            "is-file /etc/sysconfig/iptables".into(),
-        ])
+        .ask_text(
+            &[
+                "glob-expand /etc/netplan/*.yaml".into(),
+                "is-dir /etc/NetworkManager".into(),
+                "exists /usr/sbin/NetworkManager".into(),
+                "glob-expand /etc/NetworkManager/system-connections/*".into(),
+                "glob-expand /etc/sysconfig/network-scripts/ifcfg-*".into(),
+                "is-file /etc/network/interfaces".into(),
+                "exists /sbin/ifup".into(),
+                "exists /usr/sbin/ifup".into(),
+                "glob-expand /etc/network/interfaces.d/*".into(),
+                "glob-expand /etc/systemd/network/*.network".into(),
+                "is-symlink /etc/systemd/system/multi-user.target.wants/systemd-networkd.service"
+                    .into(),
+                "is-file /etc/firewalld/firewalld.conf".into(),
+                "is-dir /usr/lib/firewalld/zones".into(),
+                "is-file /etc/nftables.conf".into(),
+                "is-file /etc/sysconfig/iptables".into(),
+            ]
+            .into_iter()
+            .chain(CONFIG_DIRECTORIES.iter().map(|dir| {
+                format!(
+                    "glob-expand {}",
+                    quote(format!("{dir}/*[[:cntrl:]]*").as_bytes())
+                )
+            }))
+            .collect::<Vec<String>>(),
+        )
         .await?;
     let list = |i: usize| -> Vec<String> {
         survey
@@ -933,6 +1002,21 @@ async fn recover(
         )));
     };
     evidence.network_stack = stack.name().into();
+    // guestfish lists one path a line: a name with a line break in it would read as two
+    // paths, the first naming another file of the directory. Such a name is never guessed at.
+    for (index, dir) in CONFIG_DIRECTORIES.iter().enumerate() {
+        let hostile = survey
+            .get(SURVEY_LISTINGS + index)
+            .map(|a| a.trim_end_matches('\n'))
+            .unwrap_or("");
+        if !hostile.is_empty() && stack_reads(stack, dir) {
+            return Err(RecoveryError::Refused(format!(
+                "{inspected}; {} configuration directory {dir} holds a file with a control character (such as a line break) in its name ({:?}): recovery lists that directory one name a line and will not guess which file is which",
+                stack.name(),
+                hostile.chars().take(200).collect::<String>()
+            )));
+        }
+    }
 
     // The files that could fight the profile, read once.
     let mut candidates: Vec<String> = match stack {
@@ -1010,7 +1094,7 @@ async fn recover(
             commands.push(format!("mkdir-p {}", quote(dir.as_bytes())));
         }
         // In chunks: one quoted line per command stays under MAX_COMMAND_BYTES.
-        let mut chunks = write.content.as_bytes().chunks(WRITE_CHUNK_BYTES);
+        let mut chunks = write.content.chunks(WRITE_CHUNK_BYTES);
         commands.push(format!(
             "write {} {}",
             quote(write.path.as_bytes()),
@@ -1052,7 +1136,7 @@ async fn recover(
         });
     }
     for (i, write) in plan.writes.iter().enumerate() {
-        let expected = hex::encode(Sha256::digest(write.content.as_bytes()));
+        let expected = hex::encode(Sha256::digest(&write.content));
         let got = sum(plan.renames.len() + i);
         if got != expected {
             return Err(RecoveryError::Tool(format!(
@@ -1107,7 +1191,7 @@ async fn read_files(
     let mut readable = Vec::new();
     for (path, size) in paths.iter().zip(&sizes) {
         match size.trim().parse::<u64>() {
-            Ok(size) if size <= MAX_GUEST_FILE_BYTES => readable.push(path.clone()),
+            Ok(size) if size <= MAX_GUEST_FILE_BYTES => readable.push((path.clone(), size)),
             Ok(size) => notes.push(format!(
                 "{path} holds {size} bytes, more than {MAX_GUEST_FILE_BYTES}; it was left as it is"
             )),
@@ -1120,18 +1204,28 @@ async fn read_files(
         .ask(
             &readable
                 .iter()
-                .map(|p| format!("-cat {}", quote(p.as_bytes())))
+                .map(|(p, _)| format!("-cat {}", quote(p.as_bytes())))
                 .collect::<Vec<_>>(),
         )
         .await?;
-    Ok(readable
-        .into_iter()
-        .zip(contents)
-        .map(|(path, bytes)| GuestFile {
-            path,
+    let mut files = Vec::new();
+    for ((path, size), bytes) in readable.into_iter().zip(contents) {
+        // guestfish's `cat` ends a file at its first NUL byte: a file that reads back shorter
+        // than its size is not text recovery could rewrite without mangling it.
+        if bytes.len() as u64 != size {
+            notes.push(format!(
+                "{path} holds a NUL byte (its {size} bytes read as {} bytes of text); recovery edits text files only, so it was left as it is",
+                bytes.len()
+            ));
+            continue;
+        }
+        files.push(GuestFile {
             text: String::from_utf8_lossy(&bytes).into_owned(),
-        })
-        .collect())
+            path,
+            bytes,
+        });
+    }
+    Ok(files)
 }
 
 fn plan_stack(
@@ -1143,11 +1237,11 @@ fn plan_stack(
 ) {
     let new = |path: String, content: String, mode: Option<&'static str>| Write {
         path,
-        content,
+        content: content.into_bytes(),
         mode,
         action: "written",
     };
-    let changed = |path: String, content: String, mode: Option<&'static str>| Write {
+    let changed = |path: String, content: Vec<u8>, mode: Option<&'static str>| Write {
         path,
         content,
         mode,
@@ -1183,14 +1277,14 @@ fn plan_stack(
                     if ifcfg_fights(&file.text, nic) {
                         plan.writes.push(changed(
                             file.path.clone(),
-                            ifcfg_disable(&file.text),
+                            ifcfg_disable(&file.bytes),
                             None,
                         ));
                     }
                 } else if networkmanager_fights(&file.text, nic) {
                     plan.writes.push(changed(
                         file.path.clone(),
-                        networkmanager_disable(&file.text),
+                        networkmanager_disable(&file.bytes),
                         Some("0600"),
                     ));
                 }
@@ -1212,20 +1306,20 @@ fn plan_stack(
         NetworkStack::Ifupdown => {
             for file in files {
                 if file.path == "/etc/network/interfaces" {
-                    let mut text = ifupdown_disable(&file.text);
+                    let mut text = ifupdown_disable(&file.bytes);
                     if !ifupdown_sources_directory(&file.text) {
-                        let mut base = text.clone().unwrap_or_else(|| file.text.clone());
-                        if !base.ends_with('\n') && !base.is_empty() {
-                            base.push('\n');
-                        }
-                        let _ = writeln!(base, "source /etc/network/interfaces.d/{PROFILE_NAME}");
+                        let mut base = text.clone().unwrap_or_else(|| file.bytes.clone());
+                        end_line(&mut base);
+                        base.extend_from_slice(
+                            format!("source /etc/network/interfaces.d/{PROFILE_NAME}\n").as_bytes(),
+                        );
                         text = Some(base);
                     }
                     if let Some(text) = text {
                         plan.writes
                             .push(changed(file.path.clone(), text, Some("0644")));
                     }
-                } else if let Some(text) = ifupdown_disable(&file.text) {
+                } else if let Some(text) = ifupdown_disable(&file.bytes) {
                     plan.writes
                         .push(changed(file.path.clone(), text, Some("0644")));
                 }
@@ -1281,7 +1375,7 @@ async fn plan_firewalld(
     let Some(file) = read.first() else {
         return Ok(());
     };
-    match firewalld_allow(&file.text, probe_source, ports) {
+    match firewalld_allow(&file.bytes, probe_source, ports) {
         Ok(Some(text)) => {
             plan.writes.push(Write {
                 action: if source == own { "changed" } else { "written" },
@@ -1299,7 +1393,87 @@ async fn plan_firewalld(
     Ok(())
 }
 
+/// The transient unit one recovery's guestfish runs in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GuestNetworkUnit {
+    pub role: TransientRole,
+    pub name: String,
+    pub description: String,
+}
+
+/// What the unit may use beyond the appliance's own memory (`LIBGUESTFS_MEMSIZE`): QEMU
+/// itself and its TCG translation cache, guestfish, and the page cache of the appliance
+/// supermin builds.
+pub const UNIT_MEMORY_OVERHEAD_MIB: u64 = 1024;
+
+/// The unit of run `run_id`'s recovery on VM `vmid` (`certistack-guestnet-<run>-<vmid>`);
+/// recoveries of one run are serialised by its lock, so one name per VM is enough.
+pub fn guest_network_unit(
+    run_id: &RunId,
+    vmid: Vmid,
+    memory_mib: u64,
+) -> Result<GuestNetworkUnit, String> {
+    let role = TransientRole::GuestNetwork {
+        memory_max_mib: memory_mib.saturating_add(UNIT_MEMORY_OVERHEAD_MIB),
+    };
+    let object = vmid.to_string();
+    Ok(GuestNetworkUnit {
+        role,
+        name: process::transient_unit_name(role, run_id.as_str(), &object)?,
+        description: process::transient_unit_description(role, run_id.as_str(), &object),
+    })
+}
+
+/// The call of one recovery's guestfish session on `overlay`: guestfish itself, or with `unit`
+/// `systemd-run` starting it in that unit, outside the daemon's sandbox (which forbids QEMU's
+/// TCG and hides /lib/modules) and bounded by the unit even if the daemon dies; `--pipe`
+/// hands the session's pipes to guestfish.
+pub fn guestfish_call(
+    program: &Path,
+    overlay: &Path,
+    timeout: Duration,
+    memory_mib: u64,
+    unit: Option<&GuestNetworkUnit>,
+    systemd_run: &Path,
+    systemctl: &Path,
+) -> Result<ToolCall, String> {
+    let call = ToolCall::new(program, timeout)
+        .arg("--format=qcow2")
+        .arg("-a")
+        .arg(overlay)
+        // PVE runs no libvirt: the appliance is a QEMU child of guestfish.
+        .env("LIBGUESTFS_BACKEND", "direct")
+        .env("LIBGUESTFS_MEMSIZE", memory_mib.to_string());
+    match unit {
+        None => Ok(call),
+        Some(unit) => process::in_transient_unit(
+            call,
+            unit.role,
+            &unit.name,
+            &unit.description,
+            systemd_run,
+            systemctl,
+            None,
+        ),
+    }
+}
+
 impl NodeExecutor {
+    /// The unit a recovery runs in, when this daemon starts tools in transient units.
+    fn guest_network_unit(
+        &self,
+        grant: &crate::grant::Grant,
+        vmid: Vmid,
+        memory_mib: u64,
+    ) -> Result<Option<GuestNetworkUnit>, ExecError> {
+        if !self.config.process.use_transient_units() {
+            return Ok(None);
+        }
+        guest_network_unit(&grant.run_id, vmid, memory_mib)
+            .map(Some)
+            .map_err(ExecError::Failed)
+    }
+
     pub(super) async fn recover_guest_network(
         &self,
         run: &RunHandle,
@@ -1387,20 +1561,33 @@ impl NodeExecutor {
         let program = self.config.tools.guestfish.clone();
         let timeout_secs = self.config.limits.guest_network_timeout_secs;
         let memory_mib = self.config.limits.guest_network_memory_mib;
+        let unit = self.guest_network_unit(grant, vmid, memory_mib)?;
+        let call = guestfish_call(
+            &program,
+            &path,
+            Duration::from_secs(timeout_secs),
+            memory_mib,
+            unit.as_ref(),
+            &self.config.process.systemd_run,
+            &self.config.process.systemctl,
+        )
+        .map_err(ExecError::Failed)?;
         let intent = json!({
             "mode": mode.name(),
             "path": path.display().to_string(),
             "mac": nic.mac,
             "address": nic.address.to_string(),
-            "command": format!("{} --format=qcow2 -a {}", program.display(), path.display()),
+            "command": call.display(),
             "timeout_secs": timeout_secs,
             "memory_mib": memory_mib,
+            "unit": unit.as_ref().map(|u| u.name.clone()),
+            "unit_description": unit.as_ref().map(|u| u.description.clone()),
         });
         guard
             .append(self.now_ms(), OP, &overlay, Phase::Intent, intent)
             .await?;
         let started = Instant::now();
-        let mut session = match Session::start(&program, &path, memory_mib) {
+        let mut session = match Session::start(call) {
             Ok(session) => session,
             Err(error) => {
                 return Err(self
@@ -1451,14 +1638,27 @@ impl NodeExecutor {
         if let Some(identity) = identity {
             let _ = identity.reap(Duration::from_secs(10)).await;
         }
+        // Killing systemd-run leaves its unit: the unit itself is stopped (its whole cgroup,
+        // the appliance's QEMU included). A unit that ended by itself was collected already.
+        if let Some(unit) = &unit
+            && let Err(reason) = process::release_transient_unit(
+                &self.config.process.systemctl,
+                &unit.name,
+                &unit.description,
+                self.tool_timeout(),
+            )
+            .await
+        {
+            tracing::warn!(run_id = %grant.run_id, %vmid, unit = %unit.name, %reason, "the guest network recovery's unit was not stopped");
+        }
         let elapsed = started.elapsed();
         let (evidence, code) = match result {
             Ok(done) => done,
             Err(error) => {
                 let exec = match &error {
-                    RecoveryError::Windows(_) | RecoveryError::Unrecognized(_) => {
-                        ExecError::FailedPrecondition(error.to_string())
-                    }
+                    RecoveryError::Windows(_)
+                    | RecoveryError::Unrecognized(_)
+                    | RecoveryError::Refused(_) => ExecError::FailedPrecondition(error.to_string()),
                     RecoveryError::Timeout(_) => ExecError::DeadlineExceeded(error.to_string()),
                     RecoveryError::Tool(_) => ExecError::Failed(format!(
                         "guest network recovery failed: {error}; what it wrote stays in the overlay until the overlay is deleted"
@@ -1641,29 +1841,61 @@ mod tests {
 
     #[test]
     fn disabling_keeps_the_rest_of_the_file() {
+        let text = |bytes: Vec<u8>| String::from_utf8(bytes).unwrap();
         let nm = networkmanager_disable(
-            "[connection]\nid=prod\ntype=ethernet\nautoconnect=true\n\n[ipv4]\nmethod=manual\n",
+            b"[connection]\nid=prod\ntype=ethernet\nautoconnect=true\n\n[ipv4]\nmethod=manual\n",
         );
         assert_eq!(
-            nm,
+            text(nm),
             "[connection]\nautoconnect=false\nid=prod\ntype=ethernet\n#certistack-disabled# autoconnect=true\n\n[ipv4]\nmethod=manual\n"
         );
-        let nm = networkmanager_disable("[ipv4]\nmethod=auto\n");
-        assert_eq!(nm, "[ipv4]\nmethod=auto\n[connection]\nautoconnect=false\n");
-        let ifcfg = ifcfg_disable("DEVICE=eth0\nONBOOT=yes\nIPADDR=10.0.0.5\n");
+        let nm = networkmanager_disable(b"[ipv4]\nmethod=auto\n");
         assert_eq!(
-            ifcfg,
+            text(nm),
+            "[ipv4]\nmethod=auto\n[connection]\nautoconnect=false\n"
+        );
+        let ifcfg = ifcfg_disable(b"DEVICE=eth0\nONBOOT=yes\nIPADDR=10.0.0.5\n");
+        assert_eq!(
+            text(ifcfg),
             "DEVICE=eth0\n#certistack-disabled# ONBOOT=yes\nIPADDR=10.0.0.5\nONBOOT=no\n"
         );
         let interfaces = "source /etc/network/interfaces.d/*\n\nauto lo eth0\niface lo inet loopback\n\nallow-hotplug eth0\niface eth0 inet static\n    address 10.20.0.5/24\n    gateway 10.20.0.1\n\n";
+        let disabled = ifupdown_disable(interfaces.as_bytes()).unwrap();
+        assert_eq!(
+            text(disabled),
+            "source /etc/network/interfaces.d/*\n\n#certistack-disabled# auto lo eth0\nauto lo\niface lo inet loopback\n\n#certistack-disabled# allow-hotplug eth0\n#certistack-disabled# iface eth0 inet static\n#certistack-disabled#     address 10.20.0.5/24\n#certistack-disabled#     gateway 10.20.0.1\n\n"
+        );
+        assert_eq!(ifupdown_disable(b"auto lo\niface lo inet loopback\n"), None);
+        assert!(ifupdown_sources_directory(interfaces));
+        assert!(!ifupdown_sources_directory("auto lo\n"));
+    }
+
+    #[test]
+    fn bytes_that_are_not_utf8_and_crlf_line_ends_survive_an_edit() {
+        // A Latin-1 comment (0xfc, invalid UTF-8), CRLF line ends and no final newline.
+        let interfaces: &[u8] =
+            b"# B\xfcro\r\nauto lo\r\niface lo inet loopback\r\niface eth0 inet dhcp\r\n# \xff\xfe end";
         let disabled = ifupdown_disable(interfaces).unwrap();
         assert_eq!(
             disabled,
-            "source /etc/network/interfaces.d/*\n\n#certistack-disabled# auto lo eth0\nauto lo\niface lo inet loopback\n\n#certistack-disabled# allow-hotplug eth0\n#certistack-disabled# iface eth0 inet static\n#certistack-disabled#     address 10.20.0.5/24\n#certistack-disabled#     gateway 10.20.0.1\n\n"
+            b"# B\xfcro\r\nauto lo\r\niface lo inet loopback\r\n#certistack-disabled# iface eth0 inet dhcp\r\n#certistack-disabled# # \xff\xfe end"
         );
-        assert_eq!(ifupdown_disable("auto lo\niface lo inet loopback\n"), None);
-        assert!(ifupdown_sources_directory(interfaces));
-        assert!(!ifupdown_sources_directory("auto lo\n"));
+        let ifcfg = ifcfg_disable(b"NAME=\"B\xfcro\"\r\nONBOOT=yes");
+        assert_eq!(
+            ifcfg,
+            b"NAME=\"B\xfcro\"\r\n#certistack-disabled# ONBOOT=yes\nONBOOT=no\n"
+        );
+        let nm = networkmanager_disable(b"[connection]\nid=B\xfcro\ntype=ethernet");
+        assert_eq!(
+            nm,
+            b"[connection]\nautoconnect=false\nid=B\xfcro\ntype=ethernet"
+        );
+        let zone: &[u8] = b"<zone>\n  <short>B\xfcro</short>\n</zone>\n";
+        let ports = BTreeSet::from([(80, "tcp")]);
+        let source: IpAddr = "198.51.100.2".parse().unwrap();
+        let out = firewalld_allow(zone, source, &ports).unwrap().unwrap();
+        assert!(out.starts_with(b"<zone>\n  <short>B\xfcro</short>\n  <rule family=\"ipv4\">"));
+        assert!(out.ends_with(b"  </rule>\n</zone>\n"));
     }
 
     #[test]
@@ -1677,7 +1909,10 @@ mod tests {
         let zone = "<?xml version=\"1.0\" encoding=\"utf-8\"?>\n<zone>\n  <short>Public</short>\n  <service name=\"ssh\"/>\n  <rule family=\"ipv4\">\n    <source address=\"10.0.0.0/8\"/>\n    <drop/>\n  </rule>\n</zone>\n";
         let ports = BTreeSet::from([(53, "udp"), (80, "tcp")]);
         let source: IpAddr = "198.51.100.2".parse().unwrap();
-        let out = firewalld_allow(zone, source, &ports).unwrap().unwrap();
+        let out = firewalld_allow(zone.as_bytes(), source, &ports)
+            .unwrap()
+            .unwrap();
+        let out = String::from_utf8(out).unwrap();
         assert!(out.starts_with(zone.trim_end_matches("</zone>\n")), "{out}");
         assert!(out.contains("<service name=\"ssh\"/>"));
         assert!(out.contains("<source address=\"10.0.0.0/8\"/>\n    <drop/>"));
@@ -1685,22 +1920,30 @@ mod tests {
         assert!(out.contains("<port port=\"53\" protocol=\"udp\"/>"));
         assert!(out.ends_with("</zone>\n"));
         assert_eq!(
-            firewalld_allow(&out, source, &ports).unwrap(),
+            firewalld_allow(out.as_bytes(), source, &ports).unwrap(),
             None,
             "idempotent"
         );
-        assert!(firewalld_allow("<zone/>", source, &ports).is_err());
+        assert!(firewalld_allow(b"<zone/>", source, &ports).is_err());
     }
 
     #[test]
     fn guest_device_names_are_plain_and_short() {
-        assert!(plain_device("/dev/sda1"));
-        assert!(plain_device("/dev/mapper/vg-root"));
-        assert!(plain_device("/dev/vg0/lv_root"));
-        assert!(!plain_device("/dev/sda1!touch${IFS}/x"));
-        assert!(!plain_device("/dev/a b"));
-        assert!(!plain_device(&format!("/dev/{}", "A".repeat(8180))));
-        assert!(!plain_device("btrfsvol:/dev/sda2/root"));
+        assert!(plain_mountable("/dev/sda1"));
+        assert!(plain_mountable("/dev/mapper/vg-root"));
+        assert!(plain_mountable("/dev/vg0/lv_root"));
+        assert!(!plain_mountable("/dev/sda1!touch${IFS}/x"));
+        assert!(!plain_mountable("/dev/a b"));
+        assert!(!plain_mountable(&format!("/dev/{}", "A".repeat(8180))));
+        // btrfs subvolumes, as libguestfs names them.
+        assert!(plain_mountable("btrfsvol:/dev/sda2/root"));
+        assert!(plain_mountable("btrfsvol:/dev/sda/@"));
+        assert!(plain_mountable("btrfsvol:/dev/sda/@/.snapshots/1/snapshot"));
+        assert!(!plain_mountable("btrfsvol:/dev/sda"));
+        assert!(!plain_mountable("btrfsvol:/dev/sda/../x"));
+        assert!(!plain_mountable("btrfsvol:/dev/sda/@ x"));
+        assert!(!plain_mountable("btrfsvol:/dev/sda/@\n!touch /x"));
+        assert!(!plain_mountable("/dev/sda/@"));
     }
 
     #[test]
@@ -1716,8 +1959,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_command_guestfish_would_split_is_never_sent() {
-        let mut session = Session::start(Path::new("/bin/cat"), Path::new("/nonexistent"), 256)
-            .expect("cat starts");
+        let mut session =
+            Session::start(ToolCall::new("/bin/cat", Duration::from_secs(5))).expect("cat starts");
         for command in [
             format!("-mount-ro \"/dev/{}!touch /x\" \"/srv\"", "A".repeat(8180)),
             "is-file /etc\n!touch /x".to_owned(),
