@@ -769,9 +769,10 @@ mod tests {
             &control_text("9.9", Some(SURFACE)),
             "control.tar.gz",
         );
-        // A FIFO hands out the signed package to the first open and another one to a second
-        // open: a verifier that opens the path twice checks one file and reads the other's
-        // control file.
+        // A FIFO hands out the signed package to the first open and another package to the
+        // next: a verifier that opens the path twice checks one file's signature and reads the
+        // other's control file. The second package is served once verify has returned, or
+        // after ten seconds to a verifier still waiting in a second open.
         let fifo = dir.join("served.deb");
         let status = std::process::Command::new("mkfifo")
             .arg(&fifo)
@@ -783,28 +784,33 @@ mod tests {
             std::fs::read(&signed).unwrap(),
             std::fs::read(&swapped).unwrap(),
         ];
-        let writer_path = fifo.clone();
-        let writer = std::thread::spawn(move || {
-            for payload in payloads {
-                let mut pipe = std::fs::OpenOptions::new()
-                    .write(true)
-                    .open(&writer_path)
-                    .unwrap();
-                // The reader may stop early (a refusal); a broken pipe is its business.
-                let _ = pipe.write_all(&payload);
+        let (verify_returned, returned) = std::sync::mpsc::channel::<()>();
+        let writer = std::thread::spawn({
+            let fifo = fifo.clone();
+            move || {
+                for (index, payload) in payloads.into_iter().enumerate() {
+                    if index > 0 {
+                        let _ = returned.recv_timeout(std::time::Duration::from_secs(10));
+                    }
+                    let mut pipe = std::fs::OpenOptions::new().write(true).open(&fifo).unwrap();
+                    // The reader may stop early (a refusal); a broken pipe is its business.
+                    let _ = pipe.write_all(&payload);
+                }
             }
         });
         let verified = verify(&fifo, &public, SURFACE);
-        // Let the writer's second open complete whether or not verify made one: opening a
-        // FIFO read-write never blocks.
-        drop(
-            std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(&fifo)
-                .unwrap(),
-        );
+        // A writer that served both packages already has hung up.
+        let _ = verify_returned.send(());
+        // Let the writer's second open complete if verify made none: a FIFO opened read-write
+        // never blocks, and while it is held open the writer's open finds a reader and its
+        // small write fits the pipe.
+        let reader = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&fifo)
+            .unwrap();
         writer.join().unwrap();
+        drop(reader);
         assert_eq!(
             verified.unwrap(),
             PackageIdentity {
