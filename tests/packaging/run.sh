@@ -41,10 +41,10 @@ if ! cargo deb --version 2>/dev/null | grep -q " $cargo_deb_version\b"; then
   cargo install --locked --quiet cargo-deb --version "$cargo_deb_version"
 fi
 
-# The package is made from the release build CI has just made (`cargo build --release --locked
+# The package is made from the release build CI has just made (`cargo auditable build --release --locked
 # --bins`), never a second one.
 for bin in certistack-connector certistack-ctl; do
-  [ -x "$release/$bin" ] || fail "$release/$bin is missing: run cargo build --release --locked --bins first"
+  [ -x "$release/$bin" ] || fail "$release/$bin is missing: run cargo auditable build --release --locked --bins first"
 done
 ctl="$release/certistack-ctl"
 controller_digest=$("$ctl" surface | sed -n 's/^digest: //p')
