@@ -9,7 +9,9 @@
 //! installing that the package is ours and that the node will pass the audit.
 //!
 //! The control file is read from the `.deb` itself (an `ar` archive whose `control.tar.gz`
-//! holds `./control`), never from a side file, and every read is bounded.
+//! holds `./control`), never from a side file, and every read is bounded. The package is read
+//! once, through one handle, into memory: the bytes the signature covers are the bytes whose
+//! control file is read, even if the file is replaced while it is being checked.
 
 use std::fs::File;
 use std::io::{Read, Write};
@@ -24,6 +26,8 @@ const MAX_CONTROL_MEMBER_BYTES: u64 = 1024 * 1024;
 const MAX_CONTROL_FILE_BYTES: u64 = 64 * 1024;
 /// A minisign signature, key or password file is well under this.
 const MAX_SMALL_FILE_BYTES: u64 = 4096;
+/// The connector package is a few MiB; it is held in memory while it is signed or verified.
+pub const MAX_PACKAGE_BYTES: u64 = 256 * 1024 * 1024;
 
 #[derive(Debug, thiserror::Error)]
 pub enum PackageError {
@@ -39,6 +43,10 @@ pub enum PackageError {
     },
     #[error("{path} is larger than {limit} bytes; it is not a minisign key, signature or password")]
     TooLarge { path: PathBuf, limit: u64 },
+    #[error(
+        "{path} is larger than {limit} bytes; it is not a connector package (those are a few MiB)"
+    )]
+    PackageTooLarge { path: PathBuf, limit: u64 },
     #[error("{path} exists; refusing to overwrite it (move it away first)")]
     Exists { path: PathBuf },
     #[error("{path} is not a Debian package: {reason}")]
@@ -95,6 +103,7 @@ impl PackageError {
         matches!(
             self,
             Self::NotADeb { .. }
+                | Self::PackageTooLarge { .. }
                 | Self::UnsupportedControl { .. }
                 | Self::MissingField { .. }
                 | Self::SignatureFormat { .. }
@@ -201,18 +210,46 @@ pub fn signature_path(package: &Path) -> PathBuf {
     PathBuf::from(name)
 }
 
+/// The whole package, read once through one handle and bounded by [`MAX_PACKAGE_BYTES`]:
+/// everything signed or verified is checked on these bytes, never on a second open of the path.
+fn read_package(path: &Path) -> Result<Vec<u8>, PackageError> {
+    let read_error = |source| PackageError::Read {
+        path: path.to_owned(),
+        source,
+    };
+    let too_large = || PackageError::PackageTooLarge {
+        path: path.to_owned(),
+        limit: MAX_PACKAGE_BYTES,
+    };
+    let file = File::open(path).map_err(read_error)?;
+    // A regular file says its size up front; a pipe or device is cut off by the bounded read.
+    let length = file.metadata().map_err(read_error)?.len();
+    if length > MAX_PACKAGE_BYTES {
+        return Err(too_large());
+    }
+    let mut bytes = Vec::with_capacity(usize::try_from(length).unwrap_or_default());
+    file.take(MAX_PACKAGE_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(read_error)?;
+    if bytes.len() as u64 > MAX_PACKAGE_BYTES {
+        return Err(too_large());
+    }
+    Ok(bytes)
+}
+
 /// Reads the control file of a `.deb`: `debian-binary` first, then `control.tar.gz` holding
 /// `./control`; returns the package's name, version and surface digest.
 pub fn read_control(path: &Path) -> Result<PackageIdentity, PackageError> {
+    control_of(path, &read_package(path)?)
+}
+
+/// The identity in the control file of the package `bytes` (read from `path`, named in errors).
+fn control_of(path: &Path, bytes: &[u8]) -> Result<PackageIdentity, PackageError> {
     let not_a_deb = |reason: String| PackageError::NotADeb {
         path: path.to_owned(),
         reason,
     };
-    let file = File::open(path).map_err(|source| PackageError::Read {
-        path: path.to_owned(),
-        source,
-    })?;
-    let mut archive = ar::Archive::new(file);
+    let mut archive = ar::Archive::new(bytes);
     let mut first = true;
     while let Some(entry) = archive.next_entry() {
         let entry = entry.map_err(|e| not_a_deb(format!("not an ar archive ({e})")))?;
@@ -427,12 +464,9 @@ pub fn sign(
     password: Option<String>,
     timestamp: u64,
 ) -> Result<(PathBuf, PackageIdentity), PackageError> {
-    let identity = read_control(package)?;
+    let bytes = read_package(package)?;
+    let identity = control_of(package, &bytes)?;
     let secret = load_secret_key(key, password)?;
-    let data = File::open(package).map_err(|source| PackageError::Read {
-        path: package.to_owned(),
-        source,
-    })?;
     let file_name = package
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -441,7 +475,7 @@ pub fn sign(
     let signature = minisign::sign(
         None,
         &secret,
-        data,
+        bytes.as_slice(),
         Some(&comment),
         Some("certistack connector package signature"),
     )
@@ -477,17 +511,20 @@ pub fn verify(
                 reason: e.to_string(),
             }
         })?;
-    let data = File::open(package).map_err(|source| PackageError::Read {
-        path: package.to_owned(),
-        source,
-    })?;
+    let bytes = read_package(package)?;
     // Legacy (not prehashed) signatures are refused: Debian's minisign writes prehashed ones.
-    minisign::verify(&key, &signature, data, true, false, false).map_err(|e| {
-        PackageError::BadSignature {
-            package: package.to_owned(),
-            signature: signature_file.clone(),
-            reason: e.to_string(),
-        }
+    minisign::verify(
+        &key,
+        &signature,
+        std::io::Cursor::new(bytes.as_slice()),
+        true,
+        false,
+        false,
+    )
+    .map_err(|e| PackageError::BadSignature {
+        package: package.to_owned(),
+        signature: signature_file.clone(),
+        reason: e.to_string(),
     })?;
     let comment = signature
         .trusted_comment()
@@ -496,7 +533,7 @@ pub fn verify(
             reason: e.to_string(),
         })?;
     let signed = PackageIdentity::from_trusted_comment(&comment)?;
-    let control = read_control(package)?;
+    let control = control_of(package, &bytes)?;
     if signed != control {
         return Err(PackageError::CommentMismatch {
             signed: Box::new(signed),
@@ -713,6 +750,103 @@ mod tests {
         std::fs::write(signature_path(&deb), lines.join("\n") + "\n").unwrap();
         let error = verify(&deb, &public, SURFACE).unwrap_err();
         assert!(error.is_refusal(), "{error}");
+    }
+
+    #[test]
+    fn verify_checks_the_signature_and_the_control_file_on_one_read_of_the_package() {
+        let dir = temp_dir();
+        let signed = write_deb(
+            &dir,
+            "signed.deb",
+            &control_text("1", Some(SURFACE)),
+            "control.tar.gz",
+        );
+        let (secret, public) = keys(&dir, None);
+        sign(&signed, &secret, None, 0).unwrap();
+        let swapped = write_deb(
+            &dir,
+            "swapped.deb",
+            &control_text("9.9", Some(SURFACE)),
+            "control.tar.gz",
+        );
+        // A FIFO hands out the signed package to the first open and another package to the
+        // next: a verifier that opens the path twice checks one file's signature and reads the
+        // other's control file. The second package is served once verify has returned, or
+        // after ten seconds to a verifier still waiting in a second open.
+        let fifo = dir.join("served.deb");
+        let status = std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap();
+        assert!(status.success());
+        std::fs::copy(signature_path(&signed), signature_path(&fifo)).unwrap();
+        let payloads = [
+            std::fs::read(&signed).unwrap(),
+            std::fs::read(&swapped).unwrap(),
+        ];
+        let (verify_returned, returned) = std::sync::mpsc::channel::<()>();
+        let writer = std::thread::spawn({
+            let fifo = fifo.clone();
+            move || {
+                for (index, payload) in payloads.into_iter().enumerate() {
+                    if index > 0 {
+                        let _ = returned.recv_timeout(std::time::Duration::from_secs(10));
+                    }
+                    let mut pipe = std::fs::OpenOptions::new().write(true).open(&fifo).unwrap();
+                    // The reader may stop early (a refusal); a broken pipe is its business.
+                    let _ = pipe.write_all(&payload);
+                }
+            }
+        });
+        let verified = verify(&fifo, &public, SURFACE);
+        // A writer that served both packages already has hung up.
+        let _ = verify_returned.send(());
+        // Let the writer's second open complete if verify made none: a FIFO opened read-write
+        // never blocks, and while it is held open the writer's open finds a reader and its
+        // small write fits the pipe.
+        let reader = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&fifo)
+            .unwrap();
+        writer.join().unwrap();
+        drop(reader);
+        assert_eq!(
+            verified.unwrap(),
+            PackageIdentity {
+                package: "certistack-connector".into(),
+                version: "1".into(),
+                surface_digest: SURFACE.into()
+            }
+        );
+    }
+
+    #[test]
+    fn a_package_larger_than_the_bound_is_refused_before_it_is_read() {
+        let dir = temp_dir();
+        let huge = dir.join("huge.deb");
+        File::create(&huge)
+            .unwrap()
+            .set_len(MAX_PACKAGE_BYTES + 1)
+            .unwrap();
+        let small = write_deb(
+            &dir,
+            "small.deb",
+            &control_text("1", Some(SURFACE)),
+            "control.tar.gz",
+        );
+        let (secret, public) = keys(&dir, None);
+        sign(&small, &secret, None, 0).unwrap();
+        std::fs::copy(signature_path(&small), signature_path(&huge)).unwrap();
+        let error = verify(&huge, &public, SURFACE).unwrap_err();
+        assert!(
+            matches!(error, PackageError::PackageTooLarge { .. }) && error.is_refusal(),
+            "{error}"
+        );
+        assert!(matches!(
+            sign(&huge, &secret, None, 0),
+            Err(PackageError::PackageTooLarge { .. })
+        ));
     }
 
     #[test]

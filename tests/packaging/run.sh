@@ -41,10 +41,10 @@ if ! cargo deb --version 2>/dev/null | grep -q " $cargo_deb_version\b"; then
   cargo install --locked --quiet cargo-deb --version "$cargo_deb_version"
 fi
 
-# The package is made from the release build CI has just made (`cargo build --release --locked
+# The package is made from the release build CI has just made (`cargo auditable build --release --locked
 # --bins`), never a second one.
 for bin in certistack-connector certistack-ctl; do
-  [ -x "$release/$bin" ] || fail "$release/$bin is missing: run cargo build --release --locked --bins first"
+  [ -x "$release/$bin" ] || fail "$release/$bin is missing: run cargo auditable build --release --locked --bins first"
 done
 ctl="$release/certistack-ctl"
 controller_digest=$("$ctl" surface | sed -n 's/^digest: //p')
@@ -104,6 +104,28 @@ for script in postinst prerm postrm; do
 done
 dpkg-deb --fsys-tarfile "$v1" | tar -xO ./usr/sbin/certistack-connector > "$work/packaged-connector"
 readelf -S "$work/packaged-connector" | grep -q '\.symtab' && fail "the packaged binary is not stripped"
+
+step "the packaged binary carries its dependency list (cargo auditable), matching Cargo.lock"
+objcopy --dump-section .dep-v0="$work/dep-v0" "$work/packaged-connector" "$work/objcopy-out" 2>&1
+[ -s "$work/dep-v0" ] || fail "the packaged binary has no .dep-v0 section: build with cargo auditable build --release --locked --bins"
+python3 - "$work/dep-v0" Cargo.lock <<'PY' || fail "the embedded dependency list does not match Cargo.lock"
+import json, sys, tomllib, zlib
+embedded = json.loads(zlib.decompress(open(sys.argv[1], "rb").read()))["packages"]
+locked = {(p["name"], p["version"]) for p in tomllib.load(open(sys.argv[2], "rb"))["package"]}
+stray = [(p["name"], p["version"]) for p in embedded if (p["name"], p["version"]) not in locked]
+assert not stray, f"embedded but not in Cargo.lock: {stray}"
+roots = [p["name"] for p in embedded if p.get("root")]
+assert roots == ["certistack-connector"], f"root packages: {roots}"
+versions = {}
+for p in embedded:
+    versions.setdefault(p["name"], []).append(p["version"])
+for crate in ("tonic", "rustls", "tokio", "prost", "ring"):
+    assert crate in versions, f"{crate} is linked in but not listed"
+for crate in ("certistack-tests", "certistack-controller"):
+    assert crate not in versions, f"{crate} is not in the connector binary but is listed"
+print(f"{len(embedded)} crates embedded, each at its Cargo.lock version; "
+      + ", ".join(f"{c} {'/'.join(versions[c])}" for c in ("tonic", "rustls", "tokio")))
+PY
 echo "inspection ok: modes, owners, Depends ($depends), X-Certistack-Surface-Digest $package_digest"
 
 step "sign with certistack-ctl; verify with certistack-ctl and with Debian's minisign"
@@ -151,9 +173,35 @@ echo "other surface refused: $out"
 
 step "publish a signed apt repository (OpenPGP Ed25519)"
 export GNUPGHOME="$work/gnupg"   # gpg-agent sockets for this test only
+export CERTISTACK_CTL="$ctl"
 fpr=$(packaging/publish-repo keygen "$GNUPGHOME" "CertiStack test archive <archive@certistack.invalid>")
 gpg --homedir "$GNUPGHOME" --batch --list-keys --with-colons "$fpr" | grep -q '^pub:[^:]*:255:22:' || fail "the repository key is not Ed25519"
-packaging/publish-repo publish "$GNUPGHOME" "$fpr" "$work/repo" "$v1"
+
+step "publish-repo refuses an unsigned package, a mis-signed one and one signed by another key"
+cp "$v1" "$work/unsigned.deb"
+expect_fail packaging/publish-repo publish "$GNUPGHOME" "$fpr" "$work/sign.pub" "$work/refused-repo" "$v2" "$work/unsigned.deb"
+[[ "$out" == *"unsigned.deb has no signature"*"nothing was published"* ]] || fail "publish-repo's refusal: $out"
+[ ! -e "$work/refused-repo/pool" ] || fail "a refused publish copied packages: $(find "$work/refused-repo")"
+cp "$v2.minisig" "$work/unsigned.deb.minisig"   # a real signature, of another package
+expect_fail packaging/publish-repo publish "$GNUPGHOME" "$fpr" "$work/sign.pub" "$work/refused-repo" "$work/unsigned.deb"
+[[ "$out" == *"does not verify"*"nothing was published"* ]] || fail "publish-repo's refusal: $out"
+"$ctl" package keygen --secret-key "$work/other-sign.key" --public-key "$work/other-sign.pub"
+expect_fail packaging/publish-repo publish "$GNUPGHOME" "$fpr" "$work/other-sign.pub" "$work/refused-repo" "$v1"
+[[ "$out" == *"does not verify"*"nothing was published"* ]] || fail "publish-repo's refusal: $out"
+[ ! -e "$work/refused-repo/dists" ] || fail "a refused publish wrote indexes"
+echo "unsigned, mis-signed and other-key packages: refused before anything was published"
+
+packaging/publish-repo publish "$GNUPGHOME" "$fpr" "$work/sign.pub" "$work/repo" "$v1"
+release_file="$work/repo/dists/stable/Release"
+date_s=$(date -d "$(sed -n 's/^Date: //p' "$release_file")" +%s)
+until_s=$(date -d "$(sed -n 's/^Valid-Until: //p' "$release_file")" +%s) || fail "the Release has no Valid-Until"
+[ $((until_s - date_s)) = $((30 * 86400)) ] || fail "Valid-Until is $((until_s - date_s)) s after Date, not 30 days"
+VALID_DAYS=7 packaging/publish-repo publish "$GNUPGHOME" "$fpr" "$work/sign.pub" "$work/repo"
+until_s=$(date -d "$(sed -n 's/^Valid-Until: //p' "$release_file")" +%s)
+date_s=$(date -d "$(sed -n 's/^Date: //p' "$release_file")" +%s)
+[ $((until_s - date_s)) = $((7 * 86400)) ] || fail "VALID_DAYS=7 gave Valid-Until $((until_s - date_s)) s after Date"
+packaging/publish-repo publish "$GNUPGHOME" "$fpr" "$work/sign.pub" "$work/repo"
+echo "Release valid for 30 days by default, VALID_DAYS sets it: $(grep -E '^(Date|Valid-Until):' "$release_file" | tr '\n' ' ')"
 other_fpr=$(packaging/publish-repo keygen "$work/gnupg-other" "Another archive <other@certistack.invalid>")
 
 step "a throwaway $suite_debian root (mmdebstrap, cached in target/packaging)"
@@ -195,6 +243,21 @@ expect_fail apt_update
 [[ "$out" == *"Hash Sum mismatch"* || "$out" == *"hash"* || "$out" == *"Hashes"* ]] || fail "apt's refusal: $out"
 echo "tampered Packages: refused"
 cp "$work/Packages.orig" "$packages"; cp "$work/Packages.gz.orig" "$packages.gz"
+
+step "apt refuses an expired Release (a frozen or replayed repository)"
+cp -a "$work/repo" "$work/repo.current"
+# The same repository as it was signed long ago: apt-ftparchive takes Date and Valid-Until
+# from its configuration, so the publisher's clock is set back, not the file edited.
+cat > "$work/apt-old-clock.conf" <<'APTCONF'
+APT::FTPArchive::Release::Date "Mon, 01 Jan 2024 00:00:00 +0000";
+APT::FTPArchive::Release::Valid-Until "Wed, 31 Jan 2024 00:00:00 +0000";
+APTCONF
+APT_CONFIG="$work/apt-old-clock.conf" packaging/publish-repo publish "$GNUPGHOME" "$fpr" "$work/sign.pub" "$work/repo"
+grep -q '^Valid-Until: Wed, 31 Jan 2024' "$work/repo/dists/stable/InRelease" || fail "the replayed Release is not from 2024"
+expect_fail apt_update
+[[ "$out" == *"expired"* ]] || fail "apt's refusal of an expired Release: $out"
+echo "expired Release: refused ($(echo "$out" | grep -m1 -i expired))"
+rm -rf "$work/repo"/*; cp -a "$work/repo.current"/. "$work/repo"/; rm -rf "$work/repo.current"
 
 step "apt-get update and install with signed-by="
 apt_update
@@ -258,7 +321,7 @@ grep -q '^# operator edit' "$chroot_dir/etc/certistack/connector.toml" || fail "
 [ "$(mode /var/lib/certistack)" = "700 root:root" ] || fail "reinstall left /var/lib/certistack $(mode /var/lib/certistack)"
 
 step "maintainer scripts: upgrade to 0.1.0-2 from the repository keeps configuration and state"
-packaging/publish-repo publish "$GNUPGHOME" "$fpr" "$work/repo" "$v2"
+packaging/publish-repo publish "$GNUPGHOME" "$fpr" "$work/sign.pub" "$work/repo" "$v2"
 apt_update
 in_root apt-get install -y -q certistack-connector
 in_root dpkg-query -W -f '${Version}' certistack-connector | grep -qx 0.1.0-2 || fail "not upgraded"
@@ -267,6 +330,10 @@ grep -q '^# operator edit' "$chroot_dir/etc/certistack/connector.toml" || fail "
 
 step "maintainer scripts: remove keeps configuration, enrollment and state"
 echo "enrolled" > "$chroot_dir/etc/certistack/node.crt"
+# The operator moved the run registry: purge must look there, not only in /var/lib/certistack.
+moved=/srv/certistack-state
+sed -i "s|^state_dir = .*|state_dir = \"$moved\"|" "$chroot_dir/etc/certistack/connector.toml"
+grep -q "^state_dir = \"$moved\"" "$chroot_dir/etc/certistack/connector.toml" || fail "the test could not move state_dir"
 in_root apt-get remove -y -q certistack-connector
 in_root dpkg-query -W -f '${Status}' certistack-connector | grep -qx 'deinstall ok config-files' || fail "not in config-files state"
 [ ! -e "$chroot_dir/usr/sbin/certistack-connector" ] || fail "remove left the binary"
@@ -275,21 +342,48 @@ grep -q '^# operator edit' "$chroot_dir/etc/certistack/connector.toml" || fail "
 [ -f "$chroot_dir/etc/certistack/node.crt" ] || fail "remove lost the enrollment"
 [ -f "$chroot_dir/var/lib/certistack/runs/run-a/closed" ] || fail "remove lost the state"
 
-step "maintainer scripts: purge refuses while a run is open, and says what to do"
-mkdir -p "$chroot_dir/var/lib/certistack/runs/run-open"
+step "maintainer scripts: purge refuses while a run is open in the configured state directory"
+mkdir -p "$chroot_dir$moved/runs/run-moved"
 expect_fail in_root dpkg --purge certistack-connector
 echo "$out"
-[[ "$out" == *"runs still open"*"run-open"*"certistack-ctl cleanup"* ]] || fail "purge's refusal: $out"
-[ -d "$chroot_dir/var/lib/certistack/runs/run-open" ] || fail "a refused purge removed the open run"
+[[ "$out" == *"runs still open"*"$moved/runs/run-moved"*"certistack-ctl cleanup"* ]] || fail "purge's refusal: $out"
+[ -d "$chroot_dir$moved/runs/run-moved" ] || fail "a refused purge removed the open run"
 [ -f "$chroot_dir/etc/certistack/node.crt" ] || fail "a refused purge removed the enrollment"
 
-step "maintainer scripts: once the run is closed, purge removes configuration, enrollment and state"
+step "maintainer scripts: reinstall after a refused purge restores the configuration, and never overwrites an edited copy"
+in_root apt-get install -y -q certistack-connector
+operator="$chroot_dir/etc/certistack/connector.toml.operator"
+grep -q '^# operator edit' "$operator" || fail "the configuration before the refused purge was not restored as connector.toml.operator"
+echo '# edited after the restore' >> "$operator"
+in_root apt-get remove -y -q certistack-connector
+expect_fail in_root dpkg --purge certistack-connector
+[[ "$out" == *"$moved/runs/run-moved"* ]] || fail "the second purge's refusal (state_dir named by connector.toml.operator): $out"
+in_root apt-get install -y -q certistack-connector
+grep -q '^# edited after the restore' "$operator" || fail "a reinstall overwrote the operator's edited connector.toml.operator"
+[ -f "$operator.1" ] || fail "the second refused purge's configuration was not restored beside it as connector.toml.operator.1"
+echo "restored copies: $(cd "$chroot_dir/etc/certistack" && ls connector.toml.operator*)"
+in_root apt-get install -y -q --reinstall certistack-connector
+grep -q '^# edited after the restore' "$operator" || fail "a further reinstall changed connector.toml.operator"
+[ ! -e "$operator.2" ] || fail "a reinstall without a refused purge wrote another copy"
+in_root apt-get remove -y -q certistack-connector
+
+step "maintainer scripts: purge refuses while a run is open in the default state directory"
+echo 1 > "$chroot_dir$moved/runs/run-moved/closed"
+mkdir -p "$chroot_dir/var/lib/certistack/runs/run-open"
+expect_fail in_root dpkg --purge certistack-connector
+[[ "$out" == *"runs still open"*"/var/lib/certistack/runs/run-open"*"certistack-ctl cleanup"* ]] || fail "purge's refusal: $out"
+[ -d "$chroot_dir/var/lib/certistack/runs/run-open" ] || fail "a refused purge removed the open run"
+
+step "maintainer scripts: once the runs are closed, purge removes configuration, enrollment and state"
 echo 1 > "$chroot_dir/var/lib/certistack/runs/run-open/closed"
-in_root dpkg --purge certistack-connector
+in_root dpkg --purge certistack-connector 2> "$work/purge.err"
+cat "$work/purge.err"
 in_root dpkg-query -W certistack-connector 2>/dev/null && fail "still known to dpkg after purge"
 [ ! -e "$chroot_dir/var/lib/certistack" ] || fail "purge left /var/lib/certistack"
 [ ! -e "$chroot_dir/etc/certistack" ] || fail "purge left /etc/certistack: $(ls -la "$chroot_dir/etc/certistack")"
 [ ! -e "$chroot_dir/etc/systemd/system/multi-user.target.wants/certistack-connector.service" ] || fail "purge left the enablement"
+[ -d "$chroot_dir$moved" ] && grep -q "kept the configured state directory $moved" "$work/purge.err" \
+  || fail "purge removed the operator's state directory $moved or did not say it kept it"
 
 step "install again after purge (a fresh install on a used node)"
 in_root apt-get install -y -q certistack-connector
