@@ -3570,16 +3570,23 @@ mod systemd_unit {
             &format!(":/system.slice/{}\n", unit.name),
             // 512 MiB for the appliance and 1024 MiB around it.
             "MemoryMax=1610612736\n",
-            "RuntimeMaxUSec=10min\n",
+            // The daemon's deadline, then the margin after which systemd ends it alone.
+            "RuntimeMaxUSec=10min 30s\n",
         ] {
             assert!(stdout.contains(line), "{line:?} missing from {stdout}");
         }
         assert_eq!(container.property(&unit.name, "LoadState"), "not-found");
 
-        // A hung session: systemd stops the unit at RuntimeMaxSec, sleep and all.
+        // A hung session: systemd stops the unit at RuntimeMaxSec (3 s and the margin), sleep
+        // and all.
         let (output, took) = session(std::time::Duration::from_secs(3), "run\nhang\n");
         assert!(!output.status.success(), "{output:?}");
-        assert!(took < std::time::Duration::from_secs(30), "took {took:?}");
+        assert!(
+            took < std::time::Duration::from_secs(3)
+                + certistack_connector::process::GUEST_NETWORK_UNIT_MARGIN
+                + std::time::Duration::from_secs(25),
+            "took {took:?}"
+        );
         assert_eq!(container.property(&unit.name, "LoadState"), "not-found");
         assert_eq!(
             container.run(&["pgrep", "-f", "sleep 600"]).trim(),

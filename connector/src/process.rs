@@ -821,6 +821,9 @@ pub const SECRET_FD_IN_UNIT: i32 = 3;
 /// (systemd-run hands a unit nothing but stdio). Debian's essential `/bin/sh`.
 const UNIT_SHELL: &str = "/bin/sh";
 
+/// How long after the daemon's deadline systemd ends a guest network unit on its own.
+pub const GUEST_NETWORK_UNIT_MARGIN: Duration = Duration::from_secs(30);
+
 /// Longest unit name systemd accepts.
 const MAX_UNIT_NAME: usize = 255;
 
@@ -893,11 +896,16 @@ pub fn in_transient_unit(
     }
     if let TransientRole::GuestNetwork { memory_max_mib } = role {
         // The session's deadline holds even without the daemon: systemd stops the unit then.
+        // It is the backstop, a margin after the daemon's own deadline, so that the daemon's
+        // deadline decides and the step reports DEADLINE_EXCEEDED rather than a closed pipe.
         wrapped = wrapped
             .arg("--property")
             .arg(format!(
                 "RuntimeMaxSec={}ms",
-                call.timeout.as_millis().max(1)
+                call.timeout
+                    .saturating_add(GUEST_NETWORK_UNIT_MARGIN)
+                    .as_millis()
+                    .max(1)
             ))
             .arg("--property")
             .arg(format!("MemoryMax={memory_max_mib}M"));
@@ -1196,7 +1204,7 @@ mod tests {
                 "Type=exec",
                 "TimeoutStopSec=15s",
                 "SendSIGKILL=yes",
-                "RuntimeMaxSec=300000ms",
+                "RuntimeMaxSec=330000ms",
                 "MemoryMax=1536M",
                 "TimeoutStartSec=300000ms",
             ],

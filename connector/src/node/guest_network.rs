@@ -532,9 +532,13 @@ fn plain_mountable(mountable: &str) -> bool {
     }
     match mountable.strip_prefix("btrfsvol:") {
         Some(volume) => {
+            // `/dev/<device>/<subvolume path>`: every part after `/dev/` named, none `.` or `..`.
             volume.starts_with("/dev/")
                 && plain(volume)
-                && volume.split('/').skip(3).all(|part| part != "..")
+                && volume
+                    .split('/')
+                    .skip(2)
+                    .all(|part| !part.is_empty() && part != "." && part != "..")
                 && volume.split('/').count() > 3
         }
         None => mountable.starts_with("/dev/") && !mountable.contains('@') && plain(mountable),
@@ -1428,6 +1432,22 @@ pub fn guest_network_unit(
 /// `systemd-run` starting it in that unit, outside the daemon's sandbox (which forbids QEMU's
 /// TCG and hides /lib/modules) and bounded by the unit even if the daemon dies; `--pipe`
 /// hands the session's pipes to guestfish.
+/// `Ok` when `program` is an executable file; otherwise what to install or configure.
+pub fn guestfish_installed(program: &Path) -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt;
+    match std::fs::metadata(program) {
+        Ok(meta) if meta.is_file() && meta.permissions().mode() & 0o111 != 0 => Ok(()),
+        Ok(_) => Err(format!(
+            "{} (tools.guestfish) is not an executable file; install libguestfs-tools or set tools.guestfish, or plan network_recovery.mode preserve; nothing was written",
+            program.display()
+        )),
+        Err(e) => Err(format!(
+            "{} (tools.guestfish): {e}; install libguestfs-tools (and a kernel in /boot for its appliance) or set tools.guestfish, or plan network_recovery.mode preserve; nothing was written",
+            program.display()
+        )),
+    }
+}
+
 pub fn guestfish_call(
     program: &Path,
     overlay: &Path,
@@ -1559,6 +1579,9 @@ impl NodeExecutor {
         .hyphenated()
         .to_string();
         let program = self.config.tools.guestfish.clone();
+        // Checked here, before anything is journaled: started through systemd-run, a missing
+        // guestfish would only show as a unit that failed and was collected.
+        guestfish_installed(&program).map_err(ExecError::FailedPrecondition)?;
         let timeout_secs = self.config.limits.guest_network_timeout_secs;
         let memory_mib = self.config.limits.guest_network_memory_mib;
         let unit = self.guest_network_unit(grant, vmid, memory_mib)?;
@@ -1941,9 +1964,35 @@ mod tests {
         assert!(plain_mountable("btrfsvol:/dev/sda/@/.snapshots/1/snapshot"));
         assert!(!plain_mountable("btrfsvol:/dev/sda"));
         assert!(!plain_mountable("btrfsvol:/dev/sda/../x"));
+        assert!(!plain_mountable("btrfsvol:/dev/../x"));
+        assert!(!plain_mountable("btrfsvol:/dev/./sda/@"));
+        assert!(!plain_mountable("btrfsvol:/dev/sda/"));
+        assert!(!plain_mountable("btrfsvol:/dev/sda//@"));
         assert!(!plain_mountable("btrfsvol:/dev/sda/@ x"));
         assert!(!plain_mountable("btrfsvol:/dev/sda/@\n!touch /x"));
         assert!(!plain_mountable("/dev/sda/@"));
+    }
+
+    #[test]
+    fn a_missing_or_non_executable_guestfish_is_named_with_what_to_install() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("guestfish-check-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir(&dir).unwrap();
+        let missing = dir.join("guestfish");
+        let error = guestfish_installed(&missing).unwrap_err();
+        assert!(error.contains("install libguestfs-tools"), "{error}");
+        assert!(error.contains("nothing was written"), "{error}");
+        std::fs::write(&missing, "#!/bin/sh\n").unwrap();
+        std::fs::set_permissions(&missing, std::fs::Permissions::from_mode(0o644)).unwrap();
+        assert!(
+            guestfish_installed(&missing)
+                .unwrap_err()
+                .contains("not an executable file")
+        );
+        std::fs::set_permissions(&missing, std::fs::Permissions::from_mode(0o755)).unwrap();
+        assert_eq!(guestfish_installed(&missing), Ok(()));
+        assert!(guestfish_installed(&dir).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
