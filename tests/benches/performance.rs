@@ -18,9 +18,20 @@
 //! - `footprint`: stripped release binary sizes, start-to-ready and idle RSS of an empty node;
 //! - `fleet`: 100 daemons on loopback, `certistack-ctl nodes audit` of all of them, then one
 //!   validation per node and 1,000 across the 100 driven by this process with the controller's
-//!   library at the controller's default concurrency (needs root).
+//!   library at the controller's default concurrency (needs root);
+//! - `checks`: the connector's checks each on its own (grant verification, request parsing,
+//!   authorization) and mTLS round trips on an open and on a new connection
+//!   (`performance/checks.rs`);
+//! - `node-ops`: each node operation through the connector against its tool alone, with the
+//!   Proxmox doubles, real `qemu-img`, loop devices and QEMU (`performance/node_ops.rs`; needs
+//!   root).
 //!
-//! `--short` (or `CERTISTACK_BENCH_SHORT=1`) runs fewer iterations and a smaller history, for CI.
+//! `fleet`, `checks` and `node-ops` run only when named. They share one binary because each bench
+//! target is a separate executable linked with the release profile's thin LTO over every
+//! dependency, which is most of the bench build's time.
+//!
+//! `--short` (or `CERTISTACK_BENCH_SHORT=1`) runs fewer iterations and a smaller history, for CI;
+//! `checks` and `node-ops` have fixed iteration counts and ignore it.
 //! The daemons are the binaries next to this bench (`target/release`): build them first with
 //! `cargo build --release --bins`.
 //!
@@ -1273,6 +1284,11 @@ async fn footprint(settings: &Settings) {
 
 // ---------------------------------------------------------------------------------------------
 
+#[path = "performance/checks.rs"]
+mod checks;
+#[path = "performance/node_ops.rs"]
+mod node_ops;
+
 fn main() {
     let args: Vec<String> = std::env::args()
         .skip(1)
@@ -1311,8 +1327,11 @@ fn main() {
                 "concurrency" => concurrency(&settings).await,
                 "footprint" => footprint(&settings).await,
                 "fleet" => fleet::fleet(&settings).await,
+                "checks" => checks::checks().await,
+                // Runs on its own thread and runtime inside a network namespace until it is done.
+                "node-ops" => tokio::task::block_in_place(node_ops::node_ops),
                 other => panic!(
-                    "unknown section {other:?}: transport, setup, history, concurrency, footprint, fleet"
+                    "unknown section {other:?}: transport, setup, history, concurrency, footprint, fleet, checks, node-ops"
                 ),
             }
         }

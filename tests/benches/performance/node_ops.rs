@@ -1,4 +1,5 @@
-//! What the connector adds over the tools it runs, measured in one run and printed as a table.
+//! Section `node-ops`: what the connector adds over the tools it runs, measured in one run and
+//! printed as a table.
 //!
 //! For each operation: the median time of the tool alone (the same program and argv, run
 //! through the same process runner), the median client-observed time of the RPC that runs it
@@ -6,13 +7,7 @@
 //! Uses the lab's test doubles for `proxmox-backup-client` and `qm`, real `qemu-img`, real
 //! loop devices and real QEMU; needs root.
 //!
-//! Run: `cargo bench -p certistack-tests --bench node_ops`
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::print_stdout,
-    clippy::indexing_slicing
-)]
+//! Run: `cargo bench -p certistack-tests --bench performance -- node-ops`
 
 use certistack_connector::process::{self, SecretInput, SecretKind, ToolCall};
 use certistack_proto::v1 as pb;
@@ -34,9 +29,11 @@ async fn tool(call: ToolCall) -> (Duration, process::ToolOutput) {
     (started.elapsed(), out)
 }
 
-fn main() {
+/// Runs on a thread of its own moved into a network namespace, so the caller blocks until the
+/// table is printed.
+pub fn node_ops() {
     if !privileged(
-        "node_ops bench",
+        "performance bench: node-ops",
         &[
             "losetup",
             "qemu-img",
@@ -50,6 +47,7 @@ fn main() {
     }
     // VMs boot only on a prepared sandbox: measure inside a namespace with the VNet's bridge.
     let netns = Netns::new("bench", &["csbox1"]);
+    super::heading("Each node operation against its tool alone");
     inside(&netns.name, || async {
         let lab = Lab::new("bench");
         lab.add_backup(SNAPSHOT, ARCHIVE, b"BENCH", 8 << 20);

@@ -1,9 +1,8 @@
-//! What the connector's checks cost, measured in one run and printed as a table:
-//! the pure parts (grant verification, request parsing, authorization) and the mTLS round trips
-//! (a fresh connection with handshake + Hello, and a call on an open connection).
+//! Section `checks`: what the connector's checks cost, measured in one run and printed as a
+//! table: the pure parts (grant verification, request parsing, authorization) and the mTLS round
+//! trips (a fresh connection with handshake + Hello, and a call on an open connection).
 //!
-//! Run: `cargo bench -p certistack-tests --bench foundation`
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
+//! Run: `cargo bench -p certistack-tests --bench performance -- checks`
 
 use certistack_connector::action::{authorize, parse};
 use certistack_connector::grant;
@@ -51,12 +50,9 @@ where
     }
 }
 
-fn main() {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let rows = runtime.block_on(async {
+pub async fn checks() {
+    super::heading("The connector's checks, each on its own");
+    let rows = {
         let dir = TempDir::new("bench");
         let authority = controller(&dir.0);
         let node = TestNode::start(&authority, &dir.0.join("node"), NODE).await;
@@ -135,7 +131,7 @@ fn main() {
             .await,
         );
         rows
-    });
+    };
 
     println!("| measurement | iterations | per iteration |");
     println!("|---|---:|---:|");
