@@ -959,12 +959,21 @@ pub fn in_transient_unit(
 
 /// Stops and forgets the transient unit `unit` if it is the one described by `description`
 /// (started by this daemon for that run); a unit that is not loaded is already gone.
+/// What [`release_transient_unit`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UnitRelease {
+    /// The unit was loaded and this run's: it was stopped.
+    Stopped,
+    /// No such unit was loaded (it ended and was collected, or never started).
+    Gone,
+}
+
 pub async fn release_transient_unit(
     systemctl: &Path,
     unit: &str,
     description: &str,
     timeout: Duration,
-) -> Result<(), String> {
+) -> Result<UnitRelease, String> {
     let show = run(ToolCall::new(systemctl, timeout)
         .arg("show")
         .arg("--property=LoadState,Description")
@@ -980,7 +989,7 @@ pub async fn release_transient_unit(
             .to_owned()
     };
     if value("LoadState") != "loaded" {
-        return Ok(());
+        return Ok(UnitRelease::Gone);
     }
     if value("Description") != description {
         return Err(format!(
@@ -1003,7 +1012,7 @@ pub async fn release_transient_unit(
             ));
         }
     }
-    Ok(())
+    Ok(UnitRelease::Stopped)
 }
 
 #[cfg(test)]
@@ -1269,6 +1278,50 @@ mod tests {
         ToolCall::new("/bin/sh", Duration::from_secs(5))
             .arg("-c")
             .arg(script)
+    }
+
+    /// A stand-in `systemctl` answering `show` from `$STATE` (`gone`, `ours`, `theirs`) and
+    /// logging every verb to `calls`.
+    fn fake_systemctl(dir: &Path, state: &str) -> PathBuf {
+        use std::os::unix::fs::PermissionsExt;
+        let path = dir.join(format!("systemctl-{state}"));
+        let script = format!(
+            "#!/bin/sh\necho \"$1\" >>{calls}\ncase \"$1:{state}\" in\n  show:gone) echo LoadState=not-found; echo Description= ;;\n  show:ours) echo LoadState=loaded; echo 'Description=CertiStack run r1: guest network recovery of 9100' ;;\n  show:theirs) echo LoadState=loaded; echo 'Description=someone else' ;;\nesac\n",
+            calls = dir.join("calls").display()
+        );
+        std::fs::write(&path, script).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        path
+    }
+
+    #[tokio::test]
+    async fn releasing_a_unit_says_whether_it_stopped_one_and_leaves_anothers_alone() {
+        let dir = std::env::temp_dir().join(format!("release-unit-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir(&dir).unwrap();
+        let ours = "CertiStack run r1: guest network recovery of 9100";
+        let release = |state: &'static str| {
+            let systemctl = fake_systemctl(&dir, state);
+            async move {
+                release_transient_unit(
+                    &systemctl,
+                    "certistack-guestnet-r1-9100.service",
+                    ours,
+                    Duration::from_secs(5),
+                )
+                .await
+            }
+        };
+        let calls = || std::fs::read_to_string(dir.join("calls")).unwrap_or_default();
+        assert_eq!(release("gone").await, Ok(UnitRelease::Gone));
+        assert_eq!(calls(), "show\n", "a unit that is gone is not stopped");
+        std::fs::remove_file(dir.join("calls")).unwrap();
+        assert_eq!(release("ours").await, Ok(UnitRelease::Stopped));
+        assert_eq!(calls(), "show\nstop\nreset-failed\n");
+        std::fs::remove_file(dir.join("calls")).unwrap();
+        let refused = release("theirs").await.unwrap_err();
+        assert!(refused.contains("left alone"), "{refused}");
+        assert_eq!(calls(), "show\n", "another's unit is never stopped");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[tokio::test]

@@ -95,8 +95,10 @@ impl NodeExecutor {
             } else {
                 &[]
             };
+            let mut units_stopped = Vec::new();
+            let mut units_gone = Vec::new();
             for (unit, description) in units {
-                if let Err(reason) = crate::process::release_transient_unit(
+                match crate::process::release_transient_unit(
                     &self.config.process.systemctl,
                     unit,
                     description,
@@ -104,7 +106,9 @@ impl NodeExecutor {
                 )
                 .await
                 {
-                    left.push(reason);
+                    Ok(crate::process::UnitRelease::Stopped) => units_stopped.push(unit),
+                    Ok(crate::process::UnitRelease::Gone) => units_gone.push(unit),
+                    Err(reason) => left.push(reason),
                 }
             }
             if !left.is_empty() {
@@ -121,7 +125,9 @@ impl NodeExecutor {
                         "error": "the connector stopped during this step",
                         "outcome_unknown": true,
                         "tools": step.tools,
-                        "units_stopped": units.iter().map(|(unit, _)| unit).collect::<Vec<_>>(),
+                        "units_stopped": units_stopped,
+                        // Units the step named that had ended by themselves before the settling.
+                        "units_gone": units_gone,
                         "processes_killed": killed,
                     }),
                 )
