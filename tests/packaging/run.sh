@@ -182,6 +182,7 @@ cp "$v1" "$work/unsigned.deb"
 expect_fail packaging/publish-repo publish "$GNUPGHOME" "$fpr" "$work/sign.pub" "$work/refused-repo" "$v2" "$work/unsigned.deb"
 [[ "$out" == *"unsigned.deb has no signature"*"nothing was published"* ]] || fail "publish-repo's refusal: $out"
 [ ! -e "$work/refused-repo/pool" ] || fail "a refused publish copied packages: $(find "$work/refused-repo")"
+[ -z "$(find "$work/refused-repo" -mindepth 1)" ] || fail "a refused publish left files: $(find "$work/refused-repo")"
 cp "$v2.minisig" "$work/unsigned.deb.minisig"   # a real signature, of another package
 expect_fail packaging/publish-repo publish "$GNUPGHOME" "$fpr" "$work/sign.pub" "$work/refused-repo" "$work/unsigned.deb"
 [[ "$out" == *"does not verify"*"nothing was published"* ]] || fail "publish-repo's refusal: $out"
@@ -192,6 +193,8 @@ expect_fail packaging/publish-repo publish "$GNUPGHOME" "$fpr" "$work/other-sign
 echo "unsigned, mis-signed and other-key packages: refused before anything was published"
 
 packaging/publish-repo publish "$GNUPGHOME" "$fpr" "$work/sign.pub" "$work/repo" "$v1"
+cmp "$v1" "$work/repo/pool/main/c/certistack-connector/$(basename "$v1")" || fail "the published package is not the verified one"
+[ -z "$(find "$work/repo" -name '.publish.*')" ] || fail "publish-repo left its staging directory"
 release_file="$work/repo/dists/stable/Release"
 date_s=$(date -d "$(sed -n 's/^Date: //p' "$release_file")" +%s)
 until_s=$(date -d "$(sed -n 's/^Valid-Until: //p' "$release_file")" +%s) || fail "the Release has no Valid-Until"
