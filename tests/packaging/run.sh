@@ -337,6 +337,9 @@ echo "enrolled" > "$chroot_dir/etc/certistack/node.crt"
 moved=/srv/certistack-state
 sed -i "s|^state_dir = .*|state_dir = \"$moved\"|" "$chroot_dir/etc/certistack/connector.toml"
 grep -q "^state_dir = \"$moved\"" "$chroot_dir/etc/certistack/connector.toml" || fail "the test could not move state_dir"
+# A comment on the table's header line must not hide the table from purge.
+sed -i 's|^\[paths\]$|[paths]   # moved by the operator|' "$chroot_dir/etc/certistack/connector.toml"
+grep -q '^\[paths\]   # moved' "$chroot_dir/etc/certistack/connector.toml" || fail "the test could not comment the [paths] header"
 in_root apt-get remove -y -q certistack-connector
 in_root dpkg-query -W -f '${Status}' certistack-connector | grep -qx 'deinstall ok config-files' || fail "not in config-files state"
 [ ! -e "$chroot_dir/usr/sbin/certistack-connector" ] || fail "remove left the binary"
