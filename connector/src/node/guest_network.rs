@@ -1428,10 +1428,6 @@ pub fn guest_network_unit(
     })
 }
 
-/// The call of one recovery's guestfish session on `overlay`: guestfish itself, or with `unit`
-/// `systemd-run` starting it in that unit, outside the daemon's sandbox (which forbids QEMU's
-/// TCG and hides /lib/modules) and bounded by the unit even if the daemon dies; `--pipe`
-/// hands the session's pipes to guestfish.
 /// `Ok` when `program` is an executable file; otherwise what to install or configure.
 pub fn guestfish_installed(program: &Path) -> Result<(), String> {
     use std::os::unix::fs::PermissionsExt;
@@ -1448,6 +1444,10 @@ pub fn guestfish_installed(program: &Path) -> Result<(), String> {
     }
 }
 
+/// The call of one recovery's guestfish session on `overlay`: guestfish itself, or with `unit`
+/// `systemd-run` starting it in that unit, outside the daemon's sandbox (which forbids QEMU's
+/// TCG and hides /lib/modules) and bounded by the unit even if the daemon dies; `--pipe`
+/// hands the session's pipes to guestfish.
 pub fn guestfish_call(
     program: &Path,
     overlay: &Path,
