@@ -283,6 +283,7 @@ impl NodeExecutor {
         let key = state.key.as_str();
         match &state.resource {
             Resource::Overlay { vmid, archive } => {
+                self.release_recovery_unit(grant, *vmid).await?;
                 let path = self.overlay_path(grant, *vmid, archive);
                 self.remove_path(guard, Op::OverlayDelete, key, &path).await
             }

@@ -1494,6 +1494,34 @@ impl NodeExecutor {
             .map_err(ExecError::Failed)
     }
 
+    /// Stops the recovery unit of `vmid` if one still runs (its stop failed when its step
+    /// ended): the overlay it writes is not deleted, nor its backing device unmapped, under it.
+    /// Without transient units there is none; a unit already gone costs one `systemctl show`.
+    pub(super) async fn release_recovery_unit(
+        &self,
+        grant: &crate::grant::Grant,
+        vmid: Vmid,
+    ) -> Result<(), ExecError> {
+        let memory_mib = self.config.limits.guest_network_memory_mib;
+        let Some(unit) = self.guest_network_unit(grant, vmid, memory_mib)? else {
+            return Ok(());
+        };
+        process::release_transient_unit(
+            &self.config.process.systemctl,
+            &unit.name,
+            &unit.description,
+            self.tool_timeout(),
+        )
+        .await
+        .map(|_| ())
+        .map_err(|reason| {
+            ExecError::Unavailable(format!(
+                "the guest network recovery unit {} of VM {vmid} still runs and could not be stopped ({reason}); its overlay is kept until the unit ends (at most limits.guest_network_timeout_secs + 30 s after it started): retry then",
+                unit.name
+            ))
+        })
+    }
+
     pub(super) async fn recover_guest_network(
         &self,
         run: &RunHandle,
@@ -1663,6 +1691,9 @@ impl NodeExecutor {
         }
         // Killing systemd-run leaves its unit: the unit itself is stopped (its whole cgroup,
         // the appliance's QEMU included). A unit that ended by itself was collected already.
+        // A unit that could not be stopped is named in the step's record; deleting the overlay
+        // (DeleteOverlay, Cleanup) stops it first.
+        let mut unit_left = None;
         if let Some(unit) = &unit
             && let Err(reason) = process::release_transient_unit(
                 &self.config.process.systemctl,
@@ -1673,6 +1704,7 @@ impl NodeExecutor {
             .await
         {
             tracing::warn!(run_id = %grant.run_id, %vmid, unit = %unit.name, %reason, "the guest network recovery's unit was not stopped");
+            unit_left = Some(unit.name.clone());
         }
         let elapsed = started.elapsed();
         let (evidence, code) = match result {
@@ -1690,7 +1722,8 @@ impl NodeExecutor {
                 let detail = json!({
                     "error": exec.to_string(),
                     "elapsed_ms": elapsed.as_millis() as u64,
-                    "outcome_unknown": matches!(error, RecoveryError::Timeout(_)),
+                    "outcome_unknown": matches!(error, RecoveryError::Timeout(_)) || unit_left.is_some(),
+                    "unit_left": unit_left,
                 });
                 guard
                     .append(self.now_ms(), OP, &overlay, Phase::Failed, detail)
@@ -1717,6 +1750,7 @@ impl NodeExecutor {
                     "address": nic.address.to_string(),
                     "elapsed_ms": elapsed.as_millis() as u64,
                     "evidence": evidence,
+                    "unit_left": unit_left,
                 }),
             )
             .await?;

@@ -381,6 +381,7 @@ impl NodeExecutor {
                 "VM {vmid} still uses the overlay of {archive}; destroy it first"
             )));
         }
+        self.release_recovery_unit(grant, vmid).await?;
         let path = self.overlay_path(grant, vmid, &archive);
         self.remove_path(&mut guard, Op::OverlayDelete, &resource, &path)
             .await?;
