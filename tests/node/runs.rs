@@ -313,8 +313,9 @@ impl Fleet {
                     "    probes:\n      - kind: tcp\n        address: 10.77.{index}.10\n        port: 22\n        expect:\n          banner_prefix: \"SSH-2.0-CertiStack-{index}\"\n"
                 ));
             }
+            // The busybox guest is no distribution libguestfs recognises: its network stays.
             text.push_str(&format!(
-                "    timeouts:\n      run_seconds: 600\n      guest_agent_seconds: {agent_seconds}\n"
+                "    network_recovery:\n      mode: preserve\n    timeouts:\n      run_seconds: 600\n      guest_agent_seconds: {agent_seconds}\n"
             ));
         }
         let path = self.dir.0.join(file);
