@@ -187,7 +187,7 @@ pub fn ifupdown_stanza(nic: &SandboxNic) -> String {
         "\n    autoconf 0\n    accept_ra 0"
     };
     format!(
-        "# Written by CertiStack into a disposable sandbox overlay.\n# The NIC with MAC {} is named {IFUPDOWN_NAME} by /etc/systemd/network/10-{PROFILE_NAME}.link.\n# allow-hotplug as well: Debian's boot then waits for udev (which renames the NIC) and udev's\n# hotplug event brings it up should networking.service have run before the rename.\nauto {IFUPDOWN_NAME}\nallow-hotplug {IFUPDOWN_NAME}\niface {IFUPDOWN_NAME} {family} static\n    address {}{extra}\n",
+        "# Written by CertiStack into a disposable sandbox overlay.\n# The NIC with MAC {} is named {IFUPDOWN_NAME} by /etc/systemd/network/10-{PROFILE_NAME}.link.\nauto {IFUPDOWN_NAME}\niface {IFUPDOWN_NAME} {family} static\n    address {}{extra}\n",
         nic.mac, nic.address
     )
 }
@@ -1852,11 +1852,6 @@ mod tests {
                 .contains("[ipv6]\nmethod=manual\naddress1=2001:db8::10/64\n")
         );
         assert!(ifupdown_stanza(&v6).contains("inet6 static"));
-        let stanza = ifupdown_stanza(&v6);
-        assert!(
-            stanza.contains("\nauto cssandbox0\nallow-hotplug cssandbox0\niface cssandbox0 "),
-            "{stanza}"
-        );
     }
 
     #[test]
