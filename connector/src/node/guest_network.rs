@@ -186,6 +186,10 @@ pub fn ifupdown_stanza(nic: &SandboxNic) -> String {
     } else {
         "\n    autoconf 0\n    accept_ra 0"
     };
+    // `auto` only: Debian's networking.service runs `ifup -a` after ifupdown-pre.service has
+    // waited for udev to settle, and so after the link file's rename. `allow-hotplug` beside it
+    // is accepted by Debian's ifupdown, but busybox's (which has no allow-hotplug) refuses it after
+    // an `auto` line as a misplaced option, and brings up nothing.
     format!(
         "# Written by CertiStack into a disposable sandbox overlay.\n# The NIC with MAC {} is named {IFUPDOWN_NAME} by /etc/systemd/network/10-{PROFILE_NAME}.link.\nauto {IFUPDOWN_NAME}\niface {IFUPDOWN_NAME} {family} static\n    address {}{extra}\n",
         nic.mac, nic.address
