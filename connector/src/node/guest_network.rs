@@ -1856,6 +1856,14 @@ mod tests {
                 .contains("[ipv6]\nmethod=manual\naddress1=2001:db8::10/64\n")
         );
         assert!(ifupdown_stanza(&v6).contains("inet6 static"));
+        // `auto` and nothing else: busybox's ifupdown brings up nothing after an
+        // `allow-hotplug` line that follows an `auto` one.
+        let stanza = ifupdown_stanza(&v6);
+        assert!(
+            stanza.contains("\nauto cssandbox0\niface cssandbox0 inet6 static\n"),
+            "{stanza}"
+        );
+        assert!(!stanza.contains("allow-"), "{stanza}");
     }
 
     #[test]
