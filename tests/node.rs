@@ -42,6 +42,8 @@ fn map_request(archive: &str, secret: &str) -> pb::MapBackupRequest {
 struct Run {
     lab: Lab,
     client: ConnectorClient<Channel>,
+    /// Where the node listens, for a second client (an operator's).
+    address: String,
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
     task: Option<tokio::task::JoinHandle<()>>,
     _authority_dir: TempDir,
@@ -94,6 +96,7 @@ impl Run {
         Self {
             lab,
             client,
+            address,
             shutdown: Some(shutdown),
             task: Some(task),
             _authority_dir: authority_dir,
@@ -2306,6 +2309,7 @@ async fn repeated_stops_cannot_spend_the_reserve_cleanup_needs() {
     let mut run = Run {
         lab,
         client,
+        address,
         shutdown: Some(shutdown),
         task: Some(task),
         _authority_dir: authority_dir,
@@ -2684,15 +2688,16 @@ fn conf_value(conf: &str, key: &str) -> Option<String> {
 /// line and QMP `query-block`) shows the devices.
 #[test]
 fn sandbox_vms_mirror_the_source_hardware() {
-    if !privileged("sandbox_vms_mirror_the_source_hardware", QEMU_TOOLS) {
+    if !privileged("sandbox_vms_mirror_the_source_hardware", QEMU_TOOLS)
+        || !has_files(
+            "sandbox_vms_mirror_the_source_hardware",
+            &[("/usr/share/OVMF/OVMF_VARS_4M.fd", "ovmf")],
+        )
+    {
         return;
     }
     let ovmf_vars: &'static std::path::Path =
         std::path::Path::new("/usr/share/OVMF/OVMF_VARS_4M.fd");
-    assert!(
-        ovmf_vars.exists(),
-        "Debian's ovmf is needed for UEFI sandboxes (.ci/run installs it)"
-    );
     let netns = Netns::new("srchw", &["csbox1", "csbox91", "csbox92"]);
     inside(&netns.name, move || async move {
         let archives = [ARCHIVE, EFI_ARCHIVE, VIRTIO_ARCHIVE, SATA_ARCHIVE];
@@ -3527,8 +3532,11 @@ mod systemd_unit {
             let call = guest_network::guestfish_call(
                 &standin,
                 Path::new("/var/lib/certistack-overlays/9100-drive-scsi0.qcow2"),
-                timeout,
-                512,
+                &guest_network::Appliance {
+                    timeout,
+                    memory_mib: 512,
+                    accelerator: certistack_connector::config::ApplianceAccelerator::Auto,
+                },
                 Some(&unit),
                 Path::new("/usr/bin/systemd-run"),
                 Path::new("/usr/bin/systemctl"),

@@ -466,6 +466,12 @@ pub mod parse {
         }
         field("NodeChecksRequest.vnet", &req.vnet).map(Some)
     }
+
+    /// The appliance boot NodeChecks is asked for, if any: zero asks for none.
+    pub fn appliance_boot(req: &pb::NodeChecksRequest) -> Option<std::time::Duration> {
+        (req.boot_appliance_within_secs > 0)
+            .then(|| std::time::Duration::from_secs(u64::from(req.boot_appliance_within_secs)))
+    }
 }
 
 /// Why a grant does not cover an action: the object and the rule, for the caller and the log.
@@ -1111,6 +1117,7 @@ mod tests {
         }
         parse::node_checks(&pb::NodeChecksRequest {
             vnet: "csbox1".into(),
+            ..Default::default()
         })
         .unwrap();
         parse::list_runs(&pb::ListRunsRequest {
@@ -1218,6 +1225,7 @@ mod tests {
         assert_eq!(err.field, "ProbeRequest.port");
         let err = parse::node_checks(&pb::NodeChecksRequest {
             vnet: "../eth0".into(),
+            ..Default::default()
         })
         .unwrap_err();
         assert_eq!(
@@ -1227,6 +1235,17 @@ mod tests {
         assert_eq!(
             parse::node_checks(&pb::NodeChecksRequest::default()).unwrap(),
             None
+        );
+        assert_eq!(
+            parse::appliance_boot(&pb::NodeChecksRequest::default()),
+            None
+        );
+        assert_eq!(
+            parse::appliance_boot(&pb::NodeChecksRequest {
+                boot_appliance_within_secs: 90,
+                ..Default::default()
+            }),
+            Some(std::time::Duration::from_secs(90))
         );
     }
 

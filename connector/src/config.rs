@@ -37,6 +37,38 @@ pub struct Config {
     /// How the tools that must outlive the daemon are started (`[process]`).
     #[serde(default)]
     pub process: ProcessPolicy,
+    /// How guest network recovery boots the libguestfs appliance (`[guest_network]`).
+    #[serde(default)]
+    pub guest_network: GuestNetworkPolicy,
+}
+
+/// The accelerator of the libguestfs appliance that guest network recovery boots.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ApplianceAccelerator {
+    /// libguestfs decides (`-machine accel=kvm:tcg`): KVM where `/dev/kvm` opens, else TCG.
+    #[default]
+    Auto,
+    /// TCG always (`LIBGUESTFS_BACKEND_SETTINGS=force_tcg`): for a node nested under a
+    /// hypervisor whose `/dev/kvm` opens and accepts the appliance but never runs it to the end,
+    /// where every `rewrite` recovery would otherwise run until its deadline.
+    Tcg,
+}
+
+impl ApplianceAccelerator {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Tcg => "tcg",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GuestNetworkPolicy {
+    /// `"auto"` (the default) or `"tcg"`.
+    pub accelerator: ApplianceAccelerator,
 }
 
 /// Where `qm start`, `proxmox-backup-client map` and guest network recovery's guestfish run.
@@ -117,6 +149,12 @@ pub struct PvePaths {
     /// The mount table NodeChecks reads for the cgroup version (what is mounted on
     /// `/sys/fs/cgroup`).
     pub mounts: PathBuf,
+    /// The KVM device NodeChecks opens (read-write, as QEMU does) to see whether guests get KVM.
+    pub kvm_device: PathBuf,
+    /// The CPU flags NodeChecks reads: `hypervisor` (the node is a virtual machine), `vmx`/`svm`.
+    pub cpuinfo: PathBuf,
+    /// The machine's DMI names (`sys_vendor`, `product_name`), read by NodeChecks.
+    pub dmi_dir: PathBuf,
 }
 
 impl Default for PvePaths {
@@ -131,6 +169,9 @@ impl Default for PvePaths {
             lvm_conf: "/etc/lvm/lvm.conf".into(),
             nodes_dir: "/etc/pve/nodes".into(),
             mounts: "/proc/self/mounts".into(),
+            kvm_device: "/dev/kvm".into(),
+            cpuinfo: "/proc/cpuinfo".into(),
+            dmi_dir: "/sys/class/dmi/id".into(),
         }
     }
 }
@@ -356,7 +397,7 @@ impl Config {
             value: self.node_name.clone(),
             reason,
         })?;
-        let absolute: [(&'static str, &Path); 25] = [
+        let absolute: [(&'static str, &Path); 28] = [
             ("tls.certificate", &self.tls.certificate),
             ("tls.private_key", &self.tls.private_key),
             ("tls.controller_ca", &self.tls.controller_ca),
@@ -392,6 +433,9 @@ impl Config {
             ("pve.lvm_conf", &self.pve.lvm_conf),
             ("pve.nodes_dir", &self.pve.nodes_dir),
             ("pve.mounts", &self.pve.mounts),
+            ("pve.kvm_device", &self.pve.kvm_device),
+            ("pve.cpuinfo", &self.pve.cpuinfo),
+            ("pve.dmi_dir", &self.pve.dmi_dir),
             ("process.systemd_run", &self.process.systemd_run),
             ("process.systemctl", &self.process.systemctl),
         ];
@@ -726,6 +770,26 @@ overlay_root = "/var/lib/certistack/overlays"
                 .to_string()
                 .contains("limits.max_ruleset_bytes")
         );
+        assert_eq!(config.guest_network.accelerator, ApplianceAccelerator::Auto);
+        let tcg = write(
+            "accelerator",
+            &format!("{GOOD}[guest_network]\naccelerator = \"tcg\"\n"),
+            0o644,
+        );
+        assert_eq!(
+            Config::load(&tcg).unwrap().guest_network.accelerator,
+            ApplianceAccelerator::Tcg
+        );
+        let kvm = write(
+            "accelerator-kvm",
+            &format!("{GOOD}[guest_network]\naccelerator = \"kvm\"\n"),
+            0o644,
+        );
+        let err = Config::load(&kvm).unwrap_err().to_string();
+        assert!(err.contains("accelerator") && err.contains("auto"), "{err}");
+        for path in [tcg, kvm] {
+            std::fs::remove_file(path).unwrap();
+        }
         for path in [disable, unknown, tiny] {
             std::fs::remove_file(path).unwrap();
         }

@@ -33,3 +33,4 @@ pub mod systemd;
 pub mod tls;
 pub mod untrusted;
 pub mod validate;
+pub mod virtualization;

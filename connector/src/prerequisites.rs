@@ -14,6 +14,9 @@
 //! every tool runs with a timeout and an output cap. Every text is bounded and escaped
 //! ([`crate::untrusted`]) before it leaves the node; the controller judges the facts.
 //!
+//! On request it also boots the libguestfs appliance once ([`crate::virtualization`]), in a
+//! unit of its own when the daemon uses units; it reads nothing of the node's disks.
+//!
 //! Nothing is journaled: nothing changes. One reading runs at a time; concurrent callers wait
 //! for the slot, and a caller that goes away drops its reading, which kills the tools it
 //! started (the tool runner kills a dropped tool's process group).
@@ -23,6 +26,7 @@ use crate::node::sandbox::{self, LegacyNat};
 use crate::process::{self, ToolCall};
 use crate::untrusted::printable;
 use crate::validate::VnetName;
+use crate::virtualization::{self, ApplianceBoot, ApplianceSettings, VirtualizationPaths};
 use certistack_proto::v1 as pb;
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
@@ -73,6 +77,9 @@ pub struct Prerequisites {
     max_ruleset_bytes: usize,
     forwarding_policy: ForwardingPolicy,
     sandbox_cpu_units: u32,
+    virtualization: VirtualizationPaths,
+    appliance: ApplianceSettings,
+    appliance_slot: tokio::sync::Mutex<()>,
     /// One flag per kind of file read, set while a read is on the blocking pool (see
     /// [`bounded_read`]).
     reading_packages: Arc<AtomicBool>,
@@ -144,11 +151,23 @@ impl Prerequisites {
             max_ruleset_bytes: config.limits.max_ruleset_bytes,
             forwarding_policy: config.sandbox.forwarding,
             sandbox_cpu_units: config.limits.sandbox_cpu_units,
+            virtualization: VirtualizationPaths::from_config(config),
+            appliance: ApplianceSettings::from_config(config),
+            appliance_slot: tokio::sync::Mutex::new(()),
             reading_packages: Arc::default(),
             reading_files: Arc::default(),
             reading_stanza: Arc::default(),
             reading_overlay_root: Arc::default(),
         }
+    }
+
+    /// Boots the appliance as `NodeChecks` was asked to, bounded by `within` (and the limits).
+    /// One boot at a time (each takes the appliance's memory); a caller that goes away drops
+    /// the boot, which kills it.
+    pub async fn boot_appliance(&self, within: Duration) -> Result<pb::ApplianceBootFacts, String> {
+        let boot = ApplianceBoot::new(&self.appliance, within)?;
+        let _slot = self.appliance_slot.lock().await;
+        Ok(boot.run().await)
     }
 
     /// Reads every fact, those of `vnet` too when one is named; `node_time_unix_ms` is left
@@ -168,21 +187,23 @@ impl Prerequisites {
             },
         );
         let files = {
-            let (mounts, lvm_conf, host_fw, cluster_fw) = (
+            let (mounts, lvm_conf, host_fw, cluster_fw, virtualization) = (
                 self.mounts.clone(),
                 self.lvm_conf.clone(),
                 self.host_fw.clone(),
                 self.cluster_fw.clone(),
+                self.virtualization.clone(),
             );
             bounded_read(
                 &self.reading_files,
-                "the node's files (mounts, lvm.conf, host.fw, cluster.fw)",
+                "the node's files (mounts, lvm.conf, host.fw, cluster.fw, cpuinfo, DMI, KVM device)",
                 self.timeout,
                 move || {
                     (
                         cgroup_facts(&mounts),
                         lvm_filter_facts(&lvm_conf),
                         firewall_file_facts(&host_fw, &cluster_fw),
+                        virtualization::facts(&virtualization),
                     )
                 },
             )
@@ -265,7 +286,7 @@ impl Prerequisites {
                 ..Default::default()
             }),
         };
-        let (cgroup, lvm_filter, mut firewall) = match files {
+        let (cgroup, lvm_filter, mut firewall, virtualization) = match files {
             Ok(read) => read,
             Err(error) => {
                 let error = bounded(&error);
@@ -279,7 +300,11 @@ impl Prerequisites {
                         ..Default::default()
                     },
                     pb::FirewallFacts {
-                        host_fw_error: error,
+                        host_fw_error: error.clone(),
+                        ..Default::default()
+                    },
+                    pb::VirtualizationFacts {
+                        cpuinfo_error: error,
                         ..Default::default()
                     },
                 )
@@ -326,6 +351,8 @@ impl Prerequisites {
             legacy_nat: Some(legacy_nat),
             lvm_filter: Some(lvm_filter),
             firewall: Some(firewall),
+            virtualization: Some(virtualization),
+            appliance_boot: None,
         }
     }
 

@@ -22,6 +22,8 @@
 //! | `legacy-nat` | no legacy NAT rule touches the VNet | | a rule touches it, or the tables cannot be read |
 //! | `lvm-filter` | `global_filter` rejects `/dev/loop*` | it does not (the fixing line is printed), or unreadable | |
 //! | `firewall` | pve-firewall, or proxmox-firewall with its tables loaded | host.fw and the loaded tables disagree, or unreadable | |
+//! | `kvm` | `/dev/kvm` opens, the CPU has `vmx`/`svm`, no hypervisor flag | the same on a node that is itself a VM (nested), or flags unreadable | no `vmx`/`svm` (qemu-server refuses `kvm: 1` VMs), or `/dev/kvm` does not open |
+//! | `appliance` | not asked, or booted within half its bound | booted, in more than half its bound | did not boot within its bound (`--boot-appliance`) |
 //!
 //! The PBS client is a warning above major 4 rather than a failure: the map/unmap interface the
 //! connector drives has been stable across majors, and PVE 9 ships 4.x; below 4 it fails,
@@ -127,11 +129,17 @@ pub async fn check_node(
     ca_pem: &str,
     identity: &IssuedCertificate,
     vnet: Option<&VnetName>,
+    boot_appliance: Option<Duration>,
     timeout: Duration,
 ) -> Vec<Check> {
     let request = pb::NodeChecksRequest {
         vnet: vnet.map(ToString::to_string).unwrap_or_default(),
+        boot_appliance_within_secs: boot_appliance.map_or(0, |within| {
+            u32::try_from(within.as_secs().max(1)).unwrap_or(u32::MAX)
+        }),
     };
+    // The appliance's boot comes on top of the node's other checks.
+    let timeout = timeout.saturating_add(boot_appliance.unwrap_or_default());
     let name = node.name.to_string();
     let endpoint = node.endpoint();
     let asked = tokio::time::timeout(timeout, async {
@@ -193,6 +201,7 @@ pub async fn check_fleet<'a>(
     ca_pem: &str,
     identity: Arc<IssuedCertificate>,
     vnets: Arc<VnetsByNode>,
+    boot_appliance: Option<Duration>,
     concurrency: usize,
     timeout: Duration,
 ) -> Vec<Vec<Check>> {
@@ -204,7 +213,7 @@ pub async fn check_fleet<'a>(
             let (ca_pem, identity, vnets) = (ca_pem.clone(), identity.clone(), vnets.clone());
             async move {
                 let vnet = vnets.get(&node.name.to_string());
-                check_node(&node, &ca_pem, &identity, vnet, timeout).await
+                check_node(&node, &ca_pem, &identity, vnet, boot_appliance, timeout).await
             }
         },
         |node| {
@@ -390,6 +399,8 @@ pub fn judge(facts: &pb::NodeChecksReply, skew_ms: i64) -> Vec<(&'static str, Le
     checks.push(judge_legacy_nat(facts));
     checks.push(judge_lvm_filter(facts.lvm_filter.as_ref()));
     checks.push(judge_firewall(facts.firewall.as_ref()));
+    checks.push(judge_virtualization(facts.virtualization.as_ref()));
+    checks.push(judge_appliance_boot(facts.appliance_boot.as_ref()));
     checks.push(if skew_ms.abs() > MAX_GRANT_SKEW_MS {
         // A grant is valid from 60 s before the run starts: a node further behind refuses it.
         (
@@ -491,6 +502,136 @@ fn judge_cgroup(facts: &pb::NodeChecksReply) -> Judged {
             ),
         ),
     }
+}
+
+/// Whether sandbox VMs get KVM. qemu-server starts a VM with `kvm: 1` (the default, which the
+/// connector keeps) only when the CPU flags name `vmx` or `svm` (`PVE::QemuServer`
+/// `config_to_command`: "KVM virtualisation configured, but not available"), and QEMU needs
+/// `/dev/kvm`. A node that is itself a VM gets both from its outer hypervisor, whose nested
+/// virtualization may still stop real guests: only a boot shows it.
+fn judge_virtualization(facts: Option<&pb::VirtualizationFacts>) -> Judged {
+    const NAME: &str = "kvm";
+    let Some(facts) = facts else {
+        return (NAME, Level::Warn, UPGRADE_CONNECTOR.to_owned());
+    };
+    let machine = [
+        facts.dmi_sys_vendor.as_str(),
+        facts.dmi_product_name.as_str(),
+    ]
+    .into_iter()
+    .filter(|name| !name.is_empty())
+    .collect::<Vec<_>>()
+    .join(" ");
+    let nested = if facts.cpu_hypervisor_flag {
+        if machine.is_empty() {
+            " The node runs under a hypervisor (the CPU's hypervisor flag).".to_owned()
+        } else {
+            format!(
+                " The node runs under a hypervisor (the CPU's hypervisor flag; DMI: {machine})."
+            )
+        }
+    } else {
+        String::new()
+    };
+    let device = &facts.kvm_device;
+    if !facts.cpuinfo_error.is_empty() {
+        return (
+            NAME,
+            Level::Warn,
+            format!(
+                "the CPU flags were not read ({}); KVM was not judged; check pve.cpuinfo in the connector config",
+                facts.cpuinfo_error
+            ),
+        );
+    }
+    if facts.cpu_virtualization_flag.is_empty() {
+        let device_note = if facts.kvm_device_opens {
+            format!(
+                " {device} opens all the same: a paravirtual layer of the outer hypervisor serves it, under which small guests may run and real ones stop with internal-error."
+            )
+        } else {
+            String::new()
+        };
+        return (
+            NAME,
+            Level::Fail,
+            format!(
+                "the CPU flags name neither vmx nor svm, so qemu-server refuses every sandbox VM (kvm: 1, the default) with \"KVM virtualisation configured, but not available\".{nested}{device_note} Enable VT-x/AMD-V in the firmware, or nested virtualization on the outer hypervisor (a CPU type that passes vmx/svm through)"
+            ),
+        );
+    }
+    if !facts.kvm_device_opens {
+        return (
+            NAME,
+            Level::Fail,
+            format!(
+                "{device} does not open ({}): QEMU cannot run sandbox VMs under KVM.{nested} Load the kvm_intel or kvm_amd module (modprobe), or check the device's permissions",
+                facts.kvm_device_error
+            ),
+        );
+    }
+    if facts.cpu_hypervisor_flag {
+        return (
+            NAME,
+            Level::Warn,
+            format!(
+                "{device} opens and the CPU has {}, from the outer hypervisor's nested virtualization.{nested} Nested KVM may accept guests and still stop them: check once with doctor --boot-appliance, and set [guest_network] accelerator = \"tcg\" in the connector config if the appliance does not boot",
+                facts.cpu_virtualization_flag
+            ),
+        );
+    }
+    (
+        NAME,
+        Level::Ok,
+        format!(
+            "{device} opens and the CPU has {}: sandbox VMs and the libguestfs appliance run under KVM",
+            facts.cpu_virtualization_flag
+        ),
+    )
+}
+
+/// The appliance boot `doctor --boot-appliance` asked for: a node where it cannot boot within
+/// the bound fails every `network_recovery: rewrite` validation at its deadline.
+fn judge_appliance_boot(boot: Option<&pb::ApplianceBootFacts>) -> Judged {
+    const NAME: &str = "appliance";
+    let Some(boot) = boot else {
+        return (
+            NAME,
+            Level::Ok,
+            "not checked: give --boot-appliance to boot the libguestfs appliance once as a guest network recovery would".to_owned(),
+        );
+    };
+    let seconds = Duration::from_millis(boot.elapsed_ms).as_secs_f64();
+    if !boot.booted {
+        return (
+            NAME,
+            Level::Fail,
+            format!(
+                "the libguestfs appliance (accelerator {}) did not boot: {} ({seconds:.1} s)",
+                boot.accelerator, boot.error
+            ),
+        );
+    }
+    // Under half the bound leaves the recovery itself (inspection, edits) room before its
+    // deadline, which the same limit bounds.
+    if boot.elapsed_ms.saturating_mul(2) > u64::from(boot.within_secs).saturating_mul(1000) {
+        return (
+            NAME,
+            Level::Warn,
+            format!(
+                "the libguestfs appliance (accelerator {}) booted in {seconds:.1} s, more than half of the {} s a recovery gets: raise limits.guest_network_timeout_secs in the connector config",
+                boot.accelerator, boot.within_secs
+            ),
+        );
+    }
+    (
+        NAME,
+        Level::Ok,
+        format!(
+            "the libguestfs appliance (accelerator {}) booted in {seconds:.1} s (bound {} s)",
+            boot.accelerator, boot.within_secs
+        ),
+    )
 }
 
 /// Whether a forwarding sysctl or ifupdown2 attribute value means "on".
@@ -932,8 +1073,88 @@ mod tests {
                 error: String::new(),
             }),
             firewall: Some(pb::FirewallFacts::default()),
+            virtualization: Some(pb::VirtualizationFacts {
+                kvm_device: "/dev/kvm".into(),
+                kvm_device_opens: true,
+                cpu_virtualization_flag: "vmx".into(),
+                dmi_sys_vendor: "Supermicro".into(),
+                ..Default::default()
+            }),
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn kvm_is_judged_as_qemu_server_and_a_nested_node_need_it() {
+        let (level, detail) = detail_of(&healthy(), "kvm");
+        assert_eq!(level, Level::Ok, "{detail}");
+        // A nested node whose outer hypervisor passes vmx through: it may still stop guests.
+        let mut facts = healthy();
+        let virt = facts.virtualization.as_mut().unwrap();
+        virt.cpu_hypervisor_flag = true;
+        virt.dmi_sys_vendor = "QEMU".into();
+        virt.dmi_product_name = "Standard PC (Q35 + ICH9, 2009)".into();
+        let (level, detail) = detail_of(&facts, "kvm");
+        assert_eq!(level, Level::Warn, "{detail}");
+        assert!(detail.contains("QEMU Standard PC"), "{detail}");
+        assert!(
+            detail.contains("--boot-appliance") && detail.contains("accelerator = \"tcg\""),
+            "{detail}"
+        );
+        // A /dev/kvm from a paravirtual layer (no vmx/svm): qemu-server refuses kvm: 1.
+        facts
+            .virtualization
+            .as_mut()
+            .unwrap()
+            .cpu_virtualization_flag = String::new();
+        let (level, detail) = detail_of(&facts, "kvm");
+        assert_eq!(level, Level::Fail, "{detail}");
+        assert!(
+            detail.contains("KVM virtualisation configured, but not available"),
+            "{detail}"
+        );
+        assert!(detail.contains("opens all the same"), "{detail}");
+        // Hardware virtualization but no device.
+        let mut facts = healthy();
+        let virt = facts.virtualization.as_mut().unwrap();
+        virt.kvm_device_opens = false;
+        virt.kvm_device_error = "No such file or directory (os error 2)".into();
+        let (level, detail) = detail_of(&facts, "kvm");
+        assert_eq!(level, Level::Fail, "{detail}");
+        assert!(detail.contains("modprobe"), "{detail}");
+        // An older connector reports nothing.
+        let mut facts = healthy();
+        facts.virtualization = None;
+        assert_eq!(detail_of(&facts, "kvm").0, Level::Warn);
+    }
+
+    #[test]
+    fn the_appliance_boot_is_judged_against_its_bound() {
+        let (level, detail) = detail_of(&healthy(), "appliance");
+        assert_eq!(level, Level::Ok);
+        assert!(detail.contains("--boot-appliance"), "{detail}");
+        let boot = |booted: bool, elapsed_ms: u64| {
+            let mut facts = healthy();
+            facts.appliance_boot = Some(pb::ApplianceBootFacts {
+                accelerator: "auto".into(),
+                within_secs: 300,
+                booted,
+                elapsed_ms,
+                error: if booted {
+                    String::new()
+                } else {
+                    "the appliance did not boot within 300 s and was killed".into()
+                },
+            });
+            detail_of(&facts, "appliance")
+        };
+        let (level, detail) = boot(true, 11_900);
+        assert_eq!(level, Level::Ok, "{detail}");
+        assert!(detail.contains("11.9 s"), "{detail}");
+        assert_eq!(boot(true, 150_001).0, Level::Warn);
+        let (level, detail) = boot(false, 300_000);
+        assert_eq!(level, Level::Fail);
+        assert!(detail.contains("did not boot within 300 s"), "{detail}");
     }
 
     fn detail_of(facts: &pb::NodeChecksReply, name: &str) -> (Level, String) {

@@ -956,6 +956,7 @@ async fn check_prerequisites(
                 context.authority.ca_pem(),
                 &identity,
                 Some(vnet),
+                None,
                 doctor::DEFAULT_NODE_TIMEOUT,
             )
             .await

@@ -12,6 +12,8 @@
 #                     or boots the Debian-like root filesystem an ext4 partition 2 holds
 #   disk-panic.img    the same disk whose boot loader asks for an init that does not exist:
 #                     the kernel panics ("VFS: Unable to mount root fs") and nothing answers
+#   disk-probe.img    the same disk whose init prints "certistack-probe: init reached" on the
+#                     serial console and powers off: what the qm double boots to decide KVM
 #   layout            DATA_OFFSET=<bytes of partition 2 into the image>, DATA_SIZE=<bytes>
 #   kernel-version
 # and DIR/current -> <stamp>. A disk for a backup is a copy of one of the images with its data
@@ -183,13 +185,19 @@ boot_config "console=ttyS0 quiet loglevel=3 panic=0" >"$work/syslinux.cfg"
 mcopy -i "$image@@$offset" "$work/syslinux.cfg" ::syslinux.cfg
 syslinux --offset "$offset" --install "$image"
 
+# The accelerator probe: the same disk, whose init says on the serial console that it was
+# reached and powers off (the qm double's test of whether KVM runs a guest like the lab's).
+cp --sparse=always "$image" "$work/disk-probe.img"
+boot_config "console=ttyS0 quiet loglevel=3 panic=-1 certistack.probe" >"$work/syslinux.cfg"
+mcopy -o -i "$work/disk-probe.img@@$offset" "$work/syslinux.cfg" ::syslinux.cfg
+
 # The disk that does not boot: the same, but the boot loader names an init that is not there.
 cp --sparse=always "$image" "$work/disk-panic.img"
 boot_config "console=ttyS0 loglevel=3 panic=0 rdinit=/sbin/no-such-init" >"$work/syslinux.cfg"
 mcopy -o -i "$work/disk-panic.img@@$offset" "$work/syslinux.cfg" ::syslinux.cfg
 
 mkdir -p "$out"
-mv "$image" "$work/disk-panic.img" "$out/"
+mv "$image" "$work/disk-panic.img" "$work/disk-probe.img" "$out/"
 printf 'DATA_OFFSET=%d\nDATA_SIZE=%d\n' $((data_start * 512)) $((data_sectors * 512)) >"$out/layout"
 echo "$version" >"$out/kernel-version"
 touch "$out/done"

@@ -7,7 +7,8 @@
 # the guest disks (cached in target/lab-assets), then, in a network namespace of its own that
 # holds the node's sandbox VNet bridge (no uplink, forwarding off): makes a fresh CA, keys,
 # certificates and plan, enrolls and starts `certistack-connector` with the Proxmox test doubles
-# (tests/doubles: PBS's map on real read-only loop devices, qm starting real QEMU under TCG),
+# (tests/doubles: PBS's map on real read-only loop devices, qm starting real QEMU, under KVM
+# only where the lab's guest boots under it, else TCG),
 # runs `certistack-ctl run` on the lab plan, verifies every signed report and tears everything
 # down, checking that nothing is left: namespace, loop devices, processes, nft tables.
 # The reports, their public key, the plan and the logs stay in target/lab/last/.
@@ -60,30 +61,9 @@ phase_end() {
 say() { printf '\n== %s\n' "$*"; }
 
 # ---- packages: one apt-get install, only when something is missing --------------------------
+# The same script prepares a machine for the test suite and for CI.
 say "tools"
-missing=0
-for tool in qemu-system-x86_64 qemu-img qemu-ga losetup python3 ip nft busybox cpio sfdisk mkfs.vfat mcopy syslinux mkfs.ext4 guestfish; do
-  PATH=/usr/sbin:/usr/bin:/sbin:/bin command -v "$tool" >/dev/null 2>&1 || { echo "missing: $tool"; missing=1; }
-done
-# libguestfs boots its appliance with a kernel from /boot.
-ls /boot/vmlinuz-* >/dev/null 2>&1 || { echo "missing: a kernel in /boot for the libguestfs appliance"; missing=1; }
-[ -e /usr/lib/syslinux/mbr/mbr.bin ] || { echo "missing: /usr/lib/syslinux/mbr/mbr.bin"; missing=1; }
-# The guest runs busybox without a C library: Debian's dynamic busybox is not enough.
-if busybox=$(PATH=/usr/sbin:/usr/bin:/sbin:/bin command -v busybox) && ! python3 "$root/tests/lab/elf-static" "$busybox" 2>/dev/null; then
-  echo "missing: a static busybox ($busybox is dynamically linked)"
-  missing=1
-fi
-if [ "$missing" = 1 ]; then
-  apt-get update -qq
-  # Debian's QEMU emulator conflicts with a newer qemu-utils some machines ship: installing it
-  # alone would remove qemu-img. Pin qemu-utils to the emulator's version in the same command.
-  qemu=$(apt-cache policy qemu-system-x86 | awk '/Candidate:/ {print $2}')
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends --allow-downgrades \
-    qemu-system-x86 "qemu-utils=$qemu" "qemu-block-extra=$qemu" qemu-guest-agent util-linux \
-    python3 iproute2 nftables busybox-static cpio fdisk dosfstools mtools syslinux syslinux-common \
-    e2fsprogs libguestfs-tools linux-image-amd64
-fi
-command -v qemu-img >/dev/null || { echo "lab: qemu-img is gone; reinstall qemu-utils" >&2; exit 70; }
+bash "$root/tests/prepare-machine.sh" || { echo "lab: preparing this machine failed (tests/prepare-machine.sh)" >&2; exit 70; }
 
 # ---- build ----------------------------------------------------------------------------------
 say "build"
@@ -306,10 +286,22 @@ mkdir -p "$node/bin" "$node/pbs/store1/vm/100/$snapshot_time" "$ctl"
 install -m 0755 "$root/tests/doubles/proxmox-backup-client" "$root/tests/doubles/qm" "$node/bin/"
 pbs_password=$(head -c 18 /dev/urandom | base64)
 fingerprint=$(python3 -c 'print(":".join(["ab"] * 32))')
-# The qm double runs guests under KVM only where a probe guest really ran under it, else TCG; the
-# verdict is kept for this boot and QEMU binary beside the guest assets.
-printf '{"node": "pve1", "pbs_password": "%s", "pbs_fingerprint": "%s", "accel_cache": "%s"}\n' \
-  "$pbs_password" "$fingerprint" "$root/target/lab-assets/qm-accel.json" >"$node/double.json"
+# The qm double runs guests under KVM only where the lab's own guest (SeaBIOS, SYSLINUX, the lab
+# kernel reaching its init) boots under it within 30 s, else TCG; the verdict is kept for this
+# boot, QEMU binary and guest disk beside the guest assets. CERTISTACK_LAB_ACCEL=kvm|tcg decides
+# instead. The connector's libguestfs appliance follows the same verdict.
+lab_accel=${CERTISTACK_LAB_ACCEL:-auto}
+case "$lab_accel" in
+  auto | kvm | tcg) ;;
+  *) echo "lab: CERTISTACK_LAB_ACCEL=$lab_accel: give kvm, tcg or leave it unset" >&2; exit 70 ;;
+esac
+printf '{"node": "pve1", "pbs_password": "%s", "pbs_fingerprint": "%s", "accel_cache": "%s", "accel_probe_disk": "%s", "accel": "%s"}\n' \
+  "$pbs_password" "$fingerprint" "$root/target/lab-assets/qm-accel.json" "$assets/disk-probe.img" "$lab_accel" >"$node/double.json"
+verdict=$("$node/bin/qm" certistack-accel)
+accel=$(printf '%s' "$verdict" | python3 -c 'import json, sys; print(json.load(sys.stdin)["accel"])')
+accel_why=$(printf '%s' "$verdict" | python3 -c 'import json, sys; print(json.load(sys.stdin)["why"])')
+if [ "$accel" = kvm ]; then appliance_accel=auto; else appliance_accel=tcg; fi
+echo "accelerator: $accel ($accel_why); libguestfs appliance: $appliance_accel"
 disk=$node/pbs/store1/vm/100/$snapshot_time/drive-scsi0.img
 cp --sparse=always "$assets/disk-boot.img" "$disk"
 printf 'certistack-lab-disk v1\nmarker=%s\naddress=%s/24\nagent=yes\n' "$marker" "$guest" |
@@ -414,6 +406,9 @@ mounts = "$root/tests/support/pve9/mounts"
 # The libguestfs appliance boots under TCG here, on a machine builds may share: one recovery
 # measured 144 to 253 s at load averages of 8 to 13, and passed 300 s at 19.
 guest_network_timeout_secs = 600
+[guest_network]
+# From the qm double's verdict: TCG where the lab's guest does not boot under this machine's KVM.
+accelerator = "$appliance_accel"
 CONF
 
 "$bin/certistack-ctl" ca init --state-dir "$ctl/state" >"$work/ca-init.txt"
@@ -631,7 +626,7 @@ for report in $reports; do
 done
 say "summary"
 expectations=0
-LAB_PRESERVE_PROBE_NETWORK=${preserve_guest%.*}.0/24 LAB_REWRITE_ADDRESS=$rewrite_guest/24 \
+LAB_PRESERVE_PROBE_NETWORK=${preserve_guest%.*}.0/24 LAB_REWRITE_ADDRESS=$rewrite_guest/24 LAB_APPLIANCE_ACCEL=$appliance_accel \
   python3 - "$run_code" "$verify_code" "$run_ms" "$connector_cpu" "$connector_children_cpu" \
   "$cpu_before" "$cpu_after" "$backups_changed" "${phases[*]}" "${kept_reports[@]}" <<'PY' || expectations=$?
 import base64, ipaddress, json, os, re, sys
@@ -768,7 +763,7 @@ try:
     starts = [json.loads(line) for line in open(os.path.join(os.path.dirname(reports[0]) if reports else ".", "doubles-calls.log"))]
     starts = [r for r in starts if r.get("event") == "qemu-start" and r.get("accel")]
     if starts:
-        lines.append(f"accelerator   {starts[-1]['accel']} ({starts[-1].get('accel_why', '')})")
+        lines.append(f"accelerator   {starts[-1]['accel']} ({starts[-1].get('accel_why', '')}); libguestfs appliance {os.environ['LAB_APPLIANCE_ACCEL']}")
 except (OSError, ValueError):
     pass
 lines.append(f"reports       {len(reports)}, {'all verified' if verify_code == 0 else 'NOT ALL VERIFY'}; backups' content {'CHANGED' if backups_changed else 'unchanged (SHA-256 before and after)'}")

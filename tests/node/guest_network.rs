@@ -233,6 +233,7 @@ async fn begin(
     let mut config = lab.node_config(&authority, &lab.root.join("node"));
     // Appliances boot under TCG on a machine other builds share: room for a slow boot.
     config.limits.guest_network_timeout_secs = 900;
+    config.guest_network.accelerator = appliance_accelerator(&lab);
     configure(&lab, &mut config);
     let (address, shutdown, task) = serve_node(config).await;
     let mut wire = grant(RUN_ID, NODE);
@@ -267,6 +268,7 @@ async fn begin(
     Run {
         lab,
         client,
+        address,
         shutdown: Some(shutdown),
         task: Some(task),
         _authority_dir: authority_dir,
@@ -906,4 +908,134 @@ fn guest_network_recovery_is_refused_once_the_vm_has_started() {
         );
         run.stop().await;
     });
+}
+
+/// A node whose `/dev/kvm` takes the libguestfs appliance and never runs it to the end (as a
+/// nested hypervisor's may): a QEMU for libguestfs (`LIBGUESTFS_HV`, set by a guestfish
+/// wrapper) that hangs whenever libguestfs lets it choose KVM (`-machine …accel=kvm:tcg`, lib
+/// `launch-direct.c`) and runs for real under `accel=tcg` (`force_tcg`). With the accelerator
+/// `auto`, NodeChecks' appliance boot fails at its bound and a recovery at its deadline; with
+/// `tcg`, the boot succeeds and so does the recovery.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_appliance_that_hangs_under_kvm_boots_with_the_tcg_accelerator() {
+    if !privileged(
+        "an_appliance_that_hangs_under_kvm_boots_with_the_tcg_accelerator",
+        GUESTFS_TOOLS,
+    ) {
+        return;
+    }
+    let images: [(&str, &[Tree]); 1] = [(ARCHIVE, &[BASE, DEBIAN])];
+    let hanging_kvm = |lab: &Lab, config: &mut Config, accelerator| {
+        let qemu = lab.root.join("bin/qemu-kvm-hangs");
+        std::fs::write(
+            &qemu,
+            format!(
+                "#!/bin/sh\necho \"$*\" >> {log}\ncase \" $* \" in *accel=kvm*) exec sleep 3600;; esac\nexec /usr/bin/qemu-system-x86_64 \"$@\"\n",
+                log = lab.root.join("appliance-argv.log").display()
+            ),
+        )
+        .unwrap();
+        let guestfish = lab.root.join("bin/guestfish");
+        std::fs::write(
+            &guestfish,
+            format!(
+                "#!/bin/sh\nexport LIBGUESTFS_HV={}\nexec /usr/bin/guestfish \"$@\"\n",
+                qemu.display()
+            ),
+        )
+        .unwrap();
+        for path in [&qemu, &guestfish] {
+            std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+                .unwrap();
+        }
+        config.tools.guestfish = guestfish;
+        config.guest_network.accelerator = accelerator;
+    };
+    let node_checks = |run: &Run, within: u32| {
+        let authority_dir = run._authority_dir.0.clone();
+        let address = run.address.clone();
+        async move {
+            let authority =
+                certistack_controller::authority::Authority::load(&authority_dir.join("ctl"))
+                    .unwrap();
+            let identity = authority.issue_operator("alice", now()).unwrap();
+            let mut operator = client(&authority, &address, NODE, &identity).await.unwrap();
+            operator
+                .node_checks(pb::NodeChecksRequest {
+                    vnet: String::new(),
+                    boot_appliance_within_secs: within,
+                })
+                .await
+                .unwrap()
+                .into_inner()
+        }
+    };
+    use certistack_connector::config::ApplianceAccelerator;
+
+    // auto: libguestfs picks KVM (the wrapper stands in for a /dev/kvm that opens) and hangs.
+    let mut run = begin("guestnet-kvm-hangs", &images, |lab, config| {
+        hanging_kvm(lab, config, ApplianceAccelerator::Auto);
+        config.limits.guest_network_timeout_secs = 20;
+    })
+    .await;
+    let started = std::time::Instant::now();
+    let reply = node_checks(&run, 15).await;
+    let boot = reply.appliance_boot.unwrap();
+    eprintln!("appliance boot, accelerator auto: {boot:?}");
+    assert!(!boot.booted, "{boot:?}");
+    assert_eq!((boot.accelerator.as_str(), boot.within_secs), ("auto", 15));
+    assert!(boot.error.contains("did not boot within 15 s"), "{boot:?}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(40));
+    let log = std::fs::read_to_string(run.lab.root.join("appliance-argv.log")).unwrap_or_default();
+    assert!(
+        log.contains("accel=kvm"),
+        "libguestfs was not offered KVM: {log}"
+    );
+    run.map_and_overlay_archive(ARCHIVE, 9100).await;
+    let status = run
+        .recover(9100, ARCHIVE, pb::NetworkRecoveryMode::Rewrite)
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
+    assert!(
+        !std::process::Command::new("pgrep")
+            .args(["-f", "^sleep 3600$"])
+            .output()
+            .unwrap()
+            .status
+            .success(),
+        "the hung appliance outlived its deadline"
+    );
+    run.stop().await;
+
+    // tcg: force_tcg, the appliance boots, and the recovery writes its profile.
+    let mut run = begin("guestnet-kvm-tcg", &images, |lab, config| {
+        hanging_kvm(lab, config, ApplianceAccelerator::Tcg);
+    })
+    .await;
+    let reply = node_checks(&run, 600).await;
+    let boot = reply.appliance_boot.unwrap();
+    eprintln!("appliance boot, accelerator tcg: {boot:?}");
+    assert!(boot.booted, "{boot:?}");
+    assert_eq!(boot.accelerator, "tcg");
+    assert!(boot.elapsed_ms > 0 && boot.error.is_empty(), "{boot:?}");
+    let log = std::fs::read_to_string(run.lab.root.join("appliance-argv.log")).unwrap();
+    assert!(
+        log.contains("accel=tcg") && !log.contains("accel=kvm"),
+        "the appliance was not forced to TCG: {log}"
+    );
+    run.map_and_overlay_archive(ARCHIVE, 9100).await;
+    let reply = run
+        .recover(9100, ARCHIVE, pb::NetworkRecoveryMode::Rewrite)
+        .await
+        .unwrap();
+    let evidence = reply.evidence.unwrap();
+    assert!(
+        evidence
+            .files
+            .iter()
+            .any(|f| f.path == "/etc/network/interfaces.d/certistack-sandbox"),
+        "{evidence:?}"
+    );
+    run.stop().await;
 }

@@ -192,6 +192,7 @@ pub fn node_config(dir: &Path, node: &str) -> Config {
         limits: Limits::default(),
         sandbox: Default::default(),
         process: Default::default(),
+        guest_network: Default::default(),
     }
 }
 
@@ -490,7 +491,26 @@ pub fn privileged(test: &str, tools: &[&str]) -> bool {
     if missing.is_empty() {
         return true;
     }
-    let reason = format!("{test}: needs {}", missing.join(", "));
+    skip(test, &missing.join(", "))
+}
+
+/// Whether the files a test needs, each from the Debian package named beside it, are there;
+/// otherwise a skip as [`privileged`] makes it (a failure in CI), naming the packages.
+pub fn has_files(test: &str, files: &[(&str, &str)]) -> bool {
+    let missing: Vec<String> = files
+        .iter()
+        .filter(|(path, _)| !Path::new(path).exists())
+        .map(|(path, package)| {
+            format!("{path} (Debian package {package}; tests/prepare-machine.sh installs it)")
+        })
+        .collect();
+    missing.is_empty() || skip(test, &missing.join(", "))
+}
+
+/// Prints why `test` skips and returns `false`, or fails it under
+/// `CERTISTACK_REQUIRE_PRIVILEGED_TESTS=1`.
+fn skip(test: &str, needs: &str) -> bool {
+    let reason = format!("{test}: needs {needs}");
     if std::env::var("CERTISTACK_REQUIRE_PRIVILEGED_TESTS").as_deref() == Ok("1") {
         panic!("{reason}, and CERTISTACK_REQUIRE_PRIVILEGED_TESTS=1 forbids skipping it");
     }
@@ -521,13 +541,16 @@ impl Lab {
                 .unwrap();
         }
         let fingerprint = ["ab"; 32].join(":");
-        // One verdict on the QEMU accelerator for all tests of this boot: where KVM accepts
-        // guests but never runs them, finding that out costs the probe's 10 s bound.
+        // One verdict on the QEMU accelerator for all tests of this boot, from booting the
+        // lab's guest (`disk-probe.img`) under KVM; CERTISTACK_LAB_ACCEL=kvm|tcg decides
+        // instead for people who know better.
         let settings = serde_json::json!({
             "node": NODE,
             "pbs_password": PBS_PASSWORD,
             "pbs_fingerprint": fingerprint,
             "accel_cache": std::env::temp_dir().join("certistack-qm-accel.json"),
+            "accel_probe_disk": lab_assets_dir().join("current/disk-probe.img"),
+            "accel": lab_accel(),
         });
         std::fs::write(root.join("double.json"), settings.to_string()).unwrap();
         // The packages a PVE 9 node has installed, as NodeChecks reads them.
@@ -723,7 +746,7 @@ pub fn write_config_file(path: &Path, config: &Config, port: u16) {
          iptables_legacy_save = \"{}\"\nip6tables_legacy_save = \"{}\"\nguestfish = \"{}\"\n\
          [pve]\nqemu_server_run_dir = \"{}\"\nvm_config_dir = \"{}\"\npbs_loopdev_dir = \"{}\"\npve_cluster_dir = \"{}\"\ndpkg_status = \"{}\"\n\
          sdn_interfaces = \"{}\"\nlvm_conf = \"{}\"\nnodes_dir = \"{}\"\nmounts = \"{}\"\n\
-         [limits]\n{}\n[sandbox]\n{}\n[process]\n{}",
+         [limits]\n{}\n[sandbox]\n{}\n[process]\n{}\n[guest_network]\n{}",
         config.node_name,
         p(&config.tls.certificate),
         p(&config.tls.private_key),
@@ -751,6 +774,7 @@ pub fn write_config_file(path: &Path, config: &Config, port: u16) {
         toml::to_string(&config.limits).unwrap(),
         toml::to_string(&config.sandbox).unwrap(),
         toml::to_string(&config.process).unwrap(),
+        toml::to_string(&config.guest_network).unwrap(),
     );
     std::fs::write(path, text).unwrap();
 }
@@ -996,8 +1020,66 @@ pub struct GuestAssets {
     pub boot: PathBuf,
     /// The same disk whose boot loader names an init that does not exist: the kernel panics.
     pub panic: PathBuf,
+    /// The same disk whose init says "certistack-probe: init reached" on the serial console
+    /// and powers off: what the qm double boots under KVM to decide the accelerator.
+    pub probe: PathBuf,
     /// Where the data area (partition 2) starts in the image.
     pub data_offset: u64,
+}
+
+/// Where the lab's guest disks are built, once for the lab and every test.
+pub fn lab_assets_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/lab-assets")
+}
+
+/// `CERTISTACK_LAB_ACCEL` (`kvm` or `tcg`) when set, else `auto`: the qm double then boots the
+/// lab's guest under KVM once to decide.
+pub fn lab_accel() -> &'static str {
+    match std::env::var("CERTISTACK_LAB_ACCEL").as_deref() {
+        Ok("kvm") => "kvm",
+        Ok("tcg") => "tcg",
+        Ok("") | Ok("auto") | Err(_) => "auto",
+        Ok(other) => panic!("CERTISTACK_LAB_ACCEL={other:?}: give kvm, tcg or nothing"),
+    }
+}
+
+/// The verdict the qm double of `lab` gives (`"kvm"` or `"tcg"`) and why; the connector's
+/// libguestfs appliance is configured from the same verdict, as the lab does.
+pub fn accel_verdict(lab: &Lab) -> (String, String) {
+    let out = lab.qm(&["certistack-accel"]);
+    assert!(
+        out.status.success(),
+        "qm certistack-accel: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let verdict: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    (
+        verdict["accel"].as_str().unwrap().to_owned(),
+        verdict["why"].as_str().unwrap().to_owned(),
+    )
+}
+
+/// The connector's `[guest_network] accelerator` for `lab`'s node, from the qm double's verdict
+/// (as the lab sets it): `tcg` where the lab's guest does not boot under KVM, `auto` where it
+/// does. The verdict boots the lab's probe disk, built here when its tools are present; without
+/// it the verdict is TCG, which always works.
+pub fn appliance_accelerator(lab: &Lab) -> certistack_connector::config::ApplianceAccelerator {
+    use certistack_connector::config::ApplianceAccelerator;
+    let buildable = GUEST_ASSET_TOOLS.iter().all(|tool| {
+        ["/usr/sbin", "/usr/bin", "/sbin", "/bin"]
+            .iter()
+            .any(|dir| Path::new(dir).join(tool).exists())
+    });
+    if buildable {
+        guest_assets();
+    }
+    let (accel, why) = accel_verdict(lab);
+    eprintln!("libguestfs appliance accelerator from the qm double's verdict: {accel} ({why})");
+    if accel == "kvm" {
+        ApplianceAccelerator::Auto
+    } else {
+        ApplianceAccelerator::Tcg
+    }
 }
 
 /// Tools the guest disks are built with, besides those of the node.
@@ -1017,7 +1099,7 @@ pub fn guest_assets() -> &'static GuestAssets {
     static ASSETS: std::sync::OnceLock<GuestAssets> = std::sync::OnceLock::new();
     ASSETS.get_or_init(|| {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-        let dir = root.join("target/lab-assets");
+        let dir = lab_assets_dir();
         let out = std::process::Command::new("bash")
             .arg(root.join("tests/lab/build-assets.sh"))
             .arg(&dir)
@@ -1040,6 +1122,7 @@ pub fn guest_assets() -> &'static GuestAssets {
         GuestAssets {
             boot: current.join("disk-boot.img"),
             panic: current.join("disk-panic.img"),
+            probe: current.join("disk-probe.img"),
             data_offset,
         }
     })

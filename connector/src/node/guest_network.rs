@@ -22,6 +22,7 @@
 use super::NodeExecutor;
 use super::resources::Resource;
 use super::tool_result;
+use crate::config::ApplianceAccelerator;
 use crate::executor::{ExecError, Outcome};
 use crate::grant::{NetworkRecoveryMode, ProbeKind};
 use crate::journal::Phase;
@@ -1432,6 +1433,39 @@ pub fn guest_network_unit(
     })
 }
 
+/// How the libguestfs appliance of a session is booted and bounded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Appliance {
+    /// The whole session's deadline, the appliance's boot included.
+    pub timeout: Duration,
+    /// The appliance's memory (`LIBGUESTFS_MEMSIZE`).
+    pub memory_mib: u64,
+    pub accelerator: ApplianceAccelerator,
+}
+
+impl Appliance {
+    pub fn from_config(config: &crate::config::Config) -> Self {
+        Self {
+            timeout: Duration::from_secs(config.limits.guest_network_timeout_secs),
+            memory_mib: config.limits.guest_network_memory_mib,
+            accelerator: config.guest_network.accelerator,
+        }
+    }
+
+    /// guestfish `program` with the appliance's environment: the direct backend (PVE runs no
+    /// libvirt: the appliance is a QEMU child of guestfish), its memory, and TCG when the
+    /// configuration says KVM cannot be trusted here.
+    pub fn session(&self, program: &Path, timeout: Duration) -> ToolCall {
+        let call = ToolCall::new(program, timeout)
+            .env("LIBGUESTFS_BACKEND", "direct")
+            .env("LIBGUESTFS_MEMSIZE", self.memory_mib.to_string());
+        match self.accelerator {
+            ApplianceAccelerator::Auto => call,
+            ApplianceAccelerator::Tcg => call.env("LIBGUESTFS_BACKEND_SETTINGS", "force_tcg"),
+        }
+    }
+}
+
 /// `Ok` when `program` is an executable file; otherwise what to install or configure.
 pub fn guestfish_installed(program: &Path) -> Result<(), String> {
     use std::os::unix::fs::PermissionsExt;
@@ -1455,19 +1489,16 @@ pub fn guestfish_installed(program: &Path) -> Result<(), String> {
 pub fn guestfish_call(
     program: &Path,
     overlay: &Path,
-    timeout: Duration,
-    memory_mib: u64,
+    appliance: &Appliance,
     unit: Option<&GuestNetworkUnit>,
     systemd_run: &Path,
     systemctl: &Path,
 ) -> Result<ToolCall, String> {
-    let call = ToolCall::new(program, timeout)
+    let call = appliance
+        .session(program, appliance.timeout)
         .arg("--format=qcow2")
         .arg("-a")
-        .arg(overlay)
-        // PVE runs no libvirt: the appliance is a QEMU child of guestfish.
-        .env("LIBGUESTFS_BACKEND", "direct")
-        .env("LIBGUESTFS_MEMSIZE", memory_mib.to_string());
+        .arg(overlay);
     match unit {
         None => Ok(call),
         Some(unit) => process::in_transient_unit(
@@ -1614,14 +1645,14 @@ impl NodeExecutor {
         // Checked here, before anything is journaled: started through systemd-run, a missing
         // guestfish would only show as a unit that failed and was collected.
         guestfish_installed(&program).map_err(ExecError::FailedPrecondition)?;
-        let timeout_secs = self.config.limits.guest_network_timeout_secs;
-        let memory_mib = self.config.limits.guest_network_memory_mib;
+        let appliance = Appliance::from_config(&self.config);
+        let timeout_secs = appliance.timeout.as_secs();
+        let memory_mib = appliance.memory_mib;
         let unit = self.guest_network_unit(grant, vmid, memory_mib)?;
         let call = guestfish_call(
             &program,
             &path,
-            Duration::from_secs(timeout_secs),
-            memory_mib,
+            &appliance,
             unit.as_ref(),
             &self.config.process.systemd_run,
             &self.config.process.systemctl,
@@ -1635,6 +1666,7 @@ impl NodeExecutor {
             "command": call.display(),
             "timeout_secs": timeout_secs,
             "memory_mib": memory_mib,
+            "accelerator": appliance.accelerator.name(),
             "unit": unit.as_ref().map(|u| u.name.clone()),
             "unit_description": unit.as_ref().map(|u| u.description.clone()),
         });

@@ -215,6 +215,12 @@ struct DoctorArgs {
     /// A plan: each node is checked with the VNet of the plan's first validation on it.
     #[arg(long)]
     plan: Option<PathBuf>,
+    /// Also boot the libguestfs appliance once on each node, as a guest network recovery
+    /// would (its unit, its accelerator), for at most this many seconds (the node's
+    /// limits.guest_network_timeout_secs caps it), and report how long it took.
+    #[arg(long, value_name = "SECONDS", num_args = 0..=1, default_missing_value = "300",
+          value_parser = clap::value_parser!(u32).range(1..=3600))]
+    boot_appliance: Option<u32>,
 }
 
 const AUDIT_EXIT_CODES: &str = "Exit codes: 0 every node serves the controller's surface with no warning; \
@@ -990,6 +996,8 @@ fn doctor(args: &DoctorArgs, now: OffsetDateTime) -> Result<(), Failure> {
         authority.ca_pem(),
         std::sync::Arc::new(identity),
         std::sync::Arc::new(vnets),
+        args.boot_appliance
+            .map(|secs| std::time::Duration::from_secs(u64::from(secs))),
         certistack_controller::audit::DEFAULT_CONCURRENCY,
         doctor::DEFAULT_NODE_TIMEOUT,
     ));

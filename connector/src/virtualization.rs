@@ -1,0 +1,322 @@
+//! What KVM gives this node's guests, and one bounded boot of the libguestfs appliance.
+//!
+//! A node that is itself a virtual machine (a nested Proxmox VE in a cloud VM, a lab, an
+//! operator's CI) may have a `/dev/kvm` served by the outer hypervisor that opens, runs a tiny
+//! guest, and still stops a real one (SeaBIOS, a boot loader, a kernel) with `internal-error`,
+//! while the libguestfs appliance, which picks KVM by itself, never finishes. The facts here
+//! let `doctor` say what such a node means: whether the device opens, whether the CPU says it
+//! runs under a hypervisor (the `hypervisor` flag of `/proc/cpuinfo`), whether it exposes
+//! hardware virtualization (`vmx`/`svm`), and the machine DMI names. The appliance boot is
+//! the only conclusive test, so `NodeChecks` offers it on request: `guestfish -a /dev/null
+//! run`, as guest network recovery runs it (its unit, its accelerator, its memory), bounded.
+
+use crate::config::{Config, ProcessPolicy};
+use crate::node::guest_network::Appliance;
+use crate::process::{self, ToolCall, TransientRole};
+use crate::untrusted::printable;
+use certistack_proto::v1 as pb;
+use std::io::BufRead;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// Bytes of `/proc/cpuinfo` read at most before the first `flags` line (one CPU's block is
+/// about 1.5 KiB; the flags come in the first block).
+const MAX_CPUINFO_BYTES: u64 = 256 * 1024;
+/// Bytes read of one DMI name, and characters kept of it.
+const MAX_DMI_BYTES: u64 = 256;
+const MAX_DMI_CHARS: usize = 128;
+const MAX_ERROR_CHARS: usize = 512;
+/// The longest appliance boot an operator may ask for, whatever the limits say.
+pub const MAX_APPLIANCE_BOOT: Duration = Duration::from_secs(3600);
+
+/// Where the facts are read; the defaults are the kernel's own files.
+#[derive(Debug, Clone)]
+pub struct VirtualizationPaths {
+    pub kvm_device: PathBuf,
+    pub cpuinfo: PathBuf,
+    pub dmi_dir: PathBuf,
+}
+
+impl VirtualizationPaths {
+    pub fn from_config(config: &Config) -> Self {
+        Self {
+            kvm_device: config.pve.kvm_device.clone(),
+            cpuinfo: config.pve.cpuinfo.clone(),
+            dmi_dir: config.pve.dmi_dir.clone(),
+        }
+    }
+}
+
+/// Reads the facts; blocking (files only), each read bounded in size.
+pub fn facts(paths: &VirtualizationPaths) -> pb::VirtualizationFacts {
+    let (kvm_device_opens, kvm_device_error) = match std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&paths.kvm_device)
+    {
+        Ok(_) => (true, String::new()),
+        Err(error) => (
+            false,
+            printable(error.to_string().as_bytes(), MAX_ERROR_CHARS),
+        ),
+    };
+    let (flags, cpuinfo_error) = match cpu_flags(&paths.cpuinfo) {
+        Ok(flags) => (flags, String::new()),
+        Err(error) => (
+            Vec::new(),
+            printable(
+                format!("{}: {error}", paths.cpuinfo.display()).as_bytes(),
+                MAX_ERROR_CHARS,
+            ),
+        ),
+    };
+    let has = |flag: &str| flags.iter().any(|f| f == flag);
+    let cpu_virtualization_flag = ["vmx", "svm"]
+        .into_iter()
+        .find(|flag| has(flag))
+        .unwrap_or_default()
+        .to_owned();
+    pb::VirtualizationFacts {
+        kvm_device: printable(
+            paths.kvm_device.display().to_string().as_bytes(),
+            MAX_ERROR_CHARS,
+        ),
+        kvm_device_opens,
+        kvm_device_error,
+        cpu_hypervisor_flag: has("hypervisor"),
+        cpu_virtualization_flag,
+        dmi_sys_vendor: dmi_name(&paths.dmi_dir.join("sys_vendor")),
+        dmi_product_name: dmi_name(&paths.dmi_dir.join("product_name")),
+        cpuinfo_error,
+    }
+}
+
+/// The flags of the first CPU that lists them (`flags : fpu vme …`).
+fn cpu_flags(cpuinfo: &Path) -> Result<Vec<String>, std::io::Error> {
+    let file = std::fs::File::open(cpuinfo)?;
+    let reader = std::io::BufReader::new(std::io::Read::take(file, MAX_CPUINFO_BYTES));
+    for line in reader.split(b'\n') {
+        let line = line?;
+        let text = String::from_utf8_lossy(&line);
+        if let Some((key, value)) = text.split_once(':')
+            && key.trim() == "flags"
+        {
+            return Ok(value.split_whitespace().map(str::to_owned).collect());
+        }
+    }
+    Ok(Vec::new())
+}
+
+fn dmi_name(path: &Path) -> String {
+    let Ok(file) = std::fs::File::open(path) else {
+        return String::new();
+    };
+    let mut bytes = Vec::new();
+    if std::io::Read::read_to_end(&mut std::io::Read::take(file, MAX_DMI_BYTES), &mut bytes)
+        .is_err()
+    {
+        return String::new();
+    }
+    printable(
+        String::from_utf8_lossy(&bytes).trim().as_bytes(),
+        MAX_DMI_CHARS,
+    )
+}
+
+/// What an appliance boot takes from the connector's configuration.
+#[derive(Debug, Clone)]
+pub struct ApplianceSettings {
+    pub guestfish: PathBuf,
+    pub appliance: Appliance,
+    pub process: ProcessPolicy,
+}
+
+impl ApplianceSettings {
+    pub fn from_config(config: &Config) -> Self {
+        Self {
+            guestfish: config.tools.guestfish.clone(),
+            appliance: Appliance::from_config(config),
+            process: config.process.clone(),
+        }
+    }
+}
+
+/// One appliance boot as guest network recovery would boot it, bounded by `within`.
+#[derive(Debug)]
+pub struct ApplianceBoot {
+    call: ToolCall,
+    unit: Option<(String, String)>,
+    systemctl: PathBuf,
+    appliance: Appliance,
+    within: Duration,
+}
+
+impl ApplianceBoot {
+    /// The boot guest network recovery's settings would run, in a transient unit of its own
+    /// when the daemon starts guestfish in units (outside its sandbox, which denies what the
+    /// appliance needs).
+    pub fn new(settings: &ApplianceSettings, within: Duration) -> Result<Self, String> {
+        let appliance = settings.appliance;
+        let within = within.min(appliance.timeout).min(MAX_APPLIANCE_BOOT);
+        let call = appliance
+            .session(&settings.guestfish, within)
+            .arg("-a")
+            .arg("/dev/null")
+            .arg("run");
+        let process = &settings.process;
+        let (call, unit) = if process.use_transient_units() {
+            let id = uuid::Uuid::new_v4().simple().to_string();
+            let role = TransientRole::GuestNetwork {
+                memory_max_mib: appliance
+                    .memory_mib
+                    .saturating_add(crate::node::guest_network::UNIT_MEMORY_OVERHEAD_MIB),
+            };
+            let name = process::transient_unit_name(role, "check", &id)?;
+            let description = format!("CertiStack node check {id}: libguestfs appliance boot");
+            let call = process::in_transient_unit(
+                call,
+                role,
+                &name,
+                &description,
+                &process.systemd_run,
+                &process.systemctl,
+                None,
+            )?;
+            (call, Some((name, description)))
+        } else {
+            (call, None)
+        };
+        Ok(Self {
+            call,
+            unit,
+            systemctl: process.systemctl.clone(),
+            appliance,
+            within,
+        })
+    }
+
+    /// Boots it. A caller that goes away drops this future, and the tool runner kills the
+    /// boot's process group; at the bound, the unit (if any) is stopped too.
+    pub async fn run(self) -> pb::ApplianceBootFacts {
+        let started = Instant::now();
+        let outcome = process::run(self.call).await;
+        let elapsed_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        let error = match outcome {
+            Ok(output) if output.exit_code == Some(0) => String::new(),
+            Ok(output) => format!(
+                "guestfish -a /dev/null run exited {}: {}",
+                output
+                    .exit_code
+                    .map_or_else(|| "on a signal".to_owned(), |code| code.to_string()),
+                output.stderr.trim()
+            ),
+            Err(process::ToolError::Timeout { .. }) => format!(
+                "the appliance did not boot within {} s and was killed: every network_recovery rewrite on this node would fail at its deadline; set [guest_network] accelerator = \"tcg\" in the connector config if /dev/kvm is a nested hypervisor's",
+                self.within.as_secs()
+            ),
+            Err(error) => error.to_string(),
+        };
+        if !error.is_empty()
+            && let Some((unit, description)) = &self.unit
+        {
+            // Best effort: the unit's own RuntimeMaxSec ends it shortly after anyway.
+            let _ = process::release_transient_unit(
+                &self.systemctl,
+                unit,
+                description,
+                Duration::from_secs(10),
+            )
+            .await;
+        }
+        pb::ApplianceBootFacts {
+            accelerator: self.appliance.accelerator.name().to_owned(),
+            within_secs: u32::try_from(self.within.as_secs()).unwrap_or(u32::MAX),
+            booted: error.is_empty(),
+            elapsed_ms,
+            error: printable(error.as_bytes(), MAX_ERROR_CHARS),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dir(tag: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!(
+            "certistack-virt-{tag}-{}",
+            uuid::Uuid::new_v4().simple()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    #[test]
+    fn a_nested_node_without_hardware_virtualization_is_told_apart() {
+        let root = dir("nested");
+        std::fs::write(
+            root.join("cpuinfo"),
+            "processor\t: 0\nflags\t\t: fpu vme de pse hypervisor lahf_lm\n\nprocessor\t: 1\nflags\t\t: fpu vmx\n",
+        )
+        .unwrap();
+        std::fs::create_dir_all(root.join("dmi")).unwrap();
+        std::fs::write(root.join("dmi/sys_vendor"), "QEMU\n").unwrap();
+        std::fs::write(
+            root.join("dmi/product_name"),
+            "Standard PC\x1b[2J (Q35 + ICH9, 2009)\n",
+        )
+        .unwrap();
+        let facts = facts(&VirtualizationPaths {
+            kvm_device: root.join("no-kvm"),
+            cpuinfo: root.join("cpuinfo"),
+            dmi_dir: root.join("dmi"),
+        });
+        assert!(!facts.kvm_device_opens);
+        assert!(facts.kvm_device_error.contains("No such file"), "{facts:?}");
+        assert!(facts.cpu_hypervisor_flag);
+        // The first CPU's flags decide: the second block's vmx is not read.
+        assert_eq!(facts.cpu_virtualization_flag, "");
+        assert_eq!(facts.dmi_sys_vendor, "QEMU");
+        // A terminal escape from the node's firmware strings is escaped, not passed on.
+        assert!(!facts.dmi_product_name.contains('\x1b'), "{facts:?}");
+        assert!(facts.dmi_product_name.contains("Q35"), "{facts:?}");
+        std::fs::remove_dir_all(root).unwrap();
+    }
+
+    #[test]
+    fn bare_metal_with_vmx_and_an_openable_device() {
+        let root = dir("metal");
+        std::fs::write(root.join("cpuinfo"), "flags\t: fpu vmx sse2\n").unwrap();
+        // Any file that opens read-write stands in for the device.
+        std::fs::write(root.join("kvm"), "").unwrap();
+        let facts = facts(&VirtualizationPaths {
+            kvm_device: root.join("kvm"),
+            cpuinfo: root.join("cpuinfo"),
+            dmi_dir: root.join("no-dmi"),
+        });
+        assert!(facts.kvm_device_opens, "{facts:?}");
+        assert!(!facts.cpu_hypervisor_flag);
+        assert_eq!(facts.cpu_virtualization_flag, "vmx");
+        assert_eq!(facts.dmi_sys_vendor, "");
+        std::fs::remove_dir_all(root).unwrap();
+    }
+
+    #[test]
+    fn a_cpuinfo_without_flags_in_its_bound_reads_as_no_flags() {
+        let root = dir("bound");
+        let padding = "model name\t: x\n".repeat(20_000);
+        std::fs::write(
+            root.join("cpuinfo"),
+            format!("{padding}flags\t: hypervisor\n"),
+        )
+        .unwrap();
+        let facts = facts(&VirtualizationPaths {
+            kvm_device: root.join("kvm"),
+            cpuinfo: root.join("cpuinfo"),
+            dmi_dir: root.join("dmi"),
+        });
+        assert!(!facts.cpu_hypervisor_flag);
+        assert_eq!(facts.cpuinfo_error, "");
+        std::fs::remove_dir_all(root).unwrap();
+    }
+}
