@@ -20,7 +20,7 @@ fi
 missing=()
 for tool in qemu-system-x86_64 qemu-img qemu-ga losetup prlimit python3 ip nft iptables-legacy-save ip6tables-legacy-save \
   dnsmasq slapd openssl busybox cpio sfdisk mkfs.vfat mcopy syslinux guestfish mkfs.ext4 mkfs.btrfs \
-  systemd-analyze systemd-nspawn mmdebstrap debugfs; do
+  systemd-analyze systemd-nspawn mmdebstrap debugfs dpkg-deb dpkg-shlibdeps minisign apt-ftparchive gpg gpg-agent readelf; do
   PATH=/usr/sbin:/usr/bin:/sbin:/bin command -v "$tool" >/dev/null 2>&1 || missing+=("$tool")
 done
 # The surface-digest test re-encodes the descriptor with Google's protobuf library; the report
@@ -46,7 +46,8 @@ if [ "${#missing[@]}" -gt 0 ]; then
     qemu-system-x86 "qemu-utils=$qemu" "qemu-block-extra=$qemu" qemu-guest-agent util-linux python3 \
     iproute2 nftables iptables dnsmasq-base slapd openssl python3-protobuf python3-cryptography \
     busybox-static cpio fdisk dosfstools mtools syslinux syslinux-common ovmf \
-    libguestfs-tools linux-image-amd64 e2fsprogs btrfs-progs systemd systemd-container mmdebstrap
+    libguestfs-tools linux-image-amd64 e2fsprogs btrfs-progs systemd systemd-container mmdebstrap \
+    dpkg-dev minisign apt-utils gpg gpg-agent binutils ca-certificates
 fi
 [ -e /usr/lib/syslinux/mbr/mbr.bin ] || { echo "prepare-machine: syslinux-common is missing /usr/lib/syslinux/mbr/mbr.bin" >&2; exit 1; }
 command -v qemu-img >/dev/null || { echo "prepare-machine: qemu-img is gone; reinstall qemu-utils" >&2; exit 1; }

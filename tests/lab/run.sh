@@ -402,6 +402,11 @@ pve_cluster_dir = "$node/var/lib/pve-cluster"
 dpkg_status = "$node/var/lib/dpkg/status"
 # The mount table of a PVE 9 node (cgroup v2): this machine's own may be hybrid.
 mounts = "$root/tests/support/pve9/mounts"
+# A bare-metal PVE 9 node with VT-x: what doctor judges of KVM is the simulated node's. Its KVM
+# device is anything that opens read-write; the guests' accelerator is the qm double's verdict.
+cpuinfo = "$root/tests/support/pve9/cpuinfo"
+dmi_dir = "$root/tests/support/pve9/dmi"
+kvm_device = "/dev/null"
 [limits]
 # The libguestfs appliance boots under TCG here, on a machine builds may share: one recovery
 # measured 144 to 253 s at load averages of 8 to 13, and passed 300 s at 19.

@@ -27,6 +27,20 @@ expect_fail() {
 }
 
 [ "$(id -u)" = 0 ] || fail "needs root (it chroots into a Debian root)"
+
+# The Debian root the package is installed into, built once into the cache. `--base-root` builds
+# only that (CI starts it early, beside the compilation, since it mostly waits on downloads).
+base_root() {
+  [ -f "$cache/$suite_debian-base.tar" ] && return 0
+  mkdir -p "$cache"
+  mmdebstrap --quiet --variant=minbase --include=qemu-utils,nftables,iproute2 \
+    "$suite_debian" "$cache/$suite_debian-base.partial.tar" http://deb.debian.org/debian
+  mv "$cache/$suite_debian-base.partial.tar" "$cache/$suite_debian-base.tar"
+}
+if [ "${1:-}" = --base-root ]; then
+  base_root
+  exit 0
+fi
 step "tools: dpkg-dev, minisign, mmdebstrap, apt-utils, gpg; cargo-deb $cargo_deb_version"
 need_apt=0
 for tool in dpkg-deb dpkg-shlibdeps minisign mmdebstrap apt-ftparchive gpg gpg-agent readelf; do
@@ -208,12 +222,7 @@ echo "Release valid for 30 days by default, VALID_DAYS sets it: $(grep -E '^(Dat
 other_fpr=$(packaging/publish-repo keygen "$work/gnupg-other" "Another archive <other@certistack.invalid>")
 
 step "a throwaway $suite_debian root (mmdebstrap, cached in target/packaging)"
-if [ ! -f "$cache/$suite_debian-base.tar" ]; then
-  mkdir -p "$cache"
-  mmdebstrap --quiet --variant=minbase --include=qemu-utils,nftables,iproute2 \
-    "$suite_debian" "$cache/$suite_debian-base.partial.tar" http://deb.debian.org/debian
-  mv "$cache/$suite_debian-base.partial.tar" "$cache/$suite_debian-base.tar"
-fi
+base_root
 mkdir -p "$chroot_dir"
 tar -C "$chroot_dir" -xf "$cache/$suite_debian-base.tar"
 mkdir -p "$chroot_dir/srv/repo" "$chroot_dir/etc/apt/keyrings"

@@ -187,6 +187,12 @@ pub fn node_config(dir: &Path, node: &str) -> Config {
             // A PVE 9 node's mount table and LVM filter, not this machine's.
             mounts: Path::new(PVE9_FIXTURES).join("mounts"),
             lvm_conf: Path::new(PVE9_FIXTURES).join("lvm.conf"),
+            // A bare-metal node with VT-x: what KVM gives guests is the simulated node's, not
+            // this machine's (which may be nested). Its KVM device is anything that opens
+            // read-write, as QEMU opens /dev/kvm.
+            cpuinfo: Path::new(PVE9_FIXTURES).join("cpuinfo"),
+            dmi_dir: Path::new(PVE9_FIXTURES).join("dmi"),
+            kvm_device: "/dev/null".into(),
             ..PvePaths::default()
         },
         limits: Limits::default(),
