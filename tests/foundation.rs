@@ -3434,7 +3434,7 @@ mod state_dir {
             .spawn()
             .unwrap();
         let operator = authority.issue_operator("alice", now()).unwrap();
-        drop(client_when_up(&authority, &format!("127.0.0.1:{port}"), &operator).await);
+        client_when_up(&authority, &format!("127.0.0.1:{port}"), &operator).await;
         let pid = first.id().to_string();
         assert_eq!(
             std::fs::read_to_string(config.paths.state_dir.join("lock"))

@@ -20,7 +20,7 @@ fi
 missing=()
 for tool in qemu-system-x86_64 qemu-img qemu-ga losetup prlimit python3 ip nft iptables-legacy-save ip6tables-legacy-save \
   dnsmasq slapd openssl busybox cpio sfdisk mkfs.vfat mcopy syslinux guestfish mkfs.ext4 mkfs.btrfs \
-  systemd-analyze systemd-nspawn mmdebstrap debugfs dpkg-deb dpkg-shlibdeps minisign apt-ftparchive gpg gpg-agent readelf; do
+  systemd-analyze systemd-nspawn mmdebstrap debugfs pgrep sysctl dpkg-deb dpkg-shlibdeps minisign apt-ftparchive gpg gpg-agent readelf; do
   PATH=/usr/sbin:/usr/bin:/sbin:/bin command -v "$tool" >/dev/null 2>&1 || missing+=("$tool")
 done
 # The surface-digest test re-encodes the descriptor with Google's protobuf library; the report
@@ -40,6 +40,15 @@ compgen -G '/boot/vmlinuz-*' >/dev/null || missing+=("a kernel in /boot")
 
 if [ "${#missing[@]}" -gt 0 ]; then
   echo "prepare-machine: installing what is missing: ${missing[*]}"
+  # Packages with a service (slapd, dnsmasq's, ...) must not start it on this machine: the tests
+  # start their own servers in namespaces of their own. A policy-rc.d of Debian's
+  # invoke-rc.d interface says so for the time of the install, unless the machine has its own.
+  policy=/usr/sbin/policy-rc.d
+  if [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\n# tests/prepare-machine.sh: no service starts while it installs.\nexit 101\n' >"$policy"
+    chmod 0755 "$policy"
+    trap 'rm -f "$policy"' EXIT
+  fi
   apt-get update -qq
   qemu=$(apt-cache policy qemu-system-x86 | awk '/Candidate:/ {print $2}')
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends --allow-downgrades \
@@ -47,7 +56,7 @@ if [ "${#missing[@]}" -gt 0 ]; then
     iproute2 nftables iptables dnsmasq-base slapd openssl python3-protobuf python3-cryptography \
     busybox-static cpio fdisk dosfstools mtools syslinux syslinux-common ovmf \
     libguestfs-tools linux-image-amd64 e2fsprogs btrfs-progs systemd systemd-container mmdebstrap \
-    dpkg-dev minisign apt-utils gpg gpg-agent binutils ca-certificates
+    dpkg-dev minisign apt-utils gpg gpg-agent binutils ca-certificates procps
 fi
 [ -e /usr/lib/syslinux/mbr/mbr.bin ] || { echo "prepare-machine: syslinux-common is missing /usr/lib/syslinux/mbr/mbr.bin" >&2; exit 1; }
 command -v qemu-img >/dev/null || { echo "prepare-machine: qemu-img is gone; reinstall qemu-utils" >&2; exit 1; }

@@ -26,7 +26,7 @@ use crate::node::sandbox::{self, LegacyNat};
 use crate::process::{self, ToolCall};
 use crate::untrusted::printable;
 use crate::validate::VnetName;
-use crate::virtualization::{self, ApplianceBoot, ApplianceSettings, VirtualizationPaths};
+use crate::virtualization::{self, ApplianceSettings, VirtualizationPaths};
 use certistack_proto::v1 as pb;
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
@@ -79,7 +79,7 @@ pub struct Prerequisites {
     sandbox_cpu_units: u32,
     virtualization: VirtualizationPaths,
     appliance: ApplianceSettings,
-    appliance_slot: tokio::sync::Mutex<()>,
+    appliance_slot: virtualization::ApplianceSlot,
     /// One flag per kind of file read, set while a read is on the blocking pool (see
     /// [`bounded_read`]).
     reading_packages: Arc<AtomicBool>,
@@ -153,7 +153,7 @@ impl Prerequisites {
             sandbox_cpu_units: config.limits.sandbox_cpu_units,
             virtualization: VirtualizationPaths::from_config(config),
             appliance: ApplianceSettings::from_config(config),
-            appliance_slot: tokio::sync::Mutex::new(()),
+            appliance_slot: Arc::default(),
             reading_packages: Arc::default(),
             reading_files: Arc::default(),
             reading_stanza: Arc::default(),
@@ -162,12 +162,10 @@ impl Prerequisites {
     }
 
     /// Boots the appliance as `NodeChecks` was asked to, bounded by `within` (and the limits).
-    /// One boot at a time (each takes the appliance's memory); a caller that goes away drops
-    /// the boot, which kills it.
-    pub async fn boot_appliance(&self, within: Duration) -> Result<pb::ApplianceBootFacts, String> {
-        let boot = ApplianceBoot::new(&self.appliance, within)?;
-        let _slot = self.appliance_slot.lock().await;
-        Ok(boot.run().await)
+    /// One boot at a time (each takes the appliance's memory): a second caller is told so at
+    /// once; a caller that goes away drops the boot, which kills it and stops its unit.
+    pub async fn boot_appliance(&self, within: Duration) -> pb::ApplianceBootFacts {
+        virtualization::boot_appliance(&self.appliance, &self.appliance_slot, within).await
     }
 
     /// Reads every fact, those of `vnet` too when one is named; `node_time_unix_ms` is left
@@ -351,7 +349,10 @@ impl Prerequisites {
             legacy_nat: Some(legacy_nat),
             lvm_filter: Some(lvm_filter),
             firewall: Some(firewall),
-            virtualization: Some(virtualization),
+            virtualization: Some(pb::VirtualizationFacts {
+                appliance_accelerator: self.appliance.appliance.accelerator.name().to_owned(),
+                ..virtualization
+            }),
             appliance_boot: None,
         }
     }

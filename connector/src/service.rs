@@ -999,15 +999,7 @@ impl Connector for ConnectorService {
         };
         let mut reply = prerequisites.read(vnet.as_ref()).await;
         if let Some(within) = crate::action::parse::appliance_boot(request.get_ref()) {
-            let boot = prerequisites
-                .boot_appliance(within)
-                .await
-                .map_err(|reason| {
-                    Status::failed_precondition(format!(
-                        "the libguestfs appliance boot cannot be started: {reason}"
-                    ))
-                })?;
-            reply.appliance_boot = Some(boot);
+            reply.appliance_boot = Some(prerequisites.boot_appliance(within).await);
         }
         reply.node_time_unix_ms = self.clock.now_unix_ms();
         Ok(Response::new(reply))

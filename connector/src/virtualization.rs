@@ -8,15 +8,17 @@
 //! runs under a hypervisor (the `hypervisor` flag of `/proc/cpuinfo`), whether it exposes
 //! hardware virtualization (`vmx`/`svm`), and the machine DMI names. The appliance boot is
 //! the only conclusive test, so `NodeChecks` offers it on request: `guestfish -a /dev/null
-//! run`, as guest network recovery runs it (its unit, its accelerator, its memory), bounded.
+//! run`, as guest network recovery runs it (its unit, its accelerator, its memory), bounded,
+//! one at a time.
 
 use crate::config::{Config, ProcessPolicy};
 use crate::node::guest_network::Appliance;
-use crate::process::{self, ToolCall, TransientRole};
+use crate::process::{self, TransientRole};
 use crate::untrusted::printable;
 use certistack_proto::v1 as pb;
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Bytes of `/proc/cpuinfo` read at most before the first `flags` line (one CPU's block is
@@ -88,6 +90,7 @@ pub fn facts(paths: &VirtualizationPaths) -> pb::VirtualizationFacts {
         dmi_sys_vendor: dmi_name(&paths.dmi_dir.join("sys_vendor")),
         dmi_product_name: dmi_name(&paths.dmi_dir.join("product_name")),
         cpuinfo_error,
+        appliance_accelerator: String::new(),
     }
 }
 
@@ -123,6 +126,14 @@ fn dmi_name(path: &Path) -> String {
     )
 }
 
+/// How long stopping a boot's unit may take.
+const UNIT_STOP_TIMEOUT: Duration = Duration::from_secs(10);
+/// Characters of guestfish's stderr kept in an error: its last lines say why.
+const MAX_STDERR_TAIL_CHARS: usize = 400;
+
+/// The one appliance boot a node runs at a time: each takes the appliance's memory.
+pub type ApplianceSlot = Arc<tokio::sync::Mutex<()>>;
+
 /// What an appliance boot takes from the connector's configuration.
 #[derive(Debug, Clone)]
 pub struct ApplianceSettings {
@@ -141,39 +152,84 @@ impl ApplianceSettings {
     }
 }
 
-/// One appliance boot as guest network recovery would boot it, bounded by `within`.
+/// Holds the slot for a boot and, while armed, stops the boot's unit when dropped: the boot
+/// ended in error, or its caller went away (the tool runner has then killed `systemd-run`, not
+/// the unit it started). The slot is given back only once the unit is stopped, so that a next
+/// boot never overlaps one still ending.
 #[derive(Debug)]
-pub struct ApplianceBoot {
-    call: ToolCall,
+struct BootGuard {
     unit: Option<(String, String)>,
     systemctl: PathBuf,
-    appliance: Appliance,
-    within: Duration,
+    slot: Option<tokio::sync::OwnedMutexGuard<()>>,
 }
 
-impl ApplianceBoot {
-    /// The boot guest network recovery's settings would run, in a transient unit of its own
-    /// when the daemon starts guestfish in units (outside its sandbox, which denies what the
-    /// appliance needs).
-    pub fn new(settings: &ApplianceSettings, within: Duration) -> Result<Self, String> {
-        let appliance = settings.appliance;
-        let within = within.min(appliance.timeout).min(MAX_APPLIANCE_BOOT);
-        let call = appliance
-            .session(&settings.guestfish, within)
-            .arg("-a")
-            .arg("/dev/null")
-            .arg("run");
-        let process = &settings.process;
-        let (call, unit) = if process.use_transient_units() {
-            let id = uuid::Uuid::new_v4().simple().to_string();
-            let role = TransientRole::GuestNetwork {
-                memory_max_mib: appliance
-                    .memory_mib
-                    .saturating_add(crate::node::guest_network::UNIT_MEMORY_OVERHEAD_MIB),
-            };
-            let name = process::transient_unit_name(role, "check", &id)?;
-            let description = format!("CertiStack node check {id}: libguestfs appliance boot");
-            let call = process::in_transient_unit(
+impl Drop for BootGuard {
+    fn drop(&mut self) {
+        let (Some((unit, description)), Ok(runtime)) =
+            (self.unit.take(), tokio::runtime::Handle::try_current())
+        else {
+            return;
+        };
+        let systemctl = self.systemctl.clone();
+        let slot = self.slot.take();
+        runtime.spawn(async move {
+            if let Err(reason) =
+                process::release_transient_unit(&systemctl, &unit, &description, UNIT_STOP_TIMEOUT)
+                    .await
+            {
+                tracing::warn!(%unit, %reason, "the appliance boot's unit could not be stopped; its RuntimeMaxSec ends it");
+            }
+            drop(slot);
+        });
+    }
+}
+
+/// Boots the appliance once as guest network recovery would (`guestfish -a /dev/null run`,
+/// its environment, its unit), bounded by `within` and by the recovery's own limit. Every way
+/// it can fail is a fact of the reply, not an error of the call: the node's other facts still
+/// reach the operator.
+pub async fn boot_appliance(
+    settings: &ApplianceSettings,
+    slot: &ApplianceSlot,
+    within: Duration,
+) -> pb::ApplianceBootFacts {
+    let appliance = settings.appliance;
+    let within = within.min(appliance.timeout).min(MAX_APPLIANCE_BOOT);
+    let mut facts = pb::ApplianceBootFacts {
+        accelerator: appliance.accelerator.name().to_owned(),
+        within_secs: u32::try_from(within.as_secs()).unwrap_or(u32::MAX),
+        recovery_timeout_secs: u32::try_from(appliance.timeout.as_secs()).unwrap_or(u32::MAX),
+        ..Default::default()
+    };
+    let fail = |mut facts: pb::ApplianceBootFacts, error: String| {
+        facts.error = printable(error.as_bytes(), MAX_ERROR_CHARS);
+        facts
+    };
+    if let Err(reason) = crate::node::guest_network::guestfish_installed(&settings.guestfish) {
+        return fail(facts, reason);
+    }
+    let Ok(held) = slot.clone().try_lock_owned() else {
+        return fail(
+            facts,
+            "another appliance boot is running on this node (one at a time); ask again when it has ended".to_owned(),
+        );
+    };
+    let call = appliance
+        .session(&settings.guestfish, within)
+        .arg("-a")
+        .arg("/dev/null")
+        .arg("run");
+    let process = &settings.process;
+    let (call, unit) = if process.use_transient_units() {
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        let role = TransientRole::GuestNetwork {
+            memory_max_mib: appliance
+                .memory_mib
+                .saturating_add(crate::node::guest_network::UNIT_MEMORY_OVERHEAD_MIB),
+        };
+        let description = format!("CertiStack node check {id}: libguestfs appliance boot");
+        let wrapped = process::transient_unit_name(role, "check", &id).and_then(|name| {
+            process::in_transient_unit(
                 call,
                 role,
                 &name,
@@ -181,60 +237,58 @@ impl ApplianceBoot {
                 &process.systemd_run,
                 &process.systemctl,
                 None,
-            )?;
-            (call, Some((name, description)))
-        } else {
-            (call, None)
-        };
-        Ok(Self {
-            call,
-            unit,
-            systemctl: process.systemctl.clone(),
-            appliance,
-            within,
-        })
-    }
-
-    /// Boots it. A caller that goes away drops this future, and the tool runner kills the
-    /// boot's process group; at the bound, the unit (if any) is stopped too.
-    pub async fn run(self) -> pb::ApplianceBootFacts {
-        let started = Instant::now();
-        let outcome = process::run(self.call).await;
-        let elapsed_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
-        let error = match outcome {
-            Ok(output) if output.exit_code == Some(0) => String::new(),
-            Ok(output) => format!(
-                "guestfish -a /dev/null run exited {}: {}",
-                output
-                    .exit_code
-                    .map_or_else(|| "on a signal".to_owned(), |code| code.to_string()),
-                output.stderr.trim()
-            ),
-            Err(process::ToolError::Timeout { .. }) => format!(
-                "the appliance did not boot within {} s and was killed: every network_recovery rewrite on this node would fail at its deadline; set [guest_network] accelerator = \"tcg\" in the connector config if /dev/kvm is a nested hypervisor's",
-                self.within.as_secs()
-            ),
-            Err(error) => error.to_string(),
-        };
-        if !error.is_empty()
-            && let Some((unit, description)) = &self.unit
-        {
-            // Best effort: the unit's own RuntimeMaxSec ends it shortly after anyway.
-            let _ = process::release_transient_unit(
-                &self.systemctl,
-                unit,
-                description,
-                Duration::from_secs(10),
             )
-            .await;
+            .map(|call| (call, name))
+        });
+        match wrapped {
+            Ok((call, name)) => (call, Some((name, description))),
+            Err(reason) => return fail(facts, reason),
         }
-        pb::ApplianceBootFacts {
-            accelerator: self.appliance.accelerator.name().to_owned(),
-            within_secs: u32::try_from(self.within.as_secs()).unwrap_or(u32::MAX),
-            booted: error.is_empty(),
-            elapsed_ms,
-            error: printable(error.as_bytes(), MAX_ERROR_CHARS),
+    } else {
+        (call, None)
+    };
+    let mut guard = BootGuard {
+        unit,
+        systemctl: process.systemctl.clone(),
+        slot: Some(held),
+    };
+    let started = Instant::now();
+    let outcome = process::run(call).await;
+    facts.elapsed_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
+    let error = match outcome {
+        Ok(output) if output.exit_code == Some(0) => None,
+        Ok(output) => Some(format!(
+            "guestfish -a /dev/null run exited {}: {}",
+            output
+                .exit_code
+                .map_or_else(|| "on a signal".to_owned(), |code| code.to_string()),
+            tail(output.stderr.trim(), MAX_STDERR_TAIL_CHARS)
+        )),
+        Err(process::ToolError::Timeout { .. }) => Some(format!(
+            "the appliance did not boot within {} s and was killed",
+            within.as_secs()
+        )),
+        Err(error) => Some(error.to_string()),
+    };
+    match error {
+        None => {
+            // Ended by itself: nothing to stop.
+            guard.unit = None;
+            facts.booted = true;
+            facts
         }
+        // The guard, dropped armed, stops the unit in the background and keeps the slot until
+        // then; the reply does not wait for it.
+        Some(error) => fail(facts, error),
+    }
+}
+
+/// The last `max` characters of `text`.
+fn tail(text: &str, max: usize) -> &str {
+    let count = text.chars().count();
+    match text.char_indices().nth(count.saturating_sub(max)) {
+        Some((at, _)) if count > max => text.get(at..).unwrap_or(text),
+        _ => text,
     }
 }
 

@@ -22,8 +22,8 @@
 //! | `legacy-nat` | no legacy NAT rule touches the VNet | | a rule touches it, or the tables cannot be read |
 //! | `lvm-filter` | `global_filter` rejects `/dev/loop*` | it does not (the fixing line is printed), or unreadable | |
 //! | `firewall` | pve-firewall, or proxmox-firewall with its tables loaded | host.fw and the loaded tables disagree, or unreadable | |
-//! | `kvm` | `/dev/kvm` opens, the CPU has `vmx`/`svm`, no hypervisor flag | the same on a node that is itself a VM (nested), or flags unreadable | no `vmx`/`svm` (qemu-server refuses `kvm: 1` VMs), or `/dev/kvm` does not open |
-//! | `appliance` | not asked, or booted within half its bound | booted, in more than half its bound | did not boot within its bound (`--boot-appliance`) |
+//! | `kvm` | `/dev/kvm` opens, the CPU has `vmx`/`svm`, not a VM | the same on a node that is itself a VM (hypervisor flag or virtual DMI names: nested), or flags unreadable | no `vmx`/`svm` (qemu-server refuses `kvm: 1` VMs), or `/dev/kvm` does not open |
+//! | `appliance` (only with `--boot-appliance`) | booted within half of what a recovery gets | booted, in more than half of it | did not boot within its bound, or guestfish failed |
 //!
 //! The PBS client is a warning above major 4 rather than a failure: the map/unmap interface the
 //! connector drives has been stable across majors, and PVE 9 ships 4.x; below 4 it fails,
@@ -48,6 +48,26 @@ use std::time::Duration;
 pub const MIN_OVERLAY_FREE_BYTES: u64 = 20_000_000_000;
 /// Connecting, Hello and NodeChecks together, per node.
 pub const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_secs(30);
+/// What an appliance boot may take beyond its own bound (killing it, its reply).
+pub const APPLIANCE_BOOT_MARGIN: Duration = Duration::from_secs(60);
+/// DMI system vendors and product names of virtual machines: a hypervisor may hide the CPU's
+/// `hypervisor` flag, not its firmware's names (systemd's `src/basic/virt.c` reads the same).
+const VIRTUAL_DMI_NAMES: &[&str] = &[
+    "QEMU",
+    "KVM",
+    "VMware",
+    "VirtualBox",
+    "innotek GmbH",
+    "Xen",
+    "HVM domU",
+    "Amazon EC2",
+    "Google Compute Engine",
+    "Virtual Machine",
+    "OpenStack",
+    "Parallels",
+    "Bochs",
+    "BHYVE",
+];
 
 /// Exit codes of `certistack-ctl doctor`.
 pub const EXIT_OK: u8 = 0;
@@ -138,8 +158,14 @@ pub async fn check_node(
             u32::try_from(within.as_secs().max(1)).unwrap_or(u32::MAX)
         }),
     };
-    // The appliance's boot comes on top of the node's other checks.
-    let timeout = timeout.saturating_add(boot_appliance.unwrap_or_default());
+    // The appliance's boot comes on top of the node's other checks, with room for the node to
+    // wait for a boot another operator started.
+    let timeout = match boot_appliance {
+        Some(within) => timeout
+            .saturating_add(within)
+            .saturating_add(APPLIANCE_BOOT_MARGIN),
+        None => timeout,
+    };
     let name = node.name.to_string();
     let endpoint = node.endpoint();
     let asked = tokio::time::timeout(timeout, async {
@@ -400,7 +426,10 @@ pub fn judge(facts: &pb::NodeChecksReply, skew_ms: i64) -> Vec<(&'static str, Le
     checks.push(judge_lvm_filter(facts.lvm_filter.as_ref()));
     checks.push(judge_firewall(facts.firewall.as_ref()));
     checks.push(judge_virtualization(facts.virtualization.as_ref()));
-    checks.push(judge_appliance_boot(facts.appliance_boot.as_ref()));
+    // Only when asked (doctor --boot-appliance): a run's doctor step does not boot it.
+    if let Some(boot) = &facts.appliance_boot {
+        checks.push(judge_appliance_boot(boot));
+    }
     checks.push(if skew_ms.abs() > MAX_GRANT_SKEW_MS {
         // A grant is valid from 60 s before the run starts: a node further behind refuses it.
         (
@@ -522,16 +551,22 @@ fn judge_virtualization(facts: Option<&pb::VirtualizationFacts>) -> Judged {
     .filter(|name| !name.is_empty())
     .collect::<Vec<_>>()
     .join(" ");
-    let nested = if facts.cpu_hypervisor_flag {
-        if machine.is_empty() {
+    let virtual_firmware = VIRTUAL_DMI_NAMES.iter().any(|name| {
+        machine
+            .to_ascii_lowercase()
+            .contains(&name.to_ascii_lowercase())
+    });
+    let nested = match (facts.cpu_hypervisor_flag, virtual_firmware) {
+        (true, _) if machine.is_empty() => {
             " The node runs under a hypervisor (the CPU's hypervisor flag).".to_owned()
-        } else {
-            format!(
-                " The node runs under a hypervisor (the CPU's hypervisor flag; DMI: {machine})."
-            )
         }
-    } else {
-        String::new()
+        (true, _) => format!(
+            " The node runs under a hypervisor (the CPU's hypervisor flag; DMI: {machine})."
+        ),
+        (false, true) => format!(
+            " The node runs under a hypervisor (DMI: {machine}), which hides the CPU's hypervisor flag."
+        ),
+        (false, false) => String::new(),
     };
     let device = &facts.kvm_device;
     if !facts.cpuinfo_error.is_empty() {
@@ -570,12 +605,22 @@ fn judge_virtualization(facts: Option<&pb::VirtualizationFacts>) -> Judged {
             ),
         );
     }
-    if facts.cpu_hypervisor_flag {
+    let appliance = if facts.appliance_accelerator == "tcg" {
+        "the libguestfs appliance runs under TCG ([guest_network] accelerator = \"tcg\")"
+    } else {
+        "the libguestfs appliance runs under KVM too"
+    };
+    if !nested.is_empty() {
+        let advice = if facts.appliance_accelerator == "tcg" {
+            "Nested KVM may accept guests and still stop them (internal-error): prove the node with one validation of a known-good backup"
+        } else {
+            "Nested KVM may accept guests and still stop them (internal-error), sandbox VMs and the appliance alike: check once with doctor --boot-appliance, set [guest_network] accelerator = \"tcg\" in the connector config if the appliance does not boot, and prove the node with one validation of a known-good backup"
+        };
         return (
             NAME,
             Level::Warn,
             format!(
-                "{device} opens and the CPU has {}, from the outer hypervisor's nested virtualization.{nested} Nested KVM may accept guests and still stop them: check once with doctor --boot-appliance, and set [guest_network] accelerator = \"tcg\" in the connector config if the appliance does not boot",
+                "{device} opens and the CPU has {}, from the outer hypervisor's nested virtualization; {appliance}.{nested} {advice}",
                 facts.cpu_virtualization_flag
             ),
         );
@@ -584,43 +629,56 @@ fn judge_virtualization(facts: Option<&pb::VirtualizationFacts>) -> Judged {
         NAME,
         Level::Ok,
         format!(
-            "{device} opens and the CPU has {}: sandbox VMs and the libguestfs appliance run under KVM",
+            "{device} opens and the CPU has {}: sandbox VMs run under KVM; {appliance}",
             facts.cpu_virtualization_flag
         ),
     )
 }
 
-/// The appliance boot `doctor --boot-appliance` asked for: a node where it cannot boot within
-/// the bound fails every `network_recovery: rewrite` validation at its deadline.
-fn judge_appliance_boot(boot: Option<&pb::ApplianceBootFacts>) -> Judged {
+/// The appliance boot `doctor --boot-appliance` asked for. Judged against what a recovery gets
+/// (`limits.guest_network_timeout_secs`, the boot included), not only the bound asked for: a
+/// node where it cannot boot within that fails every `network_recovery: rewrite` validation at
+/// its deadline.
+fn judge_appliance_boot(boot: &pb::ApplianceBootFacts) -> Judged {
     const NAME: &str = "appliance";
-    let Some(boot) = boot else {
-        return (
-            NAME,
-            Level::Ok,
-            "not checked: give --boot-appliance to boot the libguestfs appliance once as a guest network recovery would".to_owned(),
-        );
-    };
     let seconds = Duration::from_millis(boot.elapsed_ms).as_secs_f64();
+    // An older connector does not say: the bound is then the best guess.
+    let recovery_secs = match boot.recovery_timeout_secs {
+        0 => boot.within_secs,
+        secs => secs,
+    };
     if !boot.booted {
+        let consequence = if boot.error.contains("did not boot within")
+            && boot.within_secs >= recovery_secs
+        {
+            format!(
+                ": every network_recovery rewrite on this node would fail at its {recovery_secs} s deadline. If the node is nested, set [guest_network] accelerator = \"tcg\" in the connector config; otherwise raise limits.guest_network_timeout_secs"
+            )
+        } else if boot.error.contains("did not boot within") {
+            format!(
+                "; a recovery gets {recovery_secs} s: ask again with --boot-appliance={recovery_secs} for a verdict on that"
+            )
+        } else {
+            "; install libguestfs-tools and a kernel in /boot, or fix tools.guestfish in the connector config".to_owned()
+        };
         return (
             NAME,
             Level::Fail,
             format!(
-                "the libguestfs appliance (accelerator {}) did not boot: {} ({seconds:.1} s)",
+                "the libguestfs appliance (accelerator {}) did not boot: {} ({seconds:.1} s){consequence}",
                 boot.accelerator, boot.error
             ),
         );
     }
-    // Under half the bound leaves the recovery itself (inspection, edits) room before its
-    // deadline, which the same limit bounds.
-    if boot.elapsed_ms.saturating_mul(2) > u64::from(boot.within_secs).saturating_mul(1000) {
+    // Under half of what a recovery gets leaves the recovery itself (inspection, edits) room
+    // before its deadline.
+    if boot.elapsed_ms.saturating_mul(2) > u64::from(recovery_secs).saturating_mul(1000) {
         return (
             NAME,
             Level::Warn,
             format!(
-                "the libguestfs appliance (accelerator {}) booted in {seconds:.1} s, more than half of the {} s a recovery gets: raise limits.guest_network_timeout_secs in the connector config",
-                boot.accelerator, boot.within_secs
+                "the libguestfs appliance (accelerator {}) booted in {seconds:.1} s, more than half of the {recovery_secs} s a recovery gets: raise limits.guest_network_timeout_secs in the connector config",
+                boot.accelerator
             ),
         );
     }
@@ -628,8 +686,8 @@ fn judge_appliance_boot(boot: Option<&pb::ApplianceBootFacts>) -> Judged {
         NAME,
         Level::Ok,
         format!(
-            "the libguestfs appliance (accelerator {}) booted in {seconds:.1} s (bound {} s)",
-            boot.accelerator, boot.within_secs
+            "the libguestfs appliance (accelerator {}) booted in {seconds:.1} s (a recovery gets {recovery_secs} s)",
+            boot.accelerator
         ),
     )
 }
@@ -1122,6 +1180,22 @@ mod tests {
         let (level, detail) = detail_of(&facts, "kvm");
         assert_eq!(level, Level::Fail, "{detail}");
         assert!(detail.contains("modprobe"), "{detail}");
+        // A hypervisor that hides the CPU flag still names itself in the firmware.
+        let mut facts = healthy();
+        let virt = facts.virtualization.as_mut().unwrap();
+        virt.dmi_sys_vendor = "VMware, Inc.".into();
+        virt.dmi_product_name = "VMware7,1".into();
+        let (level, detail) = detail_of(&facts, "kvm");
+        assert_eq!(level, Level::Warn, "{detail}");
+        assert!(
+            detail.contains("hides the CPU's hypervisor flag"),
+            "{detail}"
+        );
+        // Already set to TCG: the advice is the validation, not the setting.
+        facts.virtualization.as_mut().unwrap().appliance_accelerator = "tcg".into();
+        let (_, detail) = detail_of(&facts, "kvm");
+        assert!(detail.contains("runs under TCG"), "{detail}");
+        assert!(!detail.contains("--boot-appliance"), "{detail}");
         // An older connector reports nothing.
         let mut facts = healthy();
         facts.virtualization = None;
@@ -1129,32 +1203,50 @@ mod tests {
     }
 
     #[test]
-    fn the_appliance_boot_is_judged_against_its_bound() {
-        let (level, detail) = detail_of(&healthy(), "appliance");
-        assert_eq!(level, Level::Ok);
-        assert!(detail.contains("--boot-appliance"), "{detail}");
-        let boot = |booted: bool, elapsed_ms: u64| {
+    fn the_appliance_boot_is_judged_against_what_a_recovery_gets() {
+        assert!(
+            judge(&healthy(), 0)
+                .iter()
+                .all(|(name, _, _)| *name != "appliance"),
+            "a boot nobody asked for is no check"
+        );
+        let boot = |booted: bool, elapsed_ms: u64, within_secs: u32| {
             let mut facts = healthy();
             facts.appliance_boot = Some(pb::ApplianceBootFacts {
                 accelerator: "auto".into(),
-                within_secs: 300,
+                within_secs,
+                recovery_timeout_secs: 300,
                 booted,
                 elapsed_ms,
                 error: if booted {
                     String::new()
                 } else {
-                    "the appliance did not boot within 300 s and was killed".into()
+                    format!("the appliance did not boot within {within_secs} s and was killed")
                 },
             });
             detail_of(&facts, "appliance")
         };
-        let (level, detail) = boot(true, 11_900);
+        let (level, detail) = boot(true, 11_900, 300);
         assert_eq!(level, Level::Ok, "{detail}");
-        assert!(detail.contains("11.9 s"), "{detail}");
-        assert_eq!(boot(true, 150_001).0, Level::Warn);
-        let (level, detail) = boot(false, 300_000);
+        assert!(
+            detail.contains("11.9 s") && detail.contains("300 s"),
+            "{detail}"
+        );
+        // Slow against the recovery's 300 s, whatever bound was asked for.
+        assert_eq!(boot(true, 150_001, 300).0, Level::Warn);
+        assert_eq!(boot(true, 20_000, 30).0, Level::Ok);
+        let (level, detail) = boot(false, 300_000, 300);
         assert_eq!(level, Level::Fail);
-        assert!(detail.contains("did not boot within 300 s"), "{detail}");
+        assert!(
+            detail.contains("would fail at its 300 s deadline")
+                && detail.contains("accelerator = \"tcg\""),
+            "{detail}"
+        );
+        // A short bound that passed says nothing about the recovery's.
+        let (level, detail) = boot(false, 30_000, 30);
+        assert_eq!(level, Level::Fail);
+        assert!(!detail.contains("would fail"), "{detail}");
+        assert!(detail.contains("--boot-appliance=300"), "{detail}");
     }
 
     fn detail_of(facts: &pb::NodeChecksReply, name: &str) -> (Level, String) {

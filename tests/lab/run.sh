@@ -297,7 +297,8 @@ case "$lab_accel" in
 esac
 printf '{"node": "pve1", "pbs_password": "%s", "pbs_fingerprint": "%s", "accel_cache": "%s", "accel_probe_disk": "%s", "accel": "%s"}\n' \
   "$pbs_password" "$fingerprint" "$root/target/lab-assets/qm-accel.json" "$assets/disk-probe.img" "$lab_accel" >"$node/double.json"
-verdict=$("$node/bin/qm" certistack-accel)
+# With the PATH the connector gives the tools it runs: the same QEMU as the VMs' starts.
+verdict=$(env PATH=/usr/sbin:/usr/bin:/sbin:/bin "$node/bin/qm" certistack-accel)
 accel=$(printf '%s' "$verdict" | python3 -c 'import json, sys; print(json.load(sys.stdin)["accel"])')
 accel_why=$(printf '%s' "$verdict" | python3 -c 'import json, sys; print(json.load(sys.stdin)["why"])')
 if [ "$accel" = kvm ]; then appliance_accel=auto; else appliance_accel=tcg; fi

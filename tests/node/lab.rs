@@ -186,7 +186,7 @@ fn lab_good_wrong_unbootable_and_agentless_backups_are_validated_at_once_on_one_
                     boots: true,
                 },
                 expected_marker: "quiet-41c8",
-                agent_seconds: 60,
+                agent_seconds: 90,
             },
         ];
         let (fleet, config, plan) = lab_node("lab-cases", &cases);

@@ -218,8 +218,8 @@ struct DoctorArgs {
     /// Also boot the libguestfs appliance once on each node, as a guest network recovery
     /// would (its unit, its accelerator), for at most this many seconds (the node's
     /// limits.guest_network_timeout_secs caps it), and report how long it took.
-    #[arg(long, value_name = "SECONDS", num_args = 0..=1, default_missing_value = "300",
-          value_parser = clap::value_parser!(u32).range(1..=3600))]
+    #[arg(long, value_name = "SECONDS", num_args = 0..=1, require_equals = true,
+          default_missing_value = "300", value_parser = clap::value_parser!(u32).range(1..=3600))]
     boot_appliance: Option<u32>,
 }
 
