@@ -55,8 +55,12 @@ pub fn facts(paths: &VirtualizationPaths) -> pb::VirtualizationFacts {
         .read(true)
         .write(true)
         .open(&paths.kvm_device)
+        .and_then(|file| file.metadata())
     {
-        Ok(_) => (true, String::new()),
+        Ok(meta) if std::os::unix::fs::FileTypeExt::is_char_device(&meta.file_type()) => {
+            (true, String::new())
+        }
+        Ok(_) => (false, "not a character device".to_owned()),
         Err(error) => (
             false,
             printable(error.to_string().as_bytes(), MAX_ERROR_CHARS),
@@ -341,10 +345,18 @@ mod tests {
     fn bare_metal_with_vmx_and_an_openable_device() {
         let root = dir("metal");
         std::fs::write(root.join("cpuinfo"), "flags\t: fpu vmx sse2\n").unwrap();
-        // Any file that opens read-write stands in for the device.
+        // Any character device that opens read-write stands in for the device; a plain file
+        // does not.
         std::fs::write(root.join("kvm"), "").unwrap();
-        let facts = facts(&VirtualizationPaths {
+        let plain = facts(&VirtualizationPaths {
             kvm_device: root.join("kvm"),
+            cpuinfo: root.join("cpuinfo"),
+            dmi_dir: root.join("no-dmi"),
+        });
+        assert!(!plain.kvm_device_opens);
+        assert_eq!(plain.kvm_device_error, "not a character device");
+        let facts = facts(&VirtualizationPaths {
+            kvm_device: "/dev/null".into(),
             cpuinfo: root.join("cpuinfo"),
             dmi_dir: root.join("no-dmi"),
         });
