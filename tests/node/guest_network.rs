@@ -17,6 +17,10 @@ const BTRFS_TOOLS: &[&str] = &["mkfs.btrfs", "btrfs", "unshare", "mount"];
 /// MAC of a second production NIC: profiles bound to it must be kept.
 const OTHER_MAC: &str = "52:54:00:00:00:09";
 const IMAGE_BYTES: u64 = 64 << 20;
+/// One appliance at a time: each takes a core under TCG and over a GiB. The recoveries run
+/// beside the other node tests, whose loop devices, labs and runs are their own (every check
+/// here filters by this lab's paths), so they need not wait for them.
+static APPLIANCES: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// A directory tree as (path, content) pairs; paths ending in `/` are directories, contents
 /// starting with `->` symlinks. Contents are written Latin-1: a character U+0080..U+00FF is
@@ -222,7 +226,7 @@ async fn begin(
     images: &[(&str, &[Tree])],
     configure: impl FnOnce(&Lab, &mut Config),
 ) -> Run {
-    let serial = SERIAL.lock().await;
+    let serial = APPLIANCES.lock().await;
     let lab = Lab::new(tag);
     for (archive, trees) in images {
         lab.add_backup(SNAPSHOT, archive, b"", IMAGE_BYTES);
@@ -332,9 +336,19 @@ struct ReadBack {
 /// Reads files of several overlays (each with the mountable of its root, `{disk}` standing
 /// for its device) in one read-only libguestfs session: for each overlay, each path's content
 /// (`None` when it is not a file).
-fn read_back(overlays: &[(PathBuf, &str, &[&str])]) -> Vec<Vec<Option<ReadBack>>> {
-    let mut command = std::process::Command::new("guestfish");
+/// The session boots its appliance as the connector's does here (`accelerator`): under TCG
+/// where KVM cannot be trusted to run it.
+fn read_back(
+    overlays: &[(PathBuf, &str, &[&str])],
+    accelerator: certistack_connector::config::ApplianceAccelerator,
+) -> Vec<Vec<Option<ReadBack>>> {
+    // Bounded, so that an appliance that never finishes fails the test instead of hanging it.
+    let mut command = std::process::Command::new("timeout");
+    command.args(["--kill-after=10", "900", "guestfish"]);
     command.env("LIBGUESTFS_BACKEND", "direct").arg("--ro");
+    if accelerator == certistack_connector::config::ApplianceAccelerator::Tcg {
+        command.env("LIBGUESTFS_BACKEND_SETTINGS", "force_tcg");
+    }
     let mut script = String::from("run\n");
     for (i, (overlay, root, paths)) in overlays.iter().enumerate() {
         command.arg("--format=qcow2").arg("-a").arg(overlay);
@@ -542,7 +556,7 @@ async fn guest_network_recovery_writes_each_stack_profile_into_the_overlay_only(
         (run.overlay(9103, images[3].0), "{disk}", &arch),
         (run.overlay(9104, images[4].0), "btrfsvol:{disk}/@", &arch),
     ];
-    let raw = read_back(&overlays);
+    let raw = read_back(&overlays, appliance_accelerator(&run.lab));
     let files: Vec<Vec<Option<String>>> = raw
         .iter()
         .map(|overlay| {
