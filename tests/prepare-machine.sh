@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prepares a Debian machine for the test suite and the lab, as root: one `apt-get install` of
-# every package they use, run only when something is missing. `.ci/run` calls it, and so does
-# the README's test command.
+# every package they use, run only when something is missing. `.ci/run` calls it, and so do the
+# README's test command and the lab. Not as root, it says what is missing and installs nothing.
 #
 #   bash tests/prepare-machine.sh
 #
@@ -9,11 +9,6 @@
 # qemu-utils (and its block modules) are pinned to the emulator's version in the same command:
 # installing the emulator alone would remove qemu-img.
 set -euo pipefail
-
-if [ "$(id -u)" != 0 ]; then
-  echo "prepare-machine: needs root (apt-get install); run it as root: sudo bash $0" >&2
-  exit 77
-fi
 
 # The connector runs tools (and the test doubles, which are Python scripts) with
 # PATH=/usr/sbin:/usr/bin:/sbin:/bin, so look there, not in this shell's PATH.
@@ -38,6 +33,12 @@ fi
 # Guest network recovery runs libguestfs' appliance, which boots a kernel from /boot.
 compgen -G '/boot/vmlinuz-*' >/dev/null || missing+=("a kernel in /boot")
 
+if [ "${#missing[@]}" -gt 0 ] && [ "$(id -u)" != 0 ]; then
+  # Not root: nothing can be installed, and the tests that need root skip anyway (each says
+  # why); the rest of the test command goes on.
+  echo "prepare-machine: missing ${missing[*]}; not root, so nothing was installed (sudo bash $0 installs them); the tests that need them will skip" >&2
+  exit 0
+fi
 if [ "${#missing[@]}" -gt 0 ]; then
   echo "prepare-machine: installing what is missing: ${missing[*]}"
   # Packages with a service (slapd, dnsmasq's, ...) must not start it on this machine: the tests
