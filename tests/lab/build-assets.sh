@@ -181,19 +181,24 @@ mcopy -i "$image@@$offset" "$work/initrd.gz" ::initrd.gz
 boot_config() {
   printf 'DEFAULT lab\nPROMPT 0\nTIMEOUT 0\nLABEL lab\n  KERNEL /vmlinuz\n  INITRD /initrd.gz\n  APPEND %s\n' "$1"
 }
-boot_config "console=ttyS0 quiet loglevel=3 panic=0" >"$work/syslinux.cfg"
+# What the guest does not need, under TCG a measurable part of its boot (the probe disk reached
+# its init in 5.1 s with these against 5.5 s without, three boots each on an idle machine): no
+# CPU vulnerability mitigations, one serial port, no PS/2 controller probing, no TSC
+# calibration checks, no self-tests of the crypto manager, no BIOS disk enumeration (EDD).
+fast="mitigations=off 8250.nr_uarts=1 i8042.noaux i8042.nokbd i8042.nopnp tsc=reliable no_timer_check cryptomgr.notests edd=off random.trust_cpu=on"
+boot_config "console=ttyS0 quiet loglevel=3 panic=0 $fast" >"$work/syslinux.cfg"
 mcopy -i "$image@@$offset" "$work/syslinux.cfg" ::syslinux.cfg
 syslinux --offset "$offset" --install "$image"
 
 # The accelerator probe: the same disk, whose init says on the serial console that it was
 # reached and powers off (the qm double's test of whether KVM runs a guest like the lab's).
 cp --sparse=always "$image" "$work/disk-probe.img"
-boot_config "console=ttyS0 quiet loglevel=3 panic=-1 certistack.probe" >"$work/syslinux.cfg"
+boot_config "console=ttyS0 quiet loglevel=3 panic=-1 certistack.probe $fast" >"$work/syslinux.cfg"
 mcopy -o -i "$work/disk-probe.img@@$offset" "$work/syslinux.cfg" ::syslinux.cfg
 
 # The disk that does not boot: the same, but the boot loader names an init that is not there.
 cp --sparse=always "$image" "$work/disk-panic.img"
-boot_config "console=ttyS0 loglevel=3 panic=0 rdinit=/sbin/no-such-init" >"$work/syslinux.cfg"
+boot_config "console=ttyS0 loglevel=3 panic=0 rdinit=/sbin/no-such-init $fast" >"$work/syslinux.cfg"
 mcopy -o -i "$work/disk-panic.img@@$offset" "$work/syslinux.cfg" ::syslinux.cfg
 
 mkdir -p "$out"

@@ -486,6 +486,11 @@ fn last_qemu_start(lab: &Lab) -> serde_json::Value {
         .expect("qm start logged no qemu-start record")
 }
 
+/// The reason the double's record of a start gives for its accelerator.
+fn why(start: &serde_json::Value) -> &str {
+    start["accel_why"].as_str().unwrap()
+}
+
 /// Starts and stops VM 9150 (no disk: only the accelerator matters here) and returns the
 /// double's record of the start.
 fn start_and_stop(lab: &Lab) -> serde_json::Value {
@@ -559,10 +564,7 @@ fn the_qm_double_runs_guests_under_kvm_only_where_the_lab_guest_boots_under_it()
     lab.settings(serde_json::json!({ "kvm_device": lab.root.join("no-kvm") }));
     let start = start_and_stop(&lab);
     assert_eq!(start["accel"], "tcg");
-    assert!(
-        start["accel_why"].as_str().unwrap().contains("no-kvm"),
-        "{start}"
-    );
+    assert!(why(&start).contains("no-kvm"), "{start}");
     assert_eq!(start["argv_qemu"][1], "-accel");
     assert_eq!(start["argv_qemu"][2], "tcg");
 
@@ -583,19 +585,10 @@ fn the_qm_double_runs_guests_under_kvm_only_where_the_lab_guest_boots_under_it()
         probing.elapsed()
     );
     assert_eq!(start["accel"], "tcg", "{start}");
-    assert!(
-        start["accel_why"]
-            .as_str()
-            .unwrap()
-            .contains("internal error"),
-        "{start}"
-    );
+    assert!(why(&start).contains("internal error"), "{start}");
     assert_eq!(start["argv_qemu"][2], "tcg", "{start}");
     let start = start_and_stop(&lab);
-    assert!(
-        start["accel_why"].as_str().unwrap().ends_with("(cached)"),
-        "{start}"
-    );
+    assert!(why(&start).ends_with("(cached)"), "{start}");
     assert_eq!(kvm_probes(), 1, "the verdict was not cached");
     let stopped_guest = Command::new("pgrep")
         .args(["-f", "^sleep 59.125$"])
@@ -617,10 +610,7 @@ fn the_qm_double_runs_guests_under_kvm_only_where_the_lab_guest_boots_under_it()
     );
     assert_eq!(start["accel"], "tcg", "{start}");
     assert!(
-        start["accel_why"]
-            .as_str()
-            .unwrap()
-            .contains("did not reach its init under KVM within 3 s"),
+        why(&start).contains("did not reach its init under KVM within 3 s"),
         "{start}"
     );
 
@@ -634,10 +624,7 @@ fn the_qm_double_runs_guests_under_kvm_only_where_the_lab_guest_boots_under_it()
     let start = start_and_stop(&lab);
     assert_eq!(start["accel"], "kvm", "{start}");
     assert!(
-        start["accel_why"]
-            .as_str()
-            .unwrap()
-            .contains("reached its init under KVM"),
+        why(&start).contains("reached its init under KVM"),
         "{start}"
     );
     assert_eq!(start["argv_qemu"][2], "kvm");
@@ -646,12 +633,6 @@ fn the_qm_double_runs_guests_under_kvm_only_where_the_lab_guest_boots_under_it()
     lab.settings(serde_json::json!({ "accel": "tcg" }));
     let start = start_and_stop(&lab);
     assert_eq!(start["accel"], "tcg", "{start}");
-    assert!(
-        start["accel_why"]
-            .as_str()
-            .unwrap()
-            .contains("CERTISTACK_LAB_ACCEL=tcg"),
-        "{start}"
-    );
+    assert!(why(&start).contains("CERTISTACK_LAB_ACCEL=tcg"), "{start}");
     assert_eq!(lab.qm(&["destroy", "9150"]).status.code(), Some(0));
 }
