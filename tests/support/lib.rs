@@ -487,10 +487,7 @@ pub fn privileged(test: &str, tools: &[&str]) -> bool {
         missing.push("/dev/loop-control".to_owned());
     }
     for tool in tools {
-        let found = ["/usr/sbin", "/usr/bin", "/sbin", "/bin"]
-            .iter()
-            .any(|dir| Path::new(dir).join(tool).exists());
-        if !found {
+        if !tool_installed(tool) {
             missing.push((*tool).to_owned());
         }
     }
@@ -498,6 +495,13 @@ pub fn privileged(test: &str, tools: &[&str]) -> bool {
         return true;
     }
     skip(test, &missing.join(", "))
+}
+
+/// Whether `tool` is on the PATH the connector gives the tools it runs.
+pub fn tool_installed(tool: &str) -> bool {
+    ["/usr/sbin", "/usr/bin", "/sbin", "/bin"]
+        .iter()
+        .any(|dir| Path::new(dir).join(tool).exists())
 }
 
 /// Whether the files a test needs, each from the Debian package named beside it, are there;
@@ -1076,11 +1080,7 @@ pub fn accel_verdict(lab: &Lab) -> (String, String) {
 /// it the verdict is TCG, which always works.
 pub fn appliance_accelerator(lab: &Lab) -> certistack_connector::config::ApplianceAccelerator {
     use certistack_connector::config::ApplianceAccelerator;
-    let buildable = GUEST_ASSET_TOOLS.iter().all(|tool| {
-        ["/usr/sbin", "/usr/bin", "/sbin", "/bin"]
-            .iter()
-            .any(|dir| Path::new(dir).join(tool).exists())
-    });
+    let buildable = GUEST_ASSET_TOOLS.iter().all(|tool| tool_installed(tool));
     // A disk that cannot be built here (no network for the kernel package, say) leaves the
     // verdict to TCG, which always works, rather than failing a test that needs no lab disk.
     if buildable && std::panic::catch_unwind(guest_assets).is_err() {
