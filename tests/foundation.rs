@@ -10,10 +10,10 @@
     clippy::indexing_slicing
 )]
 
-use certistack_connector::identity::Identity;
-use certistack_connector::validate::{NodeName, RunId, Validated};
 use certistack_controller::client::{NodeError, check_hello};
 use certistack_controller::run::sign_grant;
+use certistack_core::identity::Identity;
+use certistack_core::validate::{NodeName, RunId, Validated};
 use certistack_proto::v1 as pb;
 use certistack_proto::v1::connector_client::ConnectorClient;
 use certistack_tests::*;
@@ -405,7 +405,7 @@ fn run_certificate(
 ) -> certistack_controller::authority::IssuedCertificate {
     let identity = Identity::Run {
         run_id: RunId::validate(RUN_ID).unwrap(),
-        grant_sha256: certistack_connector::grant::digest(&signed.grant),
+        grant_sha256: certistack_core::grant::digest(&signed.grant),
         node: NodeName::validate(NODE).unwrap(),
     };
     authority
@@ -647,7 +647,7 @@ async fn a_run_nobody_ends_is_cleaned_up_and_closed_after_its_deadline() {
     clock.advance(time::Duration::hours(2));
     let closed_dir = certistack_connector::runs::closed_run_dir(
         &config.paths.state_dir,
-        &certistack_connector::validate::RunId::validate(RUN_ID).unwrap(),
+        &certistack_core::validate::RunId::validate(RUN_ID).unwrap(),
     );
     let closed = closed_dir.join("closed");
     for _ in 0..50 {
@@ -1226,7 +1226,7 @@ async fn controller_refuses_a_node_certificate_with_another_name() {
     assert!(
         matches!(
             &error,
-            NodeError::Connect(certistack_connector::tls::ConnectError::WrongNode(..))
+            NodeError::Connect(certistack_controller::connect::ConnectError::WrongNode(..))
         ),
         "{error}"
     );
@@ -1247,7 +1247,9 @@ async fn controller_refuses_a_node_of_another_ca() {
     assert!(
         matches!(
             &error,
-            NodeError::Connect(certistack_connector::tls::ConnectError::UnknownIssuer(_))
+            NodeError::Connect(certistack_controller::connect::ConnectError::UnknownIssuer(
+                _
+            ))
         ),
         "{error}"
     );
@@ -2036,7 +2038,7 @@ async fn tls_server_presenting(
     authority: &certistack_controller::authority::Authority,
     certificate: &certistack_controller::authority::IssuedCertificate,
 ) -> String {
-    use certistack_connector::tls;
+    use certistack_core::tls;
     let chain = tls::parse_certificates(&certificate.certificate_pem, "node").unwrap();
     let key = tls::parse_private_key(&certificate.key_pem, "key").unwrap();
     let ca = tls::parse_certificates(authority.ca_pem(), "ca").unwrap();
@@ -2085,7 +2087,7 @@ async fn controller_refuses_node_certificates_outside_the_node_profile() {
         assert!(
             matches!(
                 &error,
-                NodeError::Connect(certistack_connector::tls::ConnectError::NotANode(..))
+                NodeError::Connect(certistack_controller::connect::ConnectError::NotANode(..))
             ) && error.to_string().contains(needle),
             "{needle}: {error}"
         );
@@ -2098,7 +2100,7 @@ async fn controller_refuses_node_certificates_outside_the_node_profile() {
         !matches!(
             &connected,
             Err(NodeError::Connect(
-                certistack_connector::tls::ConnectError::NotANode(..)
+                certistack_controller::connect::ConnectError::NotANode(..)
             ))
         ),
         "{:?}",
@@ -2186,7 +2188,7 @@ mod enrollment {
         let v2 = key.to_pkcs8_pem(LineEnding::LF).unwrap();
         let path = state.join("run-authority.key");
         std::fs::remove_file(&path).unwrap();
-        certistack_connector::files::write_new(&path, v2.as_bytes(), 0o600).unwrap();
+        certistack_core::files::write_new(&path, v2.as_bytes(), 0o600).unwrap();
         let loaded = certistack_controller::authority::Authority::load(&state).unwrap();
         assert_eq!(loaded.run_authority().to_bytes(), key.to_bytes());
     }
@@ -3237,10 +3239,10 @@ mod descriptor_reserve {
 mod state_dir {
     use super::*;
     use certistack_connector::config::Config;
-    use certistack_connector::journal::{self, Journal, Phase};
     use certistack_connector::runs::{RegistryLimits, RunRegistry};
     use certistack_connector::server::load_authority_key;
     use certistack_controller::authority::Authority;
+    use certistack_core::journal::{self, Journal, Phase};
     use std::os::unix::fs::PermissionsExt;
     use std::os::unix::process::CommandExt;
     use std::path::{Path, PathBuf};
@@ -3289,14 +3291,14 @@ mod state_dir {
         // give each run its own run id and digest of its own signed bytes.
         let template = {
             let signed = sign_grant(authority.run_authority(), &grant(RUN_ID, NODE));
-            certistack_connector::grant::verify(&signed, &key).unwrap()
+            certistack_core::grant::verify(&signed, &key).unwrap()
         };
         for _ in 0..count {
             let run_id = uuid::Uuid::new_v4().to_string();
             let signed = sign_grant(authority.run_authority(), &grant(&run_id, NODE));
             let mut verified = template.clone();
             verified.run_id = RunId::validate(&run_id).unwrap();
-            verified.digest = certistack_connector::grant::digest(&signed.grant);
+            verified.digest = certistack_core::grant::digest(&signed.grant);
             let id = verified.run_id.clone();
             registry.begin(&signed, verified, now_ms).await.unwrap();
             if end {
@@ -3799,7 +3801,7 @@ mod state_dir {
         // Both journals become unreadable on disk.
         let closed_journal = certistack_connector::runs::closed_run_dir(
             &state,
-            &certistack_connector::validate::RunId::validate(RUN_ID).unwrap(),
+            &certistack_core::validate::RunId::validate(RUN_ID).unwrap(),
         )
         .join(journal::FILE_NAME);
         let text = std::fs::read_to_string(&closed_journal).unwrap();
@@ -4038,7 +4040,7 @@ mod state_dir {
     }
 
     fn pem_to_der(pem: &str) -> Vec<u8> {
-        certistack_connector::tls::parse_certificates(pem, "certificate").unwrap()[0].to_vec()
+        certistack_core::tls::parse_certificates(pem, "certificate").unwrap()[0].to_vec()
     }
 
     /// Renewal under a live run: new files and SIGHUP, and the next connection is served with
@@ -4585,7 +4587,7 @@ mod evidence_report {
 
     /// A journal the connector wrote, as `ReadJournal` streams it.
     fn journal_records(dir: &Path) -> Vec<JournalRecord> {
-        use certistack_connector::journal::{Journal, Phase};
+        use certistack_core::journal::{Journal, Phase};
         let journal_dir = dir.join("journal");
         std::fs::create_dir_all(&journal_dir).unwrap();
         let mut journal = Journal::create(&journal_dir, RUN).unwrap();
@@ -5164,7 +5166,7 @@ mod operator_commands {
             .state_dir
             .join("runs")
             .join(RUN_ID)
-            .join(certistack_connector::journal::FILE_NAME);
+            .join(certistack_core::journal::FILE_NAME);
         let text = std::fs::read_to_string(&journal).unwrap();
         // Record 1 altered, with a record after it: a broken chain, not a torn last record.
         let altered = text.replacen("grant_sha256", "grant_sha257", 1);

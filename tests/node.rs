@@ -3505,7 +3505,7 @@ mod systemd_unit {
             return;
         }
         use certistack_connector::node::guest_network;
-        use certistack_connector::validate::{RunId, Validated, Vmid};
+        use certistack_core::validate::{RunId, Validated, Vmid};
         use std::io::Write;
         let _serial = SERIAL.lock().await;
         let root = container_root();

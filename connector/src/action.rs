@@ -5,9 +5,9 @@
 //! grant (`PERMISSION_DENIED`, naming the object and the rule). Neither has side effects, so a
 //! refused request changes nothing.
 
-use crate::grant::{Grant, NetworkRecoveryMode, ProbeKind, enum_error};
 use crate::policy::Rpc;
-use crate::validate::{
+use certistack_core::grant::{Grant, NetworkRecoveryMode, ProbeKind, enum_error};
+use certistack_core::validate::{
     ArchiveName, AssertionId, FieldError, IpInterface, RunId, Secret, Snapshot, UnicastIp, Vmid,
     VnetName, bounded_count, bytes_field, field, port,
 };
@@ -653,13 +653,14 @@ pub fn authorize(grant: &Grant, action: &Action) -> Result<(), Denial> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::grant::tests::{RUN, full_wire_grant, sign};
-    use crate::validate::Validated;
+    use certistack_core::fixtures::{RUN, full_wire_grant, sign};
+    use certistack_core::validate::Validated;
     use ed25519_dalek::SigningKey;
 
     fn grant() -> Grant {
         let key = SigningKey::from_bytes(&[1; 32]);
-        crate::grant::verify(&sign(&key, &full_wire_grant()), &key.verifying_key()).unwrap()
+        certistack_core::grant::verify(&sign(&key, &full_wire_grant()), &key.verifying_key())
+            .unwrap()
     }
 
     fn v<T: Validated>(s: &str) -> T {
@@ -1111,7 +1112,7 @@ mod tests {
     /// The parse layer applies exactly the validators `policy/field-validators.toml` declares.
     #[test]
     fn parse_layer_applies_the_declared_validators() {
-        crate::validate::usage::take();
+        certistack_core::validate::usage::take();
         for request in full_requests() {
             request.unwrap();
         }
@@ -1126,11 +1127,13 @@ mod tests {
         })
         .unwrap();
         let key = SigningKey::from_bytes(&[1; 32]);
-        crate::grant::verify(&sign(&key, &full_wire_grant()), &key.verifying_key()).unwrap();
-        let used: std::collections::BTreeMap<String, String> = crate::validate::usage::take()
-            .into_iter()
-            .map(|(f, v)| (format!("certistack.connector.v1.{f}"), v.to_owned()))
-            .collect();
+        certistack_core::grant::verify(&sign(&key, &full_wire_grant()), &key.verifying_key())
+            .unwrap();
+        let used: std::collections::BTreeMap<String, String> =
+            certistack_core::validate::usage::take()
+                .into_iter()
+                .map(|(f, v)| (format!("certistack.connector.v1.{f}"), v.to_owned()))
+                .collect();
         let declared: FieldPolicy =
             toml::from_str(include_str!("../../policy/field-validators.toml")).unwrap();
         assert_eq!(used, declared.fields);

@@ -9,11 +9,11 @@
 //! repaired, and nothing is created.
 
 use crate::config::Config;
-use crate::files;
-use crate::journal;
 use crate::runs::{RunError, StateLock};
 use crate::server::{NodeIdentity, ServeError};
-use crate::validate::{RunId, Validated};
+use certistack_core::files;
+use certistack_core::journal;
+use certistack_core::validate::{RunId, Validated};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
 

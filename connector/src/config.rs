@@ -5,16 +5,14 @@
 //! the private key must be readable by nobody else. The daemon refuses to start otherwise,
 //! saying which file and what to do.
 
-use crate::files::{self, FileError};
-use crate::validate::{NodeName, Validated};
+use certistack_core::files::{self, FileError};
+use certistack_core::validate::{NodeName, Validated};
 use serde::Deserialize;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 pub const DEFAULT_PATH: &str = "/etc/certistack/connector.toml";
-/// The highest `limits.max_screendump_bytes` accepted: the controller decodes replies up to
-/// this plus room for the other fields.
-pub const MAX_SCREENDUMP_BYTES: usize = 32 * 1024 * 1024;
+use certistack_core::limits::MAX_SCREENDUMP_BYTES;
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -340,8 +338,8 @@ impl Default for Limits {
             max_probe_response_bytes: 256 * 1024,
             max_probe_entries: 64,
             min_probe_prefix: 24,
-            max_journal_records: 10_000,
-            max_journal_bytes: 16 * 1024 * 1024,
+            max_journal_records: certistack_core::limits::DEFAULT_MAX_JOURNAL_RECORDS,
+            max_journal_bytes: certistack_core::limits::DEFAULT_MAX_JOURNAL_BYTES,
             closed_run_retention_days: 90,
             max_sandbox_cores: 16,
             max_sandbox_memory_mib: 32 * 1024,

@@ -21,7 +21,7 @@
 
 use crate::call_log::{RefusalLog, printable};
 use crate::config::Limits;
-use crate::identity::{ClientIdentity, IdentityError, parse_client_certificate};
+use certistack_core::identity::{ClientIdentity, IdentityError, parse_client_certificate};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};

@@ -10,8 +10,9 @@
 //! the CA file trustworthy: it may have come over any channel.
 
 use crate::config::Config;
-use crate::files::{self, FileError};
-use crate::tls::{self, TlsError};
+use certistack_core::files::{self, FileError};
+use certistack_core::identity::ca_fingerprint;
+use certistack_core::tls::{self, TlsError};
 use ed25519_dalek::VerifyingKey;
 use ed25519_dalek::pkcs8::DecodePublicKey;
 use rcgen::{CertificateParams, DistinguishedName, DnType, KeyPair};
@@ -47,12 +48,6 @@ pub enum EnrollError {
         actual: String,
         expected: String,
     },
-}
-
-/// `sha256:<hex>` of a certificate's DER: the CA fingerprint `enroll --install` requires.
-pub fn ca_fingerprint(der: &[u8]) -> String {
-    use sha2::{Digest, Sha256};
-    format!("sha256:{}", hex::encode(Sha256::digest(der)))
 }
 
 /// A CA fingerprint as an operator types it: `sha256:` and 64 hex digits, either case, with or
@@ -161,7 +156,7 @@ pub fn install(
         });
     }
     if let Some(leaf) = chain.first() {
-        crate::identity::check_node_certificate(leaf)
+        certistack_core::identity::check_node_certificate(leaf)
             .map_err(|e| EnrollError::Mismatch(e.to_string()))?;
     }
     let names = chain

@@ -4,7 +4,7 @@
 //! authorizes it. The identity gate reads this data at run time; tests check that it agrees with
 //! the proto (every method has exactly one entry) and with the code (each action's rule name).
 
-use crate::identity::{ClientIdentity, IdentityKind};
+use certistack_core::identity::{ClientIdentity, IdentityKind};
 use std::collections::BTreeMap;
 
 pub const RPC_SURFACE_TOML: &str = include_str!("../../policy/rpc-surface.toml");
@@ -239,7 +239,7 @@ impl Gate {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::identity::Identity;
+    use certistack_core::identity::Identity;
 
     #[test]
     fn compiled_policy_builds_a_gate() {
@@ -290,9 +290,12 @@ mod tests {
         // Run certificates live until their grant's deadline, checked by BeginRun instead.
         let run = ClientIdentity {
             identity: Identity::Run {
-                run_id: crate::validate::Validated::validate(crate::grant::tests::RUN).unwrap(),
+                run_id: certistack_core::validate::Validated::validate(
+                    certistack_core::fixtures::RUN,
+                )
+                .unwrap(),
                 grant_sha256: [0; 32],
-                node: crate::validate::Validated::validate("pve1").unwrap(),
+                node: certistack_core::validate::Validated::validate("pve1").unwrap(),
             },
             not_before_unix: 0,
             not_after_unix: 86_400,

@@ -12,7 +12,7 @@
 //! reader `PrepareSandbox` uses) and, for a VNet the caller names, its forwarding now and the
 //! stanza ifupdown2 applies to it on the next `ifreload -a`. Every file is read up to a bound,
 //! every tool runs with a timeout and an output cap. Every text is bounded and escaped
-//! ([`crate::untrusted`]) before it leaves the node; the controller judges the facts.
+//! ([`certistack_core::untrusted`]) before it leaves the node; the controller judges the facts.
 //!
 //! On request it also boots the libguestfs appliance once ([`crate::virtualization`]), in a
 //! unit of its own when the daemon uses units; it reads nothing of the node's disks.
@@ -24,9 +24,9 @@
 use crate::config::{Config, ForwardingPolicy};
 use crate::node::sandbox::{self, LegacyNat};
 use crate::process::{self, ToolCall};
-use crate::untrusted::printable;
-use crate::validate::VnetName;
 use crate::virtualization::{self, ApplianceSettings, VirtualizationPaths};
+use certistack_core::untrusted::printable;
+use certistack_core::validate::VnetName;
 use certistack_proto::v1 as pb;
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
@@ -1043,7 +1043,7 @@ mod tests {
         let listing = "*nat\n\
                        -A POSTROUTING -s 10.7.3.0/24 -o vmbr0 -j SNAT --to-source 192.0.2.10\n\
                        -A POSTROUTING -s 10.9.0.0/24 -o vmbr0 -j MASQUERADE\nCOMMIT\n";
-        let vnet = <VnetName as crate::validate::Validated>::validate("csbox1").unwrap();
+        let vnet = <VnetName as certistack_core::validate::Validated>::validate("csbox1").unwrap();
         assert_eq!(
             sandbox::legacy_nat_rules(listing, &vnet, Some("10.7.3.0/24")),
             ["-A POSTROUTING -s 10.7.3.0/24 -o vmbr0 -j SNAT --to-source 192.0.2.10"]

@@ -159,7 +159,9 @@ impl ToolOutput {
             .get(lines.len().saturating_sub(STDERR_EXCERPT_LINES)..)
             .unwrap_or_default()
             .iter()
-            .map(|line| crate::untrusted::printable(line.as_bytes(), STDERR_EXCERPT_LINE_CHARS))
+            .map(|line| {
+                certistack_core::untrusted::printable(line.as_bytes(), STDERR_EXCERPT_LINE_CHARS)
+            })
             .collect::<Vec<_>>()
             .join("\n")
     }

@@ -10,9 +10,9 @@
 //! The node executor decides from this what to undo; the run registry decides from it whether a
 //! run still holds something (it may not close, and still counts against the node's limits).
 
-use crate::journal::{Phase, Record};
 use crate::process::ToolIdentity;
-use crate::validate::{ArchiveName, Validated, Vmid, VnetName};
+use certistack_core::journal::{Phase, Record};
+use certistack_core::validate::{ArchiveName, Validated, Vmid, VnetName};
 use std::collections::BTreeMap;
 use std::fmt;
 
@@ -356,7 +356,7 @@ pub fn open_newest_first(records: &[Record]) -> Vec<ResourceState> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::journal::Journal;
+    use certistack_core::journal::Journal;
     use serde_json::json;
 
     #[test]
@@ -428,7 +428,7 @@ mod tests {
             failed(json!({ "outcome_unknown": true })).outcome_unknown(),
             "killed at its deadline"
         );
-        std::fs::remove_file(dir.join("x").join(crate::journal::FILE_NAME)).unwrap();
+        std::fs::remove_file(dir.join("x").join(certistack_core::journal::FILE_NAME)).unwrap();
         assert!(
             !failed(json!({ "exit_code": 0 })).outcome_unknown(),
             "reported failure"

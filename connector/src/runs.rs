@@ -15,7 +15,7 @@
 //! are refused, its journal read, a page of closed runs listed in run-id order from a few of the
 //! 256 shard directories. Closed runs hold no file open and nothing in memory. At start the
 //! registry reopens the journals of open runs (setting a torn tail aside, see
-//! [`crate::journal`]) so recovery knows what each run left on the node. Closed runs are pruned
+//! [`certistack_core::journal`]) so recovery knows what each run left on the node. Closed runs are pruned
 //! after `limits.closed_run_retention_days` once their grant expired, in bounded batches by the
 //! daemon's periodic pass, never on the start path. The registry never holds a secret.
 //!
@@ -23,10 +23,12 @@
 //! orders them, and a write whose caller went away still completes and is kept in memory.
 
 use crate::config::Limits;
-use crate::files::{self, FileError};
-use crate::grant::{self, Grant};
-use crate::journal::{self, Journal, JournalError, JournalLimits, JournalUsage, Phase, Record};
-use crate::validate::{RunId, Validated};
+use certistack_core::files::{self, FileError};
+use certistack_core::grant::{self, Grant};
+use certistack_core::journal::{
+    self, Journal, JournalError, JournalLimits, JournalUsage, Phase, Record,
+};
+use certistack_core::validate::{RunId, Validated};
 use certistack_proto::v1 as pb;
 use ed25519_dalek::VerifyingKey;
 use prost::Message;
@@ -1318,7 +1320,7 @@ fn load_grant(run_dir: &Path, authority: &VerifyingKey) -> Result<Grant, String>
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::grant::tests::{full_wire_grant, sign};
+    use certistack_core::fixtures::{full_wire_grant, sign};
     use ed25519_dalek::SigningKey;
 
     static SYNCED: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
@@ -1578,7 +1580,7 @@ pub(crate) mod tests {
             wire.snapshot = format!("vm/{}/2026-11-01T02:00:00Z", 100 + n);
         }
         let signed = sign(&key(), &wire);
-        let grant = crate::grant::verify(&signed, &key().verifying_key()).unwrap();
+        let grant = certistack_core::grant::verify(&signed, &key().verifying_key()).unwrap();
         (signed, grant)
     }
 

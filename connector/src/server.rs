@@ -4,12 +4,13 @@ use crate::call_log::{CallLogLayer, DETAILED_CALL_REFUSALS, REFUSAL_WINDOW, Refu
 use crate::config::Config;
 use crate::connection::{self, ConnectionLimits};
 use crate::executor::Executor;
-use crate::files::{self, FileError};
 use crate::policy::{PolicyError, SurfacePolicy};
 use crate::runs::{RunError, RunRegistry};
 use crate::service::{Clock, ConnectorService};
-use crate::tls::{self, SharedServerConfig, TlsError};
-use crate::validate::NodeName;
+use crate::tls::SharedServerConfig;
+use certistack_core::files::{self, FileError};
+use certistack_core::tls::{self, TlsError};
+use certistack_core::validate::NodeName;
 use certistack_proto::v1::connector_server::ConnectorServer;
 use ed25519_dalek::VerifyingKey;
 use ed25519_dalek::pkcs8::DecodePublicKey;

@@ -20,14 +20,14 @@
 
 use crate::action::{Action, authorize, parse};
 use crate::executor::{Caller, ExecError, Executor, Outcome};
-use crate::grant::{self, GrantError};
-use crate::identity::{ClientIdentity, Identity};
-use crate::journal::{self, JournalError};
 use crate::policy::{Gate, Rpc};
 use crate::runs::{RunError, RunRegistry};
 use crate::tls::PeerInfo;
-use crate::untrusted::printable;
-use crate::validate::{FieldError, NodeName, RunId};
+use certistack_core::grant::{self, GrantError};
+use certistack_core::identity::{ClientIdentity, Identity};
+use certistack_core::journal::{self, JournalError};
+use certistack_core::untrusted::printable;
+use certistack_core::validate::{FieldError, NodeName, RunId};
 use certistack_proto::v1 as pb;
 use certistack_proto::v1::connector_server::Connector;
 use ed25519_dalek::VerifyingKey;
@@ -1010,9 +1010,9 @@ impl Connector for ConnectorService {
 mod tests {
     use super::*;
     use crate::executor::ExecFuture;
-    use crate::grant::tests::{full_wire_grant, sign};
     use crate::runs::RegistryLimits;
-    use crate::validate::Validated;
+    use certistack_core::fixtures::{full_wire_grant, sign};
+    use certistack_core::validate::Validated;
     use ed25519_dalek::SigningKey;
     use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 
@@ -1075,7 +1075,7 @@ mod tests {
             RunRegistry::open(&dir, &key.verifying_key(), RegistryLimits::default(), 0).unwrap(),
         );
         let signed = sign(&key, &full_wire_grant());
-        let grant = crate::grant::verify(&signed, &key.verifying_key()).unwrap();
+        let grant = certistack_core::grant::verify(&signed, &key.verifying_key()).unwrap();
         let run_id = grant.run_id.clone();
         runs.begin(&signed, grant, 2_000_000).await.unwrap();
         let executor = Arc::new(ResidueExecutor::default());

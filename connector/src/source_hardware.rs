@@ -15,9 +15,9 @@
 //! directories. A config that is oversized, not UTF-8, or not made of `key: value` lines is
 //! refused as a whole.
 
-use crate::validate::ArchiveName;
+use certistack_core::validate::ArchiveName;
 #[cfg(test)]
-use crate::validate::Validated;
+use certistack_core::validate::Validated;
 use certistack_proto::v1 as pb;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;

@@ -14,7 +14,7 @@
 use crate::config::{Config, ProcessPolicy};
 use crate::node::guest_network::Appliance;
 use crate::process::{self, TransientRole};
-use crate::untrusted::printable;
+use certistack_core::untrusted::printable;
 use certistack_proto::v1 as pb;
 use std::io::BufRead;
 use std::path::{Path, PathBuf};

@@ -270,7 +270,7 @@ async fn node_certificate_not_after(
     ca_pem: &str,
     identity: &IssuedCertificate,
 ) -> Result<i64, String> {
-    use certistack_connector::tls;
+    use certistack_core::tls;
     let text = |error: tls::TlsError| error.to_string();
     let ca = tls::parse_certificates(ca_pem, "controller CA").map_err(text)?;
     let chain =

@@ -9,9 +9,9 @@
 //! -algorithm ed25519` writes), which OpenSSL 3 and Python's `cryptography` load; v2 files with
 //! an embedded public key, as earlier releases wrote, are still read.
 
-use certistack_connector::files::{self, FileError};
-use certistack_connector::identity::Identity;
-use certistack_connector::validate::Validated;
+use certistack_core::files::{self, FileError};
+use certistack_core::identity::Identity;
+use certistack_core::validate::Validated;
 use ed25519_dalek::SigningKey;
 use ed25519_dalek::pkcs8::{
     DecodePrivateKey, EncodePrivateKey, EncodePublicKey, KeypairBytes, spki::der::pem::LineEnding,
@@ -155,14 +155,14 @@ pub fn init(dir: &Path, now: OffsetDateTime) -> Result<String, AuthorityError> {
     files::write_new(&dir.join(RUN_AUTHORITY_PUB), run_public.as_bytes(), 0o644)?;
     files::write_new(&dir.join(REPORT_KEY), report_private.as_bytes(), 0o600)?;
     files::write_new(&dir.join(REPORT_PUB), report_public.as_bytes(), 0o644)?;
-    Ok(certistack_connector::enroll::ca_fingerprint(ca_cert.der()))
+    Ok(certistack_core::identity::ca_fingerprint(ca_cert.der()))
 }
 
 /// `sha256:<hex>` of the DER of the one certificate in `ca_pem`.
 pub fn ca_fingerprint_of(ca_pem: &str) -> Result<String, AuthorityError> {
-    let certs = certistack_connector::tls::parse_certificates(ca_pem, CA_CERT).map_err(cert_err)?;
+    let certs = certistack_core::tls::parse_certificates(ca_pem, CA_CERT).map_err(cert_err)?;
     match certs.as_slice() {
-        [ca] => Ok(certistack_connector::enroll::ca_fingerprint(ca)),
+        [ca] => Ok(certistack_core::identity::ca_fingerprint(ca)),
         _ => Err(AuthorityError::Certificate(format!(
             "{CA_CERT} holds {} certificates, expected the CA alone",
             certs.len()
@@ -244,7 +244,7 @@ impl Authority {
         node: &str,
         now: OffsetDateTime,
     ) -> Result<String, AuthorityError> {
-        <certistack_connector::validate::NodeName as Validated>::validate(node)
+        <certistack_core::validate::NodeName as Validated>::validate(node)
             .map_err(AuthorityError::Csr)?;
         let mut csr = CertificateSigningRequestParams::from_pem(csr_pem)
             .map_err(|e| AuthorityError::Csr(e.to_string()))?;
@@ -312,7 +312,7 @@ impl Authority {
         name: &str,
         now: OffsetDateTime,
     ) -> Result<IssuedCertificate, AuthorityError> {
-        certistack_connector::identity::check_operator_name(name)
+        certistack_core::identity::check_operator_name(name)
             .map_err(AuthorityError::Certificate)?;
         self.issue_client(
             &Identity::Operator {

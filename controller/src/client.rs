@@ -2,14 +2,15 @@
 //! must equal the controller's own.
 
 use crate::authority::IssuedCertificate;
-use certistack_connector::tls::{self, ConnectError, TlsError};
+use crate::connect::{self, ConnectError};
+use certistack_core::tls::{self, TlsError};
 use certistack_proto::v1 as pb;
 use certistack_proto::v1::connector_client::ConnectorClient;
 use tonic::transport::Channel;
 
 /// The largest reply accepted from a node: a screendump image at the node's highest
 /// `limits.max_screendump_bytes` plus room for the reply's other fields.
-pub const MAX_REPLY_BYTES: usize = certistack_connector::config::MAX_SCREENDUMP_BYTES + 1024 * 1024;
+pub const MAX_REPLY_BYTES: usize = certistack_core::limits::MAX_SCREENDUMP_BYTES + 1024 * 1024;
 
 #[derive(Debug, thiserror::Error)]
 pub enum NodeError {
@@ -50,7 +51,7 @@ pub async fn connect(
     let chain = tls::parse_certificates(&identity.certificate_pem, "client certificate")?;
     let key = tls::parse_private_key(&identity.key_pem, "client key")?;
     let config = tls::client_config(tls::ca_roots(&ca)?, chain, key)?;
-    let channel = tls::connect(address.to_owned(), node_name, config).await?;
+    let channel = connect::connect(address.to_owned(), node_name, config).await?;
     Ok(ConnectorClient::new(channel).max_decoding_message_size(MAX_REPLY_BYTES))
 }
 

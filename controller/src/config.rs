@@ -4,8 +4,8 @@
 //! reach), so it is read only when nobody else can write it, and every key is known: a misspelt
 //! key is refused with its line and column rather than silently ignored.
 
-use certistack_connector::files::{self, FileError};
-use certistack_connector::validate::{Host, NodeName, Validated};
+use certistack_core::files::{self, FileError};
+use certistack_core::validate::{Host, NodeName, Validated};
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -39,7 +39,7 @@ pub const MAX_GRANT_SKEW_MS: i64 = crate::plan::NOT_BEFORE_SLACK_SECS * 1000;
 use crate::authority::IssuedCertificate;
 use crate::client;
 use crate::config::InventoryNode;
-use certistack_connector::validate::VnetName;
+use certistack_core::validate::VnetName;
 use certistack_proto::v1 as pb;
 use std::sync::Arc;
 use std::time::Duration;

@@ -7,6 +7,7 @@ pub mod audit;
 pub mod authority;
 pub mod client;
 pub mod config;
+pub mod connect;
 pub mod doctor;
 pub mod operator;
 pub mod package;

@@ -12,9 +12,9 @@
 //! field types raise, so a refusal points at the line to change.
 
 use crate::config::ControllerConfig;
-use certistack_connector::files::{self, FileError};
-use certistack_connector::grant::{self, Grant, GrantError};
-use certistack_connector::validate::Vmid;
+use certistack_core::files::{self, FileError};
+use certistack_core::grant::{self, Grant, GrantError};
+use certistack_core::validate::Vmid;
 use certistack_proto::v1 as pb;
 use serde::{Deserialize, Deserializer};
 use std::collections::{BTreeMap, BTreeSet};

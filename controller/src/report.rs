@@ -13,9 +13,9 @@
 
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD as BASE64;
-use certistack_connector::files::{self, FileError};
-use certistack_connector::journal;
-use certistack_connector::validate::{NodeName, RunId, Validated};
+use certistack_core::files::{self, FileError};
+use certistack_core::journal;
+use certistack_core::validate::{NodeName, RunId, Validated};
 use certistack_proto::v1 as pb;
 use ed25519_dalek::pkcs8::{DecodePublicKey, EncodePublicKey};
 use ed25519_dalek::{Signature, Signer, SigningKey, VerifyingKey};

@@ -5,8 +5,8 @@
 //! another grant or after the deadline.
 
 use crate::authority::{Authority, AuthorityError, IssuedCertificate};
-use certistack_connector::grant::{self, GrantError};
-use certistack_connector::identity::Identity;
+use certistack_core::grant::{self, GrantError};
+use certistack_core::identity::Identity;
 use certistack_proto::v1 as pb;
 use ed25519_dalek::Signer;
 use prost::Message;

@@ -20,7 +20,7 @@ use crate::plan::{self, Plan, Validation};
 use crate::report::{self, StepResult, Verdict};
 use crate::run as credentials;
 use crate::screenshot;
-use certistack_connector::files;
+use certistack_core::files;
 use certistack_proto::v1 as pb;
 use certistack_proto::v1::connector_client::ConnectorClient;
 use serde::Serialize;
@@ -250,7 +250,7 @@ const MAX_SHOWN_CHARS: usize = 200;
 /// Text from a node or a guest (a banner, a tool's message) made safe for one terminal line:
 /// control characters escaped, capped. The restored guest is not trusted.
 fn for_terminal(text: &str) -> String {
-    certistack_connector::untrusted::printable(text.as_bytes(), MAX_SHOWN_CHARS)
+    certistack_core::untrusted::printable(text.as_bytes(), MAX_SHOWN_CHARS)
 }
 
 /// One line on standard output; a closed pipe is not the run's failure, so errors are ignored.
@@ -933,7 +933,7 @@ async fn drive(
 async fn check_prerequisites(
     context: &RunContext,
     node: &str,
-    vnet: &certistack_connector::validate::VnetName,
+    vnet: &certistack_core::validate::VnetName,
 ) -> Vec<doctor::Check> {
     let fail = |detail: String| {
         vec![doctor::Check {
@@ -1592,7 +1592,7 @@ fn expectation_text(expect: &pb::ProbeExpectation) -> String {
 /// every forwarding sysctl reported and 0.
 fn check_isolation(
     isolation: &report::Isolation,
-    grant: &certistack_connector::grant::Grant,
+    grant: &certistack_core::grant::Grant,
 ) -> Result<(), String> {
     for port in &isolation.bridge_ports {
         let vmid = port
@@ -2204,7 +2204,7 @@ async fn operator_cleanup(
 
 fn empty_journal(run_id: &str) -> report::JournalEvidence {
     report::JournalEvidence {
-        head_sha256: hex::encode(certistack_connector::journal::genesis(run_id)),
+        head_sha256: hex::encode(certistack_core::journal::genesis(run_id)),
         records: Vec::new(),
     }
 }
@@ -2374,7 +2374,7 @@ mod tests {
         }
     }
 
-    fn grant() -> certistack_connector::grant::Grant {
+    fn grant() -> certistack_core::grant::Grant {
         let wire = pb::RunGrant {
             version: 1,
             run_id: "0f0e1c2d-3b4a-4c5d-8e6f-7a8b9c0d1e2f".into(),
@@ -2405,7 +2405,7 @@ mod tests {
         };
         let key = ed25519_dalek::SigningKey::from_bytes(&[7; 32]);
         let signed = crate::run::sign_grant(&key, &wire);
-        certistack_connector::grant::verify(&signed, &key.verifying_key()).unwrap()
+        certistack_core::grant::verify(&signed, &key.verifying_key()).unwrap()
     }
 
     #[test]

@@ -46,8 +46,8 @@
 )]
 
 use certistack_connector::config::Config;
-use certistack_connector::tls;
 use certistack_controller::authority::{Authority, IssuedCertificate};
+use certistack_core::tls;
 use certistack_proto::v1 as pb;
 use certistack_proto::v1::connector_client::ConnectorClient;
 use certistack_tests::*;
@@ -310,7 +310,7 @@ async fn serve_echo_mtls(authority: &Authority, config: &Config) -> String {
     tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(echo::EchoServer)
-            .serve_with_incoming(tls::incoming(listener, server_config)),
+            .serve_with_incoming(certistack_connector::tls::incoming(listener, server_config)),
     );
     address
 }
@@ -358,9 +358,10 @@ async fn transport(settings: &Settings) {
     let h2c_address = serve_echo_h2c().await;
     let mtls_address = serve_echo_mtls(&authority, &node.config).await;
     let h2c = h2c_channel(&h2c_address).await;
-    let mtls = tls::connect(mtls_address.clone(), NODE, tls_config.clone())
-        .await
-        .unwrap();
+    let mtls =
+        certistack_controller::connect::connect(mtls_address.clone(), NODE, tls_config.clone())
+            .await
+            .unwrap();
 
     let credentials = mint(&authority, &grant(RUN_ID, NODE));
     let mut run = run_client(&authority, &node, &credentials).await;
@@ -431,7 +432,9 @@ async fn transport(settings: &Settings) {
             let address = mtls_address.clone();
             let payload = &payload;
             timed(&mut samples[6], || async move {
-                let channel = tls::connect(address, NODE, config).await.unwrap();
+                let channel = certistack_controller::connect::connect(address, NODE, config)
+                    .await
+                    .unwrap();
                 echo::call(&channel, payload).await;
             })
             .await;
@@ -660,9 +663,10 @@ async fn setup(settings: &Settings) {
         c.end_run(pb::EndRunRequest {}).await.unwrap();
 
         let started = Instant::now();
-        let channel = tls::connect(mtls_address.clone(), NODE, tls_config.clone())
-            .await
-            .unwrap();
+        let channel =
+            certistack_controller::connect::connect(mtls_address.clone(), NODE, tls_config.clone())
+                .await
+                .unwrap();
         for _ in 0..3 {
             echo::call(&channel, &payload).await;
         }
@@ -842,8 +846,8 @@ async fn fsyncs(authority: &Authority, dir: &Path, operator: &IssuedCertificate)
 async fn closed_runs_on_disk(authority: &Authority, config: &Config, count: usize) {
     use certistack_connector::runs::{RegistryLimits, RunRegistry};
     use certistack_connector::server::load_authority_key;
-    use certistack_connector::validate::{RunId, Validated};
     use certistack_controller::run::sign_grant;
+    use certistack_core::validate::{RunId, Validated};
     let key = load_authority_key(&config.tls.run_authority_public_key).unwrap();
     let now_ms = now().unix_timestamp() * 1000;
     let registry = RunRegistry::open(
@@ -856,14 +860,14 @@ async fn closed_runs_on_disk(authority: &Authority, config: &Config, count: usiz
     // One verified grant as a template; each run has its own run id and its own digest.
     let template = {
         let signed = sign_grant(authority.run_authority(), &grant(RUN_ID, NODE));
-        certistack_connector::grant::verify(&signed, &key).unwrap()
+        certistack_core::grant::verify(&signed, &key).unwrap()
     };
     for _ in 0..count {
         let run_id = uuid::Uuid::new_v4().to_string();
         let signed = sign_grant(authority.run_authority(), &grant(&run_id, NODE));
         let mut verified = template.clone();
         verified.run_id = RunId::validate(&run_id).unwrap();
-        verified.digest = certistack_connector::grant::digest(&signed.grant);
+        verified.digest = certistack_core::grant::digest(&signed.grant);
         let id = verified.run_id.clone();
         registry.begin(&signed, verified, now_ms).await.unwrap();
         registry.end(&id, now_ms).await.unwrap();

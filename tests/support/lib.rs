@@ -16,9 +16,9 @@ use certistack_connector::config::{Config, Limits, PvePaths, StatePaths, TlsFile
 use certistack_connector::executor::{Caller, ExecFuture, Executor, Outcome, capability};
 use certistack_connector::server::Connector;
 use certistack_connector::service::{Clock, SystemClock};
-use certistack_connector::tls;
 use certistack_controller::authority::{self, Authority, IssuedCertificate};
 use certistack_controller::run::{self, RunCredentials};
+use certistack_core::tls;
 use certistack_proto::v1 as pb;
 use certistack_proto::v1::connector_client::ConnectorClient;
 use std::path::{Path, PathBuf};
@@ -443,7 +443,7 @@ pub async fn hello_with(
     address: &str,
     config: Arc<rustls::ClientConfig>,
 ) -> Result<pb::HelloReply, String> {
-    let channel = tls::connect(address.to_owned(), NODE, config)
+    let channel = certistack_controller::connect::connect(address.to_owned(), NODE, config)
         .await
         .map_err(|e| format!("connect: {e}"))?;
     let mut client = ConnectorClient::new(channel);
@@ -991,7 +991,7 @@ pub fn node_tls_server_config(
     authority: &Authority,
     config: &certistack_connector::config::Config,
 ) -> std::sync::Arc<rustls::ServerConfig> {
-    use certistack_connector::{files, tls};
+    use certistack_core::{files, tls};
     let chain = tls::parse_certificates(
         &files::read_trusted(&config.tls.certificate).unwrap(),
         "node",
@@ -1009,7 +1009,6 @@ pub fn node_tls_server_config(
 /// Serves the drifted double, answering as `node` under a certificate for `node` enrolled in
 /// `dir`, on a loopback port of the current network namespace; returns its address.
 pub async fn serve_drifted(authority: &Authority, dir: &Path, node: &str) -> String {
-    use certistack_connector::tls;
     let config = enroll(authority, dir, node);
     let server_config = node_tls_server_config(authority, &config);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -1023,7 +1022,7 @@ pub async fn serve_drifted(authority: &Authority, dir: &Path, node: &str) -> Str
                     },
                 ),
             )
-            .serve_with_incoming(tls::incoming(listener, server_config)),
+            .serve_with_incoming(certistack_connector::tls::incoming(listener, server_config)),
     );
     address
 }

@@ -15,11 +15,11 @@ use super::NodeExecutor;
 use super::resources::{self, Op, Resource};
 use crate::action::{QgaCall, QgaCommand, QmpCommand};
 use crate::executor::{ExecError, Outcome};
-use crate::grant::{Grant, QgaAssertion};
-use crate::journal::Phase;
 use crate::runs::{RunGuard, RunHandle};
-use crate::validate::Vmid;
 use base64::Engine;
+use certistack_core::grant::{Grant, QgaAssertion};
+use certistack_core::journal::Phase;
+use certistack_core::validate::Vmid;
 use certistack_proto::v1 as pb;
 use serde_json::{Value, json};
 use sha2::Digest;
@@ -169,7 +169,10 @@ impl Channel {
 /// Text that came from the guest, made safe for errors, logs and the journal. The guest is
 /// untrusted.
 fn bounded(text: &str) -> String {
-    crate::untrusted::printable(text.as_bytes(), crate::untrusted::MAX_VALUE_CHARS)
+    certistack_core::untrusted::printable(
+        text.as_bytes(),
+        certistack_core::untrusted::MAX_VALUE_CHARS,
+    )
 }
 
 async fn with_deadline<T>(
@@ -618,7 +621,9 @@ mod tests {
             "a\\nforged: log line\\u{1b}[31m"
         );
         let long = "x".repeat(5000);
-        assert!(bounded(&long).starts_with(&"x".repeat(crate::untrusted::MAX_VALUE_CHARS)));
+        assert!(
+            bounded(&long).starts_with(&"x".repeat(certistack_core::untrusted::MAX_VALUE_CHARS))
+        );
         assert!(bounded(&long).ends_with("…[4744 more bytes]"));
     }
 }

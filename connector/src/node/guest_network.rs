@@ -24,11 +24,11 @@ use super::resources::Resource;
 use super::tool_result;
 use crate::config::ApplianceAccelerator;
 use crate::executor::{ExecError, Outcome};
-use crate::grant::{NetworkRecoveryMode, ProbeKind};
-use crate::journal::Phase;
 use crate::process::{self, TOOL_PATH, ToolCall, ToolIdentity, ToolOutput, TransientRole};
 use crate::runs::RunHandle;
-use crate::validate::{ArchiveName, IpInterface, RunId, Vmid};
+use certistack_core::grant::{NetworkRecoveryMode, ProbeKind};
+use certistack_core::journal::Phase;
+use certistack_core::validate::{ArchiveName, IpInterface, RunId, Vmid};
 use certistack_proto::v1 as pb;
 use serde_json::json;
 use sha2::{Digest, Sha256};
@@ -1517,7 +1517,7 @@ impl NodeExecutor {
     /// The unit a recovery runs in, when this daemon starts tools in transient units.
     fn guest_network_unit(
         &self,
-        grant: &crate::grant::Grant,
+        grant: &certistack_core::grant::Grant,
         vmid: Vmid,
         memory_mib: u64,
     ) -> Result<Option<GuestNetworkUnit>, ExecError> {
@@ -1534,7 +1534,7 @@ impl NodeExecutor {
     /// Without transient units there is none; a unit already gone costs one `systemctl show`.
     pub(super) async fn release_recovery_unit(
         &self,
-        grant: &crate::grant::Grant,
+        grant: &certistack_core::grant::Grant,
         vmid: Vmid,
     ) -> Result<(), ExecError> {
         let memory_mib = self.config.limits.guest_network_memory_mib;
@@ -1821,7 +1821,7 @@ impl NodeExecutor {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::validate::Validated;
+    use certistack_core::validate::Validated;
 
     fn nic() -> SandboxNic {
         SandboxNic {

@@ -30,12 +30,12 @@ use crate::config::Config;
 use crate::executor::{
     Caller, ExecError, ExecFuture, Executor, Outcome, RecoverFuture, ResidueFuture,
 };
-use crate::grant::Repository;
-use crate::journal::{JournalError, Phase};
 use crate::process::{self, ToolCall, ToolOutput};
 use crate::runs::{RunGuard, RunHandle};
 use crate::service::Clock;
-use crate::validate::Host;
+use certistack_core::grant::Repository;
+use certistack_core::journal::{JournalError, Phase};
+use certistack_core::validate::Host;
 use certistack_proto::v1 as pb;
 use serde_json::json;
 use std::path::PathBuf;

@@ -9,7 +9,7 @@
 //!
 //! The guest is hostile until shown otherwise: every probe reads at most
 //! `limits.max_probe_response_bytes` and takes at most `limits.max_probe_entries` LDAP messages
-//! or DNS records, and every string it keeps passes through [`crate::untrusted::printable`].
+//! or DNS records, and every string it keeps passes through [`certistack_core::untrusted::printable`].
 //!
 //! HTTPS: the restored guest is untrusted, so its certificate is not verified against any
 //! root; it is recorded (SHA-256 of the DER) instead. Nothing the probe learns is trusted or
@@ -18,11 +18,11 @@
 use super::NodeExecutor;
 use super::resources::{self, Resource, Standing};
 use crate::executor::{ExecError, Outcome};
-use crate::grant::{Expectation, ProbeKind, ProbeTarget};
-use crate::journal::Phase;
 use crate::runs::RunHandle;
-use crate::untrusted::{MAX_DETAIL_CHARS, MAX_VALUE_CHARS, printable};
-use crate::validate::UnicastIp;
+use certistack_core::grant::{Expectation, ProbeKind, ProbeTarget};
+use certistack_core::journal::Phase;
+use certistack_core::untrusted::{MAX_DETAIL_CHARS, MAX_VALUE_CHARS, printable};
+use certistack_core::validate::UnicastIp;
 use certistack_proto::v1 as pb;
 use serde_json::json;
 use sha2::{Digest, Sha256};
@@ -322,7 +322,7 @@ async fn http(
     };
     let mut certificate = String::new();
     let response = if tls {
-        let provider = crate::tls::provider();
+        let provider = certistack_core::tls::provider();
         let verifier = Arc::new(RecordingVerifier {
             presented: Mutex::new(None),
             provider: provider.clone(),

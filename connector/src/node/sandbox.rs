@@ -28,12 +28,12 @@ use super::resources::{EndState, Resource};
 use super::{NodeExecutor, resources, tool_error};
 use crate::config::ForwardingPolicy;
 use crate::executor::{ExecError, Outcome};
-use crate::grant::{Grant, ProbeKind};
-use crate::journal::Phase;
-use crate::net::IpNetwork;
 use crate::process::{self, SecretInput, SecretKind, ToolCall, ToolOutput};
 use crate::runs::{RunGuard, RunHandle};
-use crate::validate::{IpInterface, VnetName};
+use certistack_core::grant::{Grant, ProbeKind};
+use certistack_core::journal::Phase;
+use certistack_core::net::IpNetwork;
+use certistack_core::validate::{IpInterface, VnetName};
 use certistack_proto::v1 as pb;
 use serde_json::json;
 use sha2::{Digest, Sha256};
@@ -529,7 +529,7 @@ pub fn legacy_nat_rules(listing: &str, vnet: &VnetName, subnet: Option<&str>) ->
                     })
         })
         // A rule's comment is free text: escaped and cut like any text the node repeats.
-        .map(|line| crate::untrusted::printable(line.as_bytes(), MAX_RULE_CHARS))
+        .map(|line| certistack_core::untrusted::printable(line.as_bytes(), MAX_RULE_CHARS))
         .collect()
 }
 
@@ -1337,13 +1337,14 @@ impl NodeExecutor {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::grant::tests::{full_wire_grant, sign};
-    use crate::validate::{UnicastIp, Validated};
+    use certistack_core::fixtures::{full_wire_grant, sign};
+    use certistack_core::validate::{UnicastIp, Validated};
     use ed25519_dalek::SigningKey;
 
     fn grant() -> Grant {
         let key = SigningKey::from_bytes(&[1; 32]);
-        crate::grant::verify(&sign(&key, &full_wire_grant()), &key.verifying_key()).unwrap()
+        certistack_core::grant::verify(&sign(&key, &full_wire_grant()), &key.verifying_key())
+            .unwrap()
     }
 
     fn isolated() -> Observation {

@@ -10,12 +10,12 @@ use super::backup::SOURCE_CONFIG_OP;
 use super::resources::{self, EndState, Op, Resource, ResourceState, Standing};
 use super::{NodeExecutor, tool_detail, tool_error, tool_result};
 use crate::executor::{ExecError, Outcome};
-use crate::grant::Grant;
-use crate::journal::{Phase, Record};
 use crate::process::{self, ToolCall, TransientRole};
 use crate::runs::{RunGuard, RunHandle};
 use crate::source_hardware::SourceHardware;
-use crate::validate::{ArchiveName, Vmid};
+use certistack_core::grant::Grant;
+use certistack_core::journal::{Phase, Record};
+use certistack_core::validate::{ArchiveName, Vmid};
 use certistack_proto::v1 as pb;
 use serde_json::json;
 use std::collections::BTreeMap;
@@ -802,7 +802,7 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let run = "0f0e1c2d-3b4a-4c5d-8e6f-7a8b9c0d1e2f";
-        let mut journal = crate::journal::Journal::create(&dir, run).unwrap();
+        let mut journal = certistack_core::journal::Journal::create(&dir, run).unwrap();
         let first = SourceHardware::parse(b"scsi0: a\n").unwrap();
         let second = SourceHardware::parse(b"virtio0: a\nbios: ovmf\n").unwrap();
         let op = SOURCE_CONFIG_OP;
@@ -810,7 +810,9 @@ mod tests {
         journal
             .append(0, "run.begin", "run:x", Phase::Done, json!(null))
             .unwrap();
-        let before = crate::journal::read(journal.path(), run).unwrap().records;
+        let before = certistack_core::journal::read(journal.path(), run)
+            .unwrap()
+            .records;
         assert!(matches!(
             source_hardware(&before),
             Err(ExecError::FailedPrecondition(m)) if m.contains("call ReadSourceConfig first")
@@ -829,7 +831,9 @@ mod tests {
                 .unwrap();
             journal.append(0, op, key, phase, detail).unwrap();
         }
-        let records = crate::journal::read(journal.path(), run).unwrap().records;
+        let records = certistack_core::journal::read(journal.path(), run)
+            .unwrap()
+            .records;
         assert_eq!(source_hardware(&records).unwrap(), second);
         // Source reads leave nothing on the node: no resource for cleanup.
         assert!(!resources::states(&records).contains_key(key));

@@ -2,7 +2,7 @@
 #![forbid(unsafe_code)]
 #![allow(clippy::print_stdout)]
 
-use certistack_connector::tls::ConnectError;
+use certistack_controller::connect::ConnectError;
 use certistack_controller::{authority, client, package, report, runner, surface};
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -536,8 +536,8 @@ fn load_config(
     })
 }
 
-fn file_failure_code(error: &certistack_connector::files::FileError) -> u8 {
-    use certistack_connector::files::FileError;
+fn file_failure_code(error: &certistack_core::files::FileError) -> u8 {
+    use certistack_core::files::FileError;
     match error {
         FileError::Insecure { .. } | FileError::WrongOwner { .. } => 77,
         _ => 66,
@@ -663,9 +663,9 @@ fn run_plan(args: &RunPlanArgs, now: OffsetDateTime) -> Result<(), Failure> {
 }
 
 fn nodes_audit(config: &std::path::Path, json: bool, now: OffsetDateTime) -> Result<(), Failure> {
-    use certistack_connector::files::FileError;
     use certistack_controller::audit;
     use certistack_controller::config::{ConfigError, ControllerConfig};
+    use certistack_core::files::FileError;
     let config = ControllerConfig::load(config).map_err(|error| {
         let code = match &error {
             ConfigError::File(FileError::Insecure { .. } | FileError::WrongOwner { .. }) => 77,
@@ -968,7 +968,7 @@ fn doctor(args: &DoctorArgs, now: OffsetDateTime) -> Result<(), Failure> {
     };
     let mut vnets = doctor::VnetsByNode::new();
     if let Some(vnet) = &args.vnet {
-        use certistack_connector::validate::{Validated, VnetName};
+        use certistack_core::validate::{Validated, VnetName};
         let vnet = VnetName::validate(vnet)
             .map_err(|reason| Failure::Coded(EXIT_USAGE, format!("--vnet {vnet:?}: {reason}")))?;
         for node in &nodes {

@@ -5,7 +5,7 @@
 //! Run: `cargo bench -p certistack-tests --bench performance -- checks`
 
 use certistack_connector::action::{authorize, parse};
-use certistack_connector::grant;
+use certistack_core::grant;
 use certistack_proto::v1 as pb;
 use certistack_tests::*;
 use std::time::{Duration, Instant};

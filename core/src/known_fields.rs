@@ -199,7 +199,7 @@ fn walk(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::grant::tests::full_wire_grant;
+    use crate::fixtures::full_wire_grant;
 
     const GRANT: &str = ".certistack.connector.v1.RunGrant";
 

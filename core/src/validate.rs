@@ -68,24 +68,25 @@ pub fn bounded_count<T>(field: &'static str, values: &[T], max: usize) -> Result
 }
 
 /// Records which validator the parse layer applied to which field, so a test can compare the
-/// parse layer with `policy/field-validators.toml`. Compiled only into this crate's unit tests.
+/// parse layer with `policy/field-validators.toml`. Compiled only into tests (`cfg(test)`, or the `fixtures` feature for
+/// the connector's tests, whose parse layer calls these validators).
 pub mod usage {
-    #[cfg(test)]
+    #[cfg(any(test, feature = "fixtures"))]
     thread_local! {
         static SEEN: std::cell::RefCell<std::collections::BTreeSet<(&'static str, &'static str)>> =
             const { std::cell::RefCell::new(std::collections::BTreeSet::new()) };
     }
 
-    #[cfg(test)]
+    #[cfg(any(test, feature = "fixtures"))]
     pub fn record(field: &'static str, validator: &'static str) {
         SEEN.with(|seen| seen.borrow_mut().insert((field, validator)));
     }
 
-    #[cfg(not(test))]
+    #[cfg(not(any(test, feature = "fixtures")))]
     #[inline(always)]
     pub fn record(_field: &'static str, _validator: &'static str) {}
 
-    #[cfg(test)]
+    #[cfg(any(test, feature = "fixtures"))]
     pub fn take() -> std::collections::BTreeSet<(&'static str, &'static str)> {
         SEEN.with(|seen| std::mem::take(&mut *seen.borrow_mut()))
     }

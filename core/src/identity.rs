@@ -279,6 +279,12 @@ fn identity_from_uris(uris: &[&str]) -> Result<Identity, IdentityError> {
     }
 }
 
+/// `sha256:<hex>` of a certificate's DER: the CA fingerprint `enroll --install` requires.
+pub fn ca_fingerprint(der: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    format!("sha256:{}", hex::encode(Sha256::digest(der)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

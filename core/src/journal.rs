@@ -51,8 +51,10 @@ pub struct JournalLimits {
 
 impl Default for JournalLimits {
     fn default() -> Self {
-        let limits = crate::config::Limits::default();
-        Self::new(limits.max_journal_records, limits.max_journal_bytes)
+        Self::new(
+            crate::limits::DEFAULT_MAX_JOURNAL_RECORDS,
+            crate::limits::DEFAULT_MAX_JOURNAL_BYTES,
+        )
     }
 }
 
