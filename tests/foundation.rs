@@ -5237,32 +5237,55 @@ mod operator_commands {
 
     #[test]
     fn a_failed_receipt_is_recognised() {
-        let receipt = |end_state: &str| pb::ResourceReceipt {
+        use pb::EndState as State;
+        let receipt = |end_state: &str, state: State| pb::ResourceReceipt {
             resource: "overlay:9100".into(),
             end_state: end_state.into(),
+            state: state as i32,
         };
-        assert!(operator::receipt_failed(&receipt(
-            "failed: qemu-img exited 1"
-        )));
-        assert!(operator::receipt_failed(&receipt(
-            "failed: kept while vm 9100 runs"
-        )));
-        assert!(!operator::receipt_failed(&receipt("deleted")));
-        assert!(!operator::receipt_failed(&receipt("already gone")));
+        // Decided by the typed state alone: the text is for a person.
+        for (text, state, failed) in [
+            ("failed: qemu-img exited 1", State::Failed, true),
+            ("failed: kept while vm 9100 runs", State::Kept, true),
+            ("deleted", State::Deleted, false),
+            ("already gone", State::AlreadyGone, false),
+            ("never created", State::NeverCreated, false),
+            ("not this run's, left untouched", State::NotOurs, false),
+            ("restored", State::Restored, false),
+            ("deleted", State::Unspecified, true),
+        ] {
+            assert_eq!(
+                operator::receipt_failed(&receipt(text, state)),
+                failed,
+                "{text:?} {state:?}"
+            );
+        }
+        let mut unknown = receipt("deleted", State::Deleted);
+        unknown.state = 99;
+        assert!(
+            operator::receipt_failed(&unknown),
+            "an unknown state is no success"
+        );
 
         // The exit status of `cleanup`: complete only with no failed receipt and no residue.
-        let reply = |end_state: &str, residue: &[&str]| pb::CleanupReply {
-            resources: vec![receipt("deleted"), receipt(end_state)],
+        let reply = |last: pb::ResourceReceipt, residue: &[&str]| pb::CleanupReply {
+            resources: vec![receipt("deleted", State::Deleted), last],
             residue: residue.iter().map(|r| (*r).to_owned()).collect(),
             journal_head: String::new(),
         };
-        assert_eq!(operator::cleanup_complete(&reply("destroyed", &[])), Ok(()));
         assert_eq!(
-            operator::cleanup_complete(&reply("failed: qm exited 2", &[])),
+            operator::cleanup_complete(&reply(receipt("destroyed", State::Destroyed), &[])),
+            Ok(())
+        );
+        assert_eq!(
+            operator::cleanup_complete(&reply(receipt("failed: qm exited 2", State::Failed), &[])),
             Err("1 failed receipt(s), 0 residue".to_owned())
         );
         assert_eq!(
-            operator::cleanup_complete(&reply("destroyed", &["/dev/loop7"])),
+            operator::cleanup_complete(&reply(
+                receipt("destroyed", State::Destroyed),
+                &["/dev/loop7"]
+            )),
             Err("0 failed receipt(s), 1 residue".to_owned())
         );
     }

@@ -53,10 +53,12 @@ pub enum ExecError {
     ResourceExhausted(String),
     #[error("{0}")]
     Failed(String),
-    /// The node took away something the step needs (a probe address an `ifreload` purged):
-    /// an infrastructure failure, not the caller's and not the backup's.
-    #[error("{0}")]
-    Unavailable(String),
+    /// The node took away something the step needs (a probe address an `ifreload` purged),
+    /// or holds it still (a recovery unit that would not stop): an infrastructure failure, not
+    /// the caller's and not the backup's. The reason reaches the caller typed, in the status
+    /// details ([`pb::ErrorDetail`]), so it decides without reading the message.
+    #[error("{1}")]
+    Unavailable(pb::ErrorReason, String),
 }
 
 impl From<ExecError> for tonic::Status {
@@ -69,7 +71,16 @@ impl From<ExecError> for tonic::Status {
             ExecError::DeadlineExceeded(_) => tonic::Status::deadline_exceeded(message),
             ExecError::ResourceExhausted(_) => tonic::Status::resource_exhausted(message),
             ExecError::Failed(_) => tonic::Status::internal(message),
-            ExecError::Unavailable(_) => tonic::Status::unavailable(message),
+            ExecError::Unavailable(reason, _) => {
+                let detail = pb::ErrorDetail {
+                    reason: reason as i32,
+                };
+                tonic::Status::with_details(
+                    tonic::Code::Unavailable,
+                    message,
+                    prost::Message::encode_to_vec(&detail).into(),
+                )
+            }
         }
     }
 }

@@ -13,6 +13,7 @@
 use crate::process::ToolIdentity;
 use certistack_core::journal::{Phase, Record};
 use certistack_core::validate::{ArchiveName, Validated, Vmid, VnetName};
+use certistack_proto::v1 as pb;
 use std::collections::BTreeMap;
 use std::fmt;
 
@@ -177,6 +178,30 @@ impl EndState {
 
     pub fn is_failure(&self) -> bool {
         matches!(self, EndState::Kept(_) | EndState::Failed(_))
+    }
+
+    /// The receipt's typed `state`.
+    pub fn kind(&self) -> pb::EndState {
+        match self {
+            EndState::Unmapped => pb::EndState::Unmapped,
+            EndState::Deleted => pb::EndState::Deleted,
+            EndState::Destroyed => pb::EndState::Destroyed,
+            EndState::Restored => pb::EndState::Restored,
+            EndState::AlreadyGone => pb::EndState::AlreadyGone,
+            EndState::NeverCreated => pb::EndState::NeverCreated,
+            EndState::NotOurs => pb::EndState::NotOurs,
+            EndState::Kept(_) => pb::EndState::Kept,
+            EndState::Failed(_) => pb::EndState::Failed,
+        }
+    }
+
+    /// A receipt for `resource` in this state.
+    pub fn receipt(&self, resource: String) -> pb::ResourceReceipt {
+        pb::ResourceReceipt {
+            resource,
+            end_state: self.wire(),
+            state: self.kind() as i32,
+        }
     }
 }
 

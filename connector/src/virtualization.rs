@@ -205,16 +205,20 @@ pub async fn boot_appliance(
         recovery_timeout_secs: u32::try_from(appliance.timeout.as_secs()).unwrap_or(u32::MAX),
         ..Default::default()
     };
-    let fail = |mut facts: pb::ApplianceBootFacts, error: String| {
-        facts.error = printable(error.as_bytes(), MAX_ERROR_CHARS);
-        facts
-    };
+    let fail =
+        |mut facts: pb::ApplianceBootFacts, outcome: pb::ApplianceBootOutcome, error: String| {
+            facts.outcome = outcome as i32;
+            facts.error = printable(error.as_bytes(), MAX_ERROR_CHARS);
+            facts
+        };
+    use pb::ApplianceBootOutcome as Boot;
     if let Err(reason) = crate::node::guest_network::guestfish_installed(&settings.guestfish) {
-        return fail(facts, reason);
+        return fail(facts, Boot::Failed, reason);
     }
     let Ok(held) = slot.clone().try_lock_owned() else {
         return fail(
             facts,
+            Boot::Busy,
             "another appliance boot is running on this node (one at a time); ask again when it has ended".to_owned(),
         );
     };
@@ -246,7 +250,7 @@ pub async fn boot_appliance(
         });
         match wrapped {
             Ok((call, name)) => (call, Some((name, description))),
-            Err(reason) => return fail(facts, reason),
+            Err(reason) => return fail(facts, Boot::Failed, reason),
         }
     } else {
         (call, None)
@@ -261,29 +265,36 @@ pub async fn boot_appliance(
     facts.elapsed_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
     let error = match outcome {
         Ok(output) if output.exit_code == Some(0) => None,
-        Ok(output) => Some(format!(
-            "guestfish -a /dev/null run exited {}: {}",
-            output
-                .exit_code
-                .map_or_else(|| "on a signal".to_owned(), |code| code.to_string()),
-            tail(output.stderr.trim(), MAX_STDERR_TAIL_CHARS)
+        Ok(output) => Some((
+            Boot::Failed,
+            format!(
+                "guestfish -a /dev/null run exited {}: {}",
+                output
+                    .exit_code
+                    .map_or_else(|| "on a signal".to_owned(), |code| code.to_string()),
+                tail(output.stderr.trim(), MAX_STDERR_TAIL_CHARS)
+            ),
         )),
-        Err(process::ToolError::Timeout { .. }) => Some(format!(
-            "the appliance did not boot within {} s and was killed",
-            within.as_secs()
+        Err(process::ToolError::Timeout { .. }) => Some((
+            Boot::TimedOut,
+            format!(
+                "the appliance did not boot within {} s and was killed",
+                within.as_secs()
+            ),
         )),
-        Err(error) => Some(error.to_string()),
+        Err(error) => Some((Boot::Failed, error.to_string())),
     };
     match error {
         None => {
             // Ended by itself: nothing to stop.
             guard.unit = None;
             facts.booted = true;
+            facts.outcome = Boot::Booted as i32;
             facts
         }
         // The guard, dropped armed, stops the unit in the background and keeps the slot until
         // then; the reply does not wait for it.
-        Some(error) => fail(facts, error),
+        Some((outcome, error)) => fail(facts, outcome, error),
     }
 }
 

@@ -648,13 +648,12 @@ fn judge_appliance_boot(boot: &pb::ApplianceBootFacts) -> Judged {
         secs => secs,
     };
     if !boot.booted {
-        let consequence = if boot.error.contains("did not boot within")
-            && boot.within_secs >= recovery_secs
-        {
+        let timed_out = boot.outcome == pb::ApplianceBootOutcome::TimedOut as i32;
+        let consequence = if timed_out && boot.within_secs >= recovery_secs {
             format!(
                 ": every network_recovery rewrite on this node would fail at its {recovery_secs} s deadline. If the node is nested, set [guest_network] accelerator = \"tcg\" in the connector config; otherwise raise limits.guest_network_timeout_secs"
             )
-        } else if boot.error.contains("did not boot within") {
+        } else if timed_out {
             format!(
                 "; a recovery gets {recovery_secs} s: ask again with --boot-appliance={recovery_secs} for a verdict on that"
             )
@@ -1223,6 +1222,11 @@ mod tests {
                 } else {
                     format!("the appliance did not boot within {within_secs} s and was killed")
                 },
+                outcome: if booted {
+                    pb::ApplianceBootOutcome::Booted
+                } else {
+                    pb::ApplianceBootOutcome::TimedOut
+                } as i32,
             });
             detail_of(&facts, "appliance")
         };

@@ -223,10 +223,23 @@ pub async fn cleanup(
         .into_inner())
 }
 
-/// Whether a receipt says cleanup failed for its resource (the node writes `failed: REASON`,
-/// also for a resource kept because something above it could not be undone).
+/// Whether a receipt says cleanup failed for its resource, also for a resource kept because
+/// something above it could not be undone. A state this controller does not know counts as a
+/// failure: nothing unknown is called clean.
 pub fn receipt_failed(receipt: &pb::ResourceReceipt) -> bool {
-    receipt.end_state.starts_with("failed")
+    use pb::EndState as State;
+    match State::try_from(receipt.state) {
+        Ok(
+            State::Unmapped
+            | State::Deleted
+            | State::Destroyed
+            | State::Restored
+            | State::AlreadyGone
+            | State::NeverCreated
+            | State::NotOurs,
+        ) => false,
+        Ok(State::Kept | State::Failed | State::Unspecified) | Err(_) => true,
+    }
 }
 
 /// Whether a Cleanup reply proves the run clean: `Err` says how many receipts failed and how

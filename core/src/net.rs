@@ -1,4 +1,5 @@
-//! IP network arithmetic: the one place that masks addresses and compares networks.
+//! IP network arithmetic: the one place that masks addresses and compares networks; and the
+//! names PVE gives a VM's interfaces.
 //!
 //! The grant checks its probe targets against the probe network with it, and the sandbox checks
 //! the probe network against every address and route the node already has.
@@ -112,6 +113,17 @@ impl fmt::Display for IpNetwork {
     }
 }
 
+/// The VM and NIC of a PVE tap interface, named `tap<vmid>i<nic>` by qemu-server
+/// (`PVE::QemuServer::print_netdevice_full`); `None` for any other name.
+pub fn pve_tap(name: &str) -> Option<(u32, u32)> {
+    let (vmid, nic) = name.strip_prefix("tap")?.split_once('i')?;
+    let digits = |text: &str| !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit());
+    if !digits(vmid) || !digits(nic) {
+        return None;
+    }
+    Some((vmid.parse().ok()?, nic.parse().ok()?))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -146,5 +158,22 @@ mod tests {
             min_probe_prefix_len("2001:db8::1".parse().unwrap(), 24),
             120
         );
+    }
+
+    #[test]
+    fn pve_taps_are_read_by_vm_and_nic_and_nothing_else_is() {
+        assert_eq!(pve_tap("tap9100i0"), Some((9100, 0)));
+        assert_eq!(pve_tap("tap100i12"), Some((100, 12)));
+        for other in [
+            "tap9100i",
+            "tapi0",
+            "tap91x0i0",
+            "fwpr9100p0",
+            "veth9100i0",
+            "tap9100i0x",
+            "tap+9100i0",
+        ] {
+            assert_eq!(pve_tap(other), None, "{other}");
+        }
     }
 }

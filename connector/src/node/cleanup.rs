@@ -189,19 +189,13 @@ impl NodeExecutor {
                 }
             }
             failed |= end_state.is_failure();
-            receipts.push(pb::ResourceReceipt {
-                resource: state.key.clone(),
-                end_state: end_state.wire(),
-            });
+            receipts.push(end_state.receipt(state.key.clone()));
         }
         if kept.vms.is_empty() {
             for (resource, end_state) in self.sweep_named(&mut guard, grant, touched_network).await
             {
                 failed |= end_state.is_failure();
-                receipts.push(pb::ResourceReceipt {
-                    resource,
-                    end_state: end_state.wire(),
-                });
+                receipts.push(end_state.receipt(resource));
             }
         }
         let residue = self.residue(grant, touched_network).await;

@@ -1550,7 +1550,7 @@ impl NodeExecutor {
         .await
         .map(|_| ())
         .map_err(|reason| {
-            ExecError::Unavailable(format!(
+            ExecError::Unavailable(pb::ErrorReason::RecoveryUnitRunning, format!(
                 "the guest network recovery unit {} of VM {vmid} still runs and could not be stopped ({reason}); its overlay is kept until the unit ends (at most limits.guest_network_timeout_secs + 30 s after it started): retry then",
                 unit.name
             ))

@@ -1035,7 +1035,10 @@ impl NodeExecutor {
                     json!({ "source": source.to_string(), "error": error, "infrastructure": true }),
                 )
                 .await?;
-            return Err(ExecError::Unavailable(error));
+            return Err(ExecError::Unavailable(
+                pb::ErrorReason::ProbeAddressRemoved,
+                error,
+            ));
         }
         if !address_present || !self.table_present(grant).await? {
             return Err(ExecError::FailedPrecondition(format!(

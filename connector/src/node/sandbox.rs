@@ -952,7 +952,9 @@ impl NodeExecutor {
                 format!("net.{family}.conf.{vnet}.forwarding = {value}")
             });
         }
+        let bridge_port_owners = seen.ports.iter().map(|name| bridge_port(name)).collect();
         Ok(Outcome::PrepareSandbox(pb::PrepareSandboxReply {
+            bridge_port_owners,
             bridge_ports: seen.ports,
             bridge_addresses: seen
                 .addresses
@@ -1331,6 +1333,16 @@ impl NodeExecutor {
             "nft list table inet {table} failed: {}",
             out.stderr_excerpt()
         )))
+    }
+}
+
+/// A port on the VNet's bridge, with the VM and NIC PVE's name gives a tap.
+fn bridge_port(name: &str) -> pb::BridgePort {
+    let (vmid, nic) = certistack_core::net::pve_tap(name).unwrap_or((0, 0));
+    pb::BridgePort {
+        name: name.to_owned(),
+        vmid,
+        nic,
     }
 }
 

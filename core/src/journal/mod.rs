@@ -29,9 +29,11 @@ use sha2::{Digest, Sha256};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+mod op;
 mod reader;
 mod writer;
 
+pub use op::{Op, OpClass, Resource};
 pub use reader::{Loaded, Reader, Summary, read, summarize};
 pub use writer::Journal;
 
