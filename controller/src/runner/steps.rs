@@ -1,0 +1,783 @@
+//! The validation script: the happy path from mapping the backup to unmapping it, step by step,
+//! and how the node's answers are read as evidence (isolation, guest state, probes).
+
+use super::evidence::{Evidence, Recorder};
+use super::session::{Session, guarded};
+use super::{RunContext, Stop};
+use crate::plan::Validation;
+use crate::report::{self, StepResult};
+use crate::screenshot;
+use certistack_proto::v1 as pb;
+use std::time::{Duration, Instant};
+
+/// Between two guest-agent pings while waiting for the guest.
+const AGENT_POLL: Duration = Duration::from_secs(2);
+/// How long a sandbox VM may take to stop before QEMU is killed.
+const STOP_TIMEOUT_SECONDS: u32 = 30;
+
+/// The evidence of a guest network recovery, for its step in the report: what inspection
+/// found, the MAC and address of the profile, each file written, changed or set aside with its
+/// SHA-256, the firewalld zone, and the notes.
+fn guest_network_detail(reply: &pb::RecoverGuestNetworkReply) -> String {
+    let Some(e) = &reply.evidence else {
+        return String::new();
+    };
+    let files: Vec<String> = e
+        .files
+        .iter()
+        .map(|f| {
+            let renamed = if f.renamed_to.is_empty() {
+                String::new()
+            } else {
+                format!(" -> {}", f.renamed_to)
+            };
+            format!("{} {}{renamed} sha256 {}", f.action, f.path, f.sha256)
+        })
+        .collect();
+    let mut detail = format!(
+        "{} {} {} ({}), stack {}; profile {} on {}; files: {}",
+        e.os_type,
+        e.distro,
+        e.version,
+        e.product_name,
+        e.network_stack,
+        e.guest_address,
+        e.mac_address,
+        files.join(", ")
+    );
+    if !e.firewalld_zone.is_empty() {
+        detail.push_str(&format!(
+            "; firewalld zone {} allows the probe source",
+            e.firewalld_zone
+        ));
+    }
+    for note in &e.notes {
+        detail.push_str("; ");
+        detail.push_str(note);
+    }
+    detail
+}
+
+/// The happy path, step by step; `None` when it ran to the end (checks that failed are in
+/// `evidence.failures`), otherwise why it stopped early.
+pub(super) async fn steps(
+    context: &RunContext,
+    recorder: &mut Recorder<'_>,
+    evidence: &mut Evidence,
+    session: &mut Session,
+    validation: &Validation,
+    deadline: Instant,
+) -> Option<Stop> {
+    let grant = &validation.grant;
+    let mut interrupts = context.interrupts.clone();
+    let Some(mut client) = session.client.clone() else {
+        return Some(Stop::Lost("no connection".into()));
+    };
+
+    macro_rules! step {
+        ($name:expr, $detail:expr, $call:expr) => {{
+            if *interrupts.borrow() >= 1 {
+                return Some(Stop::Interrupted(format!(
+                    "interrupted by the operator before step {}",
+                    $name
+                )));
+            }
+            let at = recorder.begin($name);
+            match guarded(&mut interrupts, deadline, $call).await {
+                Ok(reply) => {
+                    recorder.end($name, at, StepResult::Ok, $detail(&reply));
+                    // Kept to check against the journal the node streams at the end.
+                    evidence
+                        .heads
+                        .push(($name.to_string(), reply.journal_head.clone()));
+                    reply
+                }
+                Err(stop) => {
+                    recorder.end($name, at, StepResult::Failed, stop.reason().to_owned());
+                    return Some(match stop {
+                        Stop::Refused(t) => Stop::Refused(format!("step {}: {t}", $name)),
+                        other => other,
+                    });
+                }
+            }
+        }};
+    }
+
+    let snapshot = grant.snapshot.to_string();
+    for archive in &grant.archives {
+        let name = format!("map {archive}");
+        step!(
+            name.as_str(),
+            |r: &pb::MapBackupReply| format!("{} read-only", r.loop_device),
+            client.map_backup(pb::MapBackupRequest {
+                snapshot: snapshot.clone(),
+                archive: archive.to_string(),
+                pbs_secret: context.secrets.pbs_secret.to_string(),
+                encryption_key: context
+                    .secrets
+                    .encryption_key
+                    .as_ref()
+                    .map(|k| k.to_vec())
+                    .unwrap_or_default(),
+            })
+        );
+    }
+    for vmid in grant.sandbox_vms.keys() {
+        for archive in &grant.archives {
+            let name = format!("overlay {vmid} {archive}");
+            step!(
+                name.as_str(),
+                |r: &pb::CreateOverlayReply| r.warnings.join("; "),
+                client.create_overlay(pb::CreateOverlayRequest {
+                    vmid: vmid.get(),
+                    archive: archive.to_string(),
+                })
+            );
+        }
+    }
+    // The sandbox gets the source VM's hardware: its CPU, firmware, disk buses and NIC models.
+    // Passthrough and whatever reaches outside the sandbox are left out and reported.
+    let source = step!(
+        "read source config",
+        |r: &pb::ReadSourceConfigReply| {
+            let omitted = r.hardware.as_ref().map_or(0, |h| h.omitted.len());
+            format!("config sha256 {}; {omitted} parts omitted", r.config_sha256)
+        },
+        client.read_source_config(pb::ReadSourceConfigRequest {
+            snapshot: snapshot.clone(),
+            pbs_secret: context.secrets.pbs_secret.to_string(),
+            encryption_key: context
+                .secrets
+                .encryption_key
+                .as_ref()
+                .map(|k| k.to_vec())
+                .unwrap_or_default(),
+        })
+    );
+    evidence.hardware = source.hardware.as_ref().map(|h| {
+        let archives: Vec<String> = grant.archives.iter().map(ToString::to_string).collect();
+        report::SandboxHardware::from_wire(h, &source.config_sha256, &archives)
+    });
+    for (vmid, limits) in &grant.sandbox_vms {
+        let name = format!("create {vmid}");
+        step!(
+            name.as_str(),
+            |r: &pb::CreateVmReply| format!("smbios uuid {}", r.smbios_uuid),
+            client.create_vm(pb::CreateVmRequest {
+                vmid: vmid.get(),
+                cores: limits.max_cores,
+                memory_mib: limits.max_memory_mib,
+                archives: grant.archives.iter().map(ToString::to_string).collect(),
+                mirror_source_hardware: true,
+            })
+        );
+    }
+    // A guest whose own configuration names a production network gets a sandbox profile in
+    // its overlay before its first start (docs/guest-network.md); `preserve` leaves it as is.
+    if validation.network_recovery == crate::plan::NetworkRecoveryMode::Rewrite {
+        // The guest's root filesystem is on a disk, not on its EFI vars or TPM state.
+        let boot = grant
+            .archives
+            .iter()
+            .find(|a| !a.as_str().contains("efidisk") && !a.as_str().contains("tpmstate"));
+        if let Some(boot) = boot {
+            for vmid in grant.sandbox_vms.keys() {
+                let name = format!("recover network {vmid}");
+                step!(
+                    name.as_str(),
+                    |r: &pb::RecoverGuestNetworkReply| guest_network_detail(r),
+                    client.recover_guest_network(pb::RecoverGuestNetworkRequest {
+                        vmid: vmid.get(),
+                        archive: boot.to_string(),
+                        mode: pb::NetworkRecoveryMode::Rewrite.into(),
+                    })
+                );
+            }
+        }
+    }
+    let sandbox = step!(
+        "prepare sandbox",
+        |r: &pb::PrepareSandboxReply| format!(
+            "ports [{}] forwarding [{}]",
+            r.bridge_ports.join(", "),
+            r.forwarding_sysctl.replace('\n', ", ")
+        ),
+        client.prepare_sandbox(pb::PrepareSandboxRequest {
+            vnet: grant.vnet.to_string(),
+            probe_source: grant.probe_source.to_string(),
+        })
+    );
+    let observed = isolation(&sandbox);
+    let proven = check_isolation(&observed, grant);
+    evidence.isolation = Some(observed);
+    if let Err(reason) = proven {
+        // The controller does not sign a restore whose containment it cannot show.
+        return Some(Stop::Refused(format!(
+            "isolation not proven by the node's evidence: {reason}"
+        )));
+    }
+    for vmid in grant.sandbox_vms.keys() {
+        let name = format!("start {vmid}");
+        step!(
+            name.as_str(),
+            |_: &pb::VmReply| String::new(),
+            client.start_vm(pb::VmRequest { vmid: vmid.get() })
+        );
+    }
+
+    // Guest agent: bounded wait, then facts. A guest without an agent is reported, not failed:
+    // probes still decide.
+    for vmid in grant.sandbox_vms.keys() {
+        let name = format!("guest agent {vmid}");
+        let at = recorder.begin(&name);
+        let wait = Duration::from_secs(u64::from(validation.guest_agent_seconds));
+        let until = (Instant::now() + wait).min(deadline);
+        let mut answered = false;
+        let mut last = String::new();
+        while Instant::now() < until {
+            if *interrupts.borrow() >= 1 {
+                recorder.end(&name, at, StepResult::Failed, "interrupted".into());
+                return Some(Stop::Interrupted(format!(
+                    "interrupted by the operator while waiting for the guest agent of {vmid}"
+                )));
+            }
+            match guarded(
+                &mut interrupts,
+                until,
+                client.qga(pb::QgaRequest {
+                    vmid: vmid.get(),
+                    call: Some(pb::qga_request::Call::Command(pb::QgaCommand::Ping.into())),
+                }),
+            )
+            .await
+            {
+                Ok(_) => {
+                    answered = true;
+                    break;
+                }
+                Err(Stop::Refused(text)) => last = text,
+                Err(Stop::Deadline(_)) => break,
+                Err(stop) => {
+                    recorder.end(&name, at, StepResult::Failed, format!("{stop:?}"));
+                    return Some(stop);
+                }
+            }
+            let pause = tokio::time::sleep(AGENT_POLL);
+            let mut abandon = interrupts.clone();
+            tokio::select! {
+                () = pause => {}
+                _ = abandon.changed() => {}
+            }
+        }
+        let detail = if answered {
+            "answered".to_owned()
+        } else {
+            format!(
+                "no answer within {} s ({last})",
+                validation.guest_agent_seconds
+            )
+        };
+        recorder.end(
+            &name,
+            at,
+            if answered {
+                StepResult::Ok
+            } else {
+                StepResult::Failed
+            },
+            detail,
+        );
+        evidence.agent_answered |= answered;
+        let status = step!(
+            format!("qmp status {vmid}").as_str(),
+            |r: &pb::QmpReply| r.result_json.clone(),
+            client.qmp(pb::QmpRequest {
+                vmid: vmid.get(),
+                command: pb::QmpCommand::QueryStatus.into(),
+            })
+        );
+        let status = serde_json::from_str::<serde_json::Value>(&status.result_json)
+            .ok()
+            .and_then(|v| v.get("status").and_then(|s| s.as_str()).map(str::to_owned))
+            .unwrap_or_else(|| "unknown".into());
+        match guest_state(&status) {
+            GuestState::Running => {}
+            // The guest itself stopped on an error or shut down: evidence about the backup.
+            GuestState::Stopped => evidence.failures.push(format!(
+                "VM {vmid} is {status:?} after start: the restored guest stopped"
+            )),
+            // Paused, still launching, migrating: the node's state, not the backup's.
+            GuestState::NotJudged => {
+                return Some(Stop::Refused(format!(
+                    "VM {vmid} is {status:?} after start: the node holds it, so the guest cannot be judged"
+                )));
+            }
+        }
+        let mut facts = report::GuestFacts {
+            status,
+            os_info: serde_json::Value::Null,
+            interfaces: serde_json::Value::Null,
+        };
+        if answered {
+            for (command, label, slot) in [
+                (pb::QgaCommand::GetOsinfo, "guest-get-osinfo", 0),
+                (
+                    pb::QgaCommand::NetworkGetInterfaces,
+                    "guest-network-get-interfaces",
+                    1,
+                ),
+            ] {
+                let name = format!("qga {label} {vmid}");
+                let at = recorder.begin(&name);
+                match guarded(
+                    &mut interrupts,
+                    deadline,
+                    client.qga(pb::QgaRequest {
+                        vmid: vmid.get(),
+                        call: Some(pb::qga_request::Call::Command(command.into())),
+                    }),
+                )
+                .await
+                {
+                    Ok(reply) => {
+                        let value = serde_json::from_str(&reply.result_json)
+                            .unwrap_or(serde_json::Value::String(reply.result_json));
+                        if slot == 0 {
+                            facts.os_info = value;
+                        } else {
+                            facts.interfaces = value;
+                        }
+                        recorder.end(&name, at, StepResult::Ok, String::new());
+                    }
+                    Err(Stop::Refused(text)) => {
+                        recorder.end(&name, at, StepResult::Failed, text);
+                    }
+                    Err(stop) => {
+                        recorder.end(&name, at, StepResult::Failed, format!("{stop:?}"));
+                        return Some(stop);
+                    }
+                }
+            }
+        }
+        if evidence.guest.is_none() {
+            evidence.guest = Some(facts);
+        }
+    }
+
+    // Probes, from the probe address on the VNet.
+    for target in &validation.wire.probe_targets {
+        let kind = pb::ProbeKind::try_from(target.kind).unwrap_or(pb::ProbeKind::Unspecified);
+        let label = probe_label(kind, &target.address, target.port);
+        let name = format!("probe {label}");
+        let reply = step!(
+            name.as_str(),
+            |r: &pb::ProbeReply| r.detail.clone(),
+            client.probe(pb::ProbeRequest {
+                kind: target.kind,
+                address: target.address.clone(),
+                port: target.port,
+            })
+        );
+        let passed = reply.outcome == i32::from(pb::ProbeOutcome::Passed);
+        let expected_origin = format!("worker_host {}", grant.probe_source.address);
+        if reply.origin != expected_origin {
+            evidence.isolation_failures.push(format!(
+                "probe {label} ran from {:?}, not from the probe address ({expected_origin})",
+                reply.origin
+            ));
+        }
+        if !passed {
+            evidence
+                .failures
+                .push(format!("probe {label} failed: {}", reply.detail));
+        }
+        evidence.probes.push(report::ProbeResult {
+            target: label,
+            expected: target
+                .expect
+                .as_ref()
+                .map(expectation_text)
+                .unwrap_or_default(),
+            outcome: pb::ProbeOutcome::try_from(reply.outcome)
+                .map(|o| {
+                    o.as_str_name()
+                        .trim_start_matches("PROBE_OUTCOME_")
+                        .to_owned()
+                })
+                .unwrap_or_else(|_| reply.outcome.to_string()),
+            origin: reply.origin.clone(),
+            passed,
+            latency_us: reply.latency_us,
+            detail: reply.detail.clone(),
+            received_sha256: reply.received_sha256.clone(),
+            tls_certificate_sha256: reply.tls_certificate_sha256.clone(),
+        });
+    }
+    // QGA assertions, on the first sandbox VM (the grant names programs, not VMs).
+    if let Some(vmid) = grant.sandbox_vms.keys().next() {
+        for id in grant.qga_assertions.keys() {
+            let name = format!("assertion {id}");
+            let reply = step!(
+                name.as_str(),
+                |r: &pb::QgaReply| format!("exit {}", r.exit_code),
+                client.qga(pb::QgaRequest {
+                    vmid: vmid.get(),
+                    call: Some(pb::qga_request::Call::AssertionId(id.to_string())),
+                })
+            );
+            if !reply.assertion_passed {
+                evidence.failures.push(format!(
+                    "assertion {id} failed (exit code {})",
+                    reply.exit_code
+                ));
+            }
+            evidence.assertions.push(report::AssertionResult {
+                name: id.to_string(),
+                exit_code: reply.exit_code,
+                passed: reply.assertion_passed,
+                detail: reply.result_json.clone(),
+            });
+        }
+    }
+    evidence.checks_complete = true;
+    // A picture of the guest's console at verdict time, for the person reading the report.
+    if let Some(vmid) = grant.sandbox_vms.keys().next() {
+        let name = format!("screenshot {vmid}");
+        let at = recorder.begin(&name);
+        match guarded(
+            &mut interrupts,
+            deadline,
+            client.qmp(pb::QmpRequest {
+                vmid: vmid.get(),
+                command: pb::QmpCommand::Screendump.into(),
+            }),
+        )
+        .await
+        {
+            Ok(reply) => match screenshot::screenshot_png(&reply) {
+                Ok(shot) => {
+                    recorder.end(
+                        &name,
+                        at,
+                        StepResult::Ok,
+                        format!(
+                            "{}x{} PNG, {} bytes",
+                            shot.width,
+                            shot.height,
+                            shot.png.len()
+                        ),
+                    );
+                    evidence.screenshot = Some(shot);
+                }
+                Err(error) => recorder.end(&name, at, StepResult::Failed, error.to_string()),
+            },
+            Err(Stop::Refused(text)) => recorder.end(&name, at, StepResult::Failed, text),
+            Err(stop) => {
+                recorder.end(&name, at, StepResult::Failed, format!("{stop:?}"));
+                return Some(stop);
+            }
+        }
+    }
+    if !evidence.agent_answered && grant.probe_targets.is_empty() {
+        evidence.failures.push(format!(
+            "the guest agent did not answer within {} s and no probe was planned: nothing shows the guest booted",
+            validation.guest_agent_seconds
+        ));
+    }
+
+    // Teardown of the happy path, newest first; anything it leaves, Cleanup finds.
+    for vmid in grant.sandbox_vms.keys() {
+        step!(
+            format!("stop {vmid}").as_str(),
+            |_: &pb::VmReply| String::new(),
+            client.stop_vm(pb::StopVmRequest {
+                vmid: vmid.get(),
+                timeout_seconds: STOP_TIMEOUT_SECONDS,
+            })
+        );
+        step!(
+            format!("destroy {vmid}").as_str(),
+            |_: &pb::VmReply| String::new(),
+            client.destroy_vm(pb::VmRequest { vmid: vmid.get() })
+        );
+    }
+    step!(
+        "release sandbox",
+        |_: &pb::ReleaseSandboxReply| String::new(),
+        client.release_sandbox(pb::ReleaseSandboxRequest {
+            vnet: grant.vnet.to_string(),
+        })
+    );
+    for vmid in grant.sandbox_vms.keys() {
+        for archive in &grant.archives {
+            step!(
+                format!("delete overlay {vmid} {archive}").as_str(),
+                |_: &pb::DeleteOverlayReply| String::new(),
+                client.delete_overlay(pb::DeleteOverlayRequest {
+                    vmid: vmid.get(),
+                    archive: archive.to_string(),
+                })
+            );
+        }
+    }
+    for archive in &grant.archives {
+        step!(
+            format!("unmap {archive}").as_str(),
+            |_: &pb::UnmapBackupReply| String::new(),
+            client.unmap_backup(pb::UnmapBackupRequest {
+                archive: archive.to_string(),
+            })
+        );
+    }
+    None
+}
+
+/// What QMP's run state says about a restored guest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GuestState {
+    Running,
+    /// The guest stopped on its own: `io-error`, `internal-error`, `guest-panicked`, `shutdown`,
+    /// `watchdog`, `suspended`.
+    Stopped,
+    /// The node holds it (`paused`, `prelaunch`, migration states) or the state is unknown.
+    NotJudged,
+}
+
+fn guest_state(status: &str) -> GuestState {
+    match status {
+        "running" => GuestState::Running,
+        "io-error" | "internal-error" | "guest-panicked" | "shutdown" | "watchdog"
+        | "suspended" => GuestState::Stopped,
+        _ => GuestState::NotJudged,
+    }
+}
+
+/// `tcp://192.0.2.10:22`, `https://[2001:db8::10]:443`.
+fn probe_label(kind: pb::ProbeKind, address: &str, port: u32) -> String {
+    let scheme = kind
+        .as_str_name()
+        .trim_start_matches("PROBE_KIND_")
+        .to_ascii_lowercase();
+    if address.contains(':') {
+        format!("{scheme}://[{address}]:{port}")
+    } else {
+        format!("{scheme}://{address}:{port}")
+    }
+}
+
+/// What a probe expected, as the plan said it: its non-empty fields.
+fn expectation_text(expect: &pb::ProbeExpectation) -> String {
+    let mut parts = Vec::new();
+    let mut text = |key: &str, value: &str| {
+        if !value.is_empty() {
+            parts.push(format!("{key} {value:?}"));
+        }
+    };
+    text("banner_prefix", &expect.banner_prefix);
+    text("http_path", &expect.http_path);
+    text("body_contains", &expect.body_contains);
+    text("body_sha256", &expect.body_sha256);
+    text("dns_name", &expect.dns_name);
+    text("ldap_naming_context", &expect.ldap_naming_context);
+    if expect.http_status != 0 {
+        parts.push(format!("http_status {}", expect.http_status));
+    }
+    if let Ok(kind) = pb::DnsRecordType::try_from(expect.dns_type)
+        && kind != pb::DnsRecordType::Unspecified
+    {
+        parts.push(format!(
+            "dns_type {}",
+            kind.as_str_name().trim_start_matches("DNS_RECORD_TYPE_")
+        ));
+    }
+    if !expect.dns_answers.is_empty() {
+        parts.push(format!("dns_answers {:?}", expect.dns_answers));
+    }
+    if parts.is_empty() {
+        "connects".to_owned()
+    } else {
+        parts.join(", ")
+    }
+}
+
+/// Checks the node's isolation evidence against the grant: only taps of the run's sandbox VMs
+/// on the bridge, only the probe address (and the bridge's IPv6 link-local address) on it,
+/// every forwarding sysctl reported and 0.
+fn check_isolation(
+    isolation: &report::Isolation,
+    grant: &certistack_connector::grant::Grant,
+) -> Result<(), String> {
+    for port in &isolation.bridge_ports {
+        let vmid = port
+            .strip_prefix("tap")
+            .and_then(|rest| rest.split_once('i'))
+            .filter(|(_, nic)| !nic.is_empty() && nic.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|(vmid, _)| vmid.parse::<u32>().ok());
+        if !vmid.is_some_and(|vmid| grant.sandbox_vms.keys().any(|v| v.get() == vmid)) {
+            return Err(format!(
+                "bridge port {port:?} is not a tap of this run's sandbox VMs"
+            ));
+        }
+    }
+    for address in &isolation.bridge_addresses {
+        let ip = address
+            .split_once('/')
+            .map_or(address.as_str(), |(ip, _)| ip)
+            .parse::<std::net::IpAddr>()
+            .map_err(|_| format!("bridge address {address:?} is not an address"))?;
+        let link_local =
+            matches!(ip, std::net::IpAddr::V6(v6) if v6.segments()[0] & 0xffc0 == 0xfe80);
+        if ip != grant.probe_source.address.0 && !link_local {
+            return Err(format!(
+                "bridge address {address} is not the probe address {}",
+                grant.probe_source
+            ));
+        }
+    }
+    if isolation.forwarding.is_empty() {
+        return Err("the node reported no forwarding sysctl".into());
+    }
+    // A value may carry the node's note after it, e.g. `0 (was 1; set to 0 for this run ...)`.
+    for (name, value) in &isolation.forwarding {
+        if value.split_whitespace().next() != Some("0") {
+            return Err(format!("{name} is {value}, not 0"));
+        }
+    }
+    Ok(())
+}
+
+fn isolation(reply: &pb::PrepareSandboxReply) -> report::Isolation {
+    let forwarding = reply
+        .forwarding_sysctl
+        .lines()
+        .filter_map(|line| {
+            let (key, value) = line.split_once('=')?;
+            Some((key.trim().to_owned(), value.trim().to_owned()))
+        })
+        .collect();
+    report::Isolation {
+        bridge_ports: reply.bridge_ports.clone(),
+        bridge_addresses: reply.bridge_addresses.clone(),
+        forwarding,
+        ruleset: reply.ruleset_text.clone(),
+        ruleset_digest: report::sha256_text(reply.ruleset_text.as_bytes()),
+        nat_sources: reply.nat_sources.clone(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    #[test]
+    fn a_probe_is_labelled_by_its_scheme_with_ipv6_in_brackets() {
+        assert_eq!(
+            probe_label(pb::ProbeKind::Https, "2001:db8::10", 443),
+            "https://[2001:db8::10]:443"
+        );
+        assert_eq!(
+            probe_label(pb::ProbeKind::Tcp, "10.99.0.10", 22),
+            "tcp://10.99.0.10:22"
+        );
+        let expect = pb::ProbeExpectation {
+            http_path: "/health".into(),
+            http_status: 200,
+            ..Default::default()
+        };
+        assert_eq!(
+            expectation_text(&expect),
+            "http_path \"/health\", http_status 200"
+        );
+        assert_eq!(
+            expectation_text(&pb::ProbeExpectation::default()),
+            "connects"
+        );
+    }
+
+    fn grant() -> certistack_connector::grant::Grant {
+        let wire = pb::RunGrant {
+            version: 1,
+            run_id: "0f0e1c2d-3b4a-4c5d-8e6f-7a8b9c0d1e2f".into(),
+            node: "pve1".into(),
+            not_before_unix: 1_700_000_000,
+            deadline_unix: 1_700_003_600,
+            repository: Some(pb::PbsRepository {
+                server: "pbs.example.net".into(),
+                port: 8007,
+                datastore: "store1".into(),
+                namespace: String::new(),
+                auth_id: "certistack@pbs!restore".into(),
+                fingerprint: ["ab"; 32].join(":"),
+            }),
+            snapshot: "vm/100/2026-11-01T02:00:00Z".into(),
+            archives: vec!["drive-scsi0.img".into()],
+            sandbox_vms: vec![pb::SandboxVm {
+                vmid: 9100,
+                max_cores: 1,
+                max_memory_mib: 256,
+            }],
+            vnet: "csnet1".into(),
+            probe_source: "10.99.0.1/24".into(),
+            probe_targets: Vec::new(),
+            qga_assertions: Vec::new(),
+            network_recovery_modes: Vec::new(),
+            guest_address: String::new(),
+        };
+        let key = ed25519_dalek::SigningKey::from_bytes(&[7; 32]);
+        let signed = crate::run::sign_grant(&key, &wire);
+        certistack_connector::grant::verify(&signed, &key.verifying_key()).unwrap()
+    }
+
+    #[test]
+    fn isolation_evidence_that_contradicts_the_grant_is_refused() {
+        let good = report::Isolation {
+            bridge_ports: vec!["tap9100i0".into(), "tap9100i1".into()],
+            bridge_addresses: vec!["fe80::1/64".into(), "10.99.0.1/24".into()],
+            forwarding: BTreeMap::from([("net.ipv4.conf.csnet1.forwarding".into(), "0".into())]),
+            ruleset: String::new(),
+            ruleset_digest: String::new(),
+            nat_sources: Vec::new(),
+        };
+        let grant = grant();
+        check_isolation(&good, &grant).unwrap();
+        let refused = |change: &dyn Fn(&mut report::Isolation), needle: &str| {
+            let mut isolation = good.clone();
+            change(&mut isolation);
+            let error = check_isolation(&isolation, &grant).unwrap_err();
+            assert!(error.contains(needle), "{error}");
+        };
+        refused(&|i| i.bridge_ports.push("eno1".into()), "eno1");
+        refused(&|i| i.bridge_ports.push("tap9200i0".into()), "tap9200i0");
+        refused(&|i| i.bridge_ports.push("tap9100i".into()), "tap9100i");
+        refused(
+            &|i| i.bridge_addresses.push("10.99.0.254/24".into()),
+            "10.99.0.254",
+        );
+        refused(
+            &|i| {
+                i.forwarding
+                    .insert("net.ipv4.conf.csnet1.forwarding".into(), "1".into());
+            },
+            "is 1, not 0",
+        );
+        refused(&|i| i.forwarding.clear(), "no forwarding sysctl");
+        let mut disabled = good.clone();
+        disabled.forwarding.insert(
+            "net.ipv6.conf.csnet1.forwarding".into(),
+            "0 (was 1; set to 0 for this run by sandbox.forwarding = \"disable-for-run\")".into(),
+        );
+        check_isolation(&disabled, &grant).unwrap();
+    }
+
+    #[test]
+    fn a_guest_that_stopped_fails_and_one_the_node_holds_is_not_judged() {
+        assert_eq!(guest_state("running"), GuestState::Running);
+        for stopped in ["io-error", "internal-error", "guest-panicked", "shutdown"] {
+            assert_eq!(guest_state(stopped), GuestState::Stopped, "{stopped}");
+        }
+        for held in ["paused", "prelaunch", "postmigrate", "unknown"] {
+            assert_eq!(guest_state(held), GuestState::NotJudged, "{held}");
+        }
+    }
+}
