@@ -6,8 +6,10 @@
 pub mod audit;
 pub mod authority;
 pub mod client;
+pub mod commands;
 pub mod config;
 pub mod doctor;
+pub mod interrupt;
 pub mod operator;
 pub mod package;
 pub mod plan;

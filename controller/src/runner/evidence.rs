@@ -2,7 +2,8 @@
 //! and assertions, the console picture, and the run's journal read back and checked here.
 
 use super::session::{OPERATOR_CALL_TIMEOUT, Session, within};
-use super::{ABANDON_CLEANUP, Event, Interrupts, OPERATOR_NAME, RunContext};
+use super::{Event, OPERATOR_NAME, RunContext};
+use crate::interrupt::{ABANDON_CLEANUP, Interrupts};
 use crate::operator;
 use crate::report::{self, StepResult};
 use crate::screenshot;

@@ -26,6 +26,7 @@ pub use summary::{CleanupState, Outcome, Summary, exit_code, summary_table};
 
 use crate::authority::Authority;
 use crate::doctor;
+use crate::interrupt::Interrupts;
 use crate::plan::{self, Plan, Validation};
 use crate::report::{self, StepResult};
 use crate::run as credentials;
@@ -38,7 +39,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use teardown::finish;
 use time::OffsetDateTime;
-use tokio::sync::{Semaphore, watch};
+use tokio::sync::Semaphore;
 
 /// Validations running at once on one node, unless the command line says otherwise.
 pub const DEFAULT_PER_NODE: usize = 2;
@@ -46,14 +47,6 @@ pub const DEFAULT_PER_NODE: usize = 2;
 pub const DEFAULT_TOTAL: usize = 8;
 /// The operator name of the certificates `run` mints to read journals and clean up late.
 const OPERATOR_NAME: &str = "certistack-run";
-
-/// Operator interruptions: 0 none, 1 stop after the current step and clean up, 2 also abandon
-/// the step or wait in progress (cleanup still runs).
-pub type Interrupts = watch::Receiver<u8>;
-
-/// The interrupt level that abandons waits in cleanup: the third Ctrl-C. (The second abandons
-/// only reconnecting to a node that is gone: cleanup needs the node.)
-const ABANDON_CLEANUP: u8 = 3;
 
 /// What every validation of one `run` shares.
 #[allow(missing_debug_implementations)]

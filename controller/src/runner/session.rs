@@ -2,9 +2,10 @@
 //! call means (the connection lost, or the node's refusal), and calls bounded by the deadline
 //! and the operator's interrupts.
 
-use super::{Interrupts, Stop};
+use super::Stop;
 use crate::authority::IssuedCertificate;
 use crate::client::{self, NodeError};
+use crate::interrupt::{Interrupts, interrupted_to};
 use certistack_proto::v1 as pb;
 use certistack_proto::v1::connector_client::ConnectorClient;
 use std::sync::Arc;
@@ -111,18 +112,6 @@ pub(super) fn definitely_not_begun(status: &tonic::Status) -> bool {
 
 pub(super) fn describe_status(status: &tonic::Status) -> String {
     format!("{:?}: {}", status.code(), status.message())
-}
-
-/// Returns once the operator's interrupts reach `level` (never, if the sender is gone).
-async fn interrupted_to(interrupts: &mut Interrupts, level: u8) {
-    loop {
-        if *interrupts.borrow_and_update() >= level {
-            return;
-        }
-        if interrupts.changed().await.is_err() {
-            std::future::pending::<()>().await;
-        }
-    }
 }
 
 /// Runs `call` unless the operator abandons it or the deadline passes first.

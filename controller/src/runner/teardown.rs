@@ -8,9 +8,8 @@ use super::session::{
     CONNECT_TIMEOUT, CallError, OPERATOR_CALL_TIMEOUT, RECONNECT_PAUSE_MAX, RUN_CALL_TIMEOUT,
     Session, connection_lost, node_error_lost, pause_before_retry, within,
 };
-use super::{
-    ABANDON_CLEANUP, CleanupState, Interrupts, OPERATOR_NAME, Outcome, RunContext, Stop, Summary,
-};
+use super::{CleanupState, OPERATOR_NAME, Outcome, RunContext, Stop, Summary};
+use crate::interrupt::{ABANDON_CLEANUP, Interrupts};
 use crate::operator;
 use crate::plan::Validation;
 use crate::report::{self, StepResult, Verdict};
