@@ -69,11 +69,6 @@ const VIRTUAL_DMI_NAMES: &[&str] = &[
     "BHYVE",
 ];
 
-/// Exit codes of `certistack-ctl doctor`.
-pub const EXIT_OK: u8 = 0;
-pub const EXIT_FAILED: u8 = 1;
-pub const EXIT_UNREACHABLE: u8 = 2;
-
 /// The name of the check that fails when a node cannot be asked at all.
 pub const CONNECT: &str = "connect";
 
@@ -125,20 +120,6 @@ impl Check {
 /// Whether a run may start on the node: no check failed.
 pub fn passes(checks: &[Check]) -> bool {
     checks.iter().all(|check| check.level != Level::Fail)
-}
-
-/// 2 when a node could not be asked, else 1 when a check failed, else 0 (warnings included).
-pub fn exit_code<'a>(checks: impl IntoIterator<Item = &'a Check>) -> u8 {
-    let mut code = EXIT_OK;
-    for check in checks {
-        if check.check == CONNECT && check.level == Level::Fail {
-            return EXIT_UNREACHABLE;
-        }
-        if check.level == Level::Fail {
-            code = EXIT_FAILED;
-        }
-    }
-    code
 }
 
 /// Connects to `node` as the operator `identity`, checks its Hello and judges what its
@@ -1582,24 +1563,5 @@ mod tests {
         assert_eq!(level_of(&facts, 0, "overlay-disk"), Level::Warn);
         assert_eq!(level_of(&healthy(), 5_001, "clock"), Level::Warn);
         assert_eq!(level_of(&healthy(), -5_000, "clock"), Level::Ok);
-    }
-
-    #[test]
-    fn exit_codes_rank_unreachable_over_failure_over_warning() {
-        let check = |check: &'static str, level| Check {
-            node: "pve1".into(),
-            check,
-            level,
-            detail: String::new(),
-        };
-        assert_eq!(exit_code(&[check("clock", Level::Warn)]), EXIT_OK);
-        assert_eq!(
-            exit_code(&[check("pve", Level::Fail), check("clock", Level::Warn)]),
-            EXIT_FAILED
-        );
-        assert_eq!(
-            exit_code(&[check("pve", Level::Fail), check(CONNECT, Level::Fail)]),
-            EXIT_UNREACHABLE
-        );
     }
 }

@@ -9,6 +9,7 @@ pub mod client;
 pub mod commands;
 pub mod config;
 pub mod doctor;
+pub mod exit;
 pub mod interrupt;
 pub mod operator;
 pub mod package;

@@ -2,13 +2,14 @@
 #![forbid(unsafe_code)]
 #![allow(clippy::print_stdout)]
 
+use certistack_controller::commands;
 use certistack_controller::commands::doctor::DoctorArgs;
 use certistack_controller::commands::hello::HelloArgs;
 use certistack_controller::commands::package::{PACKAGE_EXIT_CODES, PackageCommand};
 use certistack_controller::commands::report::{REPORT_EXIT_CODES, ReportCommand};
 use certistack_controller::commands::run::RunPlanArgs;
 use certistack_controller::commands::target::{OperatorArgs, RunArgs};
-use certistack_controller::commands::{self, EXIT_USAGE, Failure, local};
+use certistack_controller::exit::{self, ExitStatus};
 use certistack_controller::{authority, surface};
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -175,7 +176,7 @@ fn main() -> ExitCode {
         Err(error) => {
             let _ = error.print();
             return if error.use_stderr() {
-                ExitCode::from(EXIT_USAGE)
+                ExitCode::from(exit::USAGE)
             } else {
                 ExitCode::SUCCESS
             };
@@ -183,24 +184,18 @@ fn main() -> ExitCode {
     };
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(failure) => {
-            let (code, message) = match failure {
-                Failure::Local(m) => (1, m),
-                Failure::Unreachable(m) => (3, m),
-                Failure::Mismatch(m) => (4, m),
-                Failure::Coded(code, m) => (code, m),
-            };
-            eprintln!("certistack-ctl: {message}");
-            ExitCode::from(code)
+        Err(status) => {
+            eprintln!("certistack-ctl: {}", status.message());
+            ExitCode::from(status.code())
         }
     }
 }
 
-fn run(cli: Cli) -> Result<(), Failure> {
+fn run(cli: Cli) -> Result<(), ExitStatus> {
     let now = OffsetDateTime::now_utc();
     match cli.command {
         Command::Ca(CaCommand::Init { state_dir }) => {
-            let fingerprint = authority::init(&state_dir, now).map_err(local)?;
+            let fingerprint = authority::init(&state_dir, now).map_err(ExitStatus::local)?;
             println!(
                 "created CA, run-authority and report-signing keys in {}",
                 state_dir.display()
@@ -214,15 +209,18 @@ fn run(cli: Cli) -> Result<(), Failure> {
             csr,
             out,
         }) => {
-            let authority = authority::Authority::load(&state_dir).map_err(local)?;
+            let authority = authority::Authority::load(&state_dir).map_err(ExitStatus::local)?;
             let csr = std::fs::read_to_string(&csr)
-                .map_err(|e| local(format!("cannot read {}: {e}", csr.display())))?;
-            let certificate = authority.sign_node_csr(&csr, &node, now).map_err(local)?;
-            let fingerprint = authority.ca_fingerprint().map_err(local)?;
+                .map_err(|e| ExitStatus::local(format!("cannot read {}: {e}", csr.display())))?;
+            let certificate = authority
+                .sign_node_csr(&csr, &node, now)
+                .map_err(ExitStatus::local)?;
+            let fingerprint = authority.ca_fingerprint().map_err(ExitStatus::local)?;
             match out {
                 Some(path) => {
-                    std::fs::write(&path, certificate)
-                        .map_err(|e| local(format!("cannot write {}: {e}", path.display())))?;
+                    std::fs::write(&path, certificate).map_err(|e| {
+                        ExitStatus::local(format!("cannot write {}: {e}", path.display()))
+                    })?;
                     println!(
                         "issued {} for node {node}; install it on the node with\n  certistack-connector enroll --install --certificate {} --ca {} --ca-fingerprint {fingerprint} --run-authority {}",
                         path.display(),
@@ -239,7 +237,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
             Ok(())
         }
         Command::Surface => {
-            print!("{}", surface::describe().map_err(local)?);
+            print!("{}", surface::describe().map_err(ExitStatus::local)?);
             Ok(())
         }
         Command::Hello(args) => commands::hello::hello(args, now),

@@ -1,9 +1,8 @@
 //! `doctor`: the prerequisites of inventory nodes, checked concurrently.
 
 use super::target::inventory_lookup;
-use super::{
-    EXIT_LOCAL_CONFIG, EXIT_OS_ERROR, EXIT_USAGE, Failure, load_authority, load_config, load_plan,
-};
+use super::{Threads, load_authority, load_config, load_plan, runtime};
+use crate::exit::{self, ExitStatus};
 use std::path::PathBuf;
 use time::OffsetDateTime;
 
@@ -32,7 +31,7 @@ pub struct DoctorArgs {
     pub boot_appliance: Option<u32>,
 }
 
-pub fn doctor(args: &DoctorArgs, now: OffsetDateTime) -> Result<(), Failure> {
+pub fn doctor(args: &DoctorArgs, now: OffsetDateTime) -> Result<(), ExitStatus> {
     use crate::doctor;
     let config = load_config(&args.config)?;
     let nodes = if args.nodes.is_empty() {
@@ -47,7 +46,7 @@ pub fn doctor(args: &DoctorArgs, now: OffsetDateTime) -> Result<(), Failure> {
     if let Some(vnet) = &args.vnet {
         use certistack_connector::validate::{Validated, VnetName};
         let vnet = VnetName::validate(vnet)
-            .map_err(|reason| Failure::Coded(EXIT_USAGE, format!("--vnet {vnet:?}: {reason}")))?;
+            .map_err(|reason| ExitStatus::usage(format!("--vnet {vnet:?}: {reason}")))?;
         for node in &nodes {
             vnets.insert(node.name.to_string(), vnet.clone());
         }
@@ -62,12 +61,8 @@ pub fn doctor(args: &DoctorArgs, now: OffsetDateTime) -> Result<(), Failure> {
     let authority = load_authority(&config.state_dir)?;
     let identity = authority
         .issue_operator("doctor", now)
-        .map_err(|e| Failure::Coded(EXIT_LOCAL_CONFIG, e.to_string()))?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(|e| Failure::Coded(EXIT_OS_ERROR, format!("cannot start the runtime: {e}")))?;
+        .map_err(|e| ExitStatus::new(exit::REFUSED_CONFIG, e.to_string()))?;
+    let runtime = runtime(Threads::Two).map_err(ExitStatus::runtime_refused)?;
     let checks = runtime.block_on(doctor::check_fleet(
         nodes,
         authority.ca_pem(),
@@ -85,15 +80,5 @@ pub fn doctor(args: &DoctorArgs, now: OffsetDateTime) -> Result<(), Failure> {
             println!("{}", check.line());
         }
     }
-    match doctor::exit_code(checks.iter().flatten()) {
-        doctor::EXIT_OK => Ok(()),
-        doctor::EXIT_UNREACHABLE => Err(Failure::Coded(
-            doctor::EXIT_UNREACHABLE,
-            "a node could not be checked: it is unreachable".to_owned(),
-        )),
-        code => Err(Failure::Coded(
-            code,
-            "a prerequisite failed; see the fail lines above".to_owned(),
-        )),
-    }
+    ExitStatus::of_doctor(checks.iter().flatten())
 }

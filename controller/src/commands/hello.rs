@@ -1,8 +1,8 @@
 //! `hello`: connect to a node as an operator and print its Hello answer.
 
-use super::{Failure, local};
+use super::{Threads, runtime};
+use crate::exit::ExitStatus;
 use crate::{authority, client};
-use certistack_connector::tls::ConnectError;
 use std::path::PathBuf;
 use time::OffsetDateTime;
 
@@ -21,11 +21,11 @@ pub struct HelloArgs {
     pub operator: String,
 }
 
-pub fn hello(args: HelloArgs, now: OffsetDateTime) -> Result<(), Failure> {
-    let authority = authority::Authority::load(&args.state_dir).map_err(local)?;
+pub fn hello(args: HelloArgs, now: OffsetDateTime) -> Result<(), ExitStatus> {
+    let authority = authority::Authority::load(&args.state_dir).map_err(ExitStatus::local)?;
     let identity = authority
         .issue_operator(&args.operator, now)
-        .map_err(local)?;
+        .map_err(ExitStatus::local)?;
     let host = args
         .node
         .rsplit_once(':')
@@ -33,25 +33,12 @@ pub fn hello(args: HelloArgs, now: OffsetDateTime) -> Result<(), Failure> {
     let name = args
         .name
         .unwrap_or_else(|| host.trim_matches(['[', ']']).to_owned());
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(local)?;
+    let runtime = runtime(Threads::One).map_err(ExitStatus::local)?;
     let reply = runtime.block_on(async {
         let mut client = client::connect(&args.node, &name, authority.ca_pem(), &identity).await?;
         client::hello(&mut client, &name).await
     });
-    let reply = reply.map_err(|error| match error {
-        client::NodeError::SurfaceDigest { .. }
-        | client::NodeError::NodeName { .. }
-        | client::NodeError::Connect(
-            ConnectError::WrongNode(..)
-            | ConnectError::UnknownIssuer(_)
-            | ConnectError::NotANode(..),
-        ) => Failure::Mismatch(error.to_string()),
-        client::NodeError::Tls(_) => Failure::Local(error.to_string()),
-        _ => Failure::Unreachable(error.to_string()),
-    })?;
+    let reply = reply?;
     let skew_ms = reply.node_time_unix_ms - (now.unix_timestamp_nanos() / 1_000_000) as i64;
     println!("node: {}", reply.node_name);
     println!(

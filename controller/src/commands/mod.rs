@@ -13,80 +13,48 @@ pub mod run;
 pub mod target;
 
 use crate::authority;
+use crate::exit::ExitStatus;
 use time::OffsetDateTime;
 
-#[derive(Debug)]
-pub enum Failure {
-    Local(String),
-    Unreachable(String),
-    Mismatch(String),
-    /// A failure with its own documented exit code (see PLAN_EXIT_CODES).
-    Coded(u8, String),
+/// The runtime a command's calls run on: one thread for one node, two workers for a fleet or
+/// a plan (the calls wait on the network, not the CPU).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Threads {
+    One,
+    Two,
 }
 
-/// The exit code of a command line clap refuses (EX_USAGE); help and version exit 0.
-pub const EXIT_USAGE: u8 = 64;
-
-pub fn local(error: impl std::fmt::Display) -> Failure {
-    Failure::Local(error.to_string())
-}
-
-/// The exit code when the operating system refuses what the command needs (EX_OSERR).
-pub const EXIT_OS_ERROR: u8 = 71;
-
-/// Loads the controller's state directory (CA and keys), mapping its failures to the documented
-/// exit codes: 66 unreadable, 77 owner or mode refused.
-pub fn load_authority(state_dir: &std::path::Path) -> Result<authority::Authority, Failure> {
-    authority::Authority::load(state_dir).map_err(|error| {
-        let code = match &error {
-            authority::AuthorityError::File(file) => file_failure_code(file),
-            _ => 66,
-        };
-        Failure::Coded(code, format!("controller state directory refused: {error}"))
-    })
-}
-
-/// Loads the controller configuration, mapping its failures to the documented exit codes.
-pub fn load_config(config: &std::path::Path) -> Result<crate::config::ControllerConfig, Failure> {
-    use crate::config::{ConfigError, ControllerConfig};
-    ControllerConfig::load(config).map_err(|error| {
-        let code = match &error {
-            ConfigError::File(file) => file_failure_code(file),
-            _ => 78,
-        };
-        Failure::Coded(code, format!("controller configuration refused: {error}"))
-    })
-}
-
-pub fn file_failure_code(error: &certistack_connector::files::FileError) -> u8 {
-    use certistack_connector::files::FileError;
-    match error {
-        FileError::Insecure { .. } | FileError::WrongOwner { .. } => 77,
-        _ => 66,
+/// Builds the tokio runtime of a command.
+pub fn runtime(threads: Threads) -> std::io::Result<tokio::runtime::Runtime> {
+    match threads {
+        Threads::One => tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build(),
+        Threads::Two => tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build(),
     }
 }
 
-/// Loads and checks a plan, mapping its failures to the documented exit codes.
+/// Loads the controller's state directory (CA and keys); its failures exit as
+/// `From<AuthorityError> for ExitStatus` says.
+pub fn load_authority(state_dir: &std::path::Path) -> Result<authority::Authority, ExitStatus> {
+    Ok(authority::Authority::load(state_dir)?)
+}
+
+/// Loads the controller configuration; its failures exit as `From<ConfigError>` says.
+pub fn load_config(
+    config: &std::path::Path,
+) -> Result<crate::config::ControllerConfig, ExitStatus> {
+    Ok(crate::config::ControllerConfig::load(config)?)
+}
+
+/// Loads and checks a plan; its failures exit as `From<PlanError>` says.
 pub fn load_plan(
     plan: &std::path::Path,
     config: &crate::config::ControllerConfig,
     now: OffsetDateTime,
-) -> Result<crate::plan::Plan, Failure> {
-    use crate::plan::{Plan, PlanError};
-    Plan::load(plan, config, now.unix_timestamp()).map_err(|error| {
-        let code = match &error {
-            PlanError::Read(file) | PlanError::Secret { error: file, .. } => {
-                file_failure_code(file)
-            }
-            PlanError::TooLarge { .. } | PlanError::Syntax { .. } | PlanError::Refused { .. } => 65,
-        };
-        Failure::Coded(code, format!("plan refused: {error}"))
-    })
+) -> Result<crate::plan::Plan, ExitStatus> {
+    Ok(crate::plan::Plan::load(plan, config, now.unix_timestamp())?)
 }
-
-/// Exit code of an infrastructure failure of an operator command: unreachable, refused, or
-/// not the node expected.
-pub const EXIT_INFRASTRUCTURE: u8 = 2;
-
-/// Exit code when the state directory or its keys cannot be used (EX_CONFIG).
-pub const EXIT_LOCAL_CONFIG: u8 = 78;

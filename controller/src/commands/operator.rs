@@ -1,10 +1,10 @@
 //! `runs`, `journal` and `cleanup`: one node's runs, a run's journal verified here, a run cleaned up.
 
-use super::Failure;
 use super::target::{ResolvedNode, with_operator};
+use crate::exit::ExitStatus;
 use time::OffsetDateTime;
 
-pub fn operator_runs(args: &ResolvedNode, now: OffsetDateTime) -> Result<(), Failure> {
+pub fn operator_runs(args: &ResolvedNode, now: OffsetDateTime) -> Result<(), ExitStatus> {
     use crate::operator;
     let runs = with_operator(args, now, async |connection| {
         operator::list_runs(connection).await
@@ -20,7 +20,7 @@ pub fn operator_journal(
     args: &ResolvedNode,
     run_id: &str,
     now: OffsetDateTime,
-) -> Result<(), Failure> {
+) -> Result<(), ExitStatus> {
     use crate::operator;
     let records = with_operator(args, now, async |connection| {
         operator::read_journal(connection, run_id, |record| {
@@ -29,7 +29,7 @@ pub fn operator_journal(
         .await
     })?;
     let head = operator::verify_journal(run_id, &records).map_err(|reason| {
-        Failure::Local(format!(
+        ExitStatus::local(format!(
             "the journal of run {run_id} does not verify: {reason}; keep the node's journal file for inspection"
         ))
     })?;
@@ -44,7 +44,7 @@ pub fn operator_cleanup(
     args: &ResolvedNode,
     run_id: &str,
     now: OffsetDateTime,
-) -> Result<(), Failure> {
+) -> Result<(), ExitStatus> {
     use crate::operator;
     let reply = with_operator(args, now, async |connection| {
         operator::cleanup(connection, run_id).await
@@ -57,7 +57,7 @@ pub fn operator_cleanup(
     }
     println!("journal head {}", reply.journal_head);
     operator::cleanup_complete(&reply).map_err(|shortfall| {
-        Failure::Local(format!(
+        ExitStatus::local(format!(
             "cleanup of run {run_id} is not complete: {shortfall}; see the lines above, fix on the node and run cleanup again"
         ))
     })?;

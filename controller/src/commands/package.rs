@@ -1,6 +1,6 @@
 //! `package keygen`, `sign` and `verify`: connector packages signed with minisign, and checked before installing.
 
-use super::{Failure, local};
+use crate::exit::ExitStatus;
 use crate::package;
 use clap::Subcommand;
 use std::path::PathBuf;
@@ -54,18 +54,11 @@ pub enum PackageCommand {
 
 /// Loads the controller's state directory (CA and keys), mapping its failures to the documented
 /// exit codes: 66 unreadable, 77 owner or mode refused.
-pub fn package_command(command: PackageCommand, now: OffsetDateTime) -> Result<(), Failure> {
-    let failure = |error: package::PackageError| {
-        if error.is_refusal() {
-            Failure::Mismatch(error.to_string())
-        } else {
-            local(error)
-        }
-    };
+pub fn package_command(command: PackageCommand, now: OffsetDateTime) -> Result<(), ExitStatus> {
     let password = |file: Option<PathBuf>| {
         file.map(|path| package::read_password(&path))
             .transpose()
-            .map_err(failure)
+            .map_err(ExitStatus::from)
     };
     match command {
         PackageCommand::Keygen {
@@ -74,8 +67,7 @@ pub fn package_command(command: PackageCommand, now: OffsetDateTime) -> Result<(
             password_file,
         } => {
             let encrypted = password_file.is_some();
-            package::generate_key(&secret_key, &public_key, password(password_file)?)
-                .map_err(failure)?;
+            package::generate_key(&secret_key, &public_key, password(password_file)?)?;
             println!(
                 "wrote {} ({}) and {}",
                 secret_key.display(),
@@ -95,7 +87,7 @@ pub fn package_command(command: PackageCommand, now: OffsetDateTime) -> Result<(
         } => {
             let timestamp = u64::try_from(now.unix_timestamp()).unwrap_or_default();
             let (signature, identity) =
-                package::sign(&path, &key, password(password_file)?, timestamp).map_err(failure)?;
+                package::sign(&path, &key, password(password_file)?, timestamp)?;
             println!("signed {identity}: {}", signature.display());
             Ok(())
         }
@@ -103,8 +95,7 @@ pub fn package_command(command: PackageCommand, now: OffsetDateTime) -> Result<(
             pubkey,
             package: path,
         } => {
-            let identity = package::verify(&path, &pubkey, certistack_proto::SURFACE_DIGEST)
-                .map_err(failure)?;
+            let identity = package::verify(&path, &pubkey, certistack_proto::SURFACE_DIGEST)?;
             println!(
                 "ok: {} is {identity}, signed by the key in {}, and serves this controller's surface",
                 path.display(),

@@ -1,13 +1,14 @@
 //! `plan check`: a plan checked completely without contacting any node.
 
-use super::{Failure, load_config, load_plan};
+use super::{load_config, load_plan};
+use crate::exit::ExitStatus;
 use time::OffsetDateTime;
 
 pub fn plan_check(
     plan: &std::path::Path,
     config: &std::path::Path,
     now: OffsetDateTime,
-) -> Result<(), Failure> {
+) -> Result<(), ExitStatus> {
     use crate::plan;
     let config = load_config(config)?;
     let plan = load_plan(plan, &config, now)?;

@@ -1,6 +1,6 @@
 //! `report verify` and `report show`: a report's envelope, signature, statement and journal checked.
 
-use super::{Failure, local};
+use crate::exit::ExitStatus;
 use crate::{authority, report};
 use clap::Subcommand;
 use std::path::PathBuf;
@@ -34,19 +34,19 @@ pub struct ReportArgs {
     pub state_dir: Option<PathBuf>,
 }
 
-pub fn report_command(command: ReportCommand) -> Result<(), Failure> {
+pub fn report_command(command: ReportCommand) -> Result<(), ExitStatus> {
     let (ReportCommand::Verify(args) | ReportCommand::Show(args)) = &command;
     let key_path = match (&args.key, &args.state_dir) {
         (Some(key), _) => key.clone(),
         (None, Some(dir)) => dir.join(authority::REPORT_PUB),
-        (None, None) => return Err(local("give --key or --state-dir")),
+        (None, None) => return Err(ExitStatus::local("give --key or --state-dir")),
     };
-    let key = report::load_public_key(&key_path).map_err(local)?;
-    let bytes = report::read(&args.report).map_err(local)?;
+    let key = report::load_public_key(&key_path).map_err(ExitStatus::local)?;
+    let bytes = report::read(&args.report).map_err(ExitStatus::local)?;
     let statement = report::verify(&bytes, &key)
-        .map_err(|e| local(format!("{}: not valid: {e}", args.report.display())))?;
+        .map_err(|e| ExitStatus::local(format!("{}: not valid: {e}", args.report.display())))?;
     let screenshot = report::check_screenshot(&statement, &args.report)
-        .map_err(|e| local(format!("{}: not valid: {e}", args.report.display())))?;
+        .map_err(|e| ExitStatus::local(format!("{}: not valid: {e}", args.report.display())))?;
     match command {
         ReportCommand::Verify(_) => {
             let predicate = &statement.predicate;
@@ -58,7 +58,7 @@ pub fn report_command(command: ReportCommand) -> Result<(), Failure> {
             println!(
                 "{}: valid; signed by {}; run {} on {}; verdict {verdict}; journal head {} ({} records, recomputed)",
                 args.report.display(),
-                report::key_id(&key).map_err(local)?,
+                report::key_id(&key).map_err(ExitStatus::local)?,
                 predicate.run_id,
                 predicate.node,
                 predicate.journal.head_sha256,

@@ -1,6 +1,7 @@
 //! `run`: every validation of a plan driven on its node, then the summary.
 
-use super::{EXIT_OS_ERROR, Failure, file_failure_code, load_authority, load_config, load_plan};
+use super::{Threads, load_authority, load_config, load_plan, runtime};
+use crate::exit::ExitStatus;
 use crate::{interrupt, runner};
 use std::path::PathBuf;
 use time::OffsetDateTime;
@@ -24,18 +25,12 @@ pub struct RunPlanArgs {
     pub json: bool,
 }
 
-pub fn run_plan(args: &RunPlanArgs, now: OffsetDateTime) -> Result<(), Failure> {
+pub fn run_plan(args: &RunPlanArgs, now: OffsetDateTime) -> Result<(), ExitStatus> {
     use std::io::IsTerminal;
     use std::sync::Arc;
     let config = load_config(&args.config)?;
     let plan = load_plan(&args.plan, &config, now)?;
-    let secrets = runner::Secrets::load(&plan).map_err(|error| {
-        let code = match &error {
-            runner::SecretError::File(file) => file_failure_code(file),
-            runner::SecretError::Invalid(_) => 66,
-        };
-        Failure::Coded(code, error.to_string())
-    })?;
+    let secrets = runner::Secrets::load(&plan)?;
     let authority = load_authority(&config.state_dir)?;
     let mode = if args.json {
         runner::ProgressMode::Json
@@ -44,11 +39,7 @@ pub fn run_plan(args: &RunPlanArgs, now: OffsetDateTime) -> Result<(), Failure> 
     } else {
         runner::ProgressMode::Plain
     };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(|e| Failure::Coded(EXIT_OS_ERROR, format!("cannot start the runtime: {e}")))?;
+    let runtime = runtime(Threads::Two).map_err(ExitStatus::runtime_refused)?;
     let summaries = runtime.block_on(async {
         let progress = Arc::new(runner::Progress::new(mode));
         let interrupts = interrupt::listen(progress.clone());
@@ -84,14 +75,5 @@ pub fn run_plan(args: &RunPlanArgs, now: OffsetDateTime) -> Result<(), Failure> 
     } else {
         runner::write_line(runner::summary_table(&summaries).trim_end());
     }
-    match runner::exit_code(&summaries) {
-        0 => Ok(()),
-        code => Err(Failure::Coded(
-            code,
-            match code {
-                1 => "a validation failed: its backup did not restore (see its report)".into(),
-                _ => "a validation could not be completed or its cleanup is unproven (see the table and the reports)".into(),
-            },
-        )),
-    }
+    ExitStatus::of_run(&summaries)
 }

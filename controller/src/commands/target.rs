@@ -1,10 +1,8 @@
 //! Which node an operator command addresses: an inventory name, or a state directory and
 //! address given directly; and a call made there as an operator.
 
-use super::{
-    EXIT_INFRASTRUCTURE, EXIT_LOCAL_CONFIG, EXIT_USAGE, Failure, load_authority, load_config, local,
-};
-use crate::client;
+use super::{Threads, load_authority, load_config, runtime};
+use crate::exit::ExitStatus;
 use std::path::PathBuf;
 use time::OffsetDateTime;
 
@@ -46,19 +44,6 @@ pub struct RunArgs {
     pub target: NodeTarget,
 }
 
-pub fn operator_failure(error: crate::operator::OperatorError) -> Failure {
-    use crate::operator::OperatorError;
-    match error {
-        OperatorError::Local(message) => Failure::Coded(EXIT_LOCAL_CONFIG, message),
-        OperatorError::Node(client::NodeError::Tls(_)) => {
-            Failure::Coded(EXIT_LOCAL_CONFIG, error.to_string())
-        }
-        OperatorError::Node(_) | OperatorError::TooManyRecords(_) => {
-            Failure::Coded(EXIT_INFRASTRUCTURE, error.to_string())
-        }
-    }
-}
-
 /// Where an operator command connects: state directory, address and expected node name.
 #[derive(Debug)]
 pub struct ResolvedNode {
@@ -72,7 +57,7 @@ pub struct ResolvedNode {
 pub fn resolve_node(
     target: &NodeTarget,
     inventory_node: Option<&str>,
-) -> Result<ResolvedNode, Failure> {
+) -> Result<ResolvedNode, ExitStatus> {
     if let (Some(state_dir), Some(address)) = (&target.state_dir, &target.node) {
         let host = address
             .rsplit_once(':')
@@ -88,9 +73,8 @@ pub fn resolve_node(
         });
     }
     let Some(wanted) = inventory_node else {
-        return Err(Failure::Coded(
-            EXIT_USAGE,
-            "name an inventory node, or give --state-dir and --node".to_owned(),
+        return Err(ExitStatus::usage(
+            "name an inventory node, or give --state-dir and --node",
         ));
     };
     let config = load_config(&target.config)?;
@@ -107,36 +91,31 @@ pub fn inventory_lookup<'a>(
     config: &'a crate::config::ControllerConfig,
     wanted: &str,
     path: &std::path::Path,
-) -> Result<&'a crate::config::InventoryNode, Failure> {
+) -> Result<&'a crate::config::InventoryNode, ExitStatus> {
     config
         .nodes
         .values()
         .find(|node| node.name.to_string() == wanted)
         .ok_or_else(|| {
             let names: Vec<String> = config.nodes.keys().map(ToString::to_string).collect();
-            Failure::Coded(
-                EXIT_USAGE,
-                format!(
-                    "node {wanted:?} is not in the inventory of {}; it names: {}",
-                    path.display(),
-                    if names.is_empty() {
-                        "no node".to_owned()
-                    } else {
-                        names.join(", ")
-                    }
-                ),
-            )
+            ExitStatus::usage(format!(
+                "node {wanted:?} is not in the inventory of {}; it names: {}",
+                path.display(),
+                if names.is_empty() {
+                    "no node".to_owned()
+                } else {
+                    names.join(", ")
+                }
+            ))
         })
 }
 
-pub fn resolve_run_args(args: &RunArgs) -> Result<(ResolvedNode, String), Failure> {
+pub fn resolve_run_args(args: &RunArgs) -> Result<(ResolvedNode, String), ExitStatus> {
     match (args.positionals.as_slice(), &args.target.node) {
         ([run], Some(_)) => Ok((resolve_node(&args.target, None)?, run.clone())),
         ([node, run], None) => Ok((resolve_node(&args.target, Some(node))?, run.clone())),
-        _ => Err(Failure::Coded(
-            EXIT_USAGE,
-            "give NODE RUN (an inventory name and a run id), or RUN with --state-dir and --node"
-                .to_owned(),
+        _ => Err(ExitStatus::usage(
+            "give NODE RUN (an inventory name and a run id), or RUN with --state-dir and --node",
         )),
     }
 }
@@ -148,12 +127,9 @@ pub fn with_operator<T>(
     call: impl AsyncFnOnce(
         &mut certistack_proto::v1::connector_client::ConnectorClient<tonic::transport::Channel>,
     ) -> Result<T, crate::operator::OperatorError>,
-) -> Result<T, Failure> {
+) -> Result<T, ExitStatus> {
     let authority = load_authority(&node.state_dir)?;
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(local)?;
+    let runtime = runtime(Threads::One).map_err(ExitStatus::local)?;
     runtime
         .block_on(async {
             let mut connection = crate::operator::connect(
@@ -166,5 +142,5 @@ pub fn with_operator<T>(
             .await?;
             call(&mut connection).await
         })
-        .map_err(operator_failure)
+        .map_err(ExitStatus::from)
 }

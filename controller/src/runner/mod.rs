@@ -22,7 +22,7 @@ mod teardown;
 
 pub use progress::{Event, Progress, ProgressMode, write_line};
 pub use secrets::{SecretError, Secrets};
-pub use summary::{CleanupState, Outcome, Summary, exit_code, summary_table};
+pub use summary::{CleanupState, Outcome, Summary, summary_table};
 
 use crate::authority::Authority;
 use crate::doctor;

@@ -41,21 +41,6 @@ pub struct Summary {
     pub report: Option<PathBuf>,
 }
 
-/// The exit code of a run: 0 every validation passed; 2 any infrastructure error, interruption
-/// or unproven cleanup; otherwise 1 when a validation failed.
-pub fn exit_code(summaries: &[Summary]) -> u8 {
-    if summaries
-        .iter()
-        .any(|s| s.outcome == Outcome::Error || s.cleanup == CleanupState::Unproven)
-    {
-        2
-    } else if summaries.iter().any(|s| s.outcome == Outcome::Failed) {
-        1
-    } else {
-        0
-    }
-}
-
 /// The closing table: one row per validation.
 pub fn summary_table(summaries: &[Summary]) -> String {
     use std::fmt::Write;
@@ -118,28 +103,6 @@ mod tests {
             elapsed_ms: 61_500,
             report: Some(PathBuf::from("/var/lib/certistack/reports/r.json")),
         }
-    }
-
-    #[test]
-    fn the_exit_code_puts_infrastructure_before_a_failed_backup() {
-        use CleanupState::{Complete, NotNeeded, Unproven};
-        assert_eq!(exit_code(&[summary(Outcome::Passed, Complete)]), 0);
-        assert_eq!(
-            exit_code(&[
-                summary(Outcome::Passed, Complete),
-                summary(Outcome::Failed, Complete)
-            ]),
-            1
-        );
-        assert_eq!(
-            exit_code(&[
-                summary(Outcome::Failed, Complete),
-                summary(Outcome::Error, NotNeeded)
-            ]),
-            2
-        );
-        // A passed backup whose cleanup is unproven still needs an operator.
-        assert_eq!(exit_code(&[summary(Outcome::Passed, Unproven)]), 2);
     }
 
     #[test]
