@@ -14,6 +14,7 @@
 
 mod evidence;
 mod progress;
+mod readings;
 mod secrets;
 mod session;
 mod steps;
