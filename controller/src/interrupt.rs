@@ -6,13 +6,32 @@
 use crate::runner::Progress;
 use std::sync::Arc;
 
-/// Operator interruptions: 0 none, 1 stop after the current step and clean up, 2 also abandon
-/// the step or wait in progress (cleanup still runs).
+/// Operator interruptions: 0 none, then the levels below.
 pub type Interrupts = tokio::sync::watch::Receiver<u8>;
 
+/// The first interrupt: stop after the current step and clean up.
+pub const STOP_AFTER_STEP: u8 = 1;
+/// The second: also abandon the step or wait in progress (cleanup still runs), and reconnecting
+/// to a node that is gone.
+pub const ABANDON_STEP: u8 = 2;
 /// The interrupt level that abandons waits in cleanup: the third Ctrl-C. (The second abandons
 /// only reconnecting to a node that is gone: cleanup needs the node.)
 pub const ABANDON_CLEANUP: u8 = 3;
+
+/// What the operator is told when the interrupts reach `level`.
+pub fn announcement(level: u8) -> &'static str {
+    match level {
+        STOP_AFTER_STEP => {
+            "certistack-ctl: interrupted: stopping after the current step, then cleaning up (interrupt again to abandon the step in progress)"
+        }
+        ABANDON_STEP => {
+            "certistack-ctl: interrupted again: abandoning the step in progress; cleanup still runs (a third interrupt abandons the cleanup)"
+        }
+        _ => {
+            "certistack-ctl: interrupted a third time: abandoning the cleanup; the summary names the `certistack-ctl cleanup NODE RUN` to run"
+        }
+    }
+}
 
 /// Counts the operator's interrupts from now on, saying on `progress` what each one does.
 /// Call inside the runtime.
@@ -37,11 +56,7 @@ pub fn listen(progress: Arc<Progress>) -> Interrupts {
                 _ = hup.recv() => {}
             }
             count = count.saturating_add(1);
-            progress.println(match count {
-                1 => "certistack-ctl: interrupted: stopping after the current step, then cleaning up (interrupt again to abandon the step in progress)",
-                2 => "certistack-ctl: interrupted again: abandoning the step in progress; cleanup still runs (a third interrupt abandons the cleanup)",
-                _ => "certistack-ctl: interrupted a third time: abandoning the cleanup; the summary names the `certistack-ctl cleanup NODE RUN` to run",
-            });
+            progress.println(announcement(count));
             let _ = interrupt.send(count);
         }
     });
@@ -57,5 +72,54 @@ pub async fn interrupted_to(interrupts: &mut Interrupts, level: u8) {
         if interrupts.changed().await.is_err() {
             std::future::pending::<()>().await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn each_interrupt_says_what_it_abandons() {
+        assert!(announcement(STOP_AFTER_STEP).contains("stopping after the current step"));
+        assert!(announcement(ABANDON_STEP).contains("abandoning the step in progress"));
+        assert!(announcement(ABANDON_STEP).contains("cleanup still runs"));
+        for level in [ABANDON_CLEANUP, ABANDON_CLEANUP + 1, u8::MAX] {
+            assert!(
+                announcement(level).contains("certistack-ctl cleanup NODE RUN"),
+                "{level}"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn a_wait_ends_when_the_interrupts_reach_its_level_and_not_before() {
+        let (interrupt, mut interrupts) = tokio::sync::watch::channel(0u8);
+        interrupt.send(STOP_AFTER_STEP).unwrap();
+        let early = tokio::time::timeout(
+            Duration::from_millis(50),
+            interrupted_to(&mut interrupts, ABANDON_STEP),
+        );
+        assert!(early.await.is_err(), "returned at the first interrupt");
+        let waiting = tokio::spawn(async move {
+            interrupted_to(&mut interrupts, ABANDON_STEP).await;
+        });
+        interrupt.send(ABANDON_STEP).unwrap();
+        tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .unwrap()
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_wait_whose_sender_is_gone_never_ends() {
+        let (interrupt, mut interrupts) = tokio::sync::watch::channel(0u8);
+        drop(interrupt);
+        let wait = tokio::time::timeout(
+            Duration::from_millis(50),
+            interrupted_to(&mut interrupts, STOP_AFTER_STEP),
+        );
+        assert!(wait.await.is_err());
     }
 }

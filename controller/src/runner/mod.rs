@@ -27,7 +27,7 @@ pub use summary::{CleanupState, Outcome, Summary, summary_table};
 
 use crate::authority::Authority;
 use crate::doctor;
-use crate::interrupt::Interrupts;
+use crate::interrupt::{Interrupts, STOP_AFTER_STEP};
 use crate::plan::{self, Plan, Validation};
 use crate::report::{self, StepResult};
 use crate::run as credentials;
@@ -217,7 +217,7 @@ async fn drive(
         steps: Vec::new(),
     };
     let mut evidence = Evidence::default();
-    if *context.interrupts.borrow() >= 1 {
+    if *context.interrupts.borrow() >= STOP_AFTER_STEP {
         let at = recorder.begin("credentials");
         return not_begun(
             recorder,
@@ -360,7 +360,7 @@ async fn drive(
         )
         .await;
     };
-    if *context.interrupts.borrow() >= 1 {
+    if *context.interrupts.borrow() >= STOP_AFTER_STEP {
         return not_begun(
             recorder,
             evidence,

@@ -5,7 +5,7 @@
 use super::Stop;
 use crate::authority::IssuedCertificate;
 use crate::client::{self, NodeError};
-use crate::interrupt::{Interrupts, interrupted_to};
+use crate::interrupt::{ABANDON_STEP, Interrupts, interrupted_to};
 use certistack_proto::v1 as pb;
 use certistack_proto::v1::connector_client::ConnectorClient;
 use std::sync::Arc;
@@ -120,10 +120,10 @@ pub(super) async fn guarded<T>(
     deadline: Instant,
     call: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
 ) -> Result<T, Stop> {
-    if *interrupts.borrow() >= 2 {
+    if *interrupts.borrow() >= ABANDON_STEP {
         return Err(Stop::Interrupted("interrupted by the operator".into()));
     }
-    let abandon = interrupted_to(interrupts, 2);
+    let abandon = interrupted_to(interrupts, ABANDON_STEP);
     tokio::select! {
         result = call => match result {
             Ok(response) => Ok(response.into_inner()),

@@ -8,7 +8,7 @@ use super::readings::{
 };
 use super::session::{Session, guarded};
 use super::{RunContext, Stop};
-use crate::interrupt::Interrupts;
+use crate::interrupt::{Interrupts, STOP_AFTER_STEP};
 use crate::plan::Validation;
 use crate::report::{self, StepResult};
 use crate::screenshot;
@@ -119,7 +119,7 @@ struct Script<'a, 'r> {
 /// reply's journal head kept to check against the journal the node streams at the end.
 macro_rules! step {
     ($run:ident, $name:expr, $detail:expr, $call:expr) => {{
-        if *$run.interrupts.borrow() >= 1 {
+        if *$run.interrupts.borrow() >= STOP_AFTER_STEP {
             return Err(Stop::Interrupted(format!(
                 "interrupted by the operator before step {}",
                 $name
@@ -368,7 +368,7 @@ async fn guest_agents(run: &mut Script<'_, '_>) -> Result<(), Stop> {
         let mut answered = false;
         let mut last = String::new();
         while Instant::now() < until {
-            if *run.interrupts.borrow() >= 1 {
+            if *run.interrupts.borrow() >= STOP_AFTER_STEP {
                 run.recorder
                     .end(&name, at, StepResult::Failed, "interrupted".into());
                 return Err(Stop::Interrupted(format!(

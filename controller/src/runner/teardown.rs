@@ -9,7 +9,7 @@ use super::session::{
     Session, connection_lost, node_error_lost, pause_before_retry, within,
 };
 use super::{CleanupState, OPERATOR_NAME, Outcome, RunContext, Stop, Summary};
-use crate::interrupt::{ABANDON_CLEANUP, Interrupts};
+use crate::interrupt::{ABANDON_CLEANUP, ABANDON_STEP, Interrupts};
 use crate::operator;
 use crate::plan::Validation;
 use crate::report::{self, StepResult, Verdict};
@@ -248,7 +248,7 @@ async fn clean_up(recorder: &mut Recorder<'_>, mut session: Session, mut lost: b
     // be restarting: its journal keeps the run open).
     while reply.is_none() && Instant::now() < session.deadline {
         let level = *interrupts.borrow_and_update();
-        if level >= ABANDON_CLEANUP || (level >= 2 && lost) {
+        if level >= ABANDON_CLEANUP || (level >= ABANDON_STEP && lost) {
             last_error = format!("the operator stopped waiting for the node ({last_error})");
             abandoned = true;
             break;
@@ -256,7 +256,7 @@ async fn clean_up(recorder: &mut Recorder<'_>, mut session: Session, mut lost: b
         if lost || session.client.is_none() {
             match within(
                 &mut interrupts,
-                2,
+                ABANDON_STEP,
                 CONNECT_TIMEOUT * 3,
                 session.reconnect(),
                 node_error_lost,
