@@ -1,4 +1,6 @@
-//! certistack-ctl: the controller CLI. Every secret stays in its state directory.
+//! certistack-ctl: the controller CLI. This file parses the command line and dispatches; each
+//! command's body is in `certistack_controller::commands`, its exit status in
+//! `certistack_controller::exit`. Every secret stays in its state directory.
 #![forbid(unsafe_code)]
 #![allow(clippy::print_stdout)]
 
