@@ -18,10 +18,11 @@ pub const MAX_CLOCK_SKEW_MS: i64 = 5_000;
 /// A node certificate expiring sooner than this is a warning: re-enroll the node before it does.
 pub const CERTIFICATE_WARNING_SECS: i64 = 30 * 24 * 3600;
 
-/// Exit codes of `certistack-ctl nodes audit`.
-pub const EXIT_MATCHES: u8 = 0;
-pub const EXIT_DRIFT_OR_WARNING: u8 = 1;
-pub const EXIT_UNREACHABLE: u8 = 2;
+/// Exit codes of `certistack-ctl nodes audit`, decided with the others in [`crate::exit`].
+pub use crate::exit::{
+    AUDIT_DRIFT_OR_WARNING as EXIT_DRIFT_OR_WARNING, AUDIT_MATCHES as EXIT_MATCHES,
+    AUDIT_UNREACHABLE as EXIT_UNREACHABLE, audit_exit_code as exit_code,
+};
 
 /// What one node answered, or why it could not.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -123,17 +124,6 @@ impl NodeAudit {
             map.insert("warnings".into(), warnings.unwrap_or_default().into());
         }
         value
-    }
-}
-
-/// 2 when a node is unreachable, else 1 on drift or a warning, else 0.
-pub fn exit_code(rows: &[NodeAudit]) -> u8 {
-    if rows.iter().any(|row| row.answer.is_none()) {
-        EXIT_UNREACHABLE
-    } else if rows.iter().any(|row| row.status() != "ok") {
-        EXIT_DRIFT_OR_WARNING
-    } else {
-        EXIT_MATCHES
     }
 }
 

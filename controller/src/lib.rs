@@ -6,9 +6,12 @@
 pub mod audit;
 pub mod authority;
 pub mod client;
+pub mod commands;
 pub mod config;
 pub mod connect;
 pub mod doctor;
+pub mod exit;
+pub mod interrupt;
 pub mod operator;
 pub mod package;
 pub mod plan;

@@ -1,0 +1,293 @@
+//! The plan as written: the YAML's shape, field by field, and the field types that refuse a
+//! value while it is read (with its line and column).
+
+use super::*;
+
+// The plan as written.
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct PlanFile {
+    pub(super) storage: StorageFile,
+    pub(super) validations: Vec<ValidationFile>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct StorageFile {
+    pub(super) server: String,
+    #[serde(default = "default_pbs_port")]
+    pub(super) port: u16,
+    pub(super) datastore: String,
+    #[serde(default)]
+    pub(super) namespace: String,
+    pub(super) auth_id: String,
+    pub(super) fingerprint: String,
+    pub(super) pbs_password_file: PathBuf,
+    #[serde(default)]
+    pub(super) encryption_key_file: Option<PathBuf>,
+    /// Known only to be refused where it is written, with the way out.
+    #[serde(default, rename = "pbs_password")]
+    pub(super) _pbs_password: Option<InlineSecret>,
+    #[serde(default, rename = "encryption_key")]
+    pub(super) _encryption_key: Option<InlineSecret>,
+}
+
+pub(super) fn default_pbs_port() -> u16 {
+    DEFAULT_PBS_PORT
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct ValidationFile {
+    pub(super) name: String,
+    pub(super) node: String,
+    pub(super) source_vmid: PlanVmid,
+    pub(super) snapshot: SnapshotTime,
+    pub(super) archives: Vec<String>,
+    pub(super) sandbox: Vec<SandboxFile>,
+    pub(super) network: NetworkFile,
+    #[serde(default)]
+    pub(super) probes: Vec<ProbeFile>,
+    #[serde(default)]
+    pub(super) assertions: Vec<AssertionFile>,
+    #[serde(default)]
+    pub(super) timeouts: TimeoutsFile,
+    #[serde(default)]
+    pub(super) network_recovery: NetworkRecoveryFile,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct SandboxFile {
+    pub(super) vmid: PlanVmid,
+    pub(super) cores: u32,
+    pub(super) memory_mib: u32,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct NetworkFile {
+    pub(super) lifecycle: NetworkLifecycle,
+    pub(super) vnet: String,
+    pub(super) probe_source: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct ProbeFile {
+    pub(super) kind: ProbeKindFile,
+    pub(super) address: String,
+    pub(super) port: u16,
+    #[serde(default)]
+    pub(super) expect: ExpectFile,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub(super) enum ProbeKindFile {
+    Tcp,
+    Http,
+    Https,
+    Dns,
+    Ldap,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct ExpectFile {
+    #[serde(default)]
+    pub(super) banner_prefix: String,
+    #[serde(default)]
+    pub(super) http_path: String,
+    #[serde(default)]
+    pub(super) http_status: u16,
+    #[serde(default)]
+    pub(super) body_contains: String,
+    #[serde(default)]
+    pub(super) body_sha256: String,
+    #[serde(default)]
+    pub(super) dns_name: String,
+    #[serde(default)]
+    pub(super) dns_type: Option<DnsTypeFile>,
+    #[serde(default)]
+    pub(super) dns_answers: Vec<String>,
+    #[serde(default)]
+    pub(super) ldap_naming_context: String,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "UPPERCASE")]
+pub(super) enum DnsTypeFile {
+    A,
+    Aaaa,
+    Cname,
+    Mx,
+    Txt,
+    Srv,
+    Ptr,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct AssertionFile {
+    pub(super) id: String,
+    pub(super) program: String,
+    #[serde(default)]
+    pub(super) args: Vec<String>,
+    #[serde(default)]
+    pub(super) exit_code: i32,
+    #[serde(default)]
+    pub(super) stdout_contains: String,
+    pub(super) timeout_seconds: u32,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct TimeoutsFile {
+    #[serde(default = "default_run_seconds")]
+    pub(super) run_seconds: u32,
+    #[serde(default = "default_guest_agent_seconds")]
+    pub(super) guest_agent_seconds: u32,
+}
+
+impl Default for TimeoutsFile {
+    fn default() -> Self {
+        Self {
+            run_seconds: DEFAULT_RUN_SECONDS,
+            guest_agent_seconds: DEFAULT_GUEST_AGENT_SECONDS,
+        }
+    }
+}
+
+pub(super) fn default_run_seconds() -> u32 {
+    DEFAULT_RUN_SECONDS
+}
+
+pub(super) fn default_guest_agent_seconds() -> u32 {
+    DEFAULT_GUEST_AGENT_SECONDS
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct NetworkRecoveryFile {
+    /// `rewrite` when not written: `preserve` is the explicit opt-out.
+    #[serde(default)]
+    pub(super) mode: Option<NetworkRecoveryMode>,
+    /// `rewrite`: the sandbox NIC's address/prefix; by default the one address the probes
+    /// target, with the probe network's prefix.
+    #[serde(default)]
+    pub(super) guest_address: Option<String>,
+}
+
+/// How the restored guest finds its network in the sandbox.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NetworkRecoveryMode {
+    /// The explicit opt-out: the guest keeps the network configuration it was backed up
+    /// with, the VNet is an isolated copy of its subnet, and probes target those addresses.
+    /// Nothing in the guest is changed.
+    Preserve,
+    /// The default: before the sandbox VM first starts, the node writes a MAC-bound,
+    /// no-gateway profile for its NIC (and a firewalld allow for the probe source) into the
+    /// overlay (docs/guest-network.md).
+    #[default]
+    Rewrite,
+}
+
+impl NetworkRecoveryMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Preserve => "preserve",
+            Self::Rewrite => "rewrite",
+        }
+    }
+
+    /// The mode the run's grant allows.
+    pub fn wire(self) -> pb::NetworkRecoveryMode {
+        match self {
+            Self::Preserve => pb::NetworkRecoveryMode::Preserve,
+            Self::Rewrite => pb::NetworkRecoveryMode::Rewrite,
+        }
+    }
+}
+
+/// A value that must not appear in a plan: deserializing it fails with where the secret goes.
+#[derive(Debug)]
+pub(super) struct InlineSecret;
+
+impl<'de> Deserialize<'de> for InlineSecret {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        serde::de::IgnoredAny::deserialize(deserializer)?;
+        Err(serde::de::Error::custom(format!(
+            "secrets go in files, never in a plan; see {SECRETS_DOC}: write it to a file only you can read (chmod 0600) and name that file with `pbs_password_file` or `encryption_key_file`"
+        )))
+    }
+}
+
+/// A VMID, range-checked with the connector's own rule where it is written.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct PlanVmid(pub(super) Vmid);
+
+impl<'de> Deserialize<'de> for PlanVmid {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let value = u64::deserialize(deserializer)?;
+        u32::try_from(value)
+            .ok()
+            .and_then(|v| Vmid::parse("vmid", v).ok())
+            .map(Self)
+            .ok_or_else(|| {
+                serde::de::Error::custom(format!(
+                    "VMID {value} is outside {}..={}; use a VMID Proxmox VE accepts",
+                    Vmid::MIN,
+                    Vmid::MAX
+                ))
+            })
+    }
+}
+
+/// The exact time of a snapshot; `latest` is refused where it is written.
+#[derive(Debug, Clone)]
+pub(super) struct SnapshotTime(pub(super) String);
+
+impl<'de> Deserialize<'de> for SnapshotTime {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let value = String::deserialize(deserializer)?;
+        if value.eq_ignore_ascii_case("latest") {
+            return Err(serde::de::Error::custom(
+                "resolving latest comes with PBS API support; give the exact snapshot time, e.g. 2026-11-01T02:00:00Z (`proxmox-backup-client snapshot list` shows them)",
+            ));
+        }
+        Ok(Self(value))
+    }
+}
+
+/// The sandbox network's lifecycle: who creates the VNet and when.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NetworkLifecycle {
+    /// The VNet exists before the run (docs/sandbox-network.md); the run only attaches to it.
+    Preprovisioned,
+}
+
+impl NetworkLifecycle {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Preprovisioned => "preprovisioned",
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for NetworkLifecycle {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let value = String::deserialize(deserializer)?;
+        match value.as_str() {
+            "preprovisioned" => Ok(Self::Preprovisioned),
+            "ephemeral" => Err(serde::de::Error::custom(
+                "`ephemeral` is not yet supported, use preprovisioned (a VNet set up beforehand as docs/sandbox-network.md describes)",
+            )),
+            other => Err(serde::de::Error::custom(format!(
+                "lifecycle {other:?} is unknown; use preprovisioned"
+            ))),
+        }
+    }
+}

@@ -1,0 +1,268 @@
+//! Plans accepted and refused, with the line and the key to change.
+
+use super::*;
+
+pub(crate) const PLAN: &str = r#"storage:
+  server: pbs.example.net
+  datastore: backups
+  namespace: nightly
+  auth_id: certistack@pbs!restore
+  fingerprint: "ab:cd:ef:01:23:45:67:89:ab:cd:ef:01:23:45:67:89:ab:cd:ef:01:23:45:67:89:ab:cd:ef:01:23:45:67:89"
+  pbs_password_file: secrets/pbs-token
+validations:
+  - name: web01
+    node: pve1
+    source_vmid: 100
+    snapshot: "2026-11-01T02:00:00Z"
+    archives: [drive-scsi0.img]
+    sandbox:
+      - vmid: 9100
+        cores: 2
+        memory_mib: 2048
+    network:
+      lifecycle: preprovisioned
+      vnet: csnet1
+      probe_source: 10.99.0.1/24
+    probes:
+      - kind: tcp
+        address: 10.99.0.10
+        port: 22
+        expect:
+          banner_prefix: "SSH-2.0-"
+    assertions:
+      - id: nginx-active
+        program: /usr/bin/systemctl
+        args: [is-active, nginx]
+        stdout_contains: active
+        timeout_seconds: 30
+  - name: db01
+    node: pve1
+    source_vmid: 101
+    snapshot: "2026-11-01T02:10:00Z"
+    archives: [drive-scsi0.img, drive-scsi1.img]
+    sandbox:
+      - vmid: 9101
+        cores: 4
+        memory_mib: 8192
+    network:
+      lifecycle: preprovisioned
+      vnet: csnet1
+      probe_source: 10.99.0.1/24
+    network_recovery:
+      mode: preserve
+"#;
+
+fn config() -> ControllerConfig {
+    ControllerConfig::parse(
+        Path::new("controller.toml"),
+        "state_dir = \"/s\"\nreports_dir = \"/r\"\n[[nodes]]\nname = \"pve1\"\naddress = \"192.0.2.11\"\nport = 7443\n",
+    )
+    .unwrap()
+}
+
+fn check(text: &str) -> Result<Plan, PlanError> {
+    Plan::parse(
+        Path::new("/plans/nightly.yaml"),
+        text,
+        &config(),
+        1_800_000_000,
+    )
+}
+
+fn refusal(text: &str) -> String {
+    check(text).unwrap_err().to_string()
+}
+
+#[test]
+fn a_good_plan_maps_onto_grants_the_node_accepts() {
+    let plan = check(PLAN).unwrap();
+    assert_eq!(
+        plan.pbs_password_file,
+        Path::new("/plans/secrets/pbs-token")
+    );
+    assert_eq!(plan.validations.len(), 2);
+    let web = &plan.validations[0];
+    assert_eq!(web.wire.snapshot, "vm/100/2026-11-01T02:00:00Z");
+    assert_eq!(web.wire.repository.as_ref().unwrap().port, 8007);
+    assert_eq!(
+        web.wire.deadline_unix - web.wire.not_before_unix,
+        3600 + NOT_BEFORE_SLACK_SECS
+    );
+    assert_eq!(web.grant.sandbox_vms.len(), 1);
+    assert_eq!(web.endpoint, "192.0.2.11:7443");
+    let line = describe(web);
+    assert!(line.starts_with("web01: node pve1 (192.0.2.11:7443) source VM 100 snapshot vm/100/2026-11-01T02:00:00Z archives drive-scsi0.img sandbox 9100 (2 cores, 2048 MiB) vnet csnet1 (preprovisioned) probe source 10.99.0.1/24 probes tcp 10.99.0.10:22 assertions nginx-active"), "{line}");
+    assert!(describe(&plan.validations[1]).contains("probes none assertions none"));
+}
+
+#[test]
+fn syntax_errors_and_unknown_keys_carry_line_and_column() {
+    let error = refusal(&PLAN.replace("    source_vmid: 101", "    source_vmdi: 101"));
+    assert!(error.starts_with("/plans/nightly.yaml:36:5: "), "{error}");
+    assert!(
+        !error.contains("line 36"),
+        "the position is printed once: {error}"
+    );
+    assert!(error.contains("source_vmdi"), "{error}");
+    let error = refusal(&PLAN.replace("  datastore: backups", "  datastore: [backups"));
+    assert!(error.starts_with("/plans/nightly.yaml:"), "{error}");
+    assert!(!error.starts_with("/plans/nightly.yaml:?"), "{error}");
+    let error = refusal(&PLAN.replace(
+        "    source_vmid: 101",
+        "    source_vmid: 101\n    source_vmid: 102",
+    ));
+    assert!(error.starts_with("/plans/nightly.yaml:37:"), "{error}");
+    assert!(error.contains("source_vmid"), "{error}");
+}
+
+#[test]
+fn an_inline_secret_is_refused_where_it_is_written() {
+    let error = refusal(&PLAN.replace(
+        "  pbs_password_file: secrets/pbs-token",
+        "  pbs_password_file: secrets/pbs-token\n  pbs_password: hunter2",
+    ));
+    assert!(error.starts_with("/plans/nightly.yaml:8:"), "{error}");
+    assert!(error.contains("secrets go in files"), "{error}");
+    assert!(error.contains(SECRETS_DOC), "{error}");
+    assert!(!error.contains("hunter2"), "{error}");
+}
+
+#[test]
+fn latest_is_refused_with_what_to_give_instead() {
+    let error = refusal(&PLAN.replace("\"2026-11-01T02:00:00Z\"", "latest"));
+    assert!(error.starts_with("/plans/nightly.yaml:12:"), "{error}");
+    assert!(
+        error.contains("resolving latest comes with PBS API support; give the exact snapshot time"),
+        "{error}"
+    );
+}
+
+#[test]
+fn vmids_out_of_range_are_refused() {
+    let error = refusal(&PLAN.replace("vmid: 9100", "vmid: 99"));
+    assert!(error.starts_with("/plans/nightly.yaml:15:"), "{error}");
+    assert!(
+        error.contains("VMID 99 is outside 100..=999999999"),
+        "{error}"
+    );
+    let error = refusal(&PLAN.replace("source_vmid: 100", "source_vmid: 1000000000"));
+    assert!(error.contains("VMID 1000000000 is outside"), "{error}");
+}
+
+#[test]
+fn the_same_sandbox_vmid_twice_on_one_node_is_refused() {
+    let error = refusal(&PLAN.replace("vmid: 9101", "vmid: 9100"));
+    assert!(error.contains("validations[1] (db01).sandbox"), "{error}");
+    assert!(
+        error.contains("sandbox VMID 9100 is also used by validation web01 on node pve1"),
+        "{error}"
+    );
+}
+
+#[test]
+fn rewrite_is_the_default_and_preserve_the_explicit_opt_out() {
+    let plan = check(PLAN).unwrap();
+    let web = &plan.validations[0];
+    assert_eq!(web.network_recovery, NetworkRecoveryMode::Rewrite);
+    assert_eq!(
+        web.wire.network_recovery_modes,
+        [pb::NetworkRecoveryMode::Rewrite as i32],
+        "a validation without network_recovery rewrites"
+    );
+    // The one address the probes target, with the probe network's prefix.
+    assert_eq!(web.wire.guest_address, "10.99.0.10/24");
+    assert_eq!(
+        plan.validations[1].wire.network_recovery_modes,
+        [pb::NetworkRecoveryMode::Preserve as i32],
+        "preserve, written, is the opt-out"
+    );
+    assert!(plan.validations[1].wire.guest_address.is_empty());
+
+    // Without probes there is no address to take: the error names the field, says the
+    // mode came by default, and what to write instead.
+    let preserve = "    network_recovery:\n      mode: preserve\n";
+    let error = refusal(&PLAN.replace(preserve, ""));
+    for part in [
+        "validations[1] (db01).network_recovery.guest_address",
+        "network_recovery.mode is rewrite (the default)",
+        "they target 0",
+        "`network_recovery: {guest_address: <address>/<prefix>}`",
+        "inside network.probe_source 10.99.0.1/24",
+        "`network_recovery: {mode: preserve}`",
+    ] {
+        assert!(error.contains(part), "{part}: {error}");
+    }
+    let error = refusal(&PLAN.replace("mode: preserve", "mode: rewrite"));
+    assert!(
+        error.contains("network_recovery.mode is rewrite and needs"),
+        "{error}"
+    );
+    let named = check(&PLAN.replace(
+        "mode: preserve\n",
+        "mode: rewrite\n      guest_address: 10.99.0.20/24\n",
+    ))
+    .unwrap();
+    assert_eq!(named.validations[1].wire.guest_address, "10.99.0.20/24");
+    let defaulted =
+        check(&PLAN.replace("mode: preserve\n", "guest_address: 10.99.0.20/24\n")).unwrap();
+    assert_eq!(
+        defaulted.validations[1].network_recovery,
+        NetworkRecoveryMode::Rewrite
+    );
+    // The node's rule, in the plan's words: inside the probe network.
+    let error = refusal(&PLAN.replace(
+        "mode: preserve\n",
+        "mode: rewrite\n      guest_address: 10.98.0.20/24\n",
+    ));
+    assert!(error.contains("not in the probe network"), "{error}");
+}
+
+#[test]
+fn a_probe_target_outside_the_probe_network_is_refused() {
+    let error = refusal(&PLAN.replace("address: 10.99.0.10", "address: 10.98.0.10"));
+    assert!(error.contains("validations[0] (web01)"), "{error}");
+    assert!(
+        error.contains("outside the probe network 10.99.0.1/24"),
+        "{error}"
+    );
+}
+
+#[test]
+fn a_node_not_in_the_inventory_is_refused() {
+    let error = refusal(&PLAN.replace(
+        "node: pve1\n    source_vmid: 101",
+        "node: pve9\n    source_vmid: 101",
+    ));
+    assert!(error.contains("validations[1] (db01).node"), "{error}");
+    assert!(
+        error.contains("\"pve9\" is not in the controller's inventory (pve1)"),
+        "{error}"
+    );
+}
+
+#[test]
+fn an_ephemeral_network_is_not_yet_supported() {
+    let error = refusal(&PLAN.replacen("lifecycle: preprovisioned", "lifecycle: ephemeral", 1));
+    assert!(
+        error.starts_with("/plans/nightly.yaml:19:18: `ephemeral`"),
+        "{error}"
+    );
+    assert!(
+        error.contains("not yet supported, use preprovisioned"),
+        "{error}"
+    );
+}
+
+#[test]
+fn what_the_node_validates_is_refused_in_the_plan_words() {
+    let error = refusal(&PLAN.replace("vnet: csnet1", "vnet: \"cs net\""));
+    assert!(error.contains("network.vnet:"), "{error}");
+    assert!(error.contains("a node would refuse this grant"), "{error}");
+    let error = refusal(&PLAN.replace("cores: 2", "cores: 65"));
+    assert!(error.contains("max_cores must be 1..=64"), "{error}");
+    let error = refusal(&PLAN.replace("run_seconds", "x").replace(
+        "  - name: db01",
+        "    timeouts:\n      run_seconds: 90000\n  - name: db01",
+    ));
+    assert!(error.contains("timeouts.run_seconds"), "{error}");
+}

@@ -1,0 +1,103 @@
+//! A validation as the grant its node receives: probes on the wire, the grant read back as the
+//! node reads it, and a grant's refusal named by the plan key that causes it.
+
+use super::*;
+
+pub(super) fn wire_probe(probe: &ProbeFile) -> pb::ProbeTarget {
+    let kind = match probe.kind {
+        ProbeKindFile::Tcp => pb::ProbeKind::Tcp,
+        ProbeKindFile::Http => pb::ProbeKind::Http,
+        ProbeKindFile::Https => pb::ProbeKind::Https,
+        ProbeKindFile::Dns => pb::ProbeKind::Dns,
+        ProbeKindFile::Ldap => pb::ProbeKind::Ldap,
+    };
+    let e = &probe.expect;
+    let dns_type = match e.dns_type {
+        None => pb::DnsRecordType::Unspecified,
+        Some(DnsTypeFile::A) => pb::DnsRecordType::A,
+        Some(DnsTypeFile::Aaaa) => pb::DnsRecordType::Aaaa,
+        Some(DnsTypeFile::Cname) => pb::DnsRecordType::Cname,
+        Some(DnsTypeFile::Mx) => pb::DnsRecordType::Mx,
+        Some(DnsTypeFile::Txt) => pb::DnsRecordType::Txt,
+        Some(DnsTypeFile::Srv) => pb::DnsRecordType::Srv,
+        Some(DnsTypeFile::Ptr) => pb::DnsRecordType::Ptr,
+    };
+    pb::ProbeTarget {
+        kind: kind.into(),
+        address: probe.address.clone(),
+        port: u32::from(probe.port),
+        expect: Some(pb::ProbeExpectation {
+            banner_prefix: e.banner_prefix.clone(),
+            http_path: e.http_path.clone(),
+            http_status: u32::from(e.http_status),
+            body_contains: e.body_contains.clone(),
+            body_sha256: e.body_sha256.clone(),
+            dns_name: e.dns_name.clone(),
+            dns_type: dns_type.into(),
+            dns_answers: e.dns_answers.clone(),
+            ldap_naming_context: e.ldap_naming_context.clone(),
+        }),
+    }
+}
+
+/// Runs `wire` through the connector's verification exactly as a node does: signature, size,
+/// unknown fields, every validator and every consistency rule. The key is thrown away; only the
+/// parse matters here.
+pub(super) fn as_the_node_reads_it(wire: &pb::RunGrant) -> Result<Grant, GrantError> {
+    let key = ed25519_dalek::SigningKey::generate(&mut rand_core::OsRng);
+    let signed = crate::run::sign_grant(&key, wire);
+    let parsed = grant::verify(&signed, &key.verifying_key())?;
+    Ok(parsed)
+}
+
+/// The grant's wire field names, in the words of the plan.
+pub(super) const PLAN_KEYS: &[(&str, &str)] = &[
+    ("PbsRepository.server", "storage.server"),
+    ("PbsRepository.port", "storage.port"),
+    ("PbsRepository.datastore", "storage.datastore"),
+    ("PbsRepository.namespace", "storage.namespace"),
+    ("PbsRepository.auth_id", "storage.auth_id"),
+    ("PbsRepository.fingerprint", "storage.fingerprint"),
+    ("RunGrant.node", "node"),
+    ("RunGrant.snapshot", "source_vmid and snapshot"),
+    ("RunGrant.archives", "archives"),
+    ("RunGrant.sandbox_vms", "sandbox"),
+    ("SandboxVm.vmid", "sandbox[].vmid"),
+    ("RunGrant.vnet", "network.vnet"),
+    ("RunGrant.probe_source", "network.probe_source"),
+    ("RunGrant.guest_address", "network_recovery.guest_address"),
+    ("RunGrant.probe_targets", "probes"),
+    ("ProbeTarget.kind", "probes[].kind"),
+    ("ProbeTarget.address", "probes[].address"),
+    ("ProbeTarget.port", "probes[].port"),
+    ("RunGrant.qga_assertions", "assertions"),
+    ("QgaAssertion.id", "assertions[].id"),
+    ("QgaAssertion.program", "assertions[].program"),
+    ("QgaAssertion.args", "assertions[].args"),
+    (
+        "QgaAssertion.expect_stdout_contains",
+        "assertions[].stdout_contains",
+    ),
+];
+
+pub(super) fn plan_key(wire_field: &str) -> String {
+    if let Some((_, key)) = PLAN_KEYS.iter().find(|(wire, _)| *wire == wire_field) {
+        return (*key).to_owned();
+    }
+    match wire_field.strip_prefix("ProbeExpectation.") {
+        Some(rest) => format!("probes[].expect.{rest}"),
+        None => wire_field.to_owned(),
+    }
+}
+
+pub(super) fn grant_refusal(error: &GrantError) -> String {
+    match error {
+        GrantError::Field(field) => format!(
+            "{}: {} (a node would refuse this grant)",
+            plan_key(field.field),
+            field.reason
+        ),
+        GrantError::Inconsistent(reason) => format!("{reason} (a node would refuse this grant)"),
+        other => format!("a node would refuse this grant: {other}"),
+    }
+}

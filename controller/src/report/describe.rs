@@ -1,0 +1,143 @@
+//! A verified report printed for a person (`certistack-ctl report show`).
+
+use super::*;
+
+/// The report for a person: verdict first, then what was validated and how.
+pub fn describe(statement: &Statement, report_path: &Path) -> String {
+    use std::fmt::Write;
+    let p = &statement.predicate;
+    let mut out = String::new();
+    let verdict = match &p.verdict {
+        Verdict::Passed => "passed".to_owned(),
+        Verdict::Failed { reasons } => format!("FAILED: {}", reasons.join("; ")),
+        Verdict::Error { reasons } => format!("ERROR (nothing proven): {}", reasons.join("; ")),
+    };
+    let _ = writeln!(out, "verdict: {verdict}");
+    let _ = writeln!(out, "run: {}", p.run_id);
+    let _ = writeln!(
+        out,
+        "node: {} (connector {}, surface {})",
+        p.node, p.connector.version, p.connector.surface_digest
+    );
+    let _ = writeln!(out, "controller: {}", p.controller_version);
+    let _ = writeln!(out, "plan: {}", p.plan_digest);
+    let _ = writeln!(
+        out,
+        "snapshot: {} on {}:{} datastore {} namespace {:?}",
+        p.snapshot.snapshot,
+        p.snapshot.server,
+        p.snapshot.port,
+        p.snapshot.datastore,
+        p.snapshot.namespace
+    );
+    for archive in &p.snapshot.archives {
+        let digest = archive.sha256.as_deref().unwrap_or("digest not reported");
+        let _ = writeln!(out, "  archive: {} ({digest})", archive.name);
+    }
+    let _ = writeln!(out, "steps:");
+    for step in &p.steps {
+        let result = match step.result {
+            StepResult::Ok => "ok",
+            StepResult::Failed => "FAILED",
+            StepResult::Skipped => "skipped",
+        };
+        let elapsed = step.ended_unix_ms.saturating_sub(step.started_unix_ms);
+        let _ = write!(out, "  {:<14} {result:<7} {elapsed} ms", step.name);
+        if !step.detail.is_empty() {
+            let _ = write!(out, "  {}", step.detail);
+        }
+        out.push('\n');
+    }
+    let _ = writeln!(out, "guest: {}", p.guest.status);
+    let _ = writeln!(out, "probes:");
+    for probe in &p.probes {
+        let _ = writeln!(
+            out,
+            "  {} {} from {} (expected {}): {}",
+            probe.target,
+            probe.outcome,
+            probe.origin,
+            probe.expected,
+            if probe.passed { "ok" } else { "FAILED" }
+        );
+    }
+    let _ = writeln!(out, "assertions:");
+    for assertion in &p.assertions {
+        let _ = writeln!(
+            out,
+            "  {} exit {}: {}",
+            assertion.name,
+            assertion.exit_code,
+            if assertion.passed { "ok" } else { "FAILED" }
+        );
+    }
+    if let Some(hw) = &p.hardware {
+        let or_default = |v: &str| {
+            if v.is_empty() {
+                "default".to_owned()
+            } else {
+                v.to_owned()
+            }
+        };
+        let _ = writeln!(
+            out,
+            "hardware: cpu {} bios {}{} machine {} ostype {} scsihw {}; disks [{}]; nics [{}]; boot [{}]",
+            or_default(&hw.cpu),
+            or_default(&hw.bios),
+            if hw.efidisk.is_empty() {
+                String::new()
+            } else {
+                format!(" (efidisk {})", hw.efidisk)
+            },
+            or_default(&hw.machine),
+            or_default(&hw.ostype),
+            or_default(&hw.scsihw),
+            hw.disks.join(", "),
+            hw.nics.join(", "),
+            hw.boot_order.join(", ")
+        );
+        for omitted in &hw.omitted {
+            let _ = writeln!(out, "  omitted {omitted}");
+        }
+    }
+    let _ = writeln!(out, "isolation: ruleset {}", p.isolation.ruleset_digest);
+    let _ = writeln!(
+        out,
+        "cleanup: {} ({} resources{})",
+        if p.cleanup.complete {
+            "complete"
+        } else {
+            "NOT PROVEN COMPLETE"
+        },
+        p.cleanup.receipts.len(),
+        if p.cleanup.residue.is_empty() {
+            String::new()
+        } else {
+            format!("; residue: {}", p.cleanup.residue.join(", "))
+        }
+    );
+    let _ = writeln!(
+        out,
+        "journal: {} records, head {} (recomputed)",
+        p.journal.records.len(),
+        p.journal.head_sha256
+    );
+    match &p.screenshot {
+        Some(shot) => {
+            let location = report_path
+                .parent()
+                .unwrap_or(Path::new("."))
+                .join(&shot.file);
+            let _ = writeln!(
+                out,
+                "screenshot: {} (sha256 {})",
+                location.display(),
+                shot.sha256
+            );
+        }
+        None => {
+            let _ = writeln!(out, "screenshot: none");
+        }
+    }
+    out
+}

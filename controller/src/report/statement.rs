@@ -1,0 +1,205 @@
+//! A Statement built from a validation, and what verifying one recomputes: the journal's hash
+//! chain and the screenshot beside the report.
+
+use super::*;
+
+/// The on-disk line of one streamed record: the entry bytes rebuilt as the protocol documents.
+pub(super) fn journal_line(record: &JournalRecord) -> Result<String, String> {
+    let string = |value: &str| {
+        serde_json::to_string(value).map_err(|e| format!("record {}: {e}", record.sequence))
+    };
+    let mut entry = format!(
+        "{{\"seq\":{},\"time_ms\":{},\"op\":{},\"resource\":{},\"phase\":{}",
+        record.sequence,
+        record.time_unix_ms,
+        string(&record.operation)?,
+        string(&record.resource)?,
+        string(&record.phase)?,
+    );
+    if !record.detail.is_empty() {
+        entry.push_str(",\"detail\":");
+        entry.push_str(&record.detail);
+    }
+    entry.push('}');
+    Ok(format!(
+        "{} {} {entry}\n",
+        record.record_sha256, record.previous_sha256
+    ))
+}
+
+/// Recomputes the journal chain of `run_id` from `records` with the connector's own reader and
+/// returns its head (hex).
+pub fn recompute_journal_head(run_id: &str, records: &[JournalRecord]) -> Result<String, String> {
+    let mut text = String::new();
+    for record in records {
+        text.push_str(&journal_line(record)?);
+    }
+    let longest = text.lines().map(str::len).max().unwrap_or(0) as u64;
+    let mut reader = journal::Reader::new(
+        text.as_bytes(),
+        Path::new("report journal"),
+        run_id,
+        longest + 1,
+    );
+    for record in reader.by_ref() {
+        record.map_err(|e| e.to_string())?;
+    }
+    if let Some(torn) = reader.torn() {
+        return Err(format!(
+            "record {} does not verify ({})",
+            reader.records_read() + 1,
+            torn.reason
+        ));
+    }
+    if reader.records_read() != records.len() as u64 {
+        return Err(format!(
+            "{} of {} records verify",
+            reader.records_read(),
+            records.len()
+        ));
+    }
+    Ok(hex::encode(reader.head()))
+}
+
+impl Statement {
+    /// A statement for `validation`, naming its snapshot and archives as subjects.
+    pub fn new(validation: Validation) -> Self {
+        Self {
+            statement_type: STATEMENT_TYPE.to_owned(),
+            subject: subjects(&validation.snapshot),
+            predicate_type: PREDICATE_TYPE.to_owned(),
+            predicate: validation,
+        }
+    }
+
+    /// Checks what the signature alone does not: the statement's shape, that its subjects are
+    /// its snapshot, that the verdict is well-formed, and that the journal recomputes.
+    pub fn check(&self) -> Result<(), ReportError> {
+        let shape = |m: String| Err(ReportError::Statement(m));
+        if self.statement_type != STATEMENT_TYPE {
+            return shape(format!(
+                "_type is {:?}, expected {STATEMENT_TYPE:?}",
+                self.statement_type
+            ));
+        }
+        if self.predicate_type != PREDICATE_TYPE {
+            return shape(format!(
+                "predicateType is {:?}, expected {PREDICATE_TYPE:?}",
+                self.predicate_type
+            ));
+        }
+        let predicate = &self.predicate;
+        if self.subject != subjects(&predicate.snapshot) {
+            return shape("the subjects are not the predicate's snapshot and archives".into());
+        }
+        if let Err(reason) = RunId::validate(&predicate.run_id) {
+            return shape(format!("run_id: {reason}"));
+        }
+        if let Verdict::Failed { reasons } | Verdict::Error { reasons } = &predicate.verdict
+            && reasons.is_empty()
+        {
+            return shape("a failed or error verdict gives no reason".into());
+        }
+        if predicate.verdict == Verdict::Passed && predicate.journal.records.is_empty() {
+            return shape(
+                "a passed verdict carries no journal record: nothing shows what the node did"
+                    .into(),
+            );
+        }
+        if predicate.isolation.ruleset_digest != sha256_text(predicate.isolation.ruleset.as_bytes())
+        {
+            return shape("isolation.ruleset_digest is not the digest of isolation.ruleset".into());
+        }
+        if let Some(shot) = &predicate.screenshot
+            && (shot.file.is_empty() || shot.file.contains('/') || shot.file.starts_with('.'))
+        {
+            return shape(format!(
+                "screenshot.file {:?} is not a file name beside the report",
+                shot.file
+            ));
+        }
+        let head = recompute_journal_head(&predicate.run_id, &predicate.journal.records)
+            .map_err(ReportError::Journal)?;
+        if head != predicate.journal.head_sha256 {
+            return Err(ReportError::Journal(format!(
+                "the records end at {head}, the report says {}",
+                predicate.journal.head_sha256
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// `sha256:<hex>`, the form digests of texts take in the predicate.
+pub fn sha256_text(bytes: &[u8]) -> String {
+    format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
+}
+
+/// What the screenshot beside a report says about it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ScreenshotCheck {
+    /// The report names none.
+    NotTaken,
+    /// The file is not beside the report (it may have been sent without it).
+    Absent(PathBuf),
+    Matches(PathBuf),
+}
+
+/// Checks the screenshot a verified report names against the file beside `report_path`: a file
+/// whose SHA-256 differs makes the report invalid.
+pub fn check_screenshot(
+    statement: &Statement,
+    report_path: &Path,
+) -> Result<ScreenshotCheck, ReportError> {
+    let Some(shot) = &statement.predicate.screenshot else {
+        return Ok(ScreenshotCheck::NotTaken);
+    };
+    let path = report_path
+        .parent()
+        .unwrap_or(Path::new("."))
+        .join(&shot.file);
+    let bytes = match std::fs::read(&path) {
+        Ok(bytes) => bytes,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+            return Ok(ScreenshotCheck::Absent(path));
+        }
+        Err(error) => return Err(FileError::Read { path, error }.into()),
+    };
+    let found = hex::encode(Sha256::digest(&bytes));
+    if found != shot.sha256 {
+        return Err(ReportError::Screenshot {
+            path,
+            found,
+            expected: shot.sha256.clone(),
+        });
+    }
+    Ok(ScreenshotCheck::Matches(path))
+}
+
+pub(super) fn subjects(snapshot: &Snapshot) -> Vec<Subject> {
+    let mut base = format!(
+        "pbs://{}:{}/{}",
+        snapshot.server, snapshot.port, snapshot.datastore
+    );
+    if !snapshot.namespace.is_empty() {
+        base = format!("{base}/{}", snapshot.namespace);
+    }
+    base = format!("{base}/{}", snapshot.snapshot);
+    let mut subjects = vec![Subject {
+        name: snapshot.snapshot.clone(),
+        uri: base.clone(),
+        digest: BTreeMap::new(),
+    }];
+    subjects.extend(snapshot.archives.iter().map(|archive| {
+        Subject {
+            name: archive.name.clone(),
+            uri: format!("{base}/{}", archive.name),
+            digest: archive
+                .sha256
+                .iter()
+                .map(|digest| ("sha256".to_owned(), digest.clone()))
+                .collect(),
+        }
+    }));
+    subjects
+}

@@ -1,0 +1,417 @@
+//! Reports signed, verified, refused and described.
+
+use super::*;
+use rand_core::OsRng;
+
+const RUN: &str = "0f0e1c2d-3b4a-4c5d-8e6f-7a8b9c0d1e2f";
+
+fn temp_dir(tag: &str) -> PathBuf {
+    let dir =
+        std::env::temp_dir().join(format!("certistack-report-{tag}-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Journal records as the node writes and streams them.
+fn journal_records() -> Vec<JournalRecord> {
+    let dir = temp_dir("journal");
+    let mut journal = journal::Journal::create(&dir, RUN).unwrap();
+    journal
+        .append(
+            1_000,
+            "run.begin",
+            &format!("run:{RUN}"),
+            journal::Phase::Done,
+            serde_json::Value::Null,
+        )
+        .unwrap();
+    journal
+        .append(
+            2_000,
+            "vm.start",
+            "vm:9100",
+            journal::Phase::Failed,
+            serde_json::json!({"exit_code": 255, "error": "naïve \"quote\"\n"}),
+        )
+        .unwrap();
+    let records = journal
+        .records()
+        .iter()
+        .map(|r| JournalRecord::from(&r.to_wire()))
+        .collect();
+    std::fs::remove_dir_all(&dir).unwrap();
+    records
+}
+
+fn validation() -> Validation {
+    let records = journal_records();
+    Validation {
+        run_id: RUN.into(),
+        name: "web".into(),
+        plan_digest: format!("sha256:{}", "ab".repeat(32)),
+        node: "pve1".into(),
+        connector: ConnectorVersion {
+            version: "0.1.0".into(),
+            surface_digest: format!("sha256:{}", "cd".repeat(32)),
+        },
+        controller_version: "0.1.0".into(),
+        snapshot: Snapshot {
+            server: "pbs.example".into(),
+            port: 8007,
+            datastore: "store1".into(),
+            namespace: "prod".into(),
+            snapshot: "vm/100/2026-11-30T01:00:00Z".into(),
+            archives: vec![
+                Archive {
+                    name: "drive-scsi0.img.fidx".into(),
+                    sha256: Some("ef".repeat(32)),
+                },
+                Archive {
+                    name: "drive-scsi1.img.fidx".into(),
+                    sha256: None,
+                },
+            ],
+        },
+        steps: vec![Step {
+            name: "start".into(),
+            started_unix_ms: 1_000,
+            ended_unix_ms: 2_500,
+            result: StepResult::Ok,
+            detail: String::new(),
+        }],
+        guest: GuestFacts {
+            status: "running".into(),
+            os_info: serde_json::json!({"id": "debian"}),
+            interfaces: serde_json::json!([{"name": "eth0"}]),
+        },
+        probes: vec![ProbeResult {
+            target: "tcp://10.99.0.10:22".into(),
+            expected: "open".into(),
+            outcome: "CONNECTED".into(),
+            origin: "worker_host".into(),
+            passed: true,
+            latency_us: 420,
+            detail: String::new(),
+            received_sha256: String::new(),
+            tls_certificate_sha256: String::new(),
+        }],
+        isolation: Isolation {
+            bridge_ports: vec!["tap9100i0".into()],
+            bridge_addresses: vec!["10.99.0.2/24".into()],
+            forwarding: BTreeMap::from([("net.ipv4.ip_forward".into(), "0".into())]),
+            ruleset: "table inet certistack {}".into(),
+            ruleset_digest: sha256_text(b"table inet certistack {}"),
+            nat_sources: Vec::new(),
+        },
+        assertions: vec![AssertionResult {
+            name: "systemd running".into(),
+            exit_code: 0,
+            passed: true,
+            detail: String::new(),
+        }],
+        cleanup: CleanupEvidence {
+            receipts: vec![Receipt {
+                resource: "vm:9100".into(),
+                end_state: "destroyed".into(),
+            }],
+            residue: vec![],
+            complete: true,
+        },
+        journal: JournalEvidence {
+            head_sha256: recompute_journal_head(RUN, &records).unwrap(),
+            records,
+        },
+        verdict: Verdict::Passed,
+        screenshot: Some(Screenshot {
+            file: "shot.png".into(),
+            sha256: "12".repeat(32),
+        }),
+        hardware: Some(SandboxHardware {
+            config_sha256: "ab".repeat(32),
+            cpu: "x86-64-v2-AES".into(),
+            bios: "ovmf".into(),
+            machine: "q35".into(),
+            disks: vec![
+                "virtio0=drive-virtio0.img".into(),
+                "ide2=cdrom (empty)".into(),
+            ],
+            efidisk: "efitype=4m,pre-enrolled-keys=1".into(),
+            nics: vec!["net0=e1000".into()],
+            boot_order: vec!["virtio0".into()],
+            omitted: vec!["hostpci0: passthrough of a device".into()],
+            ..SandboxHardware::default()
+        }),
+    }
+}
+
+fn signed(key: &SigningKey) -> Vec<u8> {
+    serde_json::to_vec(&sign(&Statement::new(validation()), key).unwrap()).unwrap()
+}
+
+#[test]
+fn the_hardware_shows_what_the_sandbox_got_of_the_source() {
+    let disk = |slot: &str, cdrom: bool| pb::SourceDisk {
+        slot: slot.into(),
+        archive: if cdrom {
+            String::new()
+        } else {
+            format!("drive-{slot}.img")
+        },
+        cdrom,
+    };
+    let source = pb::SourceHardware {
+        bios: "ovmf".into(),
+        disks: vec![
+            disk("scsi0", false),
+            disk("scsi1", false),
+            disk("ide2", true),
+        ],
+        efidisk: true,
+        efitype: "4m".into(),
+        pre_enrolled_keys: true,
+        nics: vec![pb::SourceNic {
+            index: 0,
+            model: "virtio".into(),
+        }],
+        boot_order: vec!["scsi1".into(), "scsi0".into(), "ide2".into(), "net0".into()],
+        ..pb::SourceHardware::default()
+    };
+    let all = SandboxHardware::from_wire(
+        &source,
+        "ab",
+        &[
+            "drive-scsi0.img".into(),
+            "drive-scsi1.img".into(),
+            EFIDISK_ARCHIVE.into(),
+        ],
+    );
+    assert_eq!(all.efidisk, "efitype=4m,pre-enrolled-keys=1");
+    assert_eq!(all.boot_order, ["scsi1", "scsi0", "ide2", "net0"]);
+    assert!(all.omitted.is_empty(), "{:?}", all.omitted);
+
+    let some = SandboxHardware::from_wire(&source, "ab", &["drive-scsi0.img".into()]);
+    assert_eq!(some.disks, ["scsi0=drive-scsi0.img", "ide2=cdrom (empty)"]);
+    assert_eq!(
+        some.efidisk, "",
+        "an EFI disk the run does not restore is not the sandbox's"
+    );
+    assert_eq!(some.boot_order, ["scsi0", "ide2", "net0"]);
+    assert!(
+        some.omitted
+            .iter()
+            .any(|o| o.starts_with("scsi1: its archive drive-scsi1.img"))
+    );
+    assert!(
+        some.omitted.iter().any(
+            |o| o.starts_with("efidisk0: its archive drive-efidisk0.img")
+                && o.contains("empty EFI variables")
+        ),
+        "{:?}",
+        some.omitted
+    );
+}
+
+#[test]
+fn pae_matches_the_dsse_specification_example() {
+    assert_eq!(
+        pae("http://example.com/HelloWorld", b"hello world"),
+        b"DSSEv1 29 http://example.com/HelloWorld 11 hello world"
+    );
+    assert_eq!(pae("", b""), b"DSSEv1 0  0 ");
+}
+
+#[test]
+fn a_signed_report_verifies_and_keeps_its_content() {
+    let key = SigningKey::generate(&mut OsRng);
+    let statement = verify(&signed(&key), &key.verifying_key()).unwrap();
+    assert_eq!(statement, Statement::new(validation()));
+    assert_eq!(statement.subject.len(), 3);
+    assert_eq!(
+        statement.subject[0].uri,
+        "pbs://pbs.example:8007/store1/prod/vm/100/2026-11-30T01:00:00Z"
+    );
+    assert!(statement.subject[2].digest.is_empty());
+}
+
+#[test]
+fn every_changed_byte_fails_verification() {
+    let key = SigningKey::generate(&mut OsRng);
+    let bytes = signed(&key);
+    let text = std::str::from_utf8(&bytes).unwrap();
+    let payload_start = text.find(r#""payload":""#).unwrap() + 11;
+    let payload_end = payload_start + text[payload_start..].find('"').unwrap();
+    // Inside the payload every change reaches the signature the same way, and a debug build
+    // verifies slowly: its edges and every 16th byte stand for the rest.
+    let inside_payload = |at: usize| {
+        (payload_start + 8..payload_end.saturating_sub(8)).contains(&at)
+            && !(at - payload_start).is_multiple_of(16)
+    };
+    for at in (0..bytes.len()).filter(|&at| !inside_payload(at)) {
+        let mut changed = bytes.clone();
+        changed[at] ^= 0x01;
+        assert!(
+            verify(&changed, &key.verifying_key()).is_err(),
+            "byte {at} ({:?}) changed and the report still verifies",
+            bytes[at] as char
+        );
+    }
+}
+
+#[test]
+fn another_key_is_refused_by_key_id() {
+    let key = SigningKey::generate(&mut OsRng);
+    let other = SigningKey::generate(&mut OsRng);
+    let error = verify(&signed(&key), &other.verifying_key()).unwrap_err();
+    assert!(matches!(error, ReportError::KeyId { .. }), "{error}");
+}
+
+/// The statement is re-signed after each change, so only the statement checks can catch it.
+fn signed_with(key: &SigningKey, change: impl FnOnce(&mut Statement)) -> ReportError {
+    let mut statement = Statement::new(validation());
+    change(&mut statement);
+    let bytes = serde_json::to_vec(&sign(&statement, key).unwrap()).unwrap();
+    verify(&bytes, &key.verifying_key()).unwrap_err()
+}
+
+#[test]
+fn a_journal_that_does_not_recompute_is_refused_even_when_signed() {
+    let key = SigningKey::generate(&mut OsRng);
+    let error = signed_with(&key, |s| {
+        s.predicate.journal.records[1].detail = r#"{"exit_code":0}"#.into()
+    });
+    assert!(
+        matches!(&error, ReportError::Journal(m) if m.contains("record 2")),
+        "{error}"
+    );
+    let error = signed_with(&key, |s| {
+        s.predicate.journal.records.pop();
+    });
+    assert!(
+        matches!(&error, ReportError::Journal(m) if m.contains("the records end at")),
+        "{error}"
+    );
+    let error = signed_with(&key, |s| {
+        s.predicate.run_id = "1f0e1c2d-3b4a-4c5d-8e6f-7a8b9c0d1e2f".into()
+    });
+    assert!(matches!(error, ReportError::Journal(_)), "{error}");
+    let error = signed_with(&key, |s| s.predicate.journal.records.swap(0, 1));
+    assert!(matches!(error, ReportError::Journal(_)), "{error}");
+}
+
+#[test]
+fn statement_shape_is_checked_even_when_signed() {
+    let key = SigningKey::generate(&mut OsRng);
+    let error = signed_with(&key, |s| {
+        s.predicate_type = "https://slsa.dev/provenance/v1".into()
+    });
+    assert!(
+        matches!(&error, ReportError::Statement(m) if m.contains("predicateType")),
+        "{error}"
+    );
+    let error = signed_with(&key, |s| {
+        s.statement_type = "https://in-toto.io/Statement/v0.1".into()
+    });
+    assert!(
+        matches!(&error, ReportError::Statement(m) if m.contains("_type")),
+        "{error}"
+    );
+    let error = signed_with(&key, |s| s.subject.truncate(1));
+    assert!(
+        matches!(&error, ReportError::Statement(m) if m.contains("subjects")),
+        "{error}"
+    );
+    let error = signed_with(&key, |s| {
+        s.predicate.verdict = Verdict::Failed { reasons: vec![] }
+    });
+    assert!(
+        matches!(&error, ReportError::Statement(m) if m.contains("reason")),
+        "{error}"
+    );
+    let error = signed_with(&key, |s| s.predicate.isolation.ruleset.push(' '));
+    assert!(
+        matches!(&error, ReportError::Statement(m) if m.contains("ruleset_digest")),
+        "{error}"
+    );
+    let error = signed_with(&key, |s| {
+        if let Some(shot) = &mut s.predicate.screenshot {
+            shot.file = "../../etc/passwd".into();
+        }
+    });
+    assert!(
+        matches!(&error, ReportError::Statement(m) if m.contains("screenshot.file")),
+        "{error}"
+    );
+}
+
+#[test]
+fn the_screenshot_beside_a_report_must_be_the_one_signed() {
+    let dir = temp_dir("screenshot");
+    let report_path = dir.join("report.json");
+    let mut statement = Statement::new(validation());
+    let png = b"\x89PNG\r\n\x1a\n the guest's console";
+    statement.predicate.screenshot = Some(Screenshot {
+        file: "shot.png".into(),
+        sha256: hex::encode(Sha256::digest(png)),
+    });
+    assert_eq!(
+        check_screenshot(&statement, &report_path).unwrap(),
+        ScreenshotCheck::Absent(dir.join("shot.png"))
+    );
+    std::fs::write(dir.join("shot.png"), png).unwrap();
+    assert_eq!(
+        check_screenshot(&statement, &report_path).unwrap(),
+        ScreenshotCheck::Matches(dir.join("shot.png"))
+    );
+    std::fs::write(dir.join("shot.png"), b"another image").unwrap();
+    let error = check_screenshot(&statement, &report_path).unwrap_err();
+    assert!(matches!(error, ReportError::Screenshot { .. }), "{error}");
+    statement.predicate.screenshot = None;
+    assert_eq!(
+        check_screenshot(&statement, &report_path).unwrap(),
+        ScreenshotCheck::NotTaken
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn reports_are_written_atomically_private_and_named_by_time_node_and_run() {
+    let key = SigningKey::generate(&mut OsRng);
+    let dir = temp_dir("write").join("reports");
+    let at = OffsetDateTime::from_unix_timestamp(1_796_070_000).unwrap();
+    let path = write(&dir, &Statement::new(validation()), &key, at).unwrap();
+    assert_eq!(
+        path.file_name().unwrap().to_str().unwrap(),
+        format!("20261130T202000Z-pve1-{RUN}.json")
+    );
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(
+        std::fs::metadata(&path).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+    assert_eq!(
+        std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777,
+        0o700
+    );
+    assert_eq!(
+        std::fs::read_dir(&dir).unwrap().count(),
+        1,
+        "no temporary file is left"
+    );
+    verify(&read(&path).unwrap(), &key.verifying_key()).unwrap();
+    let shown = describe(
+        &verify(&read(&path).unwrap(), &key.verifying_key()).unwrap(),
+        &path,
+    );
+    assert!(shown.starts_with("verdict: passed\n"), "{shown}");
+    assert!(
+        shown.contains("hardware: cpu x86-64-v2-AES bios ovmf (efidisk efitype=4m,pre-enrolled-keys=1) machine q35 ostype default scsihw default; disks [virtio0=drive-virtio0.img, ide2=cdrom (empty)]; nics [net0=e1000]; boot [virtio0]\n  omitted hostpci0: passthrough of a device\n"),
+        "{shown}"
+    );
+    assert!(
+        shown.contains(&format!("screenshot: {}", dir.join("shot.png").display())),
+        "{shown}"
+    );
+    let error = file_name(at, "../etc", RUN).unwrap_err();
+    assert!(matches!(error, ReportError::Name(_)), "{error}");
+    std::fs::remove_dir_all(dir.parent().unwrap()).unwrap();
+}

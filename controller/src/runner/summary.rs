@@ -1,0 +1,140 @@
+//! What each validation of a run proved, and the closing summary table.
+
+use super::progress::for_terminal;
+use serde::Serialize;
+use std::path::PathBuf;
+
+/// What a validation proved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Outcome {
+    /// The backup restored: every check held.
+    Passed,
+    /// The backup did not restore: a probe, an assertion or the guest said so.
+    Failed,
+    /// Nothing was proven about the backup: the node, the connection or the operator stopped it.
+    Error,
+}
+
+/// Whether the node is proven to hold nothing of the run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CleanupState {
+    /// The run never began on the node: nothing to clean.
+    NotNeeded,
+    /// Cleanup found nothing left and the run was ended.
+    Complete,
+    /// The node could not prove it holds nothing of the run; see the report and `runs NODE`.
+    Unproven,
+}
+
+/// One validation's line in the closing summary.
+#[derive(Debug, Clone, Serialize)]
+pub struct Summary {
+    pub validation: String,
+    pub node: String,
+    pub run_id: String,
+    pub outcome: Outcome,
+    pub cleanup: CleanupState,
+    pub reasons: Vec<String>,
+    pub elapsed_ms: u64,
+    pub report: Option<PathBuf>,
+}
+
+/// The closing table: one row per validation.
+pub fn summary_table(summaries: &[Summary]) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{:<20} {:<12} {:<36} {:<7} {:<10} {:>8}  REASON / REPORT",
+        "VALIDATION", "NODE", "RUN", "RESULT", "CLEANUP", "TIME"
+    );
+    for s in summaries {
+        let outcome = match s.outcome {
+            Outcome::Passed => "passed",
+            Outcome::Failed => "FAILED",
+            Outcome::Error => "ERROR",
+        };
+        let cleanup = match s.cleanup {
+            CleanupState::NotNeeded => "none",
+            CleanupState::Complete => "complete",
+            CleanupState::Unproven => "UNPROVEN",
+        };
+        let tail = match (s.reasons.first(), &s.report) {
+            (Some(reason), _) => for_terminal(reason),
+            (None, Some(path)) => path.display().to_string(),
+            (None, None) => String::new(),
+        };
+        let _ = writeln!(
+            out,
+            "{:<20} {:<12} {:<36} {:<7} {:<10} {:>7.1}s  {tail}",
+            s.validation,
+            s.node,
+            s.run_id,
+            outcome,
+            cleanup,
+            s.elapsed_ms as f64 / 1000.0
+        );
+        for reason in s.reasons.iter().skip(1) {
+            let _ = writeln!(out, "{:<100}{}", "", for_terminal(reason));
+        }
+        if !s.reasons.is_empty()
+            && let Some(path) = &s.report
+        {
+            let _ = writeln!(out, "{:<100}report {}", "", path.display());
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn summary(outcome: Outcome, cleanup: CleanupState) -> Summary {
+        Summary {
+            validation: "web01".into(),
+            node: "pve1".into(),
+            run_id: "0f0e1c2d-3b4a-4c5d-8e6f-7a8b9c0d1e2f".into(),
+            outcome,
+            cleanup,
+            reasons: Vec::new(),
+            elapsed_ms: 61_500,
+            report: Some(PathBuf::from("/var/lib/certistack/reports/r.json")),
+        }
+    }
+
+    #[test]
+    fn the_summary_table_has_a_row_per_validation_with_its_reason_or_report() {
+        let mut failed = summary(Outcome::Failed, CleanupState::Complete);
+        failed.validation = "db01".into();
+        failed.reasons = vec![
+            "probe tcp://10.99.0.10:5432 failed: connection refused".into(),
+            "assertion pg-ready failed (exit code 2)".into(),
+        ];
+        let table = summary_table(&[summary(Outcome::Passed, CleanupState::Complete), failed]);
+        let lines: Vec<&str> = table.lines().collect();
+        assert!(lines[0].starts_with("VALIDATION"), "{table}");
+        assert!(
+            lines[1].contains("web01")
+                && lines[1].contains("passed")
+                && lines[1].contains("complete")
+                && lines[1].contains("61.5s")
+                && lines[1].ends_with("/var/lib/certistack/reports/r.json"),
+            "{table}"
+        );
+        assert!(
+            lines[2].contains("FAILED") && lines[2].ends_with("connection refused"),
+            "{table}"
+        );
+        assert!(
+            lines[3].trim_start() == "assertion pg-ready failed (exit code 2)",
+            "{table}"
+        );
+        assert!(
+            lines[4].trim_start().starts_with("report /var/lib"),
+            "{table}"
+        );
+    }
+}
