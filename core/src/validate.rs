@@ -255,6 +255,17 @@ impl ArchiveName {
     pub fn stem(&self) -> &str {
         self.0.strip_suffix(".img").unwrap_or(&self.0)
     }
+
+    /// Whether the archive holds a VM's firmware state, not a disk: PVE names the archive of
+    /// drive `<bus><n>` `drive-<bus><n>.img`, and `efidisk` (EFI vars) and `tpmstate` (TPM
+    /// state) are buses of their own.
+    pub fn holds_firmware_state(&self) -> bool {
+        let bus = self
+            .stem()
+            .strip_prefix("drive-")
+            .map(|drive| drive.trim_end_matches(|c: char| c.is_ascii_digit()));
+        matches!(bus, Some("efidisk" | "tpmstate"))
+    }
 }
 
 string_newtype!(
@@ -618,6 +629,16 @@ mod tests {
     #[test]
     fn archive_grammar() {
         assert!(ok::<ArchiveName>("drive-scsi0.img"));
+        let firmware = |name: &str| ArchiveName::validate(name).unwrap().holds_firmware_state();
+        assert!(firmware("drive-efidisk0.img") && firmware("drive-tpmstate0.img"));
+        for disk in [
+            "drive-scsi0.img",
+            "drive-virtio1.img",
+            "drive-sata0.img",
+            "efidisk0.img",
+        ] {
+            assert!(!firmware(disk), "{disk}");
+        }
         assert_eq!(
             ArchiveName::validate("drive-virtio1.img").map(|a| a.stem().to_owned()),
             Ok("drive-virtio1".into())

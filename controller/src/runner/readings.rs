@@ -117,21 +117,26 @@ pub(super) fn expectation_text(expect: &pb::ProbeExpectation) -> String {
 }
 
 /// Checks the node's isolation evidence against the grant: only taps of the run's sandbox VMs
-/// on the bridge, only the probe address (and the bridge's IPv6 link-local address) on it,
-/// every forwarding sysctl reported and 0.
+/// on the bridge (by the VM the node says each port belongs to, `owners`, one per port of
+/// `isolation.bridge_ports`), only the probe address (and the bridge's IPv6 link-local
+/// address) on it, every forwarding sysctl reported and 0.
 pub(super) fn check_isolation(
     isolation: &report::Isolation,
+    owners: &[pb::BridgePort],
     grant: &certistack_core::grant::Grant,
 ) -> Result<(), String> {
-    for port in &isolation.bridge_ports {
-        let vmid = port
-            .strip_prefix("tap")
-            .and_then(|rest| rest.split_once('i'))
-            .filter(|(_, nic)| !nic.is_empty() && nic.bytes().all(|b| b.is_ascii_digit()))
-            .and_then(|(vmid, _)| vmid.parse::<u32>().ok());
-        if !vmid.is_some_and(|vmid| grant.sandbox_vms.keys().any(|v| v.get() == vmid)) {
+    let named: Vec<&str> = owners.iter().map(|owner| owner.name.as_str()).collect();
+    if named != isolation.bridge_ports {
+        return Err(format!(
+            "the node named bridge ports {:?} but gave owners for {named:?}",
+            isolation.bridge_ports
+        ));
+    }
+    for port in owners {
+        if !grant.sandbox_vms.keys().any(|v| v.get() == port.vmid) {
             return Err(format!(
-                "bridge port {port:?} is not a tap of this run's sandbox VMs"
+                "bridge port {:?} is not a tap of this run's sandbox VMs",
+                port.name
             ));
         }
     }
@@ -256,13 +261,32 @@ mod tests {
             nat_sources: Vec::new(),
         };
         let grant = grant();
-        check_isolation(&good, &grant).unwrap();
+        // The owners as the node gives them: PVE's tap names read by VM and NIC.
+        let owners = |isolation: &report::Isolation| -> Vec<pb::BridgePort> {
+            isolation
+                .bridge_ports
+                .iter()
+                .map(|name| {
+                    let (vmid, nic) = certistack_core::net::pve_tap(name).unwrap_or((0, 0));
+                    pb::BridgePort {
+                        name: name.clone(),
+                        vmid,
+                        nic,
+                    }
+                })
+                .collect()
+        };
+        check_isolation(&good, &owners(&good), &grant).unwrap();
         let refused = |change: &dyn Fn(&mut report::Isolation), needle: &str| {
             let mut isolation = good.clone();
             change(&mut isolation);
-            let error = check_isolation(&isolation, &grant).unwrap_err();
+            let error = check_isolation(&isolation, &owners(&isolation), &grant).unwrap_err();
             assert!(error.contains(needle), "{error}");
         };
+        let mut unowned = owners(&good);
+        unowned.pop();
+        let error = check_isolation(&good, &unowned, &grant).unwrap_err();
+        assert!(error.contains("gave owners for"), "{error}");
         refused(&|i| i.bridge_ports.push("eno1".into()), "eno1");
         refused(&|i| i.bridge_ports.push("tap9200i0".into()), "tap9200i0");
         refused(&|i| i.bridge_ports.push("tap9100i".into()), "tap9100i");
@@ -283,7 +307,7 @@ mod tests {
             "net.ipv6.conf.csnet1.forwarding".into(),
             "0 (was 1; set to 0 for this run by sandbox.forwarding = \"disable-for-run\")".into(),
         );
-        check_isolation(&disabled, &grant).unwrap();
+        check_isolation(&disabled, &owners(&disabled), &grant).unwrap();
     }
 
     #[test]

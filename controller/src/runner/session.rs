@@ -86,12 +86,12 @@ pub(super) fn connection_lost(status: &tonic::Status) -> bool {
     ) && !node_removed_probe_address(status)
 }
 
-/// The node's own UNAVAILABLE for a probe address it no longer carries (protocol.md, Probe).
+/// The node's own UNAVAILABLE for a probe address it no longer carries (protocol.md, Probe):
+/// its status details say so ([`pb::ErrorDetail`]).
 fn node_removed_probe_address(status: &tonic::Status) -> bool {
     status.code() == tonic::Code::Unavailable
-        && status
-            .message()
-            .starts_with("probe address removed by the node")
+        && <pb::ErrorDetail as prost::Message>::decode(status.details())
+            .is_ok_and(|detail| detail.reason == pb::ErrorReason::ProbeAddressRemoved as i32)
 }
 
 /// Whether a BeginRun error is the node's refusal, so no run exists: anything else (a reset
@@ -224,9 +224,24 @@ mod tests {
         assert!(connection_lost(&tonic::Status::unavailable(
             "error trying to connect: tcp connect error"
         )));
-        assert!(!connection_lost(&tonic::Status::unavailable(
+        let removed = |reason: pb::ErrorReason| {
+            tonic::Status::with_details(
+                tonic::Code::Unavailable,
+                "probe address removed by the node (ifreload?): 10.99.0.1/24 is no longer on csnet1",
+                prost::Message::encode_to_vec(&pb::ErrorDetail {
+                    reason: reason as i32,
+                })
+                .into(),
+            )
+        };
+        assert!(!connection_lost(&removed(
+            pb::ErrorReason::ProbeAddressRemoved
+        )));
+        // Decided by the detail, not the text: the same message without it is a lost connection.
+        assert!(connection_lost(&tonic::Status::unavailable(
             "probe address removed by the node (ifreload?): 10.99.0.1/24 is no longer on csnet1"
         )));
+        assert!(connection_lost(&removed(pb::ErrorReason::Unspecified)));
     }
 
     #[test]

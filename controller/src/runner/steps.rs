@@ -286,10 +286,7 @@ async fn recover_guest_networks(run: &mut Script<'_, '_>) -> Result<(), Stop> {
     // its overlay before its first start (docs/guest-network.md); `preserve` leaves it as is.
     if validation.network_recovery == crate::plan::NetworkRecoveryMode::Rewrite {
         // The guest's root filesystem is on a disk, not on its EFI vars or TPM state.
-        let boot = grant
-            .archives
-            .iter()
-            .find(|a| !a.as_str().contains("efidisk") && !a.as_str().contains("tpmstate"));
+        let boot = grant.archives.iter().find(|a| !a.holds_firmware_state());
         if let Some(boot) = boot {
             for vmid in grant.sandbox_vms.keys() {
                 let name = format!("recover network {vmid}");
@@ -327,7 +324,7 @@ async fn prepare_sandbox(run: &mut Script<'_, '_>) -> Result<(), Stop> {
         })
     );
     let observed = isolation(&sandbox);
-    let proven = check_isolation(&observed, grant);
+    let proven = check_isolation(&observed, &sandbox.bridge_port_owners, grant);
     run.evidence.isolation = Some(observed);
     if let Err(reason) = proven {
         // The controller does not sign a restore whose containment it cannot show.
