@@ -69,24 +69,7 @@ mod unit_file;
 #[path = "foundation/wire_refusals.rs"]
 mod wire_refusals;
 
-async fn started(
-    tag: &str,
-) -> (
-    TempDir,
-    certistack_controller::authority::Authority,
-    TestNode,
-) {
-    let dir = TempDir::new(tag);
-    let authority = controller(&dir.0);
-    let node = TestNode::start(&authority, &dir.0.join("node"), NODE).await;
-    (dir, authority, node)
-}
-
 /// One request per operation RPC, all inside the standard test grant.
-fn ok<T>(result: Result<T, tonic::Status>) -> Result<(), tonic::Status> {
-    result.map(|_| ())
-}
-
 async fn call_every_operation(
     client: &mut ConnectorClient<Channel>,
 ) -> Vec<Result<(), tonic::Status>> {

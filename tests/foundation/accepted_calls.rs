@@ -5,7 +5,7 @@ use super::*;
 
 #[tokio::test]
 async fn matching_run_calls_its_own_operations() {
-    let (_dir, authority, node) = started("accept").await;
+    let (_dir, authority, node) = started_node("accept").await;
     let credentials = mint(&authority, &grant(RUN_ID, NODE));
     let mut client = run_client(&authority, &node, &credentials).await;
 
@@ -62,7 +62,7 @@ async fn matching_run_calls_its_own_operations() {
 
 #[tokio::test]
 async fn operator_reaches_hello_list_journal_and_cleanup() {
-    let (_dir, authority, node) = started("operator").await;
+    let (_dir, authority, node) = started_node("operator").await;
     let credentials = mint(&authority, &grant(RUN_ID, NODE));
     run_client(&authority, &node, &credentials)
         .await

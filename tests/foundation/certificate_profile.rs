@@ -6,7 +6,7 @@ use super::*;
 #[tokio::test]
 async fn client_certificates_outside_the_profile_are_unauthenticated() {
     use rcgen::ExtendedKeyUsagePurpose::{ClientAuth, CodeSigning};
-    let (_dir, authority, node) = started("profile").await;
+    let (_dir, authority, node) = started_node("profile").await;
     let ten_minutes = time::Duration::minutes(10);
     let alice = "urn:certistack:operator:alice";
     let hello = |certificate| {
@@ -98,7 +98,7 @@ async fn client_certificates_outside_the_profile_are_unauthenticated() {
 #[tokio::test]
 async fn operator_certificates_valid_longer_than_the_limit_are_refused() {
     use rcgen::ExtendedKeyUsagePurpose::ClientAuth;
-    let (_dir, authority, node) = started("oplife").await;
+    let (_dir, authority, node) = started_node("oplife").await;
     let limit = certistack_connector::config::Limits::default().max_operator_cert_secs;
     assert_eq!(limit, 600, "the documented ten minutes");
     let alice = || vec![uri("urn:certistack:operator:alice")];

@@ -4,7 +4,7 @@ use super::*;
 
 #[tokio::test]
 async fn controller_refuses_a_node_certificate_with_another_name() {
-    let (_dir, authority, node) = started("nodename").await;
+    let (_dir, authority, node) = started_node("nodename").await;
     let identity = authority.issue_operator("alice", now()).unwrap();
     let error = client(&authority, &node.address, "pve2", &identity)
         .await
@@ -24,7 +24,7 @@ async fn controller_refuses_a_node_certificate_with_another_name() {
 
 #[tokio::test]
 async fn controller_refuses_a_node_of_another_ca() {
-    let (dir, _authority, node) = started("nodeca").await;
+    let (dir, _authority, node) = started_node("nodeca").await;
     let other = controller(&dir.0.join("other"));
     let identity = other.issue_operator("alice", now()).unwrap();
     let error = client(&other, &node.address, NODE, &identity)

@@ -207,7 +207,7 @@ async fn doctor_judges_what_node_checks_reports_and_exits_by_the_worst() {
 /// without a VNet to check.
 #[tokio::test]
 async fn node_checks_is_refused_to_a_run_identity() {
-    let (_dir, authority, node) = started("node-checks-run").await;
+    let (_dir, authority, node) = started_node("node-checks-run").await;
     let credentials = mint(&authority, &grant(RUN_ID, NODE));
     let mut client = run_client(&authority, &node, &credentials).await;
     assert_status(

@@ -43,7 +43,7 @@ async fn begin_run(
 
 #[tokio::test(flavor = "multi_thread")]
 async fn ctl_runs_lists_open_runs_with_resources() {
-    let (dir, authority, node) = started("ctl-runs").await;
+    let (dir, authority, node) = started_node("ctl-runs").await;
     let (code, out, err) = ctl(node_args("runs", &dir, &node)).await;
     assert_eq!(code, 0, "{err}");
     assert_eq!(out, "0 run(s)\n");
@@ -72,7 +72,7 @@ async fn ctl_runs_lists_open_runs_with_resources() {
 /// not answer is an infrastructure failure.
 #[tokio::test(flavor = "multi_thread")]
 async fn ctl_operator_commands_address_nodes_by_inventory_name() {
-    let (dir, _authority, node) = started("ctl-inventory").await;
+    let (dir, _authority, node) = started_node("ctl-inventory").await;
     let down = {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         listener.local_addr().unwrap().to_string()
@@ -125,7 +125,7 @@ async fn ctl_operator_commands_address_nodes_by_inventory_name() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn ctl_journal_prints_records_and_the_verified_head() {
-    let (dir, authority, node) = started("ctl-journal").await;
+    let (dir, authority, node) = started_node("ctl-journal").await;
     begin_run(&authority, &node, true).await;
     let mut args = node_args("journal", &dir, &node);
     args.push(RUN_ID.into());
@@ -178,7 +178,7 @@ async fn ctl_journal_prints_records_and_the_verified_head() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn ctl_journal_detects_a_changed_record() {
-    let (_dir, authority, node) = started("ctl-journal-tamper").await;
+    let (_dir, authority, node) = started_node("ctl-journal-tamper").await;
     begin_run(&authority, &node, true).await;
     let mut client = operator(&authority, &node).await;
     let records = operator::read_journal(&mut client, RUN_ID, |_| {})
@@ -204,7 +204,7 @@ async fn ctl_journal_detects_a_changed_record() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn ctl_cleanup_prints_receipts_and_exits_by_residue() {
-    let (dir, authority, node) = started("ctl-cleanup").await;
+    let (dir, authority, node) = started_node("ctl-cleanup").await;
     begin_run(&authority, &node, false).await;
     let mut args = node_args("cleanup", &dir, &node);
     args.push(RUN_ID.into());

@@ -5,7 +5,7 @@ use super::*;
 
 #[tokio::test]
 async fn objects_outside_the_grant_are_refused() {
-    let (_dir, authority, node) = started("outside").await;
+    let (_dir, authority, node) = started_node("outside").await;
     let credentials = mint(&authority, &grant(RUN_ID, NODE));
     let mut c = run_client(&authority, &node, &credentials).await;
     c.begin_run(begin_request(&credentials)).await.unwrap();
@@ -209,7 +209,7 @@ async fn objects_outside_the_grant_are_refused() {
 
 #[tokio::test]
 async fn malformed_requests_are_invalid_arguments() {
-    let (_dir, authority, node) = started("malformed").await;
+    let (_dir, authority, node) = started_node("malformed").await;
     let credentials = mint(&authority, &grant(RUN_ID, NODE));
     let mut c = run_client(&authority, &node, &credentials).await;
     c.begin_run(begin_request(&credentials)).await.unwrap();

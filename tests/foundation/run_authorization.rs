@@ -24,7 +24,7 @@ fn run_certificate(
 
 #[tokio::test]
 async fn run_certificate_for_another_node_is_refused() {
-    let (_dir, authority, node) = started("othernode").await;
+    let (_dir, authority, node) = started_node("othernode").await;
     let credentials = mint(&authority, &grant(RUN_ID, "pve2"));
     let mut client = run_client(&authority, &node, &credentials).await;
     assert_status(
@@ -42,7 +42,7 @@ async fn run_certificate_for_another_node_is_refused() {
 
 #[tokio::test]
 async fn grant_for_another_node_is_refused() {
-    let (_dir, authority, node) = started("grantnode").await;
+    let (_dir, authority, node) = started_node("grantnode").await;
     // The certificate is bound to this node, the grant it carries names another.
     let wire = grant(RUN_ID, "pve2");
     let signed = sign_grant(authority.run_authority(), &wire);
@@ -68,7 +68,7 @@ async fn grant_for_another_node_is_refused() {
 
 #[tokio::test]
 async fn grant_signed_by_another_key_is_refused() {
-    let (dir, authority, node) = started("grantkey").await;
+    let (dir, authority, node) = started_node("grantkey").await;
     let other = controller(&dir.0.join("other"));
     let wire = grant(RUN_ID, NODE);
     let signed = sign_grant(other.run_authority(), &wire);
@@ -92,7 +92,7 @@ async fn grant_signed_by_another_key_is_refused() {
 
 #[tokio::test]
 async fn grant_digest_must_match_the_certificate() {
-    let (_dir, authority, node) = started("digest").await;
+    let (_dir, authority, node) = started_node("digest").await;
     let credentials = mint(&authority, &grant(RUN_ID, NODE));
     // Same run, a validly signed grant with a wider scope: not the one the certificate names.
     let mut wider = grant(RUN_ID, NODE);
@@ -130,7 +130,7 @@ async fn grant_digest_must_match_the_certificate() {
 
 #[tokio::test]
 async fn run_certificate_must_not_outlive_its_grant() {
-    let (_dir, authority, node) = started("outlive").await;
+    let (_dir, authority, node) = started_node("outlive").await;
     let wire = grant(RUN_ID, NODE);
     let signed = sign_grant(authority.run_authority(), &wire);
     let late = time::OffsetDateTime::from_unix_timestamp(wire.deadline_unix + 3600).unwrap();
@@ -148,7 +148,7 @@ async fn run_certificate_must_not_outlive_its_grant() {
 
 #[tokio::test]
 async fn expired_grant_is_refused() {
-    let (_dir, authority, node) = started("expiredgrant").await;
+    let (_dir, authority, node) = started_node("expiredgrant").await;
     let mut wire = grant(RUN_ID, NODE);
     wire.not_before_unix = now().unix_timestamp() - 7200;
     wire.deadline_unix = now().unix_timestamp() - 3600;
@@ -168,7 +168,7 @@ async fn expired_grant_is_refused() {
 
 #[tokio::test]
 async fn run_is_refused_after_end_run_also_across_restart() {
-    let (_dir, authority, node) = started("endrun").await;
+    let (_dir, authority, node) = started_node("endrun").await;
     let credentials = mint(&authority, &grant(RUN_ID, NODE));
     let mut client = run_client(&authority, &node, &credentials).await;
     client.begin_run(begin_request(&credentials)).await.unwrap();
@@ -277,7 +277,7 @@ async fn a_run_nobody_ends_is_cleaned_up_and_closed_after_its_deadline() {
 
 #[tokio::test]
 async fn runs_on_one_node_never_overlap() {
-    let (_dir, authority, node) = started("overlap").await;
+    let (_dir, authority, node) = started_node("overlap").await;
     let first = mint(&authority, &grant(RUN_ID, NODE));
     run_client(&authority, &node, &first)
         .await
@@ -336,7 +336,7 @@ async fn runs_on_one_node_never_overlap() {
 
 #[tokio::test]
 async fn identities_are_confined_to_their_rpcs() {
-    let (_dir, authority, node) = started("confined").await;
+    let (_dir, authority, node) = started_node("confined").await;
     let credentials = mint(&authority, &grant(RUN_ID, NODE));
     let mut run = run_client(&authority, &node, &credentials).await;
     run.begin_run(begin_request(&credentials)).await.unwrap();
@@ -371,7 +371,7 @@ async fn identities_are_confined_to_their_rpcs() {
 
 #[tokio::test]
 async fn operations_before_begin_run_are_refused() {
-    let (_dir, authority, node) = started("notbegun").await;
+    let (_dir, authority, node) = started_node("notbegun").await;
     let credentials = mint(&authority, &grant(RUN_ID, NODE));
     let mut client = run_client(&authority, &node, &credentials).await;
     for result in call_every_operation(&mut client).await {

@@ -285,7 +285,7 @@ fn a_second_implementation_recomputes_the_surface_digest() {
 
 #[tokio::test]
 async fn hello_reports_the_source_commit_the_daemon_was_built_from() {
-    let (_dir, authority, node) = started("source").await;
+    let (_dir, authority, node) = started_node("source").await;
     let reply = operator(&authority, &node)
         .await
         .hello(pb::HelloRequest {})

@@ -21,7 +21,7 @@ async fn assert_tls_refused(
 
 #[tokio::test]
 async fn tls_refusals() {
-    let (dir, authority, node) = started("tls").await;
+    let (dir, authority, node) = started_node("tls").await;
 
     // No client certificate: the server requires one (TLS 1.3 reports it after the client's
     // side of the handshake, on the first request).
@@ -81,7 +81,7 @@ async fn tls_refusals() {
 
 #[tokio::test]
 async fn certificate_without_identity_is_unauthenticated() {
-    let (_dir, authority, node) = started("noidentity").await;
+    let (_dir, authority, node) = started_node("noidentity").await;
     // Right CA, right usage, but the URI SANs are not a CertiStack identity.
     let run = RunId::validate(RUN_ID).unwrap();
     let mut uris = Identity::Run {

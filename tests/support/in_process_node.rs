@@ -1,7 +1,7 @@
 //! A connector node enrolled through the real enrollment code and served in-process on loopback,
 //! the clients that reach it, and a clock the test moves.
 
-use crate::{RecordingExecutor, now};
+use crate::{RecordingExecutor, TempDir, controller, now};
 use certistack_connector::config::{Config, Limits, PvePaths, StatePaths, TlsFiles, ToolPaths};
 use certistack_connector::server::Connector;
 use certistack_connector::service::{Clock, SystemClock};
@@ -197,4 +197,13 @@ impl Clock for ManualClock {
     fn now_unix_ms(&self) -> i64 {
         SystemClock.now_unix_ms() + self.offset_ms.load(std::sync::atomic::Ordering::SeqCst)
     }
+}
+
+/// A temporary directory with a controller state directory in it and a [`TestNode`] named
+/// [`NODE`] started beneath it: what most tests of the connector's surface begin with.
+pub async fn started_node(tag: &str) -> (TempDir, Authority, TestNode) {
+    let dir = TempDir::new(tag);
+    let authority = controller(&dir.0);
+    let node = TestNode::start(&authority, &dir.0.join("node"), NODE).await;
+    (dir, authority, node)
 }
