@@ -435,17 +435,7 @@ impl Node {
     async fn run(&self, run_id: &str, targets: Vec<pb::ProbeTarget>) -> ConnectorClient<Channel> {
         let mut wire = grant(run_id, NODE);
         wire.probe_targets = targets;
-        let credentials = mint(&self.authority, &wire);
-        let mut c = client(
-            &self.authority,
-            &self.address,
-            NODE,
-            &credentials.certificate,
-        )
-        .await
-        .unwrap();
-        c.begin_run(begin_request(&credentials)).await.unwrap();
-        c
+        begun_run(&self.authority, &self.address, &wire).await
     }
 
     async fn stop(mut self) {

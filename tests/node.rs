@@ -105,11 +105,7 @@ impl Run {
         let mut wire = grant(RUN_ID, NODE);
         wire.archives = archives.iter().map(|a| (*a).to_owned()).collect();
         edit(&mut wire);
-        let credentials = mint(&authority, &wire);
-        let mut client = client(&authority, &address, NODE, &credentials.certificate)
-            .await
-            .unwrap();
-        client.begin_run(begin_request(&credentials)).await.unwrap();
+        let client = begun_run(&authority, &address, &wire).await;
         Self {
             lab,
             client,

@@ -32,9 +32,7 @@ async fn begin_run(
     end: bool,
 ) -> i64 {
     let wire = grant(RUN_ID, NODE);
-    let credentials = mint(authority, &wire);
-    let mut client = run_client(authority, node, &credentials).await;
-    client.begin_run(begin_request(&credentials)).await.unwrap();
+    let mut client = begun_run(authority, &node.address, &wire).await;
     if end {
         client.end_run(pb::EndRunRequest {}).await.unwrap();
     }

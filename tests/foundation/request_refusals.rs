@@ -6,9 +6,7 @@ use super::*;
 #[tokio::test]
 async fn objects_outside_the_grant_are_refused() {
     let (_dir, authority, node) = started_node("outside").await;
-    let credentials = mint(&authority, &grant(RUN_ID, NODE));
-    let mut c = run_client(&authority, &node, &credentials).await;
-    c.begin_run(begin_request(&credentials)).await.unwrap();
+    let mut c = begun_run(&authority, &node.address, &grant(RUN_ID, NODE)).await;
     let pd = Code::PermissionDenied;
     let other_run = "11111111-2222-4333-8444-555555555555";
 
@@ -210,9 +208,7 @@ async fn objects_outside_the_grant_are_refused() {
 #[tokio::test]
 async fn malformed_requests_are_invalid_arguments() {
     let (_dir, authority, node) = started_node("malformed").await;
-    let credentials = mint(&authority, &grant(RUN_ID, NODE));
-    let mut c = run_client(&authority, &node, &credentials).await;
-    c.begin_run(begin_request(&credentials)).await.unwrap();
+    let mut c = begun_run(&authority, &node.address, &grant(RUN_ID, NODE)).await;
     let ia = Code::InvalidArgument;
     let map = |snapshot: &str, archive: &str, secret: &str| pb::MapBackupRequest {
         snapshot: snapshot.into(),

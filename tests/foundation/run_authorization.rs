@@ -245,9 +245,7 @@ async fn a_run_nobody_ends_is_cleaned_up_and_closed_after_its_deadline() {
         clock.clone(),
     )
     .await;
-    let credentials = mint(&authority, &grant(RUN_ID, NODE));
-    let mut client = run_client(&authority, &node, &credentials).await;
-    client.begin_run(begin_request(&credentials)).await.unwrap();
+    let mut client = begun_run(&authority, &node.address, &grant(RUN_ID, NODE)).await;
     client
         .vm_status(pb::VmRequest { vmid: VMID })
         .await

@@ -251,11 +251,12 @@ fn rss_kib(pid: u32) -> u64 {
 }
 
 async fn begin_and_end(authority: &Authority, address: &str) {
-    let credentials = mint(authority, &grant(&uuid::Uuid::new_v4().to_string(), NODE));
-    let mut run = client(authority, address, NODE, &credentials.certificate)
-        .await
-        .unwrap();
-    run.begin_run(begin_request(&credentials)).await.unwrap();
+    let mut run = begun_run(
+        authority,
+        address,
+        &grant(&uuid::Uuid::new_v4().to_string(), NODE),
+    )
+    .await;
     run.end_run(pb::EndRunRequest {}).await.unwrap();
 }
 

@@ -196,11 +196,7 @@ fn prepare_sandbox_fails_without_the_table_listing() {
         let (address, shutdown, task) = serve_node(config).await;
         let mut wire = grant(RUN_ID, NODE);
         wire.probe_targets = targets(true);
-        let credentials = mint(&authority, &wire);
-        let mut c = client(&authority, &address, NODE, &credentials.certificate)
-            .await
-            .unwrap();
-        c.begin_run(begin_request(&credentials)).await.unwrap();
+        let mut c = begun_run(&authority, &address, &wire).await;
 
         let status = c.prepare_sandbox(prepare()).await.unwrap_err();
         assert_eq!(status.code(), Code::Internal, "{}", status.message());

@@ -602,11 +602,7 @@ async fn a_guest_volume_the_host_activated_blocks_boot_and_is_reported_by_cleanu
     });
     let mut wire = grant(RUN_ID, NODE);
     sandbox_grant(&mut wire);
-    let credentials = mint(&authority, &wire);
-    let mut c = client(&authority, &address, NODE, &credentials.certificate)
-        .await
-        .unwrap();
-    c.begin_run(begin_request(&credentials)).await.unwrap();
+    let mut c = begun_run(&authority, &address, &wire).await;
     let device = c
         .map_backup(map_request(ARCHIVE, PBS_PASSWORD))
         .await

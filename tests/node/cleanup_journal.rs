@@ -55,11 +55,7 @@ async fn repeated_stops_cannot_spend_the_reserve_cleanup_needs() {
     let mut wire = grant(RUN_ID, NODE);
     wire.archives = vec![ARCHIVE.into()];
     sandbox_grant(&mut wire);
-    let credentials = mint(&authority, &wire);
-    let mut client = client(&authority, &address, NODE, &credentials.certificate)
-        .await
-        .unwrap();
-    client.begin_run(begin_request(&credentials)).await.unwrap();
+    let client = begun_run(&authority, &address, &wire).await;
     let mut run = Run {
         lab,
         client,

@@ -267,11 +267,7 @@ async fn begin(
             expect: None,
         },
     ]);
-    let credentials = mint(&authority, &wire);
-    let mut client = client(&authority, &address, NODE, &credentials.certificate)
-        .await
-        .unwrap();
-    client.begin_run(begin_request(&credentials)).await.unwrap();
+    let client = begun_run(&authority, &address, &wire).await;
     Run {
         lab,
         client,

@@ -78,6 +78,21 @@ pub async fn run_client(
         .unwrap()
 }
 
+/// Mints run credentials for `wire`, connects to the node at `address` as that run and begins
+/// the run: the client the test then calls the run's operations with.
+pub async fn begun_run(
+    authority: &Authority,
+    address: &str,
+    wire: &pb::RunGrant,
+) -> ConnectorClient<Channel> {
+    let credentials = mint(authority, wire);
+    let mut run = client(authority, address, NODE, &credentials.certificate)
+        .await
+        .unwrap();
+    run.begin_run(begin_request(&credentials)).await.unwrap();
+    run
+}
+
 pub fn begin_request(credentials: &RunCredentials) -> pb::BeginRunRequest {
     pb::BeginRunRequest {
         grant: Some(credentials.signed_grant.clone()),
