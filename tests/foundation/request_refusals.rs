@@ -205,6 +205,39 @@ async fn objects_outside_the_grant_are_refused() {
     assert_eq!(node.executor.count(), 0);
 }
 
+/// MapBackup requests whose fields fail their validators: the case, the snapshot, archive and
+/// PBS secret sent, and what the INVALID_ARGUMENT message must contain.
+const MALFORMED_MAP_REQUESTS: &[(&str, &str, &str, &str, &str)] = &[
+    (
+        "snapshot without a time",
+        "vm/100",
+        ARCHIVE,
+        "pw",
+        "field `MapBackupRequest.snapshot` is invalid (snapshot)",
+    ),
+    (
+        "snapshot on a day that does not exist",
+        "vm/100/2026-02-30T00:00:00Z",
+        ARCHIVE,
+        "pw",
+        "MapBackupRequest.snapshot",
+    ),
+    (
+        "archive climbing out of the snapshot",
+        SNAPSHOT,
+        "../../etc/shadow.img",
+        "pw",
+        "field `MapBackupRequest.archive` is invalid",
+    ),
+    (
+        "empty PBS secret",
+        SNAPSHOT,
+        ARCHIVE,
+        "",
+        "MapBackupRequest.pbs_secret",
+    ),
+];
+
 #[tokio::test]
 async fn malformed_requests_are_invalid_arguments() {
     let (_dir, authority, node) = started_node("malformed").await;
@@ -216,28 +249,14 @@ async fn malformed_requests_are_invalid_arguments() {
         pbs_secret: secret.into(),
         encryption_key: vec![],
     };
-    assert_status(
-        c.map_backup(map("vm/100", ARCHIVE, "pw")).await,
-        ia,
-        "field `MapBackupRequest.snapshot` is invalid (snapshot)",
-    );
-    assert_status(
-        c.map_backup(map("vm/100/2026-02-30T00:00:00Z", ARCHIVE, "pw"))
-            .await,
-        ia,
-        "MapBackupRequest.snapshot",
-    );
-    assert_status(
-        c.map_backup(map(SNAPSHOT, "../../etc/shadow.img", "pw"))
-            .await,
-        ia,
-        "field `MapBackupRequest.archive` is invalid",
-    );
-    assert_status(
-        c.map_backup(map(SNAPSHOT, ARCHIVE, "")).await,
-        ia,
-        "MapBackupRequest.pbs_secret",
-    );
+    for (case, snapshot, archive, secret, needle) in MALFORMED_MAP_REQUESTS {
+        assert_case_status(
+            case,
+            c.map_backup(map(snapshot, archive, secret)).await,
+            ia,
+            needle,
+        );
+    }
     let err = c
         .map_backup(map(SNAPSHOT, ARCHIVE, "pass\nword"))
         .await

@@ -40,54 +40,101 @@ async fn run_certificate_for_another_node_is_refused() {
     assert_eq!(node.executor.count(), 0);
 }
 
-#[tokio::test]
-async fn grant_for_another_node_is_refused() {
-    let (_dir, authority, node) = started_node("grantnode").await;
-    // The certificate is bound to this node, the grant it carries names another.
-    let wire = grant(RUN_ID, "pve2");
-    let signed = sign_grant(authority.run_authority(), &wire);
-    let deadline = time::OffsetDateTime::from_unix_timestamp(wire.deadline_unix).unwrap();
-    let cert = run_certificate(&authority, &signed, deadline);
-    let mut client = client(&authority, &node.address, NODE, &cert)
-        .await
-        .unwrap();
-    let result = client
-        .begin_run(pb::BeginRunRequest {
-            grant: Some(signed),
-        })
-        .await;
-    assert_status(
-        result,
-        Code::PermissionDenied,
-        "the grant is for node pve2, this is node pve1",
-    );
-    let result = client.vm_status(pb::VmRequest { vmid: VMID }).await;
-    assert_status(result, Code::FailedPrecondition, "has not begun");
-    assert_eq!(node.executor.count(), 0);
+/// Until when the run certificate carrying a refused grant is valid.
+enum CertificateUntil {
+    /// The grant's own deadline, as the controller mints it.
+    GrantDeadline,
+    /// An hour past the grant's deadline.
+    AnHourAfterTheGrantDeadline,
+    /// Five minutes from now: still valid, to reach the grant's own time check.
+    FiveMinutesFromNow,
 }
 
+/// A grant `BeginRun` refuses, and how it is made: the node it names, whether its window has
+/// passed, whether another controller's run authority signs it, and until when the run
+/// certificate carrying it is valid.
+struct RefusedGrant {
+    case: &'static str,
+    node: &'static str,
+    expired: bool,
+    signed_by_another_controller: bool,
+    certificate_until: CertificateUntil,
+    refusal: &'static str,
+}
+
+const REFUSED_GRANTS: &[RefusedGrant] = &[
+    // The certificate is bound to this node, the grant it carries names another.
+    RefusedGrant {
+        case: "grant for another node",
+        node: "pve2",
+        expired: false,
+        signed_by_another_controller: false,
+        certificate_until: CertificateUntil::GrantDeadline,
+        refusal: "the grant is for node pve2, this is node pve1",
+    },
+    RefusedGrant {
+        case: "grant signed by another key",
+        node: NODE,
+        expired: false,
+        signed_by_another_controller: true,
+        certificate_until: CertificateUntil::GrantDeadline,
+        refusal: "does not verify against the pinned run-authority key",
+    },
+    RefusedGrant {
+        case: "run certificate outliving its grant",
+        node: NODE,
+        expired: false,
+        signed_by_another_controller: false,
+        certificate_until: CertificateUntil::AnHourAfterTheGrantDeadline,
+        refusal: "must not outlive its grant",
+    },
+    RefusedGrant {
+        case: "expired grant",
+        node: NODE,
+        expired: true,
+        signed_by_another_controller: false,
+        certificate_until: CertificateUntil::FiveMinutesFromNow,
+        refusal: "deadline",
+    },
+];
+
+/// Each refused grant, on a node of its own: `BeginRun` is refused with PERMISSION_DENIED naming
+/// why, the run has not begun, and nothing reached the executor.
 #[tokio::test]
-async fn grant_signed_by_another_key_is_refused() {
-    let (dir, authority, node) = started_node("grantkey").await;
-    let other = controller(&dir.0.join("other"));
-    let wire = grant(RUN_ID, NODE);
-    let signed = sign_grant(other.run_authority(), &wire);
-    let deadline = time::OffsetDateTime::from_unix_timestamp(wire.deadline_unix).unwrap();
-    let cert = run_certificate(&authority, &signed, deadline);
-    let mut client = client(&authority, &node.address, NODE, &cert)
-        .await
-        .unwrap();
-    let result = client
-        .begin_run(pb::BeginRunRequest {
-            grant: Some(signed),
-        })
-        .await;
-    assert_status(
-        result,
-        Code::PermissionDenied,
-        "does not verify against the pinned run-authority key",
-    );
-    assert_eq!(node.executor.count(), 0);
+async fn grants_outside_the_rules_are_refused_at_begin_run() {
+    for case in REFUSED_GRANTS {
+        let (dir, authority, node) = started_node("refusedgrant").await;
+        let mut wire = grant(RUN_ID, case.node);
+        if case.expired {
+            wire.not_before_unix = now().unix_timestamp() - 7200;
+            wire.deadline_unix = now().unix_timestamp() - 3600;
+        }
+        let signed = if case.signed_by_another_controller {
+            let other = controller(&dir.0.join("other"));
+            sign_grant(other.run_authority(), &wire)
+        } else {
+            sign_grant(authority.run_authority(), &wire)
+        };
+        let deadline = time::OffsetDateTime::from_unix_timestamp(wire.deadline_unix).unwrap();
+        let not_after = match case.certificate_until {
+            CertificateUntil::GrantDeadline => deadline,
+            CertificateUntil::AnHourAfterTheGrantDeadline => deadline + time::Duration::hours(1),
+            CertificateUntil::FiveMinutesFromNow => now() + time::Duration::minutes(5),
+        };
+        let cert = run_certificate(&authority, &signed, not_after);
+        let mut client = client(&authority, &node.address, NODE, &cert)
+            .await
+            .unwrap();
+        let result = client
+            .begin_run(pb::BeginRunRequest {
+                grant: Some(signed),
+            })
+            .await;
+        assert_case_status(case.case, result, Code::PermissionDenied, case.refusal);
+        let result = client.vm_status(pb::VmRequest { vmid: VMID }).await;
+        assert_case_status(case.case, result, Code::FailedPrecondition, "has not begun");
+        assert_eq!(node.executor.count(), 0, "{}", case.case);
+    }
 }
 
 #[tokio::test]
@@ -126,44 +173,6 @@ async fn grant_digest_must_match_the_certificate() {
     );
     assert_eq!(node.executor.count(), 0);
     client.end_run(pb::EndRunRequest {}).await.unwrap();
-}
-
-#[tokio::test]
-async fn run_certificate_must_not_outlive_its_grant() {
-    let (_dir, authority, node) = started_node("outlive").await;
-    let wire = grant(RUN_ID, NODE);
-    let signed = sign_grant(authority.run_authority(), &wire);
-    let late = time::OffsetDateTime::from_unix_timestamp(wire.deadline_unix + 3600).unwrap();
-    let cert = run_certificate(&authority, &signed, late);
-    let mut client = client(&authority, &node.address, NODE, &cert)
-        .await
-        .unwrap();
-    let result = client
-        .begin_run(pb::BeginRunRequest {
-            grant: Some(signed),
-        })
-        .await;
-    assert_status(result, Code::PermissionDenied, "must not outlive its grant");
-}
-
-#[tokio::test]
-async fn expired_grant_is_refused() {
-    let (_dir, authority, node) = started_node("expiredgrant").await;
-    let mut wire = grant(RUN_ID, NODE);
-    wire.not_before_unix = now().unix_timestamp() - 7200;
-    wire.deadline_unix = now().unix_timestamp() - 3600;
-    let signed = sign_grant(authority.run_authority(), &wire);
-    // A certificate that is itself still valid, to reach the grant's own time check.
-    let cert = run_certificate(&authority, &signed, now() + time::Duration::minutes(5));
-    let mut client = client(&authority, &node.address, NODE, &cert)
-        .await
-        .unwrap();
-    let result = client
-        .begin_run(pb::BeginRunRequest {
-            grant: Some(signed),
-        })
-        .await;
-    assert_status(result, Code::PermissionDenied, "deadline");
 }
 
 #[tokio::test]

@@ -23,6 +23,26 @@ pub fn assert_status<T: std::fmt::Debug>(
     }
 }
 
+/// As [`assert_status`], for one case of a table: every failure names `case`.
+pub fn assert_case_status<T: std::fmt::Debug>(
+    case: &str,
+    result: Result<T, tonic::Status>,
+    code: tonic::Code,
+    needle: &str,
+) {
+    match result {
+        Ok(reply) => panic!("{case}: expected {code:?} containing {needle:?}, got {reply:?}"),
+        Err(status) => {
+            assert_eq!(status.code(), code, "{case}: message: {}", status.message());
+            assert!(
+                status.message().contains(needle),
+                "{case}: {:?} does not contain {needle:?}",
+                status.message()
+            );
+        }
+    }
+}
+
 /// A run's journal as `<operation> <resource> <phase>` lines, read through `ReadJournal`.
 pub async fn journal_steps(client: &mut ConnectorClient<Channel>, run_id: &str) -> Vec<String> {
     let mut stream = client
