@@ -37,9 +37,7 @@ async fn closed_within(
 
 #[tokio::test(flavor = "multi_thread")]
 async fn connections_are_bounded_per_identity_and_closed_when_idle() {
-    let dir = TempDir::new("conn-limits");
-    let authority = controller(&dir.0);
-    let mut config = enroll(&authority, &dir.0.join("node"), NODE);
+    let (dir, authority, mut config) = enrolled_node("conn-limits");
     config.limits.max_connections_per_identity = 2;
     config.limits.idle_timeout_secs = 10;
     let node = TestNode::serve(

@@ -9,9 +9,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 /// it must be closed after limits.idle_timeout_secs like a connection with no stream.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_request_that_never_sends_its_body_does_not_keep_a_connection_forever() {
-    let dir = TempDir::new("silent-stream");
-    let authority = controller(&dir.0);
-    let mut config = enroll(&authority, &dir.0.join("node"), NODE);
+    let (dir, authority, mut config) = enrolled_node("silent-stream");
     config.limits.idle_timeout_secs = 10;
     let node = TestNode::serve(
         dir.0.join("node"),

@@ -353,9 +353,7 @@ async fn malformed_requests_are_invalid_arguments() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_shipped_executor_refuses_precisely_on_a_node_without_the_tools() {
-    let dir = TempDir::new("shipped");
-    let authority = controller(&dir.0);
-    let mut config = enroll(&authority, &dir.0.join("node"), NODE);
+    let (dir, authority, mut config) = enrolled_node("shipped");
     // A node without proxmox-backup-client installed.
     config.tools.proxmox_backup_client = dir.0.join("absent/proxmox-backup-client");
     let connector = certistack_connector::server::Connector::for_node(config).unwrap();

@@ -241,9 +241,7 @@ async fn run_is_refused_after_end_run_also_across_restart() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_run_nobody_ends_is_cleaned_up_and_closed_after_its_deadline() {
-    let dir = TempDir::new("expiry");
-    let authority = controller(&dir.0);
-    let mut config = enroll(&authority, &dir.0.join("node"), NODE);
+    let (dir, authority, mut config) = enrolled_node("expiry");
     config.limits.expiry_grace_secs = 0;
     let clock = std::sync::Arc::new(ManualClock::default());
     let executor = std::sync::Arc::new(RecordingExecutor::default());

@@ -183,9 +183,7 @@ async fn check_changes_nothing_and_checks_tools_pve_and_overlay_root() {
 // waits for it until the HTTP/2 keepalive gives up (40 s).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_serve_or_check_names_the_pid_holding_the_state_directory() {
-    let dir = TempDir::new("state-lock");
-    let authority = controller(&dir.0);
-    let config = enroll(&authority, &dir.0.join("node"), NODE);
+    let (dir, authority, config) = enrolled_node("state-lock");
     let runs = runs_on_disk(&authority, &config, 1, false).await;
     let port = free_port();
     let config_path = dir.0.join("connector.toml");
@@ -501,9 +499,7 @@ async fn a_full_journal_refuses_new_operations_and_keeps_room_for_cleanup() {
 /// What open runs together may ask of the node is bounded at BeginRun.
 #[tokio::test]
 async fn open_runs_together_may_not_ask_for_more_sandbox_cores_or_memory_than_the_node_allows() {
-    let dir = TempDir::new("sandbox-cap");
-    let authority = controller(&dir.0);
-    let mut config = enroll(&authority, &dir.0.join("node"), NODE);
+    let (dir, authority, mut config) = enrolled_node("sandbox-cap");
     // Each test grant asks for one VM of 2 vCPUs and 2048 MiB.
     config.limits.max_sandbox_cores = 3;
     let node = TestNode::serve(
@@ -650,9 +646,7 @@ fn start_time_of(pid: u32) -> u64 {
 /// interval, and SIGTERM brings STOPPING=1 before the daemon exits cleanly.
 #[tokio::test(flavor = "multi_thread")]
 async fn notifies_ready_after_recovery_feeds_the_watchdog_and_says_stopping() {
-    let dir = TempDir::new("sd-notify");
-    let authority = controller(&dir.0);
-    let config = enroll(&authority, &dir.0.join("node"), NODE);
+    let (dir, authority, config) = enrolled_node("sd-notify");
     let run_id = runs_on_disk(&authority, &config, 1, false).await.remove(0);
     // A tool of the interrupted step, still running as it would after a crash.
     let mut tool = Command::new("sleep")
@@ -811,9 +805,7 @@ fn pem_to_der(pem: &str) -> Vec<u8> {
 /// line saying what, and the node keeps serving with the renewed set.
 #[tokio::test(flavor = "multi_thread")]
 async fn sighup_renews_the_certificate_under_a_live_run_and_refuses_a_bad_set() {
-    let dir = TempDir::new("sighup");
-    let authority = controller(&dir.0);
-    let config = enroll(&authority, &dir.0.join("node"), NODE);
+    let (dir, authority, config) = enrolled_node("sighup");
     let port = free_port();
     let address = format!("127.0.0.1:{port}");
     let config_path = dir.0.join("connector.toml");

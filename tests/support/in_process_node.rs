@@ -207,3 +207,12 @@ pub async fn started_node(tag: &str) -> (TempDir, Authority, TestNode) {
     let node = TestNode::start(&authority, &dir.0.join("node"), NODE).await;
     (dir, authority, node)
 }
+
+/// A temporary directory with a controller state directory in it and the config of a node named
+/// [`NODE`] enrolled beneath it, for a test to adjust before it serves or runs the node.
+pub fn enrolled_node(tag: &str) -> (TempDir, Authority, Config) {
+    let dir = TempDir::new(tag);
+    let authority = controller(&dir.0);
+    let config = enroll(&authority, &dir.0.join("node"), NODE);
+    (dir, authority, config)
+}
