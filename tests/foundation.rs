@@ -200,29 +200,6 @@ const EVERY_OPERATION: [&str; 19] = [
     "RecoverGuestNetwork",
 ];
 
-/// The workspace root, where `policy/` lives.
-fn workspace_root() -> std::path::PathBuf {
-    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_owned()
-}
-
-/// Runs one of the workspace's binaries as an operator would (without a log filter from the
-/// environment); returns its exit code, stdout and stderr.
-fn run_binary(bin: &str, args: &[&str]) -> (i32, String, String) {
-    let out = std::process::Command::new(binary(bin))
-        .args(args)
-        .env_remove("CERTISTACK_LOG")
-        .output()
-        .unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
 /// A certificate from the controller CA with exactly the given subject alternative names and
 /// extended key usages, valid from a minute ago for `lifetime`.
 fn issue_with_profile(

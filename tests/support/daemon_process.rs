@@ -94,3 +94,26 @@ pub async fn client_when_up(
     }
     panic!("the connector at {address} did not come up");
 }
+
+/// The workspace root, where `policy/` lives.
+pub fn workspace_root() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_owned()
+}
+
+/// Runs one of the workspace's binaries as an operator would (without a log filter from the
+/// environment); returns its exit code, stdout and stderr.
+pub fn run_binary(bin: &str, args: &[&str]) -> (i32, String, String) {
+    let out = std::process::Command::new(binary(bin))
+        .args(args)
+        .env_remove("CERTISTACK_LOG")
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
