@@ -3,6 +3,53 @@
 
 use super::*;
 
+/// A subject alternative name of a certificate a profile case issues.
+enum San {
+    Uri(&'static str),
+    Dns(&'static str),
+}
+
+/// Client certificates from the controller CA that step outside the certificate profile, each
+/// refused as unauthenticated: the case, its subject alternative names, whether it carries the
+/// clientAuth extended key usage, and what the refusal names.
+const OUTSIDE_THE_PROFILE: &[(&str, &[San], bool, &str)] = &[
+    // webpki accepts a certificate without extended key usages for any purpose, the profile
+    // does not.
+    (
+        "no extended key usage at all",
+        &[San::Uri("urn:certistack:operator:alice")],
+        false,
+        "clientAuth",
+    ),
+    (
+        "a DNS name next to the identity",
+        &[San::Uri("urn:certistack:operator:alice"), San::Dns("pve1")],
+        true,
+        "subject alternative name",
+    ),
+    (
+        "a URI that is no part of an identity",
+        &[
+            San::Uri("urn:certistack:operator:alice"),
+            San::Uri("https://example.org/"),
+        ],
+        true,
+        "not part of a CertiStack identity",
+    ),
+    (
+        "a run identity whose grant digest is upper-case hex",
+        &[
+            San::Uri("urn:certistack:run:0f0e1c2d-3b4a-4c5d-8e6f-7a8b9c0d1e2f"),
+            San::Uri(
+                "urn:certistack:grant:sha256:ABABABABABABABABABABABABABABABABABABABABABABABABABABABABABABABAB",
+            ),
+            San::Uri("urn:certistack:node:pve1"),
+        ],
+        true,
+        "lower-case hex",
+    ),
+];
+
 #[tokio::test]
 async fn client_certificates_outside_the_profile_are_unauthenticated() {
     use rcgen::ExtendedKeyUsagePurpose::{ClientAuth, CodeSigning};
@@ -14,25 +61,6 @@ async fn client_certificates_outside_the_profile_are_unauthenticated() {
         let address = node.address.clone();
         async move { hello_with(&address, config).await }
     };
-    let refused = |result: Result<pb::HelloReply, String>, needle: &str| {
-        let error = result.unwrap_err();
-        assert!(
-            error.contains("Unauthenticated") && error.contains(needle),
-            "{error:?} does not mention {needle:?}"
-        );
-    };
-
-    // No extended key usage at all: webpki accepts it for any purpose, the profile does not.
-    refused(
-        hello(issue_with_profile(
-            &authority,
-            vec![uri(alice)],
-            vec![],
-            ten_minutes,
-        ))
-        .await,
-        "clientAuth",
-    );
     // An extended key usage without clientAuth: webpki already refuses it in the handshake.
     let error = hello(issue_with_profile(
         &authority,
@@ -43,44 +71,27 @@ async fn client_certificates_outside_the_profile_are_unauthenticated() {
     .await
     .unwrap_err();
     assert!(error.contains("UnsupportedCertificate"), "{error}");
-    // A DNS name next to the identity.
-    refused(
-        hello(issue_with_profile(
-            &authority,
-            vec![uri(alice), dns("pve1")],
-            vec![ClientAuth],
-            ten_minutes,
-        ))
-        .await,
-        "subject alternative name",
-    );
-    // A URI that is no part of an identity.
-    refused(
-        hello(issue_with_profile(
-            &authority,
-            vec![uri(alice), uri("https://example.org/")],
-            vec![ClientAuth],
-            ten_minutes,
-        ))
-        .await,
-        "not part of a CertiStack identity",
-    );
-    // A run identity whose grant digest is upper-case hex.
-    let run = [
-        uri(&format!("urn:certistack:run:{RUN_ID}")),
-        uri(&format!("urn:certistack:grant:sha256:{}", "AB".repeat(32))),
-        uri(&format!("urn:certistack:node:{NODE}")),
-    ];
-    refused(
-        hello(issue_with_profile(
-            &authority,
-            run.to_vec(),
-            vec![ClientAuth],
-            ten_minutes,
-        ))
-        .await,
-        "lower-case hex",
-    );
+    for (case, sans, client_auth, needle) in OUTSIDE_THE_PROFILE {
+        let sans = sans
+            .iter()
+            .map(|san| match san {
+                San::Uri(text) => uri(text),
+                San::Dns(text) => dns(text),
+            })
+            .collect();
+        let usages = if *client_auth {
+            vec![ClientAuth]
+        } else {
+            vec![]
+        };
+        let error = hello(issue_with_profile(&authority, sans, usages, ten_minutes))
+            .await
+            .unwrap_err();
+        assert!(
+            error.contains("Unauthenticated") && error.contains(needle),
+            "{case}: {error:?} does not mention {needle:?}"
+        );
+    }
     assert_eq!(node.executor.count(), 0);
 
     // The same construction inside the profile is accepted.
