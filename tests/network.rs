@@ -417,9 +417,7 @@ impl Node {
     /// A node whose config `edit` changed first.
     async fn start_with(edit: impl FnOnce(&mut certistack_connector::config::Config)) -> Self {
         let lab = Lab::new("net");
-        let authority_dir = TempDir::new("net-ctl");
-        let authority = controller(&authority_dir.0);
-        let mut config = lab.node_config(&authority, &lab.root.join("node"));
+        let (authority_dir, authority, mut config) = lab.controller_and_node_config("net-ctl");
         edit(&mut config);
         let (address, shutdown, task) = serve_node(config).await;
         Self {

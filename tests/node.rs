@@ -96,9 +96,8 @@ impl Run {
             lab.add_backup(SNAPSHOT, archive, MARKER, 8 << 20);
         }
         prepare(&lab);
-        let authority_dir = TempDir::new(&format!("{tag}-ctl"));
-        let authority = controller(&authority_dir.0);
-        let mut config = lab.node_config(&authority, &lab.root.join("node"));
+        let (authority_dir, authority, mut config) =
+            lab.controller_and_node_config(&format!("{tag}-ctl"));
         config.limits.guest_timeout_secs = 3;
         limits(&mut config.limits);
         let (address, shutdown, task) = serve_node(config).await;

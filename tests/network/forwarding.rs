@@ -118,9 +118,8 @@ fn crash_after_prepare_sandbox_restores_forwarding_after_recovery() {
     inside_node(Topology::new("fwdcrash"), |topology| async move {
         forwarding_on(&topology);
         let lab = Lab::new("netfwdcrash");
-        let authority_dir = TempDir::new("netfwdcrash-ctl");
-        let authority = controller(&authority_dir.0);
-        let mut config = lab.node_config(&authority, &lab.root.join("node"));
+        let (_authority_dir, authority, mut config) =
+            lab.controller_and_node_config("netfwdcrash-ctl");
         disable_for_run(&mut config);
         let port = free_local_port();
         let config_path = lab.root.join("node/connector.toml");

@@ -189,9 +189,7 @@ fn prepare_sandbox_fails_without_the_table_listing() {
         std::fs::write(&flag, "").unwrap();
 
         let lab = Lab::new("netlist");
-        let authority_dir = TempDir::new("netlist-ctl");
-        let authority = controller(&authority_dir.0);
-        let mut config = lab.node_config(&authority, &lab.root.join("node"));
+        let (_authority_dir, authority, mut config) = lab.controller_and_node_config("netlist-ctl");
         config.tools.nft = wrapper.clone();
         let (address, shutdown, task) = serve_node(config).await;
         let mut wire = grant(RUN_ID, NODE);

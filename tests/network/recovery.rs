@@ -13,9 +13,7 @@ fn crash_after_prepare_sandbox_leaves_nothing_after_recovery() {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     inside_node(Topology::new("crash"), |topology| async move {
         let lab = Lab::new("netcrash");
-        let authority_dir = TempDir::new("netcrash-ctl");
-        let authority = controller(&authority_dir.0);
-        let config = lab.node_config(&authority, &lab.root.join("node"));
+        let (_authority_dir, authority, config) = lab.controller_and_node_config("netcrash-ctl");
         let port = free_local_port();
         let config_path = lab.root.join("node/connector.toml");
         write_config_file(&config_path, &config, port);

@@ -579,9 +579,7 @@ async fn a_guest_volume_the_host_activated_blocks_boot_and_is_reported_by_cleanu
     lab.add_backup(SNAPSHOT, ARCHIVE, MARKER, 8 << 20);
     let mirror = lab.root.join("sys-block");
     sys_block_mirror(&mirror);
-    let authority_dir = TempDir::new("dmholder-ctl");
-    let authority = controller(&authority_dir.0);
-    let config = lab.node_config(&authority, &lab.root.join("node"));
+    let (_authority_dir, authority, config) = lab.controller_and_node_config("dmholder-ctl");
     let clock: std::sync::Arc<dyn certistack_connector::service::Clock> =
         std::sync::Arc::new(certistack_connector::service::SystemClock);
     let executor = certistack_connector::node::NodeExecutor::new(config.clone(), clock.clone())

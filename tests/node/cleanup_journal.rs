@@ -47,9 +47,7 @@ async fn repeated_stops_cannot_spend_the_reserve_cleanup_needs() {
     let serial = SERIAL.lock().await;
     let lab = Lab::new("stop-flood");
     lab.add_backup(SNAPSHOT, ARCHIVE, MARKER, 8 << 20);
-    let authority_dir = TempDir::new("stop-flood-ctl");
-    let authority = controller(&authority_dir.0);
-    let mut config = lab.node_config(&authority, &lab.root.join("node"));
+    let (authority_dir, authority, mut config) = lab.controller_and_node_config("stop-flood-ctl");
     config.limits.max_journal_records = 1000;
     let (address, shutdown, task) = serve_node(config).await;
     let mut wire = grant(RUN_ID, NODE);

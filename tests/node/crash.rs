@@ -121,9 +121,7 @@ fn residue(lab: &Lab, state_dir: &Path) -> Vec<String> {
 /// wrapper that sleeps, then runs the real tool) is still running, and restarted at once.
 pub async fn run_interrupted_network_tool() {
     let lab = Lab::new("slowtool");
-    let authority_dir = TempDir::new("slowtool-ctl");
-    let authority = controller(&authority_dir.0);
-    let mut config = lab.node_config(&authority, &lab.root.join("node"));
+    let (_authority_dir, authority, mut config) = lab.controller_and_node_config("slowtool-ctl");
     let wrappers = lab.root.join("slow-bin");
     std::fs::create_dir_all(&wrappers).unwrap();
     for (name, real, slow_when) in [
@@ -222,9 +220,7 @@ pub async fn run_create_cut_short() {
     let lab = Lab::new("claim");
     lab.add_backup(SNAPSHOT, ARCHIVE, MARKER, 8 << 20);
     lab.settings(serde_json::json!({ "delays": { "create-worker": 30 } }));
-    let authority_dir = TempDir::new("claim-ctl");
-    let authority = controller(&authority_dir.0);
-    let config = lab.node_config(&authority, &lab.root.join("node"));
+    let (_authority_dir, authority, config) = lab.controller_and_node_config("claim-ctl");
     let port = free_local_port();
     let config_path = lab.root.join("node/connector.toml");
     write_config_file(&config_path, &config, port);
@@ -299,9 +295,7 @@ pub async fn run_case(step: Step) {
         // A slow `qm stop`, so the daemon dies with the stop under way.
         lab.settings(serde_json::json!({ "delays": { "stop": 2.0 } }));
     }
-    let authority_dir = TempDir::new("crash-ctl");
-    let authority = controller(&authority_dir.0);
-    let config = lab.node_config(&authority, &lab.root.join("node"));
+    let (_authority_dir, authority, config) = lab.controller_and_node_config("crash-ctl");
     let port = free_local_port();
     let config_path = lab.root.join("node/connector.toml");
     let mut config = config;

@@ -235,9 +235,8 @@ async fn begin(
         lab.add_backup(SNAPSHOT, archive, b"", IMAGE_BYTES);
         store_image(&lab, archive, trees);
     }
-    let authority_dir = TempDir::new(&format!("{tag}-ctl"));
-    let authority = controller(&authority_dir.0);
-    let mut config = lab.node_config(&authority, &lab.root.join("node"));
+    let (authority_dir, authority, mut config) =
+        lab.controller_and_node_config(&format!("{tag}-ctl"));
     // Appliances boot under TCG on a machine other builds share: room for a slow boot.
     config.limits.guest_network_timeout_secs = 900;
     config.guest_network.accelerator = appliance_accelerator(&lab);

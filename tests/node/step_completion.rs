@@ -108,9 +108,8 @@ fn one_runs_wait_does_not_block_another_run() {
         lab.add_backup(SNAPSHOT, ARCHIVE, MARKER, 8 << 20);
         lab.add_backup(SNAPSHOT, "drive-scsi1.img", MARKER, 8 << 20);
         lab.settings(serde_json::json!({ "agent_mode": "qemu-chardev" }));
-        let authority_dir = TempDir::new("concurrent-ctl");
-        let authority = controller(&authority_dir.0);
-        let mut config = lab.node_config(&authority, &lab.root.join("node"));
+        let (_authority_dir, authority, mut config) =
+            lab.controller_and_node_config("concurrent-ctl");
         config.limits.guest_timeout_secs = 4;
         let (address, shutdown, task) = serve_node(config).await;
 

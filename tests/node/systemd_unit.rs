@@ -241,9 +241,8 @@ async fn the_map_holder_runs_outside_the_connectors_sandbox_and_outlives_its_res
         hex::encode(sha2::Sha256::digest(&data[..1 << 20]))
     };
     let dir = lab.root.parent().unwrap().to_owned();
-    let authority_dir = TempDir::new("systemd-unit-ctl");
-    let authority = controller(&authority_dir.0);
-    let mut config = lab.node_config(&authority, &lab.root.join("node"));
+    let (_authority_dir, authority, mut config) =
+        lab.controller_and_node_config("systemd-unit-ctl");
     config.process.transient_units = certistack_connector::config::TransientUnits::Auto;
     let port = free_local_port();
     let config_path = dir.join("connector.toml");

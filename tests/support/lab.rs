@@ -1,7 +1,7 @@
 //! A simulated Proxmox VE node: the test doubles, their state and a connector config pointing at
 //! both; the source VM config a backup carries.
 
-use crate::{NODE, TempDir, enroll, lab_accel, lab_assets_dir};
+use crate::{NODE, TempDir, controller, enroll, lab_accel, lab_assets_dir};
 use certistack_connector::config::Config;
 use certistack_controller::authority::Authority;
 use std::path::{Path, PathBuf};
@@ -127,6 +127,16 @@ impl Lab {
         let path = dir.join(SOURCE_CONFIG_BLOB);
         std::fs::write(&path, config).unwrap();
         path
+    }
+
+    /// A controller in a temporary directory of its own, named by `authority_tag`, and this
+    /// lab's connector config in `<root>/node`, enrolled with it: how a test of a simulated node
+    /// begins before it edits the config and serves the connector.
+    pub fn controller_and_node_config(&self, authority_tag: &str) -> (TempDir, Authority, Config) {
+        let authority_dir = TempDir::new(authority_tag);
+        let authority = controller(&authority_dir.0);
+        let config = self.node_config(&authority, &self.root.join("node"));
+        (authority_dir, authority, config)
     }
 
     /// A connector config for this lab, in `node_dir`, enrolled with `authority`.
