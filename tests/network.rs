@@ -437,12 +437,7 @@ impl Node {
     }
 
     async fn stop(mut self) {
-        if let Some(tx) = self.shutdown.take() {
-            let _ = tx.send(());
-        }
-        if let Some(task) = self.task.take() {
-            task.await.unwrap();
-        }
+        stop_served(self.shutdown.take(), self.task.take()).await;
     }
 }
 

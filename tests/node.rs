@@ -130,12 +130,7 @@ impl Run {
         assert!(residue.is_empty(), "{receipts:?} {residue:?}");
         assert!(self.loops().is_empty());
         self.client.end_run(pb::EndRunRequest {}).await.unwrap();
-        if let Some(tx) = self.shutdown.take() {
-            let _ = tx.send(());
-        }
-        if let Some(task) = self.task.take() {
-            task.await.unwrap();
-        }
+        stop_served(self.shutdown.take(), self.task.take()).await;
     }
 
     async fn stop(mut self) {
@@ -150,12 +145,7 @@ impl Run {
             .into_inner();
         assert!(reply.residue.is_empty(), "{:?}", reply.residue);
         assert!(self.loops().is_empty());
-        if let Some(tx) = self.shutdown.take() {
-            let _ = tx.send(());
-        }
-        if let Some(task) = self.task.take() {
-            task.await.unwrap();
-        }
+        stop_served(self.shutdown.take(), self.task.take()).await;
     }
 }
 

@@ -132,12 +132,7 @@ impl TestNode {
     }
 
     pub async fn stop(&mut self) {
-        if let Some(tx) = self.shutdown.take() {
-            let _ = tx.send(());
-        }
-        if let Some(task) = self.task.take() {
-            task.await.unwrap();
-        }
+        stop_served(self.shutdown.take(), self.task.take()).await;
     }
 }
 /// A client presenting `identity` to the node at `address`, expecting node name `name`.
@@ -177,6 +172,19 @@ pub async fn serve_node(
             .unwrap();
     });
     (address, tx, task)
+}
+
+/// Stops a connector [`serve_node`] served: signals its shutdown, then waits for it to end.
+pub async fn stop_served(
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+) {
+    if let Some(tx) = shutdown {
+        let _ = tx.send(());
+    }
+    if let Some(task) = task {
+        task.await.unwrap();
+    }
 }
 
 /// A clock that runs with the system clock plus an offset the test moves.
