@@ -178,6 +178,7 @@ async fn call_every_operation(
     ]
 }
 
+/// The RPC each call of [`call_every_operation`] makes, in order.
 const EVERY_OPERATION: [&str; 19] = [
     "MapBackup",
     "CreateOverlay",
@@ -226,14 +227,18 @@ fn issue_with_profile(
     }
 }
 
+/// A URI subject alternative name.
 fn uri(text: &str) -> rcgen::SanType {
     rcgen::SanType::URI(text.to_owned().try_into().unwrap())
 }
 
+/// A DNS subject alternative name.
 fn dns(text: &str) -> rcgen::SanType {
     rcgen::SanType::DnsName(text.to_owned().try_into().unwrap())
 }
 
+/// A controller config whose inventory lists `nodes` (each a name and its `host:port`), with its
+/// state and reports directories under `dir`.
 fn inventory(
     dir: &std::path::Path,
     nodes: &[(&str, &str)],
