@@ -1,0 +1,234 @@
+//! `certistack-ctl plan check` against the documented example: what runs where, and refusals that
+//! name what to change and contact no node.
+
+use super::*;
+use std::os::unix::fs::PermissionsExt;
+use std::process::Command;
+
+/// The fenced blocks of `docs/plans.md` with the given info string, in order.
+fn doc_blocks(info: &str) -> Vec<String> {
+    let doc = std::fs::read_to_string(workspace_root().join("docs/plans.md")).unwrap();
+    let mut blocks = Vec::new();
+    let mut current: Option<String> = None;
+    for line in doc.lines() {
+        match current.take() {
+            None if line == format!("```{info}") => current = Some(String::new()),
+            None => {}
+            Some(block) if line == "```" => blocks.push(block),
+            Some(mut block) => {
+                block.push_str(line);
+                block.push('\n');
+                current = Some(block);
+            }
+        }
+    }
+    blocks
+}
+
+struct Setup {
+    dir: TempDir,
+    listeners: Vec<std::net::TcpListener>,
+}
+
+/// The documented configuration and plan in a fresh directory, the secret file 0600, and
+/// the inventory's nodes pointed at listeners on loopback, so a contact would be seen.
+fn setup() -> Setup {
+    let dir = TempDir::new("plans");
+    let mut config = doc_blocks("toml").into_iter().next().unwrap();
+    let mut listeners = Vec::new();
+    for address in ["192.0.2.11", "192.0.2.12"] {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let port = listener.local_addr().unwrap().port();
+        config = config.replacen(
+            &format!("address = \"{address}\"\nport = 7443"),
+            &format!("address = \"127.0.0.1\"\nport = {port}"),
+            1,
+        );
+        listeners.push(listener);
+    }
+    assert!(!config.contains("7443"), "{config}");
+    std::fs::write(dir.0.join("controller.toml"), config).unwrap();
+    let plan = doc_blocks("yaml").into_iter().next().unwrap();
+    std::fs::write(dir.0.join("nightly.yaml"), plan).unwrap();
+    std::fs::create_dir(dir.0.join("secrets")).unwrap();
+    let secret = dir.0.join("secrets/pbs-token");
+    std::fs::write(&secret, "token-secret").unwrap();
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+    Setup { dir, listeners }
+}
+
+impl Setup {
+    fn check(&self, plan: &str) -> (i32, String, String) {
+        let out = Command::new(binary("certistack-ctl"))
+            .args(["plan", "check", plan, "--config", "controller.toml"])
+            .current_dir(&self.dir.0)
+            .output()
+            .unwrap();
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+
+    fn edit(&self, name: &str, from: &str, to: &str) {
+        let path = self.dir.0.join(name);
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(text.contains(from), "{from:?} not in {name}");
+        std::fs::write(&path, text.replacen(from, to, 1)).unwrap();
+    }
+
+    fn assert_nothing_contacted(&self) {
+        for listener in &self.listeners {
+            let accepted = listener.accept();
+            assert!(
+                matches!(&accepted, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+                "plan check contacted a node: {accepted:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn plan_check_accepts_the_documented_example_and_prints_what_runs_where() {
+    let setup = setup();
+    let (code, out, err) = setup.check("nightly.yaml");
+    assert_eq!(code, 0, "{err}");
+    // The documented output, with the inventory's addresses as this test points them.
+    let mut expected = doc_blocks("text").into_iter().next().unwrap();
+    for (address, listener) in ["192.0.2.11", "192.0.2.12"].iter().zip(&setup.listeners) {
+        let port = listener.local_addr().unwrap().port();
+        expected = expected.replace(&format!("{address}:7443"), &format!("127.0.0.1:{port}"));
+    }
+    assert_eq!(out, expected);
+    setup.assert_nothing_contacted();
+}
+
+#[test]
+fn plan_check_refusals_name_what_to_change_and_contact_nothing() {
+    let setup = setup();
+    let cases: [(&str, &str, &str, i32, &str); 6] = [
+        (
+            "  pbs_password_file: secrets/pbs-token",
+            "  pbs_password_file: secrets/pbs-token\n  pbs_password: hunter2",
+            "nightly.yaml:9:",
+            65,
+            "secrets go in files",
+        ),
+        (
+            "snapshot: \"2026-11-01T02:00:00Z\"",
+            "snapshot: latest",
+            "nightly.yaml:14:",
+            65,
+            "resolving latest comes with PBS API support; give the exact snapshot time",
+        ),
+        (
+            "vmid: 9110",
+            "vmid: 42",
+            "nightly.yaml:",
+            65,
+            "VMID 42 is outside 100..=999999999",
+        ),
+        (
+            "node: pve2",
+            "node: pve3",
+            "validations[1] (dc01).node",
+            65,
+            "\"pve3\" is not in the controller's inventory (pve1, pve2)",
+        ),
+        (
+            "address: 10.99.0.10\n        port: 22",
+            "address: 10.97.0.10\n        port: 22",
+            "validations[0] (web01)",
+            65,
+            "outside the probe network 10.99.0.1/24",
+        ),
+        (
+            "lifecycle: preprovisioned",
+            "lifecycle: ephemeral",
+            "nightly.yaml:",
+            65,
+            "not yet supported, use preprovisioned",
+        ),
+    ];
+    let original = std::fs::read_to_string(setup.dir.0.join("nightly.yaml")).unwrap();
+    for (from, to, at, expected_code, reason) in cases {
+        setup.edit("nightly.yaml", from, to);
+        let (code, out, err) = setup.check("nightly.yaml");
+        assert_eq!(code, expected_code, "{to}: {err}");
+        assert!(out.is_empty(), "{out}");
+        assert!(err.contains(at) && err.contains(reason), "{to}: {err}");
+        assert!(!err.contains("hunter2"), "{err}");
+        std::fs::write(setup.dir.0.join("nightly.yaml"), &original).unwrap();
+    }
+
+    // The same sandbox VMID twice on one node.
+    setup.edit("nightly.yaml", "node: pve2", "node: pve1");
+    setup.edit("nightly.yaml", "vmid: 9110", "vmid: 9100");
+    let (code, _, err) = setup.check("nightly.yaml");
+    assert_eq!(code, 65, "{err}");
+    assert!(
+        err.contains("sandbox VMID 9100 is also used by validation web01 on node pve1"),
+        "{err}"
+    );
+    std::fs::write(setup.dir.0.join("nightly.yaml"), &original).unwrap();
+
+    // A secret readable by others: the chmod to run.
+    let secret = setup.dir.0.join("secrets/pbs-token");
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o640)).unwrap();
+    let (code, _, err) = setup.check("nightly.yaml");
+    assert_eq!(code, 77, "{err}");
+    assert!(err.contains("storage.pbs_password_file"), "{err}");
+    assert!(err.contains("chmod 0600"), "{err}");
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+
+    // The encryption key is held to the same rules, and must exist.
+    setup.edit(
+        "nightly.yaml",
+        "  pbs_password_file: secrets/pbs-token",
+        "  pbs_password_file: secrets/pbs-token\n  encryption_key_file: secrets/backup.key",
+    );
+    let (code, _, err) = setup.check("nightly.yaml");
+    assert_eq!(code, 66, "{err}");
+    assert!(
+        err.contains("storage.encryption_key_file: cannot read secrets/backup.key"),
+        "{err}"
+    );
+    let key = setup.dir.0.join("secrets/backup.key");
+    std::fs::write(&key, "{}").unwrap();
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o604)).unwrap();
+    let (code, _, err) = setup.check("nightly.yaml");
+    assert_eq!(code, 77, "{err}");
+    assert!(err.contains("chmod 0600 secrets/backup.key"), "{err}");
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let (code, _, err) = setup.check("nightly.yaml");
+    assert_eq!(code, 0, "{err}");
+    std::fs::write(setup.dir.0.join("nightly.yaml"), &original).unwrap();
+
+    // A plan others may write could send the PBS secret to a server of their choosing.
+    let plan = setup.dir.0.join("nightly.yaml");
+    std::fs::set_permissions(&plan, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let (code, _, err) = setup.check("nightly.yaml");
+    assert_eq!(code, 77, "{err}");
+    assert!(err.contains("chmod 0644 nightly.yaml"), "{err}");
+    std::fs::set_permissions(&plan, std::fs::Permissions::from_mode(0o644)).unwrap();
+
+    let config = setup.dir.0.join("controller.toml");
+    std::fs::set_permissions(&config, std::fs::Permissions::from_mode(0o664)).unwrap();
+    let (code, _, err) = setup.check("nightly.yaml");
+    assert_eq!(code, 77, "{err}");
+    assert!(err.contains("chmod 0644 controller.toml"), "{err}");
+    std::fs::set_permissions(&config, std::fs::Permissions::from_mode(0o644)).unwrap();
+
+    // An unknown key in the controller configuration: the key, line and column.
+    setup.edit("controller.toml", "reports_dir", "report_dir");
+    let (code, _, err) = setup.check("nightly.yaml");
+    assert_eq!(code, 78, "{err}");
+    assert!(
+        err.contains("controller.toml:2:1: unknown field `report_dir`"),
+        "{err}"
+    );
+
+    setup.assert_nothing_contacted();
+}
