@@ -11,6 +11,7 @@ use zeroize::Zeroizing;
 pub const TOOL_PATH: &str = "/usr/sbin:/usr/bin:/sbin:/bin";
 /// Bytes of stdout and of stderr kept per call.
 pub const OUTPUT_CAP: usize = 64 * 1024;
+
 #[derive(Debug)]
 pub struct ToolCall {
     pub program: PathBuf,

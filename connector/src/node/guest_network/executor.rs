@@ -50,6 +50,7 @@ pub fn guest_network_unit(
         description: process::transient_unit_description(role, run_id.as_str(), &object),
     })
 }
+
 impl NodeExecutor {
     /// The unit a recovery runs in, when this daemon starts tools in transient units.
     fn guest_network_unit(

@@ -72,6 +72,7 @@ pub(super) fn plain_mountable(mountable: &str) -> bool {
         None => mountable.starts_with("/dev/") && !mountable.contains('@') && plain(mountable),
     }
 }
+
 /// One guestfish process on the overlay, driven batch by batch over its stdin.
 pub(super) struct Session {
     child: tokio::process::Child,

@@ -11,6 +11,7 @@ use tokio::io::AsyncReadExt;
 
 /// Bytes of a TCP banner read at most: its first line is what is judged.
 const MAX_BANNER_BYTES: usize = 4096;
+
 pub(super) async fn tcp(
     source: IpAddr,
     target: SocketAddr,
