@@ -19,9 +19,9 @@
 //! Refused handshakes are logged through a [`RefusalLog`]: a peer needs no certificate to
 //! cause one.
 
-use crate::call_log::{RefusalLog, printable};
 use crate::config::Limits;
 use crate::identity::{ClientIdentity, IdentityError, parse_client_certificate};
+use crate::refusal_log::{RefusalLog, printable};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};

@@ -19,6 +19,7 @@
 //! journal reaches its operation budget; what undoes or cleans up keeps the reserve.
 
 use crate::action::{Action, authorize, parse};
+pub use crate::clock::{Clock, SystemClock};
 use crate::executor::{Caller, ExecError, Executor, Outcome};
 use crate::grant::{self, GrantError};
 use crate::identity::{ClientIdentity, Identity};
@@ -47,26 +48,6 @@ const PRUNE_EVERY_SECS: i64 = 3600;
 const MAX_QUARANTINE_REASON_CHARS: usize = 1024;
 /// Records a `ReadJournal` stream buffers ahead of a slow reader.
 const JOURNAL_STREAM_BUFFER: usize = 16;
-
-/// The node's clock, a parameter so tests can move it.
-pub trait Clock: Send + Sync + 'static {
-    fn now_unix_ms(&self) -> i64;
-    fn now_unix(&self) -> i64 {
-        self.now_unix_ms().div_euclid(1000)
-    }
-}
-
-#[derive(Debug, Default, Clone, Copy)]
-pub struct SystemClock;
-
-impl Clock for SystemClock {
-    fn now_unix_ms(&self) -> i64 {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default();
-        i64::try_from(now.as_millis()).unwrap_or(i64::MAX)
-    }
-}
 
 pub struct ConnectorService {
     node: NodeName,
