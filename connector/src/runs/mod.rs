@@ -33,18 +33,53 @@ pub use closed::{
 };
 pub use handle::{Records, RunGuard, RunHandle};
 pub use overlap::overlap;
-pub use registry::{RegistryLimits, RunRegistry};
+pub use registry::RunRegistry;
+
 pub use state_lock::StateLock;
 
+use crate::config::Limits;
 use crate::files::FileError;
 use crate::grant::{self, Grant};
-use crate::journal::JournalError;
+use crate::journal::{JournalError, JournalLimits};
 use crate::validate::RunId;
 use certistack_proto::v1 as pb;
 use ed25519_dalek::VerifyingKey;
 use prost::Message;
 use std::fs::File;
 use std::path::{Path, PathBuf};
+
+/// What the registry bounds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RegistryLimits {
+    pub max_open: usize,
+    pub journal: JournalLimits,
+    pub max_sandbox_cores: u64,
+    pub max_sandbox_memory_mib: u64,
+    pub closed_run_retention_days: u64,
+}
+
+impl RegistryLimits {
+    pub fn from_config(limits: &Limits) -> Self {
+        Self {
+            max_open: limits.max_concurrent_runs,
+            journal: JournalLimits::new(limits.max_journal_records, limits.max_journal_bytes),
+            max_sandbox_cores: u64::from(limits.max_sandbox_cores),
+            max_sandbox_memory_mib: limits.max_sandbox_memory_mib,
+            closed_run_retention_days: limits.closed_run_retention_days,
+        }
+    }
+}
+
+impl Default for RegistryLimits {
+    fn default() -> Self {
+        Self::from_config(&Limits::default())
+    }
+}
+
+/// The longest journal line read back: one record can never be longer than the journal.
+pub(super) fn max_line(limits: &JournalLimits) -> u64 {
+    limits.max_bytes
+}
 
 const GRANT_FILE: &str = "grant.pb";
 const CLOSED_FILE: &str = "closed";

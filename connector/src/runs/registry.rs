@@ -1,13 +1,14 @@
-//! The registry of open runs: loading them at start (and removing what a BeginRun that never
-//! answered left), BeginRun and EndRun, the bounds on how many runs and how much they may ask.
+//! The registry of runs: loading the open runs at start (and removing what a BeginRun that
+//! never answered left), BeginRun and EndRun, pages of closed runs in run-id order, and the
+//! pruning of closed runs past their retention.
 
 use super::closed::{
-    CLOSED_ROOT, ClosedRun, closed_summary, move_closed, read_closed, shard_of, write_closed,
+    CLOSED_ROOT, ClosedPage, ClosedRun, PRUNE_BATCH, SHARD_CHARS, closed_summary, closed_time,
+    move_closed, read_closed, shard_of, write_closed,
 };
 use super::handle::RunHandle;
 use super::overlap::overlap;
-use super::{GRANT_FILE, RunError, load_grant, sync_dir};
-use crate::config::Limits;
+use super::{GRANT_FILE, RegistryLimits, RunError, load_grant, max_line, read_names, sync_dir};
 use crate::files::{self, FileError};
 use crate::grant::Grant;
 use crate::journal::{self, Journal, JournalLimits, Phase};
@@ -18,34 +19,6 @@ use prost::Message;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-
-/// What the registry bounds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RegistryLimits {
-    pub max_open: usize,
-    pub journal: JournalLimits,
-    pub max_sandbox_cores: u64,
-    pub max_sandbox_memory_mib: u64,
-    pub closed_run_retention_days: u64,
-}
-
-impl RegistryLimits {
-    pub fn from_config(limits: &Limits) -> Self {
-        Self {
-            max_open: limits.max_concurrent_runs,
-            journal: JournalLimits::new(limits.max_journal_records, limits.max_journal_bytes),
-            max_sandbox_cores: u64::from(limits.max_sandbox_cores),
-            max_sandbox_memory_mib: limits.max_sandbox_memory_mib,
-            closed_run_retention_days: limits.closed_run_retention_days,
-        }
-    }
-}
-
-impl Default for RegistryLimits {
-    fn default() -> Self {
-        Self::from_config(&Limits::default())
-    }
-}
 
 #[derive(Debug, Default)]
 pub(super) struct Inner {
@@ -72,11 +45,6 @@ pub struct RunRegistry {
     pub(super) limits: RegistryLimits,
     inner: Mutex<Inner>,
     begin_lock: tokio::sync::Mutex<()>,
-}
-
-/// The longest journal line read back: one record can never be longer than the journal.
-pub(super) fn max_line(limits: &JournalLimits) -> u64 {
-    limits.max_bytes
 }
 
 impl RunRegistry {
@@ -495,6 +463,172 @@ impl RunRegistry {
             inner.closing.insert(run_id.clone(), summary);
         }
         Ok(now_ms)
+    }
+
+    /// Up to `page_size` closed runs whose id sorts after `after`, in run-id order, with the
+    /// cursor of the next page (the last id returned) when more may follow. Reads the shard
+    /// directories the page spans and each listed run's summary, nothing else: the cost is
+    /// that of the page, not of the history. Blocks on the file system.
+    pub fn closed_page(
+        &self,
+        after: Option<&RunId>,
+        page_size: usize,
+    ) -> Result<ClosedPage, RunError> {
+        let mut ids = self.closed_ids_after(after, page_size.saturating_add(1))?;
+        {
+            // Runs whose move failed are closed too; they sort in among the others.
+            let inner = self.lock();
+            ids.extend(
+                inner
+                    .closing
+                    .keys()
+                    .filter(|id| after.is_none_or(|after| *id > after))
+                    .cloned(),
+            );
+        }
+        ids.sort();
+        ids.dedup();
+        let more = ids.len() > page_size;
+        ids.truncate(page_size);
+        let next = if more { ids.last().cloned() } else { None };
+        let page = ids
+            .into_iter()
+            .filter_map(|run_id| {
+                let closing = self.lock().closing.get(&run_id).cloned();
+                let summary = match closing {
+                    Some(summary) => summary,
+                    None => {
+                        let run_dir = self.closed_path(&run_id);
+                        // Pruned since the directory was listed.
+                        if std::fs::symlink_metadata(&run_dir).is_err() {
+                            return None;
+                        }
+                        let closed_unix_ms = closed_time(&run_dir).unwrap_or(0);
+                        closed_summary(
+                            &run_dir,
+                            &run_id,
+                            closed_unix_ms,
+                            &self.authority,
+                            &self.limits,
+                        )
+                    }
+                };
+                Some((run_id, summary))
+            })
+            .collect();
+        Ok((page, next))
+    }
+
+    /// Up to `count` ids of closed runs on disk after `after`, in order: the shards are the
+    /// ids' first characters, so they are read in order and only as far as `count` reaches.
+    fn closed_ids_after(
+        &self,
+        after: Option<&RunId>,
+        count: usize,
+    ) -> Result<Vec<RunId>, RunError> {
+        let mut shards: Vec<String> = read_names(&self.closed_dir)?
+            .into_iter()
+            .filter(|name| {
+                name.len() == SHARD_CHARS
+                    && after.is_none_or(|after| name.as_str() >= shard_of(after))
+            })
+            .collect();
+        shards.sort();
+        let mut ids = Vec::new();
+        for shard in shards {
+            if ids.len() >= count {
+                break;
+            }
+            let mut in_shard: Vec<RunId> = read_names(&self.closed_dir.join(&shard))?
+                .into_iter()
+                .filter_map(|name| RunId::validate(&name).ok())
+                .filter(|id| after.is_none_or(|after| id > after))
+                .collect();
+            in_shard.sort();
+            ids.extend(in_shard);
+        }
+        ids.truncate(count);
+        #[cfg(test)]
+        super::tests::closed_read(&self.closed_dir);
+        Ok(ids)
+    }
+
+    /// Removes closed runs older than the retention whose grant has expired, in batches of
+    /// [`PRUNE_BATCH`]. Open and quarantined runs are not under `closed/`, so they are never
+    /// pruned. Blocks on the file system: call it off the async workers (the daemon's
+    /// periodic pass calls [`RunRegistry::prune_batch`] once per trip to the blocking pool).
+    pub fn prune(&self, now_ms: i64) -> Result<Vec<RunId>, RunError> {
+        let mut pruned = Vec::new();
+        let mut after = None;
+        loop {
+            let (batch, next) = self.prune_batch(now_ms, after.as_ref(), PRUNE_BATCH)?;
+            pruned.extend(batch);
+            match next {
+                Some(next) => after = Some(next),
+                None => return Ok(pruned),
+            }
+        }
+    }
+
+    /// Examines up to `batch` closed runs after `after` (in run-id order) and removes those
+    /// past their retention whose grant has expired. Returns them, and where the next batch
+    /// starts (`None` once the sweep reached the last closed run).
+    pub fn prune_batch(
+        &self,
+        now_ms: i64,
+        after: Option<&RunId>,
+        batch: usize,
+    ) -> Result<(Vec<RunId>, Option<RunId>), RunError> {
+        let retention_ms = i64::try_from(self.limits.closed_run_retention_days)
+            .unwrap_or(i64::MAX)
+            .saturating_mul(86_400_000);
+        let ids = self.closed_ids_after(after, batch.max(1))?;
+        let next = (ids.len() >= batch.max(1))
+            .then(|| ids.last().cloned())
+            .flatten();
+        let mut pruned = Vec::new();
+        let mut shards = Vec::new();
+        for run_id in ids {
+            let run_dir = self.closed_path(&run_id);
+            let Some(closed_unix_ms) = closed_time(&run_dir) else {
+                tracing::warn!(%run_id, "the closed run's close time cannot be read (no marker, no journal); it is kept");
+                continue;
+            };
+            let run = closed_summary(
+                &run_dir,
+                &run_id,
+                closed_unix_ms,
+                &self.authority,
+                &self.limits,
+            );
+            let due = run.closed_unix_ms.saturating_add(retention_ms) < now_ms
+                && run.deadline_unix.saturating_mul(1000) < now_ms;
+            if !due {
+                continue;
+            }
+            match std::fs::remove_dir_all(&run_dir) {
+                Ok(()) => {}
+                Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+                Err(error) => {
+                    tracing::error!(%run_id, %error, "cannot prune the closed run's directory");
+                    continue;
+                }
+            }
+            shards.push(self.closed_dir.join(shard_of(&run_id)));
+            pruned.push(run_id);
+        }
+        shards.dedup();
+        for shard in &shards {
+            sync_dir(shard)?;
+        }
+        if !pruned.is_empty() {
+            tracing::info!(
+                count = pruned.len(),
+                retention_days = self.limits.closed_run_retention_days,
+                "pruned closed runs past their retention"
+            );
+        }
+        Ok((pruned, next))
     }
 }
 

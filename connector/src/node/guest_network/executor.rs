@@ -1,9 +1,11 @@
-//! `RecoverGuestNetwork` on the node: the run's checks, the transient unit the session runs in,
-//! the journal records around the recovery.
+//! `RecoverGuestNetwork` on the node: the run's checks, whether the session runs in a
+//! transient unit, the journal records around the recovery.
 
 use super::plan::recover;
 use super::profiles::probe_ports;
-use super::session::{Appliance, Session, guestfish_call, guestfish_installed};
+use super::session::{
+    Appliance, GuestNetworkUnit, Session, guest_network_unit, guestfish_call, guestfish_installed,
+};
 use super::{OP, RecoveryError, SandboxNic, sandbox_mac};
 use crate::executor::{ExecError, Outcome};
 use crate::grant::NetworkRecoveryMode;
@@ -11,45 +13,14 @@ use crate::journal::Phase;
 use crate::node::NodeExecutor;
 use crate::node::resources::Resource;
 use crate::node::tool_result;
-use crate::process::{self, ToolOutput, TransientRole};
+use crate::process::{self, ToolOutput};
 use crate::runs::RunHandle;
-use crate::validate::{ArchiveName, RunId, Vmid};
+use crate::validate::{ArchiveName, Vmid};
 use certistack_proto::v1 as pb;
 use serde_json::json;
 use sha2::{Digest, Sha256};
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
-
-/// The transient unit one recovery's guestfish runs in.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct GuestNetworkUnit {
-    pub role: TransientRole,
-    pub name: String,
-    pub description: String,
-}
-
-/// What the unit may use beyond the appliance's own memory (`LIBGUESTFS_MEMSIZE`): QEMU
-/// itself and its TCG translation cache, guestfish, and the page cache of the appliance
-/// supermin builds.
-pub const UNIT_MEMORY_OVERHEAD_MIB: u64 = 1024;
-
-/// The unit of run `run_id`'s recovery on VM `vmid` (`certistack-guestnet-<run>-<vmid>`);
-/// recoveries of one run are serialised by its lock, so one name per VM is enough.
-pub fn guest_network_unit(
-    run_id: &RunId,
-    vmid: Vmid,
-    memory_mib: u64,
-) -> Result<GuestNetworkUnit, String> {
-    let role = TransientRole::GuestNetwork {
-        memory_max_mib: memory_mib.saturating_add(UNIT_MEMORY_OVERHEAD_MIB),
-    };
-    let object = vmid.to_string();
-    Ok(GuestNetworkUnit {
-        role,
-        name: process::transient_unit_name(role, run_id.as_str(), &object)?,
-        description: process::transient_unit_description(role, run_id.as_str(), &object),
-    })
-}
 
 impl NodeExecutor {
     /// The unit a recovery runs in, when this daemon starts tools in transient units.

@@ -24,14 +24,16 @@ mod plan;
 mod profiles;
 mod session;
 
-pub use executor::{GuestNetworkUnit, UNIT_MEMORY_OVERHEAD_MIB, guest_network_unit};
 pub use profiles::{
     firewalld_allow, firewalld_default_zone, ifcfg_disable, ifcfg_fights, ifcfg_profile,
     ifupdown_disable, ifupdown_stanza, netplan_fights, netplan_yaml, networkd_fights,
     networkd_link, networkd_profile, networkmanager_disable, networkmanager_fights,
     networkmanager_keyfile,
 };
-pub use session::{Appliance, guestfish_call, guestfish_installed};
+pub use session::{
+    Appliance, GuestNetworkUnit, UNIT_MEMORY_OVERHEAD_MIB, guest_network_unit, guestfish_call,
+    guestfish_installed,
+};
 
 use crate::validate::{IpInterface, RunId, Vmid};
 use sha2::{Digest, Sha256};

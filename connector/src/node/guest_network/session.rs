@@ -1,10 +1,11 @@
 //! The guestfish session: one libguestfs appliance process on the run's overlay, driven
-//! batch by batch over its stdin, with guest-derived text quoted or refused before it is sent.
+//! batch by batch over its stdin, with guest-derived text quoted or refused before it is sent;
+//! how the appliance is booted, and the transient unit it runs in.
 
-use super::executor::GuestNetworkUnit;
 use super::{MAX_COMMAND_BYTES, MAX_SESSION_BYTES, RecoveryError};
 use crate::config::ApplianceAccelerator;
-use crate::process::{self, TOOL_PATH, ToolCall, ToolIdentity};
+use crate::process::{self, TOOL_PATH, ToolCall, ToolIdentity, TransientRole};
+use crate::validate::{RunId, Vmid};
 use std::fmt::Write as _;
 use std::path::Path;
 use std::process::Stdio;
@@ -288,6 +289,37 @@ impl Drop for Session {
 
 pub(super) fn truthy(answer: Option<&String>) -> bool {
     answer.is_some_and(|a| a.trim() == "true")
+}
+
+/// The transient unit one recovery's guestfish runs in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GuestNetworkUnit {
+    pub role: TransientRole,
+    pub name: String,
+    pub description: String,
+}
+
+/// What the unit may use beyond the appliance's own memory (`LIBGUESTFS_MEMSIZE`): QEMU
+/// itself and its TCG translation cache, guestfish, and the page cache of the appliance
+/// supermin builds.
+pub const UNIT_MEMORY_OVERHEAD_MIB: u64 = 1024;
+
+/// The unit of run `run_id`'s recovery on VM `vmid` (`certistack-guestnet-<run>-<vmid>`);
+/// recoveries of one run are serialised by its lock, so one name per VM is enough.
+pub fn guest_network_unit(
+    run_id: &RunId,
+    vmid: Vmid,
+    memory_mib: u64,
+) -> Result<GuestNetworkUnit, String> {
+    let role = TransientRole::GuestNetwork {
+        memory_max_mib: memory_mib.saturating_add(UNIT_MEMORY_OVERHEAD_MIB),
+    };
+    let object = vmid.to_string();
+    Ok(GuestNetworkUnit {
+        role,
+        name: process::transient_unit_name(role, run_id.as_str(), &object)?,
+        description: process::transient_unit_description(role, run_id.as_str(), &object),
+    })
 }
 
 /// How the libguestfs appliance of a session is booted and bounded.

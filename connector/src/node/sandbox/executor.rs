@@ -1,7 +1,8 @@
 //! `PrepareSandbox`, the re-check before a boot, and the release of the table and the probe
 //! address, journaled.
 
-use super::isolation::{Stage, probe_network_conflicts, violations};
+use super::Stage;
+use super::isolation::{probe_network_conflicts, violations};
 use super::ruleset::{ruleset, table_name};
 use crate::config::ForwardingPolicy;
 use crate::executor::{ExecError, Outcome};

@@ -2,19 +2,12 @@
 //! network would change how the node routes its own traffic.
 
 use super::MAX_LISTED_CONFLICTS;
+use super::Stage;
 use super::observation::Observation;
 use crate::config::ForwardingPolicy;
 use crate::grant::Grant;
 use crate::net::IpNetwork;
 use crate::validate::VnetName;
-
-/// When the VNet is checked: before the probe address exists, or before a guest boots (when it
-/// must be there).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Stage {
-    Prepare,
-    Boot,
-}
 
 /// Every way the observed VNet breaks isolation, each naming the property. Under
 /// `sandbox.forwarding = "disable-for-run"`, forwarding found on at `PrepareSandbox` is not a

@@ -31,11 +31,19 @@ mod nat;
 mod observation;
 mod ruleset;
 
-pub use isolation::{Stage, probe_network_conflicts, violations};
+pub use isolation::{probe_network_conflicts, violations};
 pub use nat::legacy_nat_rules;
 pub(crate) use nat::{LegacyNat, read_legacy_nat};
 pub use observation::{NodeAddress, NodeRoute, Observation, stacked_links};
 pub use ruleset::{ruleset, table_name};
+
+/// When the VNet is checked: before the probe address exists, or before a guest boots (when it
+/// must be there).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    Prepare,
+    Boot,
+}
 
 /// Conflicts (and NAT rules) at most listed in one refusal; the rest are counted.
 const MAX_LISTED_CONFLICTS: usize = 8;

@@ -1,7 +1,7 @@
 //! What the node shows about a VNet and its own network, read without changing anything:
 //! `ip -json` listings of links, addresses and routes, the forwarding sysctls, the NAT rules.
 
-use super::isolation::Stage;
+use super::Stage;
 use super::nat::{LegacyNat, legacy_nat_rules, read_legacy_nat, read_ruleset};
 use crate::executor::ExecError;
 use crate::grant::Grant;
