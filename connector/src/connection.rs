@@ -19,8 +19,8 @@
 //! Refused handshakes are logged through a [`RefusalLog`]: a peer needs no certificate to
 //! cause one.
 
-use crate::call_log::{RefusalLog, printable};
 use crate::config::Limits;
+use crate::refusal_log::{RefusalLog, printable};
 use certistack_core::identity::{ClientIdentity, IdentityError, parse_client_certificate};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::future::Future;

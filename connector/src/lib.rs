@@ -10,6 +10,7 @@
 pub mod action;
 pub mod call_log;
 pub mod check;
+pub mod clock;
 pub mod config;
 pub mod connection;
 pub mod enroll;
@@ -18,6 +19,7 @@ pub mod node;
 pub mod policy;
 pub mod prerequisites;
 pub mod process;
+pub mod refusal_log;
 pub mod resources;
 pub mod runs;
 pub mod server;

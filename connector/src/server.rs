@@ -1,12 +1,14 @@
 //! Assembles the daemon from its config and serves the surface until shutdown.
 
-use crate::call_log::{CallLogLayer, DETAILED_CALL_REFUSALS, REFUSAL_WINDOW, RefusalLog};
+use crate::call_log::{CallLogLayer, DETAILED_CALL_REFUSALS};
+use crate::clock::{Clock, SystemClock};
 use crate::config::Config;
 use crate::connection::{self, ConnectionLimits};
 use crate::executor::Executor;
 use crate::policy::{PolicyError, SurfacePolicy};
+use crate::refusal_log::{REFUSAL_WINDOW, RefusalLog};
 use crate::runs::{RunError, RunRegistry};
-use crate::service::{Clock, ConnectorService};
+use crate::service::ConnectorService;
 use crate::tls::SharedServerConfig;
 use certistack_core::files::{self, FileError};
 use certistack_core::tls::{self, TlsError};
@@ -279,7 +281,7 @@ pub async fn reload_on_hangup(reload: TlsReload) {
 impl Connector {
     /// The daemon as shipped: the node executor and the system clock.
     pub fn for_node(config: Config) -> Result<Self, ServeError> {
-        let clock: Arc<dyn Clock> = Arc::new(crate::service::SystemClock);
+        let clock: Arc<dyn Clock> = Arc::new(SystemClock);
         let executor = Arc::new(crate::node::NodeExecutor::new(
             config.clone(),
             clock.clone(),

@@ -26,13 +26,13 @@ pub mod sandbox;
 pub mod vm;
 
 use crate::action::Action;
+use crate::clock::Clock;
 use crate::config::Config;
 use crate::executor::{
     Caller, ExecError, ExecFuture, Executor, Outcome, RecoverFuture, ResidueFuture,
 };
 use crate::process::{self, ToolCall, ToolOutput};
 use crate::runs::{RunGuard, RunHandle};
-use crate::service::Clock;
 use certistack_core::grant::Repository;
 use certistack_core::journal::{JournalError, Phase};
 use certistack_core::validate::Host;
@@ -48,12 +48,6 @@ pub struct NodeExecutor {
     config: Arc<Config>,
     clock: Arc<dyn Clock>,
     sys_block: Arc<PathBuf>,
-}
-
-impl std::fmt::Debug for dyn Clock {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Clock")
-    }
 }
 
 impl From<JournalError> for ExecError {

@@ -1,0 +1,305 @@
+//! Tests of guest network recovery: the profiles per stack, device names, the guestfish
+//! installation check, and the quoting and line limit of what is sent to guestfish.
+
+use super::*;
+
+use crate::process::ToolCall;
+
+use certistack_core::validate::{IpInterface, RunId, Vmid};
+
+use std::collections::BTreeSet;
+
+use std::net::IpAddr;
+
+use std::time::Duration;
+
+use super::profiles::ifupdown_sources_directory;
+use super::session::{Session, plain_mountable, plain_path, quote};
+use certistack_core::validate::Validated;
+
+fn nic() -> SandboxNic {
+    SandboxNic {
+        mac: "02:aa:bb:cc:dd:ee".into(),
+        address: IpInterface::validate("198.51.100.10/24").unwrap(),
+    }
+}
+
+#[test]
+fn the_sandbox_mac_is_stable_local_and_unicast() {
+    let run = RunId::validate("0f0e1c2d-3b4a-4c5d-8e6f-7a8b9c0d1e2f").unwrap();
+    let vmid = Vmid::parse("t", 9100).unwrap();
+    let mac = sandbox_mac(&run, vmid, 0);
+    assert_eq!(mac, sandbox_mac(&run, vmid, 0));
+    assert_ne!(mac, sandbox_mac(&run, vmid, 1));
+    assert_ne!(mac, sandbox_mac(&run, Vmid::parse("t", 9101).unwrap(), 0));
+    assert!(mac.starts_with("02:"), "{mac}");
+    assert_eq!(mac.len(), 17);
+}
+
+#[test]
+fn profiles_bind_the_mac_and_name_no_gateway_or_dns() {
+    let nic = nic();
+    let profiles = [
+        networkd_profile(&nic),
+        networkmanager_keyfile(&nic, "00000000-0000-4000-8000-000000000000"),
+        ifupdown_stanza(&nic),
+        netplan_yaml(&nic),
+        ifcfg_profile(&nic),
+    ];
+    for profile in &profiles {
+        assert!(
+            profile.to_lowercase().contains("02:aa:bb:cc:dd:ee"),
+            "{profile}"
+        );
+        let lower = profile.to_lowercase();
+        for forbidden in ["gateway", "\ndns=", "nameserver", "dhcp=yes", "routes:"] {
+            assert!(!lower.contains(forbidden), "{forbidden} in {profile}");
+        }
+    }
+    assert!(profiles[0].contains("[Match]\nMACAddress=02:aa:bb:cc:dd:ee\n"));
+    assert!(profiles[0].contains("Address=198.51.100.10/24\n"));
+    assert!(profiles[1].contains("mac-address=02:AA:BB:CC:DD:EE\n"));
+    assert!(profiles[1].contains("never-default=true\n"));
+    assert!(profiles[1].contains("address1=198.51.100.10/24\n"));
+    assert!(profiles[2].contains("iface cssandbox0 inet static\n    address 198.51.100.10/24\n"));
+    assert!(
+        networkd_link(&nic).contains("MACAddress=02:aa:bb:cc:dd:ee\n\n[Link]\nName=cssandbox0\n")
+    );
+    assert!(profiles[3].contains("macaddress: \"02:aa:bb:cc:dd:ee\""));
+    assert!(profiles[3].contains("- \"198.51.100.10/24\""));
+    assert!(profiles[4].contains("HWADDR=02:AA:BB:CC:DD:EE\nBOOTPROTO=none\n"));
+    assert!(profiles[4].contains("IPADDR=198.51.100.10\nPREFIX=24\n"));
+    assert!(profiles[4].contains("DEFROUTE=no\n"));
+    let v6 = SandboxNic {
+        mac: nic.mac.clone(),
+        address: IpInterface::validate("2001:db8::10/64").unwrap(),
+    };
+    assert!(
+        networkmanager_keyfile(&v6, "u")
+            .contains("[ipv6]\nmethod=manual\naddress1=2001:db8::10/64\n")
+    );
+    assert!(ifupdown_stanza(&v6).contains("inet6 static"));
+    // `auto` and nothing else: busybox's ifupdown brings up nothing after an
+    // `allow-hotplug` line that follows an `auto` one.
+    let stanza = ifupdown_stanza(&v6);
+    assert!(
+        stanza.contains("\nauto cssandbox0\niface cssandbox0 inet6 static\n"),
+        "{stanza}"
+    );
+    assert!(!stanza.contains("allow-"), "{stanza}");
+}
+
+#[test]
+fn a_profile_bound_to_another_mac_is_kept() {
+    let nic = nic();
+    assert!(networkd_fights(
+        "[Match]\nName=eth0\n[Network]\nDHCP=yes\n",
+        &nic
+    ));
+    assert!(networkd_fights(
+        "[Match]\nMACAddress=02:AA:BB:CC:DD:EE\n",
+        &nic
+    ));
+    assert!(!networkd_fights(
+        "[Match]\nMACAddress=52:54:00:00:00:09\n",
+        &nic
+    ));
+    assert!(!networkd_fights("[Match]\nName=lo\n", &nic));
+    assert!(netplan_fights(
+        "network:\n  ethernets:\n    eth0:\n      dhcp4: true\n",
+        &nic
+    ));
+    assert!(!netplan_fights(
+        "network:\n  ethernets:\n    storage:\n      match:\n        macaddress: \"52:54:00:00:00:09\"\n",
+        &nic
+    ));
+    assert!(!netplan_fights("network:\n  bridges: {}\n", &nic));
+    assert!(networkmanager_fights(
+        "[connection]\ntype=ethernet\ninterface-name=eth0\n",
+        &nic
+    ));
+    assert!(!networkmanager_fights(
+        "[connection]\ntype=ethernet\n[ethernet]\nmac-address=52:54:00:00:00:09\n",
+        &nic
+    ));
+    assert!(!networkmanager_fights("[connection]\ntype=wifi\n", &nic));
+    assert!(ifcfg_fights("DEVICE=eth0\nONBOOT=yes\n", &nic));
+    assert!(!ifcfg_fights(
+        "DEVICE=eth1\nHWADDR=52:54:00:00:00:09\n",
+        &nic
+    ));
+    assert!(!ifcfg_fights("DEVICE=lo\n", &nic));
+}
+
+#[test]
+fn disabling_keeps_the_rest_of_the_file() {
+    let text = |bytes: Vec<u8>| String::from_utf8(bytes).unwrap();
+    let nm = networkmanager_disable(
+        b"[connection]\nid=prod\ntype=ethernet\nautoconnect=true\n\n[ipv4]\nmethod=manual\n",
+    );
+    assert_eq!(
+        text(nm),
+        "[connection]\nautoconnect=false\nid=prod\ntype=ethernet\n#certistack-disabled# autoconnect=true\n\n[ipv4]\nmethod=manual\n"
+    );
+    let nm = networkmanager_disable(b"[ipv4]\nmethod=auto\n");
+    assert_eq!(
+        text(nm),
+        "[ipv4]\nmethod=auto\n[connection]\nautoconnect=false\n"
+    );
+    let ifcfg = ifcfg_disable(b"DEVICE=eth0\nONBOOT=yes\nIPADDR=10.0.0.5\n");
+    assert_eq!(
+        text(ifcfg),
+        "DEVICE=eth0\n#certistack-disabled# ONBOOT=yes\nIPADDR=10.0.0.5\nONBOOT=no\n"
+    );
+    let interfaces = "source /etc/network/interfaces.d/*\n\nauto lo eth0\niface lo inet loopback\n\nallow-hotplug eth0\niface eth0 inet static\n    address 10.20.0.5/24\n    gateway 10.20.0.1\n\n";
+    let disabled = ifupdown_disable(interfaces.as_bytes()).unwrap();
+    assert_eq!(
+        text(disabled),
+        "source /etc/network/interfaces.d/*\n\n#certistack-disabled# auto lo eth0\nauto lo\niface lo inet loopback\n\n#certistack-disabled# allow-hotplug eth0\n#certistack-disabled# iface eth0 inet static\n#certistack-disabled#     address 10.20.0.5/24\n#certistack-disabled#     gateway 10.20.0.1\n\n"
+    );
+    assert_eq!(ifupdown_disable(b"auto lo\niface lo inet loopback\n"), None);
+    assert!(ifupdown_sources_directory(interfaces));
+    assert!(!ifupdown_sources_directory("auto lo\n"));
+}
+
+#[test]
+fn bytes_that_are_not_utf8_and_crlf_line_ends_survive_an_edit() {
+    // A Latin-1 comment (0xfc, invalid UTF-8), CRLF line ends and no final newline.
+    let interfaces: &[u8] =
+        b"# B\xfcro\r\nauto lo\r\niface lo inet loopback\r\niface eth0 inet dhcp\r\n# \xff\xfe end";
+    let disabled = ifupdown_disable(interfaces).unwrap();
+    assert_eq!(
+            disabled,
+            b"# B\xfcro\r\nauto lo\r\niface lo inet loopback\r\n#certistack-disabled# iface eth0 inet dhcp\r\n#certistack-disabled# # \xff\xfe end"
+        );
+    let ifcfg = ifcfg_disable(b"NAME=\"B\xfcro\"\r\nONBOOT=yes");
+    assert_eq!(
+        ifcfg,
+        b"NAME=\"B\xfcro\"\r\n#certistack-disabled# ONBOOT=yes\nONBOOT=no\n"
+    );
+    let nm = networkmanager_disable(b"[connection]\nid=B\xfcro\ntype=ethernet");
+    assert_eq!(
+        nm,
+        b"[connection]\nautoconnect=false\nid=B\xfcro\ntype=ethernet"
+    );
+    let zone: &[u8] = b"<zone>\n  <short>B\xfcro</short>\n</zone>\n";
+    let ports = BTreeSet::from([(80, "tcp")]);
+    let source: IpAddr = "198.51.100.2".parse().unwrap();
+    let out = firewalld_allow(zone, source, &ports).unwrap().unwrap();
+    assert!(out.starts_with(b"<zone>\n  <short>B\xfcro</short>\n  <rule family=\"ipv4\">"));
+    assert!(out.ends_with(b"  </rule>\n</zone>\n"));
+}
+
+#[test]
+fn firewalld_gets_one_rich_rule_per_probe_port_and_keeps_its_own() {
+    assert_eq!(
+        firewalld_default_zone("# x\nDefaultZone=internal\n").unwrap(),
+        "internal"
+    );
+    assert_eq!(firewalld_default_zone("").unwrap(), "public");
+    assert!(firewalld_default_zone("DefaultZone=../../etc/passwd\n").is_err());
+    let zone = "<?xml version=\"1.0\" encoding=\"utf-8\"?>\n<zone>\n  <short>Public</short>\n  <service name=\"ssh\"/>\n  <rule family=\"ipv4\">\n    <source address=\"10.0.0.0/8\"/>\n    <drop/>\n  </rule>\n</zone>\n";
+    let ports = BTreeSet::from([(53, "udp"), (80, "tcp")]);
+    let source: IpAddr = "198.51.100.2".parse().unwrap();
+    let out = firewalld_allow(zone.as_bytes(), source, &ports)
+        .unwrap()
+        .unwrap();
+    let out = String::from_utf8(out).unwrap();
+    assert!(out.starts_with(zone.trim_end_matches("</zone>\n")), "{out}");
+    assert!(out.contains("<service name=\"ssh\"/>"));
+    assert!(out.contains("<source address=\"10.0.0.0/8\"/>\n    <drop/>"));
+    assert!(out.contains("  <rule family=\"ipv4\">\n    <source address=\"198.51.100.2\"/>\n    <port port=\"80\" protocol=\"tcp\"/>\n    <accept/>\n  </rule>\n"));
+    assert!(out.contains("<port port=\"53\" protocol=\"udp\"/>"));
+    assert!(out.ends_with("</zone>\n"));
+    assert_eq!(
+        firewalld_allow(out.as_bytes(), source, &ports).unwrap(),
+        None,
+        "idempotent"
+    );
+    assert!(firewalld_allow(b"<zone/>", source, &ports).is_err());
+}
+
+#[test]
+fn guest_device_names_are_plain_and_short() {
+    assert!(plain_mountable("/dev/sda1"));
+    assert!(plain_mountable("/dev/mapper/vg-root"));
+    assert!(plain_mountable("/dev/vg0/lv_root"));
+    assert!(!plain_mountable("/dev/sda1!touch${IFS}/x"));
+    assert!(!plain_mountable("/dev/a b"));
+    assert!(!plain_mountable(&format!("/dev/{}", "A".repeat(8180))));
+    // btrfs subvolumes, as libguestfs names them.
+    assert!(plain_mountable("btrfsvol:/dev/sda2/root"));
+    assert!(plain_mountable("btrfsvol:/dev/sda/@"));
+    assert!(plain_mountable("btrfsvol:/dev/sda/@/.snapshots/1/snapshot"));
+    assert!(!plain_mountable("btrfsvol:/dev/sda"));
+    assert!(!plain_mountable("btrfsvol:/dev/sda/../x"));
+    assert!(!plain_mountable("btrfsvol:/dev/../x"));
+    assert!(!plain_mountable("btrfsvol:/dev/./sda/@"));
+    assert!(!plain_mountable("btrfsvol:/dev/sda/"));
+    assert!(!plain_mountable("btrfsvol:/dev/sda//@"));
+    assert!(!plain_mountable("btrfsvol:/dev/sda/@ x"));
+    assert!(!plain_mountable("btrfsvol:/dev/sda/@\n!touch /x"));
+    assert!(!plain_mountable("/dev/sda/@"));
+}
+
+#[test]
+fn a_missing_or_non_executable_guestfish_is_named_with_what_to_install() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = std::env::temp_dir().join(format!("guestfish-check-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir(&dir).unwrap();
+    let missing = dir.join("guestfish");
+    let error = guestfish_installed(&missing).unwrap_err();
+    assert!(error.contains("install libguestfs-tools"), "{error}");
+    assert!(error.contains("nothing was written"), "{error}");
+    std::fs::write(&missing, "#!/bin/sh\n").unwrap();
+    std::fs::set_permissions(&missing, std::fs::Permissions::from_mode(0o644)).unwrap();
+    assert!(
+        guestfish_installed(&missing)
+            .unwrap_err()
+            .contains("not an executable file")
+    );
+    std::fs::set_permissions(&missing, std::fs::Permissions::from_mode(0o755)).unwrap();
+    assert_eq!(guestfish_installed(&missing), Ok(()));
+    assert!(guestfish_installed(&dir).is_err());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn no_command_sent_to_guestfish_comes_near_its_line_limit() {
+    // The largest guest file recovery writes, of the bytes that quote the longest.
+    let content = vec![0xffu8; MAX_GUEST_FILE_BYTES as usize];
+    let path = format!("/{}", "a".repeat(255));
+    for chunk in content.chunks(WRITE_CHUNK_BYTES) {
+        let line = format!("write-append {} {}", quote(path.as_bytes()), quote(chunk));
+        assert!(line.len() <= MAX_COMMAND_BYTES, "{}", line.len());
+    }
+}
+
+#[tokio::test]
+async fn a_command_guestfish_would_split_is_never_sent() {
+    let mut session =
+        Session::start(ToolCall::new("/bin/cat", Duration::from_secs(5))).expect("cat starts");
+    for command in [
+        format!("-mount-ro \"/dev/{}!touch /x\" \"/srv\"", "A".repeat(8180)),
+        "is-file /etc\n!touch /x".to_owned(),
+        "is-file /etc\r!touch /x".to_owned(),
+    ] {
+        match session.ask(&[command]).await {
+            Err(RecoveryError::Tool(why)) => assert!(why.contains("would split it"), "{why}"),
+            other => panic!("sent: {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn guest_text_never_leaves_its_quoted_argument() {
+    assert_eq!(
+        quote(b"a\"b\\c\nd\te\x01\xff"),
+        "\"a\\\"b\\\\c\\nd\\te\\x01\\xff\""
+    );
+    assert!(plain_path("/etc/netplan/50-cloud-init.yaml"));
+    assert!(!plain_path("/etc/netplan/a b.yaml"));
+    assert!(!plain_path("/etc/netplan/a\nb.yaml"));
+    assert!(!plain_path("etc/x"));
+    assert!(!plain_path("/etc/../root"));
+}

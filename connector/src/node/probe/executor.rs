@@ -1,0 +1,115 @@
+//! `Probe` on the node: the run's checks, the probes of the granted targets, the journal
+//! records.
+
+use super::{ProbeBounds, probe_target};
+use crate::executor::{ExecError, Outcome};
+use crate::node::NodeExecutor;
+use crate::node::resources::{self, Resource, Standing};
+use crate::runs::RunHandle;
+use certistack_core::grant::ProbeKind;
+use certistack_core::journal::Phase;
+use certistack_core::validate::UnicastIp;
+use certistack_proto::v1 as pb;
+use serde_json::json;
+use std::time::Duration;
+
+impl NodeExecutor {
+    pub(in crate::node) async fn probe(
+        &self,
+        run: &RunHandle,
+        kind: ProbeKind,
+        address: UnicastIp,
+        port: u16,
+    ) -> Result<Outcome, ExecError> {
+        let grant = &run.grant;
+        let mut guard = self.lock_open(run).await?;
+        let target = grant
+            .probe_targets
+            .iter()
+            .find(|t| t.kind == kind && t.address == address && t.port == port)
+            .ok_or_else(|| {
+                ExecError::FailedPrecondition(format!(
+                    "{address}:{port} is not a probe target of this run"
+                ))
+            })?;
+        let source = grant.probe_source.address.0;
+        let resource = format!("probe:{}:{address}:{port}", kind.name());
+        let address_added = resources::state_of(
+            &guard.records(),
+            &Resource::ProbeAddress(grant.vnet.clone()),
+        )
+        .is_some_and(|s| s.is_open() && s.standing() == Standing::Done);
+        let address_present = self.address_present(grant).await?;
+        if address_added && !address_present {
+            // ifupdown2's `ifreload -a` (every SDN "Apply" runs it) purges addresses it did not
+            // configure: the node took the address, the guest and the backup did nothing wrong.
+            let error = format!(
+                "probe address removed by the node (ifreload?): {} is no longer on {} although this run added it; the probe did not run. This is a failure of the node's network, not of the backup: release or clean up the sandbox and prepare it again",
+                grant.probe_source, grant.vnet
+            );
+            guard
+                .append(
+                    self.now_ms(),
+                    "probe.run",
+                    &resource,
+                    Phase::Failed,
+                    json!({ "source": source.to_string(), "error": error, "infrastructure": true }),
+                )
+                .await?;
+            return Err(ExecError::Unavailable(
+                pb::ErrorReason::ProbeAddressRemoved,
+                error,
+            ));
+        }
+        if !address_present || !self.table_present(grant).await? {
+            return Err(ExecError::FailedPrecondition(format!(
+                "the probe address {} or the run's containment table is not on {}; call PrepareSandbox first",
+                grant.probe_source, grant.vnet
+            )));
+        }
+        guard
+            .append(
+                self.now_ms(),
+                "probe.run",
+                &resource,
+                Phase::Intent,
+                json!({ "source": source.to_string() }),
+            )
+            .await?;
+        let bounds = ProbeBounds {
+            device: grant.vnet.to_string(),
+            timeout: Duration::from_secs(self.config.limits.probe_timeout_secs),
+            max_bytes: self.config.limits.max_probe_response_bytes,
+            max_entries: self.config.limits.max_probe_entries,
+        };
+        let result = probe_target(source, target, &bounds).await;
+        guard
+            .append(
+                self.now_ms(),
+                "probe.run",
+                &resource,
+                Phase::Done,
+                json!({
+                    "passed": result.passed,
+                    "detail": result.detail,
+                    "latency_us": result.latency.as_micros() as u64,
+                    "received_sha256": result.received_sha256,
+                    "tls_certificate_sha256": result.tls_certificate_sha256,
+                }),
+            )
+            .await?;
+        Ok(Outcome::Probe(pb::ProbeReply {
+            outcome: if result.passed {
+                pb::ProbeOutcome::Passed
+            } else {
+                pb::ProbeOutcome::Failed
+            } as i32,
+            detail: result.detail,
+            origin: format!("worker_host {source}"),
+            latency_us: result.latency.as_micros() as u64,
+            received_sha256: result.received_sha256,
+            tls_certificate_sha256: result.tls_certificate_sha256,
+            journal_head: guard.head_hex(),
+        }))
+    }
+}
