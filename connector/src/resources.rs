@@ -1,8 +1,8 @@
 //! What a run has on the node, as its journal says.
 //!
 //! Every side effect is journaled under a resource key (`backup:<archive>`,
-//! `overlay:<vmid>:<archive>`, `dir:overlays`, ...). Keys are parsed once, here, into
-//! [`Resource`]; the strings stay the journal's wire format. A resource is open when its last
+//! `overlay:<vmid>:<archive>`, `dir:overlays`, ...), read as a typed [`Resource`] with its
+//! [`Op`] (both in `certistack_core::journal`); the strings stay the journal's wire format. A resource is open when its last
 //! record is not `undone`: an `intent` without an outcome (the daemon died in between), a
 //! `done`, or a `failed` that may have left something behind. Cleanup reverses open resources
 //! newest first.
@@ -11,138 +11,9 @@
 //! run still holds something (it may not close, and still counts against the node's limits).
 
 use crate::process::ToolIdentity;
-use certistack_core::journal::{Phase, Record};
-use certistack_core::validate::{ArchiveName, Validated, Vmid, VnetName};
+use certistack_core::journal::{Op, OpClass, Phase, Record, Resource};
 use certistack_proto::v1 as pb;
 use std::collections::BTreeMap;
-use std::fmt;
-
-/// One thing a run can leave on the node, named as its journal key names it.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Resource {
-    /// `backup:<archive>`: a read-only loop device mapped by `proxmox-backup-client map`.
-    Backup(ArchiveName),
-    /// `dir:overlays`: the run's directory under the overlay root.
-    OverlayDir,
-    /// `overlay:<vmid>:<archive>`: a qcow2 overlay on a mapping.
-    Overlay { vmid: Vmid, archive: ArchiveName },
-    /// `vm:<vmid>`: a sandbox VM.
-    Vm(Vmid),
-    /// `nft:<table>`: the run's nftables table.
-    NftTable(String),
-    /// `addr:<vnet>`: the probe address on the VNet.
-    ProbeAddress(VnetName),
-    /// `fwd:<vnet>`: the VNet's forwarding sysctls, set to 0 for the run
-    /// (`sandbox.forwarding = "disable-for-run"`).
-    Forwarding(VnetName),
-    /// `file:screendump:<vmid>`: a screendump in the run's directory.
-    Screendump(Vmid),
-    /// A key this connector does not know (a journal written by a newer version).
-    Unrecognized(String),
-}
-
-fn vmid(text: &str) -> Option<Vmid> {
-    Vmid::parse("journal", text.parse().ok()?).ok()
-}
-
-impl Resource {
-    /// Parses a journal key; unknown or malformed keys stay [`Resource::Unrecognized`].
-    pub fn parse(key: &str) -> Self {
-        let parsed = if let Some(archive) = key.strip_prefix("backup:") {
-            ArchiveName::validate(archive).ok().map(Resource::Backup)
-        } else if key == "dir:overlays" {
-            Some(Resource::OverlayDir)
-        } else if let Some(rest) = key.strip_prefix("overlay:") {
-            rest.split_once(':').and_then(|(v, a)| {
-                Some(Resource::Overlay {
-                    vmid: vmid(v)?,
-                    archive: ArchiveName::validate(a).ok()?,
-                })
-            })
-        } else if let Some(v) = key.strip_prefix("vm:") {
-            vmid(v).map(Resource::Vm)
-        } else if let Some(table) = key.strip_prefix("nft:") {
-            Some(Resource::NftTable(table.to_owned()))
-        } else if let Some(vnet) = key.strip_prefix("addr:") {
-            VnetName::validate(vnet).ok().map(Resource::ProbeAddress)
-        } else if let Some(vnet) = key.strip_prefix("fwd:") {
-            VnetName::validate(vnet).ok().map(Resource::Forwarding)
-        } else if let Some(v) = key.strip_prefix("file:screendump:") {
-            vmid(v).map(Resource::Screendump)
-        } else {
-            None
-        };
-        parsed.unwrap_or_else(|| Resource::Unrecognized(key.to_owned()))
-    }
-
-    /// The journal key.
-    pub fn key(&self) -> String {
-        self.to_string()
-    }
-
-    /// Whether undoing this resource touches the sandbox network.
-    pub fn is_network(&self) -> bool {
-        matches!(
-            self,
-            Resource::NftTable(_) | Resource::ProbeAddress(_) | Resource::Forwarding(_)
-        )
-    }
-}
-
-impl fmt::Display for Resource {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Resource::Backup(archive) => write!(f, "backup:{archive}"),
-            Resource::OverlayDir => f.write_str("dir:overlays"),
-            Resource::Overlay { vmid, archive } => write!(f, "overlay:{vmid}:{archive}"),
-            Resource::Vm(vmid) => write!(f, "vm:{vmid}"),
-            Resource::NftTable(table) => write!(f, "nft:{table}"),
-            Resource::ProbeAddress(vnet) => write!(f, "addr:{vnet}"),
-            Resource::Forwarding(vnet) => write!(f, "fwd:{vnet}"),
-            Resource::Screendump(vmid) => write!(f, "file:screendump:{vmid}"),
-            Resource::Unrecognized(key) => f.write_str(key),
-        }
-    }
-}
-
-/// The journaled operations of the node executor, as their `op` strings are written.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Op {
-    BackupMap,
-    BackupUnmap,
-    OverlayDir,
-    OverlayDirDelete,
-    OverlayCreate,
-    OverlayDelete,
-    FileScreendump,
-    FileDelete,
-    VmCreate,
-    VmStart,
-    VmStop,
-    VmDestroy,
-    /// `qm unlock`: drops the `lock: create` a `qm create` cut short left behind.
-    VmUnlock,
-}
-
-impl Op {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Op::BackupMap => "backup.map",
-            Op::BackupUnmap => "backup.unmap",
-            Op::OverlayDir => "overlay.dir",
-            Op::OverlayDirDelete => "overlay.dir.delete",
-            Op::OverlayCreate => "overlay.create",
-            Op::OverlayDelete => "overlay.delete",
-            Op::FileScreendump => "file.screendump",
-            Op::FileDelete => "file.delete",
-            Op::VmCreate => "vm.create",
-            Op::VmStart => "vm.start",
-            Op::VmStop => "vm.stop",
-            Op::VmDestroy => "vm.destroy",
-            Op::VmUnlock => "vm.unlock",
-        }
-    }
-}
 
 /// How cleanup left one resource, as its receipt says.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -202,6 +73,12 @@ impl EndState {
             end_state: self.wire(),
             state: self.kind() as i32,
         }
+    }
+}
+
+impl std::fmt::Display for EndState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.wire())
     }
 }
 
@@ -278,8 +155,8 @@ impl ResourceState {
 /// be running (for a guest network recovery, with the overlay open).
 #[derive(Debug)]
 pub struct InterruptedStep {
-    pub op: String,
-    pub key: String,
+    pub op: Op,
+    pub resource: Resource,
     pub tools: Vec<ToolIdentity>,
     /// Transient units the step started its tools in, (name, description), as its intents
     /// name them (`unit`, `unit_description`): killing the tools' client leaves a unit.
@@ -289,10 +166,10 @@ pub struct InterruptedStep {
 /// The side steps (ops whose records [`states`] skips because deleting their resource undoes
 /// them) that were interrupted: the last record of the op on its resource is an `intent`.
 pub fn interrupted_side_steps(records: &[Record]) -> Vec<InterruptedStep> {
-    let mut last: BTreeMap<(String, String), Vec<&Record>> = BTreeMap::new();
+    let mut last: BTreeMap<(Op, Resource), Vec<&Record>> = BTreeMap::new();
     for record in records
         .iter()
-        .filter(|r| r.entry.op.starts_with("guestnet."))
+        .filter(|r| r.entry.op.class() == OpClass::WritesInside)
     {
         let key = (record.entry.op.clone(), record.entry.resource.clone());
         let history = last.entry(key).or_default();
@@ -307,9 +184,9 @@ pub fn interrupted_side_steps(records: &[Record]) -> Vec<InterruptedStep> {
                 .last()
                 .is_some_and(|r| r.entry.phase == Phase::Intent)
         })
-        .map(|((op, key), history)| InterruptedStep {
+        .map(|((op, resource), history)| InterruptedStep {
             op,
-            key,
+            resource,
             tools: history
                 .iter()
                 .filter_map(|r| serde_json::from_value(r.entry.detail.get("tool")?.clone()).ok())
@@ -329,33 +206,26 @@ pub fn interrupted_side_steps(records: &[Record]) -> Vec<InterruptedStep> {
 }
 
 /// Every resource the journal mentions, keyed by resource.
-pub fn states(records: &[Record]) -> BTreeMap<String, ResourceState> {
-    let mut states: BTreeMap<String, ResourceState> = BTreeMap::new();
+pub fn states(records: &[Record]) -> BTreeMap<Resource, ResourceState> {
+    let mut states: BTreeMap<Resource, ResourceState> = BTreeMap::new();
     for record in records {
-        // Run-level records and probes leave nothing on the node to undo.
-        if record.entry.resource.starts_with("run:")
-            || record.entry.op.starts_with("journal.")
-            || record.entry.op.starts_with("probe.")
-            || record.entry.op.starts_with("source.")
-            // Guest network recovery writes only inside an overlay: deleting it undoes all.
-            || record.entry.op.starts_with("guestnet.")
-        {
+        // Run-level records, the journal's own, probes and reads leave nothing on the node to
+        // undo; guest network recovery writes only inside an overlay: deleting it undoes all.
+        let class = record.entry.op.class();
+        if !class.tracks_a_resource() {
             continue;
         }
         let state = states
             .entry(record.entry.resource.clone())
             .or_insert_with(|| ResourceState {
-                key: record.entry.resource.clone(),
-                resource: Resource::parse(&record.entry.resource),
+                key: record.entry.resource.key(),
+                resource: record.entry.resource.clone(),
                 last: record.clone(),
                 done_detail: None,
                 history: Vec::new(),
             });
         state.history.push(record.clone());
-        if record.entry.phase == Phase::Done
-            && !record.entry.op.ends_with(".delete")
-            && !record.entry.op.ends_with(".unmap")
-        {
+        if record.entry.phase == Phase::Done && class != OpClass::Undoes {
             state.done_detail = Some(record.entry.detail.clone());
         }
         state.last = record.clone();
@@ -365,7 +235,7 @@ pub fn states(records: &[Record]) -> BTreeMap<String, ResourceState> {
 
 /// The state of one resource, if the journal mentions it.
 pub fn state_of(records: &[Record], resource: &Resource) -> Option<ResourceState> {
-    states(records).remove(&resource.key())
+    states(records).remove(resource)
 }
 
 /// Open resources, the most recently touched first: the order cleanup undoes them in.
@@ -393,7 +263,10 @@ mod tests {
         let mut j = Journal::create(&dir, run).unwrap();
         let mut records = Vec::new();
         let mut add = |op: &str, res: &str, phase, detail| {
-            records.push(j.append(0, op, res, phase, detail).unwrap())
+            records.push(
+                j.append(0, &Op::parse(op), &Resource::parse(res), phase, detail)
+                    .unwrap(),
+            )
         };
         add("run.begin", "run:x", Phase::Done, json!(null));
         add("backup.map", "backup:a.img", Phase::Intent, json!(null));
@@ -444,9 +317,11 @@ mod tests {
         let failed = |detail| {
             let mut j = Journal::create(&dir.join("x"), run).unwrap();
             let record = j
-                .append(0, "backup.map", "backup:c.img", Phase::Failed, detail)
+                .failed(0, &Op::BackupMap, &Resource::parse("backup:c.img"), detail)
                 .unwrap();
-            states(&[record]).remove("backup:c.img").unwrap()
+            states(&[record])
+                .remove(&Resource::parse("backup:c.img"))
+                .unwrap()
         };
         std::fs::create_dir_all(dir.join("x")).unwrap();
         assert!(
@@ -505,42 +380,38 @@ mod tests {
         let intent = json!({ "mode": "rewrite", "unit": unit, "unit_description": description });
         let tool = json!({ "tool": { "pid": 4242, "start_time": 7, "process_group": 4242 } });
         let records = vec![
-            j.append(
+            j.intent(
                 0,
-                "guestnet.recover",
-                "overlay:9101:a.img",
-                Phase::Intent,
+                &Op::GuestNetworkRecover,
+                &Resource::parse("overlay:9101:a.img"),
                 json!({ "unit": null }),
             )
             .unwrap(),
-            j.append(
+            j.done(
                 0,
-                "guestnet.recover",
-                "overlay:9101:a.img",
-                Phase::Done,
+                &Op::GuestNetworkRecover,
+                &Resource::parse("overlay:9101:a.img"),
                 json!({}),
             )
             .unwrap(),
-            j.append(
+            j.intent(
                 0,
-                "guestnet.recover",
-                "overlay:9100:a.img",
-                Phase::Intent,
+                &Op::GuestNetworkRecover,
+                &Resource::parse("overlay:9100:a.img"),
                 intent,
             )
             .unwrap(),
-            j.append(
+            j.intent(
                 0,
-                "guestnet.recover",
-                "overlay:9100:a.img",
-                Phase::Intent,
+                &Op::GuestNetworkRecover,
+                &Resource::parse("overlay:9100:a.img"),
                 tool,
             )
             .unwrap(),
         ];
         let steps = interrupted_side_steps(&records);
         assert_eq!(steps.len(), 1, "{steps:?}");
-        assert_eq!(steps[0].key, "overlay:9100:a.img");
+        assert_eq!(steps[0].resource.key(), "overlay:9100:a.img");
         assert_eq!(steps[0].units, [(unit, description)]);
         assert_eq!(steps[0].tools.len(), 1);
         std::fs::remove_dir_all(&dir).unwrap();

@@ -3,6 +3,7 @@
 
 use super::*;
 use certistack_controller::report::{self, *};
+use certistack_core::journal::{Op, Resource};
 use sha2::Digest;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -28,11 +29,11 @@ fn journal_records(dir: &Path) -> Vec<JournalRecord> {
     let journal_dir = dir.join("journal");
     std::fs::create_dir_all(&journal_dir).unwrap();
     let mut journal = Journal::create(&journal_dir, RUN).unwrap();
-    let run = format!("run:{RUN}");
+    let run = Resource::parse(&format!("run:{RUN}"));
     journal
         .append(
             1_000,
-            "run.begin",
+            &Op::RunBegin,
             &run,
             Phase::Done,
             serde_json::Value::Null,
@@ -41,8 +42,8 @@ fn journal_records(dir: &Path) -> Vec<JournalRecord> {
     journal
         .append(
             2_000,
-            "vm.start",
-            "vm:9100",
+            &Op::VmStart,
+            &Resource::parse("vm:9100"),
             Phase::Intent,
             serde_json::Value::Null,
         )
@@ -50,8 +51,8 @@ fn journal_records(dir: &Path) -> Vec<JournalRecord> {
     journal
         .append(
             3_000,
-            "vm.start",
-            "vm:9100",
+            &Op::VmStart,
+            &Resource::parse("vm:9100"),
             Phase::Done,
             serde_json::json!({"pid": 42}),
         )
@@ -59,7 +60,7 @@ fn journal_records(dir: &Path) -> Vec<JournalRecord> {
     journal
         .append(
             4_000,
-            "run.cleanup",
+            &Op::RunCleanup,
             &run,
             Phase::Done,
             serde_json::json!({"receipts": [{"end_state": "destroyed", "resource": "vm:9100"}], "residue": []}),

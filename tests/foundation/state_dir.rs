@@ -6,6 +6,7 @@ use certistack_connector::runs::{RegistryLimits, RunRegistry};
 use certistack_connector::server::load_authority_key;
 use certistack_controller::authority::Authority;
 use certistack_core::journal::{self, Journal, Phase};
+use certistack_core::journal::{Op, Resource};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -455,8 +456,8 @@ async fn a_full_journal_refuses_new_operations_and_keeps_room_for_cleanup() {
             journal
                 .append(
                     n,
-                    "guest.qmp",
-                    &format!("vm:{VMID}"),
+                    &Op::parse("guest.qmp"),
+                    &Resource::parse(&format!("vm:{VMID}")),
                     Phase::Done,
                     serde_json::Value::Null,
                 )
@@ -679,8 +680,8 @@ async fn notifies_ready_after_recovery_feeds_the_watchdog_and_says_stopping() {
             guard
                 .append(
                     now_ms,
-                    op,
-                    &format!("overlay:{VMID}:{ARCHIVE}"),
+                    &Op::parse(op),
+                    &Resource::parse(&format!("overlay:{VMID}:{ARCHIVE}")),
                     Phase::Intent,
                     serde_json::json!({ "tool": {
                         "pid": pid, "start_time": start_time_of(pid), "process_group": pid,

@@ -9,7 +9,7 @@
 //! and works for loop devices the client cannot name by number (>= 256); otherwise by device,
 //! only while the device is still backed by this run's mapping.
 
-use super::resources::{EndState, Op, Resource, ResourceState, Standing};
+use super::resources::{EndState, ResourceState, Standing};
 use super::{NodeExecutor, loopdev, repository_string, tool_detail, tool_result};
 use crate::action::EncryptionKey;
 use crate::executor::{ExecError, Outcome};
@@ -17,6 +17,7 @@ use crate::process::{self, SecretInput, SecretKind, ToolCall, ToolOutput, Transi
 use crate::runs::{RunGuard, RunHandle};
 use crate::source_hardware::{MAX_CONFIG_BYTES, SourceConfigError, SourceHardware};
 use certistack_core::grant::Grant;
+use certistack_core::journal::{Op, Resource};
 use certistack_core::journal::{Phase, Record};
 use certistack_core::validate::{ArchiveName, Secret, Snapshot};
 use certistack_proto::v1 as pb;
@@ -28,8 +29,8 @@ use std::time::Duration;
 /// The blob every PVE VM backup carries the VM's config in.
 const SOURCE_CONFIG_ARCHIVE: &str = "qemu-server.conf";
 /// Journal op and key of the source config read: nothing on the node to undo.
-pub(super) const SOURCE_CONFIG_OP: &str = "source.config";
-const SOURCE_CONFIG_RESOURCE: &str = "source:qemu-server.conf";
+pub(super) const SOURCE_CONFIG_OP: &Op = &Op::SourceConfig;
+const SOURCE_CONFIG_RESOURCE: &Resource = &Resource::SourceConfig;
 
 /// The descriptor `proxmox-backup-client` reads the password from (`PBS_PASSWORD_FD`).
 const PASSWORD_FD: i32 = 3;
@@ -251,11 +252,10 @@ impl NodeExecutor {
             // One byte over the limit tells an oversized config from one that fits.
             .output_cap(MAX_CONFIG_BYTES.saturating_add(1));
         guard
-            .append(
+            .intent(
                 self.now_ms(),
                 SOURCE_CONFIG_OP,
                 SOURCE_CONFIG_RESOURCE,
-                Phase::Intent,
                 json!({ "snapshot": snapshot.as_str(), "command": call.display() }),
             )
             .await?;
@@ -307,11 +307,10 @@ impl NodeExecutor {
             ExecError::Failed(format!("the source hardware cannot be journaled: {e}"))
         })?;
         guard
-            .append(
+            .done(
                 self.now_ms(),
                 SOURCE_CONFIG_OP,
                 SOURCE_CONFIG_RESOURCE,
-                Phase::Done,
                 tool_detail(
                     &output,
                     &[
@@ -339,7 +338,7 @@ impl NodeExecutor {
     ) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
         let mut guard = self.lock_open(run).await?;
-        let resource = Resource::Backup(archive.clone()).key();
+        let resource = Resource::Backup(archive.clone());
         if let Some(state) = super::resources::states(&guard.records())
             .get(&resource)
             .filter(|s| s.is_open())
@@ -350,7 +349,7 @@ impl NodeExecutor {
                 state.last.entry.phase.name()
             )));
         }
-        let op = Op::BackupMap.as_str();
+        let op = &Op::BackupMap;
         let repository = repository_string(&grant.repository);
         let encrypted = key.is_some();
         let mut call = self.pbs_call(
@@ -383,11 +382,10 @@ impl NodeExecutor {
             }
             None => None,
         };
-        guard.append(
+        guard.intent(
             self.now_ms(),
             op,
             &resource,
-            Phase::Intent,
             json!({ "snapshot": snapshot.as_str(), "archive": archive.as_str(), "repository": repository, "command": call.display(), "unit": unit }),
         ).await?;
         let output = match self.run_step(&mut guard, op, &resource, call).await {
@@ -459,9 +457,7 @@ impl NodeExecutor {
                 ("unit", json!(unit)),
             ],
         );
-        guard
-            .append(self.now_ms(), op, &resource, Phase::Done, detail)
-            .await?;
+        guard.done(self.now_ms(), op, &resource, detail).await?;
         Ok(Outcome::MapBackup(pb::MapBackupReply {
             loop_device: device,
             tool: Some(tool_result("proxmox-backup-client map", &output)),
@@ -478,7 +474,7 @@ impl NodeExecutor {
         let mut guard = self.lock_open(run).await?;
         let states = super::resources::states(&guard.records());
         let resource = Resource::Backup(archive.clone());
-        let Some(state) = states.get(&resource.key()).filter(|s| s.is_open()) else {
+        let Some(state) = states.get(&resource).filter(|s| s.is_open()) else {
             return Err(ExecError::FailedPrecondition(format!(
                 "{archive} is not mapped by this run"
             )));
@@ -519,7 +515,7 @@ impl NodeExecutor {
     ) -> Result<(EndState, Option<ToolOutput>), ExecError> {
         let expected_text = self.expected_backing(grant, archive).display().to_string();
         let life = current_life(state);
-        let maps = || life.iter().filter(|r| r.entry.op == Op::BackupMap.as_str());
+        let maps = || life.iter().filter(|r| r.entry.op == Op::BackupMap);
         // Devices a map call of this run reported and that were backed by the run's own
         // mapping name when it reported them (a refused writable mapping included).
         let devices: Vec<String> = maps()
@@ -555,8 +551,8 @@ impl NodeExecutor {
         mut devices: Vec<String>,
         search: bool,
     ) -> Result<(EndState, Option<ToolOutput>), ExecError> {
-        let resource = Resource::Backup(archive.clone()).key();
-        let op = Op::BackupUnmap.as_str();
+        let resource = Resource::Backup(archive.clone());
+        let op = &Op::BackupUnmap;
         let expected = self.expected_backing(grant, archive);
         let dangling = search && expected.exists();
         if search {
@@ -598,11 +594,10 @@ impl NodeExecutor {
             devices.clone()
         };
         guard
-            .append(
+            .intent(
                 self.now_ms(),
                 op,
                 &resource,
-                Phase::Intent,
                 json!({ "loop_devices": devices, "unmap": targets }),
             )
             .await?;
@@ -645,9 +640,7 @@ impl NodeExecutor {
                 map.insert("loop_devices_left".into(), json!(left));
                 map.insert("backing_file_left".into(), json!(holder_left));
             }
-            guard
-                .append(self.now_ms(), op, &resource, Phase::Failed, detail)
-                .await?;
+            guard.failed(self.now_ms(), op, &resource, detail).await?;
             let reason = format!(
                 "proxmox-backup-client unmap did not remove the mapping of {archive} (devices left: {left:?}; backing file left: {holder_left}): {}",
                 last_output
@@ -669,9 +662,7 @@ impl NodeExecutor {
             None => json!({ "loop_devices": devices, "end_state": EndState::Unmapped.wire() }),
         };
         self.release_map_unit(grant, archive).await;
-        guard
-            .append(self.now_ms(), op, &resource, Phase::Undone, detail)
-            .await?;
+        guard.undone(self.now_ms(), op, &resource, detail).await?;
         Ok((EndState::Unmapped, last_output))
     }
 }

@@ -12,12 +12,13 @@
 //!   name, the probe address, the run directory, the VM marker), not from the journal alone.
 
 use super::NodeExecutor;
-use super::resources::{self, EndState, InterruptedStep, Op, Resource, ResourceState, Standing};
+use super::resources::{self, EndState, InterruptedStep, ResourceState, Standing};
 use super::sandbox;
 use crate::executor::{ExecError, Outcome};
 use crate::process::REAP_WITHIN;
 use crate::runs::{RunGuard, RunHandle};
 use certistack_core::grant::Grant;
+use certistack_core::journal::{Op, Resource};
 use certistack_core::journal::{Phase, Record};
 use certistack_core::validate::{ArchiveName, Vmid};
 use certistack_proto::v1 as pb;
@@ -49,7 +50,13 @@ impl Kept {
             | Resource::OverlayDir => true,
             Resource::Overlay { vmid, .. } => self.vms.contains(vmid),
             Resource::Backup(archive) => self.archives.contains(archive),
-            Resource::Vm(_) | Resource::Screendump(_) | Resource::Unrecognized(_) => false,
+            Resource::Vm(_)
+            | Resource::Screendump(_)
+            | Resource::Run(_)
+            | Resource::Journal
+            | Resource::SourceConfig
+            | Resource::Probe { .. }
+            | Resource::Unrecognized(_) => false,
         };
         beneath.then(|| format!("a VM of the run remains ({vms} could not be destroyed)"))
     }
@@ -72,7 +79,7 @@ impl NodeExecutor {
             .map(|s| InterruptedStep {
                 tools: s.interrupted_tools(),
                 op: s.last.entry.op,
-                key: s.key,
+                resource: s.resource,
                 units: Vec::new(),
             })
             .chain(resources::interrupted_side_steps(&records))
@@ -112,15 +119,19 @@ impl NodeExecutor {
                 }
             }
             if !left.is_empty() {
-                problems.push(format!("{} ({}): {}", step.key, step.op, left.join("; ")));
+                problems.push(format!(
+                    "{} ({}): {}",
+                    step.resource,
+                    step.op,
+                    left.join("; ")
+                ));
                 continue;
             }
             guard
-                .append(
+                .failed(
                     self.now_ms(),
                     &step.op,
-                    &step.key,
-                    Phase::Failed,
+                    &step.resource,
                     json!({
                         "error": "the connector stopped during this step",
                         "outcome_unknown": true,
@@ -133,7 +144,7 @@ impl NodeExecutor {
                 )
                 .await?;
             if killed > 0 {
-                tracing::warn!(resource = %step.key, op = %step.op, killed, "killed the tools of a step the connector was interrupted in");
+                tracing::warn!(resource = %step.resource, op = %step.op, killed, "killed the tools of a step the connector was interrupted in");
             }
         }
         if problems.is_empty() {
@@ -205,8 +216,8 @@ impl NodeExecutor {
         // The same finding again (the expiry reaper retrying) is not journaled again.
         guard.append_if_changed(
             self.now_ms(),
-            "run.cleanup",
-            &format!("run:{}", grant.run_id),
+            &Op::RunCleanup,
+            &Resource::Run(grant.run_id.clone()),
             if residue.is_empty() && !failed {
                 Phase::Done
             } else {
@@ -234,21 +245,21 @@ impl NodeExecutor {
         let mut receipt =
             |resource: String, end_state: EndState| receipts.push((resource, end_state));
         if touched_network {
-            let table = Resource::NftTable(sandbox::table_name(grant)).key();
+            let table = Resource::NftTable(sandbox::table_name(grant));
             if self.table_present(grant).await.unwrap_or(false) {
                 let end = match self.remove_table(guard, grant).await {
-                    Ok(state) => network_end_state(state),
+                    Ok(state) => state,
                     Err(error) => EndState::Failed(error.to_string()),
                 };
-                receipt(table, end);
+                receipt(table.key(), end);
             }
-            let address = Resource::ProbeAddress(grant.vnet.clone()).key();
+            let address = Resource::ProbeAddress(grant.vnet.clone());
             if self.address_present(grant).await.unwrap_or(false) {
                 let end = match self.remove_address(guard, grant).await {
-                    Ok(state) => network_end_state(state),
+                    Ok(state) => state,
                     Err(error) => EndState::Failed(error.to_string()),
                 };
-                receipt(address, end);
+                receipt(address.key(), end);
             }
         }
         for archive in &grant.archives {
@@ -274,7 +285,7 @@ impl NodeExecutor {
         grant: &Grant,
         state: &ResourceState,
     ) -> Result<EndState, ExecError> {
-        let key = state.key.as_str();
+        let key = &state.resource;
         match &state.resource {
             Resource::Overlay { vmid, archive } => {
                 self.release_recovery_unit(grant, *vmid).await?;
@@ -288,11 +299,11 @@ impl NodeExecutor {
             Resource::Vm(vmid) => self.undo_vm(guard, grant, state, *vmid).await,
             // Whatever the install reported, the node is read before anything is recorded:
             // an absent table or address is journaled "already gone", a present one removed.
-            Resource::NftTable(_) => self.remove_table(guard, grant).await.map(network_end_state),
+            Resource::NftTable(_) => self.remove_table(guard, grant).await,
             Resource::ProbeAddress(_) => self
                 .remove_address(guard, grant)
                 .await
-                .map(network_end_state),
+                ,
             // Written back only while it still holds the value the run set.
             Resource::Forwarding(_) => self
                 .restore_forwarding(guard, grant)
@@ -306,7 +317,12 @@ impl NodeExecutor {
                 self.remove_path(guard, Op::OverlayDirDelete, key, &self.overlay_dir(grant))
                     .await
             }
-            Resource::Unrecognized(_) => Err(ExecError::Failed(format!(
+            // Run-level, read-only and probe records are never open resources (`states`).
+            Resource::Run(_)
+            | Resource::Journal
+            | Resource::SourceConfig
+            | Resource::Probe { .. }
+            | Resource::Unrecognized(_) => Err(ExecError::Failed(format!(
                 "no undo is known for {key}; it was written by another version of the connector"
             ))),
         }
@@ -411,19 +427,8 @@ impl NodeExecutor {
     }
 }
 
-/// The end state the sandbox's removal functions report, as a typed end state.
-fn network_end_state(state: &'static str) -> EndState {
-    if state == "deleted" {
-        EndState::Deleted
-    } else {
-        EndState::AlreadyGone
-    }
-}
-
 /// Whether the run ever journaled a network object: only then are the node's network objects
 /// swept and read for residue.
 fn touched_network(records: &[Record]) -> bool {
-    records
-        .iter()
-        .any(|r| Resource::parse(&r.entry.resource).is_network())
+    records.iter().any(|r| r.entry.resource.is_network())
 }

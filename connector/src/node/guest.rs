@@ -12,13 +12,13 @@
 //!   flushes whatever a previous client left in the channel), then the command.
 
 use super::NodeExecutor;
-use super::resources::{self, Op, Resource};
+use super::resources::{self};
 use crate::action::{QgaCall, QgaCommand, QmpCommand};
 use crate::executor::{ExecError, Outcome};
 use crate::runs::{RunGuard, RunHandle};
 use base64::Engine;
 use certistack_core::grant::{Grant, QgaAssertion};
-use certistack_core::journal::Phase;
+use certistack_core::journal::{Op, Resource};
 use certistack_core::validate::Vmid;
 use certistack_proto::v1 as pb;
 use serde_json::{Value, json};
@@ -359,11 +359,11 @@ impl NodeExecutor {
     ) -> Result<Outcome, ExecError> {
         let mut guard = self.lock_open(run).await?;
         self.require_ours(&guard, &run.grant, vmid)?;
-        let resource = Resource::Vm(vmid).key();
+        let resource = Resource::Vm(vmid);
         let mut arguments = None;
         if command == QmpCommand::Screendump {
             let path = self.screendump_path(&run.grant, vmid);
-            let key = Resource::Screendump(vmid).key();
+            let key = Resource::Screendump(vmid);
             if !resources::state_of(&guard.records(), &Resource::OverlayDir)
                 .is_some_and(|s| s.is_open())
             {
@@ -372,11 +372,10 @@ impl NodeExecutor {
                 ));
             }
             guard
-                .append(
+                .intent(
                     self.now_ms(),
-                    Op::FileScreendump.as_str(),
+                    &Op::FileScreendump,
                     &key,
-                    Phase::Intent,
                     json!({ "path": path.display().to_string() }),
                 )
                 .await?;
@@ -389,7 +388,7 @@ impl NodeExecutor {
                 true,
             ) {
                 return Err(self
-                    .journal_step_error(&mut guard, Op::FileScreendump.as_str(), &key, error)
+                    .journal_step_error(&mut guard, &Op::FileScreendump, &key, error)
                     .await);
             }
             // PNG (QEMU 7.1 and later; PVE 9 ships 10.x): a tenth of the PPM's size, and the
@@ -398,11 +397,10 @@ impl NodeExecutor {
         }
         let started = Instant::now();
         guard
-            .append(
+            .intent(
                 self.now_ms(),
-                "guest.qmp",
+                &Op::GuestQmp,
                 &resource,
-                Phase::Intent,
                 json!({ "command": command.wire_name() }),
             )
             .await?;
@@ -416,7 +414,7 @@ impl NodeExecutor {
         let elapsed_ms = started.elapsed().as_millis() as u64;
         match result {
             Ok(value) => {
-                guard.append(self.now_ms(), "guest.qmp", &resource, Phase::Done, json!({ "command": command.wire_name(), "return": value, "elapsed_ms": elapsed_ms })).await?;
+                guard.done(self.now_ms(), &Op::GuestQmp, &resource, json!({ "command": command.wire_name(), "return": value, "elapsed_ms": elapsed_ms })).await?;
                 let mut image = Vec::new();
                 if command == QmpCommand::Screendump {
                     image = self.take_screendump(&mut guard, &run.grant, vmid).await?;
@@ -434,7 +432,7 @@ impl NodeExecutor {
                 }))
             }
             Err(error) => {
-                guard.append(self.now_ms(), "guest.qmp", &resource, Phase::Failed, json!({ "command": command.wire_name(), "error": error.to_string(), "elapsed_ms": elapsed_ms })).await?;
+                guard.failed(self.now_ms(), &Op::GuestQmp, &resource, json!({ "command": command.wire_name(), "error": error.to_string(), "elapsed_ms": elapsed_ms })).await?;
                 Err(error.into())
             }
         }
@@ -450,7 +448,7 @@ impl NodeExecutor {
         vmid: Vmid,
     ) -> Result<Vec<u8>, ExecError> {
         let path = self.screendump_path(grant, vmid);
-        let key = Resource::Screendump(vmid).key();
+        let key = Resource::Screendump(vmid);
         let max = self.config.limits.max_screendump_bytes;
         let name = super::overlay::screendump_file_name(vmid);
         let read = {
@@ -468,13 +466,7 @@ impl NodeExecutor {
             Ok(None) => {
                 let detail = json!({ "path": path.display().to_string(), "error": format!("larger than {max} bytes") });
                 guard
-                    .append(
-                        self.now_ms(),
-                        Op::FileScreendump.as_str(),
-                        &key,
-                        Phase::Failed,
-                        detail,
-                    )
+                    .failed(self.now_ms(), &Op::FileScreendump, &key, detail)
                     .await?;
                 self.remove_path(guard, Op::FileDelete, &key, &path).await?;
                 return Err(ExecError::ResourceExhausted(format!(
@@ -483,17 +475,16 @@ impl NodeExecutor {
             }
             Err(error) => {
                 return Err(self
-                    .journal_step_error(guard, Op::FileScreendump.as_str(), &key, error)
+                    .journal_step_error(guard, &Op::FileScreendump, &key, error)
                     .await);
             }
         };
         let sha256 = hex::encode(sha2::Sha256::digest(&image));
         guard
-            .append(
+            .done(
                 self.now_ms(),
-                Op::FileScreendump.as_str(),
+                &Op::FileScreendump,
                 &key,
-                Phase::Done,
                 json!({ "path": path.display().to_string(), "bytes": image.len(), "format": SCREENDUMP_FORMAT, "sha256": sha256 }),
             )
             .await?;
@@ -508,17 +499,16 @@ impl NodeExecutor {
     ) -> Result<Outcome, ExecError> {
         let mut guard = self.lock_open(run).await?;
         self.require_ours(&guard, &run.grant, vmid)?;
-        let resource = Resource::Vm(vmid).key();
+        let resource = Resource::Vm(vmid);
         let path = self.socket(vmid, "qga");
         let started = Instant::now();
         match call {
             QgaCall::Command(command) => {
                 guard
-                    .append(
+                    .intent(
                         self.now_ms(),
-                        "guest.qga",
+                        &Op::GuestQga,
                         &resource,
-                        Phase::Intent,
                         json!({ "command": command.wire_name() }),
                     )
                     .await?;
@@ -531,11 +521,10 @@ impl NodeExecutor {
                     ExecError::FailedPrecondition(format!("assertion {id} is not in the grant"))
                 })?;
                 let argv: Vec<&str> = assertion.args.iter().map(|a| a.as_str()).collect();
-                guard.append(
+                guard.intent(
                     self.now_ms(),
-                    "guest.exec",
+                    &Op::GuestExec,
                     &resource,
-                    Phase::Intent,
                     json!({ "assertion": id.as_str(), "program": assertion.program.as_str(), "args": argv }),
                 ).await?;
                 let result = qga_exec(&path, assertion, self.guest_timeout()).await;
@@ -549,11 +538,10 @@ impl NodeExecutor {
                             .is_none_or(|e| exec.stdout.contains(e.as_str()));
                         let passed = exit_ok && stdout_ok;
                         let stdout = truncated(&exec.stdout);
-                        guard.append(
+                        guard.done(
                             self.now_ms(),
-                            "guest.exec",
+                            &Op::GuestExec,
                             &resource,
-                            Phase::Done,
                             json!({ "assertion": id.as_str(), "exit_code": exec.exit_code, "passed": passed, "stdout": stdout, "elapsed_ms": elapsed_ms }),
                         ).await?;
                         Ok(Outcome::Qga(pb::QgaReply {
@@ -565,7 +553,7 @@ impl NodeExecutor {
                         }))
                     }
                     Err(error) => {
-                        guard.append(self.now_ms(), "guest.exec", &resource, Phase::Failed, json!({ "assertion": id.as_str(), "error": error.to_string(), "elapsed_ms": elapsed_ms })).await?;
+                        guard.failed(self.now_ms(), &Op::GuestExec, &resource, json!({ "assertion": id.as_str(), "error": error.to_string(), "elapsed_ms": elapsed_ms })).await?;
                         Err(error.into())
                     }
                 }
@@ -576,7 +564,7 @@ impl NodeExecutor {
     async fn finish_qga(
         &self,
         guard: &mut crate::runs::RunGuard<'_>,
-        resource: &str,
+        resource: &Resource,
         command: QgaCommand,
         result: Result<Value, GuestError>,
         started: Instant,
@@ -585,11 +573,10 @@ impl NodeExecutor {
         match result {
             Ok(value) => {
                 guard
-                    .append(
+                    .done(
                         self.now_ms(),
-                        "guest.qga",
+                        &Op::GuestQga,
                         resource,
-                        Phase::Done,
                         json!({ "command": command.wire_name(), "elapsed_ms": elapsed_ms }),
                     )
                     .await?;
@@ -602,7 +589,7 @@ impl NodeExecutor {
                 }))
             }
             Err(error) => {
-                guard.append(self.now_ms(), "guest.qga", resource, Phase::Failed, json!({ "command": command.wire_name(), "error": error.to_string(), "elapsed_ms": elapsed_ms })).await?;
+                guard.failed(self.now_ms(), &Op::GuestQga, resource, json!({ "command": command.wire_name(), "error": error.to_string(), "elapsed_ms": elapsed_ms })).await?;
                 Err(error.into())
             }
         }

@@ -34,7 +34,8 @@ use crate::executor::{
 use crate::process::{self, ToolCall, ToolOutput};
 use crate::runs::{RunGuard, RunHandle};
 use certistack_core::grant::Repository;
-use certistack_core::journal::{JournalError, Phase};
+use certistack_core::journal::JournalError;
+use certistack_core::journal::{Op, Resource};
 use certistack_core::validate::Host;
 use certistack_proto::v1 as pb;
 use serde_json::json;
@@ -221,8 +222,8 @@ impl NodeExecutor {
     async fn run_step(
         &self,
         guard: &mut RunGuard<'_>,
-        op: &str,
-        resource: &str,
+        op: &Op,
+        resource: &Resource,
         call: ToolCall,
     ) -> Result<ToolOutput, ExecError> {
         let started = process::start(call);
@@ -231,13 +232,7 @@ impl NodeExecutor {
                 if let Some(identity) = tool.identity() {
                     // Should this append fail, dropping `tool` kills its process group.
                     guard
-                        .append(
-                            self.now_ms(),
-                            op,
-                            resource,
-                            Phase::Intent,
-                            json!({ "tool": identity }),
-                        )
+                        .intent(self.now_ms(), op, resource, json!({ "tool": identity }))
                         .await?;
                 }
                 tool.wait().await
@@ -252,9 +247,7 @@ impl NodeExecutor {
                     process::ToolError::Timeout { .. } | process::ToolError::Wait { .. }
                 );
                 let detail = json!({ "error": error.to_string(), "outcome_unknown": unknown });
-                guard
-                    .append(self.now_ms(), op, resource, Phase::Failed, detail)
-                    .await?;
+                guard.failed(self.now_ms(), op, resource, detail).await?;
                 Err(tool_error(error))
             }
         }
@@ -263,16 +256,15 @@ impl NodeExecutor {
     async fn journal_end_state(
         &self,
         guard: &mut RunGuard<'_>,
-        op: &str,
-        resource: &str,
+        op: &Op,
+        resource: &Resource,
         end_state: &resources::EndState,
     ) -> Result<(), ExecError> {
         guard
-            .append(
+            .undone(
                 self.now_ms(),
                 op,
                 resource,
-                Phase::Undone,
                 json!({ "end_state": end_state.wire() }),
             )
             .await?;
@@ -284,15 +276,12 @@ impl NodeExecutor {
     async fn journal_step_error(
         &self,
         guard: &mut RunGuard<'_>,
-        op: &str,
-        resource: &str,
+        op: &Op,
+        resource: &Resource,
         error: ExecError,
     ) -> ExecError {
         let detail = json!({ "error": error.to_string() });
-        match guard
-            .append(self.now_ms(), op, resource, Phase::Failed, detail)
-            .await
-        {
+        match guard.failed(self.now_ms(), op, resource, detail).await {
             Ok(_) => error,
             Err(journal) => journal.into(),
         }
@@ -302,19 +291,13 @@ impl NodeExecutor {
     async fn journal_tool_failed(
         &self,
         guard: &mut RunGuard<'_>,
-        op: &str,
-        resource: &str,
+        op: &Op,
+        resource: &Resource,
         output: &ToolOutput,
         extra: &[(&str, serde_json::Value)],
     ) -> Result<(), ExecError> {
         guard
-            .append(
-                self.now_ms(),
-                op,
-                resource,
-                Phase::Failed,
-                tool_detail(output, extra),
-            )
+            .failed(self.now_ms(), op, resource, tool_detail(output, extra))
             .await?;
         Ok(())
     }

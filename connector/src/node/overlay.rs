@@ -10,13 +10,13 @@
 //! in a directory nobody else can write to.
 
 use super::NodeExecutor;
-use super::resources::{EndState, Op, Resource};
+use super::resources::EndState;
 use super::{tool_detail, tool_result};
 use crate::executor::{ExecError, Outcome};
 use crate::process::ToolCall;
 use crate::runs::{RunGuard, RunHandle};
 use certistack_core::grant::Grant;
-use certistack_core::journal::Phase;
+use certistack_core::journal::{Op, Resource};
 use certistack_core::validate::{ArchiveName, Vmid};
 use certistack_proto::v1 as pb;
 use rustix::fs::{AtFlags, Mode, OFlags};
@@ -200,7 +200,7 @@ impl NodeExecutor {
         let grant = &run.grant;
         let mut guard = self.lock_open(run).await?;
         let states = super::resources::states(&guard.records());
-        let backup = Resource::Backup(archive.clone()).key();
+        let backup = Resource::Backup(archive.clone());
         let device = Self::mapped_device(states.get(&backup)).ok_or_else(|| {
             ExecError::FailedPrecondition(format!(
                 "{archive} is not mapped by this run; call MapBackup first"
@@ -210,26 +210,24 @@ impl NodeExecutor {
         let resource = Resource::Overlay {
             vmid,
             archive: archive.clone(),
-        }
-        .key();
+        };
         if states.get(&resource).is_some_and(|s| s.is_open()) {
             return Err(ExecError::AlreadyExists(format!(
                 "the overlay of {archive} for VM {vmid} already exists"
             )));
         }
         let dir = self.overlay_dir(grant);
-        let dir_key = Resource::OverlayDir.key();
-        let dir_op = Op::OverlayDir.as_str();
+        let dir_key = Resource::OverlayDir;
+        let dir_op = &Op::OverlayDir;
         if states.get(&dir_key).is_none_or(|s| !s.is_open()) {
             // The root is checked before the directory's intent is journaled: a refused root
             // leaves nothing to clean up.
             self.open_overlay_root()?;
             guard
-                .append(
+                .intent(
                     self.now_ms(),
                     dir_op,
                     &dir_key,
-                    Phase::Intent,
                     json!({ "path": dir.display().to_string() }),
                 )
                 .await?;
@@ -239,16 +237,15 @@ impl NodeExecutor {
                     .await);
             }
             guard
-                .append(
+                .done(
                     self.now_ms(),
                     dir_op,
                     &dir_key,
-                    Phase::Done,
                     json!({ "path": dir.display().to_string() }),
                 )
                 .await?;
         }
-        let op = Op::OverlayCreate.as_str();
+        let op = &Op::OverlayCreate;
         let path = self.overlay_path(grant, vmid, &archive);
         let name = overlay_file_name(vmid, &archive);
         // Checked before the intent: an existing file is not this call's to clean up.
@@ -269,7 +266,7 @@ impl NodeExecutor {
             .arg("-F")
             .arg("raw")
             .arg(&path);
-        guard.append(self.now_ms(), op, &resource, Phase::Intent, json!({ "path": path.display().to_string(), "backing": device, "command": call.display() })).await?;
+        guard.intent(self.now_ms(), op, &resource, json!({ "path": path.display().to_string(), "backing": device, "command": call.display() })).await?;
         if let Err(error) = self.create_run_file(grant, &name, false) {
             return Err(self
                 .journal_step_error(&mut guard, op, &resource, error)
@@ -299,9 +296,7 @@ impl NodeExecutor {
                 ("backing", json!(device)),
             ],
         );
-        guard
-            .append(self.now_ms(), op, &resource, Phase::Done, detail)
-            .await?;
+        guard.done(self.now_ms(), op, &resource, detail).await?;
         Ok(Outcome::CreateOverlay(pb::CreateOverlayReply {
             tool: Some(tool_result("qemu-img create", &output)),
             warnings,
@@ -365,18 +360,14 @@ impl NodeExecutor {
         let resource = Resource::Overlay {
             vmid,
             archive: archive.clone(),
-        }
-        .key();
+        };
         let states = super::resources::states(&guard.records());
         if states.get(&resource).is_none_or(|s| !s.is_open()) {
             return Err(ExecError::NotFound(format!(
                 "this run has no overlay of {archive} for VM {vmid}"
             )));
         }
-        if states
-            .get(&Resource::Vm(vmid).key())
-            .is_some_and(|s| s.is_open())
-        {
+        if states.get(&Resource::Vm(vmid)).is_some_and(|s| s.is_open()) {
             return Err(ExecError::FailedPrecondition(format!(
                 "VM {vmid} still uses the overlay of {archive}; destroy it first"
             )));
@@ -397,19 +388,13 @@ impl NodeExecutor {
         &self,
         guard: &mut RunGuard<'_>,
         op: Op,
-        resource: &str,
+        resource: &Resource,
         path: &Path,
     ) -> Result<EndState, ExecError> {
-        let op = op.as_str();
+        let op = &op;
         let shown = path.display().to_string();
         guard
-            .append(
-                self.now_ms(),
-                op,
-                resource,
-                Phase::Intent,
-                json!({ "path": shown }),
-            )
+            .intent(self.now_ms(), op, resource, json!({ "path": shown }))
             .await?;
         let is_dir = std::fs::symlink_metadata(path).is_ok_and(|m| m.is_dir());
         let removed = if is_dir {
@@ -422,11 +407,10 @@ impl NodeExecutor {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => EndState::AlreadyGone,
             Err(error) => {
                 guard
-                    .append(
+                    .failed(
                         self.now_ms(),
                         op,
                         resource,
-                        Phase::Failed,
                         json!({ "path": shown, "error": error.to_string() }),
                     )
                     .await?;
@@ -434,11 +418,10 @@ impl NodeExecutor {
             }
         };
         guard
-            .append(
+            .undone(
                 self.now_ms(),
                 op,
                 resource,
-                Phase::Undone,
                 json!({ "path": shown, "end_state": end_state.wire() }),
             )
             .await?;

@@ -7,13 +7,14 @@
 //! carrying this run's description, tag and journaled SMBIOS UUID is ever touched.
 
 use super::backup::SOURCE_CONFIG_OP;
-use super::resources::{self, EndState, Op, Resource, ResourceState, Standing};
+use super::resources::{self, EndState, ResourceState, Standing};
 use super::{NodeExecutor, tool_detail, tool_error, tool_result};
 use crate::executor::{ExecError, Outcome};
 use crate::process::{self, ToolCall, TransientRole};
 use crate::runs::{RunGuard, RunHandle};
 use crate::source_hardware::SourceHardware;
 use certistack_core::grant::Grant;
+use certistack_core::journal::{Op, Resource};
 use certistack_core::journal::{Phase, Record};
 use certistack_core::validate::{ArchiveName, Vmid};
 use certistack_proto::v1 as pb;
@@ -227,7 +228,7 @@ impl NodeExecutor {
             .history
             .iter()
             .rev()
-            .find(|r| r.entry.op == Op::VmCreate.as_str())?
+            .find(|r| r.entry.op == Op::VmCreate)?
             .entry
             .detail
             .get("smbios_uuid")?
@@ -243,9 +244,10 @@ impl NodeExecutor {
         vmid: Vmid,
     ) -> Result<String, ExecError> {
         let state = resources::state_of(&guard.records(), &Resource::Vm(vmid));
-        if state.as_ref().is_some_and(|s| {
-            s.standing() == Standing::Undone && s.last.entry.op == Op::VmDestroy.as_str()
-        }) {
+        if state
+            .as_ref()
+            .is_some_and(|s| s.standing() == Standing::Undone && s.last.entry.op == Op::VmDestroy)
+        {
             return Err(ExecError::NotFound(format!(
                 "VM {vmid} was destroyed by this run"
             )));
@@ -292,7 +294,7 @@ impl NodeExecutor {
         vmid: Vmid,
         verb: Verb,
     ) -> Result<process::ToolOutput, ExecError> {
-        let resource = Resource::Vm(vmid).key();
+        let resource = Resource::Vm(vmid);
         let mut args = vec![verb.name().to_owned(), vmid.to_string()];
         match verb {
             // Always explicit: qm's own default outlasts the tool timeout. No `--skiplock`: a
@@ -304,7 +306,7 @@ impl NodeExecutor {
             Verb::Destroy => args.extend(["--purge".into(), "1".into()]),
             Verb::Start | Verb::Unlock => {}
         }
-        let op = verb.op().as_str();
+        let op = &verb.op();
         let mut call = self.qm_call(&args, verb.grace(self.tool_timeout()));
         // Under systemd, qm start (and the QEMU it execs before qemu-server moves it to the
         // VM's scope) runs in a unit of its own: the VM never inherits the daemon's sandbox.
@@ -329,11 +331,10 @@ impl NodeExecutor {
             unit = Some(name);
         }
         guard
-            .append(
+            .intent(
                 self.now_ms(),
                 op,
                 &resource,
-                Phase::Intent,
                 json!({ "argv": args, "unit": unit }),
             )
             .await?;
@@ -382,7 +383,7 @@ impl NodeExecutor {
             None
         };
         let states = resources::states(&guard.records());
-        let resource = Resource::Vm(vmid).key();
+        let resource = Resource::Vm(vmid);
         if let Some(state) = states.get(&resource).filter(|s| s.is_open()) {
             let uuid = Self::created_uuid(Some(state)).unwrap_or_default();
             return Err(ExecError::AlreadyExists(match state.standing() {
@@ -406,8 +407,7 @@ impl NodeExecutor {
             let key = Resource::Overlay {
                 vmid,
                 archive: archive.clone(),
-            }
-            .key();
+            };
             if !states
                 .get(&key)
                 .is_some_and(|s| s.is_open() && s.standing() == Standing::Done)
@@ -492,13 +492,12 @@ impl NodeExecutor {
         );
         push("--tags", TAG.into());
         push("--description", marker(grant.run_id.as_str()));
-        let op = Op::VmCreate.as_str();
+        let op = &Op::VmCreate;
         guard
-            .append(
+            .intent(
                 self.now_ms(),
                 op,
                 &resource,
-                Phase::Intent,
                 json!({ "smbios_uuid": smbios_uuid, "argv": args }),
             )
             .await?;
@@ -527,11 +526,10 @@ impl NodeExecutor {
             )));
         }
         guard
-            .append(
+            .done(
                 self.now_ms(),
                 op,
                 &resource,
-                Phase::Done,
                 tool_detail(&output, &journaled),
             )
             .await?;
@@ -555,7 +553,7 @@ impl NodeExecutor {
         if verb == Verb::Start {
             // A restored guest boots only on a VNet that was checked and contained for this run.
             let states = resources::states(&guard.records());
-            let table = Resource::NftTable(super::sandbox::table_name(grant)).key();
+            let table = Resource::NftTable(super::sandbox::table_name(grant));
             let prepared = states
                 .get(&table)
                 .is_some_and(|s| s.is_open() && s.standing() == Standing::Done);
@@ -569,7 +567,7 @@ impl NodeExecutor {
                         _ => None,
                     });
             for archive in archives {
-                let backup = Resource::Backup(archive.clone()).key();
+                let backup = Resource::Backup(archive.clone());
                 let device = Self::mapped_device(states.get(&backup)).ok_or_else(|| {
                     ExecError::FailedPrecondition(format!(
                         "{archive} is no longer mapped by this run"
@@ -669,15 +667,14 @@ impl NodeExecutor {
     async fn journal_not_ours(
         &self,
         guard: &mut RunGuard<'_>,
-        resource: &str,
+        resource: &Resource,
         reason: String,
     ) -> Result<EndState, ExecError> {
         guard
-            .append(
+            .undone(
                 self.now_ms(),
-                Op::VmDestroy.as_str(),
+                &Op::VmDestroy,
                 resource,
-                Phase::Undone,
                 json!({ "end_state": EndState::NotOurs.wire(), "reason": reason }),
             )
             .await?;
@@ -692,8 +689,8 @@ impl NodeExecutor {
         state: &ResourceState,
         vmid: Vmid,
     ) -> Result<EndState, ExecError> {
-        let resource = Resource::Vm(vmid).key();
-        let op = Op::VmDestroy.as_str();
+        let resource = Resource::Vm(vmid);
+        let op = &Op::VmDestroy;
         let uuid = Self::created_uuid(Some(state));
         let ownership = match &uuid {
             Some(uuid) => self.ownership(grant, vmid, Some(uuid)),
@@ -762,7 +759,7 @@ fn create_cut_short(state: &ResourceState) -> bool {
     let creates: Vec<_> = state
         .history
         .iter()
-        .filter(|r| r.entry.op == Op::VmCreate.as_str())
+        .filter(|r| r.entry.op == Op::VmCreate)
         .collect();
     let completed = creates.iter().any(|r| r.entry.phase == Phase::Done);
     let last_unknown = creates.last().is_some_and(|r| match r.entry.phase {
@@ -806,9 +803,9 @@ mod tests {
         let first = SourceHardware::parse(b"scsi0: a\n").unwrap();
         let second = SourceHardware::parse(b"virtio0: a\nbios: ovmf\n").unwrap();
         let op = SOURCE_CONFIG_OP;
-        let key = "source:qemu-server.conf";
+        let key = &Resource::parse("source:qemu-server.conf");
         journal
-            .append(0, "run.begin", "run:x", Phase::Done, json!(null))
+            .done(0, &Op::RunBegin, &Resource::parse("run:x"), json!(null))
             .unwrap();
         let before = certistack_core::journal::read(journal.path(), run)
             .unwrap()
@@ -826,9 +823,7 @@ mod tests {
                 Some(h) => json!({ "hardware": h }),
                 None => json!({ "reason": "garbled" }),
             };
-            journal
-                .append(0, op, key, Phase::Intent, json!(null))
-                .unwrap();
+            journal.intent(0, op, key, json!(null)).unwrap();
             journal.append(0, op, key, phase, detail).unwrap();
         }
         let records = certistack_core::journal::read(journal.path(), run)

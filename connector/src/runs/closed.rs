@@ -92,7 +92,10 @@ pub(super) fn closed_summary(
         Ok(found) => ClosedRun {
             closed_unix_ms,
             deadline_unix,
-            closed_by: found.last_op.unwrap_or_default(),
+            closed_by: found
+                .last_op
+                .map(|op| op.as_str().to_owned())
+                .unwrap_or_default(),
             records: found.records,
             bytes: found.bytes,
             head_sha256: hex::encode(found.head),

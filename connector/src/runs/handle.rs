@@ -3,6 +3,7 @@
 
 use certistack_core::grant::Grant;
 use certistack_core::journal::{Journal, JournalError, JournalUsage, Phase, Record};
+use certistack_core::journal::{Op, Resource};
 use certistack_core::validate::RunId;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -123,8 +124,8 @@ impl RunGuard<'_> {
     pub async fn append(
         &mut self,
         time_ms: i64,
-        op: &str,
-        resource: &str,
+        op: &Op,
+        resource: &Resource,
         phase: Phase,
         detail: serde_json::Value,
     ) -> Result<Record, JournalError> {
@@ -143,25 +144,73 @@ impl RunGuard<'_> {
     pub async fn append_if_changed(
         &mut self,
         time_ms: i64,
-        op: &str,
-        resource: &str,
+        op: &Op,
+        resource: &Resource,
         phase: Phase,
         detail: serde_json::Value,
     ) -> Result<Option<Record>, JournalError> {
         self.write(time_ms, op, resource, phase, detail, true).await
     }
 
+    /// Records that a step on `resource` starts: before its side effect.
+    pub async fn intent(
+        &mut self,
+        time_ms: i64,
+        op: &Op,
+        resource: &Resource,
+        detail: serde_json::Value,
+    ) -> Result<Record, JournalError> {
+        self.append(time_ms, op, resource, Phase::Intent, detail)
+            .await
+    }
+
+    /// Records that a step ended with its side effect in place.
+    pub async fn done(
+        &mut self,
+        time_ms: i64,
+        op: &Op,
+        resource: &Resource,
+        detail: serde_json::Value,
+    ) -> Result<Record, JournalError> {
+        self.append(time_ms, op, resource, Phase::Done, detail)
+            .await
+    }
+
+    /// Records that a step failed; `detail` says why, and whether its effect is unknown.
+    pub async fn failed(
+        &mut self,
+        time_ms: i64,
+        op: &Op,
+        resource: &Resource,
+        detail: serde_json::Value,
+    ) -> Result<Record, JournalError> {
+        self.append(time_ms, op, resource, Phase::Failed, detail)
+            .await
+    }
+
+    /// Records that a step reversed `resource`: it is gone from the node.
+    pub async fn undone(
+        &mut self,
+        time_ms: i64,
+        op: &Op,
+        resource: &Resource,
+        detail: serde_json::Value,
+    ) -> Result<Record, JournalError> {
+        self.append(time_ms, op, resource, Phase::Undone, detail)
+            .await
+    }
+
     async fn write(
         &mut self,
         time_ms: i64,
-        op: &str,
-        resource: &str,
+        op: &Op,
+        resource: &Resource,
         phase: Phase,
         detail: serde_json::Value,
         unless_repeated: bool,
     ) -> Result<Option<Record>, JournalError> {
         let journal = self.run.journal.clone();
-        let (op, resource) = (op.to_owned(), resource.to_owned());
+        let (op, resource) = (op.clone(), resource.clone());
         let writing = self.run.writer.clone().lock_owned().await;
         tokio::task::spawn_blocking(move || {
             let _writing = writing;

@@ -12,6 +12,7 @@ use super::{GRANT_FILE, RegistryLimits, RunError, load_grant, max_line, read_nam
 use certistack_core::files::{self, FileError};
 use certistack_core::grant::Grant;
 use certistack_core::journal::{self, Journal, JournalLimits, Phase};
+use certistack_core::journal::{Op, Resource};
 use certistack_core::validate::{RunId, Validated};
 use certistack_proto::v1 as pb;
 use ed25519_dalek::VerifyingKey;
@@ -142,12 +143,12 @@ impl RunRegistry {
             // A crash (or a failed write) after the closing record but before the marker: the
             // journal says closed, so the run is closed; finish writing what says so.
             if let Some(last) = journal.records().last()
-                && journal::CLOSING_OPS.contains(&last.entry.op.as_str())
+                && last.entry.op.closes_run()
             {
                 let summary = ClosedRun {
                     closed_unix_ms: last.entry.time_ms,
                     deadline_unix: grant.deadline_unix,
-                    closed_by: last.entry.op.clone(),
+                    closed_by: last.entry.op.as_str().to_owned(),
                     records: journal.usage().get().0,
                     bytes: journal.usage().get().1,
                     head_sha256: journal.head_hex(),
@@ -383,15 +384,15 @@ impl RunRegistry {
 
     /// Closes a run durably; refused for a run that is not open.
     pub async fn end(&self, run_id: &RunId, now_ms: i64) -> Result<i64, RunError> {
-        self.close(run_id, now_ms, "run.end").await
+        self.close(run_id, now_ms, &Op::RunEnd).await
     }
 
     /// Closes a run the daemon cleaned up after its deadline passed.
     pub async fn expire(&self, run_id: &RunId, now_ms: i64) -> Result<i64, RunError> {
-        self.close(run_id, now_ms, "run.expired").await
+        self.close(run_id, now_ms, &Op::RunExpired).await
     }
 
-    async fn close(&self, run_id: &RunId, now_ms: i64, op: &str) -> Result<i64, RunError> {
+    async fn close(&self, run_id: &RunId, now_ms: i64, op: &Op) -> Result<i64, RunError> {
         let Some(handle) = self.get(run_id) else {
             return Err(if self.is_closed(run_id) {
                 RunError::Closed(run_id.clone())
@@ -419,7 +420,7 @@ impl RunRegistry {
             .append(
                 now_ms,
                 op,
-                &format!("run:{run_id}"),
+                &Resource::Run(run_id.clone()),
                 Phase::Done,
                 serde_json::Value::Null,
             )
@@ -432,7 +433,7 @@ impl RunRegistry {
         let summary = ClosedRun {
             closed_unix_ms: now_ms,
             deadline_unix: handle.grant.deadline_unix,
-            closed_by: op.to_owned(),
+            closed_by: op.as_str().to_owned(),
             records,
             bytes,
             head_sha256: hex::encode(record.hash),
@@ -653,8 +654,8 @@ fn create_run(
         let mut journal = Journal::create(dir, run_id.as_str())?.with_limits(limits);
         journal.append(
             now_ms,
-            "run.begin",
-            &format!("run:{run_id}"),
+            &Op::RunBegin,
+            &Resource::Run(run_id.clone()),
             Phase::Done,
             detail,
         )?;
@@ -685,7 +686,7 @@ fn half_made(run_dir: &Path, run_id: &RunId) -> bool {
     match journal::read(&journal_path, run_id.as_str()) {
         Ok(loaded) => match loaded.records.as_slice() {
             [] => true,
-            [only] => !grant_present && only.entry.op == "run.begin",
+            [only] => !grant_present && only.entry.op == Op::RunBegin,
             _ => false,
         },
         Err(_) => false,

@@ -7,6 +7,7 @@ use super::*;
 use certistack_core::fixtures::{full_wire_grant, sign};
 use certistack_core::grant::Grant;
 use certistack_core::journal::{self, JournalError, Phase, Record};
+use certistack_core::journal::{Op, Resource};
 use certistack_core::validate::RunId;
 use certistack_proto::v1 as pb;
 use ed25519_dalek::SigningKey;
@@ -303,7 +304,7 @@ fn journal_ops(dir: &Path, run_id: &RunId) -> Vec<String> {
         .unwrap()
         .records
         .into_iter()
-        .map(|r| r.entry.op)
+        .map(|r| r.entry.op.as_str().to_owned())
         .collect()
 }
 
@@ -311,11 +312,10 @@ async fn hold(registry: &RunRegistry, run_id: &RunId, resource: &str) {
     let run = registry.get(run_id).unwrap();
     let mut guard = run.lock().await;
     guard
-        .append(
+        .intent(
             1,
-            "backup.map",
-            resource,
-            Phase::Intent,
+            &Op::BackupMap,
+            &Resource::parse(resource),
             serde_json::Value::Null,
         )
         .await
@@ -459,11 +459,10 @@ async fn a_run_past_its_deadline_that_holds_resources_still_counts() {
         let run = registry.get(&first_id).unwrap();
         let mut guard = run.lock().await;
         guard
-            .append(
+            .undone(
                 2,
-                "backup.unmap",
-                "backup:drive-scsi0.img",
-                Phase::Undone,
+                &Op::BackupUnmap,
+                &Resource::parse("backup:drive-scsi0.img"),
                 serde_json::Value::Null,
             )
             .await
@@ -545,18 +544,17 @@ async fn concurrent_end_and_expiry_write_one_closing_record() {
     );
     let closing: Vec<String> = journal_ops(&dir, &run_id)
         .into_iter()
-        .filter(|op| journal::CLOSING_OPS.contains(&op.as_str()))
+        .filter(|op| Op::parse(op).closes_run())
         .collect();
     assert_eq!(closing.len(), 1, "{closing:?}");
     // Nothing is recorded after the closing record, not even by an operation that held a
     // handle from before.
     let mut late = run.lock().await;
     assert!(matches!(
-        late.append(
+        late.done(
             3,
-            "run.cleanup",
-            "run:x",
-            Phase::Done,
+            &Op::RunCleanup,
+            &Resource::parse("run:x"),
             serde_json::Value::Null
         )
         .await,
@@ -643,7 +641,7 @@ async fn a_closing_record_without_its_marker_closes_the_run_at_restart() {
         .unwrap()
         .records
         .into_iter()
-        .map(|r| r.entry.op)
+        .map(|r| r.entry.op.as_str().to_owned())
         .collect();
     assert_eq!(ops, ["run.begin", "run.end"]);
     std::fs::remove_dir_all(&dir).unwrap();
@@ -755,7 +753,13 @@ async fn a_repeated_observation_is_journaled_once() {
     for (time, what) in [(1, "table"), (2, "table"), (3, "table"), (4, "address")] {
         written.push(
             guard
-                .append_if_changed(time, "run.cleanup", "run:x", Phase::Failed, residue(what))
+                .append_if_changed(
+                    time,
+                    &Op::RunCleanup,
+                    &Resource::parse("run:x"),
+                    Phase::Failed,
+                    residue(what),
+                )
                 .await
                 .unwrap()
                 .is_some(),
@@ -780,23 +784,17 @@ async fn a_dropped_append_completes_and_the_chain_stays_whole() {
     for n in 0..20 {
         {
             let mut guard = run.lock().await;
-            let append = guard.append(
-                n,
-                "backup.map",
-                "backup:a.img",
-                Phase::Intent,
-                serde_json::Value::Null,
-            );
+            let resource = Resource::parse("backup:a.img");
+            let append = guard.intent(n, &Op::BackupMap, &resource, serde_json::Value::Null);
             // Polled once, then dropped, as when the caller of the RPC goes away.
             let _ = tokio::time::timeout(std::time::Duration::ZERO, append).await;
         }
         let mut guard = run.lock().await;
         guard
-            .append(
+            .done(
                 n,
-                "backup.map",
-                "backup:a.img",
-                Phase::Done,
+                &Op::BackupMap,
+                &Resource::parse("backup:a.img"),
                 serde_json::Value::Null,
             )
             .await
@@ -835,13 +833,8 @@ async fn the_next_operation_waits_for_an_abandoned_write() {
     let slow_disk = lock_journal(&run.journal);
     {
         let mut guard = run.lock().await;
-        let append = guard.append(
-            1,
-            "backup.map",
-            "backup:a.img",
-            Phase::Intent,
-            serde_json::Value::Null,
-        );
+        let resource = Resource::parse("backup:a.img");
+        let append = guard.intent(1, &Op::BackupMap, &resource, serde_json::Value::Null);
         let abandoned = tokio::time::timeout(std::time::Duration::from_millis(20), append).await;
         assert!(
             abandoned.is_err(),
@@ -858,7 +851,7 @@ async fn the_next_operation_waits_for_an_abandoned_write() {
     let last = guard
         .records()
         .last()
-        .map(|r| (r.entry.op.clone(), r.entry.phase));
+        .map(|r| (r.entry.op.as_str().to_owned(), r.entry.phase));
     assert_eq!(last, Some(("backup.map".to_owned(), Phase::Intent)));
     drop(guard);
     std::fs::remove_dir_all(&dir).unwrap();

@@ -1,6 +1,7 @@
 //! Reports signed, verified, refused and described.
 
 use super::*;
+use certistack_core::journal::{Op, Resource};
 use rand_core::OsRng;
 
 const RUN: &str = "0f0e1c2d-3b4a-4c5d-8e6f-7a8b9c0d1e2f";
@@ -19,8 +20,8 @@ fn journal_records() -> Vec<JournalRecord> {
     journal
         .append(
             1_000,
-            "run.begin",
-            &format!("run:{RUN}"),
+            &Op::parse("run.begin"),
+            &Resource::parse(&format!("run:{RUN}")),
             journal::Phase::Done,
             serde_json::Value::Null,
         )
@@ -28,8 +29,8 @@ fn journal_records() -> Vec<JournalRecord> {
     journal
         .append(
             2_000,
-            "vm.start",
-            "vm:9100",
+            &Op::VmStart,
+            &Resource::parse("vm:9100"),
             journal::Phase::Failed,
             serde_json::json!({"exit_code": 255, "error": "naïve \"quote\"\n"}),
         )

@@ -39,8 +39,6 @@ pub use writer::Journal;
 
 pub const FILE_NAME: &str = "journal";
 const GENESIS_CONTEXT: &[u8] = b"certistack-journal-v1:";
-/// The operations whose record closes a run; nothing is appended after one.
-pub const CLOSING_OPS: [&str; 2] = ["run.end", "run.expired"];
 /// Kept below the cap for the record that closes the run.
 const CLOSE_RESERVE: (u64, u64) = (1, 4096);
 /// Kept below the close reserve for the outcomes of steps whose intent was written.
@@ -130,8 +128,8 @@ impl Phase {
 pub struct Entry {
     pub seq: u64,
     pub time_ms: i64,
-    pub op: String,
-    pub resource: String,
+    pub op: Op,
+    pub resource: Resource,
     pub phase: Phase,
     #[serde(default, skip_serializing_if = "serde_json::Value::is_null")]
     pub detail: serde_json::Value,
@@ -209,8 +207,8 @@ impl Record {
         certistack_proto::v1::JournalRecord {
             sequence: self.entry.seq,
             time_unix_ms: self.entry.time_ms,
-            operation: self.entry.op.clone(),
-            resource: self.entry.resource.clone(),
+            operation: self.entry.op.as_str().to_owned(),
+            resource: self.entry.resource.key(),
             phase: self.entry.phase.name().to_owned(),
             previous_sha256: hex::encode(self.previous),
             record_sha256: hex::encode(self.hash),

@@ -4,8 +4,10 @@
 //! written by another version still reads: what this version does not know is kept as
 //! [`Op::Unrecognized`] or [`Resource::Unrecognized`], never dropped.
 
+use crate::grant::ProbeKind;
 use crate::validate::{ArchiveName, RunId, Validated, Vmid, VnetName};
 use std::fmt;
+use std::net::IpAddr;
 
 /// Defines [`Op`] with its wire names and classes in one table, so the three cannot drift.
 macro_rules! ops {
@@ -36,6 +38,11 @@ macro_rules! ops {
                     $($wire => Op::$name,)*
                     other => Op::Unrecognized(other.to_owned()),
                 }
+            }
+
+            /// Whether a record of this operation closes the run: nothing is appended after it.
+            pub fn closes_run(&self) -> bool {
+                matches!(self, Op::RunEnd | Op::RunExpired)
             }
 
             /// What records of this operation mean to recovery and to the residue check.
@@ -139,6 +146,12 @@ impl<'de> serde::Deserialize<'de> for Op {
     }
 }
 
+impl PartialEq<&Op> for Op {
+    fn eq(&self, other: &&Op) -> bool {
+        self == *other
+    }
+}
+
 impl PartialEq<&str> for Op {
     fn eq(&self, other: &&str) -> bool {
         self.as_str() == *other
@@ -169,12 +182,41 @@ pub enum Resource {
     Forwarding(VnetName),
     /// `file:screendump:<vmid>`: a screendump in the run's directory.
     Screendump(Vmid),
+    /// `source:qemu-server.conf`: the source VM's configuration in the snapshot, read only.
+    SourceConfig,
+    /// `probe:<kind>:<address>:<port>`: a probe of a target; leaves nothing on the node.
+    Probe {
+        kind: ProbeKind,
+        address: IpAddr,
+        port: u16,
+    },
     /// A key this version does not know (a journal written by a newer one), or a malformed one.
     Unrecognized(String),
 }
 
 fn vmid(text: &str) -> Option<Vmid> {
     Vmid::parse("journal", text.parse().ok()?).ok()
+}
+
+/// `<kind>:<address>:<port>` of a probe key; an IPv6 address has colons of its own, so the
+/// port is what follows the last one.
+fn probe(text: &str) -> Option<Resource> {
+    let (kind, target) = text.split_once(':')?;
+    let (address, port) = target.rsplit_once(':')?;
+    let kind = [
+        ProbeKind::Tcp,
+        ProbeKind::Http,
+        ProbeKind::Https,
+        ProbeKind::Dns,
+        ProbeKind::Ldap,
+    ]
+    .into_iter()
+    .find(|k| k.name() == kind)?;
+    Some(Resource::Probe {
+        kind,
+        address: address.parse().ok()?,
+        port: port.parse().ok()?,
+    })
 }
 
 impl Resource {
@@ -186,6 +228,8 @@ impl Resource {
             Some(Resource::Journal)
         } else if let Some(archive) = key.strip_prefix("backup:") {
             ArchiveName::validate(archive).ok().map(Resource::Backup)
+        } else if key == "source:qemu-server.conf" {
+            Some(Resource::SourceConfig)
         } else if key == "dir:overlays" {
             Some(Resource::OverlayDir)
         } else if let Some(rest) = key.strip_prefix("overlay:") {
@@ -205,6 +249,8 @@ impl Resource {
             VnetName::validate(vnet).ok().map(Resource::Forwarding)
         } else if let Some(v) = key.strip_prefix("file:screendump:") {
             vmid(v).map(Resource::Screendump)
+        } else if let Some(rest) = key.strip_prefix("probe:") {
+            probe(rest)
         } else {
             None
         };
@@ -232,12 +278,18 @@ impl fmt::Display for Resource {
             Resource::Journal => f.write_str("journal"),
             Resource::Backup(archive) => write!(f, "backup:{archive}"),
             Resource::OverlayDir => f.write_str("dir:overlays"),
+            Resource::SourceConfig => f.write_str("source:qemu-server.conf"),
             Resource::Overlay { vmid, archive } => write!(f, "overlay:{vmid}:{archive}"),
             Resource::Vm(vmid) => write!(f, "vm:{vmid}"),
             Resource::NftTable(table) => write!(f, "nft:{table}"),
             Resource::ProbeAddress(vnet) => write!(f, "addr:{vnet}"),
             Resource::Forwarding(vnet) => write!(f, "fwd:{vnet}"),
             Resource::Screendump(vmid) => write!(f, "file:screendump:{vmid}"),
+            Resource::Probe {
+                kind,
+                address,
+                port,
+            } => write!(f, "probe:{}:{address}:{port}", kind.name()),
             Resource::Unrecognized(key) => f.write_str(key),
         }
     }
@@ -280,12 +332,15 @@ mod tests {
             "journal",
             "backup:drive-scsi0.img",
             "dir:overlays",
+            "source:qemu-server.conf",
             "overlay:9100:drive-scsi0.img",
             "vm:9100",
             "nft:certistack_0f0e1c2d",
             "addr:csbox1",
             "fwd:csbox1",
             "file:screendump:9100",
+            "probe:http:198.51.100.10:80",
+            "probe:dns:2001:db8::53:53",
         ] {
             let resource = Resource::parse(key);
             assert!(

@@ -1,7 +1,7 @@
 //! Reading a journal: verifying the hash chain record by record, a torn tail told apart from
 //! corruption, whole ([`read`]) or streamed in bounded memory ([`Reader`], [`summarize`]).
 
-use super::{Entry, JournalError, Record, TornTail, genesis, record_hash};
+use super::{Entry, JournalError, Op, Record, TornTail, genesis, record_hash};
 use crate::files::FileError;
 use std::fs::File;
 use std::io::BufRead;
@@ -248,7 +248,7 @@ pub struct Summary {
     pub bytes: u64,
     pub head: [u8; 32],
     /// The operation of the last valid record.
-    pub last_op: Option<String>,
+    pub last_op: Option<Op>,
     pub torn: bool,
 }
 

@@ -18,8 +18,8 @@ fn three(dir: &Path) -> Journal {
     journal
         .append(
             1,
-            "backup.map",
-            "archive:drive-scsi0.img",
+            &Op::BackupMap,
+            &Resource::parse("archive:drive-scsi0.img"),
             Phase::Intent,
             json!({"snapshot": "vm/100/2026-11-01T02:00:00Z"}),
         )
@@ -27,8 +27,8 @@ fn three(dir: &Path) -> Journal {
     journal
         .append(
             2,
-            "backup.map",
-            "archive:drive-scsi0.img",
+            &Op::BackupMap,
+            &Resource::parse("archive:drive-scsi0.img"),
             Phase::Done,
             json!({"loop_device": "/dev/loop7"}),
         )
@@ -36,8 +36,8 @@ fn three(dir: &Path) -> Journal {
     journal
         .append(
             3,
-            "overlay.create",
-            "overlay:9100:drive-scsi0.img",
+            &Op::OverlayCreate,
+            &Resource::parse("overlay:9100:drive-scsi0.img"),
             Phase::Intent,
             serde_json::Value::Null,
         )
@@ -61,8 +61,8 @@ fn chain_verifies_and_continues_after_reopen() {
     let fourth = journal
         .append(
             4,
-            "overlay.create",
-            "overlay:9100:drive-scsi0.img",
+            &Op::OverlayCreate,
+            &Resource::parse("overlay:9100:drive-scsi0.img"),
             Phase::Done,
             json!({}),
         )
@@ -113,8 +113,8 @@ fn torn_tail_is_reported_preserved_and_recorded() {
     journal
         .append(
             10,
-            "vm.create",
-            "vm:9100",
+            &Op::VmCreate,
+            &Resource::parse("vm:9100"),
             Phase::Intent,
             serde_json::Value::Null,
         )
@@ -172,11 +172,23 @@ fn a_journal_that_cannot_be_repaired_refuses_further_records() {
         usage: Arc::default(),
     };
     assert!(matches!(
-        journal.append(1, "backup.map", "backup:a.img", Phase::Intent, json!(null)),
+        journal.append(
+            1,
+            &Op::BackupMap,
+            &Resource::parse("backup:a.img"),
+            Phase::Intent,
+            json!(null)
+        ),
         Err(JournalError::File(_))
     ));
     assert!(matches!(
-        journal.append(2, "backup.map", "backup:a.img", Phase::Intent, json!(null)),
+        journal.append(
+            2,
+            &Op::BackupMap,
+            &Resource::parse("backup:a.img"),
+            Phase::Intent,
+            json!(null)
+        ),
         Err(JournalError::Poisoned(_))
     ));
 }
@@ -229,8 +241,8 @@ fn a_failed_append_is_cut_back_to_the_last_record() {
     let failure = loop {
         match journal.append(
             written,
-            "overlay.create",
-            "overlay:9100:a.img",
+            &Op::OverlayCreate,
+            &Resource::parse("overlay:9100:a.img"),
             Phase::Intent,
             detail.clone(),
         ) {
@@ -250,8 +262,8 @@ fn a_failed_append_is_cut_back_to_the_last_record() {
     journal
         .append(
             written,
-            "overlay.create",
-            "overlay:9100:a.img",
+            &Op::OverlayCreate,
+            &Resource::parse("overlay:9100:a.img"),
             Phase::Done,
             json!(null),
         )
@@ -271,8 +283,8 @@ fn wire_records_carry_the_chain() {
     let record = journal
         .append(
             7,
-            "vm.start",
-            "vm:9100",
+            &Op::VmStart,
+            &Resource::parse("vm:9100"),
             Phase::Failed,
             json!({"exit_code": 255}),
         )
@@ -295,7 +307,13 @@ fn a_full_journal_refuses_intents_first_then_outcomes_and_always_takes_the_close
     let mut journal = Journal::create(&dir, RUN).unwrap().with_limits(limits);
     let mut seq = 0;
     let intent = |journal: &mut Journal, seq: i64| {
-        journal.append(seq, "guest.qmp", "vm:9100", Phase::Intent, json!(null))
+        journal.append(
+            seq,
+            &Op::GuestQmp,
+            &Resource::parse("vm:9100"),
+            Phase::Intent,
+            json!(null),
+        )
     };
     while intent(&mut journal, seq).is_ok() {
         seq += 1;
@@ -313,19 +331,43 @@ fn a_full_journal_refuses_intents_first_then_outcomes_and_always_takes_the_close
     ));
     for n in 0..16 {
         journal
-            .append(n, "guest.qmp", "vm:9100", Phase::Done, json!(null))
+            .append(
+                n,
+                &Op::GuestQmp,
+                &Resource::parse("vm:9100"),
+                Phase::Done,
+                json!(null),
+            )
             .unwrap();
     }
     assert!(matches!(
-        journal.append(99, "guest.qmp", "vm:9100", Phase::Done, json!(null)),
+        journal.append(
+            99,
+            &Op::GuestQmp,
+            &Resource::parse("vm:9100"),
+            Phase::Done,
+            json!(null)
+        ),
         Err(JournalError::Full { .. })
     ));
     journal
-        .append(100, "run.end", "run:x", Phase::Done, json!(null))
+        .append(
+            100,
+            &Op::RunEnd,
+            &Resource::parse("run:x"),
+            Phase::Done,
+            json!(null),
+        )
         .unwrap();
     assert_eq!(journal.usage().get().0, 40);
     assert!(matches!(
-        journal.append(101, "run.end", "run:x", Phase::Done, json!(null)),
+        journal.append(
+            101,
+            &Op::RunEnd,
+            &Resource::parse("run:x"),
+            Phase::Done,
+            json!(null)
+        ),
         Err(JournalError::Closed(_))
     ));
     assert_eq!(read(&dir.join(FILE_NAME), RUN).unwrap().records.len(), 40);
@@ -344,8 +386,13 @@ fn the_byte_cap_counts_what_is_on_disk() {
     let mut journal = Journal::create(&dir, RUN).unwrap().with_limits(limits);
     let detail = json!({ "padding": "p".repeat(1000) });
     let refused = loop {
-        if let Err(error) = journal.append(1, "guest.qmp", "vm:9100", Phase::Intent, detail.clone())
-        {
+        if let Err(error) = journal.append(
+            1,
+            &Op::GuestQmp,
+            &Resource::parse("vm:9100"),
+            Phase::Intent,
+            detail.clone(),
+        ) {
             break error;
         }
     };
@@ -405,6 +452,6 @@ fn the_reader_streams_verifies_and_stops_at_a_torn_tail_or_corruption() {
         (summary.records, summary.bytes, summary.head, summary.torn),
         (3, whole.len() as u64, expected.head(RUN), false)
     );
-    assert_eq!(summary.last_op.as_deref(), Some("overlay.create"));
+    assert_eq!(summary.last_op, Some(Op::OverlayCreate));
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -119,7 +119,13 @@ impl Journal {
                 "reason": torn.reason,
                 "preserved_as": preserved,
             });
-            journal.append(time_ms, "journal.torn-tail", "journal", Phase::Done, detail)?;
+            journal.append(
+                time_ms,
+                &Op::JournalTornTail,
+                &Resource::Journal,
+                Phase::Done,
+                detail,
+            )?;
         }
         let records = journal.records.clone();
         Ok((journal, records, loaded.torn))
@@ -156,16 +162,16 @@ impl Journal {
     pub fn append(
         &mut self,
         time_ms: i64,
-        op: &str,
-        resource: &str,
+        op: &Op,
+        resource: &Resource,
         phase: Phase,
         detail: serde_json::Value,
     ) -> Result<Record, JournalError> {
         let entry = Entry {
             seq: self.next_seq,
             time_ms,
-            op: op.to_owned(),
-            resource: resource.to_owned(),
+            op: op.clone(),
+            resource: resource.clone(),
             phase,
             detail,
         };
@@ -211,18 +217,58 @@ impl Journal {
         Ok(record)
     }
 
+    /// Appends an `intent`: a step on `resource` starts.
+    pub fn intent(
+        &mut self,
+        time_ms: i64,
+        op: &Op,
+        resource: &Resource,
+        detail: serde_json::Value,
+    ) -> Result<Record, JournalError> {
+        self.append(time_ms, op, resource, Phase::Intent, detail)
+    }
+
+    /// Appends a `done`: the step ended with its effect in place.
+    pub fn done(
+        &mut self,
+        time_ms: i64,
+        op: &Op,
+        resource: &Resource,
+        detail: serde_json::Value,
+    ) -> Result<Record, JournalError> {
+        self.append(time_ms, op, resource, Phase::Done, detail)
+    }
+
+    /// Appends a `failed`: the step failed; `detail` says why.
+    pub fn failed(
+        &mut self,
+        time_ms: i64,
+        op: &Op,
+        resource: &Resource,
+        detail: serde_json::Value,
+    ) -> Result<Record, JournalError> {
+        self.append(time_ms, op, resource, Phase::Failed, detail)
+    }
+
+    /// Appends an `undone`: the step reversed `resource`.
+    pub fn undone(
+        &mut self,
+        time_ms: i64,
+        op: &Op,
+        resource: &Resource,
+        detail: serde_json::Value,
+    ) -> Result<Record, JournalError> {
+        self.append(time_ms, op, resource, Phase::Undone, detail)
+    }
+
     /// Refuses a record the cap has no room for: an intent must leave room for outcomes and
     /// the closing record, an outcome for the closing record.
     fn admit(&self, entry: &Entry, line_len: u64) -> Result<(), JournalError> {
-        if self
-            .records
-            .last()
-            .is_some_and(|r| CLOSING_OPS.contains(&r.entry.op.as_str()))
-        {
+        if self.records.last().is_some_and(|r| r.entry.op.closes_run()) {
             return Err(JournalError::Closed(self.path.clone()));
         }
         let (mut keep_records, mut keep_bytes) = (0, 0);
-        if !CLOSING_OPS.contains(&entry.op.as_str()) {
+        if !entry.op.closes_run() {
             (keep_records, keep_bytes) = CLOSE_RESERVE;
             if entry.phase == Phase::Intent {
                 keep_records += OUTCOME_RESERVE.0;
@@ -250,14 +296,14 @@ impl Journal {
     /// Whether the journal's last record says exactly this.
     pub fn last_is(
         &self,
-        op: &str,
-        resource: &str,
+        op: &Op,
+        resource: &Resource,
         phase: Phase,
         detail: &serde_json::Value,
     ) -> bool {
         self.records.last().is_some_and(|r| {
             r.entry.op == op
-                && r.entry.resource == resource
+                && &r.entry.resource == resource
                 && r.entry.phase == phase
                 && &r.entry.detail == detail
         })

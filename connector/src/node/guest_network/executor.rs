@@ -9,12 +9,11 @@ use super::session::{
 use super::{OP, RecoveryError, SandboxNic, sandbox_mac};
 use crate::executor::{ExecError, Outcome};
 use crate::node::NodeExecutor;
-use crate::node::resources::Resource;
 use crate::node::tool_result;
 use crate::process::{self, ToolOutput};
 use crate::runs::RunHandle;
 use certistack_core::grant::NetworkRecoveryMode;
-use certistack_core::journal::Phase;
+use certistack_core::journal::{Op, Resource};
 use certistack_core::validate::{ArchiveName, Vmid};
 use certistack_proto::v1 as pb;
 use serde_json::json;
@@ -78,16 +77,15 @@ impl NodeExecutor {
         let overlay = Resource::Overlay {
             vmid,
             archive: archive.clone(),
-        }
-        .key();
-        let vm = Resource::Vm(vmid).key();
+        };
+        let vm = Resource::Vm(vmid);
         let (has_overlay, started) = {
             let records = guard.records();
             let states = crate::node::resources::states(&records);
             let has_overlay = states.get(&overlay).is_some_and(|s| {
                 s.is_open() && s.standing() == crate::node::resources::Standing::Done
             });
-            let start = crate::node::resources::Op::VmStart.as_str();
+            let start = &Op::VmStart;
             let started = records
                 .iter()
                 .any(|r| r.entry.resource == vm && r.entry.op == start);
@@ -108,11 +106,9 @@ impl NodeExecutor {
         if mode == NetworkRecoveryMode::Preserve {
             let detail = json!({ "mode": mode.name(), "path": path.display().to_string() });
             guard
-                .append(self.now_ms(), OP, &overlay, Phase::Intent, detail.clone())
+                .intent(self.now_ms(), OP, &overlay, detail.clone())
                 .await?;
-            guard
-                .append(self.now_ms(), OP, &overlay, Phase::Done, detail)
-                .await?;
+            guard.done(self.now_ms(), OP, &overlay, detail).await?;
             return Ok(Outcome::RecoverGuestNetwork(pb::RecoverGuestNetworkReply {
                 evidence: Some(pb::GuestNetworkEvidence {
                     mac_address: mac,
@@ -179,9 +175,7 @@ impl NodeExecutor {
             "unit": unit.as_ref().map(|u| u.name.clone()),
             "unit_description": unit.as_ref().map(|u| u.description.clone()),
         });
-        guard
-            .append(self.now_ms(), OP, &overlay, Phase::Intent, intent)
-            .await?;
+        guard.intent(self.now_ms(), OP, &overlay, intent).await?;
         let started = Instant::now();
         let mut session = match Session::start(call) {
             Ok(session) => session,
@@ -199,13 +193,7 @@ impl NodeExecutor {
         let identity = session.identity();
         if let Some(identity) = identity {
             guard
-                .append(
-                    self.now_ms(),
-                    OP,
-                    &overlay,
-                    Phase::Intent,
-                    json!({ "tool": identity }),
-                )
+                .intent(self.now_ms(), OP, &overlay, json!({ "tool": identity }))
                 .await?;
         }
         let deadline = Duration::from_secs(timeout_secs);
@@ -270,9 +258,7 @@ impl NodeExecutor {
                     "outcome_unknown": matches!(error, RecoveryError::Timeout(_)) || unit_left.is_some(),
                     "unit_left": unit_left,
                 });
-                guard
-                    .append(self.now_ms(), OP, &overlay, Phase::Failed, detail)
-                    .await?;
+                guard.failed(self.now_ms(), OP, &overlay, detail).await?;
                 return Err(exec);
             }
         };
@@ -284,11 +270,10 @@ impl NodeExecutor {
             truncated: false,
         };
         guard
-            .append(
+            .done(
                 self.now_ms(),
                 OP,
                 &overlay,
-                Phase::Done,
                 json!({
                     "mode": mode.name(),
                     "mac": nic.mac,

@@ -35,6 +35,7 @@ pub use session::{
     guestfish_installed,
 };
 
+use certistack_core::journal::Op;
 use certistack_core::validate::{IpInterface, RunId, Vmid};
 use sha2::{Digest, Sha256};
 use std::fmt::Write as _;
@@ -56,7 +57,7 @@ const _: () = assert!(MAX_COMMAND_BYTES < 8191);
 pub const MAX_PROFILES: usize = 64;
 /// The journal's `op` of a recovery. Its records do not open a resource of their own: what it
 /// writes lives in the overlay and goes with it.
-pub const OP: &str = "guestnet.recover";
+pub const OP: &Op = &Op::GuestNetworkRecover;
 /// The name every file the recovery writes carries, and the suffix of the files it sets aside.
 const PROFILE_NAME: &str = "certistack-sandbox";
 const DISABLED_SUFFIX: &str = ".certistack-disabled";

@@ -4,10 +4,11 @@
 use super::{ProbeBounds, probe_target};
 use crate::executor::{ExecError, Outcome};
 use crate::node::NodeExecutor;
-use crate::node::resources::{self, Resource, Standing};
+use crate::node::resources::{self, Standing};
 use crate::runs::RunHandle;
 use certistack_core::grant::ProbeKind;
-use certistack_core::journal::Phase;
+use certistack_core::journal::Op;
+use certistack_core::journal::Resource;
 use certistack_core::validate::UnicastIp;
 use certistack_proto::v1 as pb;
 use serde_json::json;
@@ -33,7 +34,11 @@ impl NodeExecutor {
                 ))
             })?;
         let source = grant.probe_source.address.0;
-        let resource = format!("probe:{}:{address}:{port}", kind.name());
+        let resource = Resource::Probe {
+            kind,
+            address: address.0,
+            port,
+        };
         let address_added = resources::state_of(
             &guard.records(),
             &Resource::ProbeAddress(grant.vnet.clone()),
@@ -48,11 +53,10 @@ impl NodeExecutor {
                 grant.probe_source, grant.vnet
             );
             guard
-                .append(
+                .failed(
                     self.now_ms(),
-                    "probe.run",
+                    &Op::ProbeRun,
                     &resource,
-                    Phase::Failed,
                     json!({ "source": source.to_string(), "error": error, "infrastructure": true }),
                 )
                 .await?;
@@ -68,11 +72,10 @@ impl NodeExecutor {
             )));
         }
         guard
-            .append(
+            .intent(
                 self.now_ms(),
-                "probe.run",
+                &Op::ProbeRun,
                 &resource,
-                Phase::Intent,
                 json!({ "source": source.to_string() }),
             )
             .await?;
@@ -84,11 +87,10 @@ impl NodeExecutor {
         };
         let result = probe_target(source, target, &bounds).await;
         guard
-            .append(
+            .done(
                 self.now_ms(),
-                "probe.run",
+                &Op::ProbeRun,
                 &resource,
-                Phase::Done,
                 json!({
                     "passed": result.passed,
                     "detail": result.detail,

@@ -6,12 +6,13 @@ use super::isolation::{probe_network_conflicts, violations};
 use super::ruleset::{ruleset, table_name};
 use crate::config::ForwardingPolicy;
 use crate::executor::{ExecError, Outcome};
-use crate::node::resources::{EndState, Resource};
+use crate::node::resources::EndState;
 use crate::node::{NodeExecutor, resources};
 use crate::process::{SecretInput, SecretKind, ToolCall};
 use crate::runs::{RunGuard, RunHandle};
 use certistack_core::grant::Grant;
-use certistack_core::journal::Phase;
+use certistack_core::journal::Op;
+use certistack_core::journal::Resource;
 use certistack_core::validate::{IpInterface, VnetName};
 use certistack_proto::v1 as pb;
 use serde_json::json;
@@ -57,7 +58,7 @@ impl NodeExecutor {
         let states = resources::states(&guard.records());
         let table = table_name(grant);
         if states
-            .get(&format!("nft:{table}"))
+            .get(&Resource::NftTable(table.clone()))
             .is_some_and(|s| s.is_open())
         {
             return Err(ExecError::AlreadyExists(format!(
@@ -95,13 +96,12 @@ impl NodeExecutor {
         // The table first: the probe address never exists on the VNet without the rules that
         // keep the guest from using it.
         let rules = ruleset(grant, &vnet);
-        let nft_key = format!("nft:{table}");
+        let nft_key = Resource::NftTable(table.clone());
         guard
-            .append(
+            .intent(
                 self.now_ms(),
-                "sandbox.nft",
+                &Op::SandboxNft,
                 &nft_key,
-                Phase::Intent,
                 json!({ "table": table, "ruleset": rules }),
             )
             .await?;
@@ -115,10 +115,10 @@ impl NodeExecutor {
                 kind: SecretKind::Pipe,
             });
         let out = self
-            .run_step(&mut guard, "sandbox.nft", &nft_key, call)
+            .run_step(&mut guard, &Op::SandboxNft, &nft_key, call)
             .await?;
         if !out.success() {
-            self.journal_tool_failed(&mut guard, "sandbox.nft", &nft_key, &out, &[])
+            self.journal_tool_failed(&mut guard, &Op::SandboxNft, &nft_key, &out, &[])
                 .await?;
             return Err(ExecError::FailedPrecondition(format!(
                 "nft -f refused the containment table: {}",
@@ -132,11 +132,10 @@ impl NodeExecutor {
             // The table is installed but its evidence cannot be produced: no run proceeds
             // without the evidence. Record it as installed so Cleanup removes it, and try now.
             guard
-                .append(
+                .done(
                     self.now_ms(),
-                    "sandbox.nft",
+                    &Op::SandboxNft,
                     &nft_key,
-                    Phase::Done,
                     json!({ "table": table, "ruleset_sha256": null, "evidence": "unavailable" }),
                 )
                 .await?;
@@ -155,23 +154,21 @@ impl NodeExecutor {
         }
         let sha256 = hex::encode(Sha256::digest(listed.stdout.as_bytes()));
         guard
-            .append(
+            .done(
                 self.now_ms(),
-                "sandbox.nft",
+                &Op::SandboxNft,
                 &nft_key,
-                Phase::Done,
                 json!({ "table": table, "ruleset_sha256": sha256 }),
             )
             .await?;
 
         let address = probe_source.to_string();
-        let addr_key = format!("addr:{vnet}");
+        let addr_key = Resource::ProbeAddress(vnet.clone());
         guard
-            .append(
+            .intent(
                 self.now_ms(),
-                "sandbox.address",
+                &Op::SandboxAddress,
                 &addr_key,
-                Phase::Intent,
                 json!({ "address": address }),
             )
             .await?;
@@ -188,10 +185,10 @@ impl NodeExecutor {
             call = call.arg("nodad");
         }
         let out = self
-            .run_step(&mut guard, "sandbox.address", &addr_key, call)
+            .run_step(&mut guard, &Op::SandboxAddress, &addr_key, call)
             .await?;
         if !out.success() {
-            self.journal_tool_failed(&mut guard, "sandbox.address", &addr_key, &out, &[])
+            self.journal_tool_failed(&mut guard, &Op::SandboxAddress, &addr_key, &out, &[])
                 .await?;
             let removal = match self.remove_table(&mut guard, grant).await {
                 Ok(end_state) => format!("the containment table was removed ({end_state})"),
@@ -205,11 +202,10 @@ impl NodeExecutor {
             )));
         }
         guard
-            .append(
+            .done(
                 self.now_ms(),
-                "sandbox.address",
+                &Op::SandboxAddress,
                 &addr_key,
-                Phase::Done,
                 json!({ "address": address }),
             )
             .await?;
@@ -300,9 +296,9 @@ impl NodeExecutor {
         let grant = &run.grant;
         let mut guard = self.lock_open(run).await?;
         let states = resources::states(&guard.records());
-        let nft_key = format!("nft:{}", table_name(grant));
-        let addr_key = format!("addr:{vnet}");
-        let fwd_key = Resource::Forwarding(vnet.clone()).key();
+        let nft_key = Resource::NftTable(table_name(grant));
+        let addr_key = Resource::ProbeAddress(vnet.clone());
+        let fwd_key = Resource::Forwarding(vnet.clone());
         if ![&nft_key, &addr_key, &fwd_key]
             .iter()
             .any(|key| states.get(*key).is_some_and(|s| s.is_open()))
@@ -313,7 +309,7 @@ impl NodeExecutor {
         }
         if let Some(vm) = states
             .values()
-            .find(|s| s.is_open() && s.key.starts_with("vm:"))
+            .find(|s| s.is_open() && matches!(s.resource, Resource::Vm(_)))
         {
             return Err(ExecError::FailedPrecondition(format!(
                 "{} still exists on the sandbox; destroy it before releasing {vnet}",
@@ -335,7 +331,7 @@ impl NodeExecutor {
         &self,
         guard: &mut RunGuard<'_>,
         grant: &Grant,
-    ) -> Result<&'static str, ExecError> {
+    ) -> Result<EndState, ExecError> {
         self.remove_network_object(guard, grant, NetworkObject::Table)
             .await
     }
@@ -345,7 +341,7 @@ impl NodeExecutor {
         &self,
         guard: &mut RunGuard<'_>,
         grant: &Grant,
-    ) -> Result<&'static str, ExecError> {
+    ) -> Result<EndState, ExecError> {
         self.remove_network_object(guard, grant, NetworkObject::Address)
             .await
     }
@@ -364,36 +360,31 @@ impl NodeExecutor {
         guard: &mut RunGuard<'_>,
         grant: &Grant,
         object: NetworkObject,
-    ) -> Result<&'static str, ExecError> {
+    ) -> Result<EndState, ExecError> {
         let table = table_name(grant);
         let address = grant.probe_source.to_string();
-        let (op, key, program, args): (&str, String, &std::path::Path, Vec<&str>) = match object {
+        let (op, key, program, args): (Op, Resource, &std::path::Path, Vec<&str>) = match object {
             NetworkObject::Table => (
-                "sandbox.nft.delete",
-                format!("nft:{table}"),
+                Op::SandboxNftDelete,
+                Resource::NftTable(table.clone()),
                 &self.config.tools.nft,
                 vec!["delete", "table", "inet", &table],
             ),
             NetworkObject::Address => (
-                "sandbox.address.delete",
-                format!("addr:{}", grant.vnet),
+                Op::SandboxAddressDelete,
+                Resource::ProbeAddress(grant.vnet.clone()),
                 &self.config.tools.ip,
                 vec!["address", "del", &address, "dev", grant.vnet.as_str()],
             ),
         };
+        let op = &op;
         if !self.present(grant, object).await? {
             self.journal_end_state(guard, op, &key, &EndState::AlreadyGone)
                 .await?;
-            return Ok("already gone");
+            return Ok(EndState::AlreadyGone);
         }
         guard
-            .append(
-                self.now_ms(),
-                op,
-                &key,
-                Phase::Intent,
-                json!({ "argv": args }),
-            )
+            .intent(self.now_ms(), op, &key, json!({ "argv": args }))
             .await?;
         let out = self.tool(program, &args).await?;
         if !out.success() || self.present(grant, object).await? {
@@ -407,7 +398,7 @@ impl NodeExecutor {
         }
         self.journal_end_state(guard, op, &key, &EndState::Deleted)
             .await?;
-        Ok("deleted")
+        Ok(EndState::Deleted)
     }
 
     pub(in crate::node) async fn address_present(&self, grant: &Grant) -> Result<bool, ExecError> {

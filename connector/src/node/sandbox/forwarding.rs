@@ -3,11 +3,12 @@
 
 use super::observation::Observation;
 use crate::executor::ExecError;
-use crate::node::resources::{EndState, Resource};
+use crate::node::resources::EndState;
 use crate::node::{NodeExecutor, resources};
 use crate::runs::RunGuard;
 use certistack_core::grant::Grant;
-use certistack_core::journal::Phase;
+use certistack_core::journal::Op;
+use certistack_core::journal::Resource;
 use certistack_core::validate::VnetName;
 use serde_json::json;
 
@@ -54,17 +55,16 @@ impl NodeExecutor {
         if on.is_empty() {
             return Ok(Vec::new());
         }
-        let key = Resource::Forwarding(vnet.clone()).key();
+        let key = Resource::Forwarding(vnet.clone());
         let previous: serde_json::Map<String, serde_json::Value> = on
             .iter()
             .map(|(family, value)| ((*family).to_owned(), json!(value)))
             .collect();
         guard
-            .append(
+            .intent(
                 self.now_ms(),
-                "sandbox.forwarding",
+                &Op::SandboxForwarding,
                 &key,
-                Phase::Intent,
                 json!({ "previous": previous, "set": "0" }),
             )
             .await?;
@@ -83,22 +83,20 @@ impl NodeExecutor {
                 failures.join("; ")
             );
             guard
-                .append(
+                .failed(
                     self.now_ms(),
-                    "sandbox.forwarding",
+                    &Op::SandboxForwarding,
                     &key,
-                    Phase::Failed,
                     json!({ "previous": previous, "error": error }),
                 )
                 .await?;
             return Err(ExecError::Failed(error));
         }
         guard
-            .append(
+            .done(
                 self.now_ms(),
-                "sandbox.forwarding",
+                &Op::SandboxForwarding,
                 &key,
-                Phase::Done,
                 json!({ "previous": previous, "set": "0" }),
             )
             .await?;
@@ -119,14 +117,13 @@ impl NodeExecutor {
         else {
             return Ok(None);
         };
-        let key = resource.key();
+        let key = resource.clone();
         let previous = journaled_previous(&state);
         guard
-            .append(
+            .intent(
                 self.now_ms(),
-                "sandbox.forwarding.restore",
+                &Op::SandboxForwardingRestore,
                 &key,
-                Phase::Intent,
                 json!({ "previous": previous
                     .iter()
                     .map(|(family, value)| (family.clone(), json!(value)))
@@ -175,11 +172,10 @@ impl NodeExecutor {
                 failures.join("; ")
             );
             guard
-                .append(
+                .failed(
                     self.now_ms(),
-                    "sandbox.forwarding.restore",
+                    &Op::SandboxForwardingRestore,
                     &key,
-                    Phase::Failed,
                     json!({ "error": error, "values": outcomes }),
                 )
                 .await?;
@@ -193,11 +189,10 @@ impl NodeExecutor {
             EndState::AlreadyGone
         };
         guard
-            .append(
+            .undone(
                 self.now_ms(),
-                "sandbox.forwarding.restore",
+                &Op::SandboxForwardingRestore,
                 &key,
-                Phase::Undone,
                 json!({ "end_state": end.wire(), "values": outcomes }),
             )
             .await?;
