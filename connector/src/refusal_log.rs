@@ -156,21 +156,10 @@ impl RefusalLog {
     }
 }
 
-/// A peer-derived text made safe for one log line: control characters escaped, length capped.
+/// A peer-derived text made safe for one log line: escaped by the one escaping function of
+/// both programs ([`certistack_core::untrusted::printable`]), capped for a log field.
 pub fn printable(text: &str) -> String {
-    let mut out = String::new();
-    for (count, c) in text.chars().enumerate() {
-        if count >= MAX_REASON_CHARS {
-            out.push('…');
-            break;
-        }
-        if c.is_control() {
-            out.extend(c.escape_default());
-        } else {
-            out.push(c);
-        }
-    }
-    out
+    certistack_core::untrusted::printable(text.as_bytes(), MAX_REASON_CHARS)
 }
 
 #[cfg(test)]
@@ -223,8 +212,13 @@ mod tests {
         let summary = RefusalLog::roll(&mut window, start + REFUSAL_WINDOW).unwrap();
         assert_eq!(summary.total, 100);
         assert_eq!(
-            printable(&"x".repeat(500)).chars().count(),
-            MAX_REASON_CHARS + 1
+            printable(&"x".repeat(500)),
+            format!("{}…[260 more bytes]", "x".repeat(MAX_REASON_CHARS))
+        );
+        // Escaped as every untrusted text is: line breaks, terminal sequences, bidi overrides.
+        assert_eq!(
+            printable("a\nFAKE\u{1b}[31m\u{202e}"),
+            "a\\nFAKE\\u{1b}[31m\\u{202e}"
         );
     }
 }
