@@ -524,6 +524,20 @@ fn source_of(remote: &SocketAddr) -> IpAddr {
     }
 }
 
+/// The connections a server on `listener` accepts, with the default `[limits]` and a refusal
+/// log of its own: for a server that reads no configuration (tests, benchmarks).
+pub fn incoming_with_default_limits(
+    listener: tokio::net::TcpListener,
+    config: Arc<rustls::ServerConfig>,
+) -> tokio_stream::wrappers::ReceiverStream<std::io::Result<PeerStream>> {
+    incoming(
+        listener,
+        config.into(),
+        ConnectionLimits::from(&crate::config::Limits::default()),
+        Arc::new(RefusalLog::new("handshakes", DETAILED_HANDSHAKE_REFUSALS)),
+    )
+}
+
 /// Accepts TCP connections, runs the TLS handshakes concurrently within the limits and yields
 /// the connections that completed one and fit the connection limits. Refusals are logged
 /// through `handshake_refusals` and never reach the gRPC layer.

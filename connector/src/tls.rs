@@ -1,6 +1,6 @@
-//! The connector's side of TLS: the server configuration new handshakes use, reloadable, and
-//! the connections a listener accepts. The profiles themselves are in
-//! [`certistack_core::tls`].
+//! The connector's side of TLS: the server configuration new handshakes use, reloadable. The
+//! profiles themselves are in [`certistack_core::tls`]; accepting connections is
+//! [`crate::connection`]'s.
 
 use rustls::ServerConfig;
 use std::sync::Arc;
@@ -37,24 +37,4 @@ impl From<Arc<ServerConfig>> for SharedServerConfig {
     fn from(config: Arc<ServerConfig>) -> Self {
         Self::new(config)
     }
-}
-
-// The connections the server accepts, their limits and their handshakes live in
-// `connection`; the types are named here too, where the rest of TLS is.
-pub use crate::connection::{PeerInfo, PeerStream};
-
-/// The connections a server on `listener` accepts, with the default `[limits]`.
-pub fn incoming(
-    listener: tokio::net::TcpListener,
-    config: Arc<ServerConfig>,
-) -> tokio_stream::wrappers::ReceiverStream<std::io::Result<PeerStream>> {
-    crate::connection::incoming(
-        listener,
-        config.into(),
-        crate::connection::ConnectionLimits::from(&crate::config::Limits::default()),
-        Arc::new(crate::call_log::RefusalLog::new(
-            "handshakes",
-            crate::connection::DETAILED_HANDSHAKE_REFUSALS,
-        )),
-    )
 }

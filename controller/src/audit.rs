@@ -19,11 +19,6 @@ pub const MAX_CLOCK_SKEW_MS: i64 = 5_000;
 pub const CERTIFICATE_WARNING_SECS: i64 = 30 * 24 * 3600;
 
 /// Exit codes of `certistack-ctl nodes audit`, decided with the others in [`crate::exit`].
-pub use crate::exit::{
-    AUDIT_DRIFT_OR_WARNING as EXIT_DRIFT_OR_WARNING, AUDIT_MATCHES as EXIT_MATCHES,
-    AUDIT_UNREACHABLE as EXIT_UNREACHABLE, audit_exit_code as exit_code,
-};
-
 /// What one node answered, or why it could not.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct NodeAudit {
@@ -502,6 +497,9 @@ mod tests {
             answer: Some(answer_expiring_in(86_400)),
         };
         assert_eq!(row.status(), "WARN");
-        assert_eq!(exit_code(&[row]), EXIT_DRIFT_OR_WARNING);
+        assert_eq!(
+            crate::exit::audit_exit_code(&[row]),
+            crate::exit::AUDIT_DRIFT_OR_WARNING
+        );
     }
 }

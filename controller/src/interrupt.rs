@@ -3,9 +3,6 @@
 //! the step or wait in progress, cleanup still runs; the third abandons the cleanup too, and the
 //! summary names the `certistack-ctl cleanup NODE RUN` to run.
 
-use crate::runner::Progress;
-use std::sync::Arc;
-
 /// Operator interruptions: 0 none, then the levels below.
 pub type Interrupts = tokio::sync::watch::Receiver<u8>;
 
@@ -33,9 +30,9 @@ pub fn announcement(level: u8) -> &'static str {
     }
 }
 
-/// Counts the operator's interrupts from now on, saying on `progress` what each one does.
-/// Call inside the runtime.
-pub fn listen(progress: Arc<Progress>) -> Interrupts {
+/// Counts the operator's interrupts from now on, saying through `announce` (the run's progress
+/// output) what each one does. Call inside the runtime.
+pub fn listen(announce: impl Fn(&'static str) + Send + 'static) -> Interrupts {
     let (interrupt, interrupts) = tokio::sync::watch::channel(0u8);
     tokio::spawn(async move {
         use tokio::signal::unix::{SignalKind, signal};
@@ -56,7 +53,7 @@ pub fn listen(progress: Arc<Progress>) -> Interrupts {
                 _ = hup.recv() => {}
             }
             count = count.saturating_add(1);
-            progress.println(announcement(count));
+            announce(announcement(count));
             let _ = interrupt.send(count);
         }
     });

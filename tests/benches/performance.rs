@@ -302,7 +302,7 @@ async fn serve_echo_h2c() -> String {
 }
 
 /// The echo service behind the connector's own TLS server configuration and connection
-/// handling (`tls::server_config`, `tls::incoming`), with the node certificate of `config`.
+/// handling (`tls::server_config`, `connection::incoming_with_default_limits`), with the node certificate of `config`.
 async fn serve_echo_mtls(authority: &Authority, config: &Config) -> String {
     let server_config = node_tls_server_config(authority, config);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -310,7 +310,12 @@ async fn serve_echo_mtls(authority: &Authority, config: &Config) -> String {
     tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(echo::EchoServer)
-            .serve_with_incoming(certistack_connector::tls::incoming(listener, server_config)),
+            .serve_with_incoming(
+                certistack_connector::connection::incoming_with_default_limits(
+                    listener,
+                    server_config,
+                ),
+            ),
     );
     address
 }

@@ -59,7 +59,10 @@ async fn nodes_audit_reports_drift_and_unreachable_nodes_and_exits_2() {
         "{:?}",
         rows[2]
     );
-    assert_eq!(audit::exit_code(&rows), audit::EXIT_UNREACHABLE);
+    assert_eq!(
+        certistack_controller::exit::audit_exit_code(&rows),
+        certistack_controller::exit::AUDIT_UNREACHABLE
+    );
 
     let table = audit::table(&rows);
     let lines: Vec<&str> = table.lines().collect();
@@ -100,8 +103,8 @@ async fn nodes_audit_reports_drift_and_unreachable_nodes_and_exits_2() {
     // Drift alone is exit 1; the matching node alone is exit 0.
     let without_down: Vec<_> = rows[..2].to_vec();
     assert_eq!(
-        audit::exit_code(&without_down),
-        audit::EXIT_DRIFT_OR_WARNING
+        certistack_controller::exit::audit_exit_code(&without_down),
+        certistack_controller::exit::AUDIT_DRIFT_OR_WARNING
     );
     let matching = inventory(&dir.0, &[("pve2", &healthy.address)]);
     let rows = audit::audit_fleet(
@@ -114,7 +117,10 @@ async fn nodes_audit_reports_drift_and_unreachable_nodes_and_exits_2() {
     .await;
     assert_eq!(rows.len(), 1);
     assert_eq!(rows[0].status(), "ok", "{rows:?}");
-    assert_eq!(audit::exit_code(&rows), audit::EXIT_MATCHES);
+    assert_eq!(
+        certistack_controller::exit::audit_exit_code(&rows),
+        certistack_controller::exit::AUDIT_MATCHES
+    );
 }
 
 #[tokio::test]

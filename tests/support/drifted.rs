@@ -97,7 +97,12 @@ pub async fn serve_drifted(authority: &Authority, dir: &Path, node: &str) -> Str
                     },
                 ),
             )
-            .serve_with_incoming(certistack_connector::tls::incoming(listener, server_config)),
+            .serve_with_incoming(
+                certistack_connector::connection::incoming_with_default_limits(
+                    listener,
+                    server_config,
+                ),
+            ),
     );
     address
 }

@@ -5,10 +5,10 @@
 use super::ConnectorService;
 use crate::action::{Action, authorize};
 pub use crate::clock::Clock;
+use crate::connection::PeerInfo;
 use crate::executor::{Caller, Outcome};
 use crate::policy::Rpc;
 use crate::runs::RunError;
-use crate::tls::PeerInfo;
 use certistack_core::identity::{ClientIdentity, Identity};
 use certistack_core::validate::FieldError;
 use tonic::{Request, Status};

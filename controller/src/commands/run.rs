@@ -42,7 +42,8 @@ pub fn run_plan(args: &RunPlanArgs, now: OffsetDateTime) -> Result<(), ExitStatu
     let runtime = runtime(Threads::Two).map_err(ExitStatus::runtime_refused)?;
     let summaries = runtime.block_on(async {
         let progress = Arc::new(runner::Progress::new(mode));
-        let interrupts = interrupt::listen(progress.clone());
+        let announced = progress.clone();
+        let interrupts = interrupt::listen(move |line| announced.println(line));
         let context = Arc::new(runner::RunContext {
             authority: Arc::new(authority),
             nodes: config

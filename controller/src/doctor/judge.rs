@@ -4,7 +4,7 @@
 use super::lvm::judge_lvm_filter;
 use super::network::{judge_firewall, judge_forwarding, judge_legacy_nat};
 use super::virtualization::{judge_appliance_boot, judge_virtualization};
-use super::{Level, MAX_GRANT_SKEW_MS, MIN_OVERLAY_FREE_BYTES};
+use super::{Judged, Level, MAX_GRANT_SKEW_MS, MIN_OVERLAY_FREE_BYTES, UPGRADE_CONNECTOR};
 use crate::audit::MAX_CLOCK_SKEW_MS;
 use certistack_proto::v1 as pb;
 
@@ -206,10 +206,6 @@ pub fn judge(facts: &pb::NodeChecksReply, skew_ms: i64) -> Vec<(&'static str, Le
     });
     checks
 }
-
-pub(super) type Judged = (&'static str, Level, String);
-
-pub(super) const UPGRADE_CONNECTOR: &str = "the node did not report it; upgrade the connector";
 
 /// The QEMU that runs PVE's VMs (`/usr/bin/kvm`), from the `pve-qemu-kvm` package.
 pub(super) fn judge_qemu(facts: &pb::NodeChecksReply) -> Judged {

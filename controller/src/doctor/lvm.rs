@@ -1,7 +1,6 @@
 //! Whether LVM's `global_filter` keeps the host from scanning the run's loop devices.
 
-use super::Level;
-use super::judge::{Judged, UPGRADE_CONNECTOR};
+use super::{Judged, Level, UPGRADE_CONNECTOR};
 use certistack_proto::v1 as pb;
 
 /// The pattern that keeps LVM off every loop device and its partitions.

@@ -1,8 +1,7 @@
 //! The sandbox VNet's forwarding now and after `ifreload`, legacy NAT rules that touch it, and
 //! the firewall the node runs.
 
-use super::Level;
-use super::judge::{Judged, UPGRADE_CONNECTOR};
+use super::{Judged, Level, UPGRADE_CONNECTOR};
 use certistack_proto::v1 as pb;
 
 /// Whether a forwarding sysctl or ifupdown2 attribute value means "on".

@@ -1,8 +1,7 @@
 //! Whether a node can run KVM guests (and whether it is itself a VM), and how long the
 //! libguestfs appliance took to boot there.
 
-use super::Level;
-use super::judge::{Judged, UPGRADE_CONNECTOR};
+use super::{Judged, Level, UPGRADE_CONNECTOR};
 use certistack_proto::v1 as pb;
 use std::time::Duration;
 
