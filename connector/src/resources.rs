@@ -212,7 +212,7 @@ pub fn states(records: &[Record]) -> BTreeMap<Resource, ResourceState> {
         // Run-level records, the journal's own, probes and reads leave nothing on the node to
         // undo; guest network recovery writes only inside an overlay: deleting it undoes all.
         let class = record.entry.op.class();
-        if !class.tracks_a_resource() {
+        if !class.tracks_a_resource() || !record.entry.resource.is_on_the_node() {
             continue;
         }
         let state = states

@@ -257,14 +257,16 @@ impl ArchiveName {
     }
 
     /// Whether the archive holds a VM's firmware state, not a disk: PVE names the archive of
-    /// drive `<bus><n>` `drive-<bus><n>.img`, and `efidisk` (EFI vars) and `tpmstate` (TPM
-    /// state) are buses of their own.
+    /// drive `<bus><n>` `drive-<bus><n>.img` (the TPM state's `drive-tpmstate0-backup.img`),
+    /// and `efidisk` (EFI vars) and `tpmstate` (TPM state) are buses of their own.
     pub fn holds_firmware_state(&self) -> bool {
-        let bus = self
-            .stem()
-            .strip_prefix("drive-")
-            .map(|drive| drive.trim_end_matches(|c: char| c.is_ascii_digit()));
-        matches!(bus, Some("efidisk" | "tpmstate"))
+        let bus: Option<String> = self.stem().strip_prefix("drive-").map(|drive| {
+            drive
+                .chars()
+                .take_while(|c| c.is_ascii_alphabetic())
+                .collect()
+        });
+        matches!(bus.as_deref(), Some("efidisk" | "tpmstate"))
     }
 }
 
@@ -631,6 +633,10 @@ mod tests {
         assert!(ok::<ArchiveName>("drive-scsi0.img"));
         let firmware = |name: &str| ArchiveName::validate(name).unwrap().holds_firmware_state();
         assert!(firmware("drive-efidisk0.img") && firmware("drive-tpmstate0.img"));
+        assert!(
+            firmware("drive-tpmstate0-backup.img"),
+            "the TPM archive PBS writes"
+        );
         for disk in [
             "drive-scsi0.img",
             "drive-virtio1.img",

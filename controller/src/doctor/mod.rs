@@ -54,13 +54,13 @@ use certistack_proto::v1 as pb;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Free space under the overlay root below which a run may fill the disk (bytes, 20 GB).
 /// One judged check: its name, its level and what it found.
 pub(super) type Judged = (&'static str, Level, String);
 
 /// What a check says when the node's reply lacks the fact it judges.
 pub(super) const UPGRADE_CONNECTOR: &str = "the node did not report it; upgrade the connector";
 
+/// Free space under the overlay root below which a run may fill the disk (bytes, 20 GB).
 pub const MIN_OVERLAY_FREE_BYTES: u64 = 20_000_000_000;
 /// Connecting, Hello and NodeChecks together, per node.
 pub const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_secs(30);

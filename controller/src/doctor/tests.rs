@@ -148,6 +148,21 @@ fn the_appliance_boot_is_judged_against_what_a_recovery_gets() {
         });
         detail_of(&facts, "appliance")
     };
+    let mut busy = healthy();
+    busy.appliance_boot = Some(pb::ApplianceBootFacts {
+        accelerator: "auto".into(),
+        within_secs: 300,
+        recovery_timeout_secs: 300,
+        error: "another appliance boot is running on this node (one at a time)".into(),
+        outcome: pb::ApplianceBootOutcome::Busy as i32,
+        ..Default::default()
+    });
+    let (level, detail) = detail_of(&busy, "appliance");
+    assert_eq!(level, Level::Fail, "{detail}");
+    assert!(
+        detail.contains("ask again once that boot has ended") && !detail.contains("install"),
+        "{detail}"
+    );
     let (level, detail) = boot(true, 11_900, 300);
     assert_eq!(level, Level::Ok, "{detail}");
     assert!(

@@ -148,6 +148,8 @@ pub(super) fn judge_appliance_boot(boot: &pb::ApplianceBootFacts) -> Judged {
             format!(
                 "; a recovery gets {recovery_secs} s: ask again with --boot-appliance={recovery_secs} for a verdict on that"
             )
+        } else if boot.outcome == pb::ApplianceBootOutcome::Busy as i32 {
+            "; ask again once that boot has ended".to_owned()
         } else {
             "; install libguestfs-tools and a kernel in /boot, or fix tools.guestfish in the connector config".to_owned()
         };

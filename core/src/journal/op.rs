@@ -158,8 +158,9 @@ impl PartialEq<&str> for Op {
     }
 }
 
-/// One thing a run's journal names, as its journal key names it.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+/// One thing a run's journal names, as its journal key names it. Ordered by its key, as the
+/// keys themselves are.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Resource {
     /// `run:<run id>`: the run itself.
     Run(RunId),
@@ -254,12 +255,25 @@ impl Resource {
         } else {
             None
         };
-        parsed.unwrap_or_else(|| Resource::Unrecognized(key.to_owned()))
+        // Only a key in the one spelling this version writes is typed: another spelling
+        // (`vm:09100`) stays as it was written, so it is carried and compared verbatim.
+        parsed
+            .filter(|resource| resource.to_string() == key)
+            .unwrap_or_else(|| Resource::Unrecognized(key.to_owned()))
     }
 
     /// The journal key.
     pub fn key(&self) -> String {
         self.to_string()
+    }
+
+    /// Whether the resource is something on the node a run can leave behind; the run itself,
+    /// its journal, the source config it read and its probes are not.
+    pub fn is_on_the_node(&self) -> bool {
+        !matches!(
+            self,
+            Resource::Run(_) | Resource::Journal | Resource::SourceConfig | Resource::Probe { .. }
+        )
     }
 
     /// Whether undoing this resource touches the sandbox network.
@@ -292,6 +306,18 @@ impl fmt::Display for Resource {
             } => write!(f, "probe:{}:{address}:{port}", kind.name()),
             Resource::Unrecognized(key) => f.write_str(key),
         }
+    }
+}
+
+impl Ord for Resource {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.key().cmp(&other.key())
+    }
+}
+
+impl PartialOrd for Resource {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
     }
 }
 
@@ -349,7 +375,18 @@ mod tests {
             );
             assert_eq!(resource.key(), key);
         }
-        for odd in ["vm:x", "overlay:9100", "run:not-a-uuid", "addr:", "vm", ""] {
+        for odd in [
+            "vm:x",
+            "overlay:9100",
+            "run:not-a-uuid",
+            "addr:",
+            "vm",
+            "",
+            "vm:09100",
+            "vm:+9100",
+            "probe:http:198.51.100.10:080",
+            "probe:dns:2001:DB8:0:0::53:53",
+        ] {
             assert_eq!(Resource::parse(odd), Resource::Unrecognized(odd.into()));
             assert_eq!(Resource::parse(odd).key(), odd);
         }
