@@ -378,10 +378,16 @@ async fn clean_up(recorder: &mut Recorder<'_>, mut session: Session, mut lost: b
         // that ended has `run.end` last.
         match journal.records.last() {
             None => Err("the node returned no journal record for a run it began".to_owned()),
-            Some(last) if ended && last.operation != "run.end" => Err(format!(
-                "the run was ended but its journal's last record is {} {}",
-                last.operation, last.phase
-            )),
+            Some(last)
+                if ended
+                    && certistack_core::journal::Op::parse(&last.operation)
+                        != certistack_core::journal::Op::RunEnd =>
+            {
+                Err(format!(
+                    "the run was ended but its journal's last record is {} {}",
+                    last.operation, last.phase
+                ))
+            }
             Some(_) => Ok(journal),
         }
     });
