@@ -438,11 +438,11 @@ fn the_path_reader_sees_groups_and_relative_paths() {
         ]
     );
     assert_eq!(
-        paths_in("let x = super::super::service::Clock::now();"),
+        paths_in("let x = super::super::clock::Clock::now();"),
         vec![vec![
             "super".to_owned(),
             "super".to_owned(),
-            "service".to_owned(),
+            "clock".to_owned(),
             "Clock".to_owned(),
             "now".to_owned()
         ]]

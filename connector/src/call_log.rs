@@ -5,7 +5,7 @@
 //! only counts them ([`crate::refusal_log`]).
 
 use crate::connection::{Activity, CallGuard, PeerInfo};
-pub use crate::refusal_log::RefusalLog;
+use crate::refusal_log::RefusalLog;
 use crate::refusal_log::printable;
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};

@@ -1,9 +1,10 @@
 //! The CertiStack node connector: a fixed gRPC surface over mTLS, authorized per run.
 //!
-//! Request path: [`connection`] and [`tls`] (who is connecting, within the connection limits) → [`service`] (authenticate, parse into an
-//! [`action::Action`], [`action::authorize`] against the run's [`grant::Grant`]) →
-//! [`executor::Executor`] (the side effect). Policy data lives in `policy/` and is compiled in
-//! ([`policy`]).
+//! Request path: [`connection`] and [`tls`] (who is connecting, within the connection limits)
+//! → [`service`] (authenticate, parse into an [`action::Action`], [`action::authorize`] against
+//! the run's [`certistack_core::grant::Grant`]) → [`executor::Executor`] (the side effect).
+//! Policy data lives in `policy/` and is compiled in ([`policy`]). What the controller shares
+//! with the daemon is in `certistack-core`; this library is the node's alone.
 
 #![deny(unsafe_code)]
 

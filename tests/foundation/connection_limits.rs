@@ -44,7 +44,7 @@ async fn connections_are_bounded_per_identity_and_closed_when_idle() {
         dir.0.join("node"),
         config,
         std::sync::Arc::new(RecordingExecutor::default()),
-        std::sync::Arc::new(certistack_connector::service::SystemClock),
+        std::sync::Arc::new(certistack_connector::clock::SystemClock),
     )
     .await;
     let alice = authority.issue_operator("alice", now()).unwrap();

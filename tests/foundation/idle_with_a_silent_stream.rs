@@ -15,7 +15,7 @@ async fn a_request_that_never_sends_its_body_does_not_keep_a_connection_forever(
         dir.0.join("node"),
         config,
         std::sync::Arc::new(RecordingExecutor::default()),
-        std::sync::Arc::new(certistack_connector::service::SystemClock),
+        std::sync::Arc::new(certistack_connector::clock::SystemClock),
     )
     .await;
     let alice = authority.issue_operator("alice", now()).unwrap();

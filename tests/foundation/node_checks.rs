@@ -31,7 +31,7 @@ async fn doctor_judges_what_node_checks_reports_and_exits_by_the_worst() {
         node_dir.clone(),
         config,
         std::sync::Arc::new(RecordingExecutor::default()),
-        std::sync::Arc::new(certistack_connector::service::SystemClock),
+        std::sync::Arc::new(certistack_connector::clock::SystemClock),
     )
     .await;
     let down = {

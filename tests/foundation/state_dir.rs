@@ -441,7 +441,7 @@ async fn a_full_journal_refuses_new_operations_and_keeps_room_for_cleanup() {
         node.dir.clone(),
         config.clone(),
         std::sync::Arc::new(RecordingExecutor::default()),
-        std::sync::Arc::new(certistack_connector::service::SystemClock),
+        std::sync::Arc::new(certistack_connector::clock::SystemClock),
     )
     .await;
     let mut run = run_client(&authority, &node, &credentials).await;
@@ -469,7 +469,7 @@ async fn a_full_journal_refuses_new_operations_and_keeps_room_for_cleanup() {
         node.dir.clone(),
         config,
         executor.clone(),
-        std::sync::Arc::new(certistack_connector::service::SystemClock),
+        std::sync::Arc::new(certistack_connector::clock::SystemClock),
     )
     .await;
     let mut run = run_client(&authority, &node, &credentials).await;
@@ -507,7 +507,7 @@ async fn open_runs_together_may_not_ask_for_more_sandbox_cores_or_memory_than_th
         dir.0.join("node"),
         config,
         std::sync::Arc::new(RecordingExecutor::default()),
-        std::sync::Arc::new(certistack_connector::service::SystemClock),
+        std::sync::Arc::new(certistack_connector::clock::SystemClock),
     )
     .await;
     let first = mint(&authority, &grant(RUN_ID, NODE));

@@ -580,8 +580,8 @@ async fn a_guest_volume_the_host_activated_blocks_boot_and_is_reported_by_cleanu
     let mirror = lab.root.join("sys-block");
     sys_block_mirror(&mirror);
     let (_authority_dir, authority, config) = lab.controller_and_node_config("dmholder-ctl");
-    let clock: std::sync::Arc<dyn certistack_connector::service::Clock> =
-        std::sync::Arc::new(certistack_connector::service::SystemClock);
+    let clock: std::sync::Arc<dyn certistack_connector::clock::Clock> =
+        std::sync::Arc::new(certistack_connector::clock::SystemClock);
     let executor = certistack_connector::node::NodeExecutor::new(config.clone(), clock.clone())
         .with_sys_block(mirror.clone());
     let connector =

@@ -2,9 +2,9 @@
 //! the clients that reach it, and a clock the test moves.
 
 use crate::{RecordingExecutor, TempDir, controller, now};
+use certistack_connector::clock::{Clock, SystemClock};
 use certistack_connector::config::{Config, Limits, PvePaths, StatePaths, TlsFiles, ToolPaths};
 use certistack_connector::server::Connector;
-use certistack_connector::service::{Clock, SystemClock};
 use certistack_controller::authority::{self, Authority, IssuedCertificate};
 use certistack_proto::v1::connector_client::ConnectorClient;
 use std::path::{Path, PathBuf};

@@ -4,7 +4,6 @@
 
 use super::ConnectorService;
 use crate::action::{Action, authorize};
-pub use crate::clock::Clock;
 use crate::connection::PeerInfo;
 use crate::executor::{Caller, Outcome};
 use crate::policy::Rpc;

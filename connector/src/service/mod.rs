@@ -26,7 +26,7 @@ use admission::{invalid, run_id_of};
 use journal_stream::stream_journal;
 
 use crate::action::{Action, parse};
-pub use crate::clock::{Clock, SystemClock};
+use crate::clock::Clock;
 use crate::executor::{Executor, Outcome};
 use crate::policy::{Gate, Rpc};
 use crate::runs::{RunError, RunRegistry};

@@ -4,7 +4,6 @@
 
 use super::ConnectorService;
 use crate::action::Action;
-pub use crate::clock::Clock;
 use crate::executor::{Caller, ExecError, Outcome};
 use crate::runs::RunError;
 use certistack_core::validate::RunId;

@@ -2,7 +2,7 @@
 
 use super::*;
 use crate::action::Action;
-pub use crate::clock::Clock;
+use crate::clock::Clock;
 use crate::executor::ExecFuture;
 use crate::executor::{Caller, Executor, Outcome};
 use crate::runs::RegistryLimits;

@@ -12,7 +12,6 @@ use certistack_controller::commands::report::{REPORT_EXIT_CODES, ReportCommand};
 use certistack_controller::commands::run::RunPlanArgs;
 use certistack_controller::commands::target::{OperatorArgs, RunArgs};
 use certistack_controller::exit::{self, ExitStatus};
-use certistack_controller::{authority, surface};
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -72,7 +71,8 @@ enum Command {
     /// Run a plan: every validation on its node (different nodes concurrently), each with its own
     /// grant, run certificate and signed report; a summary table closes the run. Ctrl-C once:
     /// stop after the current step and clean up; twice: abandon the step or wait in progress,
-    /// still clean up.
+    /// still clean up; three times: abandon the cleanup too (the summary names the cleanup
+    /// command to run).
     #[command(after_help = RUN_EXIT_CODES)]
     Run(RunPlanArgs),
     /// Sign a connector package, or verify one before installing it: its minisign signature,
@@ -196,52 +196,14 @@ fn main() -> ExitCode {
 fn run(cli: Cli) -> Result<(), ExitStatus> {
     let now = OffsetDateTime::now_utc();
     match cli.command {
-        Command::Ca(CaCommand::Init { state_dir }) => {
-            let fingerprint = authority::init(&state_dir, now).map_err(ExitStatus::local)?;
-            println!(
-                "created CA, run-authority and report-signing keys in {}",
-                state_dir.display()
-            );
-            println!("CA fingerprint: {fingerprint}");
-            Ok(())
-        }
+        Command::Ca(CaCommand::Init { state_dir }) => commands::ca::ca_init(&state_dir, now),
         Command::Node(NodeCommand::Sign {
             state_dir,
             node,
             csr,
             out,
-        }) => {
-            let authority = authority::Authority::load(&state_dir).map_err(ExitStatus::local)?;
-            let csr = std::fs::read_to_string(&csr)
-                .map_err(|e| ExitStatus::local(format!("cannot read {}: {e}", csr.display())))?;
-            let certificate = authority
-                .sign_node_csr(&csr, &node, now)
-                .map_err(ExitStatus::local)?;
-            let fingerprint = authority.ca_fingerprint().map_err(ExitStatus::local)?;
-            match out {
-                Some(path) => {
-                    std::fs::write(&path, certificate).map_err(|e| {
-                        ExitStatus::local(format!("cannot write {}: {e}", path.display()))
-                    })?;
-                    println!(
-                        "issued {} for node {node}; install it on the node with\n  certistack-connector enroll --install --certificate {} --ca {} --ca-fingerprint {fingerprint} --run-authority {}",
-                        path.display(),
-                        path.display(),
-                        state_dir.join(authority::CA_CERT).display(),
-                        state_dir.join(authority::RUN_AUTHORITY_PUB).display()
-                    );
-                }
-                None => {
-                    print!("{certificate}");
-                    eprintln!("CA fingerprint: {fingerprint}");
-                }
-            }
-            Ok(())
-        }
-        Command::Surface => {
-            print!("{}", surface::describe().map_err(ExitStatus::local)?);
-            Ok(())
-        }
+        }) => commands::ca::node_sign(&state_dir, &node, &csr, out, now),
+        Command::Surface => commands::surface::surface(),
         Command::Hello(args) => commands::hello::hello(args, now),
         Command::Plan(PlanCommand::Check { plan, config }) => {
             commands::plan::plan_check(&plan, &config, now)

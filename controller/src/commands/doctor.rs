@@ -1,4 +1,5 @@
-//! `doctor`: the prerequisites of inventory nodes, checked concurrently.
+//! The `doctor` command: which inventory nodes to ask, then the verdicts of `crate::doctor`
+//! printed and turned into the exit status.
 
 use super::target::inventory_lookup;
 use super::{Threads, load_authority, load_config, load_plan, runtime};

@@ -3,6 +3,7 @@
 #![allow(clippy::print_stdout)]
 
 pub mod audit;
+pub mod ca;
 pub mod doctor;
 pub mod hello;
 pub mod operator;
@@ -10,6 +11,7 @@ pub mod package;
 pub mod plan;
 pub mod report;
 pub mod run;
+pub mod surface;
 pub mod target;
 
 use crate::authority;

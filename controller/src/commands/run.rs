@@ -1,4 +1,5 @@
-//! `run`: every validation of a plan driven on its node, then the summary.
+//! The `run` command: loads the plan, the configuration and the keys, starts the driver
+//! (`runner`) and turns its summary into the exit status.
 
 use super::{Threads, load_authority, load_config, load_plan, runtime};
 use crate::exit::ExitStatus;

@@ -1,5 +1,5 @@
-//! `certistack-ctl doctor`: whether a node can run a validation, judged from what its connector
-//! reports through the read-only `NodeChecks` call, plus its clock as `Hello` shows it.
+//! Judging a node's prerequisites (for `certistack-ctl doctor`): whether a node can run a
+//! validation, judged from what its connector reports through the read-only `NodeChecks` call, plus its clock as `Hello` shows it.
 //!
 //! The node reports facts; the controller decides here, so every node is held to the same
 //! rules by the same release:

@@ -317,6 +317,22 @@ pub struct JournalRecord {
     pub detail: String,
 }
 
+impl JournalRecord {
+    /// The record as the wire carries it, for the journal's own verification.
+    pub fn to_wire(&self) -> certistack_proto::v1::JournalRecord {
+        certistack_proto::v1::JournalRecord {
+            sequence: self.sequence,
+            time_unix_ms: self.time_unix_ms,
+            operation: self.operation.clone(),
+            resource: self.resource.clone(),
+            phase: self.phase.clone(),
+            previous_sha256: self.previous_sha256.clone(),
+            record_sha256: self.record_sha256.clone(),
+            detail: self.detail.clone(),
+        }
+    }
+}
+
 impl From<&certistack_proto::v1::JournalRecord> for JournalRecord {
     fn from(record: &certistack_proto::v1::JournalRecord) -> Self {
         Self {

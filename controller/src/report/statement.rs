@@ -1,64 +1,14 @@
 //! A Statement built from a validation, and what verifying one recomputes: the journal's hash
-//! chain and the screenshot beside the report.
+//! chain (by `certistack_core::journal`) and the screenshot beside the report.
 
 use super::*;
 
-/// The on-disk line of one streamed record: the entry bytes rebuilt as the protocol documents.
-pub(super) fn journal_line(record: &JournalRecord) -> Result<String, String> {
-    let string = |value: &str| {
-        serde_json::to_string(value).map_err(|e| format!("record {}: {e}", record.sequence))
-    };
-    let mut entry = format!(
-        "{{\"seq\":{},\"time_ms\":{},\"op\":{},\"resource\":{},\"phase\":{}",
-        record.sequence,
-        record.time_unix_ms,
-        string(&record.operation)?,
-        string(&record.resource)?,
-        string(&record.phase)?,
-    );
-    if !record.detail.is_empty() {
-        entry.push_str(",\"detail\":");
-        entry.push_str(&record.detail);
-    }
-    entry.push('}');
-    Ok(format!(
-        "{} {} {entry}\n",
-        record.record_sha256, record.previous_sha256
-    ))
-}
-
-/// Recomputes the journal chain of `run_id` from `records` with the connector's own reader and
-/// returns its head (hex).
+/// Recomputes the journal chain of `run_id` from `records` with the journal's own reader
+/// (`certistack_core::journal::verify_streamed`) and returns its head (hex).
 pub fn recompute_journal_head(run_id: &str, records: &[JournalRecord]) -> Result<String, String> {
-    let mut text = String::new();
-    for record in records {
-        text.push_str(&journal_line(record)?);
-    }
-    let longest = text.lines().map(str::len).max().unwrap_or(0) as u64;
-    let mut reader = journal::Reader::new(
-        text.as_bytes(),
-        Path::new("report journal"),
-        run_id,
-        longest + 1,
-    );
-    for record in reader.by_ref() {
-        record.map_err(|e| e.to_string())?;
-    }
-    if let Some(torn) = reader.torn() {
-        return Err(format!(
-            "record {} does not verify ({})",
-            reader.records_read() + 1,
-            torn.reason
-        ));
-    }
-    if reader.records_read() != records.len() as u64 {
-        return Err(format!(
-            "{} of {} records verify",
-            reader.records_read(),
-            records.len()
-        ));
-    }
-    Ok(hex::encode(reader.head()))
+    let wire: Vec<certistack_proto::v1::JournalRecord> =
+        records.iter().map(JournalRecord::to_wire).collect();
+    journal::verify_streamed(run_id, &wire).map(hex::encode)
 }
 
 impl Statement {

@@ -1,4 +1,5 @@
-//! `certistack-ctl run`: every validation of a plan, driven on its node from grant to report.
+//! The validation driver (for `certistack-ctl run`): every validation of a plan, driven on its
+//! node from grant to report.
 //!
 //! Each validation gets its own run id, grant and run certificate (valid until the grant's
 //! deadline), its own connection and its own report. Validations on different nodes run

@@ -1,5 +1,5 @@
-//! The validation script: the happy path from mapping the backup to unmapping it, step by step,
-//! and how the node's answers are read as evidence (isolation, guest state, probes).
+//! The validation script: the happy path from mapping the backup to unmapping it, as a list of
+//! steps the driver walks; how the node's answers are read as evidence is in `readings`.
 
 use super::evidence::{Evidence, Recorder};
 use super::readings::{

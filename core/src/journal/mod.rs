@@ -31,10 +31,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 mod op;
 mod reader;
+mod wire;
 mod writer;
 
 pub use op::{Op, OpClass, Resource};
 pub use reader::{Loaded, Reader, Summary, read, summarize};
+pub use wire::{line_of, verify_streamed};
 pub use writer::Journal;
 
 pub const FILE_NAME: &str = "journal";
