@@ -341,14 +341,15 @@ fn truncated(text: &str) -> String {
 
 impl NodeExecutor {
     fn socket(&self, vmid: Vmid, suffix: &str) -> PathBuf {
-        self.config
+        self.ctx
+            .config
             .pve
             .qemu_server_run_dir
             .join(format!("{vmid}.{suffix}"))
     }
 
     fn guest_timeout(&self) -> Duration {
-        Duration::from_secs(self.config.limits.guest_timeout_secs)
+        Duration::from_secs(self.ctx.config.limits.guest_timeout_secs)
     }
 
     pub(super) async fn run_qmp(
@@ -357,7 +358,7 @@ impl NodeExecutor {
         vmid: Vmid,
         command: QmpCommand,
     ) -> Result<Outcome, ExecError> {
-        let mut guard = self.lock_open(run).await?;
+        let mut guard = self.ctx.lock_open(run).await?;
         self.require_ours(&guard, &run.grant, vmid)?;
         let resource = Resource::Vm(vmid);
         let mut arguments = None;
@@ -373,7 +374,7 @@ impl NodeExecutor {
             }
             guard
                 .intent(
-                    self.now_ms(),
+                    self.ctx.now_ms(),
                     &Op::FileScreendump,
                     &key,
                     json!({ "path": path.display().to_string() }),
@@ -388,6 +389,7 @@ impl NodeExecutor {
                 true,
             ) {
                 return Err(self
+                    .ctx
                     .journal_step_error(&mut guard, &Op::FileScreendump, &key, error)
                     .await);
             }
@@ -398,7 +400,7 @@ impl NodeExecutor {
         let started = Instant::now();
         guard
             .intent(
-                self.now_ms(),
+                self.ctx.now_ms(),
                 &Op::GuestQmp,
                 &resource,
                 json!({ "command": command.wire_name() }),
@@ -414,7 +416,7 @@ impl NodeExecutor {
         let elapsed_ms = started.elapsed().as_millis() as u64;
         match result {
             Ok(value) => {
-                guard.done(self.now_ms(), &Op::GuestQmp, &resource, json!({ "command": command.wire_name(), "return": value, "elapsed_ms": elapsed_ms })).await?;
+                guard.done(self.ctx.now_ms(), &Op::GuestQmp, &resource, json!({ "command": command.wire_name(), "return": value, "elapsed_ms": elapsed_ms })).await?;
                 let mut image = Vec::new();
                 if command == QmpCommand::Screendump {
                     image = self.take_screendump(&mut guard, &run.grant, vmid).await?;
@@ -432,7 +434,7 @@ impl NodeExecutor {
                 }))
             }
             Err(error) => {
-                guard.failed(self.now_ms(), &Op::GuestQmp, &resource, json!({ "command": command.wire_name(), "error": error.to_string(), "elapsed_ms": elapsed_ms })).await?;
+                guard.failed(self.ctx.now_ms(), &Op::GuestQmp, &resource, json!({ "command": command.wire_name(), "error": error.to_string(), "elapsed_ms": elapsed_ms })).await?;
                 Err(error.into())
             }
         }
@@ -449,7 +451,7 @@ impl NodeExecutor {
     ) -> Result<Vec<u8>, ExecError> {
         let path = self.screendump_path(grant, vmid);
         let key = Resource::Screendump(vmid);
-        let max = self.config.limits.max_screendump_bytes;
+        let max = self.ctx.config.limits.max_screendump_bytes;
         let name = super::overlay::screendump_file_name(vmid);
         let read = {
             let executor = self.clone();
@@ -466,7 +468,7 @@ impl NodeExecutor {
             Ok(None) => {
                 let detail = json!({ "path": path.display().to_string(), "error": format!("larger than {max} bytes") });
                 guard
-                    .failed(self.now_ms(), &Op::FileScreendump, &key, detail)
+                    .failed(self.ctx.now_ms(), &Op::FileScreendump, &key, detail)
                     .await?;
                 self.remove_path(guard, Op::FileDelete, &key, &path).await?;
                 return Err(ExecError::ResourceExhausted(format!(
@@ -475,6 +477,7 @@ impl NodeExecutor {
             }
             Err(error) => {
                 return Err(self
+                    .ctx
                     .journal_step_error(guard, &Op::FileScreendump, &key, error)
                     .await);
             }
@@ -482,7 +485,7 @@ impl NodeExecutor {
         let sha256 = hex::encode(sha2::Sha256::digest(&image));
         guard
             .done(
-                self.now_ms(),
+                self.ctx.now_ms(),
                 &Op::FileScreendump,
                 &key,
                 json!({ "path": path.display().to_string(), "bytes": image.len(), "format": SCREENDUMP_FORMAT, "sha256": sha256 }),
@@ -497,7 +500,7 @@ impl NodeExecutor {
         vmid: Vmid,
         call: QgaCall,
     ) -> Result<Outcome, ExecError> {
-        let mut guard = self.lock_open(run).await?;
+        let mut guard = self.ctx.lock_open(run).await?;
         self.require_ours(&guard, &run.grant, vmid)?;
         let resource = Resource::Vm(vmid);
         let path = self.socket(vmid, "qga");
@@ -506,7 +509,7 @@ impl NodeExecutor {
             QgaCall::Command(command) => {
                 guard
                     .intent(
-                        self.now_ms(),
+                        self.ctx.now_ms(),
                         &Op::GuestQga,
                         &resource,
                         json!({ "command": command.wire_name() }),
@@ -522,7 +525,7 @@ impl NodeExecutor {
                 })?;
                 let argv: Vec<&str> = assertion.args.iter().map(|a| a.as_str()).collect();
                 guard.intent(
-                    self.now_ms(),
+                    self.ctx.now_ms(),
                     &Op::GuestExec,
                     &resource,
                     json!({ "assertion": id.as_str(), "program": assertion.program.as_str(), "args": argv }),
@@ -539,7 +542,7 @@ impl NodeExecutor {
                         let passed = exit_ok && stdout_ok;
                         let stdout = truncated(&exec.stdout);
                         guard.done(
-                            self.now_ms(),
+                            self.ctx.now_ms(),
                             &Op::GuestExec,
                             &resource,
                             json!({ "assertion": id.as_str(), "exit_code": exec.exit_code, "passed": passed, "stdout": stdout, "elapsed_ms": elapsed_ms }),
@@ -553,7 +556,7 @@ impl NodeExecutor {
                         }))
                     }
                     Err(error) => {
-                        guard.failed(self.now_ms(), &Op::GuestExec, &resource, json!({ "assertion": id.as_str(), "error": error.to_string(), "elapsed_ms": elapsed_ms })).await?;
+                        guard.failed(self.ctx.now_ms(), &Op::GuestExec, &resource, json!({ "assertion": id.as_str(), "error": error.to_string(), "elapsed_ms": elapsed_ms })).await?;
                         Err(error.into())
                     }
                 }
@@ -574,7 +577,7 @@ impl NodeExecutor {
             Ok(value) => {
                 guard
                     .done(
-                        self.now_ms(),
+                        self.ctx.now_ms(),
                         &Op::GuestQga,
                         resource,
                         json!({ "command": command.wire_name(), "elapsed_ms": elapsed_ms }),
@@ -589,7 +592,7 @@ impl NodeExecutor {
                 }))
             }
             Err(error) => {
-                guard.failed(self.now_ms(), &Op::GuestQga, resource, json!({ "command": command.wire_name(), "error": error.to_string(), "elapsed_ms": elapsed_ms })).await?;
+                guard.failed(self.ctx.now_ms(), &Op::GuestQga, resource, json!({ "command": command.wire_name(), "error": error.to_string(), "elapsed_ms": elapsed_ms })).await?;
                 Err(error.into())
             }
         }

@@ -14,6 +14,7 @@
 
 pub mod backup;
 pub mod cleanup;
+mod context;
 pub mod guest;
 pub mod guest_network;
 pub mod loopdev;
@@ -31,24 +32,21 @@ use crate::config::Config;
 use crate::executor::{
     Caller, ExecError, ExecFuture, Executor, Outcome, RecoverFuture, ResidueFuture,
 };
-use crate::process::{self, ToolCall, ToolOutput};
-use crate::runs::{RunGuard, RunHandle};
+use crate::process::{self, ToolOutput};
+use crate::runs::RunHandle;
 use certistack_core::grant::Repository;
 use certistack_core::journal::JournalError;
-use certistack_core::journal::{Op, Resource};
 use certistack_core::validate::Host;
 use certistack_proto::v1 as pb;
+use context::NodeContext;
 use serde_json::json;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
 /// Cheap to clone: every step runs in a task of its own that holds a clone.
 #[derive(Debug, Clone)]
 pub struct NodeExecutor {
-    config: Arc<Config>,
-    clock: Arc<dyn Clock>,
-    sys_block: Arc<PathBuf>,
+    ctx: Arc<NodeContext>,
 }
 
 impl From<JournalError> for ExecError {
@@ -101,9 +99,7 @@ pub fn repository_string(repository: &Repository) -> String {
 impl NodeExecutor {
     pub fn new(config: Config, clock: Arc<dyn Clock>) -> Self {
         Self {
-            config: Arc::new(config),
-            clock,
-            sys_block: Arc::new(PathBuf::from("/sys/block")),
+            ctx: Arc::new(NodeContext::new(config, clock, PathBuf::from("/sys/block"))),
         }
     }
 
@@ -111,37 +107,12 @@ impl NodeExecutor {
     /// instead of `/sys/block`: a mirror of it, where device-mapper holders can be staged on
     /// a kernel without device-mapper.
     pub fn with_sys_block(mut self, sys_block: PathBuf) -> Self {
-        self.sys_block = Arc::new(sys_block);
+        let ctx = NodeContext {
+            sys_block: Arc::new(sys_block),
+            ..(*self.ctx).clone()
+        };
+        self.ctx = Arc::new(ctx);
         self
-    }
-
-    fn now_ms(&self) -> i64 {
-        self.clock.now_unix_ms()
-    }
-
-    /// Locks the run for an operation, then re-checks what authorization saw before the wait:
-    /// the run may have been closed, or its deadline passed, while another operation held it.
-    /// Steps a previous daemon was interrupted in are settled first.
-    async fn lock_open<'a>(&self, run: &'a RunHandle) -> Result<RunGuard<'a>, ExecError> {
-        let mut guard = run.lock().await;
-        if run.is_closed() {
-            return Err(ExecError::FailedPrecondition(format!(
-                "run {} was closed while this call waited; nothing was done",
-                run.run_id
-            )));
-        }
-        if self.clock.now_unix() >= run.grant.deadline_unix {
-            return Err(ExecError::FailedPrecondition(format!(
-                "run {} passed its grant deadline while this call waited; nothing was done",
-                run.run_id
-            )));
-        }
-        self.settle_interrupted(&mut guard).await?;
-        Ok(guard)
-    }
-
-    fn tool_timeout(&self) -> Duration {
-        Duration::from_secs(self.config.limits.tool_timeout_secs)
     }
 
     async fn dispatch(&self, run: &RunHandle, action: Action) -> Result<Outcome, ExecError> {
@@ -212,97 +183,6 @@ impl NodeExecutor {
     }
 }
 
-impl NodeExecutor {
-    /// Runs the tool of a journaled step whose `intent` is already recorded. Once the tool
-    /// started, a second `intent` record names its processes (pid, start time, process group),
-    /// so a daemon that restarts mid-step can kill them and prove them gone before it decides
-    /// anything. When the tool does not finish by itself, the step is recorded `failed`: with
-    /// `"outcome_unknown": true` when it was killed at its deadline or lost while running (it
-    /// may have done its work), without when it never started.
-    async fn run_step(
-        &self,
-        guard: &mut RunGuard<'_>,
-        op: &Op,
-        resource: &Resource,
-        call: ToolCall,
-    ) -> Result<ToolOutput, ExecError> {
-        let started = process::start(call);
-        let result = match started {
-            Ok(tool) => {
-                if let Some(identity) = tool.identity() {
-                    // Should this append fail, dropping `tool` kills its process group.
-                    guard
-                        .intent(self.now_ms(), op, resource, json!({ "tool": identity }))
-                        .await?;
-                }
-                tool.wait().await
-            }
-            Err(error) => Err(error),
-        };
-        match result {
-            Ok(output) => Ok(output),
-            Err(error) => {
-                let unknown = matches!(
-                    error,
-                    process::ToolError::Timeout { .. } | process::ToolError::Wait { .. }
-                );
-                let detail = json!({ "error": error.to_string(), "outcome_unknown": unknown });
-                guard.failed(self.now_ms(), op, resource, detail).await?;
-                Err(tool_error(error))
-            }
-        }
-    }
-    /// Closes a step that left nothing on the node: an `undone` record with its end state.
-    async fn journal_end_state(
-        &self,
-        guard: &mut RunGuard<'_>,
-        op: &Op,
-        resource: &Resource,
-        end_state: &resources::EndState,
-    ) -> Result<(), ExecError> {
-        guard
-            .undone(
-                self.now_ms(),
-                op,
-                resource,
-                json!({ "end_state": end_state.wire() }),
-            )
-            .await?;
-        Ok(())
-    }
-
-    /// Journals a step that failed before its tool ran (or without one) and hands back its
-    /// error for the caller; should the journal itself fail, that failure is returned instead.
-    async fn journal_step_error(
-        &self,
-        guard: &mut RunGuard<'_>,
-        op: &Op,
-        resource: &Resource,
-        error: ExecError,
-    ) -> ExecError {
-        let detail = json!({ "error": error.to_string() });
-        match guard.failed(self.now_ms(), op, resource, detail).await {
-            Ok(_) => error,
-            Err(journal) => journal.into(),
-        }
-    }
-
-    /// Journals a tool that ran and failed: its exit code, time and stderr, plus `extra`.
-    async fn journal_tool_failed(
-        &self,
-        guard: &mut RunGuard<'_>,
-        op: &Op,
-        resource: &Resource,
-        output: &ToolOutput,
-        extra: &[(&str, serde_json::Value)],
-    ) -> Result<(), ExecError> {
-        guard
-            .failed(self.now_ms(), op, resource, tool_detail(output, extra))
-            .await?;
-        Ok(())
-    }
-}
-
 fn tool_error(error: process::ToolError) -> ExecError {
     match error {
         process::ToolError::Timeout { .. } => ExecError::DeadlineExceeded(error.to_string()),
@@ -338,7 +218,7 @@ impl Executor for NodeExecutor {
     fn recover<'a>(&'a self, run: &'a RunHandle) -> RecoverFuture<'a> {
         Box::pin(async move {
             let mut guard = run.lock().await;
-            self.settle_interrupted(&mut guard).await
+            self.ctx.settle_interrupted(&mut guard).await
         })
     }
 }

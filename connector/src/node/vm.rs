@@ -170,7 +170,11 @@ fn percent_decode(text: &str) -> String {
 
 impl NodeExecutor {
     fn vm_config_path(&self, vmid: Vmid) -> std::path::PathBuf {
-        self.config.pve.vm_config_dir.join(format!("{vmid}.conf"))
+        self.ctx
+            .config
+            .pve
+            .vm_config_dir
+            .join(format!("{vmid}.conf"))
     }
 
     /// Reads the VM's config and decides whether it is the VM this run created.
@@ -272,9 +276,9 @@ impl NodeExecutor {
 
     /// A `qm` call, given `grace` beyond the tool timeout.
     fn qm_call(&self, args: &[String], grace: std::time::Duration) -> ToolCall {
-        let timeout = self.tool_timeout().saturating_add(grace);
+        let timeout = self.ctx.tool_timeout().saturating_add(grace);
         args.iter().fold(
-            ToolCall::new(&self.config.tools.qm, timeout),
+            ToolCall::new(&self.ctx.config.tools.qm, timeout),
             |call, arg| call.arg(arg),
         )
     }
@@ -301,17 +305,18 @@ impl NodeExecutor {
             // lock on the VM means a PVE task (backup, migration, snapshot) is working on it.
             Verb::Stop { timeout_secs } => args.extend([
                 "--timeout".into(),
-                stop_timeout_secs(timeout_secs, self.config.limits.tool_timeout_secs).to_string(),
+                stop_timeout_secs(timeout_secs, self.ctx.config.limits.tool_timeout_secs)
+                    .to_string(),
             ]),
             Verb::Destroy => args.extend(["--purge".into(), "1".into()]),
             Verb::Start | Verb::Unlock => {}
         }
         let op = &verb.op();
-        let mut call = self.qm_call(&args, verb.grace(self.tool_timeout()));
+        let mut call = self.qm_call(&args, verb.grace(self.ctx.tool_timeout()));
         // Under systemd, qm start (and the QEMU it execs before qemu-server moves it to the
         // VM's scope) runs in a unit of its own: the VM never inherits the daemon's sandbox.
         let mut unit = None;
-        if verb == Verb::Start && self.config.process.use_transient_units() {
+        if verb == Verb::Start && self.ctx.config.process.use_transient_units() {
             let run_id = guard.grant().run_id.as_str().to_owned();
             let vm = vmid.to_string();
             let name = process::transient_unit_name(TransientRole::QmStart, &run_id, &vm)
@@ -323,8 +328,8 @@ impl NodeExecutor {
                 TransientRole::QmStart,
                 &name,
                 &description,
-                &self.config.process.systemd_run,
-                &self.config.process.systemctl,
+                &self.ctx.config.process.systemd_run,
+                &self.ctx.config.process.systemctl,
                 None,
             )
             .map_err(ExecError::Failed)?;
@@ -332,15 +337,16 @@ impl NodeExecutor {
         }
         guard
             .intent(
-                self.now_ms(),
+                self.ctx.now_ms(),
                 op,
                 &resource,
                 json!({ "argv": args, "unit": unit }),
             )
             .await?;
-        let output = self.run_step(guard, op, &resource, call).await?;
+        let output = self.ctx.run_step(guard, op, &resource, call).await?;
         if !output.success() {
-            self.journal_tool_failed(guard, op, &resource, &output, &[])
+            self.ctx
+                .journal_tool_failed(guard, op, &resource, &output, &[])
                 .await?;
             return Err(ExecError::FailedPrecondition(format!(
                 "qm {} {vmid} failed (exit {:?}): {}",
@@ -356,7 +362,7 @@ impl NodeExecutor {
         };
         guard
             .append(
-                self.now_ms(),
+                self.ctx.now_ms(),
                 op,
                 &resource,
                 phase,
@@ -376,7 +382,7 @@ impl NodeExecutor {
         mirror_source: bool,
     ) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
-        let mut guard = self.lock_open(run).await?;
+        let mut guard = self.ctx.lock_open(run).await?;
         let source = if mirror_source {
             Some(source_hardware(&guard.records())?)
         } else {
@@ -488,20 +494,21 @@ impl NodeExecutor {
         push("--smbios1", format!("uuid={smbios_uuid}"));
         push(
             "--cpuunits",
-            self.config.limits.sandbox_cpu_units.to_string(),
+            self.ctx.config.limits.sandbox_cpu_units.to_string(),
         );
         push("--tags", TAG.into());
         push("--description", marker(grant.run_id.as_str()));
         let op = &Op::VmCreate;
         guard
             .intent(
-                self.now_ms(),
+                self.ctx.now_ms(),
                 op,
                 &resource,
                 json!({ "smbios_uuid": smbios_uuid, "argv": args }),
             )
             .await?;
         let output = self
+            .ctx
             .run_step(
                 &mut guard,
                 op,
@@ -511,7 +518,8 @@ impl NodeExecutor {
             .await?;
         let journaled = [("smbios_uuid", json!(smbios_uuid))];
         if !output.success() {
-            self.journal_tool_failed(&mut guard, op, &resource, &output, &journaled)
+            self.ctx
+                .journal_tool_failed(&mut guard, op, &resource, &output, &journaled)
                 .await?;
             if output.stderr.contains("already exists") {
                 return Err(ExecError::AlreadyExists(format!(
@@ -527,7 +535,7 @@ impl NodeExecutor {
         }
         guard
             .done(
-                self.now_ms(),
+                self.ctx.now_ms(),
                 op,
                 &resource,
                 tool_detail(&output, &journaled),
@@ -548,7 +556,7 @@ impl NodeExecutor {
         verb: Verb,
     ) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
-        let mut guard = self.lock_open(run).await?;
+        let mut guard = self.ctx.lock_open(run).await?;
         self.require_ours(&guard, grant, vmid)?;
         if verb == Verb::Start {
             // A restored guest boots only on a VNet that was checked and contained for this run.
@@ -641,7 +649,7 @@ impl NodeExecutor {
         vmid: Vmid,
     ) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
-        let guard = self.lock_open(run).await?;
+        let guard = self.ctx.lock_open(run).await?;
         match self.require_ours(&guard, grant, vmid) {
             Ok(_) => {}
             // Destroyed by this run: the answer is that it is gone.
@@ -672,7 +680,7 @@ impl NodeExecutor {
     ) -> Result<EndState, ExecError> {
         guard
             .undone(
-                self.now_ms(),
+                self.ctx.now_ms(),
                 &Op::VmDestroy,
                 resource,
                 json!({ "end_state": EndState::NotOurs.wire(), "reason": reason }),
@@ -699,7 +707,7 @@ impl NodeExecutor {
         };
         match ownership {
             Ownership::Absent => {
-                self.journal_end_state(guard, op, &resource, &EndState::AlreadyGone)
+                self.ctx.journal_end_state(guard, op, &resource, &EndState::AlreadyGone)
                     .await?;
                 Ok(EndState::AlreadyGone)
             }

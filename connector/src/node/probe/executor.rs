@@ -23,7 +23,7 @@ impl NodeExecutor {
         port: u16,
     ) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
-        let mut guard = self.lock_open(run).await?;
+        let mut guard = self.ctx.lock_open(run).await?;
         let target = grant
             .probe_targets
             .iter()
@@ -54,7 +54,7 @@ impl NodeExecutor {
             );
             guard
                 .failed(
-                    self.now_ms(),
+                    self.ctx.now_ms(),
                     &Op::ProbeRun,
                     &resource,
                     json!({ "source": source.to_string(), "error": error, "infrastructure": true }),
@@ -73,7 +73,7 @@ impl NodeExecutor {
         }
         guard
             .intent(
-                self.now_ms(),
+                self.ctx.now_ms(),
                 &Op::ProbeRun,
                 &resource,
                 json!({ "source": source.to_string() }),
@@ -81,14 +81,14 @@ impl NodeExecutor {
             .await?;
         let bounds = ProbeBounds {
             device: grant.vnet.to_string(),
-            timeout: Duration::from_secs(self.config.limits.probe_timeout_secs),
-            max_bytes: self.config.limits.max_probe_response_bytes,
-            max_entries: self.config.limits.max_probe_entries,
+            timeout: Duration::from_secs(self.ctx.config.limits.probe_timeout_secs),
+            max_bytes: self.ctx.config.limits.max_probe_response_bytes,
+            max_entries: self.ctx.config.limits.max_probe_entries,
         };
         let result = probe_target(source, target, &bounds).await;
         guard
             .done(
-                self.now_ms(),
+                self.ctx.now_ms(),
                 &Op::ProbeRun,
                 &resource,
                 json!({

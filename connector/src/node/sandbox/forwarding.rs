@@ -62,7 +62,7 @@ impl NodeExecutor {
             .collect();
         guard
             .intent(
-                self.now_ms(),
+                self.ctx.now_ms(),
                 &Op::SandboxForwarding,
                 &key,
                 json!({ "previous": previous, "set": "0" }),
@@ -84,7 +84,7 @@ impl NodeExecutor {
             );
             guard
                 .failed(
-                    self.now_ms(),
+                    self.ctx.now_ms(),
                     &Op::SandboxForwarding,
                     &key,
                     json!({ "previous": previous, "error": error }),
@@ -94,7 +94,7 @@ impl NodeExecutor {
         }
         guard
             .done(
-                self.now_ms(),
+                self.ctx.now_ms(),
                 &Op::SandboxForwarding,
                 &key,
                 json!({ "previous": previous, "set": "0" }),
@@ -121,7 +121,7 @@ impl NodeExecutor {
         let previous = journaled_previous(&state);
         guard
             .intent(
-                self.now_ms(),
+                self.ctx.now_ms(),
                 &Op::SandboxForwardingRestore,
                 &key,
                 json!({ "previous": previous
@@ -173,7 +173,7 @@ impl NodeExecutor {
             );
             guard
                 .failed(
-                    self.now_ms(),
+                    self.ctx.now_ms(),
                     &Op::SandboxForwardingRestore,
                     &key,
                     json!({ "error": error, "values": outcomes }),
@@ -190,7 +190,7 @@ impl NodeExecutor {
         };
         guard
             .undone(
-                self.now_ms(),
+                self.ctx.now_ms(),
                 &Op::SandboxForwardingRestore,
                 &key,
                 json!({ "end_state": end.wire(), "values": outcomes }),

@@ -142,7 +142,7 @@ impl NodeExecutor {
         program: &std::path::Path,
         args: &[&str],
     ) -> Result<ToolOutput, ExecError> {
-        let mut call = ToolCall::new(program, self.tool_timeout());
+        let mut call = ToolCall::new(program, self.ctx.tool_timeout());
         for arg in args {
             call = call.arg(*arg);
         }
@@ -152,7 +152,7 @@ impl NodeExecutor {
     /// Runs `ip` for JSON; a failure or an answer cut at the output cap is an error, since a
     /// check that saw only part of the node must not pass.
     async fn ip_json(&self, args: &[&str]) -> Result<serde_json::Value, ExecError> {
-        let out = self.tool(&self.config.tools.ip, args).await?;
+        let out = self.tool(&self.ctx.config.tools.ip, args).await?;
         let command = format!("ip {}", args.join(" "));
         if !out.success() {
             return Err(ExecError::Failed(format!(
@@ -181,7 +181,7 @@ impl NodeExecutor {
         let mut seen = Observation::default();
         let link = self
             .tool(
-                &self.config.tools.ip,
+                &self.ctx.config.tools.ip,
                 &["-j", "-d", "link", "show", "dev", vnet.as_str()],
             )
             .await?;
@@ -237,7 +237,7 @@ impl NodeExecutor {
         }
         let out = self
             .read_ruleset(
-                &self.config.tools.nft,
+                &self.ctx.config.tools.nft,
                 &["list", "ruleset"],
                 "nftables ruleset",
             )
@@ -260,8 +260,14 @@ impl NodeExecutor {
             }
         }
         for (tool, tables) in [
-            (&self.config.tools.iptables_legacy_save, "ip_tables_names"),
-            (&self.config.tools.ip6tables_legacy_save, "ip6_tables_names"),
+            (
+                &self.ctx.config.tools.iptables_legacy_save,
+                "ip_tables_names",
+            ),
+            (
+                &self.ctx.config.tools.ip6tables_legacy_save,
+                "ip6_tables_names",
+            ),
         ] {
             self.read_legacy_nat(tool, tables, vnet, &subnet, &mut seen)
                 .await?;
@@ -280,8 +286,8 @@ impl NodeExecutor {
             program,
             args,
             what,
-            self.config.limits.max_ruleset_bytes,
-            self.tool_timeout(),
+            self.ctx.config.limits.max_ruleset_bytes,
+            self.ctx.tool_timeout(),
         )
         .await
     }
@@ -299,8 +305,8 @@ impl NodeExecutor {
         let listing = read_legacy_nat(
             tool,
             tables_file,
-            self.config.limits.max_ruleset_bytes,
-            self.tool_timeout(),
+            self.ctx.config.limits.max_ruleset_bytes,
+            self.ctx.tool_timeout(),
         )
         .await?;
         seen.nat_sources.push(listing.source(tool, tables_file));
