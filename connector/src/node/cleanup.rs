@@ -139,16 +139,28 @@ impl NodeExecutor {
             |resource: String, end_state: EndState| receipts.push((resource, end_state));
         if touched_network {
             let table = Resource::NftTable(sandbox::table_name(grant));
-            if self.table_present(grant).await.unwrap_or(false) {
-                let end = match self.remove_table(guard, grant).await {
+            if self
+                .ctx
+                .sandbox()
+                .table_present(grant)
+                .await
+                .unwrap_or(false)
+            {
+                let end = match self.ctx.sandbox().remove_table(guard, grant).await {
                     Ok(state) => state,
                     Err(error) => EndState::Failed(error.to_string()),
                 };
                 receipt(table.key(), end);
             }
             let address = Resource::ProbeAddress(grant.vnet.clone());
-            if self.address_present(grant).await.unwrap_or(false) {
-                let end = match self.remove_address(guard, grant).await {
+            if self
+                .ctx
+                .sandbox()
+                .address_present(grant)
+                .await
+                .unwrap_or(false)
+            {
+                let end = match self.ctx.sandbox().remove_address(guard, grant).await {
                     Ok(state) => state,
                     Err(error) => EndState::Failed(error.to_string()),
                 };
@@ -192,13 +204,12 @@ impl NodeExecutor {
             Resource::Vm(vmid) => self.undo_vm(guard, grant, state, *vmid).await,
             // Whatever the install reported, the node is read before anything is recorded:
             // an absent table or address is journaled "already gone", a present one removed.
-            Resource::NftTable(_) => self.remove_table(guard, grant).await,
-            Resource::ProbeAddress(_) => self
-                .remove_address(guard, grant)
-                .await
-                ,
+            Resource::NftTable(_) => self.ctx.sandbox().remove_table(guard, grant).await,
+            Resource::ProbeAddress(_) => self.ctx.sandbox().remove_address(guard, grant).await,
             // Written back only while it still holds the value the run set.
             Resource::Forwarding(_) => self
+                .ctx
+                .sandbox()
                 .restore_forwarding(guard, grant)
                 .await
                 .map(|end| end.unwrap_or(EndState::AlreadyGone)),
@@ -242,7 +253,7 @@ impl NodeExecutor {
     pub(super) async fn residue(&self, grant: &Grant, touched_network: bool) -> Vec<String> {
         let mut residue = Vec::new();
         if touched_network {
-            match self.table_present(grant).await {
+            match self.ctx.sandbox().table_present(grant).await {
                 Ok(true) => residue.push(format!(
                     "nftables table inet {} still exists",
                     sandbox::table_name(grant)
@@ -250,7 +261,7 @@ impl NodeExecutor {
                 Ok(false) => {}
                 Err(error) => residue.push(format!("cannot check the nftables table: {error}")),
             }
-            match self.address_present(grant).await {
+            match self.ctx.sandbox().address_present(grant).await {
                 Ok(true) => residue.push(format!(
                     "{} still carries {}",
                     grant.vnet, grant.probe_source

@@ -161,9 +161,12 @@ impl NodeExecutor {
             Action::Qmp { vmid, command } => self.run_qmp(run, vmid, command).await,
             Action::Qga { vmid, call } => self.run_qga(run, vmid, call).await,
             Action::PrepareSandbox { vnet, probe_source } => {
-                self.prepare_sandbox(run, vnet, probe_source).await
+                self.ctx
+                    .sandbox()
+                    .prepare_sandbox(run, vnet, probe_source)
+                    .await
             }
-            Action::ReleaseSandbox { vnet } => self.release_sandbox(run, vnet).await,
+            Action::ReleaseSandbox { vnet } => self.ctx.sandbox().release_sandbox(run, vnet).await,
             Action::Probe {
                 kind,
                 address,

@@ -584,15 +584,15 @@ impl NodeExecutor {
                 self.check_mapping(grant, archive, &device)?;
             }
             if !prepared
-                || !self.table_present(grant).await?
-                || !self.address_present(grant).await?
+                || !self.ctx.sandbox().table_present(grant).await?
+                || !self.ctx.sandbox().address_present(grant).await?
             {
                 return Err(ExecError::FailedPrecondition(format!(
                     "VM {vmid} may boot only on a prepared sandbox: call PrepareSandbox for {} first",
                     grant.vnet
                 )));
             }
-            self.recheck_sandbox(grant).await?;
+            self.ctx.sandbox().recheck_sandbox(grant).await?;
         }
         let output = self.journaled_qm(&mut guard, vmid, verb).await?;
         // qm reports success only once the VM reached the state; VmStatus re-reads it on demand.

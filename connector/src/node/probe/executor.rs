@@ -44,7 +44,7 @@ impl NodeExecutor {
             &Resource::ProbeAddress(grant.vnet.clone()),
         )
         .is_some_and(|s| s.is_open() && s.standing() == Standing::Done);
-        let address_present = self.address_present(grant).await?;
+        let address_present = self.ctx.sandbox().address_present(grant).await?;
         if address_added && !address_present {
             // ifupdown2's `ifreload -a` (every SDN "Apply" runs it) purges addresses it did not
             // configure: the node took the address, the guest and the backup did nothing wrong.
@@ -65,7 +65,7 @@ impl NodeExecutor {
                 error,
             ));
         }
-        if !address_present || !self.table_present(grant).await? {
+        if !address_present || !self.ctx.sandbox().table_present(grant).await? {
             return Err(ExecError::FailedPrecondition(format!(
                 "the probe address {} or the run's containment table is not on {}; call PrepareSandbox first",
                 grant.probe_source, grant.vnet

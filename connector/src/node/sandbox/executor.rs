@@ -1,13 +1,14 @@
 //! `PrepareSandbox`, the re-check before a boot, and the release of the table and the probe
 //! address, journaled.
 
+use super::Sandbox;
 use super::Stage;
 use super::isolation::{probe_network_conflicts, violations};
 use super::ruleset::{ruleset, table_name};
 use crate::config::ForwardingPolicy;
 use crate::executor::{ExecError, Outcome};
+use crate::node::resources;
 use crate::node::resources::EndState;
-use crate::node::{NodeExecutor, resources};
 use crate::process::{SecretInput, SecretKind, ToolCall};
 use crate::runs::{RunGuard, RunHandle};
 use certistack_core::grant::Grant;
@@ -25,7 +26,7 @@ enum NetworkObject {
     Address,
 }
 
-impl NodeExecutor {
+impl Sandbox<'_> {
     /// The re-check before a guest boots: the VNet must still be what PrepareSandbox found,
     /// with the probe address and the run's table on it, and nothing stacked on it since.
     pub(in crate::node) async fn recheck_sandbox(&self, grant: &Grant) -> Result<(), ExecError> {

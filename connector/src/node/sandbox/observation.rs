@@ -1,10 +1,11 @@
 //! What the node shows about a VNet and its own network, read without changing anything:
 //! `ip -json` listings of links, addresses and routes, the forwarding sysctls, the NAT rules.
 
+use super::Sandbox;
 use super::Stage;
 use super::nat::{LegacyNat, legacy_nat_rules, read_legacy_nat, read_ruleset};
 use crate::executor::ExecError;
-use crate::node::{NodeExecutor, tool_error};
+use crate::node::tool_error;
 use crate::process::{self, ToolCall, ToolOutput};
 use certistack_core::grant::Grant;
 use certistack_core::net::IpNetwork;
@@ -136,7 +137,7 @@ pub(super) fn parse_routes(parsed: &serde_json::Value) -> Vec<NodeRoute> {
         .collect()
 }
 
-impl NodeExecutor {
+impl Sandbox<'_> {
     pub(super) async fn tool(
         &self,
         program: &std::path::Path,
