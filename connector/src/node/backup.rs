@@ -10,7 +10,7 @@
 //! only while the device is still backed by this run's mapping.
 
 use super::resources::{EndState, ResourceState, Standing};
-use super::{NodeExecutor, loopdev, repository_string, tool_detail, tool_result};
+use super::{context::NodeContext, loopdev, repository_string, tool_detail, tool_result};
 use crate::action::EncryptionKey;
 use crate::executor::{ExecError, Outcome};
 use crate::process::{self, SecretInput, SecretKind, ToolCall, ToolOutput, TransientRole};
@@ -60,7 +60,20 @@ pub(super) fn describe_holders(holders: &[loopdev::DmHolder]) -> String {
         .join("; ")
 }
 
-impl NodeExecutor {
+/// The executor of backups: maps a PBS backup's archive to a loop device, reads a snapshot's
+/// source configuration, and unmaps what the run mapped.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Backups<'a> {
+    ctx: &'a NodeContext,
+}
+
+impl NodeContext {
+    pub(in crate::node) fn backups(&self) -> Backups<'_> {
+        Backups { ctx: self }
+    }
+}
+
+impl Backups<'_> {
     /// The mapping name PBS gives this run's mapping of `archive`, unescaped, as `unmap` takes it.
     fn mapping_name(&self, grant: &Grant, archive: &ArchiveName) -> String {
         format!(

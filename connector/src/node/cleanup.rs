@@ -168,11 +168,13 @@ impl NodeExecutor {
             }
         }
         for archive in &grant.archives {
-            if self.our_loops(grant, archive).is_empty() {
+            if self.ctx.backups().our_loops(grant, archive).is_empty() {
                 continue;
             }
             // Whatever carries the run's mapping name is the run's.
             let end = match self
+                .ctx
+                .backups()
                 .unmap_mappings(guard, grant, archive, Vec::new(), true)
                 .await
             {
@@ -198,6 +200,8 @@ impl NodeExecutor {
                 self.remove_path(guard, Op::OverlayDelete, key, &path).await
             }
             Resource::Backup(archive) => self
+                .ctx
+                .backups()
                 .undo_backup(guard, grant, state, archive)
                 .await
                 .map(|(end, _)| end),
@@ -271,7 +275,7 @@ impl NodeExecutor {
             }
         }
         for archive in &grant.archives {
-            for l in self.our_loops(grant, archive) {
+            for l in self.ctx.backups().our_loops(grant, archive) {
                 residue.push(format!("loop device {} still maps {archive}", l.device));
                 let holders = super::loopdev::device_mapper_holders(&self.ctx.sys_block, &l.device);
                 if !holders.is_empty() {
@@ -281,7 +285,7 @@ impl NodeExecutor {
                     ));
                 }
             }
-            let backing = self.expected_backing(grant, archive);
+            let backing = self.ctx.backups().expected_backing(grant, archive);
             if backing.exists() {
                 residue.push(format!(
                     "the mapping {} of {archive} still exists",

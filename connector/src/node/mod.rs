@@ -123,10 +123,12 @@ impl NodeExecutor {
                 secret,
                 encryption_key,
             } => {
-                self.map_backup(run, snapshot, archive, secret, encryption_key)
+                self.ctx
+                    .backups()
+                    .map_backup(run, snapshot, archive, secret, encryption_key)
                     .await
             }
-            Action::UnmapBackup { archive } => self.unmap_backup(run, archive).await,
+            Action::UnmapBackup { archive } => self.ctx.backups().unmap_backup(run, archive).await,
             Action::CreateOverlay { vmid, archive } => {
                 self.create_overlay(run, vmid, archive).await
             }
@@ -148,7 +150,9 @@ impl NodeExecutor {
                 secret,
                 encryption_key,
             } => {
-                self.read_source_config(run, snapshot, secret, encryption_key)
+                self.ctx
+                    .backups()
+                    .read_source_config(run, snapshot, secret, encryption_key)
                     .await
             }
             Action::StartVm { vmid } => self.vm_lifecycle(run, vmid, vm::Verb::Start).await,

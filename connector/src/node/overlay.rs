@@ -10,6 +10,7 @@
 //! in a directory nobody else can write to.
 
 use super::NodeExecutor;
+use super::backup::Backups;
 use super::resources::EndState;
 use super::{tool_detail, tool_result};
 use crate::executor::{ExecError, Outcome};
@@ -205,12 +206,12 @@ impl NodeExecutor {
         let mut guard = self.ctx.lock_open(run).await?;
         let states = super::resources::states(&guard.records());
         let backup = Resource::Backup(archive.clone());
-        let device = Self::mapped_device(states.get(&backup)).ok_or_else(|| {
+        let device = Backups::mapped_device(states.get(&backup)).ok_or_else(|| {
             ExecError::FailedPrecondition(format!(
                 "{archive} is not mapped by this run; call MapBackup first"
             ))
         })?;
-        self.check_mapping(grant, &archive, &device)?;
+        self.ctx.backups().check_mapping(grant, &archive, &device)?;
         let resource = Resource::Overlay {
             vmid,
             archive: archive.clone(),

@@ -6,6 +6,7 @@
 //! stop and destroy, and before cleanup undoes anything, the VM config is re-read: only a VM
 //! carrying this run's description, tag and journaled SMBIOS UUID is ever touched.
 
+use super::backup::Backups;
 use super::backup::SOURCE_CONFIG_OP;
 use super::resources::{self, EndState, ResourceState, Standing};
 use super::{NodeExecutor, tool_detail, tool_error, tool_result};
@@ -576,12 +577,12 @@ impl NodeExecutor {
                     });
             for archive in archives {
                 let backup = Resource::Backup(archive.clone());
-                let device = Self::mapped_device(states.get(&backup)).ok_or_else(|| {
+                let device = Backups::mapped_device(states.get(&backup)).ok_or_else(|| {
                     ExecError::FailedPrecondition(format!(
                         "{archive} is no longer mapped by this run"
                     ))
                 })?;
-                self.check_mapping(grant, archive, &device)?;
+                self.ctx.backups().check_mapping(grant, archive, &device)?;
             }
             if !prepared
                 || !self.ctx.sandbox().table_present(grant).await?
