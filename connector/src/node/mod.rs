@@ -175,7 +175,7 @@ impl NodeExecutor {
                 kind,
                 address,
                 port,
-            } => self.probe(run, kind, address, port).await,
+            } => self.ctx.probes().probe(run, kind, address, port).await,
             // The service answers ReadJournal itself, streaming the journal file.
             Action::ReadJournal { .. } => Err(ExecError::Failed(
                 "ReadJournal is answered by the run registry, never by the executor".into(),

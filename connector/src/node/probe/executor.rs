@@ -3,7 +3,7 @@
 
 use super::{ProbeBounds, probe_target};
 use crate::executor::{ExecError, Outcome};
-use crate::node::NodeExecutor;
+use crate::node::context::NodeContext;
 use crate::node::resources::{self, Standing};
 use crate::runs::RunHandle;
 use certistack_core::grant::ProbeKind;
@@ -14,7 +14,20 @@ use certistack_proto::v1 as pb;
 use serde_json::json;
 use std::time::Duration;
 
-impl NodeExecutor {
+/// The executor of probes: checks that the run's probe address and containment table are in
+/// place, then connects from the probe address to a granted target and journals what it saw.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Probes<'a> {
+    ctx: &'a NodeContext,
+}
+
+impl NodeContext {
+    pub(in crate::node) fn probes(&self) -> Probes<'_> {
+        Probes { ctx: self }
+    }
+}
+
+impl Probes<'_> {
     pub(in crate::node) async fn probe(
         &self,
         run: &RunHandle,
