@@ -195,9 +195,15 @@ impl NodeExecutor {
         let key = &state.resource;
         match &state.resource {
             Resource::Overlay { vmid, archive } => {
-                self.release_recovery_unit(grant, *vmid).await?;
-                let path = self.overlay_path(grant, *vmid, archive);
-                self.remove_path(guard, Op::OverlayDelete, key, &path).await
+                self.ctx
+                    .guest_network()
+                    .release_recovery_unit(grant, *vmid)
+                    .await?;
+                let path = self.ctx.overlays().overlay_path(grant, *vmid, archive);
+                self.ctx
+                    .overlays()
+                    .remove_path(guard, Op::OverlayDelete, key, &path)
+                    .await
             }
             Resource::Backup(archive) => self
                 .ctx
@@ -218,11 +224,21 @@ impl NodeExecutor {
                 .await
                 .map(|end| end.unwrap_or(EndState::AlreadyGone)),
             Resource::Screendump(vmid) => {
-                let path = self.screendump_path(grant, *vmid);
-                self.remove_path(guard, Op::FileDelete, key, &path).await
+                let path = self.ctx.overlays().screendump_path(grant, *vmid);
+                self.ctx
+                    .overlays()
+                    .remove_path(guard, Op::FileDelete, key, &path)
+                    .await
             }
             Resource::OverlayDir => {
-                self.remove_path(guard, Op::OverlayDirDelete, key, &self.overlay_dir(grant))
+                self.ctx
+                    .overlays()
+                    .remove_path(
+                        guard,
+                        Op::OverlayDirDelete,
+                        key,
+                        &self.ctx.overlays().overlay_dir(grant),
+                    )
                     .await
             }
             // Run-level, read-only and probe records are never open resources (`states`).
@@ -293,7 +309,7 @@ impl NodeExecutor {
                 ));
             }
         }
-        let dir = self.overlay_dir(grant);
+        let dir = self.ctx.overlays().overlay_dir(grant);
         if dir.symlink_metadata().is_ok() {
             residue.push(format!("overlay directory {} still exists", dir.display()));
         }

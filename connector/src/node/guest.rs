@@ -363,7 +363,7 @@ impl NodeExecutor {
         let resource = Resource::Vm(vmid);
         let mut arguments = None;
         if command == QmpCommand::Screendump {
-            let path = self.screendump_path(&run.grant, vmid);
+            let path = self.ctx.overlays().screendump_path(&run.grant, vmid);
             let key = Resource::Screendump(vmid);
             if !resources::state_of(&guard.records(), &Resource::OverlayDir)
                 .is_some_and(|s| s.is_open())
@@ -383,7 +383,7 @@ impl NodeExecutor {
             // QEMU opens the path it is given and follows links: it gets a file created here,
             // without following any, in the run's checked directory (a previous screendump of
             // the run is replaced).
-            if let Err(error) = self.create_run_file(
+            if let Err(error) = self.ctx.overlays().create_run_file(
                 &run.grant,
                 &super::overlay::screendump_file_name(vmid),
                 true,
@@ -449,14 +449,14 @@ impl NodeExecutor {
         grant: &Grant,
         vmid: Vmid,
     ) -> Result<Vec<u8>, ExecError> {
-        let path = self.screendump_path(grant, vmid);
+        let path = self.ctx.overlays().screendump_path(grant, vmid);
         let key = Resource::Screendump(vmid);
         let max = self.ctx.config.limits.max_screendump_bytes;
         let name = super::overlay::screendump_file_name(vmid);
         let read = {
-            let executor = self.clone();
+            let ctx = self.ctx.clone();
             let grant = grant.clone();
-            tokio::task::spawn_blocking(move || executor.read_run_file(&grant, &name, max))
+            tokio::task::spawn_blocking(move || ctx.overlays().read_run_file(&grant, &name, max))
                 .await
                 .map_err(|error| {
                     ExecError::Failed(format!("reading the screendump stopped: {error}"))
@@ -470,7 +470,10 @@ impl NodeExecutor {
                 guard
                     .failed(self.ctx.now_ms(), &Op::FileScreendump, &key, detail)
                     .await?;
-                self.remove_path(guard, Op::FileDelete, &key, &path).await?;
+                self.ctx
+                    .overlays()
+                    .remove_path(guard, Op::FileDelete, &key, &path)
+                    .await?;
                 return Err(ExecError::ResourceExhausted(format!(
                     "the screendump of VM {vmid} is larger than {max} bytes (limits.max_screendump_bytes); it was removed: raise the limit or lower the guest's display resolution"
                 )));

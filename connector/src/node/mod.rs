@@ -130,10 +130,10 @@ impl NodeExecutor {
             }
             Action::UnmapBackup { archive } => self.ctx.backups().unmap_backup(run, archive).await,
             Action::CreateOverlay { vmid, archive } => {
-                self.create_overlay(run, vmid, archive).await
+                self.ctx.overlays().create_overlay(run, vmid, archive).await
             }
             Action::DeleteOverlay { vmid, archive } => {
-                self.delete_overlay(run, vmid, archive).await
+                self.ctx.overlays().delete_overlay(run, vmid, archive).await
             }
             Action::CreateVm {
                 vmid,
@@ -185,7 +185,12 @@ impl NodeExecutor {
                 vmid,
                 archive,
                 mode,
-            } => self.recover_guest_network(run, vmid, archive, mode).await,
+            } => {
+                self.ctx
+                    .guest_network()
+                    .recover_guest_network(run, vmid, archive, mode)
+                    .await
+            }
         }
     }
 }

@@ -9,8 +9,8 @@
 //! followed; tools (`qemu-img`, QEMU's screendump) then get the path of the file just created
 //! in a directory nobody else can write to.
 
-use super::NodeExecutor;
 use super::backup::Backups;
+use super::context::NodeContext;
 use super::resources::EndState;
 use super::{tool_detail, tool_result};
 use crate::executor::{ExecError, Outcome};
@@ -71,7 +71,20 @@ fn io_refusal(what: &str, path: &Path, error: impl std::fmt::Display) -> ExecErr
     ))
 }
 
-impl NodeExecutor {
+/// The executor of overlays: creates and deletes the copy-on-write overlays VMs boot from,
+/// and the run directory under the overlay root that holds them and the run's files.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Overlays<'a> {
+    ctx: &'a NodeContext,
+}
+
+impl NodeContext {
+    pub(in crate::node) fn overlays(&self) -> Overlays<'_> {
+        Overlays { ctx: self }
+    }
+}
+
+impl Overlays<'_> {
     /// `<overlay root>/<run id>`: the only directory overlays are created in.
     pub(super) fn overlay_dir(&self, grant: &Grant) -> PathBuf {
         self.ctx
@@ -380,7 +393,10 @@ impl NodeExecutor {
                 "VM {vmid} still uses the overlay of {archive}; destroy it first"
             )));
         }
-        self.release_recovery_unit(grant, vmid).await?;
+        self.ctx
+            .guest_network()
+            .release_recovery_unit(grant, vmid)
+            .await?;
         let path = self.overlay_path(grant, vmid, &archive);
         self.remove_path(&mut guard, Op::OverlayDelete, &resource, &path)
             .await?;

@@ -423,7 +423,7 @@ impl NodeExecutor {
                     "VM {vmid} has no overlay of {archive}; call CreateOverlay first"
                 )));
             }
-            let path = self.overlay_path(grant, vmid, archive);
+            let path = self.ctx.overlays().overlay_path(grant, vmid, archive);
             disks.push((archive.clone(), slot, path.display().to_string()));
         }
         // The source's shape, or the connector's own: q35, virtio-scsi, scsiN in order.

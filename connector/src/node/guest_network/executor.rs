@@ -8,7 +8,7 @@ use super::session::{
 };
 use super::{OP, RecoveryError, SandboxNic, sandbox_mac};
 use crate::executor::{ExecError, Outcome};
-use crate::node::NodeExecutor;
+use crate::node::context::NodeContext;
 use crate::node::tool_result;
 use crate::process::{self, ToolOutput};
 use crate::runs::RunHandle;
@@ -21,7 +21,20 @@ use sha2::{Digest, Sha256};
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-impl NodeExecutor {
+/// The executor of guest network recovery: rewrites a restored guest's network configuration
+/// in its overlay, offline, through an appliance run as a transient unit.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct GuestNetwork<'a> {
+    ctx: &'a NodeContext,
+}
+
+impl NodeContext {
+    pub(in crate::node) fn guest_network(&self) -> GuestNetwork<'_> {
+        GuestNetwork { ctx: self }
+    }
+}
+
+impl GuestNetwork<'_> {
     /// The unit a recovery runs in, when this daemon starts tools in transient units.
     fn guest_network_unit(
         &self,
@@ -101,7 +114,7 @@ impl NodeExecutor {
                 "VM {vmid} has been started: the guest may have written to its overlay, and recovery happens only before the first start (destroy the VM, delete the overlay and create both again)"
             )));
         }
-        let path = self.overlay_path(grant, vmid, &archive);
+        let path = self.ctx.overlays().overlay_path(grant, vmid, &archive);
         let mac = sandbox_mac(&grant.run_id, vmid, 0);
         if mode == NetworkRecoveryMode::Preserve {
             let detail = json!({ "mode": mode.name(), "path": path.display().to_string() });
