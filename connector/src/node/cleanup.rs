@@ -211,7 +211,7 @@ impl NodeExecutor {
                 .undo_backup(guard, grant, state, archive)
                 .await
                 .map(|(end, _)| end),
-            Resource::Vm(vmid) => self.undo_vm(guard, grant, state, *vmid).await,
+            Resource::Vm(vmid) => self.ctx.vms().undo_vm(guard, grant, state, *vmid).await,
             // Whatever the install reported, the node is read before anything is recorded:
             // an absent table or address is journaled "already gone", a present one removed.
             Resource::NftTable(_) => self.ctx.sandbox().remove_table(guard, grant).await,
@@ -314,7 +314,7 @@ impl NodeExecutor {
             residue.push(format!("overlay directory {} still exists", dir.display()));
         }
         for vmid in grant.sandbox_vms.keys() {
-            let ownership = self.ownership(grant, *vmid, None);
+            let ownership = self.ctx.vms().ownership(grant, *vmid, None);
             match &ownership {
                 super::vm::Ownership::Unknown(reason) => {
                     residue.push(format!("VM {vmid}: {reason}"))

@@ -359,7 +359,7 @@ impl NodeExecutor {
         command: QmpCommand,
     ) -> Result<Outcome, ExecError> {
         let mut guard = self.ctx.lock_open(run).await?;
-        self.require_ours(&guard, &run.grant, vmid)?;
+        self.ctx.vms().require_ours(&guard, &run.grant, vmid)?;
         let resource = Resource::Vm(vmid);
         let mut arguments = None;
         if command == QmpCommand::Screendump {
@@ -504,7 +504,7 @@ impl NodeExecutor {
         call: QgaCall,
     ) -> Result<Outcome, ExecError> {
         let mut guard = self.ctx.lock_open(run).await?;
-        self.require_ours(&guard, &run.grant, vmid)?;
+        self.ctx.vms().require_ours(&guard, &run.grant, vmid)?;
         let resource = Resource::Vm(vmid);
         let path = self.socket(vmid, "qga");
         let started = Instant::now();

@@ -142,7 +142,9 @@ impl NodeExecutor {
                 archives,
                 mirror_source,
             } => {
-                self.create_vm(run, vmid, cores, memory_mib, archives, mirror_source)
+                self.ctx
+                    .vms()
+                    .create_vm(run, vmid, cores, memory_mib, archives, mirror_source)
                     .await
             }
             Action::ReadSourceConfig {
@@ -155,13 +157,25 @@ impl NodeExecutor {
                     .read_source_config(run, snapshot, secret, encryption_key)
                     .await
             }
-            Action::StartVm { vmid } => self.vm_lifecycle(run, vmid, vm::Verb::Start).await,
-            Action::StopVm { vmid, timeout_secs } => {
-                self.vm_lifecycle(run, vmid, vm::Verb::Stop { timeout_secs })
+            Action::StartVm { vmid } => {
+                self.ctx
+                    .vms()
+                    .vm_lifecycle(run, vmid, vm::Verb::Start)
                     .await
             }
-            Action::DestroyVm { vmid } => self.vm_lifecycle(run, vmid, vm::Verb::Destroy).await,
-            Action::VmStatus { vmid } => self.vm_status(run, vmid).await,
+            Action::StopVm { vmid, timeout_secs } => {
+                self.ctx
+                    .vms()
+                    .vm_lifecycle(run, vmid, vm::Verb::Stop { timeout_secs })
+                    .await
+            }
+            Action::DestroyVm { vmid } => {
+                self.ctx
+                    .vms()
+                    .vm_lifecycle(run, vmid, vm::Verb::Destroy)
+                    .await
+            }
+            Action::VmStatus { vmid } => self.ctx.vms().vm_status(run, vmid).await,
             Action::Qmp { vmid, command } => self.run_qmp(run, vmid, command).await,
             Action::Qga { vmid, call } => self.run_qga(run, vmid, call).await,
             Action::PrepareSandbox { vnet, probe_source } => {

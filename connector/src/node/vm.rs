@@ -9,7 +9,7 @@
 use super::backup::Backups;
 use super::backup::SOURCE_CONFIG_OP;
 use super::resources::{self, EndState, ResourceState, Standing};
-use super::{NodeExecutor, tool_detail, tool_error, tool_result};
+use super::{context::NodeContext, tool_detail, tool_error, tool_result};
 use crate::executor::{ExecError, Outcome};
 use crate::process::{self, ToolCall, TransientRole};
 use crate::runs::{RunGuard, RunHandle};
@@ -169,7 +169,20 @@ fn percent_decode(text: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-impl NodeExecutor {
+/// The executor of VMs: creates a run's VM on its overlays, starts, stops, destroys and reads
+/// it, each only while the VM is the one this run created.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Vms<'a> {
+    ctx: &'a NodeContext,
+}
+
+impl NodeContext {
+    pub(in crate::node) fn vms(&self) -> Vms<'_> {
+        Vms { ctx: self }
+    }
+}
+
+impl Vms<'_> {
     fn vm_config_path(&self, vmid: Vmid) -> std::path::PathBuf {
         self.ctx
             .config
