@@ -11,7 +11,7 @@
 //! - QGA: `guest-sync-delimited` with a random id (the reply follows a 0xFF byte, which also
 //!   flushes whatever a previous client left in the channel), then the command.
 
-use super::NodeExecutor;
+use super::context::NodeContext;
 use super::resources::{self};
 use crate::action::{QgaCall, QgaCommand, QmpCommand};
 use crate::executor::{ExecError, Outcome};
@@ -339,7 +339,20 @@ fn truncated(text: &str) -> String {
     text.get(..end).unwrap_or_default().to_owned()
 }
 
-impl NodeExecutor {
+/// The executor of guest calls: QMP and guest-agent commands to a run's VM over its sockets,
+/// and the screendumps QMP writes to the run directory.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Guests<'a> {
+    ctx: &'a NodeContext,
+}
+
+impl NodeContext {
+    pub(in crate::node) fn guests(&self) -> Guests<'_> {
+        Guests { ctx: self }
+    }
+}
+
+impl Guests<'_> {
     fn socket(&self, vmid: Vmid, suffix: &str) -> PathBuf {
         self.ctx
             .config

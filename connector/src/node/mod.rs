@@ -176,8 +176,8 @@ impl NodeExecutor {
                     .await
             }
             Action::VmStatus { vmid } => self.ctx.vms().vm_status(run, vmid).await,
-            Action::Qmp { vmid, command } => self.run_qmp(run, vmid, command).await,
-            Action::Qga { vmid, call } => self.run_qga(run, vmid, call).await,
+            Action::Qmp { vmid, command } => self.ctx.guests().run_qmp(run, vmid, command).await,
+            Action::Qga { vmid, call } => self.ctx.guests().run_qga(run, vmid, call).await,
             Action::PrepareSandbox { vnet, probe_source } => {
                 self.ctx
                     .sandbox()
