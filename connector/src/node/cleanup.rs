@@ -11,7 +11,7 @@
 //! - Residue is read from the node by what names it for the run (the mapping name, the table
 //!   name, the probe address, the run directory, the VM marker), not from the journal alone.
 
-use super::NodeExecutor;
+use super::context::NodeContext;
 use super::resources::{self, EndState, ResourceState};
 use super::sandbox;
 use crate::executor::{ExecError, Outcome};
@@ -61,7 +61,19 @@ impl Kept {
     }
 }
 
-impl NodeExecutor {
+/// The executor of cleanup: undoes what a run left on the node and reads what is still there.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Cleanup<'a> {
+    ctx: &'a NodeContext,
+}
+
+impl NodeContext {
+    pub(in crate::node) fn cleanup(&self) -> Cleanup<'_> {
+        Cleanup { ctx: self }
+    }
+}
+
+impl Cleanup<'_> {
     /// Undoes every open resource of the run (VMs first, then newest first), sweeps what is
     /// named for the run on the node, then re-reads the node for residue.
     pub(super) async fn cleanup(&self, run: &RunHandle) -> Result<Outcome, ExecError> {

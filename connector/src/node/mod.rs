@@ -194,7 +194,7 @@ impl NodeExecutor {
             Action::ReadJournal { .. } => Err(ExecError::Failed(
                 "ReadJournal is answered by the run registry, never by the executor".into(),
             )),
-            Action::Cleanup { .. } => self.cleanup(run).await,
+            Action::Cleanup { .. } => self.ctx.cleanup().cleanup(run).await,
             Action::RecoverGuestNetwork {
                 vmid,
                 archive,
@@ -238,7 +238,7 @@ impl Executor for NodeExecutor {
     }
 
     fn residue<'a>(&'a self, run: &'a RunHandle) -> ResidueFuture<'a> {
-        Box::pin(self.run_residue(run))
+        Box::pin(async move { self.ctx.cleanup().run_residue(run).await })
     }
 
     fn recover<'a>(&'a self, run: &'a RunHandle) -> RecoverFuture<'a> {
