@@ -1,6 +1,10 @@
 //! What every resource's executor shares: the daemon's configuration and clock, where block
 //! devices are read, and the steps common to all of them (locking a run, running a journaled
 //! tool, journaling a step's end, settling the steps a previous daemon was interrupted in).
+//!
+//! Each resource kind has an executor of its own over this context, and its module adds the
+//! accessor that builds it (`ctx.sandbox()`): one resource reaches another through the
+//! context, so neither names the other's module, and the context names none of them.
 
 use super::resources::{self, InterruptedStep, Standing};
 use super::{tool_detail, tool_error};

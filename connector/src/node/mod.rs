@@ -9,8 +9,11 @@
 //! A step runs in a task of its own, holding the run's lock, so a caller that goes away (a
 //! cancelled gRPC call drops the handler's future) never cuts a step short: the step runs to
 //! its end, bounded by its tool's timeout, and journals its real outcome; a retry then finds
-//! that outcome. Each resource kind lives in its own module: [`backup`], [`overlay`], [`vm`],
-//! [`sandbox`], [`guest`]; [`cleanup`] undoes them and reads residue.
+//! that outcome. Each resource kind has an executor of its own in its module: [`backup`],
+//! [`overlay`], [`vm`], [`guest`], [`sandbox`], [`probe`], [`guest_network`]; [`cleanup`]
+//! undoes them and reads residue. They share one context (`context`: configuration, clock,
+//! the run lock and the journaled step) and reach each other only through it;
+//! [`NodeExecutor`] only dispatches each action to its resource's executor.
 
 pub mod backup;
 pub mod cleanup;
