@@ -344,7 +344,7 @@ impl Backups<'_> {
         }))
     }
 
-    pub(super) async fn map_backup(
+    pub(super) async fn map(
         &self,
         run: &RunHandle,
         snapshot: Snapshot,
@@ -485,7 +485,7 @@ impl Backups<'_> {
         }))
     }
 
-    pub(super) async fn unmap_backup(
+    pub(super) async fn unmap(
         &self,
         run: &RunHandle,
         archive: ArchiveName,
@@ -509,9 +509,7 @@ impl Backups<'_> {
             )));
         }
         let state = state.clone();
-        let (end_state, output) = self
-            .undo_backup(&mut guard, grant, &state, &archive)
-            .await?;
+        let (end_state, output) = self.undo(&mut guard, grant, &state, &archive).await?;
         if let EndState::Failed(reason) = end_state {
             return Err(ExecError::FailedPrecondition(reason));
         }
@@ -526,7 +524,7 @@ impl Backups<'_> {
     /// Removes every mapping of `archive` this run made: the devices its map calls reported
     /// (completed, or refused after the client mapped them), and, when a map's outcome is
     /// unknown, whatever carries the run's mapping name. Journals `undone` with the end state.
-    pub(super) async fn undo_backup(
+    pub(super) async fn undo(
         &self,
         guard: &mut RunGuard<'_>,
         grant: &Grant,

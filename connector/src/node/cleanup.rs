@@ -220,10 +220,10 @@ impl Cleanup<'_> {
             Resource::Backup(archive) => self
                 .ctx
                 .backups()
-                .undo_backup(guard, grant, state, archive)
+                .undo(guard, grant, state, archive)
                 .await
                 .map(|(end, _)| end),
-            Resource::Vm(vmid) => self.ctx.vms().undo_vm(guard, grant, state, *vmid).await,
+            Resource::Vm(vmid) => self.ctx.vms().undo(guard, grant, state, *vmid).await,
             // Whatever the install reported, the node is read before anything is recorded:
             // an absent table or address is journaled "already gone", a present one removed.
             Resource::NftTable(_) => self.ctx.sandbox().remove_table(guard, grant).await,

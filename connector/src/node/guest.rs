@@ -365,7 +365,7 @@ impl Guests<'_> {
         Duration::from_secs(self.ctx.config.limits.guest_timeout_secs)
     }
 
-    pub(super) async fn run_qmp(
+    pub(super) async fn qmp(
         &self,
         run: &RunHandle,
         vmid: Vmid,
@@ -510,7 +510,7 @@ impl Guests<'_> {
         Ok(image)
     }
 
-    pub(super) async fn run_qga(
+    pub(super) async fn qga(
         &self,
         run: &RunHandle,
         vmid: Vmid,

@@ -128,15 +128,15 @@ impl NodeExecutor {
             } => {
                 self.ctx
                     .backups()
-                    .map_backup(run, snapshot, archive, secret, encryption_key)
+                    .map(run, snapshot, archive, secret, encryption_key)
                     .await
             }
-            Action::UnmapBackup { archive } => self.ctx.backups().unmap_backup(run, archive).await,
+            Action::UnmapBackup { archive } => self.ctx.backups().unmap(run, archive).await,
             Action::CreateOverlay { vmid, archive } => {
-                self.ctx.overlays().create_overlay(run, vmid, archive).await
+                self.ctx.overlays().create(run, vmid, archive).await
             }
             Action::DeleteOverlay { vmid, archive } => {
-                self.ctx.overlays().delete_overlay(run, vmid, archive).await
+                self.ctx.overlays().delete(run, vmid, archive).await
             }
             Action::CreateVm {
                 vmid,
@@ -147,7 +147,7 @@ impl NodeExecutor {
             } => {
                 self.ctx
                     .vms()
-                    .create_vm(run, vmid, cores, memory_mib, archives, mirror_source)
+                    .create(run, vmid, cores, memory_mib, archives, mirror_source)
                     .await
             }
             Action::ReadSourceConfig {
@@ -160,34 +160,23 @@ impl NodeExecutor {
                     .read_source_config(run, snapshot, secret, encryption_key)
                     .await
             }
-            Action::StartVm { vmid } => {
-                self.ctx
-                    .vms()
-                    .vm_lifecycle(run, vmid, vm::Verb::Start)
-                    .await
-            }
+            Action::StartVm { vmid } => self.ctx.vms().lifecycle(run, vmid, vm::Verb::Start).await,
             Action::StopVm { vmid, timeout_secs } => {
                 self.ctx
                     .vms()
-                    .vm_lifecycle(run, vmid, vm::Verb::Stop { timeout_secs })
+                    .lifecycle(run, vmid, vm::Verb::Stop { timeout_secs })
                     .await
             }
             Action::DestroyVm { vmid } => {
-                self.ctx
-                    .vms()
-                    .vm_lifecycle(run, vmid, vm::Verb::Destroy)
-                    .await
+                self.ctx.vms().lifecycle(run, vmid, vm::Verb::Destroy).await
             }
-            Action::VmStatus { vmid } => self.ctx.vms().vm_status(run, vmid).await,
-            Action::Qmp { vmid, command } => self.ctx.guests().run_qmp(run, vmid, command).await,
-            Action::Qga { vmid, call } => self.ctx.guests().run_qga(run, vmid, call).await,
+            Action::VmStatus { vmid } => self.ctx.vms().status(run, vmid).await,
+            Action::Qmp { vmid, command } => self.ctx.guests().qmp(run, vmid, command).await,
+            Action::Qga { vmid, call } => self.ctx.guests().qga(run, vmid, call).await,
             Action::PrepareSandbox { vnet, probe_source } => {
-                self.ctx
-                    .sandbox()
-                    .prepare_sandbox(run, vnet, probe_source)
-                    .await
+                self.ctx.sandbox().prepare(run, vnet, probe_source).await
             }
-            Action::ReleaseSandbox { vnet } => self.ctx.sandbox().release_sandbox(run, vnet).await,
+            Action::ReleaseSandbox { vnet } => self.ctx.sandbox().release(run, vnet).await,
             Action::Probe {
                 kind,
                 address,
@@ -205,7 +194,7 @@ impl NodeExecutor {
             } => {
                 self.ctx
                     .guest_network()
-                    .recover_guest_network(run, vmid, archive, mode)
+                    .recover(run, vmid, archive, mode)
                     .await
             }
         }

@@ -209,7 +209,7 @@ impl Overlays<'_> {
         }
     }
 
-    pub(super) async fn create_overlay(
+    pub(super) async fn create(
         &self,
         run: &RunHandle,
         vmid: Vmid,
@@ -370,7 +370,7 @@ impl Overlays<'_> {
         })
     }
 
-    pub(super) async fn delete_overlay(
+    pub(super) async fn delete(
         &self,
         run: &RunHandle,
         vmid: Vmid,

@@ -386,7 +386,7 @@ impl Vms<'_> {
         Ok(output)
     }
 
-    pub(super) async fn create_vm(
+    pub(super) async fn create(
         &self,
         run: &RunHandle,
         vmid: Vmid,
@@ -563,7 +563,7 @@ impl Vms<'_> {
     }
 
     /// `qm start|stop|destroy` on a VM of this run.
-    pub(super) async fn vm_lifecycle(
+    pub(super) async fn lifecycle(
         &self,
         run: &RunHandle,
         vmid: Vmid,
@@ -606,7 +606,7 @@ impl Vms<'_> {
                     grant.vnet
                 )));
             }
-            self.ctx.sandbox().recheck_sandbox(grant).await?;
+            self.ctx.sandbox().recheck(grant).await?;
         }
         let output = self.journaled_qm(&mut guard, vmid, verb).await?;
         // qm reports success only once the VM reached the state; VmStatus re-reads it on demand.
@@ -624,7 +624,7 @@ impl Vms<'_> {
         }))
     }
 
-    async fn status(
+    async fn read_status(
         &self,
         vmid: Vmid,
     ) -> Result<(pb::VmState, String, Option<process::ToolOutput>), ExecError> {
@@ -657,11 +657,7 @@ impl Vms<'_> {
         Ok((state_of_status(&qmp_status), qmp_status, Some(output)))
     }
 
-    pub(super) async fn vm_status(
-        &self,
-        run: &RunHandle,
-        vmid: Vmid,
-    ) -> Result<Outcome, ExecError> {
+    pub(super) async fn status(&self, run: &RunHandle, vmid: Vmid) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
         let guard = self.ctx.lock_open(run).await?;
         match self.require_ours(&guard, grant, vmid) {
@@ -677,7 +673,7 @@ impl Vms<'_> {
             }
             Err(error) => return Err(error),
         }
-        let (state, qmp_status, output) = self.status(vmid).await?;
+        let (state, qmp_status, output) = self.read_status(vmid).await?;
         Ok(Outcome::Vm(pb::VmReply {
             state: state as i32,
             tool: output.as_ref().map(|o| tool_result("qm status", o)),
@@ -704,7 +700,7 @@ impl Vms<'_> {
     }
 
     /// Cleanup of `vm:<vmid>`: stop and destroy it if, and only if, it is this run's.
-    pub(super) async fn undo_vm(
+    pub(super) async fn undo(
         &self,
         guard: &mut RunGuard<'_>,
         grant: &Grant,

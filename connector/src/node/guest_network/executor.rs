@@ -78,7 +78,7 @@ impl GuestNetwork<'_> {
         })
     }
 
-    pub(in crate::node) async fn recover_guest_network(
+    pub(in crate::node) async fn recover(
         &self,
         run: &RunHandle,
         vmid: Vmid,

@@ -29,7 +29,7 @@ enum NetworkObject {
 impl Sandbox<'_> {
     /// The re-check before a guest boots: the VNet must still be what PrepareSandbox found,
     /// with the probe address and the run's table on it, and nothing stacked on it since.
-    pub(in crate::node) async fn recheck_sandbox(&self, grant: &Grant) -> Result<(), ExecError> {
+    pub(in crate::node) async fn recheck(&self, grant: &Grant) -> Result<(), ExecError> {
         let seen = self.observe(grant, &grant.vnet, Stage::Boot).await?;
         let violations = violations(
             grant,
@@ -48,7 +48,7 @@ impl Sandbox<'_> {
         Ok(())
     }
 
-    pub(in crate::node) async fn prepare_sandbox(
+    pub(in crate::node) async fn prepare(
         &self,
         run: &RunHandle,
         vnet: VnetName,
@@ -222,7 +222,7 @@ impl Sandbox<'_> {
             match self.disable_forwarding(&mut guard, &vnet, &seen).await {
                 Ok(disabled) => disabled,
                 Err(error) => {
-                    let undo = self.undo_sandbox(&mut guard, grant).await;
+                    let undo = self.undo(&mut guard, grant).await;
                     return Err(ExecError::Failed(format!("{error}; {undo}")));
                 }
             }
@@ -258,7 +258,7 @@ impl Sandbox<'_> {
     }
 
     /// Removes what a failed `PrepareSandbox` installed, newest first, and says how it went.
-    async fn undo_sandbox(&self, guard: &mut RunGuard<'_>, grant: &Grant) -> String {
+    async fn undo(&self, guard: &mut RunGuard<'_>, grant: &Grant) -> String {
         let mut said = Vec::new();
         let mut left = false;
         match self.restore_forwarding(guard, grant).await {
@@ -297,7 +297,7 @@ impl Sandbox<'_> {
         }
     }
 
-    pub(in crate::node) async fn release_sandbox(
+    pub(in crate::node) async fn release(
         &self,
         run: &RunHandle,
         vnet: VnetName,
