@@ -12,9 +12,10 @@
 //!   name, the probe address, the run directory, the VM marker), not from the journal alone.
 
 use super::context::NodeContext;
-use super::resources::{self, EndState, ResourceState};
+use super::resources::{self, EndState, InterruptedStep, ResourceState, Standing};
 use super::sandbox;
 use crate::executor::{ExecError, Outcome};
+use crate::process::REAP_WITHIN;
 use crate::runs::{RunGuard, RunHandle};
 use certistack_core::grant::Grant;
 use certistack_core::journal::{Op, Resource};
@@ -74,11 +75,117 @@ impl NodeContext {
 }
 
 impl Cleanup<'_> {
+    /// Settles steps the daemon was interrupted in: kills and waits for the tools they
+    /// started, then journals each step `failed` with `outcome_unknown`. A tool that cannot be
+    /// proven gone leaves its step undecided and is reported.
+    pub(super) async fn settle_interrupted(
+        &self,
+        guard: &mut RunGuard<'_>,
+    ) -> Result<(), ExecError> {
+        let records = guard.records().to_vec();
+        // Steps on resources, and side steps (a guest network recovery's appliance holds the
+        // overlay open): every tool must be gone before anything decides about the resource.
+        let steps: Vec<InterruptedStep> = resources::states(&records)
+            .into_values()
+            .filter(|s| s.standing() == Standing::Interrupted)
+            .map(|s| InterruptedStep {
+                tools: s.interrupted_tools(),
+                op: s.last.entry.op,
+                resource: s.resource,
+                units: Vec::new(),
+            })
+            .chain(resources::interrupted_side_steps(&records))
+            .collect();
+        let mut problems = Vec::new();
+        for step in steps {
+            let mut killed = 0usize;
+            let mut left = Vec::new();
+            for tool in &step.tools {
+                match tool.reap(REAP_WITHIN).await {
+                    Ok(n) => killed = killed.saturating_add(n),
+                    Err(reason) => left.push(reason),
+                }
+            }
+            // A unit outlives the daemon that started it (a guest network recovery's
+            // appliance): stopped, after checking it is this run's. Without systemd as init
+            // no unit can exist.
+            let units: &[(String, String)] = if crate::systemd::booted() {
+                &step.units
+            } else {
+                &[]
+            };
+            let mut units_stopped = Vec::new();
+            let mut units_gone = Vec::new();
+            for (unit, description) in units {
+                match crate::process::release_transient_unit(
+                    &self.ctx.config.process.systemctl,
+                    unit,
+                    description,
+                    self.ctx.tool_timeout(),
+                )
+                .await
+                {
+                    Ok(crate::process::UnitRelease::Stopped) => units_stopped.push(unit),
+                    Ok(crate::process::UnitRelease::Gone) => units_gone.push(unit),
+                    Err(reason) => left.push(reason),
+                }
+            }
+            if !left.is_empty() {
+                problems.push(format!(
+                    "{} ({}): {}",
+                    step.resource,
+                    step.op,
+                    left.join("; ")
+                ));
+                continue;
+            }
+            guard
+                .failed(
+                    self.ctx.now_ms(),
+                    &step.op,
+                    &step.resource,
+                    json!({
+                        "error": "the connector stopped during this step",
+                        "outcome_unknown": true,
+                        "tools": step.tools,
+                        "units_stopped": units_stopped,
+                        // Units the step named that had ended by themselves before the settling.
+                        "units_gone": units_gone,
+                        "processes_killed": killed,
+                    }),
+                )
+                .await?;
+            if killed > 0 {
+                tracing::warn!(resource = %step.resource, op = %step.op, killed, "killed the tools of a step the connector was interrupted in");
+            }
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(ExecError::Failed(format!(
+                "a tool of an interrupted step is still running and could not be stopped ({}); nothing is decided until it is gone: retry, or stop it by hand",
+                problems.join("; ")
+            )))
+        }
+    }
+
+    /// Locks the run, even a closed one, and settles the steps a previous daemon was
+    /// interrupted in, so the records read next say what the node was last told.
+    async fn lock_settled<'a>(
+        &self,
+        run: &'a RunHandle,
+    ) -> Result<(RunGuard<'a>, Vec<Record>), ExecError> {
+        let mut guard = run.lock().await;
+        self.settle_interrupted(&mut guard).await?;
+        let records = guard.records().to_vec();
+        Ok((guard, records))
+    }
+
     /// Undoes every open resource of the run (VMs first, then newest first), sweeps what is
     /// named for the run on the node, then re-reads the node for residue.
     pub(super) async fn cleanup(&self, run: &RunHandle) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
-        let (mut guard, records) = self.ctx.lock_settled(run).await?;
+        let (mut guard, records) = self.lock_settled(run).await?;
         let touched_network = touched_network(&records);
         let mut open = resources::open_newest_first(&records);
         // Stable: VMs first, each group newest first. Everything else may lie beneath a VM.
@@ -267,7 +374,7 @@ impl Cleanup<'_> {
     /// What the node still holds that is named for the run, plus what the journal still has
     /// open: the run may end only when this is empty.
     pub(super) async fn run_residue(&self, run: &RunHandle) -> Result<Vec<String>, ExecError> {
-        let (_guard, records) = self.ctx.lock_settled(run).await?;
+        let (_guard, records) = self.lock_settled(run).await?;
         let touched_network = touched_network(&records);
         let open: Vec<String> = resources::open_newest_first(&records)
             .into_iter()

@@ -1,19 +1,20 @@
 //! What every resource's executor shares: the daemon's configuration and clock, where block
 //! devices are read, and the steps common to all of them (locking a run, running a journaled
-//! tool, journaling a step's end, settling the steps a previous daemon was interrupted in).
+//! tool, journaling a step's end). Locking a run first settles the steps a previous daemon
+//! was interrupted in, which [`super::cleanup`] does.
 //!
 //! Each resource kind has an executor of its own over this context, and its module adds the
 //! accessor that builds it (`ctx.sandbox()`): one resource reaches another through the
 //! context, so neither names the other's module, and the context names none of them.
 
-use super::resources::{self, InterruptedStep, Standing};
+use super::resources;
 use super::{tool_detail, tool_error};
 use crate::clock::Clock;
 use crate::config::Config;
 use crate::executor::ExecError;
-use crate::process::{self, REAP_WITHIN, ToolCall, ToolOutput};
+use crate::process::{self, ToolCall, ToolOutput};
 use crate::runs::{RunGuard, RunHandle};
-use certistack_core::journal::{Op, Record, Resource};
+use certistack_core::journal::{Op, Resource};
 use serde_json::json;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -60,7 +61,7 @@ impl NodeContext {
                 run.run_id
             )));
         }
-        self.settle_interrupted(&mut guard).await?;
+        self.cleanup().settle_interrupted(&mut guard).await?;
         Ok(guard)
     }
 
@@ -155,111 +156,5 @@ impl NodeContext {
             .failed(self.now_ms(), op, resource, tool_detail(output, extra))
             .await?;
         Ok(())
-    }
-
-    /// Settles steps the daemon was interrupted in: kills and waits for the tools they
-    /// started, then journals each step `failed` with `outcome_unknown`. A tool that cannot be
-    /// proven gone leaves its step undecided and is reported.
-    pub(in crate::node) async fn settle_interrupted(
-        &self,
-        guard: &mut RunGuard<'_>,
-    ) -> Result<(), ExecError> {
-        let records = guard.records().to_vec();
-        // Steps on resources, and side steps (a guest network recovery's appliance holds the
-        // overlay open): every tool must be gone before anything decides about the resource.
-        let steps: Vec<InterruptedStep> = resources::states(&records)
-            .into_values()
-            .filter(|s| s.standing() == Standing::Interrupted)
-            .map(|s| InterruptedStep {
-                tools: s.interrupted_tools(),
-                op: s.last.entry.op,
-                resource: s.resource,
-                units: Vec::new(),
-            })
-            .chain(resources::interrupted_side_steps(&records))
-            .collect();
-        let mut problems = Vec::new();
-        for step in steps {
-            let mut killed = 0usize;
-            let mut left = Vec::new();
-            for tool in &step.tools {
-                match tool.reap(REAP_WITHIN).await {
-                    Ok(n) => killed = killed.saturating_add(n),
-                    Err(reason) => left.push(reason),
-                }
-            }
-            // A unit outlives the daemon that started it (a guest network recovery's
-            // appliance): stopped, after checking it is this run's. Without systemd as init
-            // no unit can exist.
-            let units: &[(String, String)] = if crate::systemd::booted() {
-                &step.units
-            } else {
-                &[]
-            };
-            let mut units_stopped = Vec::new();
-            let mut units_gone = Vec::new();
-            for (unit, description) in units {
-                match crate::process::release_transient_unit(
-                    &self.config.process.systemctl,
-                    unit,
-                    description,
-                    self.tool_timeout(),
-                )
-                .await
-                {
-                    Ok(crate::process::UnitRelease::Stopped) => units_stopped.push(unit),
-                    Ok(crate::process::UnitRelease::Gone) => units_gone.push(unit),
-                    Err(reason) => left.push(reason),
-                }
-            }
-            if !left.is_empty() {
-                problems.push(format!(
-                    "{} ({}): {}",
-                    step.resource,
-                    step.op,
-                    left.join("; ")
-                ));
-                continue;
-            }
-            guard
-                .failed(
-                    self.now_ms(),
-                    &step.op,
-                    &step.resource,
-                    json!({
-                        "error": "the connector stopped during this step",
-                        "outcome_unknown": true,
-                        "tools": step.tools,
-                        "units_stopped": units_stopped,
-                        // Units the step named that had ended by themselves before the settling.
-                        "units_gone": units_gone,
-                        "processes_killed": killed,
-                    }),
-                )
-                .await?;
-            if killed > 0 {
-                tracing::warn!(resource = %step.resource, op = %step.op, killed, "killed the tools of a step the connector was interrupted in");
-            }
-        }
-        if problems.is_empty() {
-            Ok(())
-        } else {
-            Err(ExecError::Failed(format!(
-                "a tool of an interrupted step is still running and could not be stopped ({}); nothing is decided until it is gone: retry, or stop it by hand",
-                problems.join("; ")
-            )))
-        }
-    }
-
-    /// Locks the run, even a closed one, and settles the steps a previous daemon was
-    /// interrupted in, so the records read next say what the node was last told.
-    pub(in crate::node) async fn lock_settled<'a>(
-        &self,
-        run: &'a RunHandle,
-    ) -> Result<(RunGuard<'a>, Vec<Record>), ExecError> {
-        let mut guard = run.lock().await;
-        self.settle_interrupted(&mut guard).await?;
-        let records = guard.records().to_vec();
-        Ok((guard, records))
     }
 }

@@ -236,7 +236,7 @@ impl Executor for NodeExecutor {
     fn recover<'a>(&'a self, run: &'a RunHandle) -> RecoverFuture<'a> {
         Box::pin(async move {
             let mut guard = run.lock().await;
-            self.ctx.settle_interrupted(&mut guard).await
+            self.ctx.cleanup().settle_interrupted(&mut guard).await
         })
     }
 }
