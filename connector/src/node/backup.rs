@@ -10,7 +10,7 @@
 //! only while the device is still backed by this run's mapping.
 
 use super::resources::{EndState, ResourceState, Standing};
-use super::{NodeExecutor, loopdev, repository_string, tool_detail, tool_result};
+use super::{context::NodeContext, loopdev, repository_string, tool_detail, tool_result};
 use crate::action::EncryptionKey;
 use crate::executor::{ExecError, Outcome};
 use crate::process::{self, SecretInput, SecretKind, ToolCall, ToolOutput, TransientRole};
@@ -60,7 +60,20 @@ pub(super) fn describe_holders(holders: &[loopdev::DmHolder]) -> String {
         .join("; ")
 }
 
-impl NodeExecutor {
+/// The executor of backups: maps a PBS backup's archive to a loop device, reads a snapshot's
+/// source configuration, and unmaps what the run mapped.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Backups<'a> {
+    ctx: &'a NodeContext,
+}
+
+impl NodeContext {
+    pub(in crate::node) fn backups(&self) -> Backups<'_> {
+        Backups { ctx: self }
+    }
+}
+
+impl Backups<'_> {
     /// The mapping name PBS gives this run's mapping of `archive`, unescaped, as `unmap` takes it.
     fn mapping_name(&self, grant: &Grant, archive: &ArchiveName) -> String {
         format!(
@@ -77,7 +90,7 @@ impl NodeExecutor {
             grant.snapshot.as_str(),
             archive.as_str(),
         );
-        self.config.pve.pbs_loopdev_dir.join(name)
+        self.ctx.config.pve.pbs_loopdev_dir.join(name)
     }
 
     /// The device of the run's live, completed mapping of `archive`, from the journal.
@@ -97,7 +110,7 @@ impl NodeExecutor {
         device: &str,
     ) -> Result<(), ExecError> {
         let expected = self.expected_backing(grant, archive);
-        match loopdev::inspect(&self.sys_block, device) {
+        match loopdev::inspect(&self.ctx.sys_block, device) {
             Some(l) if l.serves(&expected) => {}
             _ => {
                 return Err(ExecError::FailedPrecondition(format!(
@@ -107,7 +120,7 @@ impl NodeExecutor {
         }
         if let Some(problem) = loopdev::holder_problem(
             &expected,
-            &self.config.tools.proxmox_backup_client,
+            &self.ctx.config.tools.proxmox_backup_client,
             archive.as_str(),
         ) {
             return Err(ExecError::FailedPrecondition(format!(
@@ -116,7 +129,7 @@ impl NodeExecutor {
         }
         // The host's LVM activated a volume of the guest: the host reads (and may write
         // metadata of) the disk under test, and the mapping cannot be undone while it does.
-        let holders = loopdev::device_mapper_holders(&self.sys_block, device);
+        let holders = loopdev::device_mapper_holders(&self.ctx.sys_block, device);
         if !holders.is_empty() {
             return Err(ExecError::FailedPrecondition(format!(
                 "the host uses the mapping of {archive}: {}; then retry",
@@ -133,7 +146,7 @@ impl NodeExecutor {
         archive: &ArchiveName,
     ) -> Vec<loopdev::LoopDevice> {
         let expected = self.expected_backing(grant, archive);
-        loopdev::attached(&self.sys_block)
+        loopdev::attached(&self.ctx.sys_block)
             .into_iter()
             .filter(|l| l.backing_file == expected)
             .collect()
@@ -146,7 +159,7 @@ impl NodeExecutor {
         let Some(ours) = expected.file_name().and_then(|n| n.to_str()) else {
             return false;
         };
-        let Ok(entries) = std::fs::read_dir(&self.config.pve.pbs_loopdev_dir) else {
+        let Ok(entries) = std::fs::read_dir(&self.ctx.config.pve.pbs_loopdev_dir) else {
             return false;
         };
         let matching: Vec<String> = entries
@@ -159,7 +172,7 @@ impl NodeExecutor {
     /// The transient unit (name, description) a mapping of `archive` for this run lives in,
     /// when this daemon starts holders in units.
     fn map_unit(&self, grant: &Grant, archive: &ArchiveName) -> Option<(String, String)> {
-        if !self.config.process.use_transient_units() {
+        if !self.ctx.config.process.use_transient_units() {
             return None;
         }
         let run_id = grant.run_id.as_str();
@@ -177,10 +190,10 @@ impl NodeExecutor {
             return;
         };
         if let Err(reason) = process::release_transient_unit(
-            &self.config.process.systemctl,
+            &self.ctx.config.process.systemctl,
             &unit,
             &description,
-            self.tool_timeout(),
+            self.ctx.tool_timeout(),
         )
         .await
         {
@@ -199,7 +212,7 @@ impl NodeExecutor {
         key: Option<EncryptionKey>,
     ) -> ToolCall {
         let mut call = args.iter().fold(
-            ToolCall::new(&self.config.tools.proxmox_backup_client, timeout),
+            ToolCall::new(&self.ctx.config.tools.proxmox_backup_client, timeout),
             |call, arg| call.arg(arg),
         );
         call = call
@@ -240,12 +253,12 @@ impl NodeExecutor {
         key: Option<EncryptionKey>,
     ) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
-        let mut guard = self.lock_open(run).await?;
+        let mut guard = self.ctx.lock_open(run).await?;
         let call = self
             .pbs_call(
                 grant,
                 &["restore", snapshot.as_str(), SOURCE_CONFIG_ARCHIVE, "-"],
-                self.tool_timeout(),
+                self.ctx.tool_timeout(),
                 secret,
                 key,
             )
@@ -253,24 +266,26 @@ impl NodeExecutor {
             .output_cap(MAX_CONFIG_BYTES.saturating_add(1));
         guard
             .intent(
-                self.now_ms(),
+                self.ctx.now_ms(),
                 SOURCE_CONFIG_OP,
                 SOURCE_CONFIG_RESOURCE,
                 json!({ "snapshot": snapshot.as_str(), "command": call.display() }),
             )
             .await?;
         let output = self
+            .ctx
             .run_step(&mut guard, SOURCE_CONFIG_OP, SOURCE_CONFIG_RESOURCE, call)
             .await?;
         if !output.success() {
-            self.journal_tool_failed(
-                &mut guard,
-                SOURCE_CONFIG_OP,
-                SOURCE_CONFIG_RESOURCE,
-                &output,
-                &[],
-            )
-            .await?;
+            self.ctx
+                .journal_tool_failed(
+                    &mut guard,
+                    SOURCE_CONFIG_OP,
+                    SOURCE_CONFIG_RESOURCE,
+                    &output,
+                    &[],
+                )
+                .await?;
             return Err(ExecError::FailedPrecondition(format!(
                 "proxmox-backup-client could not read {SOURCE_CONFIG_ARCHIVE} of {snapshot} (exit {:?}): {}",
                 output.exit_code,
@@ -287,17 +302,18 @@ impl NodeExecutor {
             Ok(hardware) => hardware,
             Err(error) => {
                 let reason = error.to_string();
-                self.journal_tool_failed(
-                    &mut guard,
-                    SOURCE_CONFIG_OP,
-                    SOURCE_CONFIG_RESOURCE,
-                    &output,
-                    &[
-                        ("reason", json!(reason)),
-                        ("config_sha256", json!(config_sha256)),
-                    ],
-                )
-                .await?;
+                self.ctx
+                    .journal_tool_failed(
+                        &mut guard,
+                        SOURCE_CONFIG_OP,
+                        SOURCE_CONFIG_RESOURCE,
+                        &output,
+                        &[
+                            ("reason", json!(reason)),
+                            ("config_sha256", json!(config_sha256)),
+                        ],
+                    )
+                    .await?;
                 return Err(ExecError::FailedPrecondition(format!(
                     "the VM config in {snapshot} cannot be mirrored: {reason}; the sandbox is not created from it"
                 )));
@@ -308,7 +324,7 @@ impl NodeExecutor {
         })?;
         guard
             .done(
-                self.now_ms(),
+                self.ctx.now_ms(),
                 SOURCE_CONFIG_OP,
                 SOURCE_CONFIG_RESOURCE,
                 tool_detail(
@@ -328,7 +344,7 @@ impl NodeExecutor {
         }))
     }
 
-    pub(super) async fn map_backup(
+    pub(super) async fn map(
         &self,
         run: &RunHandle,
         snapshot: Snapshot,
@@ -337,7 +353,7 @@ impl NodeExecutor {
         key: Option<EncryptionKey>,
     ) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
-        let mut guard = self.lock_open(run).await?;
+        let mut guard = self.ctx.lock_open(run).await?;
         let resource = Resource::Backup(archive.clone());
         if let Some(state) = super::resources::states(&guard.records())
             .get(&resource)
@@ -355,7 +371,7 @@ impl NodeExecutor {
         let mut call = self.pbs_call(
             grant,
             &["map", snapshot.as_str(), archive.as_str()],
-            Duration::from_secs(self.config.limits.map_timeout_secs),
+            Duration::from_secs(self.ctx.config.limits.map_timeout_secs),
             secret,
             key,
         );
@@ -369,8 +385,8 @@ impl NodeExecutor {
                     TransientRole::MapHolder,
                     &unit,
                     &description,
-                    &self.config.process.systemd_run,
-                    &self.config.process.systemctl,
+                    &self.ctx.config.process.systemd_run,
+                    &self.ctx.config.process.systemctl,
                     Some("PBS_PASSWORD_FD"),
                 )
                 .map_err(ExecError::Failed)?;
@@ -383,12 +399,12 @@ impl NodeExecutor {
             None => None,
         };
         guard.intent(
-            self.now_ms(),
+            self.ctx.now_ms(),
             op,
             &resource,
             json!({ "snapshot": snapshot.as_str(), "archive": archive.as_str(), "repository": repository, "command": call.display(), "unit": unit }),
         ).await?;
-        let output = match self.run_step(&mut guard, op, &resource, call).await {
+        let output = match self.ctx.run_step(&mut guard, op, &resource, call).await {
             Ok(output) => output,
             Err(error) => {
                 // A client that never started mapped nothing: close the resource, so the map
@@ -399,7 +415,8 @@ impl NodeExecutor {
                 )
                 .is_some_and(|s| s.standing() == Standing::Failed);
                 if never_started {
-                    self.journal_end_state(&mut guard, op, &resource, &EndState::NeverCreated)
+                    self.ctx
+                        .journal_end_state(&mut guard, op, &resource, &EndState::NeverCreated)
                         .await?;
                 }
                 return Err(error);
@@ -407,11 +424,13 @@ impl NodeExecutor {
         };
         // Success is the "mapped on" line: the client exits 0 even when its mapping child fails.
         let Some(device) = loopdev::parse_mapped_on(&output.stderr) else {
-            self.journal_tool_failed(&mut guard, op, &resource, &output, &[])
+            self.ctx
+                .journal_tool_failed(&mut guard, op, &resource, &output, &[])
                 .await?;
             // The client finished and named no device: this call mapped nothing, so the
             // resource is closed and the map may be retried.
-            self.journal_end_state(&mut guard, op, &resource, &EndState::NeverCreated)
+            self.ctx
+                .journal_end_state(&mut guard, op, &resource, &EndState::NeverCreated)
                 .await?;
             return Err(ExecError::FailedPrecondition(format!(
                 "proxmox-backup-client map did not map {archive} (exit {:?}): {}; nothing is left mapped, the map may be retried",
@@ -420,7 +439,7 @@ impl NodeExecutor {
             )));
         };
         let expected = self.expected_backing(grant, &archive);
-        let observed = loopdev::inspect(&self.sys_block, &device);
+        let observed = loopdev::inspect(&self.ctx.sys_block, &device);
         let problem = match &observed {
             None => Some(format!("{device} is not attached")),
             Some(l) if l.backing_file != expected => Some(format!(
@@ -438,12 +457,13 @@ impl NodeExecutor {
             // cleanup can undo exactly that mapping (and nothing else) later.
             let pbs_backing = observed
                 .map(|l| l.backing_file)
-                .filter(|b| b.parent() == Some(self.config.pve.pbs_loopdev_dir.as_path()));
+                .filter(|b| b.parent() == Some(self.ctx.config.pve.pbs_loopdev_dir.as_path()));
             let mut extra = vec![("loop_device", json!(device)), ("reason", json!(reason))];
             if let Some(backing) = pbs_backing {
                 extra.push(("backing_file", json!(backing.display().to_string())));
             }
-            self.journal_tool_failed(&mut guard, op, &resource, &output, &extra)
+            self.ctx
+                .journal_tool_failed(&mut guard, op, &resource, &output, &extra)
                 .await?;
             return Err(ExecError::FailedPrecondition(format!(
                 "the mapping of {archive} failed verification: {reason}; call Cleanup to remove it"
@@ -457,7 +477,7 @@ impl NodeExecutor {
                 ("unit", json!(unit)),
             ],
         );
-        guard.done(self.now_ms(), op, &resource, detail).await?;
+        guard.done(self.ctx.now_ms(), op, &resource, detail).await?;
         Ok(Outcome::MapBackup(pb::MapBackupReply {
             loop_device: device,
             tool: Some(tool_result("proxmox-backup-client map", &output)),
@@ -465,13 +485,13 @@ impl NodeExecutor {
         }))
     }
 
-    pub(super) async fn unmap_backup(
+    pub(super) async fn unmap(
         &self,
         run: &RunHandle,
         archive: ArchiveName,
     ) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
-        let mut guard = self.lock_open(run).await?;
+        let mut guard = self.ctx.lock_open(run).await?;
         let states = super::resources::states(&guard.records());
         let resource = Resource::Backup(archive.clone());
         let Some(state) = states.get(&resource).filter(|s| s.is_open()) else {
@@ -489,9 +509,7 @@ impl NodeExecutor {
             )));
         }
         let state = state.clone();
-        let (end_state, output) = self
-            .undo_backup(&mut guard, grant, &state, &archive)
-            .await?;
+        let (end_state, output) = self.undo(&mut guard, grant, &state, &archive).await?;
         if let EndState::Failed(reason) = end_state {
             return Err(ExecError::FailedPrecondition(reason));
         }
@@ -506,7 +524,7 @@ impl NodeExecutor {
     /// Removes every mapping of `archive` this run made: the devices its map calls reported
     /// (completed, or refused after the client mapped them), and, when a map's outcome is
     /// unknown, whatever carries the run's mapping name. Journals `undone` with the end state.
-    pub(super) async fn undo_backup(
+    pub(super) async fn undo(
         &self,
         guard: &mut RunGuard<'_>,
         grant: &Grant,
@@ -563,12 +581,13 @@ impl NodeExecutor {
             }
         }
         devices.retain(|d| {
-            loopdev::inspect(&self.sys_block, d).is_some_and(|l| l.backing_file == expected)
+            loopdev::inspect(&self.ctx.sys_block, d).is_some_and(|l| l.backing_file == expected)
         });
         devices.dedup();
         if devices.is_empty() && !dangling {
             self.release_map_unit(grant, archive).await;
-            self.journal_end_state(guard, op, &resource, &EndState::AlreadyGone)
+            self.ctx
+                .journal_end_state(guard, op, &resource, &EndState::AlreadyGone)
                 .await?;
             return Ok((EndState::AlreadyGone, None));
         }
@@ -576,7 +595,7 @@ impl NodeExecutor {
         // and leave the device attached until the host lets go. The operator releases it first.
         let holders: Vec<loopdev::DmHolder> = devices
             .iter()
-            .flat_map(|d| loopdev::device_mapper_holders(&self.sys_block, d))
+            .flat_map(|d| loopdev::device_mapper_holders(&self.ctx.sys_block, d))
             .collect();
         if !holders.is_empty() {
             return Ok((
@@ -595,7 +614,7 @@ impl NodeExecutor {
         };
         guard
             .intent(
-                self.now_ms(),
+                self.ctx.now_ms(),
                 op,
                 &resource,
                 json!({ "loop_devices": devices, "unmap": targets }),
@@ -605,19 +624,19 @@ impl NodeExecutor {
         for target in &targets {
             if !by_name {
                 // By number: only while the device is still this run's mapping.
-                let still_ours = loopdev::inspect(&self.sys_block, target)
+                let still_ours = loopdev::inspect(&self.ctx.sys_block, target)
                     .is_some_and(|l| l.backing_file == expected);
                 if !still_ours {
                     continue;
                 }
             }
             let call = ToolCall::new(
-                &self.config.tools.proxmox_backup_client,
-                self.tool_timeout(),
+                &self.ctx.config.tools.proxmox_backup_client,
+                self.ctx.tool_timeout(),
             )
             .arg("unmap")
             .arg(target);
-            let output = self.run_step(guard, op, &resource, call).await?;
+            let output = self.ctx.run_step(guard, op, &resource, call).await?;
             let failed = !output.success();
             last_output = Some(output);
             if failed {
@@ -640,7 +659,9 @@ impl NodeExecutor {
                 map.insert("loop_devices_left".into(), json!(left));
                 map.insert("backing_file_left".into(), json!(holder_left));
             }
-            guard.failed(self.now_ms(), op, &resource, detail).await?;
+            guard
+                .failed(self.ctx.now_ms(), op, &resource, detail)
+                .await?;
             let reason = format!(
                 "proxmox-backup-client unmap did not remove the mapping of {archive} (devices left: {left:?}; backing file left: {holder_left}): {}",
                 last_output
@@ -662,7 +683,9 @@ impl NodeExecutor {
             None => json!({ "loop_devices": devices, "end_state": EndState::Unmapped.wire() }),
         };
         self.release_map_unit(grant, archive).await;
-        guard.undone(self.now_ms(), op, &resource, detail).await?;
+        guard
+            .undone(self.ctx.now_ms(), op, &resource, detail)
+            .await?;
         Ok((EndState::Unmapped, last_output))
     }
 }

@@ -11,7 +11,7 @@
 //! - Residue is read from the node by what names it for the run (the mapping name, the table
 //!   name, the probe address, the run directory, the VM marker), not from the journal alone.
 
-use super::NodeExecutor;
+use super::context::NodeContext;
 use super::resources::{self, EndState, InterruptedStep, ResourceState, Standing};
 use super::sandbox;
 use crate::executor::{ExecError, Outcome};
@@ -62,7 +62,19 @@ impl Kept {
     }
 }
 
-impl NodeExecutor {
+/// The executor of cleanup: undoes what a run left on the node and reads what is still there.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Cleanup<'a> {
+    ctx: &'a NodeContext,
+}
+
+impl NodeContext {
+    pub(in crate::node) fn cleanup(&self) -> Cleanup<'_> {
+        Cleanup { ctx: self }
+    }
+}
+
+impl Cleanup<'_> {
     /// Settles steps the daemon was interrupted in: kills and waits for the tools they
     /// started, then journals each step `failed` with `outcome_unknown`. A tool that cannot be
     /// proven gone leaves its step undecided and is reported.
@@ -106,10 +118,10 @@ impl NodeExecutor {
             let mut units_gone = Vec::new();
             for (unit, description) in units {
                 match crate::process::release_transient_unit(
-                    &self.config.process.systemctl,
+                    &self.ctx.config.process.systemctl,
                     unit,
                     description,
-                    self.tool_timeout(),
+                    self.ctx.tool_timeout(),
                 )
                 .await
                 {
@@ -129,7 +141,7 @@ impl NodeExecutor {
             }
             guard
                 .failed(
-                    self.now_ms(),
+                    self.ctx.now_ms(),
                     &step.op,
                     &step.resource,
                     json!({
@@ -215,7 +227,7 @@ impl NodeExecutor {
         }
         // The same finding again (the expiry reaper retrying) is not journaled again.
         guard.append_if_changed(
-            self.now_ms(),
+            self.ctx.now_ms(),
             &Op::RunCleanup,
             &Resource::Run(grant.run_id.clone()),
             if residue.is_empty() && !failed {
@@ -246,16 +258,28 @@ impl NodeExecutor {
             |resource: String, end_state: EndState| receipts.push((resource, end_state));
         if touched_network {
             let table = Resource::NftTable(sandbox::table_name(grant));
-            if self.table_present(grant).await.unwrap_or(false) {
-                let end = match self.remove_table(guard, grant).await {
+            if self
+                .ctx
+                .sandbox()
+                .table_present(grant)
+                .await
+                .unwrap_or(false)
+            {
+                let end = match self.ctx.sandbox().remove_table(guard, grant).await {
                     Ok(state) => state,
                     Err(error) => EndState::Failed(error.to_string()),
                 };
                 receipt(table.key(), end);
             }
             let address = Resource::ProbeAddress(grant.vnet.clone());
-            if self.address_present(grant).await.unwrap_or(false) {
-                let end = match self.remove_address(guard, grant).await {
+            if self
+                .ctx
+                .sandbox()
+                .address_present(grant)
+                .await
+                .unwrap_or(false)
+            {
+                let end = match self.ctx.sandbox().remove_address(guard, grant).await {
                     Ok(state) => state,
                     Err(error) => EndState::Failed(error.to_string()),
                 };
@@ -263,11 +287,13 @@ impl NodeExecutor {
             }
         }
         for archive in &grant.archives {
-            if self.our_loops(grant, archive).is_empty() {
+            if self.ctx.backups().our_loops(grant, archive).is_empty() {
                 continue;
             }
             // Whatever carries the run's mapping name is the run's.
             let end = match self
+                .ctx
+                .backups()
                 .unmap_mappings(guard, grant, archive, Vec::new(), true)
                 .await
             {
@@ -288,33 +314,50 @@ impl NodeExecutor {
         let key = &state.resource;
         match &state.resource {
             Resource::Overlay { vmid, archive } => {
-                self.release_recovery_unit(grant, *vmid).await?;
-                let path = self.overlay_path(grant, *vmid, archive);
-                self.remove_path(guard, Op::OverlayDelete, key, &path).await
+                self.ctx
+                    .guest_network()
+                    .release_recovery_unit(grant, *vmid)
+                    .await?;
+                let path = self.ctx.overlays().overlay_path(grant, *vmid, archive);
+                self.ctx
+                    .overlays()
+                    .remove_path(guard, Op::OverlayDelete, key, &path)
+                    .await
             }
             Resource::Backup(archive) => self
-                .undo_backup(guard, grant, state, archive)
+                .ctx
+                .backups()
+                .undo(guard, grant, state, archive)
                 .await
                 .map(|(end, _)| end),
-            Resource::Vm(vmid) => self.undo_vm(guard, grant, state, *vmid).await,
+            Resource::Vm(vmid) => self.ctx.vms().undo(guard, grant, state, *vmid).await,
             // Whatever the install reported, the node is read before anything is recorded:
             // an absent table or address is journaled "already gone", a present one removed.
-            Resource::NftTable(_) => self.remove_table(guard, grant).await,
-            Resource::ProbeAddress(_) => self
-                .remove_address(guard, grant)
-                .await
-                ,
+            Resource::NftTable(_) => self.ctx.sandbox().remove_table(guard, grant).await,
+            Resource::ProbeAddress(_) => self.ctx.sandbox().remove_address(guard, grant).await,
             // Written back only while it still holds the value the run set.
             Resource::Forwarding(_) => self
+                .ctx
+                .sandbox()
                 .restore_forwarding(guard, grant)
                 .await
                 .map(|end| end.unwrap_or(EndState::AlreadyGone)),
             Resource::Screendump(vmid) => {
-                let path = self.screendump_path(grant, *vmid);
-                self.remove_path(guard, Op::FileDelete, key, &path).await
+                let path = self.ctx.overlays().screendump_path(grant, *vmid);
+                self.ctx
+                    .overlays()
+                    .remove_path(guard, Op::FileDelete, key, &path)
+                    .await
             }
             Resource::OverlayDir => {
-                self.remove_path(guard, Op::OverlayDirDelete, key, &self.overlay_dir(grant))
+                self.ctx
+                    .overlays()
+                    .remove_path(
+                        guard,
+                        Op::OverlayDirDelete,
+                        key,
+                        &self.ctx.overlays().overlay_dir(grant),
+                    )
                     .await
             }
             // Run-level, read-only and probe records are never open resources (`states`).
@@ -349,7 +392,7 @@ impl NodeExecutor {
     pub(super) async fn residue(&self, grant: &Grant, touched_network: bool) -> Vec<String> {
         let mut residue = Vec::new();
         if touched_network {
-            match self.table_present(grant).await {
+            match self.ctx.sandbox().table_present(grant).await {
                 Ok(true) => residue.push(format!(
                     "nftables table inet {} still exists",
                     sandbox::table_name(grant)
@@ -357,7 +400,7 @@ impl NodeExecutor {
                 Ok(false) => {}
                 Err(error) => residue.push(format!("cannot check the nftables table: {error}")),
             }
-            match self.address_present(grant).await {
+            match self.ctx.sandbox().address_present(grant).await {
                 Ok(true) => residue.push(format!(
                     "{} still carries {}",
                     grant.vnet, grant.probe_source
@@ -367,9 +410,9 @@ impl NodeExecutor {
             }
         }
         for archive in &grant.archives {
-            for l in self.our_loops(grant, archive) {
+            for l in self.ctx.backups().our_loops(grant, archive) {
                 residue.push(format!("loop device {} still maps {archive}", l.device));
-                let holders = super::loopdev::device_mapper_holders(&self.sys_block, &l.device);
+                let holders = super::loopdev::device_mapper_holders(&self.ctx.sys_block, &l.device);
                 if !holders.is_empty() {
                     residue.push(format!(
                         "the host uses the mapping of {archive}: {}",
@@ -377,7 +420,7 @@ impl NodeExecutor {
                     ));
                 }
             }
-            let backing = self.expected_backing(grant, archive);
+            let backing = self.ctx.backups().expected_backing(grant, archive);
             if backing.exists() {
                 residue.push(format!(
                     "the mapping {} of {archive} still exists",
@@ -385,12 +428,12 @@ impl NodeExecutor {
                 ));
             }
         }
-        let dir = self.overlay_dir(grant);
+        let dir = self.ctx.overlays().overlay_dir(grant);
         if dir.symlink_metadata().is_ok() {
             residue.push(format!("overlay directory {} still exists", dir.display()));
         }
         for vmid in grant.sandbox_vms.keys() {
-            let ownership = self.ownership(grant, *vmid, None);
+            let ownership = self.ctx.vms().ownership(grant, *vmid, None);
             match &ownership {
                 super::vm::Ownership::Unknown(reason) => {
                     residue.push(format!("VM {vmid}: {reason}"))
@@ -405,6 +448,7 @@ impl NodeExecutor {
             // A QEMU process outliving its config would hold the overlay and the loop device
             // (not reported for a VM that is not this run's: its process is not ours to judge).
             let pid_file = self
+                .ctx
                 .config
                 .pve
                 .qemu_server_run_dir

@@ -11,7 +11,7 @@
 //! - QGA: `guest-sync-delimited` with a random id (the reply follows a 0xFF byte, which also
 //!   flushes whatever a previous client left in the channel), then the command.
 
-use super::NodeExecutor;
+use super::context::NodeContext;
 use super::resources::{self};
 use crate::action::{QgaCall, QgaCommand, QmpCommand};
 use crate::executor::{ExecError, Outcome};
@@ -339,30 +339,44 @@ fn truncated(text: &str) -> String {
     text.get(..end).unwrap_or_default().to_owned()
 }
 
-impl NodeExecutor {
+/// The executor of guest calls: QMP and guest-agent commands to a run's VM over its sockets,
+/// and the screendumps QMP writes to the run directory.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Guests<'a> {
+    ctx: &'a NodeContext,
+}
+
+impl NodeContext {
+    pub(in crate::node) fn guests(&self) -> Guests<'_> {
+        Guests { ctx: self }
+    }
+}
+
+impl Guests<'_> {
     fn socket(&self, vmid: Vmid, suffix: &str) -> PathBuf {
-        self.config
+        self.ctx
+            .config
             .pve
             .qemu_server_run_dir
             .join(format!("{vmid}.{suffix}"))
     }
 
     fn guest_timeout(&self) -> Duration {
-        Duration::from_secs(self.config.limits.guest_timeout_secs)
+        Duration::from_secs(self.ctx.config.limits.guest_timeout_secs)
     }
 
-    pub(super) async fn run_qmp(
+    pub(super) async fn qmp(
         &self,
         run: &RunHandle,
         vmid: Vmid,
         command: QmpCommand,
     ) -> Result<Outcome, ExecError> {
-        let mut guard = self.lock_open(run).await?;
-        self.require_ours(&guard, &run.grant, vmid)?;
+        let mut guard = self.ctx.lock_open(run).await?;
+        self.ctx.vms().require_ours(&guard, &run.grant, vmid)?;
         let resource = Resource::Vm(vmid);
         let mut arguments = None;
         if command == QmpCommand::Screendump {
-            let path = self.screendump_path(&run.grant, vmid);
+            let path = self.ctx.overlays().screendump_path(&run.grant, vmid);
             let key = Resource::Screendump(vmid);
             if !resources::state_of(&guard.records(), &Resource::OverlayDir)
                 .is_some_and(|s| s.is_open())
@@ -373,7 +387,7 @@ impl NodeExecutor {
             }
             guard
                 .intent(
-                    self.now_ms(),
+                    self.ctx.now_ms(),
                     &Op::FileScreendump,
                     &key,
                     json!({ "path": path.display().to_string() }),
@@ -382,12 +396,13 @@ impl NodeExecutor {
             // QEMU opens the path it is given and follows links: it gets a file created here,
             // without following any, in the run's checked directory (a previous screendump of
             // the run is replaced).
-            if let Err(error) = self.create_run_file(
+            if let Err(error) = self.ctx.overlays().create_run_file(
                 &run.grant,
                 &super::overlay::screendump_file_name(vmid),
                 true,
             ) {
                 return Err(self
+                    .ctx
                     .journal_step_error(&mut guard, &Op::FileScreendump, &key, error)
                     .await);
             }
@@ -398,7 +413,7 @@ impl NodeExecutor {
         let started = Instant::now();
         guard
             .intent(
-                self.now_ms(),
+                self.ctx.now_ms(),
                 &Op::GuestQmp,
                 &resource,
                 json!({ "command": command.wire_name() }),
@@ -414,7 +429,7 @@ impl NodeExecutor {
         let elapsed_ms = started.elapsed().as_millis() as u64;
         match result {
             Ok(value) => {
-                guard.done(self.now_ms(), &Op::GuestQmp, &resource, json!({ "command": command.wire_name(), "return": value, "elapsed_ms": elapsed_ms })).await?;
+                guard.done(self.ctx.now_ms(), &Op::GuestQmp, &resource, json!({ "command": command.wire_name(), "return": value, "elapsed_ms": elapsed_ms })).await?;
                 let mut image = Vec::new();
                 if command == QmpCommand::Screendump {
                     image = self.take_screendump(&mut guard, &run.grant, vmid).await?;
@@ -432,7 +447,7 @@ impl NodeExecutor {
                 }))
             }
             Err(error) => {
-                guard.failed(self.now_ms(), &Op::GuestQmp, &resource, json!({ "command": command.wire_name(), "error": error.to_string(), "elapsed_ms": elapsed_ms })).await?;
+                guard.failed(self.ctx.now_ms(), &Op::GuestQmp, &resource, json!({ "command": command.wire_name(), "error": error.to_string(), "elapsed_ms": elapsed_ms })).await?;
                 Err(error.into())
             }
         }
@@ -447,14 +462,14 @@ impl NodeExecutor {
         grant: &Grant,
         vmid: Vmid,
     ) -> Result<Vec<u8>, ExecError> {
-        let path = self.screendump_path(grant, vmid);
+        let path = self.ctx.overlays().screendump_path(grant, vmid);
         let key = Resource::Screendump(vmid);
-        let max = self.config.limits.max_screendump_bytes;
+        let max = self.ctx.config.limits.max_screendump_bytes;
         let name = super::overlay::screendump_file_name(vmid);
         let read = {
-            let executor = self.clone();
+            let ctx = self.ctx.clone();
             let grant = grant.clone();
-            tokio::task::spawn_blocking(move || executor.read_run_file(&grant, &name, max))
+            tokio::task::spawn_blocking(move || ctx.overlays().read_run_file(&grant, &name, max))
                 .await
                 .map_err(|error| {
                     ExecError::Failed(format!("reading the screendump stopped: {error}"))
@@ -466,15 +481,19 @@ impl NodeExecutor {
             Ok(None) => {
                 let detail = json!({ "path": path.display().to_string(), "error": format!("larger than {max} bytes") });
                 guard
-                    .failed(self.now_ms(), &Op::FileScreendump, &key, detail)
+                    .failed(self.ctx.now_ms(), &Op::FileScreendump, &key, detail)
                     .await?;
-                self.remove_path(guard, Op::FileDelete, &key, &path).await?;
+                self.ctx
+                    .overlays()
+                    .remove_path(guard, Op::FileDelete, &key, &path)
+                    .await?;
                 return Err(ExecError::ResourceExhausted(format!(
                     "the screendump of VM {vmid} is larger than {max} bytes (limits.max_screendump_bytes); it was removed: raise the limit or lower the guest's display resolution"
                 )));
             }
             Err(error) => {
                 return Err(self
+                    .ctx
                     .journal_step_error(guard, &Op::FileScreendump, &key, error)
                     .await);
             }
@@ -482,7 +501,7 @@ impl NodeExecutor {
         let sha256 = hex::encode(sha2::Sha256::digest(&image));
         guard
             .done(
-                self.now_ms(),
+                self.ctx.now_ms(),
                 &Op::FileScreendump,
                 &key,
                 json!({ "path": path.display().to_string(), "bytes": image.len(), "format": SCREENDUMP_FORMAT, "sha256": sha256 }),
@@ -491,14 +510,14 @@ impl NodeExecutor {
         Ok(image)
     }
 
-    pub(super) async fn run_qga(
+    pub(super) async fn qga(
         &self,
         run: &RunHandle,
         vmid: Vmid,
         call: QgaCall,
     ) -> Result<Outcome, ExecError> {
-        let mut guard = self.lock_open(run).await?;
-        self.require_ours(&guard, &run.grant, vmid)?;
+        let mut guard = self.ctx.lock_open(run).await?;
+        self.ctx.vms().require_ours(&guard, &run.grant, vmid)?;
         let resource = Resource::Vm(vmid);
         let path = self.socket(vmid, "qga");
         let started = Instant::now();
@@ -506,7 +525,7 @@ impl NodeExecutor {
             QgaCall::Command(command) => {
                 guard
                     .intent(
-                        self.now_ms(),
+                        self.ctx.now_ms(),
                         &Op::GuestQga,
                         &resource,
                         json!({ "command": command.wire_name() }),
@@ -522,7 +541,7 @@ impl NodeExecutor {
                 })?;
                 let argv: Vec<&str> = assertion.args.iter().map(|a| a.as_str()).collect();
                 guard.intent(
-                    self.now_ms(),
+                    self.ctx.now_ms(),
                     &Op::GuestExec,
                     &resource,
                     json!({ "assertion": id.as_str(), "program": assertion.program.as_str(), "args": argv }),
@@ -539,7 +558,7 @@ impl NodeExecutor {
                         let passed = exit_ok && stdout_ok;
                         let stdout = truncated(&exec.stdout);
                         guard.done(
-                            self.now_ms(),
+                            self.ctx.now_ms(),
                             &Op::GuestExec,
                             &resource,
                             json!({ "assertion": id.as_str(), "exit_code": exec.exit_code, "passed": passed, "stdout": stdout, "elapsed_ms": elapsed_ms }),
@@ -553,7 +572,7 @@ impl NodeExecutor {
                         }))
                     }
                     Err(error) => {
-                        guard.failed(self.now_ms(), &Op::GuestExec, &resource, json!({ "assertion": id.as_str(), "error": error.to_string(), "elapsed_ms": elapsed_ms })).await?;
+                        guard.failed(self.ctx.now_ms(), &Op::GuestExec, &resource, json!({ "assertion": id.as_str(), "error": error.to_string(), "elapsed_ms": elapsed_ms })).await?;
                         Err(error.into())
                     }
                 }
@@ -574,7 +593,7 @@ impl NodeExecutor {
             Ok(value) => {
                 guard
                     .done(
-                        self.now_ms(),
+                        self.ctx.now_ms(),
                         &Op::GuestQga,
                         resource,
                         json!({ "command": command.wire_name(), "elapsed_ms": elapsed_ms }),
@@ -589,7 +608,7 @@ impl NodeExecutor {
                 }))
             }
             Err(error) => {
-                guard.failed(self.now_ms(), &Op::GuestQga, resource, json!({ "command": command.wire_name(), "error": error.to_string(), "elapsed_ms": elapsed_ms })).await?;
+                guard.failed(self.ctx.now_ms(), &Op::GuestQga, resource, json!({ "command": command.wire_name(), "error": error.to_string(), "elapsed_ms": elapsed_ms })).await?;
                 Err(error.into())
             }
         }

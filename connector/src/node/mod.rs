@@ -9,11 +9,15 @@
 //! A step runs in a task of its own, holding the run's lock, so a caller that goes away (a
 //! cancelled gRPC call drops the handler's future) never cuts a step short: the step runs to
 //! its end, bounded by its tool's timeout, and journals its real outcome; a retry then finds
-//! that outcome. Each resource kind lives in its own module: [`backup`], [`overlay`], [`vm`],
-//! [`sandbox`], [`guest`]; [`cleanup`] undoes them and reads residue.
+//! that outcome. Each resource kind has an executor of its own in its module: [`backup`],
+//! [`overlay`], [`vm`], [`guest`], [`sandbox`], [`probe`], [`guest_network`]; [`cleanup`]
+//! undoes them and reads residue. They share one context (`context`: configuration, clock,
+//! the run lock and the journaled step) and reach each other only through it;
+//! [`NodeExecutor`] only dispatches each action to its resource's executor.
 
 pub mod backup;
 pub mod cleanup;
+mod context;
 pub mod guest;
 pub mod guest_network;
 pub mod loopdev;
@@ -31,24 +35,21 @@ use crate::config::Config;
 use crate::executor::{
     Caller, ExecError, ExecFuture, Executor, Outcome, RecoverFuture, ResidueFuture,
 };
-use crate::process::{self, ToolCall, ToolOutput};
-use crate::runs::{RunGuard, RunHandle};
+use crate::process::{self, ToolOutput};
+use crate::runs::RunHandle;
 use certistack_core::grant::Repository;
 use certistack_core::journal::JournalError;
-use certistack_core::journal::{Op, Resource};
 use certistack_core::validate::Host;
 use certistack_proto::v1 as pb;
+use context::NodeContext;
 use serde_json::json;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
 /// Cheap to clone: every step runs in a task of its own that holds a clone.
 #[derive(Debug, Clone)]
 pub struct NodeExecutor {
-    config: Arc<Config>,
-    clock: Arc<dyn Clock>,
-    sys_block: Arc<PathBuf>,
+    ctx: Arc<NodeContext>,
 }
 
 impl From<JournalError> for ExecError {
@@ -101,9 +102,7 @@ pub fn repository_string(repository: &Repository) -> String {
 impl NodeExecutor {
     pub fn new(config: Config, clock: Arc<dyn Clock>) -> Self {
         Self {
-            config: Arc::new(config),
-            clock,
-            sys_block: Arc::new(PathBuf::from("/sys/block")),
+            ctx: Arc::new(NodeContext::new(config, clock, PathBuf::from("/sys/block"))),
         }
     }
 
@@ -111,37 +110,12 @@ impl NodeExecutor {
     /// instead of `/sys/block`: a mirror of it, where device-mapper holders can be staged on
     /// a kernel without device-mapper.
     pub fn with_sys_block(mut self, sys_block: PathBuf) -> Self {
-        self.sys_block = Arc::new(sys_block);
+        let ctx = NodeContext {
+            sys_block: Arc::new(sys_block),
+            ..(*self.ctx).clone()
+        };
+        self.ctx = Arc::new(ctx);
         self
-    }
-
-    fn now_ms(&self) -> i64 {
-        self.clock.now_unix_ms()
-    }
-
-    /// Locks the run for an operation, then re-checks what authorization saw before the wait:
-    /// the run may have been closed, or its deadline passed, while another operation held it.
-    /// Steps a previous daemon was interrupted in are settled first.
-    async fn lock_open<'a>(&self, run: &'a RunHandle) -> Result<RunGuard<'a>, ExecError> {
-        let mut guard = run.lock().await;
-        if run.is_closed() {
-            return Err(ExecError::FailedPrecondition(format!(
-                "run {} was closed while this call waited; nothing was done",
-                run.run_id
-            )));
-        }
-        if self.clock.now_unix() >= run.grant.deadline_unix {
-            return Err(ExecError::FailedPrecondition(format!(
-                "run {} passed its grant deadline while this call waited; nothing was done",
-                run.run_id
-            )));
-        }
-        self.settle_interrupted(&mut guard).await?;
-        Ok(guard)
-    }
-
-    fn tool_timeout(&self) -> Duration {
-        Duration::from_secs(self.config.limits.tool_timeout_secs)
     }
 
     async fn dispatch(&self, run: &RunHandle, action: Action) -> Result<Outcome, ExecError> {
@@ -152,15 +126,17 @@ impl NodeExecutor {
                 secret,
                 encryption_key,
             } => {
-                self.map_backup(run, snapshot, archive, secret, encryption_key)
+                self.ctx
+                    .backups()
+                    .map(run, snapshot, archive, secret, encryption_key)
                     .await
             }
-            Action::UnmapBackup { archive } => self.unmap_backup(run, archive).await,
+            Action::UnmapBackup { archive } => self.ctx.backups().unmap(run, archive).await,
             Action::CreateOverlay { vmid, archive } => {
-                self.create_overlay(run, vmid, archive).await
+                self.ctx.overlays().create(run, vmid, archive).await
             }
             Action::DeleteOverlay { vmid, archive } => {
-                self.delete_overlay(run, vmid, archive).await
+                self.ctx.overlays().delete(run, vmid, archive).await
             }
             Action::CreateVm {
                 vmid,
@@ -169,7 +145,9 @@ impl NodeExecutor {
                 archives,
                 mirror_source,
             } => {
-                self.create_vm(run, vmid, cores, memory_mib, archives, mirror_source)
+                self.ctx
+                    .vms()
+                    .create(run, vmid, cores, memory_mib, archives, mirror_source)
                     .await
             }
             Action::ReadSourceConfig {
@@ -177,129 +155,49 @@ impl NodeExecutor {
                 secret,
                 encryption_key,
             } => {
-                self.read_source_config(run, snapshot, secret, encryption_key)
+                self.ctx
+                    .backups()
+                    .read_source_config(run, snapshot, secret, encryption_key)
                     .await
             }
-            Action::StartVm { vmid } => self.vm_lifecycle(run, vmid, vm::Verb::Start).await,
+            Action::StartVm { vmid } => self.ctx.vms().lifecycle(run, vmid, vm::Verb::Start).await,
             Action::StopVm { vmid, timeout_secs } => {
-                self.vm_lifecycle(run, vmid, vm::Verb::Stop { timeout_secs })
+                self.ctx
+                    .vms()
+                    .lifecycle(run, vmid, vm::Verb::Stop { timeout_secs })
                     .await
             }
-            Action::DestroyVm { vmid } => self.vm_lifecycle(run, vmid, vm::Verb::Destroy).await,
-            Action::VmStatus { vmid } => self.vm_status(run, vmid).await,
-            Action::Qmp { vmid, command } => self.run_qmp(run, vmid, command).await,
-            Action::Qga { vmid, call } => self.run_qga(run, vmid, call).await,
-            Action::PrepareSandbox { vnet, probe_source } => {
-                self.prepare_sandbox(run, vnet, probe_source).await
+            Action::DestroyVm { vmid } => {
+                self.ctx.vms().lifecycle(run, vmid, vm::Verb::Destroy).await
             }
-            Action::ReleaseSandbox { vnet } => self.release_sandbox(run, vnet).await,
+            Action::VmStatus { vmid } => self.ctx.vms().status(run, vmid).await,
+            Action::Qmp { vmid, command } => self.ctx.guests().qmp(run, vmid, command).await,
+            Action::Qga { vmid, call } => self.ctx.guests().qga(run, vmid, call).await,
+            Action::PrepareSandbox { vnet, probe_source } => {
+                self.ctx.sandbox().prepare(run, vnet, probe_source).await
+            }
+            Action::ReleaseSandbox { vnet } => self.ctx.sandbox().release(run, vnet).await,
             Action::Probe {
                 kind,
                 address,
                 port,
-            } => self.probe(run, kind, address, port).await,
+            } => self.ctx.probes().probe(run, kind, address, port).await,
             // The service answers ReadJournal itself, streaming the journal file.
             Action::ReadJournal { .. } => Err(ExecError::Failed(
                 "ReadJournal is answered by the run registry, never by the executor".into(),
             )),
-            Action::Cleanup { .. } => self.cleanup(run).await,
+            Action::Cleanup { .. } => self.ctx.cleanup().cleanup(run).await,
             Action::RecoverGuestNetwork {
                 vmid,
                 archive,
                 mode,
-            } => self.recover_guest_network(run, vmid, archive, mode).await,
-        }
-    }
-}
-
-impl NodeExecutor {
-    /// Runs the tool of a journaled step whose `intent` is already recorded. Once the tool
-    /// started, a second `intent` record names its processes (pid, start time, process group),
-    /// so a daemon that restarts mid-step can kill them and prove them gone before it decides
-    /// anything. When the tool does not finish by itself, the step is recorded `failed`: with
-    /// `"outcome_unknown": true` when it was killed at its deadline or lost while running (it
-    /// may have done its work), without when it never started.
-    async fn run_step(
-        &self,
-        guard: &mut RunGuard<'_>,
-        op: &Op,
-        resource: &Resource,
-        call: ToolCall,
-    ) -> Result<ToolOutput, ExecError> {
-        let started = process::start(call);
-        let result = match started {
-            Ok(tool) => {
-                if let Some(identity) = tool.identity() {
-                    // Should this append fail, dropping `tool` kills its process group.
-                    guard
-                        .intent(self.now_ms(), op, resource, json!({ "tool": identity }))
-                        .await?;
-                }
-                tool.wait().await
-            }
-            Err(error) => Err(error),
-        };
-        match result {
-            Ok(output) => Ok(output),
-            Err(error) => {
-                let unknown = matches!(
-                    error,
-                    process::ToolError::Timeout { .. } | process::ToolError::Wait { .. }
-                );
-                let detail = json!({ "error": error.to_string(), "outcome_unknown": unknown });
-                guard.failed(self.now_ms(), op, resource, detail).await?;
-                Err(tool_error(error))
+            } => {
+                self.ctx
+                    .guest_network()
+                    .recover(run, vmid, archive, mode)
+                    .await
             }
         }
-    }
-    /// Closes a step that left nothing on the node: an `undone` record with its end state.
-    async fn journal_end_state(
-        &self,
-        guard: &mut RunGuard<'_>,
-        op: &Op,
-        resource: &Resource,
-        end_state: &resources::EndState,
-    ) -> Result<(), ExecError> {
-        guard
-            .undone(
-                self.now_ms(),
-                op,
-                resource,
-                json!({ "end_state": end_state.wire() }),
-            )
-            .await?;
-        Ok(())
-    }
-
-    /// Journals a step that failed before its tool ran (or without one) and hands back its
-    /// error for the caller; should the journal itself fail, that failure is returned instead.
-    async fn journal_step_error(
-        &self,
-        guard: &mut RunGuard<'_>,
-        op: &Op,
-        resource: &Resource,
-        error: ExecError,
-    ) -> ExecError {
-        let detail = json!({ "error": error.to_string() });
-        match guard.failed(self.now_ms(), op, resource, detail).await {
-            Ok(_) => error,
-            Err(journal) => journal.into(),
-        }
-    }
-
-    /// Journals a tool that ran and failed: its exit code, time and stderr, plus `extra`.
-    async fn journal_tool_failed(
-        &self,
-        guard: &mut RunGuard<'_>,
-        op: &Op,
-        resource: &Resource,
-        output: &ToolOutput,
-        extra: &[(&str, serde_json::Value)],
-    ) -> Result<(), ExecError> {
-        guard
-            .failed(self.now_ms(), op, resource, tool_detail(output, extra))
-            .await?;
-        Ok(())
     }
 }
 
@@ -332,13 +230,13 @@ impl Executor for NodeExecutor {
     }
 
     fn residue<'a>(&'a self, run: &'a RunHandle) -> ResidueFuture<'a> {
-        Box::pin(self.run_residue(run))
+        Box::pin(async move { self.ctx.cleanup().run_residue(run).await })
     }
 
     fn recover<'a>(&'a self, run: &'a RunHandle) -> RecoverFuture<'a> {
         Box::pin(async move {
             let mut guard = run.lock().await;
-            self.settle_interrupted(&mut guard).await
+            self.ctx.cleanup().settle_interrupted(&mut guard).await
         })
     }
 }

@@ -9,7 +9,8 @@
 //! followed; tools (`qemu-img`, QEMU's screendump) then get the path of the file just created
 //! in a directory nobody else can write to.
 
-use super::NodeExecutor;
+use super::backup::Backups;
+use super::context::NodeContext;
 use super::resources::EndState;
 use super::{tool_detail, tool_result};
 use crate::executor::{ExecError, Outcome};
@@ -70,10 +71,27 @@ fn io_refusal(what: &str, path: &Path, error: impl std::fmt::Display) -> ExecErr
     ))
 }
 
-impl NodeExecutor {
+/// The executor of overlays: creates and deletes the copy-on-write overlays VMs boot from,
+/// and the run directory under the overlay root that holds them and the run's files.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Overlays<'a> {
+    ctx: &'a NodeContext,
+}
+
+impl NodeContext {
+    pub(in crate::node) fn overlays(&self) -> Overlays<'_> {
+        Overlays { ctx: self }
+    }
+}
+
+impl Overlays<'_> {
     /// `<overlay root>/<run id>`: the only directory overlays are created in.
     pub(super) fn overlay_dir(&self, grant: &Grant) -> PathBuf {
-        self.config.paths.overlay_root.join(grant.run_id.as_str())
+        self.ctx
+            .config
+            .paths
+            .overlay_root
+            .join(grant.run_id.as_str())
     }
 
     /// The one path an overlay of `archive` for `vmid` can have.
@@ -89,7 +107,7 @@ impl NodeExecutor {
     /// Opens the checked overlay root, then the run's directory in it (created 0700 when
     /// `create`), checked the same way; never through a symlink.
     pub(super) fn open_run_dir(&self, grant: &Grant, create: bool) -> Result<OwnedFd, ExecError> {
-        let root_path = &self.config.paths.overlay_root;
+        let root_path = &self.ctx.config.paths.overlay_root;
         let root = self.open_overlay_root()?;
         let name = grant.run_id.as_str();
         let dir_path = root_path.join(name);
@@ -191,22 +209,22 @@ impl NodeExecutor {
         }
     }
 
-    pub(super) async fn create_overlay(
+    pub(super) async fn create(
         &self,
         run: &RunHandle,
         vmid: Vmid,
         archive: ArchiveName,
     ) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
-        let mut guard = self.lock_open(run).await?;
+        let mut guard = self.ctx.lock_open(run).await?;
         let states = super::resources::states(&guard.records());
         let backup = Resource::Backup(archive.clone());
-        let device = Self::mapped_device(states.get(&backup)).ok_or_else(|| {
+        let device = Backups::mapped_device(states.get(&backup)).ok_or_else(|| {
             ExecError::FailedPrecondition(format!(
                 "{archive} is not mapped by this run; call MapBackup first"
             ))
         })?;
-        self.check_mapping(grant, &archive, &device)?;
+        self.ctx.backups().check_mapping(grant, &archive, &device)?;
         let resource = Resource::Overlay {
             vmid,
             archive: archive.clone(),
@@ -225,7 +243,7 @@ impl NodeExecutor {
             self.open_overlay_root()?;
             guard
                 .intent(
-                    self.now_ms(),
+                    self.ctx.now_ms(),
                     dir_op,
                     &dir_key,
                     json!({ "path": dir.display().to_string() }),
@@ -233,12 +251,13 @@ impl NodeExecutor {
                 .await?;
             if let Err(error) = self.open_run_dir(grant, true) {
                 return Err(self
+                    .ctx
                     .journal_step_error(&mut guard, dir_op, &dir_key, error)
                     .await);
             }
             guard
                 .done(
-                    self.now_ms(),
+                    self.ctx.now_ms(),
                     dir_op,
                     &dir_key,
                     json!({ "path": dir.display().to_string() }),
@@ -257,7 +276,7 @@ impl NodeExecutor {
             )));
         }
         drop(dir_fd);
-        let call = ToolCall::new(&self.config.tools.qemu_img, self.tool_timeout())
+        let call = ToolCall::new(&self.ctx.config.tools.qemu_img, self.ctx.tool_timeout())
             .arg("create")
             .arg("-f")
             .arg("qcow2")
@@ -266,15 +285,17 @@ impl NodeExecutor {
             .arg("-F")
             .arg("raw")
             .arg(&path);
-        guard.intent(self.now_ms(), op, &resource, json!({ "path": path.display().to_string(), "backing": device, "command": call.display() })).await?;
+        guard.intent(self.ctx.now_ms(), op, &resource, json!({ "path": path.display().to_string(), "backing": device, "command": call.display() })).await?;
         if let Err(error) = self.create_run_file(grant, &name, false) {
             return Err(self
+                .ctx
                 .journal_step_error(&mut guard, op, &resource, error)
                 .await);
         }
-        let output = self.run_step(&mut guard, op, &resource, call).await?;
+        let output = self.ctx.run_step(&mut guard, op, &resource, call).await?;
         if !output.success() || !path.is_file() {
-            self.journal_tool_failed(&mut guard, op, &resource, &output, &[])
+            self.ctx
+                .journal_tool_failed(&mut guard, op, &resource, &output, &[])
                 .await?;
             return Err(ExecError::FailedPrecondition(format!(
                 "qemu-img create failed (exit {:?}): {}",
@@ -296,7 +317,7 @@ impl NodeExecutor {
                 ("backing", json!(device)),
             ],
         );
-        guard.done(self.now_ms(), op, &resource, detail).await?;
+        guard.done(self.ctx.now_ms(), op, &resource, detail).await?;
         Ok(Outcome::CreateOverlay(pb::CreateOverlayReply {
             tool: Some(tool_result("qemu-img create", &output)),
             warnings,
@@ -307,7 +328,7 @@ impl NodeExecutor {
     /// Opens the overlay root, checked (the run directory may not exist yet). A missing root
     /// is created, private to the connector.
     fn open_overlay_root(&self) -> Result<OwnedFd, ExecError> {
-        let root_path = &self.config.paths.overlay_root;
+        let root_path = &self.ctx.config.paths.overlay_root;
         let root = match rustix::fs::open(root_path, DIRECTORY_FLAGS, Mode::empty()) {
             Err(rustix::io::Errno::NOENT) => {
                 std::fs::DirBuilder::new()
@@ -337,26 +358,26 @@ impl NodeExecutor {
     /// Overlays growing on the filesystem of the cluster database can fill it and stall the
     /// whole cluster.
     fn shared_filesystem_warning(&self, overlay_dir: &Path) -> Option<String> {
-        let cluster = &self.config.pve.pve_cluster_dir;
+        let cluster = &self.ctx.config.pve.pve_cluster_dir;
         let overlay_dev = std::fs::metadata(overlay_dir).ok()?.dev();
         let cluster_dev = std::fs::metadata(cluster).ok()?.dev();
         (overlay_dev == cluster_dev).then(|| {
             format!(
                 "the overlay root {} is on the same filesystem as {}: a guest filling its overlay can fill the cluster database's disk; move overlay_root",
-                self.config.paths.overlay_root.display(),
+                self.ctx.config.paths.overlay_root.display(),
                 cluster.display()
             )
         })
     }
 
-    pub(super) async fn delete_overlay(
+    pub(super) async fn delete(
         &self,
         run: &RunHandle,
         vmid: Vmid,
         archive: ArchiveName,
     ) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
-        let mut guard = self.lock_open(run).await?;
+        let mut guard = self.ctx.lock_open(run).await?;
         let resource = Resource::Overlay {
             vmid,
             archive: archive.clone(),
@@ -372,7 +393,10 @@ impl NodeExecutor {
                 "VM {vmid} still uses the overlay of {archive}; destroy it first"
             )));
         }
-        self.release_recovery_unit(grant, vmid).await?;
+        self.ctx
+            .guest_network()
+            .release_recovery_unit(grant, vmid)
+            .await?;
         let path = self.overlay_path(grant, vmid, &archive);
         self.remove_path(&mut guard, Op::OverlayDelete, &resource, &path)
             .await?;
@@ -394,7 +418,7 @@ impl NodeExecutor {
         let op = &op;
         let shown = path.display().to_string();
         guard
-            .intent(self.now_ms(), op, resource, json!({ "path": shown }))
+            .intent(self.ctx.now_ms(), op, resource, json!({ "path": shown }))
             .await?;
         let is_dir = std::fs::symlink_metadata(path).is_ok_and(|m| m.is_dir());
         let removed = if is_dir {
@@ -408,7 +432,7 @@ impl NodeExecutor {
             Err(error) => {
                 guard
                     .failed(
-                        self.now_ms(),
+                        self.ctx.now_ms(),
                         op,
                         resource,
                         json!({ "path": shown, "error": error.to_string() }),
@@ -419,7 +443,7 @@ impl NodeExecutor {
         };
         guard
             .undone(
-                self.now_ms(),
+                self.ctx.now_ms(),
                 op,
                 resource,
                 json!({ "path": shown, "end_state": end_state.wire() }),

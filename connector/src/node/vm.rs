@@ -6,9 +6,10 @@
 //! stop and destroy, and before cleanup undoes anything, the VM config is re-read: only a VM
 //! carrying this run's description, tag and journaled SMBIOS UUID is ever touched.
 
+use super::backup::Backups;
 use super::backup::SOURCE_CONFIG_OP;
 use super::resources::{self, EndState, ResourceState, Standing};
-use super::{NodeExecutor, tool_detail, tool_error, tool_result};
+use super::{context::NodeContext, tool_detail, tool_error, tool_result};
 use crate::executor::{ExecError, Outcome};
 use crate::process::{self, ToolCall, TransientRole};
 use crate::runs::{RunGuard, RunHandle};
@@ -168,9 +169,26 @@ fn percent_decode(text: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-impl NodeExecutor {
+/// The executor of VMs: creates a run's VM on its overlays, starts, stops, destroys and reads
+/// it, each only while the VM is the one this run created.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Vms<'a> {
+    ctx: &'a NodeContext,
+}
+
+impl NodeContext {
+    pub(in crate::node) fn vms(&self) -> Vms<'_> {
+        Vms { ctx: self }
+    }
+}
+
+impl Vms<'_> {
     fn vm_config_path(&self, vmid: Vmid) -> std::path::PathBuf {
-        self.config.pve.vm_config_dir.join(format!("{vmid}.conf"))
+        self.ctx
+            .config
+            .pve
+            .vm_config_dir
+            .join(format!("{vmid}.conf"))
     }
 
     /// Reads the VM's config and decides whether it is the VM this run created.
@@ -272,9 +290,9 @@ impl NodeExecutor {
 
     /// A `qm` call, given `grace` beyond the tool timeout.
     fn qm_call(&self, args: &[String], grace: std::time::Duration) -> ToolCall {
-        let timeout = self.tool_timeout().saturating_add(grace);
+        let timeout = self.ctx.tool_timeout().saturating_add(grace);
         args.iter().fold(
-            ToolCall::new(&self.config.tools.qm, timeout),
+            ToolCall::new(&self.ctx.config.tools.qm, timeout),
             |call, arg| call.arg(arg),
         )
     }
@@ -301,17 +319,18 @@ impl NodeExecutor {
             // lock on the VM means a PVE task (backup, migration, snapshot) is working on it.
             Verb::Stop { timeout_secs } => args.extend([
                 "--timeout".into(),
-                stop_timeout_secs(timeout_secs, self.config.limits.tool_timeout_secs).to_string(),
+                stop_timeout_secs(timeout_secs, self.ctx.config.limits.tool_timeout_secs)
+                    .to_string(),
             ]),
             Verb::Destroy => args.extend(["--purge".into(), "1".into()]),
             Verb::Start | Verb::Unlock => {}
         }
         let op = &verb.op();
-        let mut call = self.qm_call(&args, verb.grace(self.tool_timeout()));
+        let mut call = self.qm_call(&args, verb.grace(self.ctx.tool_timeout()));
         // Under systemd, qm start (and the QEMU it execs before qemu-server moves it to the
         // VM's scope) runs in a unit of its own: the VM never inherits the daemon's sandbox.
         let mut unit = None;
-        if verb == Verb::Start && self.config.process.use_transient_units() {
+        if verb == Verb::Start && self.ctx.config.process.use_transient_units() {
             let run_id = guard.grant().run_id.as_str().to_owned();
             let vm = vmid.to_string();
             let name = process::transient_unit_name(TransientRole::QmStart, &run_id, &vm)
@@ -323,8 +342,8 @@ impl NodeExecutor {
                 TransientRole::QmStart,
                 &name,
                 &description,
-                &self.config.process.systemd_run,
-                &self.config.process.systemctl,
+                &self.ctx.config.process.systemd_run,
+                &self.ctx.config.process.systemctl,
                 None,
             )
             .map_err(ExecError::Failed)?;
@@ -332,15 +351,16 @@ impl NodeExecutor {
         }
         guard
             .intent(
-                self.now_ms(),
+                self.ctx.now_ms(),
                 op,
                 &resource,
                 json!({ "argv": args, "unit": unit }),
             )
             .await?;
-        let output = self.run_step(guard, op, &resource, call).await?;
+        let output = self.ctx.run_step(guard, op, &resource, call).await?;
         if !output.success() {
-            self.journal_tool_failed(guard, op, &resource, &output, &[])
+            self.ctx
+                .journal_tool_failed(guard, op, &resource, &output, &[])
                 .await?;
             return Err(ExecError::FailedPrecondition(format!(
                 "qm {} {vmid} failed (exit {:?}): {}",
@@ -356,7 +376,7 @@ impl NodeExecutor {
         };
         guard
             .append(
-                self.now_ms(),
+                self.ctx.now_ms(),
                 op,
                 &resource,
                 phase,
@@ -366,7 +386,7 @@ impl NodeExecutor {
         Ok(output)
     }
 
-    pub(super) async fn create_vm(
+    pub(super) async fn create(
         &self,
         run: &RunHandle,
         vmid: Vmid,
@@ -376,7 +396,7 @@ impl NodeExecutor {
         mirror_source: bool,
     ) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
-        let mut guard = self.lock_open(run).await?;
+        let mut guard = self.ctx.lock_open(run).await?;
         let source = if mirror_source {
             Some(source_hardware(&guard.records())?)
         } else {
@@ -416,7 +436,7 @@ impl NodeExecutor {
                     "VM {vmid} has no overlay of {archive}; call CreateOverlay first"
                 )));
             }
-            let path = self.overlay_path(grant, vmid, archive);
+            let path = self.ctx.overlays().overlay_path(grant, vmid, archive);
             disks.push((archive.clone(), slot, path.display().to_string()));
         }
         // The source's shape, or the connector's own: q35, virtio-scsi, scsiN in order.
@@ -488,20 +508,21 @@ impl NodeExecutor {
         push("--smbios1", format!("uuid={smbios_uuid}"));
         push(
             "--cpuunits",
-            self.config.limits.sandbox_cpu_units.to_string(),
+            self.ctx.config.limits.sandbox_cpu_units.to_string(),
         );
         push("--tags", TAG.into());
         push("--description", marker(grant.run_id.as_str()));
         let op = &Op::VmCreate;
         guard
             .intent(
-                self.now_ms(),
+                self.ctx.now_ms(),
                 op,
                 &resource,
                 json!({ "smbios_uuid": smbios_uuid, "argv": args }),
             )
             .await?;
         let output = self
+            .ctx
             .run_step(
                 &mut guard,
                 op,
@@ -511,7 +532,8 @@ impl NodeExecutor {
             .await?;
         let journaled = [("smbios_uuid", json!(smbios_uuid))];
         if !output.success() {
-            self.journal_tool_failed(&mut guard, op, &resource, &output, &journaled)
+            self.ctx
+                .journal_tool_failed(&mut guard, op, &resource, &output, &journaled)
                 .await?;
             if output.stderr.contains("already exists") {
                 return Err(ExecError::AlreadyExists(format!(
@@ -527,7 +549,7 @@ impl NodeExecutor {
         }
         guard
             .done(
-                self.now_ms(),
+                self.ctx.now_ms(),
                 op,
                 &resource,
                 tool_detail(&output, &journaled),
@@ -541,14 +563,14 @@ impl NodeExecutor {
     }
 
     /// `qm start|stop|destroy` on a VM of this run.
-    pub(super) async fn vm_lifecycle(
+    pub(super) async fn lifecycle(
         &self,
         run: &RunHandle,
         vmid: Vmid,
         verb: Verb,
     ) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
-        let mut guard = self.lock_open(run).await?;
+        let mut guard = self.ctx.lock_open(run).await?;
         self.require_ours(&guard, grant, vmid)?;
         if verb == Verb::Start {
             // A restored guest boots only on a VNet that was checked and contained for this run.
@@ -568,23 +590,23 @@ impl NodeExecutor {
                     });
             for archive in archives {
                 let backup = Resource::Backup(archive.clone());
-                let device = Self::mapped_device(states.get(&backup)).ok_or_else(|| {
+                let device = Backups::mapped_device(states.get(&backup)).ok_or_else(|| {
                     ExecError::FailedPrecondition(format!(
                         "{archive} is no longer mapped by this run"
                     ))
                 })?;
-                self.check_mapping(grant, archive, &device)?;
+                self.ctx.backups().check_mapping(grant, archive, &device)?;
             }
             if !prepared
-                || !self.table_present(grant).await?
-                || !self.address_present(grant).await?
+                || !self.ctx.sandbox().table_present(grant).await?
+                || !self.ctx.sandbox().address_present(grant).await?
             {
                 return Err(ExecError::FailedPrecondition(format!(
                     "VM {vmid} may boot only on a prepared sandbox: call PrepareSandbox for {} first",
                     grant.vnet
                 )));
             }
-            self.recheck_sandbox(grant).await?;
+            self.ctx.sandbox().recheck(grant).await?;
         }
         let output = self.journaled_qm(&mut guard, vmid, verb).await?;
         // qm reports success only once the VM reached the state; VmStatus re-reads it on demand.
@@ -602,7 +624,7 @@ impl NodeExecutor {
         }))
     }
 
-    async fn status(
+    async fn read_status(
         &self,
         vmid: Vmid,
     ) -> Result<(pb::VmState, String, Option<process::ToolOutput>), ExecError> {
@@ -635,13 +657,9 @@ impl NodeExecutor {
         Ok((state_of_status(&qmp_status), qmp_status, Some(output)))
     }
 
-    pub(super) async fn vm_status(
-        &self,
-        run: &RunHandle,
-        vmid: Vmid,
-    ) -> Result<Outcome, ExecError> {
+    pub(super) async fn status(&self, run: &RunHandle, vmid: Vmid) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
-        let guard = self.lock_open(run).await?;
+        let guard = self.ctx.lock_open(run).await?;
         match self.require_ours(&guard, grant, vmid) {
             Ok(_) => {}
             // Destroyed by this run: the answer is that it is gone.
@@ -655,7 +673,7 @@ impl NodeExecutor {
             }
             Err(error) => return Err(error),
         }
-        let (state, qmp_status, output) = self.status(vmid).await?;
+        let (state, qmp_status, output) = self.read_status(vmid).await?;
         Ok(Outcome::Vm(pb::VmReply {
             state: state as i32,
             tool: output.as_ref().map(|o| tool_result("qm status", o)),
@@ -672,7 +690,7 @@ impl NodeExecutor {
     ) -> Result<EndState, ExecError> {
         guard
             .undone(
-                self.now_ms(),
+                self.ctx.now_ms(),
                 &Op::VmDestroy,
                 resource,
                 json!({ "end_state": EndState::NotOurs.wire(), "reason": reason }),
@@ -682,7 +700,7 @@ impl NodeExecutor {
     }
 
     /// Cleanup of `vm:<vmid>`: stop and destroy it if, and only if, it is this run's.
-    pub(super) async fn undo_vm(
+    pub(super) async fn undo(
         &self,
         guard: &mut RunGuard<'_>,
         grant: &Grant,
@@ -699,7 +717,7 @@ impl NodeExecutor {
         };
         match ownership {
             Ownership::Absent => {
-                self.journal_end_state(guard, op, &resource, &EndState::AlreadyGone)
+                self.ctx.journal_end_state(guard, op, &resource, &EndState::AlreadyGone)
                     .await?;
                 Ok(EndState::AlreadyGone)
             }

@@ -8,7 +8,7 @@ use super::session::{
 };
 use super::{OP, RecoveryError, SandboxNic, sandbox_mac};
 use crate::executor::{ExecError, Outcome};
-use crate::node::NodeExecutor;
+use crate::node::context::NodeContext;
 use crate::node::tool_result;
 use crate::process::{self, ToolOutput};
 use crate::runs::RunHandle;
@@ -21,7 +21,20 @@ use sha2::{Digest, Sha256};
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-impl NodeExecutor {
+/// The executor of guest network recovery: rewrites a restored guest's network configuration
+/// in its overlay, offline, through an appliance run as a transient unit.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct GuestNetwork<'a> {
+    ctx: &'a NodeContext,
+}
+
+impl NodeContext {
+    pub(in crate::node) fn guest_network(&self) -> GuestNetwork<'_> {
+        GuestNetwork { ctx: self }
+    }
+}
+
+impl GuestNetwork<'_> {
     /// The unit a recovery runs in, when this daemon starts tools in transient units.
     fn guest_network_unit(
         &self,
@@ -29,7 +42,7 @@ impl NodeExecutor {
         vmid: Vmid,
         memory_mib: u64,
     ) -> Result<Option<GuestNetworkUnit>, ExecError> {
-        if !self.config.process.use_transient_units() {
+        if !self.ctx.config.process.use_transient_units() {
             return Ok(None);
         }
         guest_network_unit(&grant.run_id, vmid, memory_mib)
@@ -45,15 +58,15 @@ impl NodeExecutor {
         grant: &certistack_core::grant::Grant,
         vmid: Vmid,
     ) -> Result<(), ExecError> {
-        let memory_mib = self.config.limits.guest_network_memory_mib;
+        let memory_mib = self.ctx.config.limits.guest_network_memory_mib;
         let Some(unit) = self.guest_network_unit(grant, vmid, memory_mib)? else {
             return Ok(());
         };
         process::release_transient_unit(
-            &self.config.process.systemctl,
+            &self.ctx.config.process.systemctl,
             &unit.name,
             &unit.description,
-            self.tool_timeout(),
+            self.ctx.tool_timeout(),
         )
         .await
         .map(|_| ())
@@ -65,7 +78,7 @@ impl NodeExecutor {
         })
     }
 
-    pub(in crate::node) async fn recover_guest_network(
+    pub(in crate::node) async fn recover(
         &self,
         run: &RunHandle,
         vmid: Vmid,
@@ -73,7 +86,7 @@ impl NodeExecutor {
         mode: NetworkRecoveryMode,
     ) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
-        let mut guard = self.lock_open(run).await?;
+        let mut guard = self.ctx.lock_open(run).await?;
         let overlay = Resource::Overlay {
             vmid,
             archive: archive.clone(),
@@ -101,14 +114,14 @@ impl NodeExecutor {
                 "VM {vmid} has been started: the guest may have written to its overlay, and recovery happens only before the first start (destroy the VM, delete the overlay and create both again)"
             )));
         }
-        let path = self.overlay_path(grant, vmid, &archive);
+        let path = self.ctx.overlays().overlay_path(grant, vmid, &archive);
         let mac = sandbox_mac(&grant.run_id, vmid, 0);
         if mode == NetworkRecoveryMode::Preserve {
             let detail = json!({ "mode": mode.name(), "path": path.display().to_string() });
             guard
-                .intent(self.now_ms(), OP, &overlay, detail.clone())
+                .intent(self.ctx.now_ms(), OP, &overlay, detail.clone())
                 .await?;
-            guard.done(self.now_ms(), OP, &overlay, detail).await?;
+            guard.done(self.ctx.now_ms(), OP, &overlay, detail).await?;
             return Ok(Outcome::RecoverGuestNetwork(pb::RecoverGuestNetworkReply {
                 evidence: Some(pb::GuestNetworkEvidence {
                     mac_address: mac,
@@ -146,11 +159,11 @@ impl NodeExecutor {
         .into_uuid()
         .hyphenated()
         .to_string();
-        let program = self.config.tools.guestfish.clone();
+        let program = self.ctx.config.tools.guestfish.clone();
         // Checked here, before anything is journaled: started through systemd-run, a missing
         // guestfish would only show as a unit that failed and was collected.
         guestfish_installed(&program).map_err(ExecError::FailedPrecondition)?;
-        let appliance = Appliance::from_config(&self.config);
+        let appliance = Appliance::from_config(&self.ctx.config);
         let timeout_secs = appliance.timeout.as_secs();
         let memory_mib = appliance.memory_mib;
         let unit = self.guest_network_unit(grant, vmid, memory_mib)?;
@@ -159,8 +172,8 @@ impl NodeExecutor {
             &path,
             &appliance,
             unit.as_ref(),
-            &self.config.process.systemd_run,
-            &self.config.process.systemctl,
+            &self.ctx.config.process.systemd_run,
+            &self.ctx.config.process.systemctl,
         )
         .map_err(ExecError::Failed)?;
         let intent = json!({
@@ -175,12 +188,15 @@ impl NodeExecutor {
             "unit": unit.as_ref().map(|u| u.name.clone()),
             "unit_description": unit.as_ref().map(|u| u.description.clone()),
         });
-        guard.intent(self.now_ms(), OP, &overlay, intent).await?;
+        guard
+            .intent(self.ctx.now_ms(), OP, &overlay, intent)
+            .await?;
         let started = Instant::now();
         let mut session = match Session::start(call) {
             Ok(session) => session,
             Err(error) => {
                 return Err(self
+                    .ctx
                     .journal_step_error(
                         &mut guard,
                         OP,
@@ -193,7 +209,7 @@ impl NodeExecutor {
         let identity = session.identity();
         if let Some(identity) = identity {
             guard
-                .intent(self.now_ms(), OP, &overlay, json!({ "tool": identity }))
+                .intent(self.ctx.now_ms(), OP, &overlay, json!({ "tool": identity }))
                 .await?;
         }
         let deadline = Duration::from_secs(timeout_secs);
@@ -229,10 +245,10 @@ impl NodeExecutor {
         let mut unit_left = None;
         if let Some(unit) = &unit
             && let Err(reason) = process::release_transient_unit(
-                &self.config.process.systemctl,
+                &self.ctx.config.process.systemctl,
                 &unit.name,
                 &unit.description,
-                self.tool_timeout(),
+                self.ctx.tool_timeout(),
             )
             .await
         {
@@ -258,7 +274,9 @@ impl NodeExecutor {
                     "outcome_unknown": matches!(error, RecoveryError::Timeout(_)) || unit_left.is_some(),
                     "unit_left": unit_left,
                 });
-                guard.failed(self.now_ms(), OP, &overlay, detail).await?;
+                guard
+                    .failed(self.ctx.now_ms(), OP, &overlay, detail)
+                    .await?;
                 return Err(exec);
             }
         };
@@ -271,7 +289,7 @@ impl NodeExecutor {
         };
         guard
             .done(
-                self.now_ms(),
+                self.ctx.now_ms(),
                 OP,
                 &overlay,
                 json!({

@@ -3,7 +3,7 @@
 
 use super::{ProbeBounds, probe_target};
 use crate::executor::{ExecError, Outcome};
-use crate::node::NodeExecutor;
+use crate::node::context::NodeContext;
 use crate::node::resources::{self, Standing};
 use crate::runs::RunHandle;
 use certistack_core::grant::ProbeKind;
@@ -14,7 +14,20 @@ use certistack_proto::v1 as pb;
 use serde_json::json;
 use std::time::Duration;
 
-impl NodeExecutor {
+/// The executor of probes: checks that the run's probe address and containment table are in
+/// place, then connects from the probe address to a granted target and journals what it saw.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Probes<'a> {
+    ctx: &'a NodeContext,
+}
+
+impl NodeContext {
+    pub(in crate::node) fn probes(&self) -> Probes<'_> {
+        Probes { ctx: self }
+    }
+}
+
+impl Probes<'_> {
     pub(in crate::node) async fn probe(
         &self,
         run: &RunHandle,
@@ -23,7 +36,7 @@ impl NodeExecutor {
         port: u16,
     ) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
-        let mut guard = self.lock_open(run).await?;
+        let mut guard = self.ctx.lock_open(run).await?;
         let target = grant
             .probe_targets
             .iter()
@@ -44,7 +57,7 @@ impl NodeExecutor {
             &Resource::ProbeAddress(grant.vnet.clone()),
         )
         .is_some_and(|s| s.is_open() && s.standing() == Standing::Done);
-        let address_present = self.address_present(grant).await?;
+        let address_present = self.ctx.sandbox().address_present(grant).await?;
         if address_added && !address_present {
             // ifupdown2's `ifreload -a` (every SDN "Apply" runs it) purges addresses it did not
             // configure: the node took the address, the guest and the backup did nothing wrong.
@@ -54,7 +67,7 @@ impl NodeExecutor {
             );
             guard
                 .failed(
-                    self.now_ms(),
+                    self.ctx.now_ms(),
                     &Op::ProbeRun,
                     &resource,
                     json!({ "source": source.to_string(), "error": error, "infrastructure": true }),
@@ -65,7 +78,7 @@ impl NodeExecutor {
                 error,
             ));
         }
-        if !address_present || !self.table_present(grant).await? {
+        if !address_present || !self.ctx.sandbox().table_present(grant).await? {
             return Err(ExecError::FailedPrecondition(format!(
                 "the probe address {} or the run's containment table is not on {}; call PrepareSandbox first",
                 grant.probe_source, grant.vnet
@@ -73,7 +86,7 @@ impl NodeExecutor {
         }
         guard
             .intent(
-                self.now_ms(),
+                self.ctx.now_ms(),
                 &Op::ProbeRun,
                 &resource,
                 json!({ "source": source.to_string() }),
@@ -81,14 +94,14 @@ impl NodeExecutor {
             .await?;
         let bounds = ProbeBounds {
             device: grant.vnet.to_string(),
-            timeout: Duration::from_secs(self.config.limits.probe_timeout_secs),
-            max_bytes: self.config.limits.max_probe_response_bytes,
-            max_entries: self.config.limits.max_probe_entries,
+            timeout: Duration::from_secs(self.ctx.config.limits.probe_timeout_secs),
+            max_bytes: self.ctx.config.limits.max_probe_response_bytes,
+            max_entries: self.ctx.config.limits.max_probe_entries,
         };
         let result = probe_target(source, target, &bounds).await;
         guard
             .done(
-                self.now_ms(),
+                self.ctx.now_ms(),
                 &Op::ProbeRun,
                 &resource,
                 json!({

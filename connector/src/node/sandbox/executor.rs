@@ -1,13 +1,14 @@
 //! `PrepareSandbox`, the re-check before a boot, and the release of the table and the probe
 //! address, journaled.
 
+use super::Sandbox;
 use super::Stage;
 use super::isolation::{probe_network_conflicts, violations};
 use super::ruleset::{ruleset, table_name};
 use crate::config::ForwardingPolicy;
 use crate::executor::{ExecError, Outcome};
+use crate::node::resources;
 use crate::node::resources::EndState;
-use crate::node::{NodeExecutor, resources};
 use crate::process::{SecretInput, SecretKind, ToolCall};
 use crate::runs::{RunGuard, RunHandle};
 use certistack_core::grant::Grant;
@@ -25,17 +26,17 @@ enum NetworkObject {
     Address,
 }
 
-impl NodeExecutor {
+impl Sandbox<'_> {
     /// The re-check before a guest boots: the VNet must still be what PrepareSandbox found,
     /// with the probe address and the run's table on it, and nothing stacked on it since.
-    pub(in crate::node) async fn recheck_sandbox(&self, grant: &Grant) -> Result<(), ExecError> {
+    pub(in crate::node) async fn recheck(&self, grant: &Grant) -> Result<(), ExecError> {
         let seen = self.observe(grant, &grant.vnet, Stage::Boot).await?;
         let violations = violations(
             grant,
             &grant.vnet,
             &seen,
             Stage::Boot,
-            self.config.sandbox.forwarding,
+            self.ctx.config.sandbox.forwarding,
         );
         if !violations.is_empty() {
             return Err(ExecError::FailedPrecondition(format!(
@@ -47,14 +48,14 @@ impl NodeExecutor {
         Ok(())
     }
 
-    pub(in crate::node) async fn prepare_sandbox(
+    pub(in crate::node) async fn prepare(
         &self,
         run: &RunHandle,
         vnet: VnetName,
         probe_source: IpInterface,
     ) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
-        let mut guard = self.lock_open(run).await?;
+        let mut guard = self.ctx.lock_open(run).await?;
         let states = resources::states(&guard.records());
         let table = table_name(grant);
         if states
@@ -71,7 +72,7 @@ impl NodeExecutor {
             &vnet,
             &seen,
             Stage::Prepare,
-            self.config.sandbox.forwarding,
+            self.ctx.config.sandbox.forwarding,
         );
         if !violations.is_empty() {
             return Err(ExecError::FailedPrecondition(format!(
@@ -79,7 +80,8 @@ impl NodeExecutor {
                 violations.join("; ")
             )));
         }
-        let conflicts = probe_network_conflicts(grant, self.config.limits.min_probe_prefix, &seen);
+        let conflicts =
+            probe_network_conflicts(grant, self.ctx.config.limits.min_probe_prefix, &seen);
         if !conflicts.is_empty() {
             return Err(ExecError::FailedPrecondition(format!(
                 "the probe network {} cannot be added to this node: {}",
@@ -99,14 +101,14 @@ impl NodeExecutor {
         let nft_key = Resource::NftTable(table.clone());
         guard
             .intent(
-                self.now_ms(),
+                self.ctx.now_ms(),
                 &Op::SandboxNft,
                 &nft_key,
                 json!({ "table": table, "ruleset": rules }),
             )
             .await?;
         // One `nft -f` transaction: the whole table or nothing. The ruleset travels on a pipe.
-        let call = ToolCall::new(&self.config.tools.nft, self.tool_timeout())
+        let call = ToolCall::new(&self.ctx.config.tools.nft, self.ctx.tool_timeout())
             .arg("-f")
             .arg("/dev/fd/3")
             .secret(SecretInput {
@@ -115,10 +117,12 @@ impl NodeExecutor {
                 kind: SecretKind::Pipe,
             });
         let out = self
+            .ctx
             .run_step(&mut guard, &Op::SandboxNft, &nft_key, call)
             .await?;
         if !out.success() {
-            self.journal_tool_failed(&mut guard, &Op::SandboxNft, &nft_key, &out, &[])
+            self.ctx
+                .journal_tool_failed(&mut guard, &Op::SandboxNft, &nft_key, &out, &[])
                 .await?;
             return Err(ExecError::FailedPrecondition(format!(
                 "nft -f refused the containment table: {}",
@@ -126,14 +130,17 @@ impl NodeExecutor {
             )));
         }
         let listed = self
-            .tool(&self.config.tools.nft, &["list", "table", "inet", &table])
+            .tool(
+                &self.ctx.config.tools.nft,
+                &["list", "table", "inet", &table],
+            )
             .await?;
         if !listed.success() || listed.truncated {
             // The table is installed but its evidence cannot be produced: no run proceeds
             // without the evidence. Record it as installed so Cleanup removes it, and try now.
             guard
                 .done(
-                    self.now_ms(),
+                    self.ctx.now_ms(),
                     &Op::SandboxNft,
                     &nft_key,
                     json!({ "table": table, "ruleset_sha256": null, "evidence": "unavailable" }),
@@ -155,7 +162,7 @@ impl NodeExecutor {
         let sha256 = hex::encode(Sha256::digest(listed.stdout.as_bytes()));
         guard
             .done(
-                self.now_ms(),
+                self.ctx.now_ms(),
                 &Op::SandboxNft,
                 &nft_key,
                 json!({ "table": table, "ruleset_sha256": sha256 }),
@@ -166,13 +173,13 @@ impl NodeExecutor {
         let addr_key = Resource::ProbeAddress(vnet.clone());
         guard
             .intent(
-                self.now_ms(),
+                self.ctx.now_ms(),
                 &Op::SandboxAddress,
                 &addr_key,
                 json!({ "address": address }),
             )
             .await?;
-        let mut call = ToolCall::new(&self.config.tools.ip, self.tool_timeout())
+        let mut call = ToolCall::new(&self.ctx.config.tools.ip, self.ctx.tool_timeout())
             .arg("address")
             .arg("add")
             .arg(&address)
@@ -185,10 +192,12 @@ impl NodeExecutor {
             call = call.arg("nodad");
         }
         let out = self
+            .ctx
             .run_step(&mut guard, &Op::SandboxAddress, &addr_key, call)
             .await?;
         if !out.success() {
-            self.journal_tool_failed(&mut guard, &Op::SandboxAddress, &addr_key, &out, &[])
+            self.ctx
+                .journal_tool_failed(&mut guard, &Op::SandboxAddress, &addr_key, &out, &[])
                 .await?;
             let removal = match self.remove_table(&mut guard, grant).await {
                 Ok(end_state) => format!("the containment table was removed ({end_state})"),
@@ -203,17 +212,17 @@ impl NodeExecutor {
         }
         guard
             .done(
-                self.now_ms(),
+                self.ctx.now_ms(),
                 &Op::SandboxAddress,
                 &addr_key,
                 json!({ "address": address }),
             )
             .await?;
-        let disabled = if self.config.sandbox.forwarding == ForwardingPolicy::DisableForRun {
+        let disabled = if self.ctx.config.sandbox.forwarding == ForwardingPolicy::DisableForRun {
             match self.disable_forwarding(&mut guard, &vnet, &seen).await {
                 Ok(disabled) => disabled,
                 Err(error) => {
-                    let undo = self.undo_sandbox(&mut guard, grant).await;
+                    let undo = self.undo(&mut guard, grant).await;
                     return Err(ExecError::Failed(format!("{error}; {undo}")));
                 }
             }
@@ -249,7 +258,7 @@ impl NodeExecutor {
     }
 
     /// Removes what a failed `PrepareSandbox` installed, newest first, and says how it went.
-    async fn undo_sandbox(&self, guard: &mut RunGuard<'_>, grant: &Grant) -> String {
+    async fn undo(&self, guard: &mut RunGuard<'_>, grant: &Grant) -> String {
         let mut said = Vec::new();
         let mut left = false;
         match self.restore_forwarding(guard, grant).await {
@@ -288,13 +297,13 @@ impl NodeExecutor {
         }
     }
 
-    pub(in crate::node) async fn release_sandbox(
+    pub(in crate::node) async fn release(
         &self,
         run: &RunHandle,
         vnet: VnetName,
     ) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
-        let mut guard = self.lock_open(run).await?;
+        let mut guard = self.ctx.lock_open(run).await?;
         let states = resources::states(&guard.records());
         let nft_key = Resource::NftTable(table_name(grant));
         let addr_key = Resource::ProbeAddress(vnet.clone());
@@ -367,28 +376,31 @@ impl NodeExecutor {
             NetworkObject::Table => (
                 Op::SandboxNftDelete,
                 Resource::NftTable(table.clone()),
-                &self.config.tools.nft,
+                &self.ctx.config.tools.nft,
                 vec!["delete", "table", "inet", &table],
             ),
             NetworkObject::Address => (
                 Op::SandboxAddressDelete,
                 Resource::ProbeAddress(grant.vnet.clone()),
-                &self.config.tools.ip,
+                &self.ctx.config.tools.ip,
                 vec!["address", "del", &address, "dev", grant.vnet.as_str()],
             ),
         };
         let op = &op;
         if !self.present(grant, object).await? {
-            self.journal_end_state(guard, op, &key, &EndState::AlreadyGone)
+            self.ctx
+                .journal_end_state(guard, op, &key, &EndState::AlreadyGone)
                 .await?;
             return Ok(EndState::AlreadyGone);
         }
         guard
-            .intent(self.now_ms(), op, &key, json!({ "argv": args }))
+            .intent(self.ctx.now_ms(), op, &key, json!({ "argv": args }))
             .await?;
         let out = self.tool(program, &args).await?;
         if !out.success() || self.present(grant, object).await? {
-            self.journal_tool_failed(guard, op, &key, &out, &[]).await?;
+            self.ctx
+                .journal_tool_failed(guard, op, &key, &out, &[])
+                .await?;
             return Err(ExecError::Failed(format!(
                 "{} {} failed: {}",
                 program.display(),
@@ -396,7 +408,8 @@ impl NodeExecutor {
                 out.stderr_excerpt()
             )));
         }
-        self.journal_end_state(guard, op, &key, &EndState::Deleted)
+        self.ctx
+            .journal_end_state(guard, op, &key, &EndState::Deleted)
             .await?;
         Ok(EndState::Deleted)
     }
@@ -404,7 +417,7 @@ impl NodeExecutor {
     pub(in crate::node) async fn address_present(&self, grant: &Grant) -> Result<bool, ExecError> {
         let seen = self
             .tool(
-                &self.config.tools.ip,
+                &self.ctx.config.tools.ip,
                 &["-j", "address", "show", "dev", grant.vnet.as_str()],
             )
             .await?;
@@ -426,7 +439,10 @@ impl NodeExecutor {
     pub(in crate::node) async fn table_present(&self, grant: &Grant) -> Result<bool, ExecError> {
         let table = table_name(grant);
         let out = self
-            .tool(&self.config.tools.nft, &["list", "table", "inet", &table])
+            .tool(
+                &self.ctx.config.tools.nft,
+                &["list", "table", "inet", &table],
+            )
             .await?;
         if out.success() {
             return Ok(true);

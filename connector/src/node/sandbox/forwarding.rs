@@ -1,10 +1,11 @@
 //! Forwarding on the VNet under `sandbox.forwarding = "disable-for-run"`: turned off for the
 //! run with the previous values journaled, restored at release or cleanup.
 
+use super::Sandbox;
 use super::observation::Observation;
 use crate::executor::ExecError;
+use crate::node::resources;
 use crate::node::resources::EndState;
-use crate::node::{NodeExecutor, resources};
 use crate::runs::RunGuard;
 use certistack_core::grant::Grant;
 use certistack_core::journal::Op;
@@ -36,7 +37,7 @@ fn journaled_previous(state: &resources::ResourceState) -> Vec<(String, String)>
         .collect()
 }
 
-impl NodeExecutor {
+impl Sandbox<'_> {
     /// Turns forwarding off on the VNet for the run, for each family where it is on: journals
     /// the previous values (`sandbox.forwarding` intent on `fwd:<vnet>`), writes 0, re-reads.
     /// Returns the families it turned off.
@@ -62,7 +63,7 @@ impl NodeExecutor {
             .collect();
         guard
             .intent(
-                self.now_ms(),
+                self.ctx.now_ms(),
                 &Op::SandboxForwarding,
                 &key,
                 json!({ "previous": previous, "set": "0" }),
@@ -84,7 +85,7 @@ impl NodeExecutor {
             );
             guard
                 .failed(
-                    self.now_ms(),
+                    self.ctx.now_ms(),
                     &Op::SandboxForwarding,
                     &key,
                     json!({ "previous": previous, "error": error }),
@@ -94,7 +95,7 @@ impl NodeExecutor {
         }
         guard
             .done(
-                self.now_ms(),
+                self.ctx.now_ms(),
                 &Op::SandboxForwarding,
                 &key,
                 json!({ "previous": previous, "set": "0" }),
@@ -121,7 +122,7 @@ impl NodeExecutor {
         let previous = journaled_previous(&state);
         guard
             .intent(
-                self.now_ms(),
+                self.ctx.now_ms(),
                 &Op::SandboxForwardingRestore,
                 &key,
                 json!({ "previous": previous
@@ -173,7 +174,7 @@ impl NodeExecutor {
             );
             guard
                 .failed(
-                    self.now_ms(),
+                    self.ctx.now_ms(),
                     &Op::SandboxForwardingRestore,
                     &key,
                     json!({ "error": error, "values": outcomes }),
@@ -190,7 +191,7 @@ impl NodeExecutor {
         };
         guard
             .undone(
-                self.now_ms(),
+                self.ctx.now_ms(),
                 &Op::SandboxForwardingRestore,
                 &key,
                 json!({ "end_state": end.wire(), "values": outcomes }),

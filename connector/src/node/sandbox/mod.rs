@@ -37,12 +37,28 @@ pub(crate) use nat::{LegacyNat, read_legacy_nat};
 pub use observation::{NodeAddress, NodeRoute, Observation, stacked_links};
 pub use ruleset::{ruleset, table_name};
 
+use crate::node::context::NodeContext;
+
 /// When the VNet is checked: before the probe address exists, or before a guest boots (when it
 /// must be there).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stage {
     Prepare,
     Boot,
+}
+
+/// The sandbox's executor: prepares, re-checks and releases a run's containment table and
+/// probe address (`executor`), reads the node's network to decide whether it may
+/// (`observation`), and sets the VNet's forwarding (`forwarding`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Sandbox<'a> {
+    ctx: &'a NodeContext,
+}
+
+impl NodeContext {
+    pub(in crate::node) fn sandbox(&self) -> Sandbox<'_> {
+        Sandbox { ctx: self }
+    }
 }
 
 /// Conflicts (and NAT rules) at most listed in one refusal; the rest are counted.

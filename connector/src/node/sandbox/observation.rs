@@ -1,10 +1,11 @@
 //! What the node shows about a VNet and its own network, read without changing anything:
 //! `ip -json` listings of links, addresses and routes, the forwarding sysctls, the NAT rules.
 
+use super::Sandbox;
 use super::Stage;
 use super::nat::{LegacyNat, legacy_nat_rules, read_legacy_nat, read_ruleset};
 use crate::executor::ExecError;
-use crate::node::{NodeExecutor, tool_error};
+use crate::node::tool_error;
 use crate::process::{self, ToolCall, ToolOutput};
 use certistack_core::grant::Grant;
 use certistack_core::net::IpNetwork;
@@ -136,13 +137,13 @@ pub(super) fn parse_routes(parsed: &serde_json::Value) -> Vec<NodeRoute> {
         .collect()
 }
 
-impl NodeExecutor {
+impl Sandbox<'_> {
     pub(super) async fn tool(
         &self,
         program: &std::path::Path,
         args: &[&str],
     ) -> Result<ToolOutput, ExecError> {
-        let mut call = ToolCall::new(program, self.tool_timeout());
+        let mut call = ToolCall::new(program, self.ctx.tool_timeout());
         for arg in args {
             call = call.arg(*arg);
         }
@@ -152,7 +153,7 @@ impl NodeExecutor {
     /// Runs `ip` for JSON; a failure or an answer cut at the output cap is an error, since a
     /// check that saw only part of the node must not pass.
     async fn ip_json(&self, args: &[&str]) -> Result<serde_json::Value, ExecError> {
-        let out = self.tool(&self.config.tools.ip, args).await?;
+        let out = self.tool(&self.ctx.config.tools.ip, args).await?;
         let command = format!("ip {}", args.join(" "));
         if !out.success() {
             return Err(ExecError::Failed(format!(
@@ -181,7 +182,7 @@ impl NodeExecutor {
         let mut seen = Observation::default();
         let link = self
             .tool(
-                &self.config.tools.ip,
+                &self.ctx.config.tools.ip,
                 &["-j", "-d", "link", "show", "dev", vnet.as_str()],
             )
             .await?;
@@ -237,7 +238,7 @@ impl NodeExecutor {
         }
         let out = self
             .read_ruleset(
-                &self.config.tools.nft,
+                &self.ctx.config.tools.nft,
                 &["list", "ruleset"],
                 "nftables ruleset",
             )
@@ -260,8 +261,14 @@ impl NodeExecutor {
             }
         }
         for (tool, tables) in [
-            (&self.config.tools.iptables_legacy_save, "ip_tables_names"),
-            (&self.config.tools.ip6tables_legacy_save, "ip6_tables_names"),
+            (
+                &self.ctx.config.tools.iptables_legacy_save,
+                "ip_tables_names",
+            ),
+            (
+                &self.ctx.config.tools.ip6tables_legacy_save,
+                "ip6_tables_names",
+            ),
         ] {
             self.read_legacy_nat(tool, tables, vnet, &subnet, &mut seen)
                 .await?;
@@ -280,8 +287,8 @@ impl NodeExecutor {
             program,
             args,
             what,
-            self.config.limits.max_ruleset_bytes,
-            self.tool_timeout(),
+            self.ctx.config.limits.max_ruleset_bytes,
+            self.ctx.tool_timeout(),
         )
         .await
     }
@@ -299,8 +306,8 @@ impl NodeExecutor {
         let listing = read_legacy_nat(
             tool,
             tables_file,
-            self.config.limits.max_ruleset_bytes,
-            self.tool_timeout(),
+            self.ctx.config.limits.max_ruleset_bytes,
+            self.ctx.tool_timeout(),
         )
         .await?;
         seen.nat_sources.push(listing.source(tool, tables_file));
