@@ -2,8 +2,8 @@
 //! the validated names and values of the wire ([`validate`], [`net`]), the run grant's codec and
 //! verification ([`grant`], [`known_fields`]), certificate identities ([`identity`]), the
 //! journal's format and its verification ([`journal`]), file checks ([`files`]), escaping of
-//! untrusted text ([`untrusted`]), the TLS profiles ([`tls`]) and the bounds both sides rely on
-//! ([`limits`]).
+//! untrusted text ([`untrusted`]), the TLS profiles ([`tls`]), QEMU's run states ([`qemu`]) and
+//! the bounds both sides rely on ([`limits`]).
 //!
 //! The controller depends on this crate and on `certistack-proto`, never on the daemon.
 
@@ -20,6 +20,7 @@ pub mod journal;
 pub mod known_fields;
 pub mod limits;
 pub mod net;
+pub mod qemu;
 pub mod tls;
 pub mod untrusted;
 pub mod validate;

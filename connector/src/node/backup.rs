@@ -9,11 +9,11 @@
 //! and works for loop devices the client cannot name by number (>= 256); otherwise by device,
 //! only while the device is still backed by this run's mapping.
 
-use super::resources::{EndState, ResourceState, Standing};
 use super::{context::NodeContext, loopdev, repository_string, tool_detail, tool_result};
 use crate::action::EncryptionKey;
 use crate::executor::{ExecError, Outcome};
 use crate::process::{self, SecretInput, SecretKind, ToolCall, ToolOutput, TransientRole};
+use crate::resources::{EndState, ResourceState, Standing};
 use crate::runs::{RunGuard, RunHandle};
 use crate::source_hardware::{MAX_CONFIG_BYTES, SourceConfigError, SourceHardware};
 use certistack_core::grant::Grant;
@@ -355,7 +355,7 @@ impl Backups<'_> {
         let grant = &run.grant;
         let mut guard = self.ctx.lock_open(run).await?;
         let resource = Resource::Backup(archive.clone());
-        if let Some(state) = super::resources::states(&guard.records())
+        if let Some(state) = crate::resources::states(&guard.records())
             .get(&resource)
             .filter(|s| s.is_open())
         {
@@ -409,7 +409,7 @@ impl Backups<'_> {
             Err(error) => {
                 // A client that never started mapped nothing: close the resource, so the map
                 // may be retried. (A client killed at its deadline leaves the outcome unknown.)
-                let never_started = super::resources::state_of(
+                let never_started = crate::resources::state_of(
                     &guard.records(),
                     &Resource::Backup(archive.clone()),
                 )
@@ -492,7 +492,7 @@ impl Backups<'_> {
     ) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
         let mut guard = self.ctx.lock_open(run).await?;
-        let states = super::resources::states(&guard.records());
+        let states = crate::resources::states(&guard.records());
         let resource = Resource::Backup(archive.clone());
         let Some(state) = states.get(&resource).filter(|s| s.is_open()) else {
             return Err(ExecError::FailedPrecondition(format!(

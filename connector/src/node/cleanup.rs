@@ -12,10 +12,10 @@
 //!   name, the probe address, the run directory, the VM marker), not from the journal alone.
 
 use super::context::NodeContext;
-use super::resources::{self, EndState, InterruptedStep, ResourceState, Standing};
 use super::sandbox;
 use crate::executor::{ExecError, Outcome};
 use crate::process::REAP_WITHIN;
+use crate::resources::{self, EndState, InterruptedStep, ResourceState, Standing};
 use crate::runs::{RunGuard, RunHandle};
 use certistack_core::grant::Grant;
 use certistack_core::journal::{Op, Resource};

@@ -7,12 +7,12 @@
 //! accessor that builds it (`ctx.sandbox()`): one resource reaches another through the
 //! context, so neither names the other's module, and the context names none of them.
 
-use super::resources;
 use super::{tool_detail, tool_error};
 use crate::clock::Clock;
 use crate::config::Config;
 use crate::executor::ExecError;
 use crate::process::{self, ToolCall, ToolOutput};
+use crate::resources;
 use crate::runs::{RunGuard, RunHandle};
 use certistack_core::journal::{Op, Resource};
 use serde_json::json;

@@ -12,9 +12,9 @@
 //!   flushes whatever a previous client left in the channel), then the command.
 
 use super::context::NodeContext;
-use super::resources::{self};
 use crate::action::{QgaCall, QgaCommand, QmpCommand};
 use crate::executor::{ExecError, Outcome};
+use crate::resources::{self};
 use crate::runs::{RunGuard, RunHandle};
 use base64::Engine;
 use certistack_core::grant::{Grant, QgaAssertion};

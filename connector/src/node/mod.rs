@@ -25,7 +25,6 @@ pub mod overlay;
 pub mod probe;
 // What a run holds, as its journal says: shared with the run registry, which decides from it
 // whether a run may close or still counts against the node's limits.
-pub use crate::resources;
 pub mod sandbox;
 pub mod vm;
 

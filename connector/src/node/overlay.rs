@@ -11,10 +11,10 @@
 
 use super::backup::Backups;
 use super::context::NodeContext;
-use super::resources::EndState;
 use super::{tool_detail, tool_result};
 use crate::executor::{ExecError, Outcome};
 use crate::process::ToolCall;
+use crate::resources::EndState;
 use crate::runs::{RunGuard, RunHandle};
 use certistack_core::grant::Grant;
 use certistack_core::journal::{Op, Resource};
@@ -217,7 +217,7 @@ impl Overlays<'_> {
     ) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
         let mut guard = self.ctx.lock_open(run).await?;
-        let states = super::resources::states(&guard.records());
+        let states = crate::resources::states(&guard.records());
         let backup = Resource::Backup(archive.clone());
         let device = Backups::mapped_device(states.get(&backup)).ok_or_else(|| {
             ExecError::FailedPrecondition(format!(
@@ -382,7 +382,7 @@ impl Overlays<'_> {
             vmid,
             archive: archive.clone(),
         };
-        let states = super::resources::states(&guard.records());
+        let states = crate::resources::states(&guard.records());
         if states.get(&resource).is_none_or(|s| !s.is_open()) {
             return Err(ExecError::NotFound(format!(
                 "this run has no overlay of {archive} for VM {vmid}"

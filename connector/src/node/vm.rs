@@ -8,15 +8,16 @@
 
 use super::backup::Backups;
 use super::backup::SOURCE_CONFIG_OP;
-use super::resources::{self, EndState, ResourceState, Standing};
 use super::{context::NodeContext, tool_detail, tool_error, tool_result};
 use crate::executor::{ExecError, Outcome};
 use crate::process::{self, ToolCall, TransientRole};
+use crate::resources::{self, EndState, ResourceState, Standing};
 use crate::runs::{RunGuard, RunHandle};
 use crate::source_hardware::SourceHardware;
 use certistack_core::grant::Grant;
 use certistack_core::journal::{Op, Resource};
 use certistack_core::journal::{Phase, Record};
+use certistack_core::qemu::vm_state;
 use certistack_core::validate::{ArchiveName, Vmid};
 use certistack_proto::v1 as pb;
 use serde_json::json;
@@ -96,22 +97,6 @@ impl Verb {
 
 /// Longest status kept from `qm status` (QEMU's run states are short words).
 const MAX_STATUS_CHARS: usize = 32;
-
-/// The state a `qm status` value reports. qm prints QEMU's `query-status` value while QEMU
-/// answers (qemu-server `vmstatus`), else `running` or `stopped`.
-pub fn state_of_status(status: &str) -> pb::VmState {
-    match status {
-        "running" => pb::VmState::Running,
-        "stopped" => pb::VmState::Stopped,
-        "paused" | "debug" | "inmigrate" | "postmigrate" | "finish-migrate" | "save-vm"
-        | "restore-vm" | "colo" => pb::VmState::Paused,
-        "io-error" | "internal-error" | "guest-panicked" | "watchdog" => pb::VmState::GuestError,
-        "shutdown" => pb::VmState::GuestShutdown,
-        "suspended" => pb::VmState::Suspended,
-        "prelaunch" => pb::VmState::Prelaunch,
-        _ => pb::VmState::Unrecognized,
-    }
-}
 
 const MARKER_PREFIX: &str = "certistack-run=";
 
@@ -654,7 +639,7 @@ impl Vms<'_> {
             .filter(|c| c.is_ascii_graphic())
             .take(MAX_STATUS_CHARS)
             .collect();
-        Ok((state_of_status(&qmp_status), qmp_status, Some(output)))
+        Ok((vm_state(&qmp_status), qmp_status, Some(output)))
     }
 
     pub(super) async fn status(&self, run: &RunHandle, vmid: Vmid) -> Result<Outcome, ExecError> {
@@ -887,7 +872,7 @@ mod tests {
             ("prelaunch", pb::VmState::Prelaunch),
             ("something-new", pb::VmState::Unrecognized),
         ] {
-            assert_eq!(state_of_status(status), state, "{status}");
+            assert_eq!(vm_state(status), state, "{status}");
         }
     }
 }

@@ -60,11 +60,16 @@ pub(super) enum GuestState {
 }
 
 pub(super) fn guest_state(status: &str) -> GuestState {
-    match status {
-        "running" => GuestState::Running,
-        "io-error" | "internal-error" | "guest-panicked" | "shutdown" | "watchdog"
-        | "suspended" => GuestState::Stopped,
-        _ => GuestState::NotJudged,
+    use certistack_proto::v1::VmState;
+    match certistack_core::qemu::vm_state(status) {
+        VmState::Running => GuestState::Running,
+        VmState::GuestError | VmState::GuestShutdown | VmState::Suspended => GuestState::Stopped,
+        VmState::Unspecified
+        | VmState::Absent
+        | VmState::Stopped
+        | VmState::Paused
+        | VmState::Prelaunch
+        | VmState::Unrecognized => GuestState::NotJudged,
     }
 }
 

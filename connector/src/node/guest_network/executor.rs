@@ -94,10 +94,10 @@ impl GuestNetwork<'_> {
         let vm = Resource::Vm(vmid);
         let (has_overlay, started) = {
             let records = guard.records();
-            let states = crate::node::resources::states(&records);
-            let has_overlay = states.get(&overlay).is_some_and(|s| {
-                s.is_open() && s.standing() == crate::node::resources::Standing::Done
-            });
+            let states = crate::resources::states(&records);
+            let has_overlay = states
+                .get(&overlay)
+                .is_some_and(|s| s.is_open() && s.standing() == crate::resources::Standing::Done);
             let start = &Op::VmStart;
             let started = records
                 .iter()

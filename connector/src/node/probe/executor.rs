@@ -4,7 +4,7 @@
 use super::{ProbeBounds, probe_target};
 use crate::executor::{ExecError, Outcome};
 use crate::node::context::NodeContext;
-use crate::node::resources::{self, Standing};
+use crate::resources::{self, Standing};
 use crate::runs::RunHandle;
 use certistack_core::grant::ProbeKind;
 use certistack_core::journal::Op;

@@ -4,8 +4,8 @@
 use super::Sandbox;
 use super::observation::Observation;
 use crate::executor::ExecError;
-use crate::node::resources;
-use crate::node::resources::EndState;
+use crate::resources;
+use crate::resources::EndState;
 use crate::runs::RunGuard;
 use certistack_core::grant::Grant;
 use certistack_core::journal::Op;
