@@ -166,25 +166,35 @@ pub struct InterruptedStep {
 /// The side steps (ops whose records [`states`] skips because deleting their resource undoes
 /// them) that were interrupted: the last record of the op on its resource is an `intent`.
 pub fn interrupted_side_steps(records: &[Record]) -> Vec<InterruptedStep> {
-    let mut last: BTreeMap<(Op, Resource), Vec<&Record>> = BTreeMap::new();
+    // Keyed by the journal's strings, so steps settle in the order of their keys.
+    let mut last: BTreeMap<(String, String), (Op, Resource, Vec<&Record>)> = BTreeMap::new();
     for record in records
         .iter()
         .filter(|r| r.entry.op.class() == OpClass::WritesInside)
     {
-        let key = (record.entry.op.clone(), record.entry.resource.clone());
-        let history = last.entry(key).or_default();
+        let key = (
+            record.entry.op.as_str().to_owned(),
+            record.entry.resource.key(),
+        );
+        let (_, _, history) = last.entry(key).or_insert_with(|| {
+            (
+                record.entry.op.clone(),
+                record.entry.resource.clone(),
+                Vec::new(),
+            )
+        });
         if record.entry.phase != Phase::Intent {
             history.clear();
         }
         history.push(record);
     }
-    last.into_iter()
-        .filter(|(_, history)| {
+    last.into_values()
+        .filter(|(_, _, history)| {
             history
                 .last()
                 .is_some_and(|r| r.entry.phase == Phase::Intent)
         })
-        .map(|((op, resource), history)| InterruptedStep {
+        .map(|(op, resource, history)| InterruptedStep {
             op,
             resource,
             tools: history
@@ -205,9 +215,9 @@ pub fn interrupted_side_steps(records: &[Record]) -> Vec<InterruptedStep> {
         .collect()
 }
 
-/// Every resource the journal mentions, keyed by resource.
-pub fn states(records: &[Record]) -> BTreeMap<Resource, ResourceState> {
-    let mut states: BTreeMap<Resource, ResourceState> = BTreeMap::new();
+/// Every resource the journal mentions, keyed (and ordered) by its journal key.
+pub fn states(records: &[Record]) -> BTreeMap<String, ResourceState> {
+    let mut states: BTreeMap<String, ResourceState> = BTreeMap::new();
     for record in records {
         // Run-level records, the journal's own, probes and reads leave nothing on the node to
         // undo; guest network recovery writes only inside an overlay: deleting it undoes all.
@@ -216,7 +226,7 @@ pub fn states(records: &[Record]) -> BTreeMap<Resource, ResourceState> {
             continue;
         }
         let state = states
-            .entry(record.entry.resource.clone())
+            .entry(record.entry.resource.key())
             .or_insert_with(|| ResourceState {
                 key: record.entry.resource.key(),
                 resource: record.entry.resource.clone(),
@@ -235,7 +245,7 @@ pub fn states(records: &[Record]) -> BTreeMap<Resource, ResourceState> {
 
 /// The state of one resource, if the journal mentions it.
 pub fn state_of(records: &[Record], resource: &Resource) -> Option<ResourceState> {
-    states(records).remove(resource)
+    states(records).remove(&resource.key())
 }
 
 /// Open resources, the most recently touched first: the order cleanup undoes them in.
@@ -317,11 +327,15 @@ mod tests {
         let failed = |detail| {
             let mut j = Journal::create(&dir.join("x"), run).unwrap();
             let record = j
-                .failed(0, &Op::BackupMap, &Resource::parse("backup:c.img"), detail)
+                .append(
+                    0,
+                    &Op::BackupMap,
+                    &Resource::parse("backup:c.img"),
+                    Phase::Failed,
+                    detail,
+                )
                 .unwrap();
-            states(&[record])
-                .remove(&Resource::parse("backup:c.img"))
-                .unwrap()
+            states(&[record]).remove("backup:c.img").unwrap()
         };
         std::fs::create_dir_all(dir.join("x")).unwrap();
         assert!(
@@ -380,31 +394,35 @@ mod tests {
         let intent = json!({ "mode": "rewrite", "unit": unit, "unit_description": description });
         let tool = json!({ "tool": { "pid": 4242, "start_time": 7, "process_group": 4242 } });
         let records = vec![
-            j.intent(
+            j.append(
                 0,
                 &Op::GuestNetworkRecover,
                 &Resource::parse("overlay:9101:a.img"),
+                Phase::Intent,
                 json!({ "unit": null }),
             )
             .unwrap(),
-            j.done(
+            j.append(
                 0,
                 &Op::GuestNetworkRecover,
                 &Resource::parse("overlay:9101:a.img"),
+                Phase::Done,
                 json!({}),
             )
             .unwrap(),
-            j.intent(
+            j.append(
                 0,
                 &Op::GuestNetworkRecover,
                 &Resource::parse("overlay:9100:a.img"),
+                Phase::Intent,
                 intent,
             )
             .unwrap(),
-            j.intent(
+            j.append(
                 0,
                 &Op::GuestNetworkRecover,
                 &Resource::parse("overlay:9100:a.img"),
+                Phase::Intent,
                 tool,
             )
             .unwrap(),

@@ -356,7 +356,7 @@ impl Backups<'_> {
         let mut guard = self.ctx.lock_open(run).await?;
         let resource = Resource::Backup(archive.clone());
         if let Some(state) = crate::resources::states(&guard.records())
-            .get(&resource)
+            .get(&resource.key())
             .filter(|s| s.is_open())
         {
             return Err(ExecError::AlreadyExists(format!(
@@ -494,7 +494,7 @@ impl Backups<'_> {
         let mut guard = self.ctx.lock_open(run).await?;
         let states = crate::resources::states(&guard.records());
         let resource = Resource::Backup(archive.clone());
-        let Some(state) = states.get(&resource).filter(|s| s.is_open()) else {
+        let Some(state) = states.get(&resource.key()).filter(|s| s.is_open()) else {
             return Err(ExecError::FailedPrecondition(format!(
                 "{archive} is not mapped by this run"
             )));

@@ -219,7 +219,7 @@ impl Overlays<'_> {
         let mut guard = self.ctx.lock_open(run).await?;
         let states = crate::resources::states(&guard.records());
         let backup = Resource::Backup(archive.clone());
-        let device = Backups::mapped_device(states.get(&backup)).ok_or_else(|| {
+        let device = Backups::mapped_device(states.get(&backup.key())).ok_or_else(|| {
             ExecError::FailedPrecondition(format!(
                 "{archive} is not mapped by this run; call MapBackup first"
             ))
@@ -229,7 +229,7 @@ impl Overlays<'_> {
             vmid,
             archive: archive.clone(),
         };
-        if states.get(&resource).is_some_and(|s| s.is_open()) {
+        if states.get(&resource.key()).is_some_and(|s| s.is_open()) {
             return Err(ExecError::AlreadyExists(format!(
                 "the overlay of {archive} for VM {vmid} already exists"
             )));
@@ -237,7 +237,7 @@ impl Overlays<'_> {
         let dir = self.overlay_dir(grant);
         let dir_key = Resource::OverlayDir;
         let dir_op = &Op::OverlayDir;
-        if states.get(&dir_key).is_none_or(|s| !s.is_open()) {
+        if states.get(&dir_key.key()).is_none_or(|s| !s.is_open()) {
             // The root is checked before the directory's intent is journaled: a refused root
             // leaves nothing to clean up.
             self.open_overlay_root()?;
@@ -383,12 +383,15 @@ impl Overlays<'_> {
             archive: archive.clone(),
         };
         let states = crate::resources::states(&guard.records());
-        if states.get(&resource).is_none_or(|s| !s.is_open()) {
+        if states.get(&resource.key()).is_none_or(|s| !s.is_open()) {
             return Err(ExecError::NotFound(format!(
                 "this run has no overlay of {archive} for VM {vmid}"
             )));
         }
-        if states.get(&Resource::Vm(vmid)).is_some_and(|s| s.is_open()) {
+        if states
+            .get(&Resource::Vm(vmid).key())
+            .is_some_and(|s| s.is_open())
+        {
             return Err(ExecError::FailedPrecondition(format!(
                 "VM {vmid} still uses the overlay of {archive}; destroy it first"
             )));

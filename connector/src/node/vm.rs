@@ -389,7 +389,7 @@ impl Vms<'_> {
         };
         let states = resources::states(&guard.records());
         let resource = Resource::Vm(vmid);
-        if let Some(state) = states.get(&resource).filter(|s| s.is_open()) {
+        if let Some(state) = states.get(&resource.key()).filter(|s| s.is_open()) {
             let uuid = Self::created_uuid(Some(state)).unwrap_or_default();
             return Err(ExecError::AlreadyExists(match state.standing() {
                 Standing::Done => format!(
@@ -414,7 +414,7 @@ impl Vms<'_> {
                 archive: archive.clone(),
             };
             if !states
-                .get(&key)
+                .get(&key.key())
                 .is_some_and(|s| s.is_open() && s.standing() == Standing::Done)
             {
                 return Err(ExecError::FailedPrecondition(format!(
@@ -562,7 +562,7 @@ impl Vms<'_> {
             let states = resources::states(&guard.records());
             let table = Resource::NftTable(super::sandbox::table_name(grant));
             let prepared = states
-                .get(&table)
+                .get(&table.key())
                 .is_some_and(|s| s.is_open() && s.standing() == Standing::Done);
             // And it boots only from this run's live mappings: re-check every disk's loop device.
             let archives =
@@ -575,11 +575,12 @@ impl Vms<'_> {
                     });
             for archive in archives {
                 let backup = Resource::Backup(archive.clone());
-                let device = Backups::mapped_device(states.get(&backup)).ok_or_else(|| {
-                    ExecError::FailedPrecondition(format!(
-                        "{archive} is no longer mapped by this run"
-                    ))
-                })?;
+                let device =
+                    Backups::mapped_device(states.get(&backup.key())).ok_or_else(|| {
+                        ExecError::FailedPrecondition(format!(
+                            "{archive} is no longer mapped by this run"
+                        ))
+                    })?;
                 self.ctx.backups().check_mapping(grant, archive, &device)?;
             }
             if !prepared
@@ -808,7 +809,13 @@ mod tests {
         let op = SOURCE_CONFIG_OP;
         let key = &Resource::parse("source:qemu-server.conf");
         journal
-            .done(0, &Op::RunBegin, &Resource::parse("run:x"), json!(null))
+            .append(
+                0,
+                &Op::RunBegin,
+                &Resource::parse("run:x"),
+                Phase::Done,
+                json!(null),
+            )
             .unwrap();
         let before = certistack_core::journal::read(journal.path(), run)
             .unwrap()
@@ -826,7 +833,9 @@ mod tests {
                 Some(h) => json!({ "hardware": h }),
                 None => json!({ "reason": "garbled" }),
             };
-            journal.intent(0, op, key, json!(null)).unwrap();
+            journal
+                .append(0, op, key, Phase::Intent, json!(null))
+                .unwrap();
             journal.append(0, op, key, phase, detail).unwrap();
         }
         let records = certistack_core::journal::read(journal.path(), run)
@@ -834,7 +843,7 @@ mod tests {
             .records;
         assert_eq!(source_hardware(&records).unwrap(), second);
         // Source reads leave nothing on the node: no resource for cleanup.
-        assert!(!resources::states(&records).contains_key(key));
+        assert!(!resources::states(&records).contains_key(&key.key()));
         let _ = std::fs::remove_dir_all(&dir);
     }
 

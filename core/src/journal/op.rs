@@ -158,8 +158,7 @@ impl PartialEq<&str> for Op {
     }
 }
 
-/// One thing a run's journal names, as its journal key names it. Ordered by its key, as the
-/// keys themselves are.
+/// One thing a run's journal names, as its journal key names it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Resource {
     /// `run:<run id>`: the run itself.
@@ -306,18 +305,6 @@ impl fmt::Display for Resource {
             } => write!(f, "probe:{}:{address}:{port}", kind.name()),
             Resource::Unrecognized(key) => f.write_str(key),
         }
-    }
-}
-
-impl Ord for Resource {
-    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-        self.key().cmp(&other.key())
-    }
-}
-
-impl PartialOrd for Resource {
-    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(other))
     }
 }
 

@@ -217,50 +217,6 @@ impl Journal {
         Ok(record)
     }
 
-    /// Appends an `intent`: a step on `resource` starts.
-    pub fn intent(
-        &mut self,
-        time_ms: i64,
-        op: &Op,
-        resource: &Resource,
-        detail: serde_json::Value,
-    ) -> Result<Record, JournalError> {
-        self.append(time_ms, op, resource, Phase::Intent, detail)
-    }
-
-    /// Appends a `done`: the step ended with its effect in place.
-    pub fn done(
-        &mut self,
-        time_ms: i64,
-        op: &Op,
-        resource: &Resource,
-        detail: serde_json::Value,
-    ) -> Result<Record, JournalError> {
-        self.append(time_ms, op, resource, Phase::Done, detail)
-    }
-
-    /// Appends a `failed`: the step failed; `detail` says why.
-    pub fn failed(
-        &mut self,
-        time_ms: i64,
-        op: &Op,
-        resource: &Resource,
-        detail: serde_json::Value,
-    ) -> Result<Record, JournalError> {
-        self.append(time_ms, op, resource, Phase::Failed, detail)
-    }
-
-    /// Appends an `undone`: the step reversed `resource`.
-    pub fn undone(
-        &mut self,
-        time_ms: i64,
-        op: &Op,
-        resource: &Resource,
-        detail: serde_json::Value,
-    ) -> Result<Record, JournalError> {
-        self.append(time_ms, op, resource, Phase::Undone, detail)
-    }
-
     /// Refuses a record the cap has no room for: an intent must leave room for outcomes and
     /// the closing record, an outcome for the closing record.
     fn admit(&self, entry: &Entry, line_len: u64) -> Result<(), JournalError> {

@@ -96,7 +96,7 @@ impl GuestNetwork<'_> {
             let records = guard.records();
             let states = crate::resources::states(&records);
             let has_overlay = states
-                .get(&overlay)
+                .get(&overlay.key())
                 .is_some_and(|s| s.is_open() && s.standing() == crate::resources::Standing::Done);
             let start = &Op::VmStart;
             let started = records

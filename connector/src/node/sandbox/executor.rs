@@ -59,7 +59,7 @@ impl Sandbox<'_> {
         let states = resources::states(&guard.records());
         let table = table_name(grant);
         if states
-            .get(&Resource::NftTable(table.clone()))
+            .get(&Resource::NftTable(table.clone()).key())
             .is_some_and(|s| s.is_open())
         {
             return Err(ExecError::AlreadyExists(format!(
@@ -310,7 +310,7 @@ impl Sandbox<'_> {
         let fwd_key = Resource::Forwarding(vnet.clone());
         if ![&nft_key, &addr_key, &fwd_key]
             .iter()
-            .any(|key| states.get(*key).is_some_and(|s| s.is_open()))
+            .any(|key| states.get(&key.key()).is_some_and(|s| s.is_open()))
         {
             return Err(ExecError::NotFound(format!(
                 "this run has no sandbox on {vnet}"
