@@ -62,11 +62,23 @@ impl ApplianceAccelerator {
     }
 }
 
-#[derive(Debug, Clone, Default, Deserialize, serde::Serialize)]
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct GuestNetworkPolicy {
     /// `"auto"` (the default) or `"tcg"`.
     pub accelerator: ApplianceAccelerator,
+    /// The unprivileged system user the appliance's unit runs as (the package's sysusers.d
+    /// file creates `certistack-guestnet`); never root.
+    pub appliance_user: String,
+}
+
+impl Default for GuestNetworkPolicy {
+    fn default() -> Self {
+        Self {
+            accelerator: ApplianceAccelerator::default(),
+            appliance_user: "certistack-guestnet".into(),
+        }
+    }
 }
 
 /// Where `qm start`, `proxmox-backup-client map` and guest network recovery's guestfish run.

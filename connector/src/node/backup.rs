@@ -94,7 +94,7 @@ impl Backups<'_> {
     }
 
     /// The device of the run's live, completed mapping of `archive`, from the journal.
-    pub(super) fn mapped_device(state: Option<&ResourceState>) -> Option<String> {
+    pub(in crate::node) fn mapped_device(state: Option<&ResourceState>) -> Option<String> {
         state
             .filter(|s| s.is_open() && s.standing() == Standing::Done)
             .and_then(|s| loop_device_of(s.done_detail.as_ref()))
@@ -103,7 +103,7 @@ impl Backups<'_> {
     /// Ownership re-check before building on or booting from a mapping: `device` must still be
     /// this run's live, read-only mapping of `archive` (a dead mapping's number can be reused),
     /// and the process serving its data must still be alive.
-    pub(super) fn check_mapping(
+    pub(in crate::node) fn check_mapping(
         &self,
         grant: &Grant,
         archive: &ArchiveName,

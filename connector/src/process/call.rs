@@ -29,6 +29,9 @@ pub struct ToolCall {
     /// with `RemainAfterExit=yes` never is; once the unit's main process has exited the
     /// child is stopped (the unit stays) and its output is what the unit printed.
     pub settles_with_unit: Option<UnitWatch>,
+    /// Properties of the transient unit the call is started in ([`super::in_transient_unit`]),
+    /// beside the ones of its role: what confines a guest network recovery's appliance.
+    pub unit_properties: Vec<String>,
 }
 
 /// How to watch a transient unit's state.
@@ -49,6 +52,7 @@ impl ToolCall {
             output_cap: OUTPUT_CAP,
             stdin_secret: None,
             settles_with_unit: None,
+            unit_properties: Vec::new(),
         }
     }
 
@@ -65,6 +69,12 @@ impl ToolCall {
 
     pub fn env(mut self, key: &'static str, value: impl Into<String>) -> Self {
         self.env.push((key, value.into()));
+        self
+    }
+
+    /// A property of the transient unit the call will be started in.
+    pub fn unit_property(mut self, property: impl Into<String>) -> Self {
+        self.unit_properties.push(property.into());
         self
     }
 

@@ -19,7 +19,7 @@ mod transient_unit;
 
 pub use call::{OUTPUT_CAP, TOOL_PATH, ToolCall, ToolError, ToolOutput, UnitWatch};
 pub use secrets::{MAX_SECRETS, SecretInput, SecretKind};
-pub use spawn::{RunningTool, run, start};
+pub use spawn::{RunningTool, run, start, start_interactive};
 pub use tool_identity::{REAP_WITHIN, ToolIdentity};
 pub use transient_unit::{
     GUEST_NETWORK_UNIT_MARGIN, SECRET_FD_IN_UNIT, TransientRole, UnitRelease, in_transient_unit,

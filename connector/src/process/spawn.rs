@@ -42,26 +42,56 @@ pub async fn run(call: ToolCall) -> Result<ToolOutput, ToolError> {
     start(call)?.wait().await
 }
 
-/// Starts the call's program in a process group of its own.
-pub fn start(call: ToolCall) -> Result<RunningTool, ToolError> {
-    let program = call.display();
-    let name = call.program.display().to_string();
-    let cap = call.output_cap;
+/// The command of `call`: its program and argv, a cleared environment with `PATH` and the
+/// call's variables, stdout and stderr piped, a process group of its own, killed on drop.
+fn command_of(call: &ToolCall) -> tokio::process::Command {
     let mut command = tokio::process::Command::new(&call.program);
     command
         .args(&call.args)
         .env_clear()
         .env("PATH", TOOL_PATH)
         .envs(call.env.iter().map(|(k, v)| (*k, v.as_str())))
-        .stdin(if call.stdin_secret.is_some() {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .process_group(0)
         .kill_on_drop(true);
+    command
+}
+
+/// Starts `call` (which carries no secret) with all three of stdin, stdout and stderr piped to
+/// the caller, which drives the tool over them (guestfish): the same environment, process
+/// group and inherited descriptors (0, 1, 2 only) as every other tool.
+pub fn start_interactive(call: &ToolCall) -> Result<tokio::process::Child, ToolError> {
+    let name = call.program.display().to_string();
+    if !call.secrets.is_empty() || call.stdin_secret.is_some() {
+        return Err(ToolError::Secret {
+            program: name,
+            error: std::io::Error::other("an interactive tool gets no secret"),
+        });
+    }
+    let mut command = command_of(call);
+    command.stdin(Stdio::piped());
+    install_descriptors(&mut command, &[]).map_err(|error| ToolError::Secret {
+        program: name.clone(),
+        error,
+    })?;
+    command.spawn().map_err(|error| ToolError::Spawn {
+        program: name,
+        error,
+    })
+}
+
+/// Starts the call's program in a process group of its own.
+pub fn start(call: ToolCall) -> Result<RunningTool, ToolError> {
+    let program = call.display();
+    let name = call.program.display().to_string();
+    let cap = call.output_cap;
+    let mut command = command_of(&call);
+    command.stdin(if call.stdin_secret.is_some() {
+        Stdio::piped()
+    } else {
+        Stdio::null()
+    });
     let inherited = prepare_secrets(&call.secrets).map_err(|error| ToolError::Secret {
         program: name.clone(),
         error,

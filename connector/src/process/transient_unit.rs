@@ -136,6 +136,9 @@ pub fn in_transient_unit(
     for property in role.properties() {
         wrapped = wrapped.arg("--property").arg(*property);
     }
+    for property in &call.unit_properties {
+        wrapped = wrapped.arg("--property").arg(property);
+    }
     if let TransientRole::GuestNetwork { memory_max_mib } = role {
         // The session's deadline holds even without the daemon: systemd stops the unit then.
         // It is the backstop, a margin after the daemon's own deadline, so that the daemon's

@@ -1,13 +1,18 @@
 //! `RecoverGuestNetwork` on the node: the run's checks, whether the session runs in a
 //! transient unit, the journal records around the recovery.
 
+use super::confinement::{
+    ApplianceUser, LOOP_DEVICE_GROUP, OverlayHandover, group_id, loop_device_problem,
+};
 use super::plan::recover;
 use super::profiles::probe_ports;
 use super::session::{
-    Appliance, GuestNetworkUnit, Session, guest_network_unit, guestfish_call, guestfish_installed,
+    Appliance, Confinement, GuestNetworkUnit, Session, guest_network_unit, guestfish_call,
+    guestfish_installed,
 };
 use super::{OP, RecoveryError, SandboxNic, sandbox_mac};
 use crate::executor::{ExecError, Outcome};
+use crate::node::backup::Backups;
 use crate::node::context::NodeContext;
 use crate::node::tool_result;
 use crate::process::{self, ToolOutput};
@@ -19,7 +24,12 @@ use certistack_proto::v1 as pb;
 use serde_json::json;
 use sha2::{Digest, Sha256};
 use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
+
+/// The accounts the appliance user and the loop device's group are looked up in.
+const PASSWD: &str = "/etc/passwd";
+const GROUPS: &str = "/etc/group";
 
 /// The executor of guest network recovery: rewrites a restored guest's network configuration
 /// in its overlay, offline, through an appliance run as a transient unit.
@@ -78,6 +88,29 @@ impl GuestNetwork<'_> {
         })
     }
 
+    /// What confines the appliance of a recovery on `device`: the appliance user, and the
+    /// loop device readable to it through its group (as udev leaves block devices).
+    fn confinement(&self, device: &str) -> Result<Confinement, ExecError> {
+        let user = ApplianceUser::lookup(
+            Path::new(PASSWD),
+            &self.ctx.config.guest_network.appliance_user,
+        )
+        .map_err(ExecError::FailedPrecondition)?;
+        let disk = group_id(Path::new(GROUPS), LOOP_DEVICE_GROUP)
+            .map_err(ExecError::FailedPrecondition)?;
+        let loop_device = PathBuf::from(device);
+        if let Some(problem) = loop_device_problem(&loop_device, disk) {
+            return Err(ExecError::FailedPrecondition(format!(
+                "{problem}; nothing was written"
+            )));
+        }
+        Ok(Confinement {
+            user,
+            loop_device,
+            kvm_device: self.ctx.config.pve.kvm_device.clone(),
+        })
+    }
+
     pub(in crate::node) async fn recover(
         &self,
         run: &RunHandle,
@@ -114,6 +147,19 @@ impl GuestNetwork<'_> {
                 "VM {vmid} has been started: the guest may have written to its overlay, and recovery happens only before the first start (destroy the VM, delete the overlay and create both again)"
             )));
         }
+        // The overlay's backing must still be this run's mapping of the archive: a loop number
+        // reused by another mapping would put another backup's facts into this evidence.
+        let device = {
+            let records = guard.records();
+            let states = crate::resources::states(&records);
+            Backups::mapped_device(states.get(&Resource::Backup(archive.clone()).key()))
+        }
+        .ok_or_else(|| {
+            ExecError::FailedPrecondition(format!(
+                "{archive} is no longer mapped by this run; clean up and map it again"
+            ))
+        })?;
+        self.ctx.backups().check_mapping(grant, &archive, &device)?;
         let path = self.ctx.overlays().overlay_path(grant, vmid, &archive);
         let mac = sandbox_mac(&grant.run_id, vmid, 0);
         if mode == NetworkRecoveryMode::Preserve {
@@ -167,11 +213,15 @@ impl GuestNetwork<'_> {
         let timeout_secs = appliance.timeout.as_secs();
         let memory_mib = appliance.memory_mib;
         let unit = self.guest_network_unit(grant, vmid, memory_mib)?;
+        let confinement = match &unit {
+            Some(_) => Some(self.confinement(&device)?),
+            None => None,
+        };
         let call = guestfish_call(
             &program,
             &path,
             &appliance,
-            unit.as_ref(),
+            unit.as_ref().zip(confinement.as_ref()),
             &self.ctx.config.process.systemd_run,
             &self.ctx.config.process.systemctl,
         )
@@ -187,10 +237,26 @@ impl GuestNetwork<'_> {
             "accelerator": appliance.accelerator.name(),
             "unit": unit.as_ref().map(|u| u.name.clone()),
             "unit_description": unit.as_ref().map(|u| u.description.clone()),
+            "appliance_user": confinement.as_ref().map(|c| c.user.name.clone()),
         });
         guard
             .intent(self.ctx.now_ms(), OP, &overlay, intent)
             .await?;
+        // The confined appliance writes the overlay as its own user; the overlay goes back to
+        // its owner when the session is over (or, if the daemon dies first, is deleted with
+        // the run: no one but the run ever reads it).
+        let handover = match &confinement {
+            Some(confined) => match OverlayHandover::give(&path, &confined.user) {
+                Ok(handover) => Some(handover),
+                Err(reason) => {
+                    return Err(self
+                        .ctx
+                        .journal_step_error(&mut guard, OP, &overlay, ExecError::Failed(reason))
+                        .await);
+                }
+            },
+            None => None,
+        };
         let started = Instant::now();
         let mut session = match Session::start(call) {
             Ok(session) => session,
@@ -254,6 +320,10 @@ impl GuestNetwork<'_> {
         {
             tracing::warn!(run_id = %grant.run_id, %vmid, unit = %unit.name, %reason, "the guest network recovery's unit was not stopped");
             unit_left = Some(unit.name.clone());
+        }
+        let given_back = handover.map(OverlayHandover::give_back);
+        if let Some(Err(reason)) = &given_back {
+            tracing::warn!(run_id = %grant.run_id, %vmid, %reason, "the overlay was not given back after recovery");
         }
         let elapsed = started.elapsed();
         let (evidence, code) = match result {

@@ -19,11 +19,15 @@
 //! guestfish ([`MAX_SESSION_BYTES`]), each guest file read ([`MAX_GUEST_FILE_BYTES`]) and the
 //! files considered per directory ([`MAX_PROFILES`]).
 
+mod confinement;
 mod executor;
 mod plan;
 mod profiles;
 mod session;
 
+pub use confinement::{
+    APPLIANCE_TMP_MIB, ApplianceUser, CONFINEMENT, LOOP_DEVICE_GROUP, OVERLAY_IN_UNIT,
+};
 pub use profiles::{
     firewalld_allow, firewalld_default_zone, ifcfg_disable, ifcfg_fights, ifcfg_profile,
     ifupdown_disable, ifupdown_stanza, netplan_fights, netplan_yaml, networkd_fights,
@@ -31,8 +35,8 @@ pub use profiles::{
     networkmanager_keyfile,
 };
 pub use session::{
-    Appliance, GuestNetworkUnit, UNIT_MEMORY_OVERHEAD_MIB, guest_network_unit, guestfish_call,
-    guestfish_installed,
+    Appliance, Confinement, GuestNetworkUnit, UNIT_MEMORY_OVERHEAD_MIB, guest_network_unit,
+    guestfish_call, guestfish_installed,
 };
 
 use certistack_core::journal::Op;

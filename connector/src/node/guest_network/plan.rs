@@ -151,22 +151,41 @@ pub(super) async fn recover(
     // overlay as it found it (a read-write mount alone updates the superblock).
     // nodev: a device node in the guest (say /dev/zero named as a netplan file) cannot be
     // opened, so a read cannot stream without end into the host's temporary files.
-    let mount_commands = |options: &str| -> Vec<String> {
-        mounts
-            .iter()
-            .map(|(mp, dev)| {
-                format!(
-                    "-mount-options {} {} {}",
-                    quote(options.as_bytes()),
-                    quote(dev.as_bytes()),
-                    quote(mp.as_bytes())
-                )
-            })
-            .collect()
+    let mount_command = |options: &str, (mp, dev): &(String, String)| {
+        format!(
+            "-mount-options {} {} {}",
+            quote(options.as_bytes()),
+            quote(dev.as_bytes()),
+            quote(mp.as_bytes())
+        )
     };
-    session
-        .ask(&mount_commands("ro,nodev,nosuid,noexec"))
-        .await?;
+    // One at a time, shortest first, each mountpoint resolved (guestfsd's `realpath`, inside
+    // the guest's tree as mounted so far) before its filesystem goes there: the appliance's
+    // kernel follows a symlink in a mountpoint, and an absolute one resolves against the
+    // appliance's own root, outside `/sysroot`. A mountpoint that is or passes through a
+    // symlink (or is missing) is not mounted, and the evidence says so.
+    let mut mounted: Vec<(String, String)> = Vec::with_capacity(mounts.len());
+    for mount in mounts {
+        if mount.0 != "/" {
+            let resolved = session
+                .ask_text(&[format!("-realpath {}", quote(mount.0.as_bytes()))])
+                .await?;
+            if resolved.first().map(|r| r.trim()) != Some(mount.0.as_str()) {
+                evidence.notes.push(format!(
+                    "the guest mounts {} on {}, which is or passes through a symlink, or is missing; it was not mounted",
+                    mount.1, mount.0
+                ));
+                continue;
+            }
+        }
+        session
+            .ask(&[mount_command("ro,nodev,nosuid,noexec", &mount)])
+            .await?;
+        mounted.push(mount);
+    }
+    let mount_commands = |options: &str| -> Vec<String> {
+        mounted.iter().map(|m| mount_command(options, m)).collect()
+    };
 
     // The survey: what each stack leaves on disk.
     let survey = session

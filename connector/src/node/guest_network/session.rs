@@ -2,13 +2,13 @@
 //! batch by batch over its stdin, with guest-derived text quoted or refused before it is sent;
 //! how the appliance is booted, and the transient unit it runs in.
 
+use super::confinement::{self, ApplianceUser};
 use super::{MAX_COMMAND_BYTES, MAX_SESSION_BYTES, RecoveryError};
 use crate::config::ApplianceAccelerator;
-use crate::process::{self, TOOL_PATH, ToolCall, ToolIdentity, TransientRole};
+use crate::process::{self, ToolCall, ToolIdentity, TransientRole};
 use certistack_core::validate::{RunId, Vmid};
 use std::fmt::Write as _;
-use std::path::Path;
-use std::process::Stdio;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
 
@@ -37,11 +37,12 @@ pub(super) fn quote(bytes: &[u8]) -> String {
 }
 
 /// Whether a guest path is one recovery will name to guestfish: absolute, made of characters
-/// configuration files use. A file with another name is reported, not touched.
+/// configuration files use, no component `.` or `..` (`/etc/..` is `/`). A file with another
+/// name is reported, not touched.
 pub(super) fn plain_path(path: &str) -> bool {
     path.starts_with('/')
         && path.len() <= 256
-        && !path.contains("/../")
+        && path.split('/').all(|part| part != "." && part != "..")
         && path
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || "/._-@+:".contains(c))
@@ -90,18 +91,10 @@ impl Session {
     /// Starts `call` (guestfish on the overlay, or `systemd-run` starting it in a transient
     /// unit with `--pipe`, which hands these same pipes to guestfish).
     pub(super) fn start(call: ToolCall) -> Result<Self, RecoveryError> {
-        let mut command = tokio::process::Command::new(&call.program);
-        command
-            .args(&call.args)
-            .env_clear()
-            .env("PATH", TOOL_PATH)
-            .envs(call.env.iter().map(|(k, v)| (*k, v.as_str())))
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0)
-            .kill_on_drop(true);
-        let mut child = command.spawn().map_err(|e| {
+        // Through the one spawn path of every tool: a cleared environment, a process group of
+        // its own, and no descriptor of the daemon's but stdio (guestfish's QEMU inherits
+        // what guestfish has).
+        let mut child = process::start_interactive(&call).map_err(|e| {
             RecoveryError::Tool(format!(
                 "cannot start {} (tools.guestfish, process.systemd_run; install libguestfs-tools): {e}",
                 call.program.display()
@@ -300,9 +293,9 @@ pub struct GuestNetworkUnit {
 }
 
 /// What the unit may use beyond the appliance's own memory (`LIBGUESTFS_MEMSIZE`): QEMU
-/// itself and its TCG translation cache, guestfish, and the page cache of the appliance
-/// supermin builds.
-pub const UNIT_MEMORY_OVERHEAD_MIB: u64 = 1024;
+/// itself and its TCG translation cache, guestfish, the page cache of the appliance supermin
+/// builds, and the tmpfs of the appliance's temporary files.
+pub const UNIT_MEMORY_OVERHEAD_MIB: u64 = 1024 + confinement::APPLIANCE_TMP_MIB;
 
 /// The unit of run `run_id`'s recovery on VM `vmid` (`certistack-guestnet-<run>-<vmid>`);
 /// recoveries of one run are serialised by its lock, so one name per VM is enough.
@@ -371,33 +364,63 @@ pub fn guestfish_installed(program: &Path) -> Result<(), String> {
     }
 }
 
+/// What confines one session's appliance besides the unit's fixed properties: the user it
+/// runs as and the devices it may open.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Confinement {
+    pub user: ApplianceUser,
+    /// The run's loop device the overlay's backing names: readable only.
+    pub loop_device: PathBuf,
+    /// `/dev/kvm` (`pve.kvm_device`).
+    pub kvm_device: PathBuf,
+}
+
 /// The call of one recovery's guestfish session on `overlay`: guestfish itself, or with `unit`
-/// `systemd-run` starting it in that unit, outside the daemon's sandbox (which forbids QEMU's
-/// TCG and hides /lib/modules) and bounded by the unit even if the daemon dies; `--pipe`
-/// hands the session's pipes to guestfish.
+/// `systemd-run` starting it in that unit, confined ([`confinement`]): outside the daemon's
+/// sandbox (which forbids QEMU's TCG and hides /lib/modules) in one of its own, as the
+/// appliance user, bounded by the unit even if the daemon dies; `--pipe` hands the session's
+/// pipes to guestfish.
 pub fn guestfish_call(
     program: &Path,
     overlay: &Path,
     appliance: &Appliance,
-    unit: Option<&GuestNetworkUnit>,
+    unit: Option<(&GuestNetworkUnit, &Confinement)>,
     systemd_run: &Path,
     systemctl: &Path,
 ) -> Result<ToolCall, String> {
-    let call = appliance
+    let Some((unit, confined)) = unit else {
+        return Ok(appliance
+            .session(program, appliance.timeout)
+            .arg("--format=qcow2")
+            .arg("-a")
+            .arg(overlay));
+    };
+    let mut call = appliance
         .session(program, appliance.timeout)
         .arg("--format=qcow2")
         .arg("-a")
-        .arg(overlay);
-    match unit {
-        None => Ok(call),
-        Some(unit) => process::in_transient_unit(
-            call,
-            unit.role,
-            &unit.name,
-            &unit.description,
-            systemd_run,
-            systemctl,
-            None,
-        ),
+        .arg(confinement::OVERLAY_IN_UNIT);
+    for (key, value) in confinement::SESSION_ENVIRONMENT {
+        call = call.env(key, *value);
     }
+    for property in confinement::CONFINEMENT {
+        call = call.unit_property(*property);
+    }
+    for property in confinement::session_properties(
+        &confined.user,
+        overlay,
+        &confined.loop_device,
+        &confined.kvm_device,
+    ) {
+        call = call.unit_property(property);
+    }
+    process::in_transient_unit(
+        call,
+        unit.role,
+        &unit.name,
+        &unit.description,
+        systemd_run,
+        systemctl,
+        None,
+    )
 }

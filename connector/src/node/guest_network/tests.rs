@@ -11,6 +11,7 @@ use std::collections::BTreeSet;
 
 use std::net::IpAddr;
 
+use std::path::Path;
 use std::time::Duration;
 
 use super::profiles::ifupdown_sources_directory;
@@ -302,4 +303,202 @@ fn guest_text_never_leaves_its_quoted_argument() {
     assert!(!plain_path("/etc/netplan/a\nb.yaml"));
     assert!(!plain_path("etc/x"));
     assert!(!plain_path("/etc/../root"));
+}
+
+#[test]
+fn a_mountpoint_that_climbs_or_stays_put_is_not_plain() {
+    assert!(plain_path("/"));
+    assert!(plain_path("/var/lib"));
+    assert!(plain_path("/srv/.hidden"));
+    for climbing in [
+        "/..",
+        "/etc/..",
+        "/.",
+        "/etc/.",
+        "/./etc",
+        "/var/../..",
+        "/var/./lib",
+    ] {
+        assert!(!plain_path(climbing), "{climbing} passed");
+    }
+}
+
+/// guestfish (and the appliance's QEMU, which inherits what guestfish has) gets stdio and
+/// nothing else of the daemon's: a descriptor the daemon holds without close-on-exec does
+/// not reach it.
+#[tokio::test]
+async fn guestfish_inherits_no_descriptor_of_the_daemon() {
+    use std::os::fd::AsRawFd;
+    let file = std::fs::File::open("/dev/null").expect("/dev/null");
+    let leaked = rustix::io::dup(&file).expect("dup");
+    rustix::io::fcntl_setfd(&leaked, rustix::io::FdFlags::empty()).expect("clear cloexec");
+    let mut session = Session::start(
+        ToolCall::new("/bin/sh", Duration::from_secs(5))
+            .arg("-c")
+            .arg("while read -r line; do eval \"$line\"; done"),
+    )
+    .expect("sh starts");
+    let answers = session
+        .ask_text(&["ls /proc/self/fd | tr '\\n' ' '; echo".into()])
+        .await
+        .expect("answers");
+    let open: Vec<i32> = answers[0]
+        .split_whitespace()
+        .filter_map(|fd| fd.parse().ok())
+        .collect();
+    // ls itself opens one descriptor (the directory it lists) above stdio: 3.
+    assert!(leaked.as_raw_fd() > 3, "{}", leaked.as_raw_fd());
+    assert!(
+        !open.contains(&leaked.as_raw_fd()),
+        "descriptor {} reached the tool: {open:?}",
+        leaked.as_raw_fd()
+    );
+    assert!(open.iter().all(|fd| *fd <= 3), "{open:?}");
+    drop(leaked);
+}
+
+#[test]
+fn the_confined_unit_runs_the_appliance_unprivileged_with_two_devices_and_the_overlay_bound_in() {
+    use super::confinement::{ApplianceUser, OVERLAY_IN_UNIT, session_properties};
+    let dir = std::env::temp_dir().join(format!("appliance-user-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir(&dir).unwrap();
+    let passwd = dir.join("passwd");
+    std::fs::write(
+        &passwd,
+        "root:x:0:0:root:/root:/bin/bash\ncertistack-guestnet:x:995:993::/nonexistent:/usr/sbin/nologin\nbadroot:x:0:5::/:/bin/sh\n",
+    )
+    .unwrap();
+    let user = ApplianceUser::lookup(&passwd, "certistack-guestnet").unwrap();
+    assert_eq!((user.uid, user.gid), (995, 993));
+    assert!(
+        ApplianceUser::lookup(&passwd, "badroot")
+            .unwrap_err()
+            .contains("must run unprivileged")
+    );
+    assert!(
+        ApplianceUser::lookup(&passwd, "nobody-here")
+            .unwrap_err()
+            .contains("systemd-sysusers")
+    );
+    let overlay = Path::new("/var/lib/certistack-overlays/run/9100-drive-scsi0.qcow2");
+    let appliance = Appliance {
+        timeout: Duration::from_secs(60),
+        memory_mib: 512,
+        accelerator: crate::config::ApplianceAccelerator::Auto,
+    };
+    let unit = guest_network_unit(
+        &certistack_core::validate::RunId::validate("5a1c2f00-0000-4000-8000-000000000001")
+            .unwrap(),
+        Vmid::parse("t", 9100).unwrap(),
+        512,
+    )
+    .unwrap();
+    let confined = Confinement {
+        user: user.clone(),
+        loop_device: "/dev/loop7".into(),
+        kvm_device: "/dev/kvm".into(),
+    };
+    let call = guestfish_call(
+        Path::new("/usr/bin/guestfish"),
+        overlay,
+        &appliance,
+        Some((&unit, &confined)),
+        Path::new("/usr/bin/systemd-run"),
+        Path::new("/usr/bin/systemctl"),
+    )
+    .unwrap();
+    let args: Vec<String> = call
+        .args
+        .iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+    let properties: Vec<&str> = args
+        .windows(2)
+        .filter(|w| w[0] == "--property")
+        .map(|w| w[1].as_str())
+        .collect();
+    for wanted in [
+        "User=certistack-guestnet",
+        "CapabilityBoundingSet=",
+        "NoNewPrivileges=yes",
+        "PrivateNetwork=yes",
+        "IPAddressDeny=any",
+        "PrivateDevices=yes",
+        "DevicePolicy=closed",
+        "DeviceAllow=/dev/loop7 r",
+        "DeviceAllow=/dev/kvm rw",
+        "ProtectSystem=strict",
+        "SystemCallFilter=@system-service",
+        "TemporaryFileSystem=/tmp:size=512M,mode=1777",
+        "BindPaths=/var/lib/certistack-overlays/run/9100-drive-scsi0.qcow2:/tmp/disk.qcow2",
+    ] {
+        assert!(
+            properties.contains(&wanted),
+            "{wanted} missing: {properties:?}"
+        );
+    }
+    // Nothing makes the loop device writable, and guestfish sees only the bound overlay.
+    assert!(
+        !properties
+            .iter()
+            .any(|p| p.starts_with("DeviceAllow=/dev/loop7 rw"))
+    );
+    let guestfish_args = &args[args.iter().position(|a| a == "--").unwrap() + 1..];
+    assert_eq!(
+        guestfish_args,
+        [
+            "/usr/bin/guestfish",
+            "--format=qcow2",
+            "-a",
+            OVERLAY_IN_UNIT
+        ]
+    );
+    assert_eq!(
+        session_properties(
+            &user,
+            overlay,
+            Path::new("/dev/loop7"),
+            Path::new("/dev/kvm")
+        )
+        .len(),
+        11
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn the_overlay_goes_to_the_appliance_user_and_back() {
+    use super::confinement::{ApplianceUser, OverlayHandover};
+    use std::os::unix::fs::MetadataExt;
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("SKIPPED the_overlay_goes_to_the_appliance_user_and_back: needs root (chown)");
+        assert!(std::env::var_os("CERTISTACK_REQUIRE_PRIVILEGED_TESTS").is_none());
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("handover-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir(&dir).unwrap();
+    let overlay = dir.join("overlay.qcow2");
+    std::fs::write(&overlay, b"qcow2").unwrap();
+    let owner = |p: &Path| {
+        let meta = std::fs::metadata(p).unwrap();
+        (meta.uid(), meta.gid())
+    };
+    let before = owner(&overlay);
+    let user = ApplianceUser {
+        name: "appliance".into(),
+        uid: 64123,
+        gid: 64124,
+    };
+    let handover = OverlayHandover::give(&overlay, &user).unwrap();
+    assert_eq!(owner(&overlay), (64123, 64124));
+    handover.give_back().unwrap();
+    assert_eq!(owner(&overlay), before);
+    // Dropped without give_back (a failed session): given back all the same.
+    drop(OverlayHandover::give(&overlay, &user).unwrap());
+    assert_eq!(owner(&overlay), before);
+    // A symlink is not handed over.
+    let link = dir.join("link.qcow2");
+    std::os::unix::fs::symlink(&overlay, &link).unwrap();
+    assert!(OverlayHandover::give(&link, &user).is_err());
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -1,0 +1,238 @@
+//! The appliance's sandbox: the unit properties that confine guestfish, its QEMU and the
+//! appliance kernel (the one place on the node where a hostile filesystem is parsed), the
+//! unprivileged user they run as, and the overlay handed to that user for the session.
+//!
+//! The unit runs as `guest_network.appliance_user` (a system user the package creates), with
+//! no capabilities, no network, a private `/dev` holding only `/dev/kvm` and the backup's loop
+//! device (read-only, through the device cgroup), the whole file system read-only but for the
+//! run's overlay (bound in at [`OVERLAY_IN_UNIT`]) and the libguestfs cache, and its temporary
+//! files (the appliance's own overlay, its sockets) on a tmpfs of [`APPLIANCE_TMP_MIB`].
+
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+/// Where the run's overlay appears inside the unit: guestfish opens this path, and nothing
+/// else of the node's state directory is visible there.
+pub const OVERLAY_IN_UNIT: &str = "/tmp/disk.qcow2";
+/// The appliance's temporary files (its root's qcow2 overlay, the daemon socket): a tmpfs of
+/// this size, whose pages count against the unit's `MemoryMax`.
+pub const APPLIANCE_TMP_MIB: u64 = 512;
+/// The libguestfs cache (supermin's appliance, built once from the node's packages and kept
+/// between recoveries): the unit's `CacheDirectory=`, owned by the appliance user.
+pub const APPLIANCE_CACHE: &str = "/var/cache/certistack-guestnet";
+/// The group the appliance user reads the loop device through: udev gives every block
+/// device `root:disk 0660` (systemd's `50-udev-default.rules`); the unit's private `/dev`
+/// holds no other block device, and its device cgroup allows the loop device read-only.
+pub const LOOP_DEVICE_GROUP: &str = "disk";
+/// The group `/dev/kvm` belongs to (`50-udev-default.rules`, `KERNEL=="kvm", GROUP="kvm"`).
+const KVM_GROUP: &str = "kvm";
+/// The longest `/etc/passwd` or `/etc/group` read.
+const MAX_ACCOUNT_FILE: u64 = 1 << 20;
+
+/// What the unit sets whatever the run: no privilege, no network, no namespace, no device
+/// but the two bound in, a read-only system. Not here because QEMU needs them:
+/// `MemoryDenyWriteExecute` (TCG writes its code), `ProtectKernelModules` (supermin builds the
+/// appliance from `/lib/modules`), `PrivateUsers` (`/dev/kvm` is reached through group kvm).
+pub const CONFINEMENT: &[&str] = &[
+    "NoNewPrivileges=yes",
+    "CapabilityBoundingSet=",
+    "AmbientCapabilities=",
+    "ProtectSystem=strict",
+    "ProtectHome=yes",
+    "PrivateTmp=yes",
+    "PrivateMounts=yes",
+    "PrivateNetwork=yes",
+    "IPAddressDeny=any",
+    "PrivateDevices=yes",
+    "DevicePolicy=closed",
+    "ProtectKernelTunables=yes",
+    "ProtectKernelLogs=yes",
+    "ProtectControlGroups=yes",
+    "ProtectClock=yes",
+    "ProtectHostname=yes",
+    "ProtectProc=invisible",
+    "RestrictNamespaces=yes",
+    "RestrictRealtime=yes",
+    "RestrictSUIDSGID=yes",
+    "LockPersonality=yes",
+    "SystemCallArchitectures=native",
+    "SystemCallFilter=@system-service",
+    "SystemCallErrorNumber=EPERM",
+    "RestrictAddressFamilies=AF_UNIX",
+    "KeyringMode=private",
+    "RemoveIPC=yes",
+    "UMask=0077",
+];
+
+/// The unprivileged account the appliance runs as.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApplianceUser {
+    pub name: String,
+    pub uid: u32,
+    pub gid: u32,
+}
+
+impl ApplianceUser {
+    /// `name` from `passwd` (`/etc/passwd`): a local system account, as `systemd-sysusers`
+    /// makes it from the package's `sysusers.d` file. Never root.
+    pub fn lookup(passwd: &Path, name: &str) -> Result<Self, String> {
+        let text = read_account_file(passwd)?;
+        let entry = text
+            .lines()
+            .map(|line| line.split(':').collect::<Vec<_>>())
+            .find(|fields| fields.first() == Some(&name));
+        let Some(fields) = entry else {
+            return Err(format!(
+                "the appliance user {name:?} (guest_network.appliance_user) is not in {}: reinstall the certistack-connector package (its sysusers.d file creates it: systemd-sysusers certistack-connector.conf) or create a system user: useradd --system --no-create-home --shell /usr/sbin/nologin {name}",
+                passwd.display()
+            ));
+        };
+        let number = |index: usize, what: &str| {
+            fields
+                .get(index)
+                .and_then(|field| field.parse::<u32>().ok())
+                .ok_or_else(|| {
+                    format!(
+                        "{}: the {what} of {name:?} is not a number",
+                        passwd.display()
+                    )
+                })
+        };
+        let (uid, gid) = (number(2, "uid")?, number(3, "gid")?);
+        if uid == 0 || gid == 0 {
+            return Err(format!(
+                "the appliance user {name:?} (guest_network.appliance_user) is root (uid {uid}, gid {gid}): the appliance must run unprivileged; name a system user of its own"
+            ));
+        }
+        Ok(Self {
+            name: name.to_owned(),
+            uid,
+            gid,
+        })
+    }
+}
+
+/// The number of group `name` in `group` (`/etc/group`).
+pub fn group_id(group: &Path, name: &str) -> Result<u32, String> {
+    read_account_file(group)?
+        .lines()
+        .map(|line| line.split(':').collect::<Vec<_>>())
+        .find(|fields| fields.first() == Some(&name))
+        .and_then(|fields| fields.get(2).and_then(|gid| gid.parse().ok()))
+        .ok_or_else(|| format!("no group {name:?} in {}", group.display()))
+}
+
+fn read_account_file(path: &Path) -> Result<String, String> {
+    use std::io::Read;
+    let mut text = String::new();
+    std::fs::File::open(path)
+        .and_then(|file| file.take(MAX_ACCOUNT_FILE).read_to_string(&mut text))
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    Ok(text)
+}
+
+/// The unit properties of one session beside [`CONFINEMENT`]: its user, the run's loop device
+/// (readable only) and `/dev/kvm`, the run's overlay bound in, the cache and the tmpfs.
+pub fn session_properties(
+    user: &ApplianceUser,
+    overlay: &Path,
+    loop_device: &Path,
+    kvm_device: &Path,
+) -> Vec<String> {
+    vec![
+        format!("User={}", user.name),
+        format!("Group={}", user.gid),
+        format!("SupplementaryGroups={KVM_GROUP} {LOOP_DEVICE_GROUP}"),
+        format!("DeviceAllow={} r", loop_device.display()),
+        format!("DeviceAllow={} rw", kvm_device.display()),
+        format!("BindReadOnlyPaths={}", loop_device.display()),
+        // `-` : a node without KVM boots the appliance under TCG.
+        format!("BindPaths=-{}", kvm_device.display()),
+        format!("TemporaryFileSystem=/tmp:size={APPLIANCE_TMP_MIB}M,mode=1777"),
+        format!("BindPaths={}:{OVERLAY_IN_UNIT}", overlay.display()),
+        "CacheDirectory=certistack-guestnet".to_owned(),
+        "CacheDirectoryMode=0700".to_owned(),
+    ]
+}
+
+/// The environment libguestfs gets in the unit: its cache and temporary files where the
+/// unit's sandbox lets the appliance user write.
+pub const SESSION_ENVIRONMENT: &[(&str, &str)] = &[
+    ("LIBGUESTFS_CACHEDIR", APPLIANCE_CACHE),
+    ("LIBGUESTFS_TMPDIR", "/tmp"),
+    ("TMPDIR", "/tmp"),
+    ("HOME", "/tmp"),
+];
+
+/// Why the appliance user cannot read `device` through [`LOOP_DEVICE_GROUP`], if it cannot.
+pub fn loop_device_problem(device: &Path, disk_gid: u32) -> Option<String> {
+    match std::fs::metadata(device) {
+        Ok(meta) if meta.gid() == disk_gid && meta.mode() & 0o040 != 0 => None,
+        Ok(meta) => Some(format!(
+            "{} is {}:{} mode {:04o}; the confined appliance reads it as group {LOOP_DEVICE_GROUP} (gid {disk_gid}), as udev leaves block devices (root:disk 0660): restore that (udevadm trigger {}), or plan network_recovery.mode preserve",
+            device.display(),
+            meta.uid(),
+            meta.gid(),
+            meta.mode() & 0o7777,
+            device.display()
+        )),
+        Err(e) => Some(format!("cannot read {}: {e}", device.display())),
+    }
+}
+
+/// The overlay given to the appliance user for one session, and given back to its owner
+/// when dropped: the appliance writes it through the bind mount, and nothing else of the
+/// state directory is reachable to that user.
+#[derive(Debug)]
+pub struct OverlayHandover {
+    path: PathBuf,
+    owner: (u32, u32),
+}
+
+impl OverlayHandover {
+    pub fn give(path: &Path, user: &ApplianceUser) -> Result<Self, String> {
+        let meta = std::fs::symlink_metadata(path)
+            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        if !meta.is_file() {
+            return Err(format!("{} is not a regular file", path.display()));
+        }
+        let owner = (meta.uid(), meta.gid());
+        std::os::unix::fs::lchown(path, Some(user.uid), Some(user.gid)).map_err(|e| {
+            format!(
+                "cannot hand {} to the appliance user {}: {e}",
+                path.display(),
+                user.name
+            )
+        })?;
+        Ok(Self {
+            path: path.to_owned(),
+            owner,
+        })
+    }
+
+    /// Gives the overlay back now; what went wrong, if something did.
+    pub fn give_back(mut self) -> Result<(), String> {
+        self.restore()
+    }
+
+    fn restore(&mut self) -> Result<(), String> {
+        let (uid, gid) = std::mem::replace(&mut self.owner, (u32::MAX, u32::MAX));
+        if uid == u32::MAX {
+            return Ok(());
+        }
+        std::os::unix::fs::lchown(&self.path, Some(uid), Some(gid)).map_err(|e| {
+            format!(
+                "cannot give {} back to {uid}:{gid}: {e}",
+                self.path.display()
+            )
+        })
+    }
+}
+
+impl Drop for OverlayHandover {
+    fn drop(&mut self) {
+        if let Err(reason) = self.restore() {
+            tracing::warn!(%reason, "the overlay stays owned by the appliance user until it is deleted");
+        }
+    }
+}
