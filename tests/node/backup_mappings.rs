@@ -529,6 +529,16 @@ async fn a_mapping_whose_holder_was_killed_is_refused_before_boot_and_overlay() 
                 archive: ARCHIVE.into(),
             })
             .await),
+        // Recovery reads the guest through the mapping: a reused loop number would put
+        // another backup's facts into this run's evidence.
+        ok(run
+            .client
+            .recover_guest_network(pb::RecoverGuestNetworkRequest {
+                vmid: 9100,
+                archive: ARCHIVE.into(),
+                mode: pb::NetworkRecoveryMode::Rewrite as i32,
+            })
+            .await),
     ] {
         assert_status(
             result,

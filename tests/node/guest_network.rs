@@ -13,13 +13,14 @@ use std::path::{Path, PathBuf};
 #[path = "guest_network/refusals.rs"]
 mod refusals;
 
-const GUESTFS_TOOLS: &[&str] = &["losetup", "qemu-img", "guestfish", "mkfs.ext4", "python3"];
+pub(crate) const GUESTFS_TOOLS: &[&str] =
+    &["losetup", "qemu-img", "guestfish", "mkfs.ext4", "python3"];
 /// What the btrfs image needs besides: its root is a subvolume, made in a mount namespace of
 /// the test's own.
 const BTRFS_TOOLS: &[&str] = &["mkfs.btrfs", "btrfs", "unshare", "mount"];
 /// MAC of a second production NIC: profiles bound to it must be kept.
 const OTHER_MAC: &str = "52:54:00:00:00:09";
-const IMAGE_BYTES: u64 = 64 << 20;
+pub(crate) const IMAGE_BYTES: u64 = 64 << 20;
 /// One appliance at a time: each takes a core under TCG and over a GiB. The recoveries run
 /// beside the other node tests, whose loop devices, labs and runs are their own (every check
 /// here filters by this lab's paths), so they need not wait for them.
@@ -28,9 +29,9 @@ static APPLIANCES: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 /// A directory tree as (path, content) pairs; paths ending in `/` are directories, contents
 /// starting with `->` symlinks. Contents are written Latin-1: a character U+0080..U+00FF is
 /// that one byte, so a tree can hold a guest file that is not UTF-8.
-type Tree = &'static [(&'static str, &'static str)];
+pub(crate) type Tree = &'static [(&'static str, &'static str)];
 
-const BASE: Tree = &[
+pub(crate) const BASE: Tree = &[
     ("bin/", ""),
     ("sbin/", ""),
     ("usr/bin/", ""),
@@ -43,7 +44,7 @@ const BASE: Tree = &[
     ("etc/hostname", "restored\n"),
 ];
 
-const DEBIAN: Tree = &[
+pub(crate) const DEBIAN: Tree = &[
     (
         "etc/os-release",
         "PRETTY_NAME=\"Debian GNU/Linux 12 (bookworm)\"\nNAME=\"Debian GNU/Linux\"\nVERSION_ID=\"12\"\nVERSION=\"12 (bookworm)\"\nID=debian\n",
@@ -169,7 +170,7 @@ fn latin1(text: &str) -> Vec<u8> {
 
 /// Replaces the backup `archive` of the lab's snapshot with an ext4 image of `trees`, or a
 /// btrfs image whose subvolume `@` holds them when their fstab says so.
-fn store_image(lab: &Lab, archive: &str, trees: &[Tree]) {
+pub(crate) fn store_image(lab: &Lab, archive: &str, trees: &[Tree]) {
     let tree = lab.root.join(format!("tree-{archive}"));
     write_tree(&tree, trees);
     let image = lab.root.join("pbs/store1").join(SNAPSHOT).join(archive);

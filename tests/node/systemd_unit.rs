@@ -77,11 +77,13 @@ impl Container {
             ["running", "degraded"].contains(&state.trim()),
             "the container's systemd: {state}"
         );
-        // The container's /dev is its own: make the loop nodes the kernel may hand out.
+        // The container's /dev is its own: make the loop nodes the kernel may hand out, as
+        // udev leaves block devices on a node (systemd's 50-udev-default.rules:
+        // `SUBSYSTEM=="block", GROUP="disk"`, mode 0660).
         container.run(&[
             "sh",
             "-c",
-            "for i in $(seq 0 511); do [ -e /dev/loop$i ] || mknod -m 0660 /dev/loop$i b 7 $i; done",
+            "for i in $(seq 0 511); do [ -e /dev/loop$i ] || mknod -m 0660 /dev/loop$i b 7 $i; chgrp disk /dev/loop$i; done",
         ]);
         container
     }
@@ -189,6 +191,9 @@ impl Drop for Container {
 }
 
 use std::collections::BTreeMap;
+
+#[path = "systemd_unit/confined_appliance.rs"]
+mod confined_appliance;
 
 /// The root, built once per target directory by tests/systemd/container-root.sh.
 fn container_root() -> PathBuf {
@@ -440,9 +445,9 @@ async fn the_map_holder_runs_outside_the_connectors_sandbox_and_outlives_its_res
 /// reach it on stdin and its answers come back on stdout (`--pipe`), it runs in
 /// `certistack-guestnet-<run>-<vmid>.service` with the unit's `MemoryMax` and
 /// `RuntimeMaxSec`, its exit status is the call's (`--wait`) and the unit is collected
-/// after it. A session that hangs is ended by systemd at `RuntimeMaxSec`, its cgroup with
-/// it, without anyone killing `systemd-run`. (libguestfs itself is not installed in the
-/// container: its appliance is shown by the guest network tests outside systemd.)
+/// after it, as the appliance user. A session that hangs is ended by systemd at
+/// `RuntimeMaxSec`, its cgroup with it, without anyone killing `systemd-run`. (A real
+/// appliance in that unit: `confined_appliance`.)
 #[tokio::test(flavor = "multi_thread")]
 async fn a_guest_network_session_runs_in_its_unit_with_the_callers_pipes_and_the_units_bounds() {
     if !privileged(
@@ -460,11 +465,12 @@ async fn a_guest_network_session_runs_in_its_unit_with_the_callers_pipes_and_the
     let run_id = RunId::validate(RUN_ID).unwrap();
     let unit =
         guest_network::guest_network_unit(&run_id, Vmid::parse("t", 9100).unwrap(), 512).unwrap();
+    // Bound in at /usr/local/bin: the test's private directory is closed to the appliance user.
     let standin = dir.0.join("guestfish");
     std::fs::write(
         &standin,
         format!(
-            "#!/bin/sh\nwhile read -r line; do\n  [ \"$line\" = hang ] && exec sleep 600\n  echo \"answer: $line\"\ndone\necho \"args: $*\"\necho \"env: $LIBGUESTFS_BACKEND $LIBGUESTFS_MEMSIZE\"\necho \"cgroup: $(cat /proc/self/cgroup)\"\nsystemctl show -p MemoryMax -p RuntimeMaxUSec {}\nexit 7\n",
+            "#!/bin/sh\nwhile read -r line; do\n  [ \"$line\" = hang ] && exec sleep 600\n  echo \"answer: $line\"\ndone\necho \"args: $*\"\necho \"env: $LIBGUESTFS_BACKEND $LIBGUESTFS_MEMSIZE\"\necho \"uid: $(id -u)\"\necho \"cgroup: $(cat /proc/self/cgroup)\"\nsystemctl show -p MemoryMax -p RuntimeMaxUSec {}\nexit 7\n",
             unit.name
         ),
     )
@@ -474,17 +480,42 @@ async fn a_guest_network_session_runs_in_its_unit_with_the_callers_pipes_and_the
         std::os::unix::fs::PermissionsExt::from_mode(0o755),
     )
     .unwrap();
-    let container = Container::boot(&root, &[(dir.0.clone(), dir.0.clone())]);
+    let overlay = dir.0.join("9100-drive-scsi0.qcow2");
+    std::fs::write(&overlay, b"").unwrap();
+    let packaging = Path::new(env!("CARGO_MANIFEST_DIR")).join("../packaging");
+    let container = Container::boot(
+        &root,
+        &[
+            (dir.0.clone(), dir.0.clone()),
+            (standin, "/usr/local/bin/guestfish".into()),
+            (
+                packaging.join("certistack-connector.sysusers"),
+                "/usr/lib/sysusers.d/certistack-connector.conf".into(),
+            ),
+        ],
+    );
+    container.run(&["systemd-sysusers", "certistack-connector.conf"]);
+    let account = container.run(&["getent", "passwd", "certistack-guestnet"]);
+    let field = |index: usize| -> u32 { account.split(':').nth(index).unwrap().parse().unwrap() };
+    let confinement = guest_network::Confinement {
+        user: guest_network::ApplianceUser {
+            name: "certistack-guestnet".into(),
+            uid: field(2),
+            gid: field(3),
+        },
+        loop_device: "/dev/loop7".into(),
+        kvm_device: "/dev/kvm".into(),
+    };
     let session = |timeout: std::time::Duration, commands: &str| {
         let call = guest_network::guestfish_call(
-            &standin,
-            Path::new("/var/lib/certistack-overlays/9100-drive-scsi0.qcow2"),
+            Path::new("/usr/local/bin/guestfish"),
+            &overlay,
             &guest_network::Appliance {
                 timeout,
                 memory_mib: 512,
                 accelerator: certistack_connector::config::ApplianceAccelerator::Auto,
             },
-            Some(&unit),
+            Some((&unit, &confinement)),
             Path::new("/usr/bin/systemd-run"),
             Path::new("/usr/bin/systemctl"),
         )
@@ -519,12 +550,17 @@ async fn a_guest_network_session_runs_in_its_unit_with_the_callers_pipes_and_the
     );
     for line in [
         "answer: run\nanswer: inspect-os\n",
-        "args: --format=qcow2 -a /var/lib/certistack-overlays/9100-drive-scsi0.qcow2\n",
+        // The overlay as the unit binds it in; the appliance user, not root.
+        &format!(
+            "args: --format=qcow2 -a {}\n",
+            guest_network::OVERLAY_IN_UNIT
+        ),
         "env: direct 512\n",
+        &format!("uid: {}\n", confinement.user.uid),
         // The unit's own cgroup (cgroup v2, or v1's name=systemd hierarchy).
         &format!(":/system.slice/{}\n", unit.name),
-        // 512 MiB for the appliance and 1024 MiB around it.
-        "MemoryMax=1610612736\n",
+        // 512 MiB for the appliance, 1024 MiB around it and its 512 MiB tmpfs.
+        "MemoryMax=2147483648\n",
         // The daemon's deadline, then the margin after which systemd ends it alone.
         "RuntimeMaxUSec=10min 30s\n",
     ] {

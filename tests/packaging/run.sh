@@ -97,6 +97,7 @@ expect_entry() {
 }
 expect_entry -rwxr-xr-x ./usr/sbin/certistack-connector
 expect_entry -rw-r--r-- ./usr/lib/systemd/system/certistack-connector.service
+expect_entry -rw-r--r-- ./usr/lib/sysusers.d/certistack-connector.conf
 expect_entry -rw-r----- ./etc/certistack/connector.toml
 expect_entry -rw-r--r-- ./usr/share/doc/certistack-connector/copyright
 expect_entry -rw-r--r-- ./usr/share/doc/certistack-connector/changelog.Debian.gz
@@ -280,6 +281,13 @@ mode() { stat -c '%a %U:%G' "$chroot_dir$1"; }
 [ "$(mode /etc/certistack/connector.toml)" = "640 root:root" ] || fail "connector.toml is $(mode /etc/certistack/connector.toml)"
 [ "$(mode /usr/sbin/certistack-connector)" = "755 root:root" ] || fail "the binary is $(mode /usr/sbin/certistack-connector)"
 [ -f "$chroot_dir/usr/lib/systemd/system/certistack-connector.service" ] || fail "the unit is missing"
+if [ -x "$chroot_dir/usr/bin/systemd-sysusers" ]; then
+  in_root getent passwd certistack-guestnet | grep -q ':/nonexistent:/usr/sbin/nologin$' ||
+    fail "postinst made no appliance user certistack-guestnet"
+  echo "appliance user: $(in_root getent passwd certistack-guestnet)"
+else
+  echo "no systemd-sysusers in the root: the appliance user comes with systemd's first sysusers run"
+fi
 if [ -x "$chroot_dir/usr/bin/deb-systemd-helper" ]; then
   [ -L "$chroot_dir/etc/systemd/system/multi-user.target.wants/certistack-connector.service" ] || fail "the unit is not enabled"
   echo "unit enabled (deb-systemd-helper), not started (no systemd in the root; and not enrolled)"

@@ -17,6 +17,8 @@ pub const OVERLAY_IN_UNIT: &str = "/tmp/disk.qcow2";
 /// The appliance's temporary files (its root's qcow2 overlay, the daemon socket): a tmpfs of
 /// this size, whose pages count against the unit's `MemoryMax`.
 pub const APPLIANCE_TMP_MIB: u64 = 512;
+/// `/var/tmp` in the unit, which libguestfs does not use once told where its files go.
+const VAR_TMP_MIB: u64 = 16;
 /// The libguestfs cache (supermin's appliance, built once from the node's packages and kept
 /// between recoveries): the unit's `CacheDirectory=`, owned by the appliance user.
 pub const APPLIANCE_CACHE: &str = "/var/cache/certistack-guestnet";
@@ -30,7 +32,10 @@ const KVM_GROUP: &str = "kvm";
 const MAX_ACCOUNT_FILE: u64 = 1 << 20;
 
 /// What the unit sets whatever the run: no privilege, no network, no namespace, no device
-/// but the two bound in, a read-only system. Not here because QEMU needs them:
+/// but the two bound in, a read-only system. Its `/tmp` and `/var/tmp` are tmpfs mounts of its
+/// own ([`session_properties`]) rather than `PrivateTmp=`, whose directories live on the
+/// node's `/tmp` without a bound (and which would hide those mounts). Not here because QEMU
+/// needs them:
 /// `MemoryDenyWriteExecute` (TCG writes its code), `ProtectKernelModules` (supermin builds the
 /// appliance from `/lib/modules`), `PrivateUsers` (`/dev/kvm` is reached through group kvm).
 pub const CONFINEMENT: &[&str] = &[
@@ -39,7 +44,6 @@ pub const CONFINEMENT: &[&str] = &[
     "AmbientCapabilities=",
     "ProtectSystem=strict",
     "ProtectHome=yes",
-    "PrivateTmp=yes",
     "PrivateMounts=yes",
     "PrivateNetwork=yes",
     "IPAddressDeny=any",
@@ -149,6 +153,7 @@ pub fn session_properties(
         // `-` : a node without KVM boots the appliance under TCG.
         format!("BindPaths=-{}", kvm_device.display()),
         format!("TemporaryFileSystem=/tmp:size={APPLIANCE_TMP_MIB}M,mode=1777"),
+        format!("TemporaryFileSystem=/var/tmp:size={VAR_TMP_MIB}M,mode=1777"),
         format!("BindPaths={}:{OVERLAY_IN_UNIT}", overlay.display()),
         "CacheDirectory=certistack-guestnet".to_owned(),
         "CacheDirectoryMode=0700".to_owned(),

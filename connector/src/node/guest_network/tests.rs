@@ -461,7 +461,7 @@ fn the_confined_unit_runs_the_appliance_unprivileged_with_two_devices_and_the_ov
             Path::new("/dev/kvm")
         )
         .len(),
-        11
+        12
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
