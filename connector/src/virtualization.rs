@@ -144,6 +144,10 @@ pub struct ApplianceSettings {
     pub guestfish: PathBuf,
     pub appliance: Appliance,
     pub process: ProcessPolicy,
+    /// `guest_network.appliance_user`, whom the confined boot runs as.
+    pub appliance_user: String,
+    /// `pve.kvm_device`, the one device the boot may open besides the pseudo devices.
+    pub kvm_device: PathBuf,
 }
 
 impl ApplianceSettings {
@@ -152,6 +156,8 @@ impl ApplianceSettings {
             guestfish: config.tools.guestfish.clone(),
             appliance: Appliance::from_config(config),
             process: config.process.clone(),
+            appliance_user: config.guest_network.appliance_user.clone(),
+            kvm_device: config.pve.kvm_device.clone(),
         }
     }
 }
@@ -229,6 +235,15 @@ pub async fn boot_appliance(
         .arg("run");
     let process = &settings.process;
     let (call, unit) = if process.use_transient_units() {
+        // Booted as a recovery's appliance is, confined: a boot that works here works there.
+        let user = match crate::node::guest_network::ApplianceUser::lookup(
+            Path::new(crate::node::guest_network::PASSWD),
+            &settings.appliance_user,
+        ) {
+            Ok(user) => user,
+            Err(reason) => return fail(facts, Boot::Failed, reason),
+        };
+        let call = crate::node::guest_network::confine(call, &user, None, &settings.kvm_device);
         let id = uuid::Uuid::new_v4().simple().to_string();
         let role = TransientRole::GuestNetwork {
             memory_max_mib: appliance

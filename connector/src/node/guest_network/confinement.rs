@@ -8,6 +8,7 @@
 //! run's overlay (bound in at [`OVERLAY_IN_UNIT`]) and the libguestfs cache, and its temporary
 //! files (the appliance's own overlay, its sockets) on a tmpfs of [`APPLIANCE_TMP_MIB`].
 
+use crate::process::ToolCall;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
@@ -28,6 +29,9 @@ pub const APPLIANCE_CACHE: &str = "/var/cache/certistack-guestnet";
 pub const LOOP_DEVICE_GROUP: &str = "disk";
 /// The group `/dev/kvm` belongs to (`50-udev-default.rules`, `KERNEL=="kvm", GROUP="kvm"`).
 const KVM_GROUP: &str = "kvm";
+/// The accounts the appliance user and the loop device's group are looked up in.
+pub const PASSWD: &str = "/etc/passwd";
+pub const GROUPS: &str = "/etc/group";
 /// The longest `/etc/passwd` or `/etc/group` read.
 const MAX_ACCOUNT_FILE: u64 = 1 << 20;
 
@@ -135,29 +139,65 @@ fn read_account_file(path: &Path) -> Result<String, String> {
     Ok(text)
 }
 
-/// The unit properties of one session beside [`CONFINEMENT`]: its user, the run's loop device
-/// (readable only) and `/dev/kvm`, the run's overlay bound in, the cache and the tmpfs.
+/// `call` (guestfish) made to run confined once it is started in a transient unit: the
+/// appliance user, [`CONFINEMENT`], `/dev/kvm` and, for a recovery, the run's loop device
+/// (readable only) and overlay (bound in at [`OVERLAY_IN_UNIT`]); the libguestfs cache and
+/// the tmpfs mounts, and the environment that points libguestfs at them.
+pub fn confine(
+    call: ToolCall,
+    user: &ApplianceUser,
+    disk: Option<Disk<'_>>,
+    kvm_device: &Path,
+) -> ToolCall {
+    let mut call = call;
+    for (key, value) in SESSION_ENVIRONMENT {
+        call = call.env(key, *value);
+    }
+    for property in CONFINEMENT {
+        call = call.unit_property(*property);
+    }
+    for property in session_properties(user, disk, kvm_device) {
+        call = call.unit_property(property);
+    }
+    call
+}
+
+/// The disk a recovery's appliance opens.
+#[derive(Debug, Clone, Copy)]
+pub struct Disk<'a> {
+    /// The run's overlay, on the node.
+    pub overlay: &'a Path,
+    /// The loop device its backing names.
+    pub loop_device: &'a Path,
+}
+
+/// The unit properties of one appliance beside [`CONFINEMENT`]: its user, `/dev/kvm`, the
+/// disk's loop device (readable only) and overlay, the cache and the tmpfs mounts.
 pub fn session_properties(
     user: &ApplianceUser,
-    overlay: &Path,
-    loop_device: &Path,
+    disk: Option<Disk<'_>>,
     kvm_device: &Path,
 ) -> Vec<String> {
-    vec![
+    let mut properties = vec![
         format!("User={}", user.name),
         format!("Group={}", user.gid),
         format!("SupplementaryGroups={KVM_GROUP} {LOOP_DEVICE_GROUP}"),
-        format!("DeviceAllow={} r", loop_device.display()),
         format!("DeviceAllow={} rw", kvm_device.display()),
-        format!("BindReadOnlyPaths={}", loop_device.display()),
-        // `-` : a node without KVM boots the appliance under TCG.
+        // `-`: a node without KVM boots the appliance under TCG.
         format!("BindPaths=-{}", kvm_device.display()),
         format!("TemporaryFileSystem=/tmp:size={APPLIANCE_TMP_MIB}M,mode=1777"),
         format!("TemporaryFileSystem=/var/tmp:size={VAR_TMP_MIB}M,mode=1777"),
-        format!("BindPaths={}:{OVERLAY_IN_UNIT}", overlay.display()),
         "CacheDirectory=certistack-guestnet".to_owned(),
         "CacheDirectoryMode=0700".to_owned(),
-    ]
+    ];
+    if let Some(disk) = disk {
+        properties.extend([
+            format!("DeviceAllow={} r", disk.loop_device.display()),
+            format!("BindReadOnlyPaths={}", disk.loop_device.display()),
+            format!("BindPaths={}:{OVERLAY_IN_UNIT}", disk.overlay.display()),
+        ]);
+    }
+    properties
 }
 
 /// The environment libguestfs gets in the unit: its cache and temporary files where the

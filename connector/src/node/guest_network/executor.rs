@@ -2,7 +2,8 @@
 //! transient unit, the journal records around the recovery.
 
 use super::confinement::{
-    ApplianceUser, LOOP_DEVICE_GROUP, OverlayHandover, group_id, loop_device_problem,
+    ApplianceUser, GROUPS, LOOP_DEVICE_GROUP, OverlayHandover, PASSWD, group_id,
+    loop_device_problem,
 };
 use super::plan::recover;
 use super::profiles::probe_ports;
@@ -26,10 +27,6 @@ use sha2::{Digest, Sha256};
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
-
-/// The accounts the appliance user and the loop device's group are looked up in.
-const PASSWD: &str = "/etc/passwd";
-const GROUPS: &str = "/etc/group";
 
 /// The executor of guest network recovery: rewrites a restored guest's network configuration
 /// in its overlay, offline, through an appliance run as a transient unit.

@@ -26,7 +26,8 @@ mod profiles;
 mod session;
 
 pub use confinement::{
-    APPLIANCE_TMP_MIB, ApplianceUser, CONFINEMENT, LOOP_DEVICE_GROUP, OVERLAY_IN_UNIT,
+    APPLIANCE_TMP_MIB, ApplianceUser, CONFINEMENT, LOOP_DEVICE_GROUP, OVERLAY_IN_UNIT, PASSWD,
+    confine,
 };
 pub use profiles::{
     firewalld_allow, firewalld_default_zone, ifcfg_disable, ifcfg_fights, ifcfg_profile,

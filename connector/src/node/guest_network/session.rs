@@ -395,25 +395,19 @@ pub fn guestfish_call(
             .arg("-a")
             .arg(overlay));
     };
-    let mut call = appliance
-        .session(program, appliance.timeout)
-        .arg("--format=qcow2")
-        .arg("-a")
-        .arg(confinement::OVERLAY_IN_UNIT);
-    for (key, value) in confinement::SESSION_ENVIRONMENT {
-        call = call.env(key, *value);
-    }
-    for property in confinement::CONFINEMENT {
-        call = call.unit_property(*property);
-    }
-    for property in confinement::session_properties(
+    let call = confinement::confine(
+        appliance
+            .session(program, appliance.timeout)
+            .arg("--format=qcow2")
+            .arg("-a")
+            .arg(confinement::OVERLAY_IN_UNIT),
         &confined.user,
-        overlay,
-        &confined.loop_device,
+        Some(confinement::Disk {
+            overlay,
+            loop_device: &confined.loop_device,
+        }),
         &confined.kvm_device,
-    ) {
-        call = call.unit_property(property);
-    }
+    );
     process::in_transient_unit(
         call,
         unit.role,
