@@ -14,8 +14,11 @@
 #     package, an extra index beside the signed ones;
 #
 # and checks each is refused with a message naming it, the repository byte for byte as it was.
+# Then the apt pinning of docs/install.md: a repository whose key signed another package (what
+# a stolen repository key allows) offers apt nothing but certistack-connector.
 #
-# Needs dpkg-deb, minisign, apt-ftparchive and gpg, not root. CERTISTACK_CTL names certistack-ctl (default
+# Needs dpkg-deb, minisign, apt-ftparchive, apt-get and gpg, not root (apt runs on a private
+# directory as the caller). CERTISTACK_CTL names certistack-ctl (default
 # target/release/certistack-ctl, else target/debug/certistack-ctl). Exits non-zero on the first
 # failure.
 set -euo pipefail
@@ -28,7 +31,7 @@ expect_fail() {
   # Runs "$@", which must fail; its output is kept for the caller in $out.
   if out=$("$@" 2>&1); then fail "expected a refusal from: $* (it said: $out)"; fi
 }
-for tool in dpkg-deb minisign apt-ftparchive gpg gpg-agent; do
+for tool in dpkg-deb minisign apt-ftparchive apt-get gpg gpg-agent; do
   command -v "$tool" >/dev/null || fail "$tool is missing (bash tests/prepare-machine.sh installs it)"
 done
 if [ -z "${CERTISTACK_CTL:-}" ]; then
@@ -192,4 +195,48 @@ done
   || fail "the Release hashes more than Packages and Packages.gz: $(cat "$repo/dists/stable/Release")"
 echo "published: $(grep -c '^Package:' "$packages") packages, all certistack-connector"
 
-echo "repository: publish-repo refused a planted package, a rollback copy, other names, other surfaces and stray files without signing or changing anything"
+step "the apt pinning of docs/install.md: a stolen repository key's pve-manager is not installable"
+# The preferences file exactly as docs/install.md gives it, for this repository's origin.
+pin=$(awk '/^    cat > \/etc\/apt\/preferences.d\/certistack.pref/ {on=1; next} on && /^    EOF$/ {exit} on {sub(/^    /, ""); print}' docs/install.md)
+[[ "$pin" == *"Pin-Priority: -1"* ]] || fail "docs/install.md has no pinning stanza to test: $pin"
+# Someone holding the repository key (not the package key) signs an index listing pve-manager.
+stolen="$work/stolen"
+mkdir -p "$stolen/pool/main/c/certistack-connector" "$stolen/pool/main/p/pve-manager" "$stolen/dists/stable/main/binary-amd64"
+cp "$v2" "$stolen/pool/main/c/certistack-connector/"
+cp "$work/pve-manager_99_all.deb" "$stolen/pool/main/p/pve-manager/"
+(cd "$stolen" && apt-ftparchive packages pool > dists/stable/main/binary-amd64/Packages \
+  && apt-ftparchive -o APT::FTPArchive::Release::Origin=CertiStack -o APT::FTPArchive::Release::Suite=stable \
+     -o APT::FTPArchive::Release::Architectures=amd64 -o APT::FTPArchive::Release::Components=main \
+     release dists/stable > "$work/Release" && mv "$work/Release" dists/stable/Release)
+gpg --batch --quiet --pinentry-mode loopback --passphrase "" --local-user "$fpr!" --clearsign \
+  --output "$stolen/dists/stable/InRelease" "$stolen/dists/stable/Release"
+apt_root="$work/apt"
+mkdir -p "$apt_root/etc/preferences.d" "$apt_root/etc/sources.list.d" "$apt_root/etc/trusted.gpg.d" \
+  "$apt_root/state/lists/partial" "$apt_root/cache/archives/partial" "$apt_root/keyrings"
+gpg --batch --export "$fpr" > "$apt_root/keyrings/certistack-archive-keyring.gpg"
+cat > "$apt_root/etc/sources.list.d/certistack.sources" <<SOURCES
+Types: deb
+URIs: file:$stolen
+Suites: stable
+Components: main
+Signed-By: $apt_root/keyrings/certistack-archive-keyring.gpg
+SOURCES
+# The documented stanza names the repository's host; a file: repository has the empty host.
+echo "${pin//packages.example.org/}" > "$apt_root/etc/preferences.d/certistack.pref"
+sed -i 's/^Pin: origin $/Pin: origin ""/' "$apt_root/etc/preferences.d/certistack.pref"
+apt_options=(-o Dir::Etc="$apt_root/etc" -o Dir::Etc::sourcelist=/dev/null -o Dir::State="$apt_root/state"
+  -o Dir::State::status=/dev/null -o Dir::Cache="$apt_root/cache" -o APT::Architecture=amd64
+  -o APT::Architectures::=amd64 -o Debug::NoLocking=1 -o APT::Sandbox::User="$(id -un)")
+apt-get "${apt_options[@]}" update -q >"$work/apt-update.log" 2>&1 || fail "apt-get update: $(cat "$work/apt-update.log")"
+# Captured, then matched: grep -q on the pipe would stop apt-cache early (SIGPIPE, pipefail).
+policy() { apt-cache "${apt_options[@]}" policy "$1"; }
+shown=$(policy pve-manager)
+[[ "$shown" == *"Candidate: (none)"* && "$shown" == *"-1 file:"* ]] || fail "pinned, pve-manager is still a candidate: $shown"
+shown=$(policy certistack-connector)
+[[ "$shown" == *"Candidate: 0.1.0-2"* ]] || fail "pinned, certistack-connector is no candidate: $shown"
+rm "$apt_root/etc/preferences.d/certistack.pref"
+shown=$(policy pve-manager)
+[[ "$shown" == *"Candidate: 99"* ]] || fail "without the pin pve-manager should be a candidate, or the test shows nothing: $shown"
+echo "pinned: pve-manager from the repository has no candidate, certistack-connector has 0.1.0-2"
+
+echo "repository: publish-repo refused a planted package, a rollback copy, other names, other surfaces and stray files without signing or changing anything; the documented pin keeps the repository to certistack-connector"
