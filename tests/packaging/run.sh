@@ -2,10 +2,11 @@
 # The connector's Debian package, end to end, with real tools: build it from the release build,
 # inspect it with dpkg-deb, sign it with certistack-ctl and verify it with both certistack-ctl
 # and Debian's minisign (and see both refuse a changed byte and certistack-ctl refuse another
-# surface), publish a signed apt repository, install from it into a throwaway Debian root with
-# signed-by= (and see apt refuse a tampered index and another key), run the maintainer scripts
-# through install, reinstall, upgrade, remove and purge, and have the installed daemon answer
-# Hello with the digest the package declares. Exits non-zero on the first failure.
+# surface), publish a signed apt repository (and see it refuse to sign anything it did not
+# verify: repository.sh), install from it into a throwaway Debian root with signed-by= (and see
+# apt refuse a tampered index and another key), run the maintainer scripts through install,
+# reinstall, upgrade, remove and purge, and have the installed daemon answer Hello with the
+# digest the package declares. Exits non-zero on the first failure.
 #
 # Needs root (chroot). Installs what is missing: dpkg-dev, minisign, mmdebstrap, apt-utils and
 # gpg from Debian, cargo-deb (pinned) with cargo. The Debian root is built once and cached in
@@ -185,6 +186,9 @@ minisign -V -q -p "$work/sign.pub" -m "$work/other.deb"
 expect_fail "$ctl" package verify --pubkey "$work/sign.pub" "$work/other.deb"
 [[ "$out" == *"would fail the audit"*"install the connector release built with this certistack-ctl"* ]] || fail "certistack-ctl's refusal: $out"
 echo "other surface refused: $out"
+
+step "the repository key signs only verified connector packages: a planted package, a rollback copy, stray files (tests/packaging/repository.sh)"
+CERTISTACK_CTL="$ctl" bash tests/packaging/repository.sh
 
 step "publish a signed apt repository (OpenPGP Ed25519)"
 export GNUPGHOME="$work/gnupg"   # gpg-agent sockets for this test only
