@@ -62,8 +62,16 @@ pub(crate) const DEBIAN: Tree = &[
 /// A Latin-1 comment (the byte 0xfc is not UTF-8) that must survive the edit byte for byte.
 const DEBIAN_INTERFACES: &str = "# B\u{fc}ro-Netz\nsource /etc/network/interfaces.d/*\n\nauto lo\niface lo inet loopback\n\nallow-hotplug eth0\niface eth0 inet static\n    address 10.20.0.5/24\n    gateway 10.20.0.1\n";
 
-/// Root on the btrfs subvolume `@` (see [`store_image`]).
-const BTRFS: Tree = &[("etc/fstab", "/dev/sda / btrfs subvol=@ 0 0\n")];
+/// Root on the btrfs subvolume `@` (see [`store_image`]), and the subvolume `@srv` mounted on
+/// `/srv`, which in `@` is a symlink to `/etc`: followed by the appliance's kernel, the mount
+/// would land on the appliance's own `/etc`, outside the guest's tree.
+const BTRFS: Tree = &[
+    (
+        "etc/fstab",
+        "/dev/sda / btrfs subvol=@ 0 0\n/dev/sda /srv btrfs subvol=@srv 0 0\n",
+    ),
+    ("srv", "->/etc"),
+];
 
 /// A systemd-networkd guest with a name holding a line break: listed one path a line, it
 /// would read as `/etc/systemd/network/25-lab` (a file networkd ignores) and `.network`.
@@ -193,7 +201,7 @@ pub(crate) fn store_image(lab: &Lab, archive: &str, trees: &[Tree]) {
         std::fs::create_dir_all(&mount).unwrap();
         let filled = std::process::Command::new("unshare")
             .args(["-m", "sh", "-ec"])
-            .arg("mount -o loop \"$1\" \"$2\"; btrfs -q subvolume create \"$2/@\"; cp -a \"$3/.\" \"$2/@/\"; umount \"$2\"")
+            .arg("mount -o loop \"$1\" \"$2\"; btrfs -q subvolume create \"$2/@\"; btrfs -q subvolume create \"$2/@srv\"; cp -a \"$3/.\" \"$2/@/\"; umount \"$2\"")
             .arg("sh")
             .arg(&image)
             .arg(&mount)
@@ -711,7 +719,19 @@ async fn guest_network_recovery_writes_each_stack_profile_into_the_overlay_only(
     assert!(disabled.as_ref().unwrap().contains("Gateway=10.50.0.1"));
     assert!(storage.as_ref().unwrap().contains(OTHER_MAC));
 
-    // The same guest with its root on the btrfs subvolume @: recovered the same way.
+    // The same guest with its root on the btrfs subvolume @: recovered the same way; its
+    // /srv, a symlink out of the guest's tree, gets no mount.
+    assert!(
+        evidence[4].notes.iter().any(|n| n
+            == "the guest mounts btrfsvol:/dev/sda/@srv on /srv, which is or passes through a symlink, or is missing; it was not mounted"),
+        "{:#?}",
+        evidence[4]
+    );
+    assert!(
+        !evidence[3].notes.iter().any(|n| n.contains("was not mounted")),
+        "{:#?}",
+        evidence[3]
+    );
     let [network, wired, disabled, storage] = &files[4][..] else {
         panic!()
     };
