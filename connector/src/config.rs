@@ -70,6 +70,23 @@ pub struct GuestNetworkPolicy {
     /// The unprivileged system user the appliance's unit runs as (the package's sysusers.d
     /// file creates `certistack-guestnet`); never root.
     pub appliance_user: String,
+    /// `"auto"` (the default) or `"always"`: when the appliance runs in its confined unit.
+    pub confined: ApplianceConfinement,
+}
+
+/// When guest network recovery (and NodeChecks' appliance boot) runs the libguestfs
+/// appliance in its confined transient unit.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ApplianceConfinement {
+    /// Whenever the daemon starts tools in transient units (`process.transient_units`);
+    /// without systemd the appliance is the daemon's child, unconfined.
+    #[default]
+    Auto,
+    /// Always, through `process.systemd_run`, even when this daemon's own init is not
+    /// systemd (a node whose systemd runs in a container beside the daemon): the appliance
+    /// never runs unconfined, and a recovery fails where no systemd answers.
+    Always,
 }
 
 impl Default for GuestNetworkPolicy {
@@ -77,6 +94,7 @@ impl Default for GuestNetworkPolicy {
         Self {
             accelerator: ApplianceAccelerator::default(),
             appliance_user: "certistack-guestnet".into(),
+            confined: ApplianceConfinement::Auto,
         }
     }
 }
@@ -163,6 +181,10 @@ pub struct PvePaths {
     pub kvm_device: PathBuf,
     /// The CPU flags NodeChecks reads: `hypervisor` (the node is a virtual machine), `vmx`/`svm`.
     pub cpuinfo: PathBuf,
+    /// The accounts the appliance user (`guest_network.appliance_user`) and the loop device's
+    /// group `disk` are read from, as systemd, which starts the appliance, resolves them.
+    pub passwd: PathBuf,
+    pub group: PathBuf,
     /// The machine's DMI names (`sys_vendor`, `product_name`), read by NodeChecks.
     pub dmi_dir: PathBuf,
 }
@@ -180,6 +202,8 @@ impl Default for PvePaths {
             nodes_dir: "/etc/pve/nodes".into(),
             mounts: "/proc/self/mounts".into(),
             kvm_device: "/dev/kvm".into(),
+            passwd: "/etc/passwd".into(),
+            group: "/etc/group".into(),
             cpuinfo: "/proc/cpuinfo".into(),
             dmi_dir: "/sys/class/dmi/id".into(),
         }
@@ -234,6 +258,14 @@ impl Default for ProcessPolicy {
             systemd_run: "/usr/bin/systemd-run".into(),
             systemctl: "/usr/bin/systemctl".into(),
         }
+    }
+}
+
+impl Config {
+    /// Whether the libguestfs appliance runs in its confined transient unit.
+    pub fn appliance_confined(&self) -> bool {
+        self.guest_network.confined == ApplianceConfinement::Always
+            || self.process.use_transient_units()
     }
 }
 
@@ -407,7 +439,7 @@ impl Config {
             value: self.node_name.clone(),
             reason,
         })?;
-        let absolute: [(&'static str, &Path); 28] = [
+        let absolute: [(&'static str, &Path); 30] = [
             ("tls.certificate", &self.tls.certificate),
             ("tls.private_key", &self.tls.private_key),
             ("tls.controller_ca", &self.tls.controller_ca),
@@ -444,6 +476,8 @@ impl Config {
             ("pve.nodes_dir", &self.pve.nodes_dir),
             ("pve.mounts", &self.pve.mounts),
             ("pve.kvm_device", &self.pve.kvm_device),
+            ("pve.passwd", &self.pve.passwd),
+            ("pve.group", &self.pve.group),
             ("pve.cpuinfo", &self.pve.cpuinfo),
             ("pve.dmi_dir", &self.pve.dmi_dir),
             ("process.systemd_run", &self.process.systemd_run),

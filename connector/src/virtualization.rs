@@ -144,10 +144,11 @@ pub struct ApplianceSettings {
     pub guestfish: PathBuf,
     pub appliance: Appliance,
     pub process: ProcessPolicy,
-    /// `guest_network.appliance_user`, whom the confined boot runs as.
+    /// Whether the boot runs in the appliance's confined unit ([`Config::appliance_confined`]).
+    pub confined: bool,
+    /// `guest_network.appliance_user`, whom the confined boot runs as, from `pve.passwd`.
     pub appliance_user: String,
-    /// `pve.kvm_device`, the one device the boot may open besides the pseudo devices.
-    pub kvm_device: PathBuf,
+    pub passwd: PathBuf,
 }
 
 impl ApplianceSettings {
@@ -156,8 +157,9 @@ impl ApplianceSettings {
             guestfish: config.tools.guestfish.clone(),
             appliance: Appliance::from_config(config),
             process: config.process.clone(),
+            confined: config.appliance_confined(),
             appliance_user: config.guest_network.appliance_user.clone(),
-            kvm_device: config.pve.kvm_device.clone(),
+            passwd: config.pve.passwd.clone(),
         }
     }
 }
@@ -234,16 +236,21 @@ pub async fn boot_appliance(
         .arg("/dev/null")
         .arg("run");
     let process = &settings.process;
-    let (call, unit) = if process.use_transient_units() {
+    let (call, unit) = if settings.confined {
         // Booted as a recovery's appliance is, confined: a boot that works here works there.
         let user = match crate::node::guest_network::ApplianceUser::lookup(
-            Path::new(crate::node::guest_network::PASSWD),
+            &settings.passwd,
             &settings.appliance_user,
         ) {
             Ok(user) => user,
             Err(reason) => return fail(facts, Boot::Failed, reason),
         };
-        let call = crate::node::guest_network::confine(call, &user, None, &settings.kvm_device);
+        let call = crate::node::guest_network::confine(
+            call,
+            &user,
+            None,
+            Path::new(crate::node::guest_network::KVM_DEVICE),
+        );
         let id = uuid::Uuid::new_v4().simple().to_string();
         let role = TransientRole::GuestNetwork {
             memory_max_mib: appliance

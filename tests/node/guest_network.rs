@@ -728,7 +728,10 @@ async fn guest_network_recovery_writes_each_stack_profile_into_the_overlay_only(
         evidence[4]
     );
     assert!(
-        !evidence[3].notes.iter().any(|n| n.contains("was not mounted")),
+        !evidence[3]
+            .notes
+            .iter()
+            .any(|n| n.contains("was not mounted")),
         "{:#?}",
         evidence[3]
     );

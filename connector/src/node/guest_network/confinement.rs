@@ -29,9 +29,8 @@ pub const APPLIANCE_CACHE: &str = "/var/cache/certistack-guestnet";
 pub const LOOP_DEVICE_GROUP: &str = "disk";
 /// The group `/dev/kvm` belongs to (`50-udev-default.rules`, `KERNEL=="kvm", GROUP="kvm"`).
 const KVM_GROUP: &str = "kvm";
-/// The accounts the appliance user and the loop device's group are looked up in.
-pub const PASSWD: &str = "/etc/passwd";
-pub const GROUPS: &str = "/etc/group";
+/// The device QEMU opens for KVM.
+pub const KVM_DEVICE: &str = "/dev/kvm";
 /// The longest `/etc/passwd` or `/etc/group` read.
 const MAX_ACCOUNT_FILE: u64 = 1 << 20;
 

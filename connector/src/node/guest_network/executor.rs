@@ -2,8 +2,7 @@
 //! transient unit, the journal records around the recovery.
 
 use super::confinement::{
-    ApplianceUser, GROUPS, LOOP_DEVICE_GROUP, OverlayHandover, PASSWD, group_id,
-    loop_device_problem,
+    ApplianceUser, KVM_DEVICE, LOOP_DEVICE_GROUP, OverlayHandover, group_id, loop_device_problem,
 };
 use super::plan::recover;
 use super::profiles::probe_ports;
@@ -25,7 +24,7 @@ use certistack_proto::v1 as pb;
 use serde_json::json;
 use sha2::{Digest, Sha256};
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 /// The executor of guest network recovery: rewrites a restored guest's network configuration
@@ -49,7 +48,7 @@ impl GuestNetwork<'_> {
         vmid: Vmid,
         memory_mib: u64,
     ) -> Result<Option<GuestNetworkUnit>, ExecError> {
-        if !self.ctx.config.process.use_transient_units() {
+        if !self.ctx.config.appliance_confined() {
             return Ok(None);
         }
         guest_network_unit(&grant.run_id, vmid, memory_mib)
@@ -89,11 +88,11 @@ impl GuestNetwork<'_> {
     /// loop device readable to it through its group (as udev leaves block devices).
     fn confinement(&self, device: &str) -> Result<Confinement, ExecError> {
         let user = ApplianceUser::lookup(
-            Path::new(PASSWD),
+            &self.ctx.config.pve.passwd,
             &self.ctx.config.guest_network.appliance_user,
         )
         .map_err(ExecError::FailedPrecondition)?;
-        let disk = group_id(Path::new(GROUPS), LOOP_DEVICE_GROUP)
+        let disk = group_id(&self.ctx.config.pve.group, LOOP_DEVICE_GROUP)
             .map_err(ExecError::FailedPrecondition)?;
         let loop_device = PathBuf::from(device);
         if let Some(problem) = loop_device_problem(&loop_device, disk) {
@@ -104,7 +103,7 @@ impl GuestNetwork<'_> {
         Ok(Confinement {
             user,
             loop_device,
-            kvm_device: self.ctx.config.pve.kvm_device.clone(),
+            kvm_device: KVM_DEVICE.into(),
         })
     }
 

@@ -26,7 +26,7 @@ mod profiles;
 mod session;
 
 pub use confinement::{
-    APPLIANCE_TMP_MIB, ApplianceUser, CONFINEMENT, LOOP_DEVICE_GROUP, OVERLAY_IN_UNIT, PASSWD,
+    APPLIANCE_TMP_MIB, ApplianceUser, CONFINEMENT, KVM_DEVICE, LOOP_DEVICE_GROUP, OVERLAY_IN_UNIT,
     confine,
 };
 pub use profiles::{

@@ -371,7 +371,7 @@ pub struct Confinement {
     pub user: ApplianceUser,
     /// The run's loop device the overlay's backing names: readable only.
     pub loop_device: PathBuf,
-    /// `/dev/kvm` (`pve.kvm_device`).
+    /// `/dev/kvm`, which QEMU opens.
     pub kvm_device: PathBuf,
 }
 
