@@ -13,10 +13,10 @@
 //!    writes fields in field-number order, so the encoding is deterministic; it changes when a
 //!    service, method, message, field, type, number or `json_name` changes, not when a comment
 //!    does;
-//! 2. to 5. labels `policy/rpc-surface.toml`, `policy/field-validators.toml`,
-//!    `policy/qmp-allowlist.toml`, `policy/qga-allowlist.toml`: the exact file bytes, with each
-//!    CR LF replaced by LF (so a checkout with Windows line endings hashes the same). Comments
-//!    in the policy files are reviewed text and count.
+//! 2. to 6. labels `policy/rpc-surface.toml`, `policy/field-validators.toml`,
+//!    `policy/qmp-allowlist.toml`, `policy/qga-allowlist.toml`, `policy/source-hardware.toml`:
+//!    the exact file bytes, with each CR LF replaced by LF (so a checkout with Windows line
+//!    endings hashes the same). Comments in the policy files are reviewed text and count.
 //!
 //! `docs/architecture.md` ("Surface digest") states the same for a second implementation.
 
@@ -28,11 +28,12 @@ use std::process::Command;
 const SURFACE_FILE: &str = "certistack/connector/v1/connector.proto";
 const DESCRIPTOR_LABEL: &str = "proto/certistack/connector/v1/connector.proto#descriptor";
 /// The policy files the digest covers, in digest order, relative to the workspace root.
-const POLICY_FILES: [&str; 4] = [
+const POLICY_FILES: [&str; 5] = [
     "policy/rpc-surface.toml",
     "policy/field-validators.toml",
     "policy/qmp-allowlist.toml",
     "policy/qga-allowlist.toml",
+    "policy/source-hardware.toml",
 ];
 /// What goes into the binaries: a change here makes the tree dirty for the source report.
 const SOURCE_PATHS: [&str; 6] = [

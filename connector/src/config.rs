@@ -6,6 +6,7 @@
 //! saying which file and what to do.
 
 use certistack_core::files::{self, FileError};
+use certistack_core::net::IpNetwork;
 use certistack_core::validate::{NodeName, Validated};
 use serde::Deserialize;
 use std::net::SocketAddr;
@@ -367,6 +368,65 @@ pub struct Limits {
     pub guest_network_timeout_secs: u64,
     /// MiB of memory the libguestfs appliance of a guest network recovery gets.
     pub guest_network_memory_mib: u64,
+    /// Networks of the peers that must reach the node during a flood of handshakes: the
+    /// controller's management network. Their handshakes keep a reserved share of the
+    /// pending-handshake slots and are never evicted for a peer outside them. Empty by default:
+    /// every peer is treated alike.
+    pub trusted_peer_networks: Vec<TrustedNetwork>,
+}
+
+/// A network of `limits.trusted_peer_networks`: `address/prefix` with no host bits set, e.g.
+/// `192.0.2.0/24`, `192.0.2.7/32` or `2001:db8:1::/48`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct TrustedNetwork(IpNetwork);
+
+impl TrustedNetwork {
+    pub fn network(&self) -> IpNetwork {
+        self.0
+    }
+}
+
+impl TryFrom<String> for TrustedNetwork {
+    type Error = String;
+    fn try_from(text: String) -> Result<Self, String> {
+        let example = "write a network as address/prefix, e.g. 192.0.2.0/24, 192.0.2.7/32 for one host, or 2001:db8:1::/48";
+        let entry = format!("limits.trusted_peer_networks entry {text:?}");
+        let Some((address, prefix)) = text.split_once('/') else {
+            return Err(format!("{entry} has no prefix length: {example}"));
+        };
+        let address: std::net::IpAddr = address.parse().map_err(|_| {
+            format!("{entry}: {address:?} is not an IPv4 or IPv6 address: {example}")
+        })?;
+        let longest = certistack_core::net::max_prefix_len(address);
+        let prefix_len = prefix
+            .parse::<u8>()
+            .ok()
+            .filter(|p| *p <= longest)
+            .ok_or_else(|| {
+                format!("{entry}: the prefix length must be a number from 1 to {longest} for this address: {example}")
+            })?;
+        if prefix_len == 0 {
+            return Err(format!(
+                "{entry} trusts every peer, so nothing stays reserved for the controller during a flood: list only the controller's management network"
+            ));
+        }
+        let network =
+            IpNetwork::new(address, prefix_len).ok_or_else(|| format!("{entry}: {example}"))?;
+        // The network's base is the address with its host bits cleared.
+        if network.to_string() != format!("{address}/{prefix_len}") {
+            return Err(format!(
+                "{entry} has host bits set: write {network} for the network, or {address}/{longest} for that one host"
+            ));
+        }
+        Ok(Self(network))
+    }
+}
+
+impl From<TrustedNetwork> for String {
+    fn from(network: TrustedNetwork) -> String {
+        network.0.to_string()
+    }
 }
 
 impl Default for Limits {
@@ -401,6 +461,7 @@ impl Default for Limits {
             sandbox_cpu_units: 10,
             guest_network_timeout_secs: 300,
             guest_network_memory_mib: 512,
+            trusted_peer_networks: Vec::new(),
         }
     }
 }
@@ -855,6 +916,68 @@ overlay_root = "/var/lib/certistack/overlays"
         assert!(err.contains("limits.sandbox_cpu_units"), "{err}");
 
         for path in [good, writable, typo, relative, bad_node, heavy] {
+            std::fs::remove_file(path).unwrap();
+        }
+    }
+
+    #[test]
+    fn trusted_peer_networks_are_networks_of_either_family_and_nothing_else() {
+        assert!(Limits::default().trusted_peer_networks.is_empty());
+        let listed = write(
+            "trusted",
+            &format!(
+                "{GOOD}[limits]\ntrusted_peer_networks = [\"192.0.2.0/24\", \"198.51.100.7/32\", \"2001:db8:1::/48\"]\n"
+            ),
+            0o644,
+        );
+        let networks: Vec<String> = Config::load(&listed)
+            .unwrap()
+            .limits
+            .trusted_peer_networks
+            .iter()
+            .map(|n| n.network().to_string())
+            .collect();
+        assert_eq!(
+            networks,
+            ["192.0.2.0/24", "198.51.100.7/32", "2001:db8:1::/48"]
+        );
+        std::fs::remove_file(listed).unwrap();
+        for (entry, expected) in [
+            (
+                "192.0.2.0",
+                "has no prefix length: write a network as address/prefix",
+            ),
+            (
+                "192.0.2.0/33",
+                "the prefix length must be a number from 1 to 32",
+            ),
+            (
+                "2001:db8::/129",
+                "the prefix length must be a number from 1 to 128",
+            ),
+            (
+                "192.0.2.300/24",
+                "\"192.0.2.300\" is not an IPv4 or IPv6 address",
+            ),
+            ("mgmt/24", "\"mgmt\" is not an IPv4 or IPv6 address"),
+            (
+                "192.0.2.5/24",
+                "has host bits set: write 192.0.2.0/24 for the network, or 192.0.2.5/32 for that one host",
+            ),
+            ("0.0.0.0/0", "trusts every peer"),
+            ("::/0", "trusts every peer"),
+        ] {
+            let path = write(
+                "trusted-bad",
+                &format!("{GOOD}[limits]\ntrusted_peer_networks = [\"{entry}\"]\n"),
+                0o644,
+            );
+            let error = Config::load(&path).unwrap_err().to_string();
+            assert!(
+                error.contains(&format!("limits.trusted_peer_networks entry \"{entry}\""))
+                    && error.contains(expected),
+                "{entry}: {error}"
+            );
             std::fs::remove_file(path).unwrap();
         }
     }

@@ -5,8 +5,12 @@
 //! - at most `limits.max_pending_handshakes_per_source` handshakes are in progress from one
 //!   source (an IPv4 address or an IPv6 /64) and `limits.max_pending_handshakes` in all; a new
 //!   connection over either limit evicts the oldest pending handshake (of its source, else of
-//!   all), so a legitimate peer always gets a slot and an idle peer only ever displaces its
-//!   own or older ones;
+//!   the source holding the most), so a legitimate peer always gets a slot and an idle peer
+//!   only ever displaces its own or older ones;
+//! - peers inside `limits.trusted_peer_networks` (the controller's management network) keep a
+//!   quarter of the pending-handshake slots that no other peer may take, and a handshake of
+//!   theirs is never evicted for a peer outside them: a flood from many addresses, each holding
+//!   as few handshakes as the controller, cannot push the controller out;
 //! - connections are not accepted while fewer than `limits.reserved_fds` descriptors remain
 //!   below `RLIMIT_NOFILE` (the tools and journals need them): the oldest pending handshake is
 //!   given up instead, or, with none pending, accepting waits for connections to close; a
@@ -22,6 +26,7 @@
 use crate::config::Limits;
 use crate::refusal_log::{RefusalLog, printable};
 use certistack_core::identity::{ClientIdentity, IdentityError, parse_client_certificate};
+use certistack_core::net::IpNetwork;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
@@ -51,6 +56,32 @@ pub struct ConnectionLimits {
     pub max_connections_per_identity: usize,
     pub idle_timeout: Duration,
     pub reserved_fds: usize,
+    /// Peers whose handshakes keep `trusted_reserve` slots and are never evicted for others.
+    pub trusted_peer_networks: Vec<IpNetwork>,
+}
+
+impl ConnectionLimits {
+    /// The pending-handshake slots only trusted peers may take: a quarter of all, at least one,
+    /// and always one fewer than all so other peers can still connect; none without trusted
+    /// networks.
+    fn trusted_reserve(&self) -> usize {
+        if self.trusted_peer_networks.is_empty() {
+            return 0;
+        }
+        (self.max_pending_handshakes / 4)
+            .max(1)
+            .min(self.max_pending_handshakes.saturating_sub(1))
+    }
+
+    /// Whether `remote` lies inside `limits.trusted_peer_networks` (an IPv4 peer reaching an
+    /// IPv6 socket by its IPv4 address).
+    fn is_trusted(&self, remote: &SocketAddr) -> bool {
+        let ip = match remote.ip() {
+            IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
+            v4 => v4,
+        };
+        self.trusted_peer_networks.iter().any(|n| n.contains(ip))
+    }
 }
 
 impl From<&Limits> for ConnectionLimits {
@@ -63,6 +94,11 @@ impl From<&Limits> for ConnectionLimits {
             max_connections_per_identity: limits.max_connections_per_identity.max(1),
             idle_timeout: Duration::from_secs(limits.idle_timeout_secs),
             reserved_fds: limits.reserved_fds,
+            trusted_peer_networks: limits
+                .trusted_peer_networks
+                .iter()
+                .map(|n| n.network())
+                .collect(),
         }
     }
 }
@@ -232,6 +268,8 @@ struct AdmissionState {
 #[derive(Debug)]
 struct Pending {
     source: IpAddr,
+    /// From inside `limits.trusted_peer_networks`.
+    trusted: bool,
     /// Tells the handshake it was evicted, and why.
     evict: tokio::sync::oneshot::Sender<Refusal>,
 }
@@ -242,6 +280,7 @@ enum Refusal {
     EvictedBySource,
     EvictedByTotal,
     EvictedForDescriptors,
+    ReservedForTrustedPeers,
     TooManyConnections,
     TooManyForIdentity,
 }
@@ -257,6 +296,9 @@ impl Refusal {
             }
             Refusal::EvictedForDescriptors => {
                 "pending handshake evicted: descriptors within limits.reserved_fds of RLIMIT_NOFILE"
+            }
+            Refusal::ReservedForTrustedPeers => {
+                "connection closed before its handshake: the free pending-handshake slots are reserved for limits.trusted_peer_networks"
             }
             Refusal::TooManyConnections => {
                 "connection closed: too many established (limits.max_connections)"
@@ -283,6 +325,27 @@ impl AdmissionState {
     fn held(&self) -> usize {
         self.pending.len().saturating_add(self.established)
     }
+
+    fn untrusted_pending(&self) -> usize {
+        self.pending.values().filter(|p| !p.trusted).count()
+    }
+
+    /// The handshake to give up over the total among those of trusted or of other peers: the
+    /// oldest of the source holding the most of them. A flood spread over many addresses still
+    /// holds more each than a controller making one connection.
+    fn eviction_candidate(&self, trusted: bool) -> Option<u64> {
+        self.pending_by_source
+            .values()
+            .filter_map(|ids| {
+                let mut own = ids
+                    .iter()
+                    .filter(|id| self.pending.get(id).is_some_and(|p| p.trusted == trusted));
+                let oldest = *own.next()?;
+                Some((own.count().saturating_add(1), std::cmp::Reverse(oldest)))
+            })
+            .max()
+            .map(|(_, std::cmp::Reverse(oldest))| oldest)
+    }
 }
 
 impl Admission {
@@ -291,11 +354,14 @@ impl Admission {
     }
 
     /// Registers a new handshake from `source`, first evicting the oldest pending handshakes
-    /// that would put it over a limit; the evicted are told why through their channel.
+    /// that would put it over a limit; the evicted are told why through their channel. A peer
+    /// outside the trusted networks never evicts a trusted peer's handshake: with only those
+    /// left to give up, or the rest reserved for them, it is refused.
     fn begin_handshake(
         self: &Arc<Self>,
         source: IpAddr,
-    ) -> (PendingHandshake, tokio::sync::oneshot::Receiver<Refusal>) {
+        trusted: bool,
+    ) -> Result<(PendingHandshake, tokio::sync::oneshot::Receiver<Refusal>), Refusal> {
         let mut state = self.lock();
         let mut evicted = Vec::new();
         loop {
@@ -311,27 +377,49 @@ impl Admission {
                 evicted.push((pending, Refusal::EvictedBySource));
             }
         }
-        // Over the total, the handshake given up is the oldest of the source holding the most:
-        // a flood spread over many addresses still holds more each than a controller making
-        // one connection, so the controller's handshake is not the one evicted.
-        while state.pending.len() >= self.limits.max_pending_handshakes {
-            let Some(oldest) = state
-                .pending_by_source
-                .values()
-                .filter_map(|ids| Some((ids.len(), std::cmp::Reverse(*ids.first()?))))
-                .max()
-                .map(|(_, std::cmp::Reverse(oldest))| oldest)
-            else {
+        // Over the total, the handshake given up is the oldest of the source holding the most,
+        // of other peers first. A trusted peer may take any slot; another only those outside
+        // the reserve, and never by evicting a trusted peer's handshake.
+        let untrusted_slots = self
+            .limits
+            .max_pending_handshakes
+            .saturating_sub(self.limits.trusted_reserve());
+        let mut refused = false;
+        loop {
+            let over_total = state.pending.len() >= self.limits.max_pending_handshakes;
+            let over_share = !trusted && state.untrusted_pending() >= untrusted_slots;
+            if !over_total && !over_share {
+                break;
+            }
+            let victim = state
+                .eviction_candidate(false)
+                .or_else(|| trusted.then(|| state.eviction_candidate(true)).flatten());
+            let Some(oldest) = victim else {
+                refused = true;
                 break;
             };
             if let Some(pending) = state.remove_pending(oldest) {
                 evicted.push((pending, Refusal::EvictedByTotal));
             }
         }
+        if refused {
+            drop(state);
+            for (pending, refusal) in evicted {
+                let _ = pending.evict.send(refusal);
+            }
+            return Err(Refusal::ReservedForTrustedPeers);
+        }
         let id = state.next_id;
         state.next_id = state.next_id.wrapping_add(1);
         let (evict, evicted_rx) = tokio::sync::oneshot::channel();
-        state.pending.insert(id, Pending { source, evict });
+        state.pending.insert(
+            id,
+            Pending {
+                source,
+                trusted,
+                evict,
+            },
+        );
         state
             .pending_by_source
             .entry(source)
@@ -342,13 +430,13 @@ impl Admission {
             // The handshake may have just ended on its own; then nobody is listening.
             let _ = pending.evict.send(refusal);
         }
-        (
+        Ok((
             PendingHandshake {
                 admission: self.clone(),
                 id,
             },
             evicted_rx,
-        )
+        ))
     }
 
     /// Counts an established connection for `identity`, or says which limit it is over.
@@ -379,10 +467,17 @@ impl Admission {
         self.lock().held()
     }
 
-    /// Evicts the oldest pending handshake; false when there is none.
+    /// Evicts the oldest pending handshake of a peer outside the trusted networks; false when
+    /// there is none (the next peer to connect may be anyone: trusted handshakes are not given
+    /// up for it, they end within the handshake timeout).
     fn evict_oldest_pending(&self) -> bool {
         let mut state = self.lock();
-        let Some(oldest) = state.pending.keys().next().copied() else {
+        let Some(oldest) = state
+            .pending
+            .iter()
+            .find(|(_, p)| !p.trusted)
+            .map(|(id, _)| *id)
+        else {
             return false;
         };
         let evicted = state.remove_pending(oldest);
@@ -607,7 +702,18 @@ pub fn incoming(
                 }
             };
             let source = source_of(&remote);
-            let (pending, evicted) = admission.begin_handshake(source);
+            let trusted = admission.limits.is_trusted(&remote);
+            let (pending, evicted) = match admission.begin_handshake(source, trusted) {
+                Ok(admitted) => admitted,
+                Err(refusal) => {
+                    // Dropping the stream closes the connection.
+                    drop(tcp);
+                    if handshake_refusals.record(source, refusal.reason()) {
+                        tracing::warn!(%remote, reason = refusal.reason(), "TLS handshake refused");
+                    }
+                    continue;
+                }
+            };
             tokio::spawn(handshake(
                 tcp,
                 remote,
@@ -709,6 +815,7 @@ mod tests {
                 max_connections_per_identity: per_identity,
                 idle_timeout: Duration::from_secs(10),
                 reserved_fds: 0,
+                trusted_peer_networks: Vec::new(),
             },
             state: Mutex::new(AdmissionState::default()),
         })
@@ -719,20 +826,22 @@ mod tests {
         let admission = admission(2, 3, 8, 8);
         let a: IpAddr = "192.0.2.1".parse().unwrap();
         let b: IpAddr = "192.0.2.2".parse().unwrap();
-        let (_a1, mut a1_evicted) = admission.begin_handshake(a);
-        let (_a2, mut a2_evicted) = admission.begin_handshake(a);
+        let (_a1, mut a1_evicted) = admission.begin_handshake(a, false).unwrap();
+        let (_a2, mut a2_evicted) = admission.begin_handshake(a, false).unwrap();
         // A third from `a` displaces a's oldest, nobody else's.
-        let (_a3, mut a3_evicted) = admission.begin_handshake(a);
+        let (_a3, mut a3_evicted) = admission.begin_handshake(a, false).unwrap();
         assert!(matches!(
             a1_evicted.try_recv(),
             Ok(Refusal::EvictedBySource)
         ));
         assert!(a2_evicted.try_recv().is_err());
         // `b` gets in: the table is not full yet (a2, a3, b1).
-        let (_b1, mut b1_evicted) = admission.begin_handshake(b);
+        let (_b1, mut b1_evicted) = admission.begin_handshake(b, false).unwrap();
         assert!(a2_evicted.try_recv().is_err());
         // Full: the next one, from a new source, displaces the oldest of the source holding most (a2).
-        let (_c1, _) = admission.begin_handshake("192.0.2.3".parse().unwrap());
+        let (_c1, _) = admission
+            .begin_handshake("192.0.2.3".parse().unwrap(), false)
+            .unwrap();
         assert!(matches!(a2_evicted.try_recv(), Ok(Refusal::EvictedByTotal)));
         assert!(a3_evicted.try_recv().is_err());
         assert!(b1_evicted.try_recv().is_err());
@@ -749,16 +858,111 @@ mod tests {
     fn over_the_total_the_source_holding_most_gives_up_its_oldest() {
         let admission = admission(3, 3, 8, 8);
         // A controller's handshake, older than any of the flood's.
-        let (_controller, mut controller_evicted) =
-            admission.begin_handshake("192.0.2.9".parse().unwrap());
+        let (_controller, mut controller_evicted) = admission
+            .begin_handshake("192.0.2.9".parse().unwrap(), false)
+            .unwrap();
         let flood: IpAddr = "192.0.2.1".parse().unwrap();
-        let (_f1, mut f1_evicted) = admission.begin_handshake(flood);
-        let (_f2, mut f2_evicted) = admission.begin_handshake(flood);
+        let (_f1, mut f1_evicted) = admission.begin_handshake(flood, false).unwrap();
+        let (_f2, mut f2_evicted) = admission.begin_handshake(flood, false).unwrap();
         // Full: a new source displaces the flood's oldest, not the older controller's.
-        let (_c1, _) = admission.begin_handshake("192.0.2.3".parse().unwrap());
+        let (_c1, _) = admission
+            .begin_handshake("192.0.2.3".parse().unwrap(), false)
+            .unwrap();
         assert!(matches!(f1_evicted.try_recv(), Ok(Refusal::EvictedByTotal)));
         assert!(controller_evicted.try_recv().is_err());
         assert!(f2_evicted.try_recv().is_err());
+    }
+
+    fn with_trusted(admission: Arc<Admission>, networks: &[&str]) -> Arc<Admission> {
+        let mut limits = admission.limits.clone();
+        limits.trusted_peer_networks = networks
+            .iter()
+            .map(|n| IpNetwork::parse(n).unwrap())
+            .collect();
+        Arc::new(Admission {
+            limits,
+            state: Mutex::new(AdmissionState::default()),
+        })
+    }
+
+    /// A flood from many sources, one pending handshake each, ties every source at one: the
+    /// oldest goes first, which may be the controller's, unless its network is trusted.
+    #[test]
+    fn a_trusted_peers_handshake_is_never_evicted_for_a_flood_of_single_handshakes() {
+        let controller: IpAddr = "192.0.2.9".parse().unwrap();
+        let flood = |n: u8| IpAddr::from([198, 51, 100, n]);
+        // Untrusted, as before: the controller's, the oldest, is evicted.
+        let plain = admission(4, 8, 8, 8);
+        let (_c, mut evicted) = plain.begin_handshake(controller, false).unwrap();
+        let held: Vec<_> = (1..=8)
+            .map(|n| plain.begin_handshake(flood(n), false).unwrap())
+            .collect();
+        assert_eq!(held.len(), 8);
+        assert!(matches!(evicted.try_recv(), Ok(Refusal::EvictedByTotal)));
+
+        let trusted = with_trusted(admission(4, 8, 8, 8), &["192.0.2.0/24"]);
+        assert_eq!(trusted.limits.trusted_reserve(), 2);
+        let (_c, mut evicted) = trusted.begin_handshake(controller, true).unwrap();
+        let mut flooders = Vec::new();
+        for n in 1..=64 {
+            let (held, rx) = trusted.begin_handshake(flood(n), false).unwrap();
+            flooders.push((held, rx));
+        }
+        assert!(
+            evicted.try_recv().is_err(),
+            "the controller's handshake was evicted"
+        );
+        // The flood holds at most the slots outside the reserve.
+        assert_eq!(trusted.lock().untrusted_pending(), 6);
+        // A second controller connection takes the other reserved slot, a third (the table
+        // full) evicts a flooder's, never the first controller connection.
+        let (_c2, mut evicted2) = trusted.begin_handshake(controller, true).unwrap();
+        let (_c3, _) = trusted.begin_handshake(controller, true).unwrap();
+        assert!(evicted.try_recv().is_err() && evicted2.try_recv().is_err());
+        assert_eq!(trusted.lock().untrusted_pending(), 5);
+        // Descriptors short: only a flooder's handshake is given up.
+        assert!(trusted.evict_oldest_pending());
+        assert!(evicted.try_recv().is_err());
+
+        // Trusted peers holding every slot: another peer is refused rather than evict one.
+        let full = with_trusted(admission(8, 4, 8, 8), &["192.0.2.9/32"]);
+        let held: Vec<_> = (0..4)
+            .map(|_| full.begin_handshake(controller, true).unwrap())
+            .collect();
+        assert!(matches!(
+            full.begin_handshake(flood(1), false),
+            Err(Refusal::ReservedForTrustedPeers)
+        ));
+        assert!(!full.evict_oldest_pending());
+        drop(held);
+        assert!(full.begin_handshake(flood(1), false).is_ok());
+    }
+
+    #[test]
+    fn trusted_networks_match_ipv4_ipv6_and_mapped_peers() {
+        let limits = with_trusted(admission(1, 8, 8, 8), &["192.0.2.0/24", "2001:db8:1::/48"])
+            .limits
+            .clone();
+        for (remote, trusted) in [
+            ("192.0.2.44:5000", true),
+            ("[::ffff:192.0.2.44]:5000", true),
+            ("192.0.3.1:5000", false),
+            ("[2001:db8:1:ffff::1]:5000", true),
+            ("[2001:db8:2::1]:5000", false),
+        ] {
+            assert_eq!(
+                limits.is_trusted(&remote.parse().unwrap()),
+                trusted,
+                "{remote}"
+            );
+        }
+        // A single slot is never reserved: others could not connect at all.
+        let mut one = limits.clone();
+        one.max_pending_handshakes = 1;
+        assert_eq!(one.trusted_reserve(), 0);
+        one.trusted_peer_networks.clear();
+        one.max_pending_handshakes = 256;
+        assert_eq!(one.trusted_reserve(), 0);
     }
 
     #[test]
@@ -786,9 +990,9 @@ mod tests {
     fn a_finished_handshake_frees_its_slot() {
         let admission = admission(1, 1, 8, 8);
         let a: IpAddr = "192.0.2.1".parse().unwrap();
-        let (first, _) = admission.begin_handshake(a);
+        let (first, _) = admission.begin_handshake(a, false).unwrap();
         drop(first);
-        let (_second, mut second_evicted) = admission.begin_handshake(a);
+        let (_second, mut second_evicted) = admission.begin_handshake(a, false).unwrap();
         assert!(second_evicted.try_recv().is_err());
         assert_eq!(admission.held(), 1);
     }

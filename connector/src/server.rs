@@ -43,6 +43,8 @@ pub enum ServeError {
     Tls(#[from] TlsError),
     #[error(transparent)]
     Policy(#[from] PolicyError),
+    #[error("{0}; this build of the connector is broken: reinstall its package")]
+    HardwarePolicy(String),
     #[error(transparent)]
     Runs(#[from] RunError),
     #[error("the config's node_name is invalid: {0}")]
@@ -139,6 +141,8 @@ impl NodeIdentity {
         let gate = SurfacePolicy::compiled()?
             .gate()?
             .with_max_operator_cert_secs(config.limits.max_operator_cert_secs);
+        // Checked before serving, so a ReadSourceConfig never meets a broken policy.
+        crate::source_hardware::compiled_policy().map_err(ServeError::HardwarePolicy)?;
         Ok(Self {
             node,
             tls,

@@ -7,11 +7,12 @@ fn surface() -> prost_types::FileDescriptorProto {
     prost_types::FileDescriptorProto::decode(certistack_proto::SURFACE_DESCRIPTOR).unwrap()
 }
 
-const DIGEST_POLICY_FILES: [&str; 4] = [
+const DIGEST_POLICY_FILES: [&str; 5] = [
     "policy/rpc-surface.toml",
     "policy/field-validators.toml",
     "policy/qmp-allowlist.toml",
     "policy/qga-allowlist.toml",
+    "policy/source-hardware.toml",
 ];
 
 #[test]
@@ -246,7 +247,8 @@ except ImportError:
     print("google.protobuf missing: descriptor not re-encoded", file=sys.stderr)
 parts = [("proto/certistack/connector/v1/connector.proto#descriptor", descriptor)]
 for name in ["policy/rpc-surface.toml", "policy/field-validators.toml",
-             "policy/qmp-allowlist.toml", "policy/qga-allowlist.toml"]:
+             "policy/qmp-allowlist.toml", "policy/qga-allowlist.toml",
+             "policy/source-hardware.toml"]:
     parts.append((name, open(root + "/" + name, "rb").read().replace(b"\r\n", b"\n")))
 h = hashlib.sha256()
 for label, content in parts:

@@ -16,6 +16,10 @@ const UEFI_SOURCE: &str = "#web server\nbios: ovmf\nboot: order=scsi0;ide2;net0\
 /// NIC, and host devices passed through.
 const VIRTIO_SATA_PASSTHROUGH_SOURCE: &str = "args: -device pci-testdev\nboot: order=virtio0;net0\nhookscript: local:snippets/notify.pl\nhostpci0: 0000:01:00.0,pcie=0\nmachine: pc\nnet0: e1000=BC:24:11:AA:BB:02,bridge=vmbr1\nostype: win10\nsata0: local-lvm:vm-100-disk-3,size=8M\nsata1: none,media=cdrom\nserial0: /dev/ttyS0\nusb0: host=046d:c52b\nvirtio0: local-lvm:vm-100-disk-4,size=8M\n";
 
+/// A guest that passes the node's CPU through (`cpu: host`), with a legacy NIC and a legacy
+/// SCSI controller: what the node's hardware policy changes.
+const HOST_CPU_LEGACY_DEVICES_SOURCE: &str = "boot: order=scsi0;net0\ncpu: host\nnet0: rtl8139=BC:24:11:AA:BB:03,bridge=vmbr0\nostype: l26\nscsi0: local-lvm:vm-100-disk-1,size=8M\nscsihw: megasas\n";
+
 impl Run {
     async fn read_source(&mut self) -> Result<pb::ReadSourceConfigReply, tonic::Status> {
         self.client
@@ -184,6 +188,7 @@ fn sandbox_vms_mirror_the_source_hardware() {
         assert!(hw.efidisk && hw.pre_enrolled_keys && hw.efitype == "4m");
         let omitted: Vec<&str> = hw.omitted.iter().map(|o| o.key.as_str()).collect();
         assert!(omitted.contains(&"tpmstate0") && omitted.contains(&"net0"));
+        assert!(hw.changed.is_empty(), "{:?}", hw.changed);
         run.map_and_overlay_all(9100, &[ARCHIVE, EFI_ARCHIVE]).await;
         run.create_mirrored(9100, &[ARCHIVE, EFI_ARCHIVE])
             .await
@@ -271,6 +276,7 @@ fn sandbox_vms_mirror_the_source_hardware() {
         assert!(reasons["hookscript"].contains("never run"));
         assert!(reasons["args"].contains("never passed"));
         assert!(reasons["net0"].contains("run's VNet"));
+        assert!(hw.changed.is_empty(), "{:?}", hw.changed);
         run.map_and_overlay_all(9101, &[VIRTIO_ARCHIVE, SATA_ARCHIVE])
             .await;
         run.create_mirrored(9101, &[VIRTIO_ARCHIVE, SATA_ARCHIVE])
@@ -365,6 +371,126 @@ fn sandbox_vms_mirror_the_source_hardware() {
             2,
             "{journal:?}"
         );
+        run.end().await;
+    });
+}
+
+/// A source passing the node's CPU through (`cpu: host`), with an rtl8139 NIC and a megasas
+/// controller: the sandbox gets what the node's hardware policy puts in their place, PVE's
+/// default named CPU model (x86-64-v2-AES), an e1000 (the NIC keeps its slot and boot place)
+/// and virtio-scsi-pci, and the reply, and from it the controller's report, lists each change
+/// with the source's model. QEMU's command line shows the replacements.
+#[test]
+fn sandbox_vms_get_the_policys_models_for_the_nodes_cpu_and_legacy_devices() {
+    if !privileged(
+        "sandbox_vms_get_the_policys_models_for_the_nodes_cpu_and_legacy_devices",
+        QEMU_TOOLS,
+    ) {
+        return;
+    }
+    let netns = Netns::new("srcpol", &["csbox1", "csbox91", "csbox92"]);
+    inside(&netns.name, move || async move {
+        let mut run = Run::begin_with(
+            "srcpol",
+            &[ARCHIVE],
+            |lab| {
+                lab.add_source_config(SNAPSHOT, HOST_CPU_LEGACY_DEVICES_SOURCE);
+            },
+            sandbox_grant,
+        )
+        .await;
+        run.client
+            .prepare_sandbox(pb::PrepareSandboxRequest {
+                vnet: VNET.into(),
+                probe_source: PROBE_SOURCE.into(),
+            })
+            .await
+            .unwrap();
+        // `cpu: host`, an rtl8139 NIC and a megasas controller: the node's hardware policy gives
+        // the sandbox PVE's default named CPU model, an e1000 and virtio-scsi, and the reply
+        // (and from it the controller's report) lists each change with the source's model.
+        let read = run.read_source().await.unwrap();
+        let hw = read.hardware.clone().unwrap();
+        assert_eq!(
+            (hw.cpu.as_str(), hw.scsihw.as_str()),
+            ("x86-64-v2-AES", "virtio-scsi-pci")
+        );
+        let nics: Vec<(u32, &str)> = hw
+            .nics
+            .iter()
+            .map(|n| (n.index, n.model.as_str()))
+            .collect();
+        assert_eq!(nics, [(0, "e1000")]);
+        let changed: Vec<(&str, &str, &str)> = hw
+            .changed
+            .iter()
+            .map(|c| (c.key.as_str(), c.original.as_str(), c.replacement.as_str()))
+            .collect();
+        assert_eq!(
+            changed,
+            [
+                ("cpu", "host", "x86-64-v2-AES"),
+                ("net0", "rtl8139", "e1000"),
+                ("scsihw", "megasas", "virtio-scsi-pci"),
+            ]
+        );
+        let report = certistack_controller::report::SandboxHardware::from_wire(
+            &hw,
+            &read.config_sha256,
+            &[ARCHIVE.to_owned()],
+        );
+        assert_eq!(report.cpu, "x86-64-v2-AES");
+        assert_eq!(report.nics, ["net0=e1000"]);
+        assert_eq!(report.changed.len(), 3, "{:?}", report.changed);
+        assert!(
+            report.changed[0].starts_with("cpu: host -> x86-64-v2-AES (")
+                && report.changed[1].starts_with("net0: rtl8139 -> e1000 (")
+                && report.changed[2].starts_with("scsihw: megasas -> virtio-scsi-pci ("),
+            "{:?}",
+            report.changed
+        );
+        run.map_and_overlay_all(9102, &[ARCHIVE]).await;
+        run.create_mirrored(9102, &[ARCHIVE]).await.unwrap();
+        let conf = run.conf(9102);
+        for (key, value) in [
+            ("cpu", "x86-64-v2-AES"),
+            ("scsihw", "virtio-scsi-pci"),
+            ("boot", "order=scsi0;net0"),
+        ] {
+            assert_eq!(
+                conf_value(&conf, key).as_deref(),
+                Some(value),
+                "{key} in\n{conf}"
+            );
+        }
+        assert!(
+            conf_value(&conf, "net0").unwrap().starts_with("e1000="),
+            "{conf}"
+        );
+        for absent in ["rtl8139", "megasas"] {
+            assert!(
+                !conf.contains(absent),
+                "{absent} reached the sandbox:\n{conf}"
+            );
+        }
+        run.client
+            .start_vm(pb::VmRequest { vmid: 9102 })
+            .await
+            .unwrap();
+        let argv = run.qemu_argv(9102).join(" ");
+        assert!(argv.contains("-cpu qemu64,+aes,+popcnt"), "{argv}");
+        assert!(argv.contains("e1000,netdev=net0"), "{argv}");
+        for absent in ["-cpu max", "rtl8139"] {
+            assert!(!argv.contains(absent), "{absent} in {argv}");
+        }
+        run.client
+            .stop_vm(pb::StopVmRequest {
+                vmid: 9102,
+                timeout_seconds: 5,
+            })
+            .await
+            .unwrap();
+
         run.end().await;
     });
 }

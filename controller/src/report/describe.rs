@@ -96,6 +96,9 @@ pub fn describe(statement: &Statement, report_path: &Path) -> String {
             hw.nics.join(", "),
             hw.boot_order.join(", ")
         );
+        for changed in &hw.changed {
+            let _ = writeln!(out, "  changed {changed}");
+        }
         for omitted in &hw.omitted {
             let _ = writeln!(out, "  omitted {omitted}");
         }

@@ -80,6 +80,10 @@ pub struct SandboxHardware {
     pub boot_order: Vec<String>,
     /// Every part of the source config the sandbox did not get, `<key>: <reason>`.
     pub omitted: Vec<String>,
+    /// Every model the node's hardware policy replaced, `<key>: <original> -> <replacement>
+    /// (<reason>)`; the values above are the replacements. Absent when nothing was replaced.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub changed: Vec<String>,
 }
 
 impl SandboxHardware {
@@ -157,6 +161,16 @@ impl SandboxHardware {
                 .cloned()
                 .collect(),
             omitted,
+            changed: hardware
+                .changed
+                .iter()
+                .map(|c| {
+                    format!(
+                        "{}: {} -> {} ({})",
+                        c.key, c.original, c.replacement, c.reason
+                    )
+                })
+                .collect(),
         }
     }
 }

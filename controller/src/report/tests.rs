@@ -140,6 +140,7 @@ fn validation() -> Validation {
             nics: vec!["net0=e1000".into()],
             boot_order: vec!["virtio0".into()],
             omitted: vec!["hostpci0: passthrough of a device".into()],
+            changed: vec!["net0: rtl8139 -> e1000 (a legacy emulated NIC)".into()],
             ..SandboxHardware::default()
         }),
     }
@@ -175,6 +176,12 @@ fn the_hardware_shows_what_the_sandbox_got_of_the_source() {
             model: "virtio".into(),
         }],
         boot_order: vec!["scsi1".into(), "scsi0".into(), "ide2".into(), "net0".into()],
+        changed: vec![pb::ChangedPart {
+            key: "cpu".into(),
+            original: "host".into(),
+            replacement: "x86-64-v2-AES".into(),
+            reason: "passes the node's CPU through".into(),
+        }],
         ..pb::SourceHardware::default()
     };
     let all = SandboxHardware::from_wire(
@@ -189,6 +196,10 @@ fn the_hardware_shows_what_the_sandbox_got_of_the_source() {
     assert_eq!(all.efidisk, "efitype=4m,pre-enrolled-keys=1");
     assert_eq!(all.boot_order, ["scsi1", "scsi0", "ide2", "net0"]);
     assert!(all.omitted.is_empty(), "{:?}", all.omitted);
+    assert_eq!(
+        all.changed,
+        ["cpu: host -> x86-64-v2-AES (passes the node's CPU through)"]
+    );
 
     let some = SandboxHardware::from_wire(&source, "ab", &["drive-scsi0.img".into()]);
     assert_eq!(some.disks, ["scsi0=drive-scsi0.img", "ide2=cdrom (empty)"]);
@@ -405,7 +416,7 @@ fn reports_are_written_atomically_private_and_named_by_time_node_and_run() {
     );
     assert!(shown.starts_with("verdict: passed\n"), "{shown}");
     assert!(
-        shown.contains("hardware: cpu x86-64-v2-AES bios ovmf (efidisk efitype=4m,pre-enrolled-keys=1) machine q35 ostype default scsihw default; disks [virtio0=drive-virtio0.img, ide2=cdrom (empty)]; nics [net0=e1000]; boot [virtio0]\n  omitted hostpci0: passthrough of a device\n"),
+        shown.contains("hardware: cpu x86-64-v2-AES bios ovmf (efidisk efitype=4m,pre-enrolled-keys=1) machine q35 ostype default scsihw default; disks [virtio0=drive-virtio0.img, ide2=cdrom (empty)]; nics [net0=e1000]; boot [virtio0]\n  changed net0: rtl8139 -> e1000 (a legacy emulated NIC)\n  omitted hostpci0: passthrough of a device\n"),
         "{shown}"
     );
     assert!(

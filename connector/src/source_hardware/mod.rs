@@ -14,11 +14,19 @@
 //! passthrough (`hostpci`, `usb`, `serial`, `parallel`), hookscripts, raw QEMU `args`, shared
 //! directories. A config that is oversized, not UTF-8, or not made of `key: value` lines is
 //! refused as a whole.
+//!
+//! Mirrored does not mean as the source has it: the node's hardware policy
+//! (`policy/source-hardware.toml`, [`policy`]) replaces CPU models that pass the node's own CPU
+//! through (`host`, `max`) with a named model, and legacy NIC and SCSI controller models with
+//! virtio, e1000 or virtio-scsi; each replacement is reported as changed, with the original.
+
+pub mod policy;
 
 use certistack_core::validate::ArchiveName;
 #[cfg(test)]
 use certistack_core::validate::Validated;
 use certistack_proto::v1 as pb;
+use policy::{HardwarePolicy, Verdict};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -43,6 +51,8 @@ pub enum SourceConfigError {
     Garbled { line: usize },
     #[error("line {line} of the source config repeats the key {key:?}")]
     DuplicateKey { line: usize, key: String },
+    #[error("{0}; this build of the connector is broken: reinstall its package")]
+    Policy(String),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
@@ -226,6 +236,8 @@ impl NicModel {
     }
 }
 
+const NOT_A_QEMU_SERVER_NIC: &str = "its NIC model is not one qemu-server accepts";
+
 /// qemu-server's `$MAX_NETS`: `net0` to `net31`.
 const MAX_NICS: u8 = 32;
 
@@ -382,10 +394,30 @@ fn scsihw_ok(value: &str) -> bool {
     SCSIHW.contains(&value)
 }
 
+/// The `scsihw` qemu-server gives a VM whose config sets none (`scsihw` in
+/// `PVE::QemuServer`'s `$confdesc`: `default => 'lsi'`).
+const QEMU_SERVER_DEFAULT_SCSIHW: &str = "lsi";
+const REFUSED_BY_POLICY: &str = "its model is neither allowed nor replaced by the node's hardware policy (policy/source-hardware.toml)";
+
+/// The hardware policy compiled into this build, checked against qemu-server's model lists.
+pub fn compiled_policy() -> Result<&'static HardwarePolicy, String> {
+    HardwarePolicy::compiled(&NicModel::ALL.map(NicModel::name), &SCSIHW, cpu_model_ok)
+}
+
 /// What the sandbox does not get, and why.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Omitted {
     pub key: String,
+    pub reason: String,
+}
+
+/// What the sandbox gets in place of the source's model, and why.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Changed {
+    pub key: String,
+    pub original: String,
+    pub replacement: String,
     pub reason: String,
 }
 
@@ -404,6 +436,9 @@ pub struct SourceHardware {
     /// Device keys (disk slots, `netN`) in boot order, each one of the devices above.
     pub boot_order: Vec<String>,
     pub omitted: Vec<Omitted>,
+    /// Models the node's hardware policy replaced; absent in journals of older connectors.
+    #[serde(default)]
+    pub changed: Vec<Changed>,
 }
 
 /// Why a key of the source config is not mirrored, by its name.
@@ -508,6 +543,14 @@ impl SourceHardware {
     /// Parses a VM config as `proxmox-backup-client restore <snapshot> qemu-server.conf -`
     /// prints it.
     pub fn parse(bytes: &[u8]) -> Result<SourceHardware, SourceConfigError> {
+        Self::parse_under(bytes, compiled_policy().map_err(SourceConfigError::Policy)?)
+    }
+
+    /// Parses a VM config and conforms it to `policy`.
+    fn parse_under(
+        bytes: &[u8],
+        policy: &HardwarePolicy,
+    ) -> Result<SourceHardware, SourceConfigError> {
         let keys = top_section(bytes)?;
         let mut hw = SourceHardware::default();
         let mut omitted: Vec<Omitted> = Vec::new();
@@ -567,7 +610,7 @@ impl SourceHardware {
                             "bridge, VLAN tag, MAC address and firewall are the source's: the sandbox NIC is on the run's VNet with a fresh MAC and the firewall off",
                         );
                     }
-                    None => omit(key, "its NIC model is not one qemu-server accepts"),
+                    None => omit(key, NOT_A_QEMU_SERVER_NIC),
                 }
                 continue;
             }
@@ -641,7 +684,10 @@ impl SourceHardware {
                 _ => omit(key, omission_reason(key)),
             }
         }
+        hw.omitted = omitted;
+        hw.conform(policy);
         hw.boot_order = hw.boot_devices(boot.as_deref(), bootdisk);
+        let mut omitted = std::mem::take(&mut hw.omitted);
         if omitted.len() > MAX_OMITTED {
             let more = omitted.len().saturating_sub(MAX_OMITTED.saturating_sub(1));
             omitted.truncate(MAX_OMITTED.saturating_sub(1));
@@ -652,6 +698,110 @@ impl SourceHardware {
         }
         hw.omitted = omitted;
         Ok(hw)
+    }
+
+    /// Applies the node's hardware policy: a replaced model gives way to its replacement and
+    /// is listed as changed, a refused one is left out and listed as omitted. A source with
+    /// SCSI disks and no `scsihw` has qemu-server's default, `lsi`, and is ruled as naming it.
+    fn conform(&mut self, policy: &HardwarePolicy) {
+        let change = |key: &str, original: &str, replacement: &str, reason: &str| Changed {
+            key: key.to_owned(),
+            original: original.to_owned(),
+            replacement: replacement.to_owned(),
+            reason: reason.to_owned(),
+        };
+        let mut changed = Vec::new();
+        if let Some(cpu) = self.cpu.take() {
+            let (model, flags) = match cpu.as_str().split_once(",flags=") {
+                Some((model, flags)) => (model.to_owned(), Some(flags.to_owned())),
+                None => (cpu.as_str().to_owned(), None),
+            };
+            self.cpu = match policy.cpu(&model) {
+                Verdict::Keep => Some(cpu),
+                Verdict::Replace { with, why } => {
+                    let replaced = match &flags {
+                        Some(flags) => format!("{with},flags={flags}"),
+                        None => with.to_owned(),
+                    };
+                    match Cpu::try_from(replaced) {
+                        Ok(replacement) => {
+                            changed.push(change("cpu", &model, with, why));
+                            Some(replacement)
+                        }
+                        Err(_) => {
+                            self.omitted.push(Omitted {
+                                key: "cpu".into(),
+                                reason: format!("{REFUSED_BY_POLICY}: its replacement {with:?} is not a CPU model a sandbox may have"),
+                            });
+                            None
+                        }
+                    }
+                }
+                Verdict::Refuse => {
+                    self.omitted.push(Omitted {
+                        key: "cpu".into(),
+                        reason: REFUSED_BY_POLICY.into(),
+                    });
+                    None
+                }
+            };
+        }
+        let mut nics = Vec::with_capacity(self.nics.len());
+        for nic in self.nics.drain(..) {
+            let key = format!("net{}", nic.index);
+            match policy.nic(nic.model.name()) {
+                Verdict::Keep => nics.push(nic),
+                Verdict::Replace { with, why } => {
+                    match NicModel::ALL.into_iter().find(|m| m.name() == with) {
+                        Some(model) => {
+                            changed.push(change(&key, nic.model.name(), with, why));
+                            nics.push(Nic { model, ..nic });
+                        }
+                        None => self.omitted.push(Omitted {
+                            key,
+                            reason: NOT_A_QEMU_SERVER_NIC.into(),
+                        }),
+                    }
+                }
+                Verdict::Refuse => self.omitted.push(Omitted {
+                    key,
+                    reason: REFUSED_BY_POLICY.into(),
+                }),
+            }
+        }
+        self.nics = nics;
+        let scsi_disks = self.disks.iter().any(|d| d.slot.bus == Bus::Scsi);
+        let (scsihw, implied) = match self.scsihw.take() {
+            Some(scsihw) => (Some(scsihw.as_str().to_owned()), false),
+            None if scsi_disks => (Some(QEMU_SERVER_DEFAULT_SCSIHW.to_owned()), true),
+            None => (None, false),
+        };
+        if let Some(scsihw) = scsihw {
+            self.scsihw = match policy.scsihw(&scsihw) {
+                Verdict::Keep if implied => None,
+                Verdict::Keep => ScsiHw::try_from(scsihw).ok(),
+                Verdict::Replace { with, why } => match ScsiHw::try_from(with.to_owned()) {
+                    Ok(replacement) => {
+                        let original = if implied {
+                            format!("{scsihw} (qemu-server's default: the source sets no scsihw)")
+                        } else {
+                            scsihw
+                        };
+                        changed.push(change("scsihw", &original, with, why));
+                        Some(replacement)
+                    }
+                    Err(_) => None,
+                },
+                Verdict::Refuse => {
+                    self.omitted.push(Omitted {
+                        key: "scsihw".into(),
+                        reason: REFUSED_BY_POLICY.into(),
+                    });
+                    None
+                }
+            };
+        }
+        self.changed = changed;
     }
 
     /// The boot order restricted to devices of this shape: `order=a;b` (PVE 6.2+), or the
@@ -717,6 +867,13 @@ impl SourceHardware {
         overlays: &[(ArchiveName, String)],
         vnet: &str,
     ) -> Result<Vec<(String, String)>, String> {
+        // A shape journaled by a connector without the hardware policy (or under an older
+        // one) is not booted as it is: the policy of this build would change it.
+        let mut conformed = self.clone();
+        conformed.conform(compiled_policy()?);
+        if !conformed.changed.is_empty() || conformed.omitted.len() != self.omitted.len() {
+            return Err("the source hardware this run read has models the node's hardware policy (policy/source-hardware.toml) does not allow as they are; read the source config again in a new run".into());
+        }
         let mut args: Vec<(String, String)> = Vec::new();
         let mut push = |k: &str, v: String| args.push((format!("--{k}"), v));
         if let Some(cpu) = &self.cpu {
@@ -862,6 +1019,16 @@ impl SourceHardware {
                     reason: o.reason.clone(),
                 })
                 .collect(),
+            changed: self
+                .changed
+                .iter()
+                .map(|c| pb::ChangedPart {
+                    key: c.key.clone(),
+                    original: c.original.clone(),
+                    replacement: c.replacement.clone(),
+                    reason: c.reason.clone(),
+                })
+                .collect(),
         }
     }
 }
@@ -959,14 +1126,12 @@ mod tests {
     }
 
     #[test]
-    fn every_nic_model_qemu_server_accepts_is_mirrored_and_no_other() {
+    fn every_nic_model_qemu_server_accepts_is_mirrored_or_replaced_and_no_other() {
         let config = "net0: pcnet=BC:24:11:00:00:01,bridge=vmbr0\nnet1: e1000-82545em=BC:24:11:00:00:02,bridge=vmbr0\nnet2: ne2k_pci=BC:24:11:00:00:03,bridge=vmbr0\nnet3: tulip=BC:24:11:00:00:04,bridge=vmbr0\n";
         let hw = SourceHardware::parse(config.as_bytes()).unwrap();
         let models: Vec<(u8, &str)> = hw.nics.iter().map(|n| (n.index, n.model.name())).collect();
-        assert_eq!(
-            models,
-            [(0, "pcnet"), (1, "e1000-82545em"), (2, "ne2k_pci")]
-        );
+        // The legacy models give way to the policy's e1000; the e1000 variant is kept.
+        assert_eq!(models, [(0, "e1000"), (1, "e1000-82545em"), (2, "e1000")]);
         assert!(
             hw.omitted
                 .iter()
@@ -984,6 +1149,137 @@ mod tests {
             serde_json::from_str::<SourceHardware>(&journaled).unwrap(),
             hw
         );
+    }
+
+    fn changes(hw: &SourceHardware) -> Vec<(&str, &str, &str)> {
+        hw.changed
+            .iter()
+            .map(|c| (c.key.as_str(), c.original.as_str(), c.replacement.as_str()))
+            .collect()
+    }
+
+    #[test]
+    fn the_nodes_cpu_and_legacy_device_models_give_way_to_the_policy_and_are_reported() {
+        let config = "cpu: host,flags=+aes\nnet0: rtl8139=BC:24:11:00:00:01,bridge=vmbr0\nnet1: virtio=BC:24:11:00:00:02,bridge=vmbr0\nnet2: vmxnet3=BC:24:11:00:00:03,bridge=vmbr0\nscsihw: megasas\nscsi0: local-lvm:vm-1-disk-0\nboot: order=scsi0;net0\n";
+        let hw = SourceHardware::parse(config.as_bytes()).unwrap();
+        assert_eq!(
+            hw.cpu.as_ref().unwrap().as_str(),
+            "x86-64-v2-AES,flags=+aes"
+        );
+        assert_eq!(hw.scsihw.as_ref().unwrap().as_str(), "virtio-scsi-pci");
+        assert_eq!(
+            changes(&hw),
+            [
+                ("cpu", "host", "x86-64-v2-AES"),
+                ("net0", "rtl8139", "e1000"),
+                ("scsihw", "megasas", "virtio-scsi-pci"),
+            ]
+        );
+        assert!(hw.changed.iter().all(|c| !c.reason.is_empty()));
+        assert!(hw.changed[0].reason.contains("vmx or svm"));
+        // The replaced NIC keeps its slot and its place in the boot order.
+        assert_eq!(hw.boot_order, ["scsi0", "net0"]);
+        let args = hw
+            .qm_options(&[overlay("drive-scsi0.img")], "csbox1")
+            .unwrap();
+        assert!(args.contains(&("--cpu".into(), "x86-64-v2-AES,flags=+aes".into())));
+        assert!(args.contains(&("--net0".into(), "e1000,bridge=csbox1,firewall=0".into())));
+        assert!(args.contains(&("--net1".into(), "virtio,bridge=csbox1,firewall=0".into())));
+        assert!(args.contains(&("--net2".into(), "vmxnet3,bridge=csbox1,firewall=0".into())));
+        assert!(args.contains(&("--scsihw".into(), "virtio-scsi-pci".into())));
+        let all = format!("{args:?}");
+        for absent in ["host", "rtl8139", "megasas"] {
+            assert!(!all.contains(absent), "{absent} in {all}");
+        }
+        // On the wire, with the original.
+        let wire = hw.to_wire();
+        assert_eq!(wire.changed.len(), 3);
+        assert_eq!(wire.changed[1].key, "net0");
+        assert_eq!(wire.changed[1].original, "rtl8139");
+        assert_eq!(wire.changed[1].replacement, "e1000");
+        assert_eq!(wire.nics[0].model, "e1000");
+
+        let max = SourceHardware::parse(b"cpu: max\n").unwrap();
+        assert_eq!(max.cpu.unwrap().as_str(), "x86-64-v2-AES");
+        let named = SourceHardware::parse(b"cpu: Skylake-Server-v4\n").unwrap();
+        assert_eq!(named.cpu.unwrap().as_str(), "Skylake-Server-v4");
+        assert!(named.changed.is_empty());
+        for kept in ["virtio-scsi-pci", "virtio-scsi-single"] {
+            let hw =
+                SourceHardware::parse(format!("scsihw: {kept}\nscsi0: a\n").as_bytes()).unwrap();
+            assert_eq!(hw.scsihw.unwrap().as_str(), kept);
+            assert!(hw.changed.is_empty());
+        }
+    }
+
+    /// Without `scsihw` qemu-server puts SCSI disks on an emulated LSI controller.
+    #[test]
+    fn scsi_disks_without_a_scsihw_are_put_on_virtio_scsi() {
+        let hw = SourceHardware::parse(b"scsi0: local-lvm:vm-1-disk-0\n").unwrap();
+        assert_eq!(hw.scsihw.as_ref().unwrap().as_str(), "virtio-scsi-pci");
+        assert_eq!(hw.changed.len(), 1);
+        assert!(
+            hw.changed[0]
+                .original
+                .starts_with("lsi (qemu-server's default"),
+            "{:?}",
+            hw.changed
+        );
+        let virtio_only = SourceHardware::parse(b"virtio0: local-lvm:vm-1-disk-0\n").unwrap();
+        assert_eq!(virtio_only.scsihw, None);
+        assert!(virtio_only.changed.is_empty());
+    }
+
+    #[test]
+    fn the_compiled_policy_rules_every_model_qemu_server_accepts() {
+        let policy = compiled_policy().unwrap();
+        for model in NicModel::ALL {
+            match policy.nic(model.name()) {
+                Verdict::Keep => {}
+                Verdict::Replace { with, .. } => assert_eq!(policy.nic(with), Verdict::Keep),
+                Verdict::Refuse => panic!("{} is not ruled", model.name()),
+            }
+        }
+        for model in SCSIHW {
+            match policy.scsihw(model) {
+                Verdict::Keep => assert!(model.starts_with("virtio-scsi"), "{model}"),
+                Verdict::Replace { with, .. } => assert_eq!(policy.scsihw(with), Verdict::Keep),
+                Verdict::Refuse => panic!("{model} is not ruled"),
+            }
+        }
+        for legacy in [
+            "pcnet", "ne2k_isa", "ne2k_pci", "rtl8139", "i82551", "i82557b", "i82559er",
+        ] {
+            assert!(
+                matches!(policy.nic(legacy), Verdict::Replace { with: "e1000", .. }),
+                "{legacy}"
+            );
+        }
+        for passthrough in ["host", "max"] {
+            assert!(matches!(
+                policy.cpu(passthrough),
+                Verdict::Replace {
+                    with: "x86-64-v2-AES",
+                    ..
+                }
+            ));
+        }
+    }
+
+    /// A shape journaled before the policy (or by an older connector) is not booted as it is.
+    #[test]
+    fn a_journaled_shape_the_policy_would_change_is_not_booted() {
+        let mut hw = SourceHardware::parse(b"scsi0: a\nscsihw: virtio-scsi-pci\n").unwrap();
+        assert!(
+            hw.qm_options(&[overlay("drive-scsi0.img")], "csbox1")
+                .is_ok()
+        );
+        hw.cpu = Some(Cpu::try_from("host".to_owned()).unwrap());
+        let error = hw
+            .qm_options(&[overlay("drive-scsi0.img")], "csbox1")
+            .unwrap_err();
+        assert!(error.contains("policy/source-hardware.toml"), "{error}");
+        assert!(error.contains("read the source config again"), "{error}");
     }
 
     #[test]
