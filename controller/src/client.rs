@@ -4,6 +4,7 @@
 use crate::authority::IssuedCertificate;
 use crate::connect::{self, ConnectError};
 use certistack_core::tls::{self, TlsError};
+use certistack_core::untrusted;
 use certistack_proto::v1 as pb;
 use certistack_proto::v1::connector_client::ConnectorClient;
 use tonic::transport::Channel;
@@ -25,16 +26,18 @@ pub enum NodeError {
     )]
     SurfaceDigest { node: String, controller: String },
     #[error(
-        "the node answers as {answered:?}, expected {expected:?}; check the address and the node's config"
+        "the node answers as \"{answered}\", expected \"{expected}\"; check the address and the node's config"
     )]
     NodeName { answered: String, expected: String },
 }
 
 impl From<tonic::Status> for NodeError {
+    /// The node's message is its own text, quoting what it met (a tool's output, a guest's
+    /// names): it is kept escaped and bounded, as every place that prints it needs it.
     fn from(status: tonic::Status) -> Self {
         NodeError::Status {
             code: status.code(),
-            message: status.message().to_owned(),
+            message: untrusted::printable(status.message().as_bytes(), untrusted::MAX_DETAIL_CHARS),
         }
     }
 }
@@ -69,13 +72,13 @@ pub async fn hello(
 pub fn check_hello(reply: &pb::HelloReply, node_name: &str) -> Result<(), NodeError> {
     if reply.surface_digest != certistack_proto::SURFACE_DIGEST {
         return Err(NodeError::SurfaceDigest {
-            node: reply.surface_digest.clone(),
+            node: untrusted::printable(reply.surface_digest.as_bytes(), untrusted::MAX_VALUE_CHARS),
             controller: certistack_proto::SURFACE_DIGEST.to_owned(),
         });
     }
     if reply.node_name != node_name {
         return Err(NodeError::NodeName {
-            answered: reply.node_name.clone(),
+            answered: untrusted::printable(reply.node_name.as_bytes(), untrusted::MAX_VALUE_CHARS),
             expected: node_name.to_owned(),
         });
     }
