@@ -42,6 +42,38 @@ impl From<tonic::Status> for NodeError {
     }
 }
 
+/// What `hello` prints of a node's Hello answer, `skew_ms` its clock's difference from this
+/// host's. The version, commit and capabilities are the node's text, printed escaped and
+/// bounded; the name and surface digest were checked equal to the expected ones.
+pub fn describe_hello(reply: &pb::HelloReply, skew_ms: i64) -> String {
+    let value = |text: &str| untrusted::printable(text.as_bytes(), untrusted::MAX_VALUE_CHARS);
+    let capabilities = reply.capabilities.join(" ");
+    [
+        format!("node: {}", value(&reply.node_name)),
+        format!(
+            "version: {} (source {}{})",
+            value(&reply.daemon_version),
+            value(&reply.source_commit),
+            if reply.source_tree_dirty {
+                ", with uncommitted changes"
+            } else {
+                ""
+            }
+        ),
+        format!("surface: {} (matches)", value(&reply.surface_digest)),
+        format!(
+            "capabilities: {}",
+            untrusted::printable(capabilities.as_bytes(), untrusted::MAX_DETAIL_CHARS)
+        ),
+        format!(
+            "node time: {} ms since the epoch ({skew_ms:+} ms from this host)",
+            reply.node_time_unix_ms
+        ),
+        format!("seen as: {}", value(&reply.peer_identity)),
+    ]
+    .join("\n")
+}
+
 /// Connects to `address` over mTLS, presenting `identity`, trusting only `ca_pem` and expecting
 /// the node certificate to name `node_name`.
 pub async fn connect(
@@ -83,4 +115,63 @@ pub fn check_hello(reply: &pb::HelloReply, node_name: &str) -> Result<(), NodeEr
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use certistack_core::fixtures::{TERMINAL_SEQUENCES, acts_on_a_terminal};
+
+    fn hostile(label: &str) -> String {
+        format!("{label}{TERMINAL_SEQUENCES}{}", "A".repeat(100_000))
+    }
+
+    #[test]
+    fn hello_and_the_nodes_refusals_print_no_terminal_sequence_of_the_node() {
+        let reply = pb::HelloReply {
+            node_name: "pve1".into(),
+            daemon_version: hostile("0.1.0"),
+            source_commit: hostile("abc"),
+            surface_digest: certistack_proto::SURFACE_DIGEST.into(),
+            capabilities: vec![hostile("vm.create"); 64],
+            peer_identity: hostile("operator:ctl"),
+            ..Default::default()
+        };
+        let shown = describe_hello(&reply, 0);
+        assert_eq!(shown.lines().count(), 6, "{shown}");
+        assert!(
+            shown.starts_with("node: pve1\nversion: 0.1.0\\u{1b}[1A"),
+            "{shown}"
+        );
+        let refused = NodeError::from(tonic::Status::failed_precondition(hostile(
+            "libguestfs inspection: product ",
+        )))
+        .to_string();
+        let drifted = check_hello(
+            &pb::HelloReply {
+                node_name: hostile("pve1"),
+                surface_digest: hostile("sha256:"),
+                ..Default::default()
+            },
+            "pve1",
+        )
+        .unwrap_err()
+        .to_string();
+        let misnamed = check_hello(
+            &pb::HelloReply {
+                surface_digest: certistack_proto::SURFACE_DIGEST.into(),
+                node_name: hostile("pve2"),
+                ..Default::default()
+            },
+            "pve1",
+        )
+        .unwrap_err()
+        .to_string();
+        for text in [&shown, &refused, &drifted, &misnamed] {
+            for line in text.lines() {
+                assert!(!acts_on_a_terminal(line), "{line:?}");
+            }
+            assert!(text.len() < 16 * 1024, "{} bytes", text.len());
+        }
+    }
 }
