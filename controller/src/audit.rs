@@ -5,6 +5,7 @@
 use crate::authority::IssuedCertificate;
 use crate::client;
 use crate::config::InventoryNode;
+use certistack_core::untrusted;
 use certistack_proto::v1 as pb;
 use std::sync::Arc;
 use std::time::Duration;
@@ -226,7 +227,7 @@ pub async fn audit_node(
             })
             .await
             .map(|reply| reply.into_inner().runs)
-            .map_err(|status| format!("{:?}: {}", status.code(), status.message()));
+            .map_err(|status| client::NodeError::from(status).to_string());
         let certificate = node_certificate_not_after(&endpoint, &name, ca_pem, identity).await;
         Ok::<_, client::NodeError>(answer(hello, middle_ms, runs, certificate))
     })
@@ -307,20 +308,25 @@ fn answer(
         ),
         Err(error) => (None, None, Some(error)),
     };
+    // What the node says of itself is its own text, printed in the table and the JSON: kept
+    // escaped and bounded (a plain name, version or digest is unchanged).
+    let shown = |text: &str| untrusted::printable(text.as_bytes(), untrusted::MAX_VALUE_CHARS);
     NodeAnswer {
         surface_matches: hello.surface_digest == certistack_proto::SURFACE_DIGEST,
-        answered_name: hello.node_name,
-        version: hello.daemon_version,
-        source_commit: hello.source_commit,
+        answered_name: shown(&hello.node_name),
+        version: shown(&hello.daemon_version),
+        source_commit: shown(&hello.source_commit),
         source_tree_dirty: hello.source_tree_dirty,
-        surface_digest: hello.surface_digest,
+        surface_digest: shown(&hello.surface_digest),
         capabilities: hello.capabilities.len(),
         clock_skew_ms: hello.node_time_unix_ms.saturating_sub(controller_ms),
         open_runs,
         quarantined_runs,
         runs_error,
         certificate_not_after_unix: certificate.as_ref().ok().copied(),
-        certificate_error: certificate.err(),
+        certificate_error: certificate
+            .err()
+            .map(|error| untrusted::printable(error.as_bytes(), untrusted::MAX_DETAIL_CHARS)),
         asked_at_unix: controller_ms / 1000,
     }
 }
@@ -428,7 +434,7 @@ pub fn table(rows: &[NodeAudit]) -> String {
                 }
                 if answer.answered_name != row.node {
                     out.push_str(&format!(
-                        "{}: answers as {:?}; check the address and the node's config\n",
+                        "{}: answers as \"{}\"; check the address and the node's config\n",
                         row.node, answer.answered_name
                     ));
                 }
@@ -501,5 +507,36 @@ mod tests {
             crate::exit::audit_exit_code(&[row]),
             crate::exit::AUDIT_DRIFT_OR_WARNING
         );
+    }
+
+    #[test]
+    fn the_audit_prints_no_terminal_sequence_of_the_node_and_stays_bounded() {
+        use certistack_core::fixtures::{TERMINAL_SEQUENCES, acts_on_a_terminal};
+        let hostile = |label: &str| format!("{label}{TERMINAL_SEQUENCES}{}", "A".repeat(100_000));
+        let hello = pb::HelloReply {
+            node_name: hostile("pve1"),
+            daemon_version: hostile("0.1.0"),
+            source_commit: hostile(""),
+            surface_digest: hostile("sha256:"),
+            ..Default::default()
+        };
+        let runs = Err(
+            client::NodeError::from(tonic::Status::internal(hostile("ListRuns: "))).to_string(),
+        );
+        let row = NodeAudit {
+            node: "pve1".into(),
+            endpoint: "127.0.0.1:7443".into(),
+            reachable: true,
+            error: None,
+            answer: Some(answer(hello, 0, runs, Err(hostile("certificate: ")))),
+        };
+        let table = table(std::slice::from_ref(&row));
+        for line in table.lines() {
+            assert!(!acts_on_a_terminal(line), "{line:?}");
+        }
+        assert!(table.len() < 32 * 1024, "{} bytes", table.len());
+        let json = row.to_json().to_string();
+        assert!(!acts_on_a_terminal(&json), "{json:?}");
+        assert!(json.len() < 32 * 1024, "{} bytes", json.len());
     }
 }

@@ -51,6 +51,9 @@ pub const DOCTOR_OK: u8 = SUCCESS;
 pub const DOCTOR_FAILED: u8 = FAILED;
 pub const DOCTOR_UNREACHABLE: u8 = INFRASTRUCTURE;
 
+/// The longest message printed with an exit code.
+pub const MAX_MESSAGE_CHARS: usize = 4 * certistack_core::untrusted::MAX_DETAIL_CHARS;
+
 /// A command's exit code with the message it prints on standard error.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExitStatus {
@@ -87,6 +90,12 @@ impl ExitStatus {
 
     pub fn message(&self) -> &str {
         &self.message
+    }
+
+    /// The message as `certistack-ctl` prints it on standard error: an error may quote what a
+    /// node or a guest said (a refusal, a cursor, a file name), so it is escaped and bounded.
+    pub fn printed_message(&self) -> String {
+        certistack_core::untrusted::printable(self.message.as_bytes(), MAX_MESSAGE_CHARS)
     }
 
     /// Exit 0 when every validation passed; 2 when any ended in an infrastructure error, an
@@ -334,5 +343,23 @@ mod tests {
             ]),
             DOCTOR_UNREACHABLE
         );
+    }
+
+    #[test]
+    fn a_message_quoting_a_node_is_printed_escaped_and_bounded() {
+        use certistack_core::fixtures::{TERMINAL_SEQUENCES, acts_on_a_terminal};
+        let status = ExitStatus::local(format!(
+            "the node's ListRuns cursor went from a back to {TERMINAL_SEQUENCES}{}",
+            "A".repeat(100_000)
+        ));
+        let printed = status.printed_message();
+        assert!(!acts_on_a_terminal(&printed), "{printed:?}");
+        assert!(printed.starts_with("the node's ListRuns cursor went from a back to \\u{1b}[1A"));
+        assert!(
+            printed.len() < MAX_MESSAGE_CHARS + 64,
+            "{} bytes",
+            printed.len()
+        );
+        assert_eq!(ExitStatus::local("plain").printed_message(), "plain");
     }
 }

@@ -5,6 +5,7 @@
 use crate::authority::Authority;
 use crate::client::{self, NodeError};
 use crate::report::{self, JournalRecord};
+use certistack_core::untrusted::{MAX_DETAIL_CHARS, MAX_VALUE_CHARS, printable};
 use certistack_proto::v1 as pb;
 use certistack_proto::v1::connector_client::ConnectorClient;
 use time::OffsetDateTime;
@@ -65,10 +66,17 @@ impl From<tonic::Status> for OperatorError {
 
 /// One line per run: id, state, deadline (UTC) and open resources; a quarantined run as
 /// `quarantined: REASON` (the node could not read its grant back, so it has neither).
+///
+/// Every text of it is the node's: printed escaped and bounded, as in [`describe_record`].
 pub fn describe_run(run: &pb::RunSummary) -> String {
+    let value = |text: &str| printable(text.as_bytes(), MAX_VALUE_CHARS);
     let state = match pb::RunState::try_from(run.state) {
         Ok(pb::RunState::Quarantined) => {
-            return format!("{} quarantined: {}", run.run_id, run.quarantine_reason);
+            return format!(
+                "{} quarantined: {}",
+                value(&run.run_id),
+                printable(run.quarantine_reason.as_bytes(), MAX_DETAIL_CHARS)
+            );
         }
         Ok(pb::RunState::Open) => "open",
         Ok(pb::RunState::Closed) => "closed",
@@ -85,11 +93,11 @@ pub fn describe_run(run: &pb::RunSummary) -> String {
     let resources = if run.open_resources.is_empty() {
         "-".to_owned()
     } else {
-        run.open_resources.join(",")
+        printable(run.open_resources.join(",").as_bytes(), MAX_DETAIL_CHARS)
     };
     format!(
         "{} {state} deadline {deadline} open {resources}",
-        run.run_id
+        value(&run.run_id)
     )
 }
 
@@ -146,8 +154,12 @@ pub async fn list_runs(
     Ok(runs)
 }
 
-/// One line per journal record: sequence, time, operation, resource, phase, detail.
+/// One line per journal record: sequence, time, operation, resource, phase, detail. The
+/// record is the node's text, its detail quoting what tools and guests answered: each part is
+/// printed escaped and bounded, so no record can rewrite the lines above it on a terminal (the
+/// record itself, whose hashes `journal` verifies, is kept as the node sent it).
 pub fn describe_record(record: &JournalRecord) -> String {
+    let value = |text: &str| printable(text.as_bytes(), MAX_VALUE_CHARS);
     let time =
         OffsetDateTime::from_unix_timestamp_nanos(i128::from(record.time_unix_ms) * 1_000_000)
             .ok()
@@ -158,11 +170,14 @@ pub fn describe_record(record: &JournalRecord) -> String {
             .unwrap_or_else(|| record.time_unix_ms.to_string());
     let mut line = format!(
         "{} {time} {} {} {}",
-        record.sequence, record.operation, record.resource, record.phase
+        record.sequence,
+        value(&record.operation),
+        value(&record.resource),
+        value(&record.phase)
     );
     if !record.detail.is_empty() {
         line.push(' ');
-        line.push_str(&record.detail);
+        line.push_str(&printable(record.detail.as_bytes(), MAX_DETAIL_CHARS));
     }
     line
 }
@@ -257,4 +272,87 @@ pub fn cleanup_complete(reply: &pb::CleanupReply) -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+/// The lines `cleanup` prints of a Cleanup reply: each receipt, each residue, the journal head,
+/// all the node's text, escaped and bounded.
+pub fn describe_cleanup(reply: &pb::CleanupReply) -> Vec<String> {
+    let value = |text: &str| printable(text.as_bytes(), MAX_VALUE_CHARS);
+    let detail = |text: &str| printable(text.as_bytes(), MAX_DETAIL_CHARS);
+    let receipts = reply.resources.iter().map(|receipt| {
+        format!(
+            "receipt {} {}",
+            value(&receipt.resource),
+            detail(&receipt.end_state)
+        )
+    });
+    let residue = reply
+        .residue
+        .iter()
+        .map(|residue| format!("residue {}", detail(residue)));
+    receipts
+        .chain(residue)
+        .chain(std::iter::once(format!(
+            "journal head {}",
+            value(&reply.journal_head)
+        )))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use certistack_core::fixtures::{TERMINAL_SEQUENCES, acts_on_a_terminal};
+
+    fn hostile(label: &str) -> String {
+        format!("{label}{TERMINAL_SEQUENCES}{}", "A".repeat(100_000))
+    }
+
+    fn assert_shown_safely(lines: &[String]) {
+        for line in lines {
+            assert!(!acts_on_a_terminal(line), "{line:?}");
+            assert!(line.len() < 16 * 1024, "{} bytes", line.len());
+        }
+    }
+
+    #[test]
+    fn runs_journal_and_cleanup_print_no_terminal_sequence_of_the_node() {
+        let open = pb::RunSummary {
+            run_id: hostile("0f0e1c2d"),
+            state: pb::RunState::Open as i32,
+            open_resources: vec![hostile("vm:9100"), hostile("backup:")],
+            ..Default::default()
+        };
+        let quarantined = pb::RunSummary {
+            state: pb::RunState::Quarantined as i32,
+            quarantine_reason: hostile("the grant does not read back: "),
+            ..open.clone()
+        };
+        let record = JournalRecord {
+            sequence: 1,
+            time_unix_ms: 1_000,
+            operation: hostile("guestnet.recover"),
+            resource: hostile("overlay:"),
+            phase: hostile("done"),
+            previous_sha256: String::new(),
+            record_sha256: String::new(),
+            detail: hostile("{\"product_name\":\""),
+        };
+        let cleanup = pb::CleanupReply {
+            resources: vec![pb::ResourceReceipt {
+                resource: hostile("vm:9100"),
+                end_state: hostile("failed: "),
+                state: 0,
+            }],
+            residue: vec![hostile("vm:9100 ")],
+            journal_head: hostile(""),
+        };
+        let mut lines = vec![
+            describe_run(&open),
+            describe_run(&quarantined),
+            describe_record(&record),
+        ];
+        lines.extend(describe_cleanup(&cleanup));
+        assert_shown_safely(&lines);
+    }
 }

@@ -1,4 +1,5 @@
-//! Grants for tests of both programs: a wire grant that sets every field, and its signature.
+//! Grants for tests of both programs: a wire grant that sets every field, and its signature;
+//! and the terminal sequences a hostile guest or node would send an operator's screen.
 //! Compiled only into tests (`cfg(test)` here, the `fixtures` feature for the other crates' tests).
 
 use crate::grant::signing_input;
@@ -66,4 +67,21 @@ pub fn sign(key: &SigningKey, wire: &pb::RunGrant) -> pb::SignedRunGrant {
     let grant = wire.encode_to_vec();
     let signature = key.sign(&signing_input(&grant)).to_bytes().to_vec();
     pb::SignedRunGrant { grant, signature }
+}
+
+/// Terminal sequences a guest or a node could put in text an operator reads: cursor up and
+/// erase line (so what follows overwrites the verdict line above), a clipboard write (OSC 52,
+/// ended by BEL), a hyperlink (OSC 8, ended by ESC `\`), the one-byte C1 CSI and a
+/// right-to-left override.
+pub const TERMINAL_SEQUENCES: &str = "\x1b[1A\x1b[2Kverdict: passed\x1b]52;c;aGk=\x07\x1b]8;;http://x\x1b\\link\x1b]8;;\x1b\\\u{9b}2J\u{202e}";
+
+/// Whether `text` holds a character a terminal acts on rather than shows: a C0 or C1 control
+/// (ESC, BEL, CSI, a line break included), DEL, or a bidirectional override, embedding or
+/// isolate.
+pub fn acts_on_a_terminal(text: &str) -> bool {
+    text.chars().any(|c| {
+        c.is_control()
+            || ('\u{202a}'..='\u{202e}').contains(&c)
+            || ('\u{2066}'..='\u{2069}').contains(&c)
+    })
 }

@@ -1,10 +1,12 @@
-//! Text from a peer the node does not trust (a restored guest answering a probe), made safe to
-//! put in a log line, a reply or the journal.
+//! Text from a peer that is not trusted (a restored guest, and for the controller the node too), made safe to put in a log line, a reply, the journal or a terminal.
 //!
-//! Every such string passes through [`printable`]: invalid UTF-8 is replaced, control and other
-//! non-printable characters (and the backslash) are escaped as Rust escapes them (`\n`,
-//! `\u{1b}`), and the result is cut to a number of characters with what was left out counted,
-//! so a guest can neither forge log lines or terminal sequences nor grow a record.
+//! The node passes what a guest says (a probe's answer, libguestfs inspection of its disk)
+//! through it before the text reaches a reply or the journal; the controller again wherever it
+//! prints a node's or a guest's text for a person. Every such string passes through
+//! [`printable`]: invalid UTF-8 is replaced, control and other non-printable characters (C0 and
+//! C1 controls, bidirectional overrides; and the backslash) are escaped as Rust escapes them
+//! (`\n`, `\u{1b}`), and the result is cut to a number of characters with what was left out
+//! counted, so a guest can neither forge log lines or terminal sequences nor grow a record.
 
 /// Characters kept of one guest-derived value (a banner, an LDAP value, a DNS answer).
 pub const MAX_VALUE_CHARS: usize = 256;
@@ -53,6 +55,13 @@ mod tests {
         assert_eq!(printable(b"ab\x07", 4), "ab…[1 more bytes]");
         // Bidirectional overrides would reorder what an operator reads.
         assert_eq!(printable("a\u{202e}b".as_bytes(), 64), "a\\u{202e}b");
+        // C1 controls: U+009B is CSI to a terminal that reads them.
+        assert_eq!(printable("a\u{9b}2J".as_bytes(), 64), "a\\u{9b}2J");
+        // Clipboard (OSC 52) and hyperlink (OSC 8) sequences keep none of their controls.
+        assert_eq!(
+            printable(b"\x1b]52;c;aGk=\x07\x1b]8;;http://x\x1b\\", 128),
+            "\\u{1b}]52;c;aGk=\\u{7}\\u{1b}]8;;http://x\\u{1b}\\\\"
+        );
         assert!(!printable(&[0u8; 4096], MAX_VALUE_CHARS).contains('\0'));
         assert!(printable(&[0u8; 4096], MAX_VALUE_CHARS).chars().count() < MAX_VALUE_CHARS + 32);
     }

@@ -146,6 +146,22 @@ const ARCH: Tree = &[
     ),
 ];
 
+/// An os-release whose `PRETTY_NAME` (libguestfs's product name) carries terminal sequences
+/// (cursor up, erase line, a clipboard write, a hyperlink) and runs far past a screen: it
+/// must reach the evidence escaped and bounded. Laid over [`ARCH`]'s.
+const HOSTILE_OS_RELEASE: Tree = &[(
+    "etc/os-release",
+    concat!(
+        "NAME=\"Arch Linux\"\nID=arch\nBUILD_ID=rolling\n",
+        "PRETTY_NAME=\"Arch Linux\u{1b}[1A\u{1b}[2Kverdict: passed\u{1b}]52;c;aGk=\u{7}\u{1b}]8;;http://x\u{7}link\u{1b}]8;;\u{7}",
+        "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA",
+        "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA",
+        "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA",
+        "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA",
+        "\"\n",
+    ),
+)];
+
 /// A Debian without any network configuration recovery knows.
 const BARE: Tree = &[(
     "etc/os-release",
@@ -458,7 +474,7 @@ async fn guest_network_recovery_writes_each_stack_profile_into_the_overlay_only(
         ("drive-scsi0.img", &[BASE, DEBIAN]),
         ("drive-scsi1.img", &[BASE, UBUNTU]),
         ("drive-scsi2.img", &[BASE, FEDORA]),
-        ("drive-scsi3.img", &[BASE, ARCH]),
+        ("drive-scsi3.img", &[BASE, ARCH, HOSTILE_OS_RELEASE]),
         ("drive-scsi4.img", &[BASE, ARCH, BTRFS]),
     ];
     let mut run = begin("guestnet", &images, |_, _| {}).await;
@@ -526,6 +542,37 @@ async fn guest_network_recovery_writes_each_stack_profile_into_the_overlay_only(
     }
     assert_eq!(evidence[2].firewalld_zone, "internal");
     assert_eq!(evidence[0].firewalld_zone, "");
+    // A plain product name is left as it is.
+    assert_eq!(evidence[1].product_name, "Ubuntu 24.04 LTS");
+    // The guest's terminal sequences arrive escaped and cut, in the reply and the journal.
+    let hostile = &evidence[3].product_name;
+    assert!(
+        hostile.starts_with("Arch Linux\\u{1b}[1A\\u{1b}[2Kverdict: passed\\u{1b}]52;c;aGk=\\u{7}"),
+        "{hostile}"
+    );
+    assert!(!hostile.chars().any(char::is_control), "{hostile:?}");
+    assert!(hostile.contains("more bytes]"), "{hostile}");
+    assert!(hostile.chars().count() < 300, "{hostile}");
+    let mut journal = run
+        .client
+        .read_journal(pb::ReadJournalRequest {
+            run_id: RUN_ID.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut recovered = Vec::new();
+    while let Some(record) = journal.message().await.unwrap() {
+        if record.operation == "guestnet.recover" && record.phase == "done" {
+            recovered.push(record.detail);
+        }
+    }
+    let arch = recovered
+        .iter()
+        .find(|detail| detail.contains("verdict: passed"))
+        .expect("the Arch recovery is journaled");
+    assert!(arch.contains("Arch Linux\\\\u{1b}[1A"), "{arch}");
+    assert!(!arch.contains("\\u001b"), "{arch}");
 
     // The backups never changed: every write went into the overlays.
     let after: Vec<String> = devices.iter().map(|d| sha256_of(d)).collect();

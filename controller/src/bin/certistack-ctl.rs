@@ -187,7 +187,7 @@ fn main() -> ExitCode {
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(status) => {
-            eprintln!("certistack-ctl: {}", status.message());
+            eprintln!("certistack-ctl: {}", status.printed_message());
             ExitCode::from(status.code())
         }
     }

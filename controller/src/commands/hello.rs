@@ -40,23 +40,6 @@ pub fn hello(args: HelloArgs, now: OffsetDateTime) -> Result<(), ExitStatus> {
     });
     let reply = reply?;
     let skew_ms = reply.node_time_unix_ms - (now.unix_timestamp_nanos() / 1_000_000) as i64;
-    println!("node: {}", reply.node_name);
-    println!(
-        "version: {} (source {}{})",
-        reply.daemon_version,
-        reply.source_commit,
-        if reply.source_tree_dirty {
-            ", with uncommitted changes"
-        } else {
-            ""
-        }
-    );
-    println!("surface: {} (matches)", reply.surface_digest);
-    println!("capabilities: {}", reply.capabilities.join(" "));
-    println!(
-        "node time: {} ms since the epoch ({skew_ms:+} ms from this host)",
-        reply.node_time_unix_ms
-    );
-    println!("seen as: {}", reply.peer_identity);
+    println!("{}", client::describe_hello(&reply, skew_ms));
     Ok(())
 }

@@ -49,13 +49,9 @@ pub fn operator_cleanup(
     let reply = with_operator(args, now, async |connection| {
         operator::cleanup(connection, run_id).await
     })?;
-    for receipt in &reply.resources {
-        println!("receipt {} {}", receipt.resource, receipt.end_state);
+    for line in operator::describe_cleanup(&reply) {
+        println!("{line}");
     }
-    for residue in &reply.residue {
-        println!("residue {residue}");
-    }
-    println!("journal head {}", reply.journal_head);
     operator::cleanup_complete(&reply).map_err(|shortfall| {
         ExitStatus::local(format!(
             "cleanup of run {run_id} is not complete: {shortfall}; see the lines above, fix on the node and run cleanup again"

@@ -101,17 +101,32 @@ pub struct Check {
 impl Check {
     /// `node check ok|warn|fail detail`, as `certistack-ctl doctor` prints it.
     pub fn line(&self) -> String {
+        let shown = self.shown();
         format!(
             "{} {} {} {}",
-            self.node,
-            self.check,
-            self.level.as_str(),
-            self.detail
+            shown.node,
+            shown.check,
+            shown.level.as_str(),
+            shown.detail
         )
     }
 
+    /// The check as one JSON object, as `certistack-ctl doctor --json` prints it.
     pub fn to_json(&self) -> serde_json::Value {
-        serde_json::to_value(self).unwrap_or(serde_json::Value::Null)
+        serde_json::to_value(self.shown()).unwrap_or(serde_json::Value::Null)
+    }
+
+    /// The check as it is printed: its detail quotes what the node reported (versions, tool
+    /// errors, file names, the machine's names), text the node chose, so it is escaped and
+    /// bounded, and can neither move the cursor over another line nor reach the clipboard.
+    fn shown(&self) -> Self {
+        use certistack_core::untrusted::{MAX_DETAIL_CHARS, MAX_VALUE_CHARS, printable};
+        Self {
+            node: printable(self.node.as_bytes(), MAX_VALUE_CHARS),
+            check: self.check,
+            level: self.level,
+            detail: printable(self.detail.as_bytes(), MAX_DETAIL_CHARS),
+        }
     }
 }
 

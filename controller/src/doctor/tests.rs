@@ -520,3 +520,65 @@ fn each_rule_fails_or_warns_as_documented() {
     assert_eq!(level_of(&healthy(), 5_001, "clock"), Level::Warn);
     assert_eq!(level_of(&healthy(), -5_000, "clock"), Level::Ok);
 }
+
+/// A node's reply whose every text carries terminal sequences and runs far past a screen:
+/// versions, tool errors, VNet and firewall facts, the machine's names.
+fn hostile_facts() -> pb::NodeChecksReply {
+    use certistack_core::fixtures::TERMINAL_SEQUENCES;
+    let hostile = |label: &str| format!("{label}{TERMINAL_SEQUENCES}{}", "A".repeat(100_000));
+    let mut facts = healthy();
+    facts.pve_manager_version = hostile("9.0.6");
+    facts.qemu_server_version = hostile("9.0.18");
+    facts.qemu_img_version = hostile("10.0.2");
+    facts.pbs_client_version = String::new();
+    facts.pbs_client_error = hostile("cannot run proxmox-backup-client: ");
+    facts.qemu_version = hostile("10.0.2-4");
+    if let Some(nft) = facts.nft.as_mut() {
+        nft.executable = false;
+        nft.error = hostile("not found: ");
+    }
+    if let Some(vnet) = facts.vnet.as_mut() {
+        vnet.ipv4_forwarding = hostile("1");
+        vnet.stanza_file = hostile("/etc/network/interfaces.d/");
+    }
+    if let Some(lvm) = facts.lvm_filter.as_mut() {
+        lvm.patterns = vec![hostile("a|")];
+    }
+    if let Some(virt) = facts.virtualization.as_mut() {
+        virt.dmi_sys_vendor = hostile("QEMU");
+        virt.cpu_virtualization_flag = hostile("vmx");
+    }
+    facts
+}
+
+#[test]
+fn doctor_prints_no_terminal_sequence_of_the_node_and_stays_bounded() {
+    use certistack_core::fixtures::acts_on_a_terminal;
+    let checks: Vec<Check> = judge(&hostile_facts(), 0)
+        .into_iter()
+        .map(|(check, level, detail)| Check {
+            node: "pve1".into(),
+            check,
+            level,
+            detail,
+        })
+        .collect();
+    let raw: usize = checks.iter().map(|check| check.detail.len()).sum();
+    assert!(
+        raw > 500_000,
+        "the node's text reached the checks ({raw} bytes)"
+    );
+    for check in &checks {
+        let line = check.line();
+        assert!(!acts_on_a_terminal(&line), "{line:?}");
+        assert!(line.len() < 16 * 1024, "{} bytes: {line}", line.len());
+        assert!(
+            line.starts_with(&format!("pve1 {} ", check.check)),
+            "{line}"
+        );
+        let json = check.to_json().to_string();
+        assert!(!acts_on_a_terminal(&json), "{json:?}");
+        assert!(!json.contains("\\u001b"), "{json}");
+        assert!(json.len() < 16 * 1024, "{} bytes", json.len());
+    }
+}

@@ -1,6 +1,32 @@
 //! A verified report printed for a person (`certistack-ctl report show`).
+//!
+//! Much of a report is the node's word, some of it the guest's (its os-release name, its
+//! banners, its file names): signed by the controller, it is still text a hostile guest or
+//! node chose. Every text of the report is printed escaped and bounded
+//! ([`certistack_core::untrusted::printable`]), so none can move the cursor, rewrite the
+//! verdict line above it, set the clipboard or hide a link in the operator's terminal.
 
 use super::*;
+use certistack_core::untrusted::{MAX_DETAIL_CHARS, MAX_VALUE_CHARS, printable};
+
+/// One value of the report (a name, a version, a status) as it is printed.
+fn value(text: &str) -> String {
+    printable(text.as_bytes(), MAX_VALUE_CHARS)
+}
+
+/// A longer text of the report (a step's detail, a reason, a list) as it is printed.
+fn detail(text: &str) -> String {
+    printable(text.as_bytes(), MAX_DETAIL_CHARS)
+}
+
+/// Reasons of a verdict, each escaped and bounded.
+fn reasons_text(reasons: &[String]) -> String {
+    reasons
+        .iter()
+        .map(|reason| detail(reason))
+        .collect::<Vec<_>>()
+        .join("; ")
+}
 
 /// The report for a person: verdict first, then what was validated and how.
 pub fn describe(statement: &Statement, report_path: &Path) -> String {
@@ -9,30 +35,39 @@ pub fn describe(statement: &Statement, report_path: &Path) -> String {
     let mut out = String::new();
     let verdict = match &p.verdict {
         Verdict::Passed => "passed".to_owned(),
-        Verdict::Failed { reasons } => format!("FAILED: {}", reasons.join("; ")),
-        Verdict::Error { reasons } => format!("ERROR (nothing proven): {}", reasons.join("; ")),
+        Verdict::Failed { reasons } => format!("FAILED: {}", reasons_text(reasons)),
+        Verdict::Error { reasons } => {
+            format!("ERROR (nothing proven): {}", reasons_text(reasons))
+        }
     };
     let _ = writeln!(out, "verdict: {verdict}");
-    let _ = writeln!(out, "run: {}", p.run_id);
+    let _ = writeln!(out, "run: {}", value(&p.run_id));
     let _ = writeln!(
         out,
         "node: {} (connector {}, surface {})",
-        p.node, p.connector.version, p.connector.surface_digest
+        value(&p.node),
+        value(&p.connector.version),
+        value(&p.connector.surface_digest)
     );
-    let _ = writeln!(out, "controller: {}", p.controller_version);
-    let _ = writeln!(out, "plan: {}", p.plan_digest);
+    let _ = writeln!(out, "controller: {}", value(&p.controller_version));
+    let _ = writeln!(out, "plan: {}", value(&p.plan_digest));
     let _ = writeln!(
         out,
-        "snapshot: {} on {}:{} datastore {} namespace {:?}",
-        p.snapshot.snapshot,
-        p.snapshot.server,
+        "snapshot: {} on {}:{} datastore {} namespace \"{}\"",
+        value(&p.snapshot.snapshot),
+        value(&p.snapshot.server),
         p.snapshot.port,
-        p.snapshot.datastore,
-        p.snapshot.namespace
+        value(&p.snapshot.datastore),
+        value(&p.snapshot.namespace)
     );
     for archive in &p.snapshot.archives {
         let digest = archive.sha256.as_deref().unwrap_or("digest not reported");
-        let _ = writeln!(out, "  archive: {} ({digest})", archive.name);
+        let _ = writeln!(
+            out,
+            "  archive: {} ({})",
+            value(&archive.name),
+            value(digest)
+        );
     }
     let _ = writeln!(out, "steps:");
     for step in &p.steps {
@@ -42,22 +77,22 @@ pub fn describe(statement: &Statement, report_path: &Path) -> String {
             StepResult::Skipped => "skipped",
         };
         let elapsed = step.ended_unix_ms.saturating_sub(step.started_unix_ms);
-        let _ = write!(out, "  {:<14} {result:<7} {elapsed} ms", step.name);
+        let _ = write!(out, "  {:<14} {result:<7} {elapsed} ms", value(&step.name));
         if !step.detail.is_empty() {
-            let _ = write!(out, "  {}", step.detail);
+            let _ = write!(out, "  {}", detail(&step.detail));
         }
         out.push('\n');
     }
-    let _ = writeln!(out, "guest: {}", p.guest.status);
+    let _ = writeln!(out, "guest: {}", value(&p.guest.status));
     let _ = writeln!(out, "probes:");
     for probe in &p.probes {
         let _ = writeln!(
             out,
             "  {} {} from {} (expected {}): {}",
-            probe.target,
-            probe.outcome,
-            probe.origin,
-            probe.expected,
+            value(&probe.target),
+            value(&probe.outcome),
+            value(&probe.origin),
+            detail(&probe.expected),
             if probe.passed { "ok" } else { "FAILED" }
         );
     }
@@ -66,7 +101,7 @@ pub fn describe(statement: &Statement, report_path: &Path) -> String {
         let _ = writeln!(
             out,
             "  {} exit {}: {}",
-            assertion.name,
+            value(&assertion.name),
             assertion.exit_code,
             if assertion.passed { "ok" } else { "FAILED" }
         );
@@ -76,7 +111,7 @@ pub fn describe(statement: &Statement, report_path: &Path) -> String {
             if v.is_empty() {
                 "default".to_owned()
             } else {
-                v.to_owned()
+                value(v)
             }
         };
         let _ = writeln!(
@@ -87,23 +122,27 @@ pub fn describe(statement: &Statement, report_path: &Path) -> String {
             if hw.efidisk.is_empty() {
                 String::new()
             } else {
-                format!(" (efidisk {})", hw.efidisk)
+                format!(" (efidisk {})", value(&hw.efidisk))
             },
             or_default(&hw.machine),
             or_default(&hw.ostype),
             or_default(&hw.scsihw),
-            hw.disks.join(", "),
-            hw.nics.join(", "),
-            hw.boot_order.join(", ")
+            detail(&hw.disks.join(", ")),
+            detail(&hw.nics.join(", ")),
+            detail(&hw.boot_order.join(", "))
         );
         for changed in &hw.changed {
             let _ = writeln!(out, "  changed {changed}");
         }
         for omitted in &hw.omitted {
-            let _ = writeln!(out, "  omitted {omitted}");
+            let _ = writeln!(out, "  omitted {}", detail(omitted));
         }
     }
-    let _ = writeln!(out, "isolation: ruleset {}", p.isolation.ruleset_digest);
+    let _ = writeln!(
+        out,
+        "isolation: ruleset {}",
+        value(&p.isolation.ruleset_digest)
+    );
     let _ = writeln!(
         out,
         "cleanup: {} ({} resources{})",
@@ -116,14 +155,14 @@ pub fn describe(statement: &Statement, report_path: &Path) -> String {
         if p.cleanup.residue.is_empty() {
             String::new()
         } else {
-            format!("; residue: {}", p.cleanup.residue.join(", "))
+            format!("; residue: {}", detail(&p.cleanup.residue.join(", ")))
         }
     );
     let _ = writeln!(
         out,
         "journal: {} records, head {} (recomputed)",
         p.journal.records.len(),
-        p.journal.head_sha256
+        value(&p.journal.head_sha256)
     );
     match &p.screenshot {
         Some(shot) => {
@@ -134,8 +173,8 @@ pub fn describe(statement: &Statement, report_path: &Path) -> String {
             let _ = writeln!(
                 out,
                 "screenshot: {} (sha256 {})",
-                location.display(),
-                shot.sha256
+                detail(&location.display().to_string()),
+                value(&shot.sha256)
             );
         }
         None => {

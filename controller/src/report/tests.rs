@@ -427,3 +427,75 @@ fn reports_are_written_atomically_private_and_named_by_time_node_and_run() {
     assert!(matches!(error, ReportError::Name(_)), "{error}");
     std::fs::remove_dir_all(dir.parent().unwrap()).unwrap();
 }
+
+/// Every text of a report that is the node's or the guest's word, carrying terminal sequences
+/// and far longer than a screen: the verdict's reasons (a node's error message), the node's
+/// version, a step's detail (the guest's os-release name), the guest's status, the probes, the
+/// assertions, the hardware (its omissions) and the cleanup.
+fn hostile_validation() -> Validation {
+    use certistack_core::fixtures::TERMINAL_SEQUENCES;
+    let hostile = |label: &str| format!("{label}{TERMINAL_SEQUENCES}{}", "A".repeat(100_000));
+    let mut validation = validation();
+    validation.verdict = Verdict::Failed {
+        reasons: vec![hostile("recovery refused: "), hostile("probe: ")],
+    };
+    validation.connector.version = hostile("0.1.0");
+    validation.connector.surface_digest = hostile("sha256:");
+    validation.steps[0].detail = hostile("linux archlinux 0.0 (Arch Linux");
+    validation.steps[0].name = hostile("recover");
+    validation.guest.status = hostile("running");
+    validation.probes[0].target = hostile("tcp://");
+    validation.probes[0].outcome = hostile("CONNECTED");
+    validation.probes[0].origin = hostile("worker_host");
+    validation.probes[0].expected = hostile("banner_prefix ");
+    validation.assertions[0].name = hostile("systemd");
+    if let Some(hardware) = validation.hardware.as_mut() {
+        hardware.cpu = hostile("host");
+        hardware.nics = vec![hostile("net0=")];
+        hardware.omitted = vec![hostile("hostpci0: "), hostile("usb0: ")];
+    }
+    validation.cleanup.receipts[0].resource = hostile("vm:");
+    validation.cleanup.residue = vec![hostile("vm:9100 ")];
+    validation
+}
+
+#[test]
+fn report_show_prints_no_terminal_sequence_of_the_node_or_guest_and_stays_bounded() {
+    use certistack_core::fixtures::acts_on_a_terminal;
+    let key = SigningKey::generate(&mut OsRng);
+    let dir = temp_dir("hostile");
+    let statement = Statement::new(hostile_validation());
+    let path = write(
+        &dir.join("reports"),
+        &statement,
+        &key,
+        OffsetDateTime::from_unix_timestamp(1_796_070_000).unwrap(),
+    )
+    .unwrap();
+    let shown = describe(
+        &verify(&read(&path).unwrap(), &key.verifying_key()).unwrap(),
+        &path,
+    );
+    for line in shown.lines() {
+        assert!(!acts_on_a_terminal(line), "{line:?}");
+    }
+    assert!(!shown.contains(['\x1b', '\x07', '\u{9b}']), "{shown:?}");
+    let first = shown.lines().next().unwrap_or_default();
+    assert!(
+        first.starts_with("verdict: FAILED: recovery refused: \\u{1b}[1A"),
+        "{first}"
+    );
+    assert!(
+        !shown
+            .lines()
+            .any(|line| line.starts_with("verdict: passed")),
+        "{shown}"
+    );
+    // Bounded: each value is cut to a line's worth, whatever the node sent.
+    assert!(shown.len() < 32 * 1024, "{} bytes", shown.len());
+    assert!(
+        shown.lines().all(|line| line.chars().count() <= 8 * 1024),
+        "a line longer than 8 KiB"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

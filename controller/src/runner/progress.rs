@@ -74,7 +74,7 @@ impl Progress {
     pub fn emit(&self, event: &Event) {
         match self.mode {
             ProgressMode::Json => {
-                if let Ok(line) = serde_json::to_string(event) {
+                if let Some(line) = json_line(event) {
                     write_line(&line);
                 }
             }
@@ -137,10 +137,50 @@ pub(super) fn for_terminal(text: &str) -> String {
     certistack_core::untrusted::printable(text.as_bytes(), MAX_SHOWN_CHARS)
 }
 
+/// An event as one JSON line: its detail is a node's or a guest's text, escaped as on a
+/// terminal line (JSON escapes C0 controls only; C1 controls and bidirectional overrides would
+/// reach a terminal that shows the stream).
+fn json_line(event: &Event) -> Option<String> {
+    let shown = Event {
+        step: for_terminal(&event.step),
+        detail: for_terminal(&event.detail),
+        ..event.clone()
+    };
+    serde_json::to_string(&shown).ok()
+}
+
 /// One line on standard output; a closed pipe is not the run's failure, so errors are ignored.
 pub fn write_line(line: &str) {
     use std::io::Write;
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "{line}");
     let _ = out.flush();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use certistack_core::fixtures::{TERMINAL_SEQUENCES, acts_on_a_terminal};
+
+    #[test]
+    fn a_json_progress_line_carries_no_terminal_sequence_of_the_node() {
+        let event = Event {
+            time_unix_ms: 1_000,
+            validation: "web01".into(),
+            node: "pve1".into(),
+            run_id: "0f0e1c2d-3b4a-4c5d-8e6f-7a8b9c0d1e2f".into(),
+            step: "recover".into(),
+            state: "failed",
+            elapsed_ms: 10,
+            detail: format!(
+                "FailedPrecondition: {TERMINAL_SEQUENCES}{}",
+                "A".repeat(100_000)
+            ),
+        };
+        let line = json_line(&event).unwrap();
+        assert!(!acts_on_a_terminal(&line), "{line:?}");
+        assert!(line.len() < 4096, "{} bytes", line.len());
+        let back: serde_json::Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(back["state"], "failed");
+    }
 }

@@ -110,8 +110,15 @@ pub(super) fn definitely_not_begun(status: &tonic::Status) -> bool {
     )
 }
 
+/// A node's refusal for a step's detail and the verdict: its message is the node's text,
+/// escaped and bounded.
 pub(super) fn describe_status(status: &tonic::Status) -> String {
-    format!("{:?}: {}", status.code(), status.message())
+    use certistack_core::untrusted::{MAX_DETAIL_CHARS, printable};
+    format!(
+        "{:?}: {}",
+        status.code(),
+        printable(status.message().as_bytes(), MAX_DETAIL_CHARS)
+    )
 }
 
 /// Runs `call` unless the operator abandons it or the deadline passes first.

@@ -12,6 +12,7 @@ use super::{
     DISABLED_SUFFIX, Evidence, FileChange, MAX_GUEST_FILE_BYTES, MAX_PROFILES, NetworkStack,
     PROFILE_NAME, RecoveryError, SandboxNic, WRITE_CHUNK_BYTES,
 };
+use certistack_core::untrusted::{MAX_VALUE_CHARS, printable};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeSet;
 use std::net::IpAddr;
@@ -65,6 +66,42 @@ struct Plan {
     notes: Vec<String>,
 }
 
+/// Roots of more than one operating system shown in a refusal: a few of them, each escaped
+/// and bounded. Inspection names a btrfs root by its subvolume, a name the guest chose.
+const SHOWN_ROOTS: usize = 4;
+
+fn shown_roots(roots: &[String]) -> String {
+    let mut shown: Vec<String> = roots
+        .iter()
+        .take(SHOWN_ROOTS)
+        .map(|root| format!("\"{}\"", printable(root.as_bytes(), MAX_VALUE_CHARS)))
+        .collect();
+    if roots.len() > SHOWN_ROOTS {
+        shown.push(format!("{} more", roots.len() - SHOWN_ROOTS));
+    }
+    shown.join(", ")
+}
+
+/// The evidence of libguestfs inspection from its answers (type, distro, major and minor
+/// version, product name), in the order [`recover`] asks them. Every answer is the guest's
+/// word (the product name is its os-release `PRETTY_NAME`): each is escaped and bounded here,
+/// before it reaches the journal, the reply or the controller's terminal.
+pub(super) fn inspection_evidence(answers: &[String]) -> Evidence {
+    let fact = |i: usize| {
+        printable(
+            answers.get(i).map_or("", |answer| answer.trim()).as_bytes(),
+            MAX_VALUE_CHARS,
+        )
+    };
+    Evidence {
+        os_type: fact(0),
+        distro: fact(1),
+        version: format!("{}.{}", fact(2), fact(3)),
+        product_name: fact(4),
+        ..Evidence::default()
+    }
+}
+
 /// Recovery inside one guestfish session: inspect, survey, write, read back the hashes.
 pub(super) async fn recover(
     session: &mut Session,
@@ -93,16 +130,16 @@ pub(super) async fn recover(
         }
         [root] if plain_mountable(root) => root.clone(),
         [root] => {
-            let shown: String = root.chars().take(120).collect();
             return Err(RecoveryError::Unrecognized(format!(
-                "libguestfs inspection named the operating system's root {shown:?}, not a plain device name; recovery does not touch it"
+                "libguestfs inspection named the operating system's root \"{}\", not a plain device name; recovery does not touch it",
+                printable(root.as_bytes(), MAX_VALUE_CHARS)
             )));
         }
         more => {
             return Err(RecoveryError::Unrecognized(format!(
                 "libguestfs inspection found {} operating systems ({}); recovery cannot tell which one boots",
                 more.len(),
-                more.join(", ")
+                shown_roots(more)
             )));
         }
     };
@@ -117,21 +154,9 @@ pub(super) async fn recover(
             format!("inspect-get-mountpoints {quoted_root}"),
         ])
         .await?;
-    let fact = |i: usize| {
-        facts
-            .get(i)
-            .map(|f| f.trim().to_owned())
-            .unwrap_or_default()
-    };
-    let mut evidence = Evidence {
-        os_type: fact(0),
-        distro: fact(1),
-        version: format!("{}.{}", fact(2), fact(3)),
-        product_name: fact(4),
-        ..Evidence::default()
-    };
+    let mut evidence = inspection_evidence(&facts);
     let inspected = format!(
-        "libguestfs inspection: type {}, distro {}, version {}, product {:?}",
+        "libguestfs inspection: type {}, distro {}, version {}, product \"{}\"",
         evidence.os_type, evidence.distro, evidence.version, evidence.product_name
     );
     if evidence.os_type == "windows" {
@@ -140,7 +165,9 @@ pub(super) async fn recover(
     if evidence.os_type != "linux" {
         return Err(RecoveryError::Unrecognized(inspected));
     }
-    let mut mounts: Vec<(String, String)> = fact(5)
+    let mut mounts: Vec<(String, String)> = facts
+        .get(5)
+        .map_or("", |f| f.trim())
         .lines()
         .filter_map(|l| l.split_once(": "))
         .map(|(mp, dev)| (mp.trim().to_owned(), dev.trim().to_owned()))
@@ -272,9 +299,9 @@ pub(super) async fn recover(
             .unwrap_or("");
         if !hostile.is_empty() && stack_reads(stack, dir) {
             return Err(RecoveryError::Refused(format!(
-                "{inspected}; {} configuration directory {dir} holds a file with a control character (such as a line break) in its name ({:?}): recovery lists that directory one name a line and will not guess which file is which",
+                "{inspected}; {} configuration directory {dir} holds a file with a control character (such as a line break) in its name (\"{}\"): recovery lists that directory one name a line and will not guess which file is which",
                 stack.name(),
-                hostile.chars().take(200).collect::<String>()
+                printable(hostile.as_bytes(), MAX_VALUE_CHARS)
             )));
         }
     }
@@ -301,8 +328,8 @@ pub(super) async fn recover(
         candidates.into_iter().partition(|p| plain_path(p));
     for path in odd {
         evidence.notes.push(format!(
-            "{:?} has a name recovery does not hand to guestfish; it was left as it is",
-            path.chars().take(120).collect::<String>()
+            "\"{}\" has a name recovery does not hand to guestfish; it was left as it is",
+            printable(path.as_bytes(), MAX_VALUE_CHARS)
         ));
     }
     let firewalld_conf = if firewalld {

@@ -14,8 +14,10 @@ use std::net::IpAddr;
 use std::path::Path;
 use std::time::Duration;
 
+use super::plan::{inspection_evidence, recover};
 use super::profiles::ifupdown_sources_directory;
 use super::session::{Session, plain_mountable, plain_path, quote};
+use certistack_core::fixtures::{TERMINAL_SEQUENCES, acts_on_a_terminal};
 use certistack_core::validate::Validated;
 
 fn nic() -> SandboxNic {
@@ -499,4 +501,73 @@ fn the_overlay_goes_to_the_appliance_user_and_back() {
     std::os::unix::fs::symlink(&overlay, &link).unwrap();
     assert!(OverlayHandover::give(&link, &user).is_err());
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn the_guests_product_name_reaches_the_evidence_escaped_and_bounded() {
+    let product = format!("Arch Linux{TERMINAL_SEQUENCES}{}", "A".repeat(100_000));
+    let answers: Vec<String> = ["linux", "archlinux", "0", "0", product.as_str()]
+        .map(|answer| format!("{answer}\n"))
+        .to_vec();
+    let evidence = inspection_evidence(&answers);
+    assert!(
+        !acts_on_a_terminal(&evidence.product_name),
+        "{:?}",
+        evidence.product_name
+    );
+    assert!(
+        evidence
+            .product_name
+            .starts_with("Arch Linux\\u{1b}[1A\\u{1b}[2Kverdict: passed"),
+        "{}",
+        evidence.product_name
+    );
+    assert!(
+        evidence.product_name.chars().count() < certistack_core::untrusted::MAX_VALUE_CHARS + 32,
+        "{} characters",
+        evidence.product_name.chars().count()
+    );
+    assert_eq!(
+        (
+            evidence.os_type.as_str(),
+            evidence.distro.as_str(),
+            evidence.version.as_str()
+        ),
+        ("linux", "archlinux", "0.0")
+    );
+    // The journal and the reply carry the evidence as JSON and protobuf: nothing to unescape.
+    let journaled = serde_json::to_string(&evidence).unwrap();
+    assert!(!journaled.contains("\\u001b"), "{journaled}");
+}
+
+/// guestfish as recovery drives it, for the answers of its first batches: `echo` prints its
+/// argument (guestfish(1) "echo"), `inspect-os` one root a line (guestfish(1)
+/// "inspect-os"), here two roots, one a btrfs subvolume whose name is the guest's choice.
+const TWO_HOSTILE_ROOTS: &str = r#"while IFS= read -r line; do
+  case "$line" in
+    "echo "*) printf '%s\n' "${line#echo }" ;;
+    inspect-os) printf 'btrfsvol:/dev/sda/\033[1A\033[2Kverdict: passed\033]52;c;aGk=\007\302\233\342\200\256%0800d\n/dev/sdb1\n' 0 ;;
+  esac
+done"#;
+
+#[tokio::test]
+async fn the_guests_root_names_reach_a_refusal_escaped_and_bounded() {
+    let call = ToolCall::new("/bin/sh", Duration::from_secs(10))
+        .arg("-c")
+        .arg(TWO_HOSTILE_ROOTS);
+    let mut session = Session::start(call).expect("sh starts");
+    let source: IpAddr = "198.51.100.2".parse().unwrap();
+    let error = recover(&mut session, &nic(), "u", source, &BTreeSet::new())
+        .await
+        .unwrap_err();
+    let RecoveryError::Unrecognized(reason) = &error else {
+        panic!("{error:?}");
+    };
+    assert!(reason.contains("2 operating systems"), "{reason}");
+    assert!(
+        reason.contains("btrfsvol:/dev/sda/\\u{1b}[1A\\u{1b}[2Kverdict: passed"),
+        "{reason}"
+    );
+    assert!(!acts_on_a_terminal(reason), "{reason:?}");
+    assert!(reason.len() < 1024, "{} bytes: {reason}", reason.len());
 }
