@@ -96,6 +96,10 @@ ns=cslab$(head -c 3 /dev/urandom | od -An -tx1 | tr -d ' \n')
 node=$work/node
 ctl=$work/ctl
 daemon=""
+# The node's systemd: a Debian root booted with systemd-nspawn beside the connector, where the
+# appliance of guest network recovery runs in its confined unit (these machines' PID 1 is not
+# systemd); its nspawn process.
+container=""
 port=7443
 snapshot_time=2026-11-01T02:00:00Z
 vmid=9101
@@ -140,6 +144,16 @@ teardown() {
     losetup -d "$device" 2>/dev/null
   done
   ip netns del "$ns" 2>/dev/null
+  if [ -n "$container" ] && grep -qF -- "$work" "/proc/$container/cmdline" 2>/dev/null; then
+    kill -TERM "$container"
+    for _ in $(seq 1 100); do
+      kill -0 "$container" 2>/dev/null || break
+      sleep 0.1
+    done
+    kill -KILL "$container" 2>/dev/null
+    wait "$container" 2>/dev/null
+  fi
+  container=""
   # Anything of this lab still running: the controller of a lab killed mid-run (its working
   # directory is in $work), a holder or QEMU the steps above could not stop.
   local pids
@@ -190,6 +204,9 @@ residue() {
   pids=$(lab_pids)
   [ -n "$pids" ] && found+=" processes $pids;"
   [ -e "/run/netns/$ns" ] && found+=" /run/netns/$ns;"
+  local nspawn
+  nspawn=$(pgrep -f -- "systemd-nspawn .*--bind=$work" 2>/dev/null | tr '\n' ' ' || true)
+  [ -n "$nspawn" ] && found+=" the node's systemd container (systemd-nspawn $nspawn);"
   printf '%s' "$found"
 }
 
@@ -215,6 +232,9 @@ node_residue() {
   local pids
   pids=$(pgrep -f -- "$node/" | grep -vx "$daemon" | tr '\n' ' ' || true)
   [ -n "$pids" ] && found+=" processes $pids;"
+  local units
+  units=$(in_node_systemd systemctl list-units --all --plain --no-legend 'certistack-*' 2>/dev/null | awk '{print $1}' | tr '\n' ' ')
+  [ -n "$units" ] && found+=" units of the node's systemd $units;"
   printf '%s' "$found"
 }
 
@@ -253,6 +273,7 @@ for old in "${leftovers[@]}"; do
   saved="$ns $work $node"
   ns=$(sed -n 's/^ns=//p' "$old/lab.env")
   daemon=$(sed -n 's/^daemon=//p' "$old/lab.env")
+  container=$(sed -n 's/^container=//p' "$old/lab.env")
   work=$old
   node=$old/node
   teardown
@@ -267,6 +288,7 @@ for old in "${leftovers[@]}"; do
   read -r ns work node <<<"$saved"
 done
 daemon=""
+container=""
 
 ip netns add "$ns"
 in_ns() { ip netns exec "$ns" "$@"; }
@@ -295,7 +317,7 @@ case "$lab_accel" in
   auto | kvm | tcg) ;;
   *) echo "lab: CERTISTACK_LAB_ACCEL=$lab_accel: give kvm, tcg or leave it unset" >&2; exit 70 ;;
 esac
-printf '{"node": "pve1", "pbs_password": "%s", "pbs_fingerprint": "%s", "accel_cache": "%s", "accel_probe_disk": "%s", "accel": "%s"}\n' \
+printf '{"node": "pve1", "pbs_password": "%s", "pbs_fingerprint": "%s", "accel_cache": "%s", "accel_probe_disk": "%s", "accel": "%s", "udev_block_group": "disk"}\n' \
   "$pbs_password" "$fingerprint" "$root/target/lab-assets/qm-accel.json" "$assets/disk-probe.img" "$lab_accel" >"$node/double.json"
 # With the PATH the connector gives the tools it runs: the same QEMU as the VMs' starts.
 verdict=$(env PATH=/usr/sbin:/usr/bin:/sbin:/bin "$node/bin/qm" certistack-accel)
@@ -303,6 +325,47 @@ accel=$(printf '%s' "$verdict" | python3 -c 'import json, sys; print(json.load(s
 accel_why=$(printf '%s' "$verdict" | python3 -c 'import json, sys; print(json.load(sys.stdin)["why"])')
 if [ "$accel" = kvm ]; then appliance_accel=auto; else appliance_accel=tcg; fi
 echo "accelerator: $accel ($accel_why); libguestfs appliance: $appliance_accel"
+
+# The node's systemd, for guest network recovery's confined appliance unit (docs/systemd.md,
+# "The appliance's confinement"): a Debian root with systemd and libguestfs (the systemd
+# tests' own, built once into target/nspawn), booted beside the connector with this lab's
+# work directory at the same path, the machine's kernel and modules for the appliance, and the
+# package's sysusers.d file. The connector reaches it through process.systemd_run and
+# process.systemctl, which enter it; QEMU, the doubles and everything else stay on this machine.
+nspawn_root=$root/target/nspawn/systemd-root
+bash "$root/tests/systemd/container-root.sh" "$nspawn_root" ||
+  { echo "lab: the node's systemd root could not be made (see $nspawn_root.log)" >&2; exit 70; }
+nspawn_binds=(--bind="$work" --bind-ro=/boot --bind-ro=/lib/modules:/usr/lib/modules
+  --bind-ro="$root/packaging/certistack-connector.sysusers:/usr/lib/sysusers.d/certistack-connector.conf")
+[ -e /dev/kvm ] && nspawn_binds+=(--bind=/dev/kvm)
+systemd-nspawn -D "$nspawn_root" --volatile=overlay -b --register=no --keep-unit --console=passive \
+  -M "$ns" "${nspawn_binds[@]}" </dev/null >"$work/node-systemd.log" 2>&1 &
+container=$!
+echo "container=$container" >>"$work/lab.env"
+leader=""
+for _ in $(seq 1 300); do
+  for child in $(cat "/proc/$container/task/$container/children" 2>/dev/null); do
+    [ "$(cat "/proc/$child/comm" 2>/dev/null)" = systemd ] && leader=$child
+  done
+  [ -n "$leader" ] && break
+  sleep 0.1
+done
+[ -n "$leader" ] || { echo "lab: systemd-nspawn started no systemd (see $work/node-systemd.log)" >&2; exit 70; }
+in_node_systemd() { nsenter -t "$leader" -a -- "$@"; }
+for _ in $(seq 1 300); do
+  case "$(in_node_systemd systemctl is-system-running 2>/dev/null)" in running | degraded) break ;; esac
+  sleep 0.1
+done
+# Its /dev is its own: the loop nodes, as udev leaves block devices (root:disk 0660); the
+# appliance user, as the package's postinst makes it.
+in_node_systemd sh -c 'for i in $(seq 0 511); do [ -e /dev/loop$i ] || mknod -m 0660 /dev/loop$i b 7 $i; chgrp disk /dev/loop$i; done'
+in_node_systemd systemd-sysusers certistack-connector.conf
+for tool in systemd-run systemctl; do
+  printf '#!/bin/sh\n# The lab node'"'"'s systemd runs in a container: enter it.\nexec nsenter -t %s -a -- /usr/bin/%s "$@"\n' "$leader" "$tool" >"$node/bin/$tool"
+  chmod 0755 "$node/bin/$tool"
+done
+appliance_uid=$(in_node_systemd getent passwd certistack-guestnet | cut -d: -f3)
+echo "the node's systemd: container $ns (pid $leader), appliance user certistack-guestnet (uid $appliance_uid)"
 disk=$node/pbs/store1/vm/100/$snapshot_time/drive-scsi0.img
 cp --sparse=always "$assets/disk-boot.img" "$disk"
 printf 'certistack-lab-disk v1\nmarker=%s\naddress=%s/24\nagent=yes\n' "$marker" "$guest" |
@@ -408,6 +471,12 @@ mounts = "$root/tests/support/pve9/mounts"
 cpuinfo = "$root/tests/support/pve9/cpuinfo"
 dmi_dir = "$root/tests/support/pve9/dmi"
 kvm_device = "/dev/null"
+# The node's accounts are its systemd's, which starts the appliance as its user.
+passwd = "/proc/$leader/root/etc/passwd"
+group = "/proc/$leader/root/etc/group"
+[process]
+systemd_run = "$node/bin/systemd-run"
+systemctl = "$node/bin/systemctl"
 [limits]
 # The libguestfs appliance boots under TCG here, on a machine builds may share: one recovery
 # measured 144 to 253 s at load averages of 8 to 13, and passed 300 s at 19.
@@ -415,6 +484,8 @@ guest_network_timeout_secs = 600
 [guest_network]
 # From the qm double's verdict: TCG where the lab's guest does not boot under this machine's KVM.
 accelerator = "$appliance_accel"
+# The appliance runs only in its confined unit, in the node's systemd.
+confined = "always"
 CONF
 
 "$bin/certistack-ctl" ca init --state-dir "$ctl/state" >"$work/ca-init.txt"
@@ -604,6 +675,10 @@ for report in $reports; do
   "$bin/certistack-ctl" report verify --state-dir "$ctl/state" "$report" || verify_code=$?
 done
 
+# The rewrite's appliance ran in its confined unit of the node's systemd, as its user.
+confined_units=$(in_node_systemd journalctl -q --no-pager -o cat -u 'certistack-guestnet-*' 2>/dev/null |
+  grep -c '^Started certistack-guestnet-' || true)
+
 # ---- teardown -------------------------------------------------------------------------------
 say "teardown"
 left_on_node=$(node_residue)
@@ -633,6 +708,7 @@ done
 say "summary"
 expectations=0
 LAB_PRESERVE_PROBE_NETWORK=${preserve_guest%.*}.0/24 LAB_REWRITE_ADDRESS=$rewrite_guest/24 LAB_APPLIANCE_ACCEL=$appliance_accel \
+LAB_CONFINED_UNITS=$confined_units \
   python3 - "$run_code" "$verify_code" "$run_ms" "$connector_cpu" "$connector_children_cpu" \
   "$cpu_before" "$cpu_after" "$backups_changed" "${phases[*]}" "${kept_reports[@]}" <<'PY' || expectations=$?
 import base64, ipaddress, json, os, re, sys
@@ -723,11 +799,13 @@ EXPECTED = {"lab-web": expect_passed, "lab-prod-preserve": expect_unreachable, "
 unmet = []
 seen = set()
 lines = []
+appliance_users = set()
 for report in reports:
     envelope = json.load(open(report))
     p = json.loads(base64.b64decode(envelope["payload"]))["predicate"]
     name = p["name"]
     seen.add(name)
+    appliance_users |= set(re.findall(r'"appliance_user":\s*"([^"]*)"', json.dumps(p["journal"])))
     steps = p["steps"]
     boot_ms = span(steps, lambda n: n.startswith("start "), lambda n: n.startswith("guest agent") or n.startswith("qga ") or n.startswith("qmp "))
     probes_ms = span(steps, lambda n: n.startswith("probe "), lambda n: n.startswith("probe "))
@@ -765,11 +843,18 @@ for name in EXPECTED:
         unmet.append(f"{name}: no report")
 if backups_changed:
     unmet.append("a backup's image changed during the run")
+# The rewrite's appliance ran in its confined unit of the node's systemd, as the appliance user
+# its journaled intent names.
+if int(os.environ.get("LAB_CONFINED_UNITS") or 0) < 1:
+    unmet.append("no guest network recovery ran in the appliance's confined unit")
+if appliance_users != {"certistack-guestnet"}:
+    unmet.append(f"the recovery's appliance ran as {sorted(appliance_users)}, not certistack-guestnet alone")
 try:
     starts = [json.loads(line) for line in open(os.path.join(os.path.dirname(reports[0]) if reports else ".", "doubles-calls.log"))]
     starts = [r for r in starts if r.get("event") == "qemu-start" and r.get("accel")]
     if starts:
         lines.append(f"accelerator   {starts[-1]['accel']} ({starts[-1].get('accel_why', '')}); libguestfs appliance {os.environ['LAB_APPLIANCE_ACCEL']}")
+        lines.append(f"appliance     confined: {os.environ['LAB_CONFINED_UNITS']} unit(s) of the node's systemd, as {', '.join(sorted(appliance_users)) or 'no user'}")
 except (OSError, ValueError):
     pass
 lines.append(f"reports       {len(reports)}, {'all verified' if verify_code == 0 else 'NOT ALL VERIFY'}; backups' content {'CHANGED' if backups_changed else 'unchanged (SHA-256 before and after)'}")
