@@ -24,6 +24,8 @@ mod lab;
 #[path = "node/guest_network.rs"]
 mod guest_network;
 
+#[path = "node/backup_manifest.rs"]
+mod backup_manifest;
 #[path = "node/backup_mappings.rs"]
 mod backup_mappings;
 #[path = "node/cleanup_journal.rs"]

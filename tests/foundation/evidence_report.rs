@@ -9,6 +9,31 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 const RUN: &str = "6a1b2c3d-4e5f-4a6b-8c7d-9e0f1a2b3c4d";
+const SNAPSHOT: &str = "vm/100/2026-11-30T01:00:00Z";
+const ARCHIVE: &str = "drive-scsi0.img";
+/// A verify job as PBS records it in the manifest.
+const VERIFY_UPID: &str =
+    "UPID:pbs1:000004D2:0000162E:00000003:6749A1C0:verificationjob:store1\\x3av\\x2d1:root@pam:";
+
+/// The snapshot's manifest as the PBS double serves it to `proxmox-backup-client restore
+/// <snapshot> index.json.blob -`, the way the node reads it.
+fn manifest_from_double(lab: &Lab) -> Vec<u8> {
+    let out = Command::new(lab.root.join("bin/proxmox-backup-client"))
+        .args([
+            "restore",
+            SNAPSHOT,
+            "index.json.blob",
+            "-",
+            "--repository",
+            "root@pam@pbs.example:8007:store1",
+        ])
+        .env("PBS_PASSWORD", PBS_PASSWORD)
+        .env("PBS_FINGERPRINT", ["ab"; 32].join(":"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    out.stdout
+}
 
 fn run(program: &Path, args: &[&str]) -> (i32, String, String) {
     let out = Command::new(program).args(args).output().unwrap();
@@ -91,11 +116,15 @@ fn validation(dir: &Path) -> Validation {
             port: 8007,
             datastore: "store1".into(),
             namespace: String::new(),
-            snapshot: "vm/100/2026-11-30T01:00:00Z".into(),
+            snapshot: SNAPSHOT.into(),
             archives: vec![Archive {
-                name: "drive-scsi0.img.fidx".into(),
+                name: ARCHIVE.into(),
                 sha256: None,
+                size: None,
+                crypt_mode: None,
             }],
+            manifest_sha256: None,
+            verify_state: None,
         },
         steps: vec![
             Step {
@@ -171,7 +200,7 @@ fn python_verifier(dir: &Path) -> PathBuf {
     path
 }
 
-fn python(verifier: &Path, report: &Path, key: &Path) -> (i32, String, String) {
+fn python(verifier: &Path, report: &Path, key: &Path, extra: &[&str]) -> (i32, String, String) {
     let has_cryptography = Command::new("/usr/bin/python3")
         .args(["-c", "import cryptography"])
         .status()
@@ -180,14 +209,13 @@ fn python(verifier: &Path, report: &Path, key: &Path) -> (i32, String, String) {
         has_cryptography,
         "python3 with the `cryptography` module is needed to check the report format independently (Debian: apt-get install python3-cryptography)"
     );
-    run(
-        Path::new("/usr/bin/python3"),
-        &[
-            verifier.to_str().unwrap(),
-            report.to_str().unwrap(),
-            key.to_str().unwrap(),
-        ],
-    )
+    let mut args = vec![
+        verifier.to_str().unwrap(),
+        report.to_str().unwrap(),
+        key.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    run(Path::new("/usr/bin/python3"), &args)
 }
 
 /// The envelope with one field's text changed by one byte, written beside `report`.
@@ -217,7 +245,29 @@ fn a_report_signed_with_the_ca_init_key_verifies_here_and_in_python_and_any_chan
     assert_eq!(code, 0, "{err}");
     let authority = certistack_controller::authority::Authority::load(&state).unwrap();
     let reports = dir.0.join("reports");
-    let statement = Statement::new(validation(&dir.0));
+    // The snapshot as the PBS double stores it: a disk image of three chunks, the last short;
+    // the node parses its manifest, the controller gives the report's subjects its digests.
+    let lab = Lab::new("report-pbs");
+    let image = lab.add_backup(
+        SNAPSHOT,
+        ARCHIVE,
+        b"\xeb\x63\x90certistack",
+        (9 << 20) + 513,
+    );
+    lab.settings(serde_json::json!({
+        "manifest_verify_state": {"state": "ok", "upid": VERIFY_UPID}
+    }));
+    let manifest_bytes = manifest_from_double(&lab);
+    let manifest_path = dir.0.join("index.json.blob");
+    std::fs::write(&manifest_path, &manifest_bytes).unwrap();
+    let manifest = certistack_connector::node::manifest::parse(
+        &manifest_bytes,
+        &certistack_core::validate::Snapshot::validate(SNAPSHOT).unwrap(),
+    )
+    .unwrap();
+    let mut predicate = validation(&dir.0);
+    predicate.snapshot.take_manifest(&manifest).unwrap();
+    let statement = Statement::new(predicate);
     let path = report::write(&reports, &statement, authority.report_signing(), now()).unwrap();
     let p = path.to_str().unwrap();
     let public = state.join("report-signing.pub");
@@ -239,7 +289,7 @@ fn a_report_signed_with_the_ca_init_key_verifies_here_and_in_python_and_any_chan
     );
     let (code, out, err) = ctl(&["report", "verify", p, "--key", public.to_str().unwrap()]);
     assert_eq!(code, 0, "{out}{err}");
-    let (code, out, err) = python(&verifier, &path, &public);
+    let (code, out, err) = python(&verifier, &path, &public, &[]);
     assert_eq!(
         code, 0,
         "the independent verifier refused the report: {out}{err}"
@@ -247,6 +297,94 @@ fn a_report_signed_with_the_ca_init_key_verifies_here_and_in_python_and_any_chan
     assert_eq!(
         out,
         format!("valid: failed {NODE} {RUN} probe tcp://10.99.0.10:22: refused, expected open\n")
+    );
+    // The independent verifier's view of the subjects is the double's manifest: the snapshot by
+    // the manifest's bytes, the archive by the checksum it recomputes from the image the double
+    // stores, and both as the manifest lists them.
+    let subject_digest = |name: &str| {
+        statement
+            .subject
+            .iter()
+            .find(|s| s.name == name)
+            .and_then(|s| s.digest.get("sha256"))
+            .cloned()
+    };
+    assert_eq!(
+        subject_digest(SNAPSHOT),
+        Some(hex::encode(sha2::Sha256::digest(&manifest_bytes)))
+    );
+    let listed: serde_json::Value = serde_json::from_slice(&manifest_bytes).unwrap();
+    assert_eq!(
+        subject_digest(ARCHIVE).as_deref(),
+        listed["files"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|f| f["filename"] == "drive-scsi0.img.fidx")
+            .and_then(|f| f["csum"].as_str()),
+    );
+    let image_arg = format!("{ARCHIVE}={}", image.display());
+    let manifest_arg = format!("index.json.blob={}", manifest_path.display());
+    let (code, out, err) = python(&verifier, &path, &public, &[&image_arg, &manifest_arg]);
+    assert_eq!(code, 0, "the verifier's subjects differ: {out}{err}");
+    assert_eq!(
+        statement
+            .predicate
+            .snapshot
+            .verify_state
+            .as_ref()
+            .map(|v| (v.state.as_str(), v.started_unix_ms)),
+        Some(("ok", 0x6749_A1C0 * 1000))
+    );
+    // Other bytes than the ones the report names: one changed byte in the last, short chunk of
+    // the image, or a manifest PBS changed since (a verify job ran): both refused.
+    let mut other_image = std::fs::read(&image).unwrap();
+    *other_image.last_mut().unwrap() ^= 1;
+    let other_image_path = dir.0.join("other.raw");
+    std::fs::write(&other_image_path, &other_image).unwrap();
+    let other_image_arg = format!("{ARCHIVE}={}", other_image_path.display());
+    let (code, _, err) = python(&verifier, &path, &public, &[&other_image_arg]);
+    assert_ne!(code, 0, "another image was accepted");
+    assert!(
+        err.contains("drive-scsi0.img: not the bytes the report names"),
+        "{err}"
+    );
+    lab.settings(serde_json::json!({
+        "manifest_verify_state": {"state": "failed", "upid": VERIFY_UPID}
+    }));
+    let later_path = dir.0.join("later.json.blob");
+    std::fs::write(&later_path, manifest_from_double(&lab)).unwrap();
+    let later_arg = format!("index.json.blob={}", later_path.display());
+    let (code, _, err) = python(&verifier, &path, &public, &[&later_arg]);
+    assert_ne!(code, 0, "another manifest was accepted");
+    assert!(err.contains("another manifest"), "{err}");
+    // A verdict about the backup without the digests that name it: refused by both.
+    let mut unnamed = statement.clone();
+    unnamed.predicate.snapshot.archives[0].sha256 = None;
+    unnamed.subject = Statement::new(unnamed.predicate.clone()).subject;
+    let unnamed_path = dir.0.join("unnamed.json");
+    std::fs::write(
+        &unnamed_path,
+        serde_json::to_vec(&report::sign(&unnamed, authority.report_signing()).unwrap()).unwrap(),
+    )
+    .unwrap();
+    let (code, _, err) = ctl(&[
+        "report",
+        "verify",
+        unnamed_path.to_str().unwrap(),
+        "--state-dir",
+        s,
+    ]);
+    assert_eq!(code, 1);
+    assert!(err.contains("has no sha256 digest"), "{err}");
+    let (code, _, err) = python(&verifier, &unnamed_path, &public, &[]);
+    assert_ne!(
+        code, 0,
+        "the independent verifier accepted a report naming no bytes"
+    );
+    assert!(
+        err.contains("subject drive-scsi0.img: no sha256 digest"),
+        "{err}"
     );
 
     let (code, out, err) = ctl(&["report", "show", p, "--state-dir", s]);
@@ -306,7 +444,7 @@ fn a_report_signed_with_the_ca_init_key_verifies_here_and_in_python_and_any_chan
             err.contains("not valid") && err.contains(reason),
             "{name}: {err}"
         );
-        let (code, out, err) = python(&verifier, &bad, &public);
+        let (code, out, err) = python(&verifier, &bad, &public, &[]);
         assert_ne!(
             code, 0,
             "{name}: the independent verifier accepted it: {out}{err}"
@@ -328,7 +466,7 @@ fn a_report_signed_with_the_ca_init_key_verifies_here_and_in_python_and_any_chan
     ]);
     assert_eq!(code, 1);
     assert!(err.contains("journal") && err.contains("record 3"), "{err}");
-    let (code, _, err) = python(&verifier, &forged_path, &public);
+    let (code, _, err) = python(&verifier, &forged_path, &public, &[]);
     assert_ne!(code, 0);
     assert!(err.contains("record 3 does not verify"), "{err}");
 
@@ -351,7 +489,7 @@ fn a_report_signed_with_the_ca_init_key_verifies_here_and_in_python_and_any_chan
     let (code, _, err) = ctl(&["report", "verify", p, "--state-dir", s]);
     assert_eq!(code, 1);
     assert!(err.contains("the image was replaced"), "{err}");
-    let (code, _, err) = python(&verifier, &path, &public);
+    let (code, _, err) = python(&verifier, &path, &public, &[]);
     assert_ne!(code, 0);
     assert!(err.contains("screenshot"), "{err}");
 }

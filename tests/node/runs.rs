@@ -436,9 +436,56 @@ pub(crate) fn run_tables() -> Vec<String> {
         .collect()
 }
 
+/// Runs the Python verifier printed in docs/report.md on `report`, with `extra` arguments.
+fn python_verifier(fleet: &Fleet, report: &str, extra: &[String]) -> std::process::Output {
+    let doc = std::fs::read_to_string(workspace_root().join("docs/report.md")).unwrap();
+    let (_, after) = doc.split_once("```python\n").unwrap();
+    let (program, _) = after.split_once("```").unwrap();
+    let path = fleet.dir.0.join("verify-report.py");
+    std::fs::write(&path, program).unwrap();
+    Command::new("/usr/bin/python3")
+        .arg(&path)
+        .arg(report)
+        .arg(fleet.authority.dir().join(authority::REPORT_PUB))
+        .args(extra)
+        .output()
+        .unwrap()
+}
+
+/// The independent verifier's view of a report's subjects is the PBS double's: every subject
+/// has a digest, the archive's is recomputed from the image the double stores, and the
+/// snapshot's and the archive's are those of the manifest the double serves.
+fn assert_subjects_are_the_doubles_manifest(fleet: &Fleet, summary: &serde_json::Value, index: u8) {
+    let lab = &fleet.nodes.iter().find(|n| n.index == index).unwrap().lab;
+    let printed = Command::new(lab.root.join("bin/proxmox-backup-client"))
+        .args(["restore", SNAPSHOT, "index.json.blob", "-"])
+        .args(["--repository", "root@pam@pbs.example:8007:store1"])
+        .env("PBS_PASSWORD", PBS_PASSWORD)
+        .env("PBS_FINGERPRINT", ["ab"; 32].join(":"))
+        .output()
+        .unwrap();
+    assert!(printed.status.success(), "{printed:?}");
+    let manifest = fleet.dir.0.join(format!("pve{index}-index.json.blob"));
+    std::fs::write(&manifest, &printed.stdout).unwrap();
+    let image = lab.root.join("pbs/store1").join(SNAPSHOT).join(ARCHIVE);
+    let out = python_verifier(
+        fleet,
+        summary["report"].as_str().unwrap(),
+        &[
+            format!("{ARCHIVE}={}", image.display()),
+            format!("index.json.blob={}", manifest.display()),
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "the independent verifier's subjects differ from the double's manifest: {out:?}"
+    );
+}
+
 fn assert_passed_with_evidence(fleet: &Fleet, summary: &serde_json::Value, index: u8) {
     assert_eq!(summary["outcome"], "passed", "{summary}");
     assert_eq!(summary["cleanup"], "complete", "{summary}");
+    assert_subjects_are_the_doubles_manifest(fleet, summary, index);
     let statement = fleet.report(summary);
     let p = &statement.predicate;
     assert_eq!(p.verdict, Verdict::Passed);

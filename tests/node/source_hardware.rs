@@ -584,13 +584,14 @@ async fn source_configs_and_shapes_outside_the_rules_are_refused() {
         run.create_mirrored(9100, &[VIRTIO_ARCHIVE]).await.unwrap();
         let conf = run.conf(9100);
         assert!(conf_value(&conf, "virtio0").is_some(), "{conf}");
+        // Each read restores the manifest, then the config.
         let restores: Vec<_> = run
             .lab
             .calls()
             .into_iter()
             .filter(|c| c["command"] == "restore")
             .collect();
-        assert_eq!(restores.len(), 5);
+        assert_eq!(restores.len(), 10);
         for call in &restores {
             assert_eq!(call["password_source"], "PBS_PASSWORD_FD", "{call}");
             assert!(!call.to_string().contains(PBS_PASSWORD), "{call}");

@@ -203,7 +203,7 @@ impl Backups<'_> {
 
     /// A `proxmox-backup-client` call on the grant's repository: the PBS secret goes through a
     /// pipe (`PBS_PASSWORD_FD`), the encryption key through a memfd, never argv or environment.
-    fn pbs_call(
+    pub(super) fn pbs_call(
         &self,
         grant: &Grant,
         args: &[&str],
@@ -242,9 +242,10 @@ impl Backups<'_> {
         call
     }
 
-    /// `proxmox-backup-client restore <snapshot> qemu-server.conf -`: the source VM's config,
-    /// parsed into the hardware shape the run's sandbox VMs may mirror. Journaled with the
-    /// shape, so `CreateVm` (and a restarted daemon) uses exactly what was read here.
+    /// The snapshot's manifest (`manifest::read_manifest`), then `proxmox-backup-client restore
+    /// <snapshot> qemu-server.conf -`: the source VM's config, parsed into the hardware shape the
+    /// run's sandbox VMs may mirror. Journaled with the shape, so `CreateVm` (and a restarted
+    /// daemon) uses exactly what was read here.
     pub(super) async fn read_source_config(
         &self,
         run: &RunHandle,
@@ -254,6 +255,12 @@ impl Backups<'_> {
     ) -> Result<Outcome, ExecError> {
         let grant = &run.grant;
         let mut guard = self.ctx.lock_open(run).await?;
+        // The manifest first: the report names the backup by its checksums, so a snapshot whose
+        // manifest is refused is not used.
+        let manifest = self
+            .ctx
+            .read_manifest(&mut guard, grant, &snapshot, secret.clone(), key.clone())
+            .await?;
         let call = self
             .pbs_call(
                 grant,
@@ -341,6 +348,7 @@ impl Backups<'_> {
             tool: Some(tool_result("proxmox-backup-client restore", &output)),
             journal_head: guard.head_hex(),
             config_sha256,
+            manifest: Some(manifest),
         }))
     }
 

@@ -55,6 +55,7 @@ impl Kept {
             | Resource::Run(_)
             | Resource::Journal
             | Resource::SourceConfig
+            | Resource::SourceManifest
             | Resource::Probe { .. }
             | Resource::Unrecognized(_) => false,
         };
@@ -364,6 +365,7 @@ impl Cleanup<'_> {
             Resource::Run(_)
             | Resource::Journal
             | Resource::SourceConfig
+            | Resource::SourceManifest
             | Resource::Probe { .. }
             | Resource::Unrecognized(_) => Err(ExecError::Failed(format!(
                 "no undo is known for {key}; it was written by another version of the connector"

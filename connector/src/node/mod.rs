@@ -21,6 +21,7 @@ mod context;
 pub mod guest;
 pub mod guest_network;
 pub mod loopdev;
+pub mod manifest;
 pub mod overlay;
 pub mod probe;
 // What a run holds, as its journal says: shared with the run registry, which decides from it

@@ -60,11 +60,31 @@ pub fn describe(statement: &Statement, report_path: &Path) -> String {
         value(&p.snapshot.datastore),
         value(&p.snapshot.namespace)
     );
+    // `verify` checked the digests' and the verify state's form before this prints them.
+    if let Some(digest) = &p.snapshot.manifest_sha256 {
+        let _ = writeln!(out, "  manifest: sha256 {digest}");
+    }
+    match &p.snapshot.verify_state {
+        Some(v) => {
+            let _ = writeln!(
+                out,
+                "  last PBS verify: {} (task started {}, {})",
+                v.state,
+                OffsetDateTime::from_unix_timestamp(v.started_unix_ms / 1000)
+                    .map_or_else(|_| v.started_unix_ms.to_string(), |t| t.to_string()),
+                v.upid
+            );
+        }
+        None if p.snapshot.manifest_sha256.is_some() => {
+            let _ = writeln!(out, "  last PBS verify: none recorded in the manifest");
+        }
+        None => {}
+    }
     for archive in &p.snapshot.archives {
         let digest = archive.sha256.as_deref().unwrap_or("digest not reported");
         let _ = writeln!(
             out,
-            "  archive: {} ({})",
+            "  archive: {} (sha256 {})",
             value(&archive.name),
             value(digest)
         );

@@ -194,14 +194,121 @@ pub struct Snapshot {
     /// `<type>/<id>/<time>`, e.g. `vm/100/2026-11-30T01:00:00Z`.
     pub snapshot: String,
     pub archives: Vec<Archive>,
+    /// Lower-case hex SHA-256 of the snapshot's manifest (`index.json.blob`) as the node read it;
+    /// absent when the run stopped before reading it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub manifest_sha256: Option<String>,
+    /// PBS's last verify job on the snapshot, from the manifest; absent when none ran (or the
+    /// manifest was not read).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verify_state: Option<VerifyState>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Archive {
     pub name: String,
+    /// The manifest's `csum` of the archive's index (`<name>.fidx`): SHA-256 over its chunk
+    /// digests, which name the archive's bytes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sha256: Option<String>,
+    /// The archive's size in bytes, from the manifest.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size: Option<u64>,
+    /// `none`, `encrypt` or `sign-only`, from the manifest.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub crypt_mode: Option<String>,
+}
+
+/// A verify job's result as PBS keeps it in the manifest (`unprotected.verify_state`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VerifyState {
+    /// `ok` or `failed`.
+    pub state: String,
+    /// The verify task's UPID.
+    pub upid: String,
+    /// When that task started.
+    pub started_unix_ms: i64,
+}
+
+/// The file PBS keeps a disk archive's index in: the client appends `.fidx` to `<name>.img`.
+pub fn index_file_name(archive: &str) -> String {
+    format!("{archive}.fidx")
+}
+
+impl Snapshot {
+    /// The manifest's digests and verify state given to this snapshot's archives. Every archive
+    /// must be in the manifest, and every value must have the form the report promises, since
+    /// the manifest is the node's word.
+    pub fn take_manifest(&mut self, manifest: &pb::SnapshotManifest) -> Result<(), String> {
+        if !is_sha256_hex(&manifest.sha256) {
+            return Err("the node's manifest digest is not 64 lower-case hex digits".into());
+        }
+        for archive in &mut self.archives {
+            let index = index_file_name(&archive.name);
+            let Some(file) = manifest.files.iter().find(|f| f.filename == index) else {
+                return Err(format!(
+                    "the snapshot's manifest does not list {index}, so the report cannot name the bytes of {}",
+                    archive.name
+                ));
+            };
+            if !is_sha256_hex(&file.csum) {
+                return Err(format!(
+                    "the manifest's csum of {index} is not 64 lower-case hex digits"
+                ));
+            }
+            if !matches!(file.crypt_mode.as_str(), "none" | "encrypt" | "sign-only") {
+                return Err(format!(
+                    "the manifest's crypt-mode of {index} is not none, encrypt or sign-only"
+                ));
+            }
+            archive.sha256 = Some(file.csum.clone());
+            archive.size = Some(file.size);
+            archive.crypt_mode = Some(file.crypt_mode.clone());
+        }
+        self.verify_state = match &manifest.verify_state {
+            None => None,
+            Some(v) => {
+                let state = VerifyState {
+                    state: v.state.clone(),
+                    upid: v.upid.clone(),
+                    started_unix_ms: v.started_unix.saturating_mul(1000),
+                };
+                state.check()?;
+                Some(state)
+            }
+        };
+        self.manifest_sha256 = Some(manifest.sha256.clone());
+        Ok(())
+    }
+}
+
+impl VerifyState {
+    /// The longest UPID a report carries.
+    pub const MAX_UPID_CHARS: usize = 512;
+
+    /// A state PBS writes, and a UPID of printable ASCII: what a report may show as it is.
+    pub fn check(&self) -> Result<(), String> {
+        if !matches!(self.state.as_str(), "ok" | "failed") {
+            return Err("verify_state.state is not ok or failed".into());
+        }
+        if !self.upid.starts_with("UPID:")
+            || self.upid.len() > Self::MAX_UPID_CHARS
+            || !self.upid.bytes().all(|b| b.is_ascii_graphic())
+        {
+            return Err(format!(
+                "verify_state.upid is not a UPID of at most {} printable characters",
+                Self::MAX_UPID_CHARS
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// 64 lower-case hex digits: the SHA-256 digests a report carries.
+pub fn is_sha256_hex(text: &str) -> bool {
+    text.len() == 64 && text.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -42,6 +42,28 @@ impl Statement {
         if self.subject != subjects(&predicate.snapshot) {
             return shape("the subjects are not the predicate's snapshot and archives".into());
         }
+        for subject in &self.subject {
+            match subject.digest.get("sha256") {
+                Some(digest) if !is_sha256_hex(digest) => {
+                    return shape(format!(
+                        "the sha256 digest of subject {:?} is not 64 lower-case hex digits",
+                        subject.name
+                    ));
+                }
+                // A verdict about the backup names the bytes it is about (the manifest is
+                // read before any VM exists); only an error verdict may come before that.
+                None if !matches!(predicate.verdict, Verdict::Error { .. }) => {
+                    return shape(format!(
+                        "subject {:?} has no sha256 digest, but the verdict is about its bytes",
+                        subject.name
+                    ));
+                }
+                _ => {}
+            }
+        }
+        if let Some(verify) = &predicate.snapshot.verify_state {
+            verify.check().or_else(shape)?;
+        }
         if let Err(reason) = RunId::validate(&predicate.run_id) {
             return shape(format!("run_id: {reason}"));
         }
@@ -138,7 +160,11 @@ pub(super) fn subjects(snapshot: &Snapshot) -> Vec<Subject> {
     let mut subjects = vec![Subject {
         name: snapshot.snapshot.clone(),
         uri: base.clone(),
-        digest: BTreeMap::new(),
+        digest: snapshot
+            .manifest_sha256
+            .iter()
+            .map(|digest| ("sha256".to_owned(), digest.clone()))
+            .collect(),
     }];
     subjects.extend(snapshot.archives.iter().map(|archive| {
         Subject {

@@ -64,14 +64,25 @@ fn validation() -> Validation {
             snapshot: "vm/100/2026-11-30T01:00:00Z".into(),
             archives: vec![
                 Archive {
-                    name: "drive-scsi0.img.fidx".into(),
+                    name: "drive-scsi0.img".into(),
                     sha256: Some("ef".repeat(32)),
+                    size: Some(8 << 20),
+                    crypt_mode: Some("none".into()),
                 },
                 Archive {
-                    name: "drive-scsi1.img.fidx".into(),
-                    sha256: None,
+                    name: "drive-scsi1.img".into(),
+                    sha256: Some("01".repeat(32)),
+                    size: Some(4 << 20),
+                    crypt_mode: Some("encrypt".into()),
                 },
             ],
+            manifest_sha256: Some("9a".repeat(32)),
+            verify_state: Some(VerifyState {
+                state: "ok".into(),
+                upid: "UPID:pbs1:000004D2:0000162E:00000003:6749A1C0:verificationjob:v1:root@pam:"
+                    .into(),
+                started_unix_ms: 1_732_878_784_000,
+            }),
         },
         steps: vec![Step {
             name: "start".into(),
@@ -242,7 +253,141 @@ fn a_signed_report_verifies_and_keeps_its_content() {
         statement.subject[0].uri,
         "pbs://pbs.example:8007/store1/prod/vm/100/2026-11-30T01:00:00Z"
     );
-    assert!(statement.subject[2].digest.is_empty());
+    // Every subject carries its digest from the snapshot's manifest: the snapshot the
+    // manifest's own, each archive its index checksum.
+    let digests: Vec<(&str, Option<&String>)> = statement
+        .subject
+        .iter()
+        .map(|s| (s.name.as_str(), s.digest.get("sha256")))
+        .collect();
+    assert_eq!(
+        digests,
+        [
+            ("vm/100/2026-11-30T01:00:00Z", Some(&"9a".repeat(32))),
+            ("drive-scsi0.img", Some(&"ef".repeat(32))),
+            ("drive-scsi1.img", Some(&"01".repeat(32))),
+        ]
+    );
+}
+
+/// A change to a manifest the node answered.
+type ManifestChange = dyn Fn(&mut pb::SnapshotManifest);
+
+fn manifest_file(filename: &str, csum: &str) -> pb::ManifestFile {
+    pb::ManifestFile {
+        filename: filename.into(),
+        csum: csum.into(),
+        size: 8 << 20,
+        crypt_mode: "none".into(),
+    }
+}
+
+#[test]
+fn the_manifest_gives_each_archive_its_checksum_and_the_snapshot_its_digest() {
+    let mut snapshot = validation().snapshot;
+    for archive in &mut snapshot.archives {
+        (archive.sha256, archive.size, archive.crypt_mode) = (None, None, None);
+    }
+    snapshot.manifest_sha256 = None;
+    snapshot.verify_state = None;
+    let manifest = pb::SnapshotManifest {
+        sha256: "5e".repeat(32),
+        files: vec![
+            manifest_file("qemu-server.conf.blob", &"11".repeat(32)),
+            manifest_file("drive-scsi1.img.fidx", &"22".repeat(32)),
+            manifest_file("drive-scsi0.img.fidx", &"33".repeat(32)),
+        ],
+        verify_state: Some(pb::ManifestVerifyState {
+            state: "failed".into(),
+            upid: "UPID:pbs1:00000001:00000002:00000003:6749A1C0:verify:store1:root@pam:".into(),
+            started_unix: 1_732_878_784,
+        }),
+    };
+    let mut taken = snapshot.clone();
+    taken.take_manifest(&manifest).unwrap();
+    assert_eq!(
+        taken.manifest_sha256.as_deref(),
+        Some("5e".repeat(32).as_str())
+    );
+    let sums: Vec<Option<&str>> = taken.archives.iter().map(|a| a.sha256.as_deref()).collect();
+    assert_eq!(
+        sums,
+        [
+            Some("33".repeat(32).as_str()),
+            Some("22".repeat(32).as_str())
+        ]
+    );
+    let verify = taken.verify_state.as_ref().unwrap();
+    assert_eq!(
+        (verify.state.as_str(), verify.started_unix_ms),
+        ("failed", 1_732_878_784_000)
+    );
+
+    // The node's word is held to the form a report promises.
+    let refused = |change: &ManifestChange| {
+        let mut bad = manifest.clone();
+        change(&mut bad);
+        snapshot.clone().take_manifest(&bad).unwrap_err()
+    };
+    let cases: [(&ManifestChange, &str); 5] = [
+        (
+            &|m| drop(m.files.remove(1)),
+            "does not list drive-scsi1.img.fidx",
+        ),
+        (&|m| m.sha256 = "5E".repeat(32), "manifest digest is not 64"),
+        (
+            &|m| m.files[2].csum = "\u{1b}[2J".into(),
+            "csum of drive-scsi0.img.fidx",
+        ),
+        (
+            &|m| m.files[2].crypt_mode = "x".into(),
+            "crypt-mode of drive-scsi0.img.fidx",
+        ),
+        (
+            &|m| m.verify_state.as_mut().unwrap().upid = "UPID:\u{1b}]52;c;x".into(),
+            "verify_state.upid",
+        ),
+    ];
+    for (change, expected) in cases {
+        let error = refused(change);
+        assert!(
+            error.contains(expected),
+            "{error:?} does not say {expected:?}"
+        );
+    }
+}
+
+#[test]
+fn a_verdict_about_the_backup_must_name_its_bytes() {
+    let key = SigningKey::generate(&mut OsRng);
+    let error = signed_with(&key, |s| {
+        s.predicate.snapshot.archives[1].sha256 = None;
+        s.subject = Statement::new(s.predicate.clone()).subject;
+    });
+    assert!(
+        matches!(&error, ReportError::Statement(m) if m.contains("subject \"drive-scsi1.img\" has no sha256 digest")),
+        "{error}"
+    );
+    let error = signed_with(&key, |s| {
+        s.predicate.snapshot.manifest_sha256 = Some("not hex".into());
+        s.subject = Statement::new(s.predicate.clone()).subject;
+    });
+    assert!(
+        matches!(&error, ReportError::Statement(m) if m.contains("not 64 lower-case hex")),
+        "{error}"
+    );
+    // An error verdict may come before the manifest was read: it names no bytes.
+    let mut early = validation();
+    early.snapshot.manifest_sha256 = None;
+    for archive in &mut early.snapshot.archives {
+        archive.sha256 = None;
+    }
+    early.verdict = Verdict::Error {
+        reasons: vec!["the node was unreachable".into()],
+    };
+    let bytes = serde_json::to_vec(&sign(&Statement::new(early), &key).unwrap()).unwrap();
+    let statement = verify(&bytes, &key.verifying_key()).unwrap();
+    assert!(statement.subject.iter().all(|s| s.digest.is_empty()));
 }
 
 #[test]
@@ -415,6 +560,14 @@ fn reports_are_written_atomically_private_and_named_by_time_node_and_run() {
         &path,
     );
     assert!(shown.starts_with("verdict: passed\n"), "{shown}");
+    assert!(
+        shown.contains(&format!(
+            "  manifest: sha256 {}\n  last PBS verify: ok (task started 2024-11-29 11:13:04.0 +00:00:00, UPID:pbs1:000004D2:0000162E:00000003:6749A1C0:verificationjob:v1:root@pam:)\n  archive: drive-scsi0.img (sha256 {})\n",
+            "9a".repeat(32),
+            "ef".repeat(32)
+        )),
+        "{shown}"
+    );
     assert!(
         shown.contains("hardware: cpu x86-64-v2-AES bios ovmf (efidisk efitype=4m,pre-enrolled-keys=1) machine q35 ostype default scsihw default; disks [virtio0=drive-virtio0.img, ide2=cdrom (empty)]; nics [net0=e1000]; boot [virtio0]\n  changed net0: rtl8139 -> e1000 (a legacy emulated NIC)\n  omitted hostpci0: passthrough of a device\n"),
         "{shown}"

@@ -8,6 +8,7 @@ use crate::operator;
 use crate::report::{self, StepResult};
 use crate::screenshot;
 use certistack_core::files;
+use certistack_core::grant::Grant;
 use std::time::Instant;
 use time::OffsetDateTime;
 
@@ -97,6 +98,32 @@ pub(super) struct Evidence {
     pub(super) heads: Vec<(String, String)>,
     /// The source hardware the sandbox VMs mirror, as the node read it.
     pub(super) hardware: Option<report::SandboxHardware>,
+    /// The snapshot with its archives' digests and verify state, once the node read its manifest.
+    pub(super) snapshot: Option<report::Snapshot>,
+}
+
+/// The snapshot the grant names, as a report's subjects name it; its digests come from the
+/// manifest ([`report::Snapshot::take_manifest`]).
+pub(super) fn granted_snapshot(grant: &Grant) -> report::Snapshot {
+    report::Snapshot {
+        server: grant.repository.server.to_string(),
+        port: grant.repository.port,
+        datastore: grant.repository.datastore.to_string(),
+        namespace: grant.repository.namespace.to_string(),
+        snapshot: grant.snapshot.to_string(),
+        archives: grant
+            .archives
+            .iter()
+            .map(|a| report::Archive {
+                name: a.to_string(),
+                sha256: None,
+                size: None,
+                crypt_mode: None,
+            })
+            .collect(),
+        manifest_sha256: None,
+        verify_state: None,
+    }
 }
 
 /// The most of a run's journal the controller puts into a report: the report must stay under

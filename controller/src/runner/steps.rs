@@ -1,7 +1,7 @@
 //! The validation script: the happy path from mapping the backup to unmapping it, as a list of
 //! steps the driver walks; how the node's answers are read as evidence is in `readings`.
 
-use super::evidence::{Evidence, Recorder};
+use super::evidence::{Evidence, Recorder, granted_snapshot};
 use super::readings::{
     GuestState, check_isolation, expectation_text, guest_network_detail, guest_state, isolation,
     probe_label,
@@ -237,7 +237,17 @@ async fn read_source_config(run: &mut Script<'_, '_>) -> Result<(), Stop> {
         "read source config",
         |r: &pb::ReadSourceConfigReply| {
             let omitted = r.hardware.as_ref().map_or(0, |h| h.omitted.len());
-            format!("config sha256 {}; {omitted} parts omitted", r.config_sha256)
+            // The node's word: shown only in the form it must have.
+            let manifest = r
+                .manifest
+                .as_ref()
+                .map(|m| m.sha256.as_str())
+                .filter(|d| report::is_sha256_hex(d))
+                .unwrap_or("(none or malformed)");
+            format!(
+                "manifest sha256 {manifest}; config sha256 {}; {omitted} parts omitted",
+                r.config_sha256
+            )
         },
         run.client.read_source_config(pb::ReadSourceConfigRequest {
             snapshot: snapshot.clone(),
@@ -250,6 +260,13 @@ async fn read_source_config(run: &mut Script<'_, '_>) -> Result<(), Stop> {
                 .unwrap_or_default(),
         })
     );
+    // The report names the backup by the manifest's digests; a manifest that does not name
+    // every archive of the run leaves nothing to name them by.
+    let mut snapshot = granted_snapshot(grant);
+    snapshot
+        .take_manifest(&source.manifest.clone().unwrap_or_default())
+        .map_err(|reason| Stop::Refused(format!("step read source config: {reason}")))?;
+    run.evidence.snapshot = Some(snapshot);
     run.evidence.hardware = source.hardware.as_ref().map(|h| {
         let archives: Vec<String> = grant.archives.iter().map(ToString::to_string).collect();
         report::SandboxHardware::from_wire(h, &source.config_sha256, &archives)

@@ -2,7 +2,8 @@
 //! operator after the deadline), EndRun, the journal read back, the report signed and written.
 
 use super::evidence::{
-    Evidence, Recorder, elapsed_ms, empty_journal, heads_in_journal, read_journal, save_screenshot,
+    Evidence, Recorder, elapsed_ms, empty_journal, granted_snapshot, heads_in_journal,
+    read_journal, save_screenshot,
 };
 use super::session::{
     CONNECT_TIMEOUT, CallError, OPERATOR_CALL_TIMEOUT, RECONNECT_PAUSE_MAX, RUN_CALL_TIMEOUT,
@@ -140,21 +141,10 @@ pub(super) async fn finish(
         node: recorder.node.clone(),
         connector: evidence.connector.clone(),
         controller_version: env!("CARGO_PKG_VERSION").to_owned(),
-        snapshot: report::Snapshot {
-            server: grant.repository.server.to_string(),
-            port: grant.repository.port,
-            datastore: grant.repository.datastore.to_string(),
-            namespace: grant.repository.namespace.to_string(),
-            snapshot: grant.snapshot.to_string(),
-            archives: grant
-                .archives
-                .iter()
-                .map(|a| report::Archive {
-                    name: a.to_string(),
-                    sha256: None,
-                })
-                .collect(),
-        },
+        snapshot: evidence
+            .snapshot
+            .clone()
+            .unwrap_or_else(|| granted_snapshot(grant)),
         steps: std::mem::take(&mut recorder.steps),
         guest: evidence.guest.clone().unwrap_or(report::GuestFacts {
             status: "not started".into(),

@@ -89,6 +89,8 @@ ops! {
     GuestNetworkRecover = "guestnet.recover", WritesInside;
     /// The source VM's configuration, read for the sandbox VM.
     SourceConfig = "source.config", Observes;
+    /// The snapshot's manifest (`index.json.blob`), read for the report's subjects.
+    SourceManifest = "source.manifest", Observes;
     SandboxNft = "sandbox.nft", Creates;
     SandboxNftDelete = "sandbox.nft.delete", Undoes;
     SandboxAddress = "sandbox.address", Creates;
@@ -184,6 +186,8 @@ pub enum Resource {
     Screendump(Vmid),
     /// `source:qemu-server.conf`: the source VM's configuration in the snapshot, read only.
     SourceConfig,
+    /// `source:index.json.blob`: the snapshot's manifest, read only.
+    SourceManifest,
     /// `probe:<kind>:<address>:<port>`: a probe of a target; leaves nothing on the node.
     Probe {
         kind: ProbeKind,
@@ -230,6 +234,8 @@ impl Resource {
             ArchiveName::validate(archive).ok().map(Resource::Backup)
         } else if key == "source:qemu-server.conf" {
             Some(Resource::SourceConfig)
+        } else if key == "source:index.json.blob" {
+            Some(Resource::SourceManifest)
         } else if key == "dir:overlays" {
             Some(Resource::OverlayDir)
         } else if let Some(rest) = key.strip_prefix("overlay:") {
@@ -267,11 +273,15 @@ impl Resource {
     }
 
     /// Whether the resource is something on the node a run can leave behind; the run itself,
-    /// its journal, the source config it read and its probes are not.
+    /// its journal, the source config and manifest it read and its probes are not.
     pub fn is_on_the_node(&self) -> bool {
         !matches!(
             self,
-            Resource::Run(_) | Resource::Journal | Resource::SourceConfig | Resource::Probe { .. }
+            Resource::Run(_)
+                | Resource::Journal
+                | Resource::SourceConfig
+                | Resource::SourceManifest
+                | Resource::Probe { .. }
         )
     }
 
@@ -292,6 +302,7 @@ impl fmt::Display for Resource {
             Resource::Backup(archive) => write!(f, "backup:{archive}"),
             Resource::OverlayDir => f.write_str("dir:overlays"),
             Resource::SourceConfig => f.write_str("source:qemu-server.conf"),
+            Resource::SourceManifest => f.write_str("source:index.json.blob"),
             Resource::Overlay { vmid, archive } => write!(f, "overlay:{vmid}:{archive}"),
             Resource::Vm(vmid) => write!(f, "vm:{vmid}"),
             Resource::NftTable(table) => write!(f, "nft:{table}"),
@@ -346,6 +357,7 @@ mod tests {
             "backup:drive-scsi0.img",
             "dir:overlays",
             "source:qemu-server.conf",
+            "source:index.json.blob",
             "overlay:9100:drive-scsi0.img",
             "vm:9100",
             "nft:certistack_0f0e1c2d",
