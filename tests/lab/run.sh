@@ -675,9 +675,12 @@ for report in $reports; do
   "$bin/certistack-ctl" report verify --state-dir "$ctl/state" "$report" || verify_code=$?
 done
 
-# The rewrite's appliance ran in its confined unit of the node's systemd, as its user.
+# The rewrite's appliance ran in its confined unit of the node's systemd, as the user the
+# recovery's journaled intent names.
 confined_units=$(in_node_systemd journalctl -q --no-pager -o cat -u 'certistack-guestnet-*' 2>/dev/null |
   grep -c '^Started certistack-guestnet-' || true)
+appliance_users=$(find "$node/state" -name journal -type f -exec grep -ho '"appliance_user":"[^"]*"' {} + 2>/dev/null |
+  sed 's/.*:"\(.*\)"/\1/' | sort -u | tr '\n' ' ' || true)
 
 # ---- teardown -------------------------------------------------------------------------------
 say "teardown"
@@ -708,7 +711,7 @@ done
 say "summary"
 expectations=0
 LAB_PRESERVE_PROBE_NETWORK=${preserve_guest%.*}.0/24 LAB_REWRITE_ADDRESS=$rewrite_guest/24 LAB_APPLIANCE_ACCEL=$appliance_accel \
-LAB_CONFINED_UNITS=$confined_units \
+LAB_CONFINED_UNITS=$confined_units LAB_APPLIANCE_USERS="$appliance_users" \
   python3 - "$run_code" "$verify_code" "$run_ms" "$connector_cpu" "$connector_children_cpu" \
   "$cpu_before" "$cpu_after" "$backups_changed" "${phases[*]}" "${kept_reports[@]}" <<'PY' || expectations=$?
 import base64, ipaddress, json, os, re, sys
@@ -799,13 +802,12 @@ EXPECTED = {"lab-web": expect_passed, "lab-prod-preserve": expect_unreachable, "
 unmet = []
 seen = set()
 lines = []
-appliance_users = set()
+appliance_users = set(os.environ.get("LAB_APPLIANCE_USERS", "").split())
 for report in reports:
     envelope = json.load(open(report))
     p = json.loads(base64.b64decode(envelope["payload"]))["predicate"]
     name = p["name"]
     seen.add(name)
-    appliance_users |= set(re.findall(r'"appliance_user":\s*"([^"]*)"', json.dumps(p["journal"])))
     steps = p["steps"]
     boot_ms = span(steps, lambda n: n.startswith("start "), lambda n: n.startswith("guest agent") or n.startswith("qga ") or n.startswith("qmp "))
     probes_ms = span(steps, lambda n: n.startswith("probe "), lambda n: n.startswith("probe "))
