@@ -554,6 +554,20 @@ impl Config {
                 });
             }
         }
+        // Overlay paths reach the appliance unit's BindPaths=, which systemd splits at
+        // whitespace and ':' (and unquotes and unescapes).
+        let overlay_root = self.paths.overlay_root.display().to_string();
+        if overlay_root
+            .chars()
+            .any(|c| c.is_whitespace() || c.is_control() || ":\\\"'".contains(c))
+        {
+            return Err(ConfigError::Invalid {
+                path: path.to_owned(),
+                key: "paths.overlay_root",
+                value: overlay_root,
+                reason: "may not hold whitespace, control characters, ':', '\\', or quotes (systemd's BindPaths= would split or unquote it); choose a plain directory such as /var/lib/certistack-overlays".into(),
+            });
+        }
         let limit = |key, value: usize, lo: usize, hi: usize| {
             if (lo..=hi).contains(&value) {
                 Ok(())
@@ -801,6 +815,29 @@ overlay_root = "/var/lib/certistack/overlays"
         assert!(err.contains("process.systemd_run"), "{err}");
         for path in [good, never, unknown, relative] {
             std::fs::remove_file(path).unwrap();
+        }
+    }
+
+    /// An overlay root systemd's `BindPaths=` would split (a space makes a second bind of
+    /// `/`, writable) is refused when the configuration is read.
+    #[test]
+    fn an_overlay_root_that_bind_paths_would_split_is_refused() {
+        for (name, root) in [
+            ("space", "/ /x"),
+            ("colon", "/var/lib/a:b"),
+            ("quote", "/var/lib/\\\"x"),
+        ] {
+            let text = GOOD.replace(
+                "overlay_root = \"/var/lib/certistack/overlays\"",
+                &format!("overlay_root = \"{root}\""),
+            );
+            let file = write(&format!("overlay-root-{name}"), &text, 0o644);
+            let err = Config::load(&file).unwrap_err().to_string();
+            assert!(
+                err.contains("paths.overlay_root") && err.contains("BindPaths"),
+                "{err}"
+            );
+            std::fs::remove_file(file).unwrap();
         }
     }
 

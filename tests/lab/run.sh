@@ -335,7 +335,10 @@ echo "accelerator: $accel ($accel_why); libguestfs appliance: $appliance_accel"
 nspawn_root=$root/target/nspawn/systemd-root
 bash "$root/tests/systemd/container-root.sh" "$nspawn_root" ||
   { echo "lab: the node's systemd root could not be made (see $nspawn_root.log)" >&2; exit 70; }
+# The appliance supermin builds is kept between lab runs, as a node keeps it between recoveries.
+mkdir -p "$root/target/nspawn/guestnet-cache"
 nspawn_binds=(--bind="$work" --bind-ro=/boot --bind-ro=/lib/modules:/usr/lib/modules
+  --bind="$root/target/nspawn/guestnet-cache:/var/cache/certistack-guestnet"
   --bind-ro="$root/packaging/certistack-connector.sysusers:/usr/lib/sysusers.d/certistack-connector.conf")
 [ -e /dev/kvm ] && nspawn_binds+=(--bind=/dev/kvm)
 systemd-nspawn -D "$nspawn_root" --volatile=overlay -b --register=no --keep-unit --console=passive \
@@ -352,10 +355,16 @@ for _ in $(seq 1 300); do
 done
 [ -n "$leader" ] || { echo "lab: systemd-nspawn started no systemd (see $work/node-systemd.log)" >&2; exit 70; }
 in_node_systemd() { nsenter -t "$leader" -a -- "$@"; }
+node_systemd=""
 for _ in $(seq 1 300); do
-  case "$(in_node_systemd systemctl is-system-running 2>/dev/null)" in running | degraded) break ;; esac
+  node_systemd=$(in_node_systemd systemctl is-system-running 2>/dev/null || true)
+  case "$node_systemd" in running | degraded) break ;; esac
   sleep 0.1
 done
+case "$node_systemd" in
+  running | degraded) ;;
+  *) echo "lab: the node's systemd did not come up within 30 s ($node_systemd; see $work/node-systemd.log)" >&2; exit 70 ;;
+esac
 # Its /dev is its own: the loop nodes, as udev leaves block devices (root:disk 0660); the
 # appliance user, as the package's postinst makes it.
 in_node_systemd sh -c 'for i in $(seq 0 511); do [ -e /dev/loop$i ] || mknod -m 0660 /dev/loop$i b 7 $i; chgrp disk /dev/loop$i; done'

@@ -24,6 +24,7 @@ pub mod loopdev;
 pub mod manifest;
 pub mod overlay;
 pub mod probe;
+pub mod qcow2_header;
 // What a run holds, as its journal says: shared with the run registry, which decides from it
 // whether a run may close or still counts against the node's limits.
 pub mod sandbox;

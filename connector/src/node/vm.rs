@@ -582,6 +582,11 @@ impl Vms<'_> {
                         ))
                     })?;
                 self.ctx.backups().check_mapping(grant, archive, &device)?;
+                // QEMU, as root, follows what the overlay's header names: after the confined
+                // appliance held it, it must still name only this mapping, raw.
+                let overlay = self.ctx.overlays().overlay_path(grant, vmid, archive);
+                super::qcow2_header::check_overlay_header(&overlay, &device)
+                    .map_err(ExecError::FailedPrecondition)?;
             }
             if !prepared
                 || !self.ctx.sandbox().table_present(grant).await?

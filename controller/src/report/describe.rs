@@ -152,7 +152,7 @@ pub fn describe(statement: &Statement, report_path: &Path) -> String {
             detail(&hw.boot_order.join(", "))
         );
         for changed in &hw.changed {
-            let _ = writeln!(out, "  changed {changed}");
+            let _ = writeln!(out, "  changed {}", detail(changed));
         }
         for omitted in &hw.omitted {
             let _ = writeln!(out, "  omitted {}", detail(omitted));

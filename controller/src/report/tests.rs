@@ -606,6 +606,7 @@ fn hostile_validation() -> Validation {
         hardware.cpu = hostile("host");
         hardware.nics = vec![hostile("net0=")];
         hardware.omitted = vec![hostile("hostpci0: "), hostile("usb0: ")];
+        hardware.changed = vec![hostile("net0: ")];
     }
     validation.cleanup.receipts[0].resource = hostile("vm:");
     validation.cleanup.residue = vec![hostile("vm:9100 ")];

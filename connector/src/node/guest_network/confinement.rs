@@ -28,7 +28,7 @@ pub const APPLIANCE_CACHE: &str = "/var/cache/certistack-guestnet";
 /// holds no other block device, and its device cgroup allows the loop device read-only.
 pub const LOOP_DEVICE_GROUP: &str = "disk";
 /// The group `/dev/kvm` belongs to (`50-udev-default.rules`, `KERNEL=="kvm", GROUP="kvm"`).
-const KVM_GROUP: &str = "kvm";
+pub const KVM_GROUP: &str = "kvm";
 /// The device QEMU opens for KVM.
 pub const KVM_DEVICE: &str = "/dev/kvm";
 /// The longest `/etc/passwd` or `/etc/group` read.
@@ -126,7 +126,12 @@ pub fn group_id(group: &Path, name: &str) -> Result<u32, String> {
         .map(|line| line.split(':').collect::<Vec<_>>())
         .find(|fields| fields.first() == Some(&name))
         .and_then(|fields| fields.get(2).and_then(|gid| gid.parse().ok()))
-        .ok_or_else(|| format!("no group {name:?} in {}", group.display()))
+        .ok_or_else(|| {
+            format!(
+                "no group {name:?} in {} (pve.group): the confined appliance reads the backup's loop device through group {LOOP_DEVICE_GROUP} and /dev/kvm through group {KVM_GROUP}, as udev sets them up; create the group or set pve.group, or plan network_recovery.mode preserve",
+                group.display()
+            )
+        })
 }
 
 fn read_account_file(path: &Path) -> Result<String, String> {

@@ -2,7 +2,8 @@
 //! transient unit, the journal records around the recovery.
 
 use super::confinement::{
-    ApplianceUser, KVM_DEVICE, LOOP_DEVICE_GROUP, OverlayHandover, group_id, loop_device_problem,
+    ApplianceUser, KVM_DEVICE, KVM_GROUP, LOOP_DEVICE_GROUP, OverlayHandover, group_id,
+    loop_device_problem,
 };
 use super::plan::recover;
 use super::profiles::probe_ports;
@@ -93,7 +94,11 @@ impl GuestNetwork<'_> {
         )
         .map_err(ExecError::FailedPrecondition)?;
         let disk = group_id(&self.ctx.config.pve.group, LOOP_DEVICE_GROUP)
-            .map_err(ExecError::FailedPrecondition)?;
+            .map_err(|e| ExecError::FailedPrecondition(format!("{e}; nothing was written")))?;
+        // systemd refuses to start a unit whose SupplementaryGroups= names a missing group
+        // (status 216/GROUP): said here instead.
+        group_id(&self.ctx.config.pve.group, KVM_GROUP)
+            .map_err(|e| ExecError::FailedPrecondition(format!("{e}; nothing was written")))?;
         let loop_device = PathBuf::from(device);
         if let Some(problem) = loop_device_problem(&loop_device, disk) {
             return Err(ExecError::FailedPrecondition(format!(
@@ -321,6 +326,18 @@ impl GuestNetwork<'_> {
         if let Some(Err(reason)) = &given_back {
             tracing::warn!(run_id = %grant.run_id, %vmid, %reason, "the overlay was not given back after recovery");
         }
+        // The appliance user could write every byte of the overlay, its header included: a
+        // recovery whose overlay no longer names only this run's mapping has failed (StartVm
+        // checks again before QEMU opens it).
+        let result = match (result, &confinement) {
+            (Ok(done), Some(_)) => {
+                match crate::node::qcow2_header::check_overlay_header(&path, &device) {
+                    Ok(()) => Ok(done),
+                    Err(reason) => Err(RecoveryError::Tool(reason)),
+                }
+            }
+            (result, _) => result,
+        };
         let elapsed = started.elapsed();
         let (evidence, code) = match result {
             Ok(done) => done,
