@@ -235,7 +235,8 @@ pub fn loop_device_problem(device: &Path, disk_gid: u32) -> Option<String> {
 #[derive(Debug)]
 pub struct OverlayHandover {
     path: PathBuf,
-    owner: (u32, u32),
+    /// The owner to give the overlay back to; `None` once given back.
+    owner: Option<(u32, u32)>,
 }
 
 impl OverlayHandover {
@@ -255,7 +256,7 @@ impl OverlayHandover {
         })?;
         Ok(Self {
             path: path.to_owned(),
-            owner,
+            owner: Some(owner),
         })
     }
 
@@ -265,10 +266,9 @@ impl OverlayHandover {
     }
 
     fn restore(&mut self) -> Result<(), String> {
-        let (uid, gid) = std::mem::replace(&mut self.owner, (u32::MAX, u32::MAX));
-        if uid == u32::MAX {
+        let Some((uid, gid)) = self.owner.take() else {
             return Ok(());
-        }
+        };
         std::os::unix::fs::lchown(&self.path, Some(uid), Some(gid)).map_err(|e| {
             format!(
                 "cannot give {} back to {uid}:{gid}: {e}",
