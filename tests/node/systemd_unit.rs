@@ -195,6 +195,51 @@ use std::collections::BTreeMap;
 #[path = "systemd_unit/confined_appliance.rs"]
 mod confined_appliance;
 
+/// Writes `config` (listening on `port`) into `dir` with a drop-in for the packaged unit, and
+/// names what a container needs bound in to run the packaged connector as a service: `dir`
+/// itself, the binary, the unit, the drop-in, the configuration and the node certificate.
+fn packaged_connector(
+    dir: &Path,
+    config: &certistack_connector::config::Config,
+    port: u16,
+) -> Vec<(PathBuf, PathBuf)> {
+    let config_path = dir.join("connector.toml");
+    write_config_file(&config_path, config, port);
+    // The test's directory sits below /tmp, which the unit's PrivateTmp hides and
+    // ProtectSystem makes read-only: this drop-in opens exactly that directory.
+    let dropin = dir.join("lab.conf");
+    std::fs::write(
+        &dropin,
+        format!(
+            "[Service]\nPrivateTmp=no\nReadWritePaths={}\n",
+            dir.display()
+        ),
+    )
+    .unwrap();
+    vec![
+        (dir.to_owned(), dir.to_owned()),
+        (
+            binary("certistack-connector"),
+            "/usr/sbin/certistack-connector".into(),
+        ),
+        (
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../packaging")
+                .join(UNIT),
+            format!("/etc/systemd/system/{UNIT}").into(),
+        ),
+        (
+            dropin,
+            format!("/etc/systemd/system/{UNIT}.d/lab.conf").into(),
+        ),
+        (config_path, "/etc/certistack/connector.toml".into()),
+        (
+            config.tls.certificate.clone(),
+            "/etc/certistack/node.crt".into(),
+        ),
+    ]
+}
+
 /// The root, built once per target directory by tests/systemd/container-root.sh.
 fn container_root() -> PathBuf {
     let target = binary("certistack-connector")
@@ -250,42 +295,7 @@ async fn the_map_holder_runs_outside_the_connectors_sandbox_and_outlives_its_res
         lab.controller_and_node_config("systemd-unit-ctl");
     config.process.transient_units = certistack_connector::config::TransientUnits::Auto;
     let port = free_local_port();
-    let config_path = dir.join("connector.toml");
-    write_config_file(&config_path, &config, port);
-    // The test's directory sits below /tmp, which the unit's PrivateTmp hides and
-    // ProtectSystem makes read-only: this drop-in opens exactly that directory.
-    let dropin = dir.join("lab.conf");
-    std::fs::write(
-        &dropin,
-        format!(
-            "[Service]\nPrivateTmp=no\nReadWritePaths={}\n",
-            dir.display()
-        ),
-    )
-    .unwrap();
-    let unit = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../packaging")
-        .join(UNIT);
-    let container = Container::boot(
-        &root,
-        &[
-            (dir.clone(), dir.clone()),
-            (
-                binary("certistack-connector"),
-                "/usr/sbin/certistack-connector".into(),
-            ),
-            (unit, format!("/etc/systemd/system/{UNIT}").into()),
-            (
-                dropin,
-                format!("/etc/systemd/system/{UNIT}.d/lab.conf").into(),
-            ),
-            (config_path, "/etc/certistack/connector.toml".into()),
-            (
-                config.tls.certificate.clone(),
-                "/etc/certistack/node.crt".into(),
-            ),
-        ],
-    );
+    let container = Container::boot(&root, &packaged_connector(&dir, &config, port));
     container.run(&["systemctl", "daemon-reload"]);
     // Type=notify: start returns once the connector said READY=1.
     let started = container.run(&["systemctl", "start", UNIT]);

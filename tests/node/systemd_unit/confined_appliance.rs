@@ -102,45 +102,17 @@ async fn guest_network_recovery_runs_its_appliance_in_the_confined_unit() {
     config.guest_network.accelerator = appliance_accelerator(&lab);
     config.pve.kvm_device = "/dev/kvm".into();
     let port = free_local_port();
-    let config_path = dir.join("connector.toml");
-    write_config_file(&config_path, &config, port);
-    let dropin = dir.join("lab.conf");
-    std::fs::write(
-        &dropin,
-        format!(
-            "[Service]\nPrivateTmp=no\nReadWritePaths={}\n",
-            dir.display()
-        ),
-    )
-    .unwrap();
     let packaging = Path::new(env!("CARGO_MANIFEST_DIR")).join("../packaging");
-    let mut binds = vec![
-        (dir.clone(), dir.clone()),
-        (
-            binary("certistack-connector"),
-            "/usr/sbin/certistack-connector".into(),
-        ),
-        (
-            packaging.join(UNIT),
-            format!("/etc/systemd/system/{UNIT}").into(),
-        ),
-        (
-            dropin,
-            format!("/etc/systemd/system/{UNIT}.d/lab.conf").into(),
-        ),
+    let mut binds = packaged_connector(&dir, &config, port);
+    binds.extend([
         (
             packaging.join("certistack-connector.sysusers"),
             "/usr/lib/sysusers.d/certistack-connector.conf".into(),
         ),
-        (config_path, "/etc/certistack/connector.toml".into()),
-        (
-            config.tls.certificate.clone(),
-            "/etc/certistack/node.crt".into(),
-        ),
         // The appliance boots the machine's own kernel, with its modules.
         ("/boot".into(), "/boot".into()),
         ("/lib/modules".into(), "/usr/lib/modules".into()),
-    ];
+    ]);
     if Path::new("/dev/kvm").exists() {
         binds.push(("/dev/kvm".into(), "/dev/kvm".into()));
     }
