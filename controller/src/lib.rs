@@ -15,6 +15,7 @@ pub mod interrupt;
 pub mod operator;
 pub mod package;
 pub mod plan;
+pub mod plan_run;
 pub mod report;
 pub mod run;
 pub mod runner;

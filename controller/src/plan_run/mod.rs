@@ -1,0 +1,107 @@
+//! One run of a plan (`certistack-ctl run`), as phases in order: load (the configuration, the
+//! plan as written, its secrets, the keys) → resolve (each validation's values, then its grant)
+//! → validate (every validation on its node, through `runner`) → print (the table, or JSON
+//! lines). Phases still to come (preflight, networks, history, outputs, notifications) each go
+//! between these as a function of their own, so the order of a night can be read here in one
+//! place; `runner` stays "drive validations".
+
+use crate::authority::Authority;
+use crate::config::ControllerConfig;
+use crate::exit::ExitStatus;
+use crate::plan::Plan;
+use crate::{interrupt, runner};
+use std::path::PathBuf;
+use std::sync::Arc;
+use time::OffsetDateTime;
+
+/// What the operator asked of this run.
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub plan: PathBuf,
+    pub config: PathBuf,
+    /// Validations at once on one node.
+    pub per_node: usize,
+    /// Validations at once in total.
+    pub max_concurrent: usize,
+    /// How progress and the summaries are printed.
+    pub output: runner::ProgressMode,
+}
+
+/// Everything the run reads before it resolves anything: nothing is contacted.
+#[allow(missing_debug_implementations)]
+pub struct Loaded {
+    pub config: ControllerConfig,
+    pub plan: Plan,
+    pub secrets: runner::Secrets,
+    pub authority: Authority,
+}
+
+/// Runs the plan: every phase in order, on `runtime`. Returns the validations' summaries in
+/// plan order; the caller turns them into the exit status.
+pub fn run(
+    options: &Options,
+    now: OffsetDateTime,
+    runtime: &tokio::runtime::Runtime,
+) -> Result<Vec<runner::Summary>, ExitStatus> {
+    let loaded = load(options, now)?;
+    let summaries = runtime.block_on(validate(options, loaded));
+    print(options.output, &summaries);
+    Ok(summaries)
+}
+
+/// Phase 1: the configuration, the plan (checked completely, offline), the secrets it names
+/// and the controller's keys.
+pub fn load(options: &Options, now: OffsetDateTime) -> Result<Loaded, ExitStatus> {
+    let config = ControllerConfig::load(&options.config)?;
+    let plan = Plan::load(&options.plan, &config, now.unix_timestamp())?;
+    let secrets = runner::Secrets::load(&plan)?;
+    let authority = Authority::load(&config.state_dir)?;
+    Ok(Loaded {
+        config,
+        plan,
+        secrets,
+        authority,
+    })
+}
+
+/// Phase 3: every validation driven on its node, bounded per node and in total, with the
+/// operator's interrupts heard throughout.
+pub async fn validate(options: &Options, loaded: Loaded) -> Vec<runner::Summary> {
+    let Loaded {
+        config,
+        plan,
+        secrets,
+        authority,
+    } = loaded;
+    let progress = Arc::new(runner::Progress::new(options.output));
+    let announced = progress.clone();
+    let interrupts = interrupt::listen(move |line| announced.println(line));
+    let context = Arc::new(runner::RunContext {
+        authority: Arc::new(authority),
+        nodes: config
+            .nodes
+            .iter()
+            .map(|(name, node)| (name.to_string(), node.clone()))
+            .collect(),
+        reports_dir: config.reports_dir.clone(),
+        plan_digest: plan.digest.clone(),
+        secrets: Arc::new(secrets),
+        progress,
+        interrupts,
+    });
+    runner::run_plan(context, plan, options.per_node, options.max_concurrent).await
+}
+
+/// Phase 4: the summaries, written without panicking on a closed pipe (`run ... | head`): the
+/// exit code still says how the run went.
+pub fn print(output: runner::ProgressMode, summaries: &[runner::Summary]) {
+    if output == runner::ProgressMode::Json {
+        for summary in summaries {
+            if let Ok(line) = serde_json::to_string(&serde_json::json!({ "summary": summary })) {
+                runner::write_line(&line);
+            }
+        }
+    } else {
+        runner::write_line(runner::summary_table(summaries).trim_end());
+    }
+}
