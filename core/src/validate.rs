@@ -552,8 +552,10 @@ string_newtype!(
     }
 );
 
-/// A PVE VMID. PVE accepts 100..=999999999; 0 and the reserved 1..=99 are refused.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+/// A PVE VMID. PVE accepts 100..=999999999; 0 and the reserved 1..=99 are refused. Written
+/// out (by `plan show --json`) as the bare number.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize)]
+#[serde(transparent)]
 pub struct Vmid(u32);
 
 impl Vmid {

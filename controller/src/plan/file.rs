@@ -16,11 +16,13 @@ pub(super) struct PlanFile {
 #[serde(deny_unknown_fields)]
 pub(super) struct StorageFile {
     pub(super) server: String,
-    #[serde(default = "default_pbs_port")]
-    pub(super) port: u16,
-    pub(super) datastore: String,
+    /// [`DEFAULT_PBS_PORT`] when not written.
     #[serde(default)]
-    pub(super) namespace: String,
+    pub(super) port: Option<u16>,
+    pub(super) datastore: String,
+    /// The datastore's root namespace when not written.
+    #[serde(default)]
+    pub(super) namespace: Option<String>,
     pub(super) auth_id: String,
     pub(super) fingerprint: String,
     pub(super) pbs_password_file: PathBuf,
@@ -31,10 +33,6 @@ pub(super) struct StorageFile {
     pub(super) _pbs_password: Option<InlineSecret>,
     #[serde(default, rename = "encryption_key")]
     pub(super) _encryption_key: Option<InlineSecret>,
-}
-
-pub(super) fn default_pbs_port() -> u16 {
-    DEFAULT_PBS_PORT
 }
 
 #[derive(Debug, Deserialize)]
@@ -73,9 +71,10 @@ pub(super) struct NetworkFile {
     pub(super) probe_source: String,
 }
 
-#[derive(Debug, Deserialize)]
+/// A probe as written; `plan show` prints it the same way, every key present.
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
-pub(super) struct ProbeFile {
+pub struct ProbeFile {
     pub(super) kind: ProbeKindFile,
     pub(super) address: String,
     pub(super) port: u16,
@@ -83,9 +82,9 @@ pub(super) struct ProbeFile {
     pub(super) expect: ExpectFile,
 }
 
-#[derive(Debug, Clone, Copy, Deserialize)]
+#[derive(Debug, Clone, Copy, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
-pub(super) enum ProbeKindFile {
+pub enum ProbeKindFile {
     Tcp,
     Http,
     Https,
@@ -93,9 +92,9 @@ pub(super) enum ProbeKindFile {
     Ldap,
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
-pub(super) struct ExpectFile {
+pub struct ExpectFile {
     #[serde(default)]
     pub(super) banner_prefix: String,
     #[serde(default)]
@@ -116,9 +115,9 @@ pub(super) struct ExpectFile {
     pub(super) ldap_naming_context: String,
 }
 
-#[derive(Debug, Clone, Copy, Deserialize)]
+#[derive(Debug, Clone, Copy, Deserialize, Serialize)]
 #[serde(rename_all = "UPPERCASE")]
-pub(super) enum DnsTypeFile {
+pub enum DnsTypeFile {
     A,
     Aaaa,
     Cname,
@@ -128,9 +127,10 @@ pub(super) enum DnsTypeFile {
     Ptr,
 }
 
-#[derive(Debug, Deserialize)]
+/// An assertion as written; `plan show` prints it the same way, every key present.
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
-pub(super) struct AssertionFile {
+pub struct AssertionFile {
     pub(super) id: String,
     pub(super) program: String,
     #[serde(default)]
@@ -142,30 +142,14 @@ pub(super) struct AssertionFile {
     pub(super) timeout_seconds: u32,
 }
 
-#[derive(Debug, Deserialize)]
+/// Each timeout is `None` when not written: resolution puts in the default and says so.
+#[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct TimeoutsFile {
-    #[serde(default = "default_run_seconds")]
-    pub(super) run_seconds: u32,
-    #[serde(default = "default_guest_agent_seconds")]
-    pub(super) guest_agent_seconds: u32,
-}
-
-impl Default for TimeoutsFile {
-    fn default() -> Self {
-        Self {
-            run_seconds: DEFAULT_RUN_SECONDS,
-            guest_agent_seconds: DEFAULT_GUEST_AGENT_SECONDS,
-        }
-    }
-}
-
-pub(super) fn default_run_seconds() -> u32 {
-    DEFAULT_RUN_SECONDS
-}
-
-pub(super) fn default_guest_agent_seconds() -> u32 {
-    DEFAULT_GUEST_AGENT_SECONDS
+    #[serde(default)]
+    pub(super) run_seconds: Option<u32>,
+    #[serde(default)]
+    pub(super) guest_agent_seconds: Option<u32>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -181,7 +165,7 @@ pub(super) struct NetworkRecoveryFile {
 }
 
 /// How the restored guest finds its network in the sandbox.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum NetworkRecoveryMode {
     /// The explicit opt-out: the guest keeps the network configuration it was backed up
@@ -263,7 +247,8 @@ impl<'de> Deserialize<'de> for SnapshotTime {
 }
 
 /// The sandbox network's lifecycle: who creates the VNet and when.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum NetworkLifecycle {
     /// The VNet exists before the run (docs/sandbox-network.md); the run only attaches to it.
     Preprovisioned,

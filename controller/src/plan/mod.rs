@@ -1,6 +1,8 @@
 //! Plans: what an operator asks the controller to validate, written in YAML.
 //!
-//! A plan is checked completely before any node is contacted. Each validation is turned into the
+//! A plan is checked completely before any node is contacted, in three steps: the plan as
+//! written (`file`), the resolved validations (`resolve`: every value decided, each with where it
+//! came from) and the grants (`wire`). Each validation is turned into the
 //! `RunGrant` its node will receive, and that grant is put through the connector's own parser
 //! (signed with a throwaway key, verified, decoded, every field validated), so a plan the
 //! controller accepts is one a node accepts, for the same reasons. What a grant cannot say (the
@@ -12,12 +14,20 @@
 //! field types raise, so a refusal points at the line to change.
 
 mod file;
+mod resolve;
 #[cfg(test)]
 mod tests;
 mod wire;
 
 use file::*;
-pub use file::{NetworkLifecycle, NetworkRecoveryMode};
+pub use file::{
+    AssertionFile, DnsTypeFile, ExpectFile, NetworkLifecycle, NetworkRecoveryMode, ProbeFile,
+    ProbeKindFile,
+};
+pub use resolve::{
+    Origin, ResolvedNetwork, ResolvedNetworkRecovery, ResolvedSandboxVm, ResolvedStorage,
+    ResolvedTimeouts, ResolvedValidation, Sourced,
+};
 use wire::*;
 
 use crate::config::ControllerConfig;
@@ -25,7 +35,7 @@ use certistack_core::files::{self, FileError};
 use certistack_core::grant::{self, Grant, GrantError};
 use certistack_core::validate::Vmid;
 use certistack_proto::v1 as pb;
-use serde::{Deserialize, Deserializer};
+use serde::{Deserialize, Deserializer, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
@@ -91,6 +101,8 @@ pub struct Plan {
     /// resolved against the plan's directory and permission-checked.
     pub pbs_password_file: PathBuf,
     pub encryption_key_file: Option<PathBuf>,
+    /// The PBS repository, each value with where it came from.
+    pub storage: ResolvedStorage,
     pub validations: Vec<Validation>,
 }
 
@@ -109,6 +121,8 @@ pub struct Validation {
     pub guest_agent_seconds: u32,
     pub network_lifecycle: NetworkLifecycle,
     pub network_recovery: NetworkRecoveryMode,
+    /// Every value the grant was built from, with where it came from (`plan show`).
+    pub resolved: ResolvedValidation,
 }
 
 impl Plan {
@@ -148,213 +162,55 @@ impl Plan {
         Ok(plan)
     }
 
-    /// Parses and checks plan text; secret files are resolved but not opened.
+    /// Parses and checks plan text in the three steps (as written, resolved, granted); secret
+    /// files are resolved but not opened.
     pub fn parse(
         path: &Path,
         text: &str,
         config: &ControllerConfig,
         now_unix: i64,
     ) -> Result<Self, PlanError> {
-        let file: PlanFile = serde_saphyr::from_str(text).map_err(|error| {
-            let position = error.location().filter(|at| at.line() > 0).map_or_else(
-                || "?".to_owned(),
-                |at| format!("{}:{}", at.line(), at.column()),
-            );
-            PlanError::Syntax {
-                path: path.to_owned(),
-                position,
-                reason: first_line(&error.to_string()),
-            }
-        })?;
-        let refused = |at: String, reason: String| PlanError::Refused {
-            path: path.to_owned(),
-            at,
-            reason,
-        };
-        if file.validations.is_empty() || file.validations.len() > MAX_VALIDATIONS {
-            return Err(refused(
-                "validations".into(),
-                format!(
-                    "a plan has 1..={MAX_VALIDATIONS} validations, this one has {}",
-                    file.validations.len()
-                ),
-            ));
-        }
-        let base = path.parent().unwrap_or(Path::new("."));
-        let storage = &file.storage;
-        let repository = pb::PbsRepository {
-            server: storage.server.clone(),
-            port: u32::from(storage.port),
-            datastore: storage.datastore.clone(),
-            namespace: storage.namespace.clone(),
-            auth_id: storage.auth_id.clone(),
-            fingerprint: storage.fingerprint.clone(),
-        };
-
-        let mut names = BTreeSet::new();
-        let mut vmids_on_node: BTreeMap<String, BTreeMap<u32, String>> = BTreeMap::new();
-        let mut validations = Vec::new();
-        for (index, v) in file.validations.iter().enumerate() {
-            let at = |key: &str| format!("validations[{index}] ({}){key}", v.name);
-            check_name(&v.name)
-                .map_err(|reason| refused(format!("validations[{index}].name"), reason))?;
-            if !names.insert(v.name.clone()) {
-                return Err(refused(
-                    at(".name"),
-                    "another validation has this name; give each a name of its own".into(),
-                ));
-            }
-            let node = config
-                .nodes
-                .iter()
-                .find(|(name, _)| name.as_str() == v.node)
-                .map(|(_, node)| node)
-                .ok_or_else(|| {
-                    refused(
-                        at(".node"),
-                        format!(
-                            "node {:?} is not in the controller's inventory ({}); add it under [[nodes]] in the controller configuration or use one of those",
-                            v.node,
-                            config
-                                .nodes
-                                .keys()
-                                .map(|n| n.as_str())
-                                .collect::<Vec<_>>()
-                                .join(", ")
-                        ),
-                    )
-                })?;
-            let used = vmids_on_node.entry(v.node.clone()).or_default();
-            for vm in &v.sandbox {
-                if let Some(other) = used.insert(vm.vmid.0.get(), v.name.clone()) {
-                    return Err(refused(
-                        at(".sandbox"),
-                        format!(
-                            "sandbox VMID {} is also used by validation {other} on node {}; give each sandbox VM on a node its own VMID",
-                            vm.vmid.0, v.node
-                        ),
-                    ));
+        let file = read_written(path, text)?;
+        let resolved = resolve::offline(path, &file, config)?;
+        let mut validations = Vec::with_capacity(resolved.validations.len());
+        for (index, validation) in resolved.validations.into_iter().enumerate() {
+            let validation = granted(&resolved.storage, validation, now_unix).map_err(|error| {
+                PlanError::Refused {
+                    path: path.to_owned(),
+                    at: format!("validations[{index}] ({})", error.name),
+                    reason: grant_refusal(&error.error),
                 }
-            }
-            if v.timeouts.guest_agent_seconds == 0
-                || v.timeouts.guest_agent_seconds >= v.timeouts.run_seconds
-            {
-                return Err(refused(
-                    at(".timeouts.guest_agent_seconds"),
-                    format!(
-                        "{} must be at least 1 and less than run_seconds ({})",
-                        v.timeouts.guest_agent_seconds, v.timeouts.run_seconds
-                    ),
-                ));
-            }
-            let run_seconds = i64::from(v.timeouts.run_seconds);
-            if run_seconds + NOT_BEFORE_SLACK_SECS > grant::MAX_GRANT_LIFETIME_SECS {
-                return Err(refused(
-                    at(".timeouts.run_seconds"),
-                    format!(
-                        "{run_seconds} is longer than a grant may last ({} s, of which {NOT_BEFORE_SLACK_SECS} s are kept for clocks a little apart); split the validation or shorten it",
-                        grant::MAX_GRANT_LIFETIME_SECS
-                    ),
-                ));
-            }
-            let reserve = cleanup_reserve_secs(v.timeouts.run_seconds);
-            if v.timeouts.guest_agent_seconds.saturating_add(reserve) >= v.timeouts.run_seconds {
-                return Err(refused(
-                    at(".timeouts.guest_agent_seconds"),
-                    format!(
-                        "{} leaves no time for the steps after it: run_seconds ({}) keeps {reserve} s for cleanup, so the guest agent wait must be shorter than {} s; raise run_seconds or lower guest_agent_seconds",
-                        v.timeouts.guest_agent_seconds,
-                        v.timeouts.run_seconds,
-                        v.timeouts.run_seconds.saturating_sub(reserve)
-                    ),
-                ));
-            }
-            let recovery_mode = v.network_recovery.mode.unwrap_or_default();
-            let guest_address = match (recovery_mode, &v.network_recovery.guest_address) {
-                (_, Some(address)) => address.clone(),
-                (NetworkRecoveryMode::Preserve, None) => String::new(),
-                (NetworkRecoveryMode::Rewrite, None) => {
-                    let addresses: BTreeSet<&str> =
-                        v.probes.iter().map(|p| p.address.as_str()).collect();
-                    let prefix = v.network.probe_source.rsplit_once('/').map(|(_, p)| p);
-                    match (addresses.len(), addresses.first(), prefix) {
-                        (1, Some(address), Some(prefix)) => format!("{address}/{prefix}"),
-                        _ => {
-                            return Err(refused(
-                                at(".network_recovery.guest_address"),
-                                format!(
-                                    "network_recovery.mode is {} and needs the sandbox NIC's address, which is taken from the probes only when they target exactly one address (they target {}): write `network_recovery: {{guest_address: <address>/<prefix>}}` with an address inside network.probe_source {} other than the probe source itself, or `network_recovery: {{mode: preserve}}` to leave the guest's network configuration as it was backed up",
-                                    if v.network_recovery.mode.is_some() {
-                                        "rewrite"
-                                    } else {
-                                        "rewrite (the default)"
-                                    },
-                                    addresses.len(),
-                                    v.network.probe_source
-                                ),
-                            ));
-                        }
-                    }
-                }
-            };
-            let wire = pb::RunGrant {
-                version: grant::GRANT_VERSION,
-                run_id: uuid::Uuid::new_v4().hyphenated().to_string(),
-                node: v.node.clone(),
-                not_before_unix: now_unix - NOT_BEFORE_SLACK_SECS,
-                deadline_unix: now_unix.saturating_add(run_seconds),
-                repository: Some(repository.clone()),
-                snapshot: format!("vm/{}/{}", v.source_vmid.0, v.snapshot.0),
-                archives: v.archives.clone(),
-                sandbox_vms: v
-                    .sandbox
-                    .iter()
-                    .map(|vm| pb::SandboxVm {
-                        vmid: vm.vmid.0.get(),
-                        max_cores: vm.cores,
-                        max_memory_mib: vm.memory_mib,
-                    })
-                    .collect(),
-                vnet: v.network.vnet.clone(),
-                probe_source: v.network.probe_source.clone(),
-                probe_targets: v.probes.iter().map(wire_probe).collect(),
-                qga_assertions: v
-                    .assertions
-                    .iter()
-                    .map(|a| pb::QgaAssertion {
-                        id: a.id.clone(),
-                        program: a.program.clone(),
-                        args: a.args.clone(),
-                        expect_exit_code: a.exit_code,
-                        expect_stdout_contains: a.stdout_contains.clone(),
-                        timeout_seconds: a.timeout_seconds,
-                    })
-                    .collect(),
-                network_recovery_modes: vec![recovery_mode.wire() as i32],
-                guest_address,
-            };
-            let grant = as_the_node_reads_it(&wire)
-                .map_err(|error| refused(at(""), grant_refusal(&error)))?;
-            validations.push(Validation {
-                name: v.name.clone(),
-                source_vmid: v.source_vmid.0,
-                endpoint: node.endpoint(),
-                wire,
-                grant,
-                run_seconds: v.timeouts.run_seconds,
-                guest_agent_seconds: v.timeouts.guest_agent_seconds,
-                network_lifecycle: v.network.lifecycle,
-                network_recovery: recovery_mode,
-            });
+            })?;
+            validations.push(validation);
         }
         Ok(Self {
             path: path.to_owned(),
             digest: crate::report::sha256_text(text.as_bytes()),
-            pbs_password_file: base.join(&storage.pbs_password_file),
-            encryption_key_file: storage.encryption_key_file.as_ref().map(|f| base.join(f)),
+            pbs_password_file: resolved.storage.pbs_password_file.value.clone(),
+            encryption_key_file: resolved
+                .storage
+                .encryption_key_file
+                .as_ref()
+                .map(|file| file.value.clone()),
+            storage: resolved.storage,
             validations,
         })
     }
+}
+
+/// Step one: the plan as written, every key known and every single value checked as it is read.
+fn read_written(path: &Path, text: &str) -> Result<PlanFile, PlanError> {
+    serde_saphyr::from_str(text).map_err(|error| {
+        let position = error.location().filter(|at| at.line() > 0).map_or_else(
+            || "?".to_owned(),
+            |at| format!("{}:{}", at.line(), at.column()),
+        );
+        PlanError::Syntax {
+            path: path.to_owned(),
+            position,
+            reason: first_line(&error.to_string()),
+        }
+    })
 }
 
 /// The parser's message without its own position prefix and snippet: the position is printed

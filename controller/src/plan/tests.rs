@@ -266,3 +266,74 @@ fn what_the_node_validates_is_refused_in_the_plan_words() {
     ));
     assert!(error.contains("timeouts.run_seconds"), "{error}");
 }
+
+#[test]
+fn every_resolved_value_says_where_it_came_from() {
+    let plan = check(PLAN).unwrap();
+    let storage = &plan.storage;
+    assert_eq!(
+        (storage.port.value, storage.port.source),
+        (DEFAULT_PBS_PORT, Origin::Default),
+        "port is not written in PLAN"
+    );
+    assert_eq!(storage.port.key, "storage.port");
+    assert_eq!(
+        (storage.namespace.value.as_str(), storage.namespace.source),
+        ("nightly", Origin::Plan)
+    );
+    let web = &plan.validations[0].resolved;
+    assert_eq!(web.key, "validations[0]");
+    assert_eq!(
+        (web.node.source, web.node.key.as_str()),
+        (Origin::Plan, "validations[0].node")
+    );
+    assert_eq!(
+        (web.endpoint.value.as_str(), web.endpoint.source),
+        ("192.0.2.11:7443", Origin::Configuration)
+    );
+    assert_eq!(web.sandbox[0].vmid.key, "validations[0].sandbox[0].vmid");
+    assert_eq!(web.probes[0].key, "validations[0].probes[0]");
+    assert_eq!(web.assertions[0].key, "validations[0].assertions[0]");
+    assert_eq!(
+        (
+            web.timeouts.run_seconds.value,
+            web.timeouts.run_seconds.source
+        ),
+        (DEFAULT_RUN_SECONDS, Origin::Default)
+    );
+    // Rewrite by default, its address worked out from the probes and the probe network.
+    assert_eq!(web.network_recovery.mode.source, Origin::Default);
+    assert_eq!(
+        (
+            web.network_recovery.guest_address.value.as_str(),
+            web.network_recovery.guest_address.source
+        ),
+        ("10.99.0.10/24", Origin::Derived)
+    );
+    let db = &plan.validations[1].resolved;
+    assert_eq!(
+        (
+            db.network_recovery.mode.value,
+            db.network_recovery.mode.source
+        ),
+        (NetworkRecoveryMode::Preserve, Origin::Plan)
+    );
+    // A written timeout is the plan's, and is what the grant carries.
+    let written = check(&PLAN.replace(
+        "    network_recovery:\n      mode: preserve\n",
+        "    network_recovery:\n      mode: preserve\n    timeouts:\n      run_seconds: 1800\n",
+    ))
+    .unwrap();
+    let db = &written.validations[1];
+    assert_eq!(
+        (
+            db.resolved.timeouts.run_seconds.value,
+            db.resolved.timeouts.run_seconds.source
+        ),
+        (1800, Origin::Plan)
+    );
+    assert_eq!(
+        db.wire.deadline_unix - db.wire.not_before_unix,
+        1800 + NOT_BEFORE_SLACK_SECS
+    );
+}

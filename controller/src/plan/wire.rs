@@ -3,6 +3,74 @@
 
 use super::*;
 
+/// A grant the node would refuse, with the validation it was built for.
+pub(super) struct GrantRefused {
+    pub(super) name: String,
+    pub(super) error: GrantError,
+}
+
+/// Step three: the validation's grant, built from its resolved values and read back as its node
+/// reads it. The run id and the validity window are placeholders until the run starts.
+pub(super) fn granted(
+    storage: &ResolvedStorage,
+    resolved: ResolvedValidation,
+    now_unix: i64,
+) -> Result<Validation, GrantRefused> {
+    let v = &resolved;
+    let wire = pb::RunGrant {
+        version: grant::GRANT_VERSION,
+        run_id: uuid::Uuid::new_v4().hyphenated().to_string(),
+        node: v.node.value.clone(),
+        not_before_unix: now_unix - NOT_BEFORE_SLACK_SECS,
+        deadline_unix: now_unix.saturating_add(i64::from(v.timeouts.run_seconds.value)),
+        repository: Some(storage.wire()),
+        snapshot: format!("vm/{}/{}", v.source_vmid.value, v.snapshot.value),
+        archives: v.archives.value.clone(),
+        sandbox_vms: v
+            .sandbox
+            .iter()
+            .map(|vm| pb::SandboxVm {
+                vmid: vm.vmid.value.get(),
+                max_cores: vm.cores.value,
+                max_memory_mib: vm.memory_mib.value,
+            })
+            .collect(),
+        vnet: v.network.vnet.value.clone(),
+        probe_source: v.network.probe_source.value.clone(),
+        probe_targets: v.probes.iter().map(|p| wire_probe(&p.value)).collect(),
+        qga_assertions: v
+            .assertions
+            .iter()
+            .map(|a| pb::QgaAssertion {
+                id: a.value.id.clone(),
+                program: a.value.program.clone(),
+                args: a.value.args.clone(),
+                expect_exit_code: a.value.exit_code,
+                expect_stdout_contains: a.value.stdout_contains.clone(),
+                timeout_seconds: a.value.timeout_seconds,
+            })
+            .collect(),
+        network_recovery_modes: vec![v.network_recovery.mode.value.wire() as i32],
+        guest_address: v.network_recovery.guest_address.value.clone(),
+    };
+    let grant = as_the_node_reads_it(&wire).map_err(|error| GrantRefused {
+        name: v.name.clone(),
+        error,
+    })?;
+    Ok(Validation {
+        name: v.name.clone(),
+        source_vmid: v.source_vmid.value,
+        endpoint: v.endpoint.value.clone(),
+        wire,
+        grant,
+        run_seconds: v.timeouts.run_seconds.value,
+        guest_agent_seconds: v.timeouts.guest_agent_seconds.value,
+        network_lifecycle: v.network.lifecycle.value,
+        network_recovery: v.network_recovery.mode.value,
+        resolved,
+    })
+}
+
 pub(super) fn wire_probe(probe: &ProbeFile) -> pb::ProbeTarget {
     let kind = match probe.kind {
         ProbeKindFile::Tcp => pb::ProbeKind::Tcp,

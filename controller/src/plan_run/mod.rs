@@ -1,9 +1,10 @@
-//! One run of a plan (`certistack-ctl run`), as phases in order: load (the configuration, the
-//! plan as written, its secrets, the keys) → resolve (each validation's values, then its grant)
-//! → validate (every validation on its node, through `runner`) → print (the table, or JSON
-//! lines). Phases still to come (preflight, networks, history, outputs, notifications) each go
-//! between these as a function of their own, so the order of a night can be read here in one
-//! place; `runner` stays "drive validations".
+//! One run of a plan (`certistack-ctl run`), as phases in order: load (the configuration; the
+//! plan, read in its three steps by `plan`: as written, resolved, granted; its secrets; the
+//! keys) → validate (every validation on its node, through `runner`) → print (the table, or
+//! JSON lines). Phases still to come (resolution that asks the PVE and PBS APIs, preflight,
+//! networks, history, outputs, notifications) each go between these as a function of their
+//! own, so the order of a night can be read here in one place; `runner` stays "drive
+//! validations".
 
 use crate::authority::Authority;
 use crate::config::ControllerConfig;

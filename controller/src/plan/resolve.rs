@@ -1,0 +1,404 @@
+//! The resolved validation: every value one validation runs with, each carrying where it came
+//! from and the key that says so. A plan is read in three steps: the plan as written (`file`,
+//! checked while it is read) → the resolved plan (here: each value decided, the rules that span
+//! several keys or validations checked) → the grants (`wire`). Today every value is decided by
+//! the plan itself (written, one of its documented defaults, or worked out from other keys) or
+//! by the controller configuration; resolvers that decide what a plan does not spell out
+//! (`snapshot: latest`, `select`, `node: auto`, VMIDs from a range, ephemeral VNets) add their
+//! own [`Origin`] and run here, before any grant exists.
+
+use super::*;
+
+/// Where a resolved value came from. Printed by `plan show` in lower case.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Origin {
+    /// Written in the plan, at the key.
+    Plan,
+    /// Not written in the plan: the key's documented default (docs/plans.md).
+    Default,
+    /// Not written in the plan: worked out from the plan keys named.
+    Derived,
+    /// The controller configuration (its node inventory), at the key.
+    Configuration,
+}
+
+impl Origin {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Plan => "plan",
+            Self::Default => "default",
+            Self::Derived => "derived",
+            Self::Configuration => "configuration",
+        }
+    }
+}
+
+/// A value and where it came from.
+#[derive(Debug, Clone, Serialize)]
+pub struct Sourced<T> {
+    pub value: T,
+    pub source: Origin,
+    /// The key the value was read from (or, for a default, the key that would set it).
+    pub key: String,
+}
+
+impl<T> Sourced<T> {
+    fn new(value: T, source: Origin, key: String) -> Self {
+        Self { value, source, key }
+    }
+
+    fn plan(value: T, key: String) -> Self {
+        Self::new(value, Origin::Plan, key)
+    }
+
+    /// The written value, or the default when the key is absent.
+    fn written_or(written: Option<T>, default: T, key: String) -> Self {
+        match written {
+            Some(value) => Self::plan(value, key),
+            None => Self::new(default, Origin::Default, key),
+        }
+    }
+}
+
+/// The PBS repository every validation of the plan reads from.
+#[derive(Debug, Clone, Serialize)]
+pub struct ResolvedStorage {
+    pub server: Sourced<String>,
+    pub port: Sourced<u16>,
+    pub datastore: Sourced<String>,
+    pub namespace: Sourced<String>,
+    pub auth_id: Sourced<String>,
+    pub fingerprint: Sourced<String>,
+    /// Resolved against the plan's directory; the file is named, never read, by resolution.
+    pub pbs_password_file: Sourced<PathBuf>,
+    pub encryption_key_file: Option<Sourced<PathBuf>>,
+}
+
+impl ResolvedStorage {
+    pub fn wire(&self) -> pb::PbsRepository {
+        pb::PbsRepository {
+            server: self.server.value.clone(),
+            port: u32::from(self.port.value),
+            datastore: self.datastore.value.clone(),
+            namespace: self.namespace.value.clone(),
+            auth_id: self.auth_id.value.clone(),
+            fingerprint: self.fingerprint.value.clone(),
+        }
+    }
+}
+
+/// One validation with every value decided.
+#[derive(Debug, Clone, Serialize)]
+pub struct ResolvedValidation {
+    pub name: String,
+    /// `validations[i]`: where the validation is written in the plan.
+    #[serde(skip)]
+    pub key: String,
+    pub node: Sourced<String>,
+    /// Where the node's connector listens, `HOST:PORT`.
+    pub endpoint: Sourced<String>,
+    pub source_vmid: Sourced<Vmid>,
+    /// The snapshot's time, `YYYY-MM-DDTHH:MM:SSZ`.
+    pub snapshot: Sourced<String>,
+    pub archives: Sourced<Vec<String>>,
+    pub sandbox: Vec<ResolvedSandboxVm>,
+    pub network: ResolvedNetwork,
+    pub probes: Vec<Sourced<ProbeFile>>,
+    pub assertions: Vec<Sourced<AssertionFile>>,
+    pub timeouts: ResolvedTimeouts,
+    pub network_recovery: ResolvedNetworkRecovery,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ResolvedSandboxVm {
+    pub vmid: Sourced<Vmid>,
+    pub cores: Sourced<u32>,
+    pub memory_mib: Sourced<u32>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ResolvedNetwork {
+    pub lifecycle: Sourced<NetworkLifecycle>,
+    pub vnet: Sourced<String>,
+    pub probe_source: Sourced<String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ResolvedTimeouts {
+    pub run_seconds: Sourced<u32>,
+    pub guest_agent_seconds: Sourced<u32>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ResolvedNetworkRecovery {
+    pub mode: Sourced<NetworkRecoveryMode>,
+    /// The sandbox NIC's address/prefix in the guest; empty with `preserve`.
+    pub guest_address: Sourced<String>,
+}
+
+/// The plan with every value of every validation decided, before any grant is built.
+#[derive(Debug, Clone)]
+pub(super) struct ResolvedPlan {
+    pub(super) storage: ResolvedStorage,
+    pub(super) validations: Vec<ResolvedValidation>,
+}
+
+/// Step two, for a plan whose values all come from the plan and the configuration: nothing is
+/// contacted. Checks what spans several keys or validations; what a single key or the grant
+/// checks is checked where it is read and where the grant is built.
+pub(super) fn offline(
+    path: &Path,
+    file: &PlanFile,
+    config: &ControllerConfig,
+) -> Result<ResolvedPlan, PlanError> {
+    let refused = |at: String, reason: String| PlanError::Refused {
+        path: path.to_owned(),
+        at,
+        reason,
+    };
+    if file.validations.is_empty() || file.validations.len() > MAX_VALIDATIONS {
+        return Err(refused(
+            "validations".into(),
+            format!(
+                "a plan has 1..={MAX_VALIDATIONS} validations, this one has {}",
+                file.validations.len()
+            ),
+        ));
+    }
+    let storage = resolve_storage(path, &file.storage);
+    let mut names = BTreeSet::new();
+    let mut vmids_on_node: BTreeMap<String, BTreeMap<u32, String>> = BTreeMap::new();
+    let mut validations = Vec::with_capacity(file.validations.len());
+    for (index, v) in file.validations.iter().enumerate() {
+        let at = |key: &str| format!("validations[{index}] ({}){key}", v.name);
+        check_name(&v.name)
+            .map_err(|reason| refused(format!("validations[{index}].name"), reason))?;
+        if !names.insert(v.name.clone()) {
+            return Err(refused(
+                at(".name"),
+                "another validation has this name; give each a name of its own".into(),
+            ));
+        }
+        let resolved = resolve_validation(index, v, config)
+            .map_err(|(key, reason)| refused(at(&key), reason))?;
+        let used = vmids_on_node.entry(v.node.clone()).or_default();
+        for vm in &resolved.sandbox {
+            if let Some(other) = used.insert(vm.vmid.value.get(), v.name.clone()) {
+                return Err(refused(
+                    at(".sandbox"),
+                    format!(
+                        "sandbox VMID {} is also used by validation {other} on node {}; give each sandbox VM on a node its own VMID",
+                        vm.vmid.value, v.node
+                    ),
+                ));
+            }
+        }
+        validations.push(resolved);
+    }
+    Ok(ResolvedPlan {
+        storage,
+        validations,
+    })
+}
+
+fn resolve_storage(path: &Path, storage: &StorageFile) -> ResolvedStorage {
+    let base = path.parent().unwrap_or(Path::new("."));
+    let key = |name: &str| format!("storage.{name}");
+    ResolvedStorage {
+        server: Sourced::plan(storage.server.clone(), key("server")),
+        port: Sourced::written_or(storage.port, DEFAULT_PBS_PORT, key("port")),
+        datastore: Sourced::plan(storage.datastore.clone(), key("datastore")),
+        namespace: Sourced::written_or(storage.namespace.clone(), String::new(), key("namespace")),
+        auth_id: Sourced::plan(storage.auth_id.clone(), key("auth_id")),
+        fingerprint: Sourced::plan(storage.fingerprint.clone(), key("fingerprint")),
+        pbs_password_file: Sourced::plan(
+            base.join(&storage.pbs_password_file),
+            key("pbs_password_file"),
+        ),
+        encryption_key_file: storage
+            .encryption_key_file
+            .as_ref()
+            .map(|file| Sourced::plan(base.join(file), key("encryption_key_file"))),
+    }
+}
+
+/// One validation's values; a refusal is the key (after `validations[i] (name)`) and why.
+fn resolve_validation(
+    index: usize,
+    v: &ValidationFile,
+    config: &ControllerConfig,
+) -> Result<ResolvedValidation, (String, String)> {
+    let key = |name: &str| format!("validations[{index}].{name}");
+    let node = config
+        .nodes
+        .iter()
+        .find(|(name, _)| name.as_str() == v.node)
+        .map(|(_, node)| node)
+        .ok_or_else(|| {
+            (
+                ".node".to_owned(),
+                format!(
+                    "node {:?} is not in the controller's inventory ({}); add it under [[nodes]] in the controller configuration or use one of those",
+                    v.node,
+                    config
+                        .nodes
+                        .keys()
+                        .map(|n| n.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            )
+        })?;
+    let timeouts = ResolvedTimeouts {
+        run_seconds: Sourced::written_or(
+            v.timeouts.run_seconds,
+            DEFAULT_RUN_SECONDS,
+            key("timeouts.run_seconds"),
+        ),
+        guest_agent_seconds: Sourced::written_or(
+            v.timeouts.guest_agent_seconds,
+            DEFAULT_GUEST_AGENT_SECONDS,
+            key("timeouts.guest_agent_seconds"),
+        ),
+    };
+    check_timeouts(
+        timeouts.run_seconds.value,
+        timeouts.guest_agent_seconds.value,
+    )?;
+    let network_recovery = resolve_network_recovery(index, v)?;
+    Ok(ResolvedValidation {
+        name: v.name.clone(),
+        key: format!("validations[{index}]"),
+        node: Sourced::plan(v.node.clone(), key("node")),
+        endpoint: Sourced::new(
+            node.endpoint(),
+            Origin::Configuration,
+            format!("nodes ({}).address, port", v.node),
+        ),
+        source_vmid: Sourced::plan(v.source_vmid.0, key("source_vmid")),
+        snapshot: Sourced::plan(v.snapshot.0.clone(), key("snapshot")),
+        archives: Sourced::plan(v.archives.clone(), key("archives")),
+        sandbox: v
+            .sandbox
+            .iter()
+            .enumerate()
+            .map(|(i, vm)| ResolvedSandboxVm {
+                vmid: Sourced::plan(vm.vmid.0, key(&format!("sandbox[{i}].vmid"))),
+                cores: Sourced::plan(vm.cores, key(&format!("sandbox[{i}].cores"))),
+                memory_mib: Sourced::plan(vm.memory_mib, key(&format!("sandbox[{i}].memory_mib"))),
+            })
+            .collect(),
+        network: ResolvedNetwork {
+            lifecycle: Sourced::plan(v.network.lifecycle, key("network.lifecycle")),
+            vnet: Sourced::plan(v.network.vnet.clone(), key("network.vnet")),
+            probe_source: Sourced::plan(
+                v.network.probe_source.clone(),
+                key("network.probe_source"),
+            ),
+        },
+        probes: v
+            .probes
+            .iter()
+            .enumerate()
+            .map(|(i, probe)| Sourced::plan(probe.clone(), key(&format!("probes[{i}]"))))
+            .collect(),
+        assertions: v
+            .assertions
+            .iter()
+            .enumerate()
+            .map(|(i, assertion)| {
+                Sourced::plan(assertion.clone(), key(&format!("assertions[{i}]")))
+            })
+            .collect(),
+        timeouts,
+        network_recovery,
+    })
+}
+
+/// The guest agent wait fits in the run with its cleanup reserve, and the run in one grant.
+fn check_timeouts(run_seconds: u32, guest_agent_seconds: u32) -> Result<(), (String, String)> {
+    if guest_agent_seconds == 0 || guest_agent_seconds >= run_seconds {
+        return Err((
+            ".timeouts.guest_agent_seconds".into(),
+            format!(
+                "{guest_agent_seconds} must be at least 1 and less than run_seconds ({run_seconds})"
+            ),
+        ));
+    }
+    if i64::from(run_seconds) + NOT_BEFORE_SLACK_SECS > grant::MAX_GRANT_LIFETIME_SECS {
+        return Err((
+            ".timeouts.run_seconds".into(),
+            format!(
+                "{run_seconds} is longer than a grant may last ({} s, of which {NOT_BEFORE_SLACK_SECS} s are kept for clocks a little apart); split the validation or shorten it",
+                grant::MAX_GRANT_LIFETIME_SECS
+            ),
+        ));
+    }
+    let reserve = cleanup_reserve_secs(run_seconds);
+    if guest_agent_seconds.saturating_add(reserve) >= run_seconds {
+        return Err((
+            ".timeouts.guest_agent_seconds".into(),
+            format!(
+                "{guest_agent_seconds} leaves no time for the steps after it: run_seconds ({run_seconds}) keeps {reserve} s for cleanup, so the guest agent wait must be shorter than {} s; raise run_seconds or lower guest_agent_seconds",
+                run_seconds.saturating_sub(reserve)
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The recovery mode (`rewrite` unless written) and the sandbox NIC's address: written, or the
+/// one address the probes target with the probe network's prefix.
+fn resolve_network_recovery(
+    index: usize,
+    v: &ValidationFile,
+) -> Result<ResolvedNetworkRecovery, (String, String)> {
+    let key = |name: &str| format!("validations[{index}].{name}");
+    let mode = Sourced::written_or(
+        v.network_recovery.mode,
+        NetworkRecoveryMode::default(),
+        key("network_recovery.mode"),
+    );
+    let guest_address_key = key("network_recovery.guest_address");
+    let guest_address = match (mode.value, &v.network_recovery.guest_address) {
+        (_, Some(address)) => Sourced::plan(address.clone(), guest_address_key),
+        (NetworkRecoveryMode::Preserve, None) => {
+            Sourced::new(String::new(), Origin::Default, guest_address_key)
+        }
+        (NetworkRecoveryMode::Rewrite, None) => {
+            let addresses: BTreeSet<&str> = v.probes.iter().map(|p| p.address.as_str()).collect();
+            let prefix = v.network.probe_source.rsplit_once('/').map(|(_, p)| p);
+            match (addresses.len(), addresses.first(), prefix) {
+                (1, Some(address), Some(prefix)) => Sourced::new(
+                    format!("{address}/{prefix}"),
+                    Origin::Derived,
+                    format!(
+                        "{}, {}",
+                        key("probes[].address"),
+                        key("network.probe_source")
+                    ),
+                ),
+                _ => {
+                    return Err((
+                        ".network_recovery.guest_address".into(),
+                        format!(
+                            "network_recovery.mode is {} and needs the sandbox NIC's address, which is taken from the probes only when they target exactly one address (they target {}): write `network_recovery: {{guest_address: <address>/<prefix>}}` with an address inside network.probe_source {} other than the probe source itself, or `network_recovery: {{mode: preserve}}` to leave the guest's network configuration as it was backed up",
+                            if v.network_recovery.mode.is_some() {
+                                "rewrite"
+                            } else {
+                                "rewrite (the default)"
+                            },
+                            addresses.len(),
+                            v.network.probe_source
+                        ),
+                    ));
+                }
+            }
+        }
+    };
+    Ok(ResolvedNetworkRecovery {
+        mode,
+        guest_address,
+    })
+}
