@@ -174,6 +174,18 @@ fn plan_check_refusals_name_what_to_change_and_contact_nothing() {
     );
     std::fs::write(setup.dir.0.join("nightly.yaml"), &original).unwrap();
 
+    // The same sandbox VMID on two nodes: PVE's VMIDs are unique across the cluster, so the
+    // second `qm create` would fail mid-run. Both validations are named.
+    setup.edit("nightly.yaml", "vmid: 9110", "vmid: 9100");
+    let (code, out, err) = setup.check("nightly.yaml");
+    assert_eq!(code, 65, "{err}");
+    assert!(out.is_empty(), "{out}");
+    assert!(
+        err.contains("validations[1] (dc01).sandbox: sandbox VMID 9100 is also used by validation web01 on node pve1"),
+        "{err}"
+    );
+    std::fs::write(setup.dir.0.join("nightly.yaml"), &original).unwrap();
+
     // A secret readable by others: the chmod to run.
     let secret = setup.dir.0.join("secrets/pbs-token");
     std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o640)).unwrap();

@@ -168,7 +168,8 @@ pub(super) fn offline(
     }
     let storage = resolve_storage(path, &file.storage);
     let mut names = BTreeSet::new();
-    let mut vmids_on_node: BTreeMap<String, BTreeMap<u32, String>> = BTreeMap::new();
+    // Each sandbox VMID of the plan: the validation and node that use it.
+    let mut sandbox_vmids: BTreeMap<Vmid, (String, String)> = BTreeMap::new();
     let mut validations = Vec::with_capacity(file.validations.len());
     for (index, v) in file.validations.iter().enumerate() {
         let at = |key: &str| format!("validations[{index}] ({}){key}", v.name);
@@ -182,16 +183,23 @@ pub(super) fn offline(
         }
         let resolved = resolve_validation(index, v, config)
             .map_err(|(key, reason)| refused(at(&key), reason))?;
-        let used = vmids_on_node.entry(v.node.clone()).or_default();
+        // PVE's VMIDs are unique across the cluster, not per node: a VMID on two nodes passes
+        // each node's grant check and fails the second `qm create`.
         for vm in &resolved.sandbox {
-            if let Some(other) = used.insert(vm.vmid.value.get(), v.name.clone()) {
-                return Err(refused(
-                    at(".sandbox"),
+            let this = (v.name.clone(), v.node.clone());
+            if let Some((other, other_node)) = sandbox_vmids.insert(vm.vmid.value, this) {
+                let reason = if other == v.name {
                     format!(
-                        "sandbox VMID {} is also used by validation {other} on node {}; give each sandbox VM on a node its own VMID",
-                        vm.vmid.value, v.node
-                    ),
-                ));
+                        "sandbox VMID {} is written twice in this validation; give each sandbox VM its own VMID",
+                        vm.vmid.value
+                    )
+                } else {
+                    format!(
+                        "sandbox VMID {} is also used by validation {other} on node {other_node}; VMIDs are unique across a Proxmox VE cluster, so give each sandbox VM in the plan its own VMID",
+                        vm.vmid.value
+                    )
+                };
+                return Err(refused(at(".sandbox"), reason));
             }
         }
         validations.push(resolved);

@@ -160,6 +160,54 @@ fn the_same_sandbox_vmid_twice_on_one_node_is_refused() {
 }
 
 #[test]
+fn a_sandbox_vmid_is_unique_across_the_plan_not_only_per_node() {
+    // PVE's VMIDs are cluster-wide: the same VMID on two nodes is refused, naming both.
+    let mut two_nodes = config();
+    let pve2 = ControllerConfig::parse(
+        Path::new("controller.toml"),
+        "state_dir = \"/s\"\nreports_dir = \"/r\"\n[[nodes]]\nname = \"pve2\"\naddress = \"192.0.2.12\"\nport = 7443\n",
+    )
+    .unwrap();
+    two_nodes.nodes.extend(pve2.nodes);
+    let check = |text: &str| {
+        Plan::parse(
+            Path::new("/plans/nightly.yaml"),
+            text,
+            &two_nodes,
+            1_800_000_000,
+        )
+    };
+    let refusal = |text: &str| check(text).unwrap_err().to_string();
+    let other_node = PLAN.replacen(
+        "    node: pve1\n    source_vmid: 101",
+        "    node: pve2\n    source_vmid: 101",
+        1,
+    );
+    assert!(check(&other_node).is_ok());
+    let error = refusal(&other_node.replace("vmid: 9101", "vmid: 9100"));
+    assert!(error.contains("validations[1] (db01).sandbox"), "{error}");
+    assert!(
+        error.contains("sandbox VMID 9100 is also used by validation web01 on node pve1"),
+        "{error}"
+    );
+    assert!(
+        error.contains("unique across a Proxmox VE cluster"),
+        "{error}"
+    );
+    // Twice in one validation.
+    let error = refusal(&PLAN.replace(
+        "      - vmid: 9101\n        cores: 4\n        memory_mib: 8192\n",
+        "      - vmid: 9101\n        cores: 4\n        memory_mib: 8192\n      - vmid: 9101\n        cores: 1\n        memory_mib: 512\n",
+    ));
+    assert!(
+        error.contains(
+            "validations[1] (db01).sandbox: sandbox VMID 9101 is written twice in this validation"
+        ),
+        "{error}"
+    );
+}
+
+#[test]
 fn rewrite_is_the_default_and_preserve_the_explicit_opt_out() {
     let plan = check(PLAN).unwrap();
     let web = &plan.validations[0];
