@@ -287,6 +287,7 @@ fn surface_verb_and_help() {
         &["cleanup", "--help"],
         &["report", "verify", "--help"],
         &["plan", "check", "--help"],
+        &["plan", "show", "--help"],
         &["nodes", "audit", "--help"],
     ] {
         let (code, out, _) = run_binary("certistack-ctl", args);

@@ -247,24 +247,30 @@ fn a_wrong_command_line_exits_with_the_code_the_docs_give() {
         [usage],
         "plans.md, `plan check` exit codes: {rows:?}"
     );
-    let (code, help, err) = ctl(&["plan", "check", "--help"]);
-    assert_eq!(code, 0, "{err}");
-    let help = help.split_whitespace().collect::<Vec<_>>().join(" ");
-    let helped: BTreeSet<i32> = help
-        .split("Exit codes: ")
-        .nth(1)
-        .expect("plan check --help gives its exit codes")
-        .split("; ")
-        .map(|entry| {
-            let digits: String = entry.chars().take_while(char::is_ascii_digit).collect();
-            digits
-                .parse::<i32>()
-                .unwrap_or_else(|_| panic!("{entry:?} in: {help}"))
-        })
-        .collect();
     let documented: BTreeSet<i32> = rows.iter().map(|(code, _)| *code).collect();
-    assert_eq!(
-        documented, helped,
-        "plans.md's `plan check` table against `plan check --help`"
+    assert!(
+        table.contains("`plan show` answers the same codes"),
+        "plans.md, `plan check` exit codes: say that `plan show` answers them too"
     );
+    for command in ["check", "show"] {
+        let (code, help, err) = ctl(&["plan", command, "--help"]);
+        assert_eq!(code, 0, "{err}");
+        let help = help.split_whitespace().collect::<Vec<_>>().join(" ");
+        let helped: BTreeSet<i32> = help
+            .split("Exit codes: ")
+            .nth(1)
+            .unwrap_or_else(|| panic!("plan {command} --help gives its exit codes"))
+            .split("; ")
+            .map(|entry| {
+                let digits: String = entry.chars().take_while(char::is_ascii_digit).collect();
+                digits
+                    .parse::<i32>()
+                    .unwrap_or_else(|_| panic!("{entry:?} in: {help}"))
+            })
+            .collect();
+        assert_eq!(
+            documented, helped,
+            "plans.md's `plan check` table against `plan {command} --help`"
+        );
+    }
 }

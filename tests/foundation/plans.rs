@@ -1,5 +1,6 @@
-//! `certistack-ctl plan check` against the documented example: what runs where, and refusals that
-//! name what to change and contact no node.
+//! `certistack-ctl plan check` and `plan show` against the documented example: what runs where,
+//! every value with where it came from, and refusals that name what to change and contact no
+//! node.
 
 use super::*;
 use std::os::unix::fs::PermissionsExt;
@@ -60,8 +61,18 @@ fn setup() -> Setup {
 
 impl Setup {
     fn check(&self, plan: &str) -> (i32, String, String) {
+        self.ctl(&["plan", "check", plan, "--config", "controller.toml"])
+    }
+
+    fn show(&self, plan: &str, extra: &[&str]) -> (i32, String, String) {
+        let mut args = vec!["plan", "show", plan, "--config", "controller.toml"];
+        args.extend_from_slice(extra);
+        self.ctl(&args)
+    }
+
+    fn ctl(&self, args: &[&str]) -> (i32, String, String) {
         let out = Command::new(binary("certistack-ctl"))
-            .args(["plan", "check", plan, "--config", "controller.toml"])
+            .args(args)
             .current_dir(&self.dir.0)
             .output()
             .unwrap();
@@ -242,5 +253,171 @@ fn plan_check_refusals_name_what_to_change_and_contact_nothing() {
         "{err}"
     );
 
+    setup.assert_nothing_contacted();
+}
+
+/// The documented text with the inventory's addresses as this test points them.
+fn with_test_endpoints(setup: &Setup, text: &str) -> String {
+    let mut text = text.to_owned();
+    for (address, listener) in ["192.0.2.11", "192.0.2.12"].iter().zip(&setup.listeners) {
+        let port = listener.local_addr().unwrap().port();
+        text = text.replace(&format!("{address}:7443"), &format!("127.0.0.1:{port}"));
+    }
+    text
+}
+
+#[test]
+fn plan_show_spells_out_every_validation_of_the_documented_example_and_contacts_nothing() {
+    let setup = setup();
+    let (code, out, err) = setup.show("nightly.yaml", &[]);
+    assert_eq!(code, 0, "{err}");
+    // The second text block of docs/plans.md is `plan show`'s output for the example.
+    let documented = doc_blocks("text").into_iter().nth(1).unwrap();
+    assert!(
+        documented.starts_with("plan nightly.yaml (sha256:"),
+        "{documented}"
+    );
+    assert_eq!(out, with_test_endpoints(&setup, &documented));
+    for name in [
+        "validation web01 (validations[0])",
+        "validation dc01 (validations[1])",
+    ] {
+        assert!(out.contains(name), "{out}");
+    }
+    setup.assert_nothing_contacted();
+}
+
+#[test]
+fn plan_show_json_is_one_document_whose_every_value_carries_its_source() {
+    let setup = setup();
+    let (code, out, err) = setup.show("nightly.yaml", &["--json"]);
+    assert_eq!(code, 0, "{err}");
+    let document: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(document["format"], 1);
+    assert_eq!(document["plan"], "nightly.yaml");
+    assert!(document["digest"].as_str().unwrap().starts_with("sha256:"));
+    assert_eq!(document["storage"]["port"]["value"], 8007);
+    assert_eq!(document["storage"]["port"]["source"], "plan");
+    assert_eq!(
+        document["storage"]["encryption_key_file"],
+        serde_json::Value::Null
+    );
+    let validations = document["validations"].as_array().unwrap();
+    assert_eq!(validations.len(), 2);
+    let (web, dc) = (&validations[0], &validations[1]);
+    assert_eq!(web["name"], "web01");
+    assert_eq!(dc["name"], "dc01");
+
+    // Every sourced value in the document says where it came from, with one of the documented
+    // words and a key; a value without a source is a defect.
+    fn sourced_values<'a>(value: &'a serde_json::Value, out: &mut Vec<&'a serde_json::Value>) {
+        match value {
+            serde_json::Value::Object(map) if map.contains_key("source") => out.push(value),
+            serde_json::Value::Object(map) => map.values().for_each(|v| sourced_values(v, out)),
+            serde_json::Value::Array(items) => items.iter().for_each(|v| sourced_values(v, out)),
+            _ => {}
+        }
+    }
+    let mut all = Vec::new();
+    sourced_values(&document["validations"], &mut all);
+    sourced_values(&document["storage"], &mut all);
+    // web01: 5 values, 3 per sandbox VM, 3 network, 2 probes, 1 assertion, 2 timeouts, 2
+    // recovery; dc01 the same less its assertion; storage 7 (no encryption key).
+    assert_eq!(all.len(), 18 + 17 + 7, "{document:#}");
+    for value in &all {
+        let source = value["source"].as_str().unwrap();
+        assert!(
+            ["plan", "default", "derived", "configuration"].contains(&source),
+            "{value}"
+        );
+        assert!(!value["key"].as_str().unwrap().is_empty(), "{value}");
+        assert_eq!(value.as_object().unwrap().len(), 3, "{value}");
+    }
+    for (key, source) in [
+        ("/node", "plan"),
+        ("/endpoint", "configuration"),
+        ("/sandbox/0/vmid", "plan"),
+        ("/timeouts/run_seconds", "default"),
+        ("/network_recovery/mode", "plan"),
+    ] {
+        assert_eq!(dc.pointer(key).unwrap()["source"], source, "dc01{key}");
+    }
+    assert_eq!(dc.pointer("/sandbox/0/vmid/value").unwrap(), 9110);
+    assert_eq!(
+        dc.pointer("/sandbox/0/vmid/key").unwrap(),
+        "validations[1].sandbox[0].vmid"
+    );
+    assert_eq!(
+        web.pointer("/probes/0/value/expect/banner_prefix").unwrap(),
+        "SSH-2.0-"
+    );
+    assert_eq!(
+        web.pointer("/timeouts/run_seconds/source").unwrap(),
+        "plan",
+        "web01 writes its timeouts"
+    );
+    let endpoint = with_test_endpoints(&setup, "192.0.2.11:7443");
+    assert_eq!(web.pointer("/endpoint/value").unwrap(), endpoint.as_str());
+
+    // Under rewrite (the default) the guest address is derived from the probes.
+    setup.edit(
+        "nightly.yaml",
+        "    network_recovery:\n      mode: preserve\n",
+        "",
+    );
+    let (code, out, err) = setup.show("nightly.yaml", &["--json"]);
+    assert_eq!(code, 0, "{err}");
+    let document: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let web = &document["validations"][0];
+    assert_eq!(
+        web.pointer("/network_recovery/mode/source").unwrap(),
+        "default"
+    );
+    assert_eq!(
+        web.pointer("/network_recovery/guest_address").unwrap()["value"],
+        "10.99.0.10/24"
+    );
+    assert_eq!(
+        web.pointer("/network_recovery/guest_address").unwrap()["source"],
+        "derived"
+    );
+    setup.assert_nothing_contacted();
+}
+
+#[test]
+fn plan_show_refuses_what_plan_check_refuses_and_escapes_what_it_prints() {
+    let setup = setup();
+    let original = std::fs::read_to_string(setup.dir.0.join("nightly.yaml")).unwrap();
+    // A refused plan prints nothing on stdout, in either form.
+    setup.edit("nightly.yaml", "vmid: 9110", "vmid: 9100");
+    for extra in [&[][..], &["--json"][..]] {
+        let (code, out, err) = setup.show("nightly.yaml", extra);
+        assert_eq!(code, 65, "{err}");
+        assert!(out.is_empty(), "{out}");
+        assert!(
+            err.contains("validations[1] (dc01).sandbox: sandbox VMID 9100 is also used by validation web01 on node pve1"),
+            "{err}"
+        );
+    }
+    std::fs::write(setup.dir.0.join("nightly.yaml"), &original).unwrap();
+
+    // What the grant does not validate (the secret file's name is never sent) can carry
+    // terminal sequences; they reach the screen escaped.
+    let hostile = "pbs\u{1b}[2J\u{1b}]52;c;aGk=\u{7}";
+    let secret = setup.dir.0.join("secrets").join(hostile);
+    std::fs::write(&secret, "token-secret").unwrap();
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+    setup.edit(
+        "nightly.yaml",
+        "pbs_password_file: secrets/pbs-token",
+        "pbs_password_file: \"secrets/pbs\\e[2J\\e]52;c;aGk=\\a\"",
+    );
+    let (code, out, err) = setup.show("nightly.yaml", &[]);
+    assert_eq!(code, 0, "{err}");
+    assert!(!out.contains('\u{1b}') && !out.contains('\u{7}'), "{out:?}");
+    assert!(
+        out.contains("secrets/pbs\\u{1b}[2J\\u{1b}]52;c;aGk=\\u{7}"),
+        "{out}"
+    );
     setup.assert_nothing_contacted();
 }

@@ -141,6 +141,19 @@ enum PlanCommand {
         #[arg(long, default_value = certistack_controller::config::DEFAULT_CONFIG)]
         config: PathBuf,
     },
+    /// Check a plan as `plan check` does, then print every validation spelled out, each value
+    /// with where it came from: what tonight's run would do, contacting nothing.
+    #[command(after_help = PLAN_EXIT_CODES)]
+    Show {
+        /// The plan (YAML; see docs/plans.md).
+        plan: PathBuf,
+        /// The controller configuration.
+        #[arg(long, default_value = certistack_controller::config::DEFAULT_CONFIG)]
+        config: PathBuf,
+        /// One JSON document with stable keys (docs/plans.md, "plan show") instead of text.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -207,6 +220,9 @@ fn run(cli: Cli) -> Result<(), ExitStatus> {
         Command::Hello(args) => commands::hello::hello(args, now),
         Command::Plan(PlanCommand::Check { plan, config }) => {
             commands::plan::plan_check(&plan, &config, now)
+        }
+        Command::Plan(PlanCommand::Show { plan, config, json }) => {
+            commands::plan::plan_show(&plan, &config, json, now)
         }
         Command::Report(command) => commands::report::report_command(command),
         Command::Runs(args) => {

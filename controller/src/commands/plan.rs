@@ -1,4 +1,5 @@
-//! `plan check`: a plan checked completely without contacting any node.
+//! `plan check` and `plan show`: a plan checked completely without contacting any node, and
+//! what would run where, briefly or spelled out.
 
 use super::{load_config, load_plan};
 use crate::exit::ExitStatus;
@@ -20,5 +21,28 @@ pub fn plan_check(
         plan.path.display(),
         plan.validations.len()
     );
+    Ok(())
+}
+
+pub fn plan_show(
+    plan: &std::path::Path,
+    config: &std::path::Path,
+    json: bool,
+    now: OffsetDateTime,
+) -> Result<(), ExitStatus> {
+    use crate::plan::show;
+    let config = load_config(config)?;
+    let plan = load_plan(plan, &config, now)?;
+    // Written without panicking on a closed pipe (`plan show ... | head`).
+    let text = if json {
+        format!("{:#}", show::json(&plan))
+    } else {
+        format!(
+            "{}{} validation(s); nothing was contacted",
+            show::text(&plan),
+            plan.validations.len()
+        )
+    };
+    crate::runner::write_line(&text);
     Ok(())
 }

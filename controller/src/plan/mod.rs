@@ -15,6 +15,7 @@
 
 mod file;
 mod resolve;
+pub mod show;
 #[cfg(test)]
 mod tests;
 mod wire;
