@@ -36,6 +36,8 @@ pub const REFUSED_PLAN: u8 = 65;
 pub const UNREADABLE: u8 = 66;
 /// The operating system refused to start the runtime (EX_OSERR).
 pub const OS_ERROR: u8 = 71;
+/// The output could not be written (EX_IOERR): a full disk, a failing device.
+pub const OUTPUT_FAILED: u8 = 74;
 /// A file's owner or mode is refused (EX_NOPERM).
 pub const INSECURE_FILE: u8 = 77;
 /// The controller configuration, or a key of its state directory, is refused (EX_CONFIG).
@@ -82,6 +84,18 @@ impl ExitStatus {
     /// The operating system refused to start the runtime: exit 71.
     pub fn runtime_refused(error: std::io::Error) -> Self {
         Self::new(OS_ERROR, format!("cannot start the runtime: {error}"))
+    }
+
+    /// Standard output refused what was written: exit 74, unless the reader is gone (a closed
+    /// pipe, `… | head`), which is no failure of the command.
+    pub fn of_output(written: std::io::Result<()>) -> Result<(), Self> {
+        match written {
+            Err(error) if error.kind() != std::io::ErrorKind::BrokenPipe => Err(Self::new(
+                OUTPUT_FAILED,
+                format!("cannot write the output: {error}"),
+            )),
+            _ => Ok(()),
+        }
     }
 
     pub fn code(&self) -> u8 {

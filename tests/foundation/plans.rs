@@ -421,3 +421,61 @@ fn plan_show_refuses_what_plan_check_refuses_and_escapes_what_it_prints() {
     );
     setup.assert_nothing_contacted();
 }
+
+#[test]
+fn plan_output_to_a_closed_pipe_is_quiet_and_to_a_full_disk_fails_with_74() {
+    let setup = setup();
+    for args in [
+        &[
+            "plan",
+            "check",
+            "nightly.yaml",
+            "--config",
+            "controller.toml",
+        ][..],
+        &[
+            "plan",
+            "show",
+            "nightly.yaml",
+            "--config",
+            "controller.toml",
+        ][..],
+        &[
+            "plan",
+            "show",
+            "nightly.yaml",
+            "--config",
+            "controller.toml",
+            "--json",
+        ][..],
+    ] {
+        // The reader is gone before anything is written: no panic, exit 0.
+        let mut child = Command::new(binary("certistack-ctl"))
+            .args(args)
+            .current_dir(&setup.dir.0)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+
+        // A full disk: exit 74, saying so.
+        let full = std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/full")
+            .unwrap();
+        let out = Command::new(binary("certistack-ctl"))
+            .args(args)
+            .current_dir(&setup.dir.0)
+            .stdout(full)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(74), "{args:?}: {err}");
+        assert!(err.contains("cannot write the output"), "{args:?}: {err}");
+    }
+}

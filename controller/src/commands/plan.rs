@@ -13,15 +13,28 @@ pub fn plan_check(
     use crate::plan;
     let config = load_config(config)?;
     let plan = load_plan(plan, &config, now)?;
+    let mut text = String::new();
     for validation in &plan.validations {
-        println!("{}", plan::describe(validation));
+        text.push_str(&plan::describe(validation));
+        text.push('\n');
     }
-    println!(
+    text.push_str(&format!(
         "plan {} accepted: {} validation(s); nothing was contacted",
-        plan.path.display(),
+        certistack_core::untrusted::printable(
+            plan.path.as_os_str().as_encoded_bytes(),
+            certistack_core::untrusted::MAX_VALUE_CHARS
+        ),
         plan.validations.len()
-    );
-    Ok(())
+    ));
+    write_stdout(&text)
+}
+
+/// `text` and a newline on standard output: a closed pipe ends the command quietly, any other
+/// write error is exit 74, so `plan show --json > tonight.json` on a full disk fails.
+fn write_stdout(text: &str) -> Result<(), ExitStatus> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    ExitStatus::of_output(writeln!(out, "{text}").and_then(|()| out.flush()))
 }
 
 pub fn plan_show(
@@ -43,6 +56,5 @@ pub fn plan_show(
             plan.validations.len()
         )
     };
-    crate::runner::write_line(&text);
-    Ok(())
+    write_stdout(&text)
 }

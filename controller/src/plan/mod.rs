@@ -6,7 +6,7 @@
 //! `RunGrant` its node will receive, and that grant is put through the connector's own parser
 //! (signed with a throwaway key, verified, decoded, every field validated), so a plan the
 //! controller accepts is one a node accepts, for the same reasons. What a grant cannot say (the
-//! node inventory, secrets kept in files, a VMID used twice on one node across validations) is
+//! node inventory, secrets kept in files, a sandbox VMID used twice anywhere in the plan) is
 //! checked here.
 //!
 //! YAML is read with `serde-saphyr`: a maintained, panic-free parser (unsafe code forbidden,

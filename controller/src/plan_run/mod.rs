@@ -65,7 +65,7 @@ pub fn load(options: &Options, now: OffsetDateTime) -> Result<Loaded, ExitStatus
     })
 }
 
-/// Phase 3: every validation driven on its node, bounded per node and in total, with the
+/// Phase 2: every validation driven on its node, bounded per node and in total, with the
 /// operator's interrupts heard throughout.
 pub async fn validate(options: &Options, loaded: Loaded) -> Vec<runner::Summary> {
     let Loaded {
@@ -93,7 +93,7 @@ pub async fn validate(options: &Options, loaded: Loaded) -> Vec<runner::Summary>
     runner::run_plan(context, plan, options.per_node, options.max_concurrent).await
 }
 
-/// Phase 4: the summaries, written without panicking on a closed pipe (`run ... | head`): the
+/// Phase 3: the summaries, written without panicking on a closed pipe (`run ... | head`): the
 /// exit code still says how the run went.
 pub fn print(output: runner::ProgressMode, summaries: &[runner::Summary]) {
     if output == runner::ProgressMode::Json {
