@@ -54,6 +54,8 @@ mod node_checks;
 mod operator_commands;
 #[path = "foundation/plans.rs"]
 mod plans;
+#[path = "foundation/pve_api.rs"]
+mod pve_api;
 #[path = "foundation/request_refusals.rs"]
 mod request_refusals;
 #[path = "foundation/run_authorization.rs"]

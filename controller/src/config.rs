@@ -44,6 +44,39 @@ struct ConfigFile {
     reports_dir: PathBuf,
     #[serde(default)]
     nodes: Vec<NodeFile>,
+    #[serde(default)]
+    pve: Option<PveFile>,
+}
+
+/// `[pve]`: how the controller reaches the Proxmox VE API.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PveFile {
+    api_url: String,
+    token_id: String,
+    token_secret_file: PathBuf,
+    #[serde(default)]
+    ca_file: Option<PathBuf>,
+    #[serde(default)]
+    fingerprint: Option<String>,
+}
+
+/// The port pveproxy serves the API on.
+pub const DEFAULT_PVE_API_PORT: u16 = 8006;
+
+/// The Proxmox VE API as the configuration names it: where it is, which token speaks for the
+/// controller (its secret stays in its file until a client is built), and how its certificate
+/// is verified: a CA file, a pinned SHA-256 fingerprint of the leaf, or both (then both must
+/// match). A configuration with neither is refused: there is no way to skip verification.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PveSettings {
+    pub host: String,
+    pub port: u16,
+    /// `USER@REALM!TOKENID`.
+    pub token_id: String,
+    pub token_secret_file: PathBuf,
+    pub ca_file: Option<PathBuf>,
+    pub fingerprint: Option<[u8; 32]>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -80,6 +113,8 @@ pub struct ControllerConfig {
     pub state_dir: PathBuf,
     pub reports_dir: PathBuf,
     pub nodes: BTreeMap<NodeName, InventoryNode>,
+    /// `[pve]`, when the controller is to speak to the Proxmox VE API.
+    pub pve: Option<PveSettings>,
 }
 
 impl ControllerConfig {
@@ -155,11 +190,112 @@ impl ControllerConfig {
                 )));
             }
         }
+        let base = path.parent().unwrap_or(Path::new("."));
+        let pve = file
+            .pve
+            .map(|pve| pve_settings(pve, base))
+            .transpose()
+            .map_err(invalid)?;
         Ok(Self {
             state_dir: file.state_dir,
             reports_dir: file.reports_dir,
             nodes,
+            pve,
         })
+    }
+}
+
+/// `[pve]` checked; relative file names are read from the configuration's directory.
+fn pve_settings(pve: PveFile, base: &Path) -> Result<PveSettings, String> {
+    let (host, port) =
+        parse_api_url(&pve.api_url).map_err(|reason| format!("pve.api_url: {reason}"))?;
+    check_token_id(&pve.token_id).map_err(|reason| format!("pve.token_id: {reason}"))?;
+    let fingerprint = pve
+        .fingerprint
+        .as_deref()
+        .map(certistack_core::tls::parse_fingerprint)
+        .transpose()
+        .map_err(|reason| format!("pve.fingerprint: {reason}"))?;
+    if pve.ca_file.is_none() && fingerprint.is_none() {
+        return Err("[pve] names neither ca_file nor fingerprint, and the API's certificate is always verified: set ca_file to the cluster CA (a copy of /etc/pve/pve-root-ca.pem), or fingerprint to the node certificate's SHA-256 (`pvenode cert info` on the node), or both".into());
+    }
+    Ok(PveSettings {
+        host,
+        port,
+        token_id: pve.token_id,
+        token_secret_file: base.join(pve.token_secret_file),
+        ca_file: pve.ca_file.map(|file| base.join(file)),
+        fingerprint,
+    })
+}
+
+/// `https://HOST[:PORT][/]`: the API's host (an IP address or a DNS name) and port (8006 when
+/// not given). Anything else (another scheme, a path, credentials in the URL) is refused.
+fn parse_api_url(url: &str) -> Result<(String, u16), String> {
+    let expected =
+        "write it as https://HOST:8006 (the API's host name as its certificate names it)";
+    let rest = url
+        .strip_prefix("https://")
+        .ok_or_else(|| format!("{url:?} is not an https:// URL; {expected}"))?;
+    let rest = rest.strip_suffix('/').unwrap_or(rest);
+    if rest.contains(['/', '@', '?', '#']) || rest.is_empty() {
+        return Err(format!(
+            "{url:?} carries more than a host and port; {expected}"
+        ));
+    }
+    let (host, port) = match rest.strip_prefix('[') {
+        Some(bracketed) => {
+            let (host, after) = bracketed
+                .split_once(']')
+                .ok_or_else(|| format!("{url:?}: an IPv6 address ends with `]`; {expected}"))?;
+            (host, after.strip_prefix(':'))
+        }
+        None => match rest.split_once(':') {
+            Some((host, port)) => (host, Some(port)),
+            None => (rest, None),
+        },
+    };
+    let port = match port {
+        None => DEFAULT_PVE_API_PORT,
+        Some(port) => port
+            .parse::<u16>()
+            .ok()
+            .filter(|port| *port != 0)
+            .ok_or_else(|| format!("{url:?}: {port:?} is not a port (1..=65535)"))?,
+    };
+    Host::validate(host).map_err(|reason| format!("{url:?}: the host {reason}"))?;
+    Ok((host.to_owned(), port))
+}
+
+/// `USER@REALM!TOKENID` as pve-access-control reads an API token's id (`PVE::AccessControl`,
+/// `$userid_regex` and `$token_subid_regex`).
+fn check_token_id(id: &str) -> Result<(), String> {
+    let shape = "write the token's full id, USER@REALM!TOKENID, e.g. certistack@pve!ctl (`pveum user token list USER@REALM`)";
+    let (user, token) = id
+        .split_once('!')
+        .ok_or_else(|| format!("{id:?} has no `!TOKENID`; {shape}"))?;
+    let (name, realm) = user
+        .rsplit_once('@')
+        .ok_or_else(|| format!("{id:?} has no `@REALM`; {shape}"))?;
+    let name_ok = !name.is_empty()
+        && name.len() <= 60
+        && !name
+            .chars()
+            .any(|c| c.is_whitespace() || c.is_control() || matches!(c, ':' | '/' | '!' | '@'));
+    let realm_ok = (2..=32).contains(&realm.len())
+        && realm.starts_with(|c: char| c.is_ascii_alphabetic())
+        && realm
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_'));
+    let token_ok = (2..=64).contains(&token.len())
+        && token.starts_with(|c: char| c.is_ascii_alphabetic())
+        && token
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_'));
+    if name_ok && realm_ok && token_ok {
+        Ok(())
+    } else {
+        Err(format!("{id:?} is not a PVE API token id; {shape}"))
     }
 }
 
@@ -234,6 +370,94 @@ port = 7443
             .unwrap_err()
             .to_string();
         assert!(error.contains("nodes[0].port"), "{error}");
+    }
+
+    #[test]
+    fn the_pve_section_names_the_api_its_token_and_how_it_is_trusted() {
+        let pve = "\n[pve]\napi_url = \"https://pve.example.net:8006\"\ntoken_id = \"certistack@pve!ctl\"\ntoken_secret_file = \"secrets/pve-token\"\nca_file = \"/etc/certistack/pve-root-ca.pem\"\n";
+        let config = ControllerConfig::parse(
+            Path::new("/etc/certistack/controller.toml"),
+            &format!("{GOOD}{pve}"),
+        )
+        .unwrap();
+        let settings = config.pve.unwrap();
+        assert_eq!(
+            (settings.host.as_str(), settings.port),
+            ("pve.example.net", 8006)
+        );
+        assert_eq!(
+            settings.token_secret_file,
+            Path::new("/etc/certistack/secrets/pve-token")
+        );
+        assert_eq!(settings.fingerprint, None);
+        // Without a port, 8006; an IPv6 host in brackets.
+        assert_eq!(
+            parse_api_url("https://[2001:db8::1]/").unwrap(),
+            ("2001:db8::1".into(), 8006)
+        );
+        for (url, reason) in [
+            ("http://pve:8006", "not an https:// URL"),
+            ("https://pve:8006/api2/json", "more than a host and port"),
+            ("https://root@pve:8006", "more than a host and port"),
+            ("https://pve:0", "not a port"),
+            ("https://pve:99999", "not a port"),
+            ("https://pve..example:8006", "the host"),
+        ] {
+            let error = parse(&format!(
+                "{GOOD}{}",
+                pve.replace("https://pve.example.net:8006", url)
+            ))
+            .unwrap_err()
+            .to_string();
+            assert!(
+                error.contains("pve.api_url") && error.contains(reason),
+                "{url}: {error}"
+            );
+        }
+        for id in [
+            "certistack@pve",
+            "certistack!ctl",
+            "certistack@pve!",
+            "a b@pve!ctl",
+            "certistack@p!ctl",
+        ] {
+            let error = parse(&format!("{GOOD}{}", pve.replace("certistack@pve!ctl", id)))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                error.contains("pve.token_id") && error.contains("USER@REALM!TOKENID"),
+                "{id}: {error}"
+            );
+        }
+        // Neither a CA nor a pin: refused, saying how to give one.
+        let error = parse(&format!(
+            "{GOOD}{}",
+            pve.replace("ca_file = \"/etc/certistack/pve-root-ca.pem\"\n", "")
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            error.contains("neither ca_file nor fingerprint")
+                && error.contains("pvenode cert info"),
+            "{error}"
+        );
+        // A pin, in either spelling.
+        let colons = (0..32)
+            .map(|i| format!("{i:02X}"))
+            .collect::<Vec<_>>()
+            .join(":");
+        let bare = colons.replace(':', "").to_lowercase();
+        for pin in [colons.as_str(), bare.as_str()] {
+            let config = parse(&format!("{GOOD}{pve}fingerprint = \"{pin}\"\n")).unwrap();
+            assert_eq!(config.pve.unwrap().fingerprint.unwrap()[31], 31);
+        }
+        let error = parse(&format!("{GOOD}{pve}fingerprint = \"AB:CD\"\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("pve.fingerprint") && error.contains("32 bytes"),
+            "{error}"
+        );
     }
 
     #[test]

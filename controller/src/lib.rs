@@ -3,6 +3,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod api;
 pub mod audit;
 pub mod authority;
 pub mod client;

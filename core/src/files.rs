@@ -40,6 +40,8 @@ pub enum FileError {
     },
     #[error("{path} already exists; refusing to overwrite it")]
     Exists { path: PathBuf },
+    #[error("{path}: {reason}")]
+    Content { path: PathBuf, reason: String },
 }
 
 fn metadata(path: &Path) -> Result<fs::Metadata, FileError> {
@@ -109,6 +111,34 @@ pub fn read_private(path: &Path) -> Result<zeroize::Zeroizing<String>, FileError
             path: path.to_owned(),
             error,
         })
+}
+
+/// The most a secret file may hold: a password or an API token's secret is one short line.
+pub const MAX_SECRET_LINE_BYTES: usize = 4096;
+
+/// Reads a secret kept in a file: [`check_private`] (owned by us, closed to group and others),
+/// at most [`MAX_SECRET_LINE_BYTES`], the first line only (as `PBS_PASSWORD_FILE` is read), not
+/// empty. `what` names the secret in refusals ("the PBS password or API-token secret"). The
+/// file's whole text is zeroized when dropped, the line is handed over zeroizing.
+pub fn read_secret_line(path: &Path, what: &str) -> Result<zeroize::Zeroizing<String>, FileError> {
+    let text = read_private(path)?;
+    if text.len() > MAX_SECRET_LINE_BYTES {
+        return Err(FileError::Content {
+            path: path.to_owned(),
+            reason: format!(
+                "holds {} bytes; {what} is one line of at most {MAX_SECRET_LINE_BYTES} bytes",
+                text.len()
+            ),
+        });
+    }
+    let first = text.lines().next().unwrap_or_default();
+    if first.is_empty() {
+        return Err(FileError::Content {
+            path: path.to_owned(),
+            reason: format!("is empty; write {what} on its first line"),
+        });
+    }
+    Ok(zeroize::Zeroizing::new(first.to_owned()))
 }
 
 /// Reads a trusted file after [`check_trusted`].

@@ -71,3 +71,46 @@ pub async fn hello_with(
             text
         })
 }
+
+/// A CA of its own and a server certificate it signed, for an API double on loopback (the PVE
+/// API's): what a cluster's `pve-root-ca.pem` and a node's `pve-ssl.pem` are to the controller.
+pub struct ApiServerPki {
+    pub ca_pem: String,
+    pub leaf_pem: String,
+    pub leaf_key_pem: String,
+    /// The leaf's DER, whose SHA-256 is what a pin names.
+    pub leaf_der: Vec<u8>,
+}
+
+/// A fresh CA and a leaf for the DNS names `names`, valid from a minute ago for a day.
+pub fn api_server_pki(names: &[&str]) -> ApiServerPki {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::default();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params.distinguished_name.push(
+        rcgen::DnType::CommonName,
+        "Proxmox Virtual Environment (test)",
+    );
+    ca_params.not_before = now() - time::Duration::minutes(1);
+    ca_params.not_after = now() + time::Duration::days(1);
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let issuer = Issuer::new(ca_params, ca_key);
+    let key = KeyPair::generate().unwrap();
+    let mut params = CertificateParams::new(
+        names
+            .iter()
+            .map(|name| (*name).to_owned())
+            .collect::<Vec<_>>(),
+    )
+    .unwrap();
+    params.not_before = now() - time::Duration::minutes(1);
+    params.not_after = now() + time::Duration::days(1);
+    let leaf = params.signed_by(&key, &issuer).unwrap();
+    ApiServerPki {
+        ca_pem: ca.pem(),
+        leaf_pem: leaf.pem(),
+        leaf_key_pem: key.serialize_pem(),
+        leaf_der: leaf.der().to_vec(),
+    }
+}

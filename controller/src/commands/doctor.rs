@@ -59,21 +59,35 @@ pub fn doctor(args: &DoctorArgs, now: OffsetDateTime) -> Result<(), ExitStatus> 
                 .or_insert(validation.grant.vnet);
         }
     }
-    let authority = load_authority(&config.state_dir)?;
-    let identity = authority
-        .issue_operator("doctor", now)
-        .map_err(|e| ExitStatus::new(exit::REFUSED_CONFIG, e.to_string()))?;
     let runtime = runtime(Threads::Two).map_err(ExitStatus::runtime_refused)?;
-    let checks = runtime.block_on(doctor::check_fleet(
-        nodes,
-        authority.ca_pem(),
-        std::sync::Arc::new(identity),
-        std::sync::Arc::new(vnets),
-        args.boot_appliance
-            .map(|secs| std::time::Duration::from_secs(u64::from(secs))),
-        crate::audit::DEFAULT_CONCURRENCY,
-        doctor::DEFAULT_NODE_TIMEOUT,
-    ));
+    // The cluster's lines first: nodes are judged against a cluster that answers.
+    let cluster = match &config.pve {
+        Some(settings) => runtime.block_on(doctor::check_cluster(
+            settings,
+            crate::api::https::Limits::default(),
+        )),
+        None => Vec::new(),
+    };
+    // A configuration with `[pve]` and no nodes yet is checked without the controller's keys.
+    let node_checks = if nodes.is_empty() && config.pve.is_some() {
+        Vec::new()
+    } else {
+        let authority = load_authority(&config.state_dir)?;
+        let identity = authority
+            .issue_operator("doctor", now)
+            .map_err(|e| ExitStatus::new(exit::REFUSED_CONFIG, e.to_string()))?;
+        runtime.block_on(doctor::check_fleet(
+            nodes,
+            authority.ca_pem(),
+            std::sync::Arc::new(identity),
+            std::sync::Arc::new(vnets),
+            args.boot_appliance
+                .map(|secs| std::time::Duration::from_secs(u64::from(secs))),
+            crate::audit::DEFAULT_CONCURRENCY,
+            doctor::DEFAULT_NODE_TIMEOUT,
+        ))
+    };
+    let checks: Vec<Vec<doctor::Check>> = std::iter::once(cluster).chain(node_checks).collect();
     for check in checks.iter().flatten() {
         if args.json {
             println!("{}", check.to_json());

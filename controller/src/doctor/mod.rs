@@ -25,12 +25,23 @@
 //! | `kvm` | `/dev/kvm` opens, the CPU has `vmx`/`svm`, not a VM | the same on a node that is itself a VM (hypervisor flag or virtual DMI names: nested), or flags unreadable | no `vmx`/`svm` (qemu-server refuses `kvm: 1` VMs), or `/dev/kvm` does not open |
 //! | `appliance` (only with `--boot-appliance`) | booted within half of what a recovery gets | booted, in more than half of it | did not boot within its bound, or guestfish failed |
 //!
+//! With `[pve]` in the configuration, the lines of `cluster` come first (`cluster`):
+//!
+//! | check | ok | warn | fail |
+//! |---|---|---|---|
+//! | `pve-api` | the API answered over TCP | | the client cannot be built (secret file, CA file) or the API is unreachable |
+//! | `pve-tls` | the certificate verified (by the CA file, the pin, or both) | | another CA, another name, another fingerprint |
+//! | `pve-token` | the token accepted | | refused (401) or another error |
+//! | `pve-version` | Proxmox VE 9 | another major | |
+//! | `pve-cluster` | quorate, or a standalone node | `/cluster/status` not readable | not quorate |
+//!
 //! The PBS client is a warning above major 4 rather than a failure: the map/unmap interface the
 //! connector drives has been stable across majors, and PVE 9 ships 4.x; below 4 it fails,
 //! because 3.x belongs to PVE 8. An older `qemu-img` is a warning, not a failure: PVE 9 ships
 //! 10.x, but the only features the connector uses (`create -f qcow2 -b DEV -F raw`, `info`) are
 //! much older, and the test suite runs them with Debian 12's 7.2.
 
+mod cluster;
 mod judge;
 mod lvm;
 mod network;
@@ -38,6 +49,7 @@ mod network;
 mod tests;
 mod virtualization;
 
+pub use cluster::{CLUSTER, check_cluster};
 pub use judge::{PVE_DEFAULT_CPU_WEIGHT, judge, major_minor};
 pub use lvm::{LOOP_REJECT, PVE_GLOBAL_FILTER, filter_fix};
 

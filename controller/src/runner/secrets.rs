@@ -5,8 +5,6 @@ use crate::plan::Plan;
 use certistack_core::files;
 use zeroize::Zeroizing;
 
-/// The most a PBS secret file may hold: a password or an API-token secret is one short line.
-const MAX_SECRET_BYTES: usize = 4096;
 /// The most an encryption key file may hold (PBS key files are a few hundred bytes of JSON).
 const MAX_KEY_BYTES: usize = 64 * 1024;
 
@@ -36,22 +34,10 @@ impl Secrets {
     /// Reads the plan's secret files. The password is the file's first line, as
     /// `PBS_PASSWORD_FILE` reads it.
     pub fn load(plan: &Plan) -> Result<Self, SecretError> {
-        let text = files::read_private(&plan.pbs_password_file)?;
-        if text.len() > MAX_SECRET_BYTES {
-            return Err(SecretError::Invalid(format!(
-                "{} holds {} bytes; a PBS password or token secret is one line",
-                plan.pbs_password_file.display(),
-                text.len()
-            )));
-        }
-        let first = text.lines().next().unwrap_or_default();
-        if first.is_empty() {
-            return Err(SecretError::Invalid(format!(
-                "{} is empty; write the PBS password or API-token secret on its first line",
-                plan.pbs_password_file.display()
-            )));
-        }
-        let pbs_secret = Zeroizing::new(first.to_owned());
+        let pbs_secret = files::read_secret_line(
+            &plan.pbs_password_file,
+            "the PBS password or API-token secret",
+        )?;
         let encryption_key = match &plan.encryption_key_file {
             None => None,
             Some(path) => {

@@ -1,0 +1,403 @@
+//! One HTTPS request per connection to an API server, verified by an [`ApiTrust`], with a
+//! deadline on each stage (TCP and TLS, then the whole reply) and a cap on the reply's size, a
+//! bound on requests at once, and errors that name the call and say what to do.
+//!
+//! A connection per request keeps the client small and its failure modes few: PVE's API calls
+//! are seconds apart in a night's run, and pveproxy closes idle connections anyway. Text the
+//! server chose (its reason phrase, its error messages) is escaped and bounded before it is
+//! put in an error, since it reaches a terminal and the logs.
+
+use certistack_core::tls::{self, ApiTrust, FingerprintMismatch};
+use certistack_core::untrusted;
+use http_body_util::BodyExt;
+use hyper::Method;
+use rustls::pki_types::ServerName;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpStream;
+use tokio::sync::Semaphore;
+
+/// The deadlines and bounds of one client.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// TCP connect and TLS handshake together.
+    pub connect: Duration,
+    /// From the request sent to the last byte of the reply.
+    pub response: Duration,
+    /// The largest reply body accepted.
+    pub max_reply_bytes: usize,
+    /// Requests in flight at once; more wait their turn.
+    pub concurrency: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            connect: Duration::from_secs(10),
+            response: Duration::from_secs(30),
+            // `/cluster/resources` of a large cluster is a few hundred KiB.
+            max_reply_bytes: 8 * 1024 * 1024,
+            concurrency: 4,
+        }
+    }
+}
+
+/// The longest piece of server text (reason phrase, message) kept in an error.
+const MAX_SERVER_TEXT: usize = 512;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error(
+        "{call}: cannot reach {url}: {reason}; check api_url and that the API service runs there"
+    )]
+    Connect {
+        call: String,
+        url: String,
+        reason: String,
+    },
+    #[error(
+        "{call}: {url} presents a certificate that does not chain to the CA in ca_file; give the CA that signed it (a PVE cluster's is /etc/pve/pve-root-ca.pem) or pin its fingerprint"
+    )]
+    UnknownIssuer { call: String, url: String },
+    #[error(
+        "{call}: the certificate of {url} is not valid for {host} ({reason}); write in api_url a name the certificate carries"
+    )]
+    WrongName {
+        call: String,
+        url: String,
+        host: String,
+        reason: String,
+    },
+    #[error(
+        "{call}: {mismatch}; if the certificate was renewed on purpose, read its fingerprint on the node (`pvenode cert info`) and update fingerprint"
+    )]
+    Fingerprint {
+        call: String,
+        mismatch: FingerprintMismatch,
+    },
+    #[error("{call}: TLS with {url} failed: {reason}")]
+    Tls {
+        call: String,
+        url: String,
+        reason: String,
+    },
+    #[error(
+        "{call}: no answer from {url} within {seconds} s ({stage}); check the network path and the server's load"
+    )]
+    Timeout {
+        call: String,
+        url: String,
+        stage: &'static str,
+        seconds: u64,
+    },
+    #[error("{call}: HTTP {status} {message}")]
+    Status {
+        call: String,
+        status: u16,
+        /// The server's reason phrase and error messages, escaped and bounded.
+        message: String,
+    },
+    #[error("{call}: the reply is larger than {max} bytes; refused")]
+    TooLarge { call: String, max: usize },
+    #[error("{call}: the reply is not what the API sends: {reason}")]
+    Decode { call: String, reason: String },
+    #[error("{call}: {reason}")]
+    Request { call: String, reason: String },
+}
+
+impl ApiError {
+    /// The HTTP status, when the server answered with one.
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            Self::Status { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+
+    /// Whether the server was reached over TCP (every error but `Connect` and a connect
+    /// timeout).
+    pub fn reached(&self) -> bool {
+        !matches!(
+            self,
+            Self::Connect { .. }
+                | Self::Timeout {
+                    stage: STAGE_CONNECT,
+                    ..
+                }
+        )
+    }
+
+    /// Whether TLS verified the server (the server was reached and answered over TLS).
+    pub fn tls_verified(&self) -> bool {
+        self.reached()
+            && !matches!(
+                self,
+                Self::UnknownIssuer { .. }
+                    | Self::WrongName { .. }
+                    | Self::Fingerprint { .. }
+                    | Self::Tls { .. }
+            )
+    }
+}
+
+const STAGE_CONNECT: &str = "connect and TLS handshake";
+const STAGE_REPLY: &str = "reply";
+
+/// A successful (2xx) reply.
+#[derive(Debug)]
+pub struct Reply {
+    pub status: u16,
+    pub body: Vec<u8>,
+}
+
+/// An HTTPS client of one API server.
+#[derive(Clone)]
+pub struct HttpsClient {
+    host: String,
+    port: u16,
+    server_name: ServerName<'static>,
+    connector: tokio_rustls::TlsConnector,
+    limits: Limits,
+    in_flight: Arc<Semaphore>,
+}
+
+impl std::fmt::Debug for HttpsClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HttpsClient")
+            .field("url", &self.url())
+            .finish_non_exhaustive()
+    }
+}
+
+impl HttpsClient {
+    /// A client of `https://host:port`, verifying the server by `trust`.
+    pub fn new(host: &str, port: u16, trust: &ApiTrust, limits: Limits) -> Result<Self, String> {
+        let config = tls::api_client_config(trust).map_err(|error| error.to_string())?;
+        let server_name = ServerName::try_from(host.to_owned())
+            .map_err(|error| format!("{host:?} is not a host name TLS can verify: {error}"))?;
+        Ok(Self {
+            host: host.to_owned(),
+            port,
+            server_name,
+            connector: tokio_rustls::TlsConnector::from(config),
+            limits,
+            in_flight: Arc::new(Semaphore::new(limits.concurrency.max(1))),
+        })
+    }
+
+    /// `https://host:port`.
+    pub fn url(&self) -> String {
+        match self.host.parse::<std::net::Ipv6Addr>() {
+            Ok(_) => format!("https://[{}]:{}", self.host, self.port),
+            Err(_) => format!("https://{}:{}", self.host, self.port),
+        }
+    }
+
+    /// Sends one request and reads its reply within the limits. `headers` are added as given
+    /// and marked sensitive (hyper keeps them out of its debug output). A reply outside 2xx is
+    /// an [`ApiError::Status`] whose message `describe_error` makes from the reason phrase and
+    /// the body.
+    pub async fn request(
+        &self,
+        method: Method,
+        path_and_query: &str,
+        headers: &[(&'static str, &[u8])],
+        describe_error: fn(&str, &[u8]) -> String,
+    ) -> Result<Reply, ApiError> {
+        let call = format!(
+            "{method} {}",
+            untrusted::printable(path_and_query.as_bytes(), MAX_SERVER_TEXT)
+        );
+        let url = self.url();
+        let _turn = self
+            .in_flight
+            .acquire()
+            .await
+            .map_err(|_| ApiError::Request {
+                call: call.clone(),
+                reason: "the client is shutting down".into(),
+            })?;
+        let connected = tokio::time::timeout(self.limits.connect, self.connect())
+            .await
+            .map_err(|_| ApiError::Timeout {
+                call: call.clone(),
+                url: url.clone(),
+                stage: STAGE_CONNECT,
+                seconds: self.limits.connect.as_secs(),
+            })?;
+        let stream = connected.map_err(|error| self.classify(&call, error))?;
+        let mut request = http::Request::builder()
+            .method(method)
+            .uri(path_and_query)
+            .header(http::header::HOST, self.host_header())
+            .header(http::header::ACCEPT, "application/json")
+            .header(http::header::USER_AGENT, "certistack-ctl");
+        for (name, value) in headers {
+            let mut value =
+                http::HeaderValue::from_bytes(value).map_err(|_| ApiError::Request {
+                    call: call.clone(),
+                    reason: format!("the {name} header holds a character HTTP does not allow"),
+                })?;
+            value.set_sensitive(true);
+            request = request.header(*name, value);
+        }
+        let request = request
+            .body(http_body_util::Empty::<bytes::Bytes>::new())
+            .map_err(|error| ApiError::Request {
+                call: call.clone(),
+                reason: error.to_string(),
+            })?;
+        let max = self.limits.max_reply_bytes;
+        let exchange = async {
+            let (mut sender, connection) =
+                hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+                    .await
+                    .map_err(|error| ApiError::Request {
+                        call: call.clone(),
+                        reason: error.to_string(),
+                    })?;
+            // The connection is driven beside the request and dropped with it.
+            let driver = tokio::spawn(connection);
+            let response =
+                sender
+                    .send_request(request)
+                    .await
+                    .map_err(|error| ApiError::Request {
+                        call: call.clone(),
+                        reason: format!("the server closed the connection: {error}"),
+                    })?;
+            let status = response.status().as_u16();
+            let reason = response
+                .extensions()
+                .get::<hyper::ext::ReasonPhrase>()
+                .map(|phrase| String::from_utf8_lossy(phrase.as_bytes()).into_owned())
+                .or_else(|| response.status().canonical_reason().map(str::to_owned))
+                .unwrap_or_default();
+            let declared = response
+                .headers()
+                .get(http::header::CONTENT_LENGTH)
+                .and_then(|value| value.to_str().ok())
+                .and_then(|value| value.parse::<u64>().ok());
+            if declared.is_some_and(|length| length > max as u64) {
+                driver.abort();
+                return Err(ApiError::TooLarge {
+                    call: call.clone(),
+                    max,
+                });
+            }
+            let body = http_body_util::Limited::new(response.into_body(), max)
+                .collect()
+                .await
+                .map_err(|error| {
+                    if error.is::<http_body_util::LengthLimitError>() {
+                        ApiError::TooLarge {
+                            call: call.clone(),
+                            max,
+                        }
+                    } else {
+                        ApiError::Request {
+                            call: call.clone(),
+                            reason: format!("reading the reply: {error}"),
+                        }
+                    }
+                })?
+                .to_bytes()
+                .to_vec();
+            driver.abort();
+            Ok((status, reason, body))
+        };
+        let (status, reason, body) = tokio::time::timeout(self.limits.response, exchange)
+            .await
+            .map_err(|_| ApiError::Timeout {
+                call: call.clone(),
+                url,
+                stage: STAGE_REPLY,
+                seconds: self.limits.response.as_secs(),
+            })??;
+        if !(200..300).contains(&status) {
+            let message = describe_error(&reason, &body);
+            return Err(ApiError::Status {
+                call,
+                status,
+                message: untrusted::printable(message.as_bytes(), MAX_SERVER_TEXT),
+            });
+        }
+        Ok(Reply { status, body })
+    }
+
+    fn host_header(&self) -> String {
+        self.url().trim_start_matches("https://").to_owned()
+    }
+
+    async fn connect(&self) -> std::io::Result<tokio_rustls::client::TlsStream<TcpStream>> {
+        let tcp = TcpStream::connect((self.host.as_str(), self.port))
+            .await
+            .map_err(|error| std::io::Error::new(error.kind(), TcpError(error)))?;
+        tcp.set_nodelay(true)?;
+        self.connector.connect(self.server_name.clone(), tcp).await
+    }
+
+    /// A failed connect as what to do: the certificate's issuer, name or pin, or the network.
+    fn classify(&self, call: &str, error: std::io::Error) -> ApiError {
+        let call = call.to_owned();
+        let url = self.url();
+        if let Some(tcp) = error.get_ref().and_then(|e| e.downcast_ref::<TcpError>()) {
+            return ApiError::Connect {
+                call,
+                url,
+                reason: tcp.0.to_string(),
+            };
+        }
+        let rustls_error = error
+            .get_ref()
+            .and_then(|e| e.downcast_ref::<rustls::Error>());
+        match rustls_error {
+            Some(rustls::Error::InvalidCertificate(certificate)) => {
+                use rustls::CertificateError as E;
+                match certificate {
+                    E::UnknownIssuer | E::BadSignature => ApiError::UnknownIssuer { call, url },
+                    E::NotValidForName | E::NotValidForNameContext { .. } => ApiError::WrongName {
+                        call,
+                        url,
+                        host: self.host.clone(),
+                        reason: certificate.to_string(),
+                    },
+                    E::Other(other) => match other.0.downcast_ref::<FingerprintMismatch>() {
+                        Some(mismatch) => ApiError::Fingerprint {
+                            call,
+                            mismatch: FingerprintMismatch {
+                                presented: mismatch.presented.clone(),
+                                pinned: mismatch.pinned.clone(),
+                            },
+                        },
+                        None => ApiError::Tls {
+                            call,
+                            url,
+                            reason: certificate.to_string(),
+                        },
+                    },
+                    _ => ApiError::Tls {
+                        call,
+                        url,
+                        reason: certificate.to_string(),
+                    },
+                }
+            }
+            Some(other) => ApiError::Tls {
+                call,
+                url,
+                reason: other.to_string(),
+            },
+            None => ApiError::Tls {
+                call,
+                url,
+                reason: error.to_string(),
+            },
+        }
+    }
+}
+
+/// A TCP connect error, told apart from a TLS one by its type.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct TcpError(std::io::Error);

@@ -1,0 +1,324 @@
+//! The Proxmox VE API, as the controller's token sees it.
+//!
+//! Every call carries `Authorization: PVEAPIToken=USER@REALM!TOKENID=SECRET` (pve-access-control
+//! reads tokens this way, with no CSRF token); every reply is `{"data": …}` and is unwrapped
+//! here; PVE writes booleans as 0 and 1. A refusal's message comes from the reason phrase, where
+//! pve-http-server puts it, and from the body's `errors` (parameter errors), escaped and bounded.
+//!
+//! The token's secret is read from its file when the client is built (owner and mode checked,
+//! the first line, zeroized when the client is dropped) and never printed: `Debug` shows the
+//! token's id only. The copy put into each request's header is encoded by hyper and freed, not
+//! wiped: the secret lives in the controller's memory while it talks to the API, as it must.
+
+use super::https::{ApiError, HttpsClient, Limits};
+use certistack_core::files::{self, FileError};
+use certistack_core::tls::{self, ApiTrust};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Deserializer};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use zeroize::Zeroizing;
+
+/// The JSON API's prefix, as pveproxy serves it.
+pub const API_PREFIX: &str = "/api2/json";
+
+/// Why a client cannot be built from its configuration.
+#[derive(Debug, thiserror::Error)]
+pub enum PveSetupError {
+    #[error("pve.token_secret_file: {0}")]
+    Secret(FileError),
+    #[error("pve.ca_file: {0}")]
+    CaFile(FileError),
+    #[error("pve.ca_file {path}: {reason}")]
+    Ca { path: PathBuf, reason: String },
+    #[error("[pve]: {0}")]
+    Client(String),
+}
+
+/// An API token: its id, and its secret held zeroizing.
+pub struct PveToken {
+    id: String,
+    secret: Zeroizing<String>,
+}
+
+impl std::fmt::Debug for PveToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PveToken")
+            .field("id", &self.id)
+            .field("secret", &"<redacted>")
+            .finish()
+    }
+}
+
+impl PveToken {
+    /// The token `id` with its secret read from `secret_file`.
+    pub fn read(id: &str, secret_file: &Path) -> Result<Self, PveSetupError> {
+        let secret = files::read_secret_line(secret_file, "the PVE API token's secret")
+            .map_err(PveSetupError::Secret)?;
+        Ok(Self {
+            id: id.to_owned(),
+            secret,
+        })
+    }
+
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    fn header(&self) -> Zeroizing<Vec<u8>> {
+        Zeroizing::new(format!("PVEAPIToken={}={}", self.id, self.secret.as_str()).into_bytes())
+    }
+}
+
+/// What a client of the PVE API is built from (the configuration's `[pve]`).
+#[derive(Debug, Clone)]
+pub struct PveEndpoint<'a> {
+    pub host: &'a str,
+    pub port: u16,
+    pub token_id: &'a str,
+    pub token_secret_file: &'a Path,
+    pub ca_file: Option<&'a Path>,
+    pub fingerprint: Option<[u8; 32]>,
+}
+
+/// A client of one PVE cluster's API.
+#[derive(Debug)]
+pub struct PveClient {
+    https: HttpsClient,
+    token: PveToken,
+    trust: &'static str,
+}
+
+impl PveClient {
+    /// Reads the CA file and the token's secret and builds the client; contacts nothing.
+    pub fn new(endpoint: &PveEndpoint<'_>, limits: Limits) -> Result<Self, PveSetupError> {
+        let ca = match endpoint.ca_file {
+            None => None,
+            Some(path) => {
+                let pem = files::read_trusted(path).map_err(PveSetupError::CaFile)?;
+                let ca = |reason: String| PveSetupError::Ca {
+                    path: path.to_owned(),
+                    reason,
+                };
+                let certificates = tls::parse_certificates(&pem, "the CA file")
+                    .map_err(|error| ca(error.to_string()))?;
+                Some(tls::ca_roots(&certificates).map_err(|error| ca(error.to_string()))?)
+            }
+        };
+        let trust = ApiTrust::new(ca, endpoint.fingerprint).ok_or_else(|| {
+            PveSetupError::Client("neither ca_file nor fingerprint is set".into())
+        })?;
+        let token = PveToken::read(endpoint.token_id, endpoint.token_secret_file)?;
+        let https = HttpsClient::new(endpoint.host, endpoint.port, &trust, limits)
+            .map_err(PveSetupError::Client)?;
+        Ok(Self {
+            https,
+            token,
+            trust: trust.describe(),
+        })
+    }
+
+    /// `https://host:port`.
+    pub fn url(&self) -> String {
+        self.https.url()
+    }
+
+    /// What verifies the server: the CA file, the pinned fingerprint, or both.
+    pub fn trust(&self) -> &'static str {
+        self.trust
+    }
+
+    pub fn token_id(&self) -> &str {
+        self.token.id()
+    }
+
+    /// `GET /version`: the API's release.
+    pub async fn version(&self) -> Result<PveVersion, ApiError> {
+        self.get("/version").await
+    }
+
+    /// `GET /access/permissions[?path=…]`: the token's own privileges, by path. With privilege
+    /// separation a token has what both it and its user are granted.
+    pub async fn permissions(&self, path: Option<&str>) -> Result<Permissions, ApiError> {
+        match path {
+            None => self.get("/access/permissions").await,
+            Some(path) => {
+                self.get(&format!("/access/permissions?path={}", query_escape(path)))
+                    .await
+            }
+        }
+    }
+
+    /// `GET /cluster/status`: the cluster and its nodes, as corosync sees them.
+    pub async fn cluster_status(&self) -> Result<Vec<ClusterStatusEntry>, ApiError> {
+        self.get("/cluster/status").await
+    }
+
+    async fn get<T: DeserializeOwned>(&self, path: &str) -> Result<T, ApiError> {
+        let header = self.token.header();
+        let path = format!("{API_PREFIX}{path}");
+        let reply = self
+            .https
+            .request(
+                hyper::Method::GET,
+                &path,
+                &[("authorization", header.as_slice())],
+                describe_refusal,
+            )
+            .await?;
+        let envelope: Envelope<T> =
+            serde_json::from_slice(&reply.body).map_err(|error| ApiError::Decode {
+                call: format!("GET {path}"),
+                reason: error.to_string(),
+            })?;
+        Ok(envelope.data)
+    }
+}
+
+#[derive(Deserialize)]
+struct Envelope<T> {
+    data: T,
+}
+
+/// A refusal's message: the reason phrase (pve-http-server puts the error there), then the
+/// body's `errors` (a parameter's name and what is wrong with it) or `message`.
+fn describe_refusal(reason: &str, body: &[u8]) -> String {
+    #[derive(Deserialize)]
+    struct Refusal {
+        #[serde(default)]
+        errors: Option<BTreeMap<String, serde_json::Value>>,
+        #[serde(default)]
+        message: Option<String>,
+    }
+    let mut message = reason.trim().to_owned();
+    if let Ok(refusal) = serde_json::from_slice::<Refusal>(body) {
+        for (parameter, error) in refusal.errors.unwrap_or_default() {
+            let error = error
+                .as_str()
+                .map_or_else(|| error.to_string(), str::to_owned);
+            message.push_str(&format!("; {parameter}: {}", error.trim()));
+        }
+        if let Some(text) = refusal.message.filter(|text| text.trim() != message) {
+            message.push_str(&format!("; {}", text.trim()));
+        }
+    }
+    message
+}
+
+/// `path` as a query value: PVE paths are ASCII (`/`, `/vms/100`, `/sdn/zones/z1`); anything
+/// else is percent-encoded.
+fn query_escape(value: &str) -> String {
+    value
+        .bytes()
+        .map(|byte| match byte {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' | b'/' => {
+                (byte as char).to_string()
+            }
+            other => format!("%{other:02X}"),
+        })
+        .collect()
+}
+
+/// `GET /version`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct PveVersion {
+    pub version: String,
+    #[serde(default)]
+    pub release: String,
+    #[serde(default)]
+    pub repoid: String,
+}
+
+/// The token's privileges: path → privilege → whether it propagates to the path's children.
+pub type Permissions = BTreeMap<String, BTreeMap<String, PveBool>>;
+
+/// One entry of `GET /cluster/status`: the cluster itself (`type` = `cluster`) or a node.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ClusterStatusEntry {
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default)]
+    pub name: String,
+    #[serde(default)]
+    pub online: Option<PveBool>,
+    #[serde(default)]
+    pub quorate: Option<PveBool>,
+    #[serde(default)]
+    pub nodes: Option<u32>,
+}
+
+/// A boolean as PVE writes it: 0 or 1 (and, from some endpoints, `true`/`false`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PveBool(pub bool);
+
+impl<'de> Deserialize<'de> for PveBool {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        match serde_json::Value::deserialize(deserializer)? {
+            serde_json::Value::Bool(value) => Ok(Self(value)),
+            serde_json::Value::Number(number) => match number.as_u64() {
+                Some(0) => Ok(Self(false)),
+                Some(1) => Ok(Self(true)),
+                _ => Err(serde::de::Error::custom(format!(
+                    "{number} is not a PVE boolean (0 or 1)"
+                ))),
+            },
+            other => Err(serde::de::Error::custom(format!(
+                "{other} is not a PVE boolean (0 or 1)"
+            ))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn booleans_are_zero_or_one() {
+        let entry: ClusterStatusEntry =
+            serde_json::from_str(r#"{"type":"cluster","name":"lab","quorate":1,"nodes":3}"#)
+                .unwrap();
+        assert_eq!(entry.quorate, Some(PveBool(true)));
+        let entry: ClusterStatusEntry =
+            serde_json::from_str(r#"{"type":"node","name":"pve1","online":0}"#).unwrap();
+        assert_eq!(entry.online, Some(PveBool(false)));
+        assert!(serde_json::from_str::<PveBool>("2").is_err());
+        assert!(serde_json::from_str::<PveBool>("\"1\"").is_err());
+    }
+
+    #[test]
+    fn a_refusal_says_the_reason_phrase_and_the_parameters() {
+        assert_eq!(
+            describe_refusal(
+                "Parameter verification failed.",
+                br#"{"data":null,"errors":{"vmid":"invalid format - value does not look like a valid VM ID"}}"#
+            ),
+            "Parameter verification failed.; vmid: invalid format - value does not look like a valid VM ID"
+        );
+        assert_eq!(
+            describe_refusal("authentication failure", b"not json"),
+            "authentication failure"
+        );
+    }
+
+    #[test]
+    fn the_token_secret_is_never_in_debug_output() {
+        let token = PveToken {
+            id: "certistack@pve!ctl".into(),
+            secret: Zeroizing::new("0b1e5c1e-secret".into()),
+        };
+        let shown = format!("{token:?}");
+        assert!(shown.contains("certistack@pve!ctl"), "{shown}");
+        assert!(!shown.contains("0b1e5c1e"), "{shown}");
+        assert_eq!(
+            token.header().as_slice(),
+            b"PVEAPIToken=certistack@pve!ctl=0b1e5c1e-secret"
+        );
+    }
+
+    #[test]
+    fn paths_are_escaped_in_a_query() {
+        assert_eq!(query_escape("/vms/100"), "/vms/100");
+        assert_eq!(query_escape("/pool/a b&c"), "/pool/a%20b%26c");
+    }
+}

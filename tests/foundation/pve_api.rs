@@ -1,0 +1,427 @@
+//! The controller and the Proxmox VE API (the double `tests/doubles/pve-api`, HTTPS on
+//! loopback with a CA of the tests' own): TLS is always verified, by a CA file, a pinned
+//! fingerprint or both; the token's secret stays in its file and out of every output; replies
+//! are bounded in size and time; `doctor` prints the cluster's lines with what to do.
+
+use super::*;
+use certistack_controller::api::https::{ApiError, Limits};
+use certistack_controller::api::pve::{PveClient, PveEndpoint};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+const TOKEN_ID: &str = "certistack@pve!ctl";
+const SECRET: &str = "0b1e5c1e-1111-4222-8333-944445555666";
+
+/// The double, serving `pki`'s leaf on 127.0.0.1; stopped on drop.
+struct PveDouble {
+    root: TempDir,
+    port: u16,
+    child: std::process::Child,
+}
+
+impl PveDouble {
+    fn start(pki: &ApiServerPki, settings: serde_json::Value) -> Self {
+        let root = TempDir::new("pve-api");
+        std::fs::write(root.0.join("cert.pem"), &pki.leaf_pem).unwrap();
+        std::fs::write(root.0.join("key.pem"), &pki.leaf_key_pem).unwrap();
+        std::fs::write(root.0.join("double.json"), settings.to_string()).unwrap();
+        let child = std::process::Command::new("python3")
+            .arg(workspace_root().join("tests/doubles/pve-api"))
+            .arg("--root")
+            .arg(&root.0)
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let port_file = root.0.join("port");
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        let port = loop {
+            if let Some(port) = std::fs::read_to_string(&port_file)
+                .ok()
+                .and_then(|text| text.trim().parse().ok())
+            {
+                break port;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the PVE API double did not start"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        Self { root, port, child }
+    }
+
+    fn calls_log(&self) -> String {
+        std::fs::read_to_string(self.root.0.join("calls.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for PveDouble {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn settings() -> serde_json::Value {
+    serde_json::json!({ "tokens": { TOKEN_ID: SECRET } })
+}
+
+/// A controller configuration directory with `[pve]` pointing at the double.
+struct Controller {
+    dir: TempDir,
+}
+
+impl Controller {
+    fn new(pki: &ApiServerPki) -> Self {
+        let dir = TempDir::new("pve-ctl");
+        std::fs::write(dir.0.join("pve-root-ca.pem"), &pki.ca_pem).unwrap();
+        std::fs::write(
+            dir.0.join("other-ca.pem"),
+            api_server_pki(&["localhost"]).ca_pem,
+        )
+        .unwrap();
+        let secret = dir.0.join("pve-token");
+        std::fs::write(&secret, format!("{SECRET}\n")).unwrap();
+        std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+        Self { dir }
+    }
+
+    /// `doctor` with `[pve]` made of `url` and the `trust` lines; its exit code and output.
+    fn doctor(&self, url: &str, trust: &str) -> (i32, String, String) {
+        let config = format!(
+            "state_dir = {:?}\nreports_dir = {:?}\n\n[pve]\napi_url = {url:?}\ntoken_id = {TOKEN_ID:?}\ntoken_secret_file = \"pve-token\"\n{trust}",
+            self.dir.0.join("state"),
+            self.dir.0.join("reports"),
+        );
+        let path = self.dir.0.join("controller.toml");
+        std::fs::write(&path, config).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        run_binary(
+            "certistack-ctl",
+            &["doctor", "--config", path.to_str().unwrap()],
+        )
+    }
+
+    fn endpoint<'a>(&'a self, port: u16, secret_file: &'a Path) -> PveEndpoint<'a> {
+        let _ = port;
+        PveEndpoint {
+            host: "localhost",
+            port,
+            token_id: TOKEN_ID,
+            token_secret_file: secret_file,
+            ca_file: None,
+            fingerprint: None,
+        }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.0.join(name)
+    }
+}
+
+fn pins(pki: &ApiServerPki) -> (String, String) {
+    let fingerprint = certistack_core::tls::certificate_fingerprint(&pki.leaf_der);
+    let colons = certistack_core::tls::format_fingerprint(&fingerprint);
+    (colons.clone(), colons.replace(':', "").to_lowercase())
+}
+
+fn wrong_pin() -> String {
+    ["ab"; 32].join(":")
+}
+
+/// The cluster's lines of a doctor output: (check, level, detail).
+fn cluster_lines(out: &str) -> Vec<(String, String, String)> {
+    out.lines()
+        .filter_map(|line| line.strip_prefix("cluster "))
+        .map(|rest| {
+            let mut parts = rest.splitn(3, ' ');
+            (
+                parts.next().unwrap().to_owned(),
+                parts.next().unwrap().to_owned(),
+                parts.next().unwrap_or_default().to_owned(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn doctor_proves_the_connection_to_the_pve_api_and_refuses_every_certificate_it_was_not_told_to_trust()
+ {
+    let pki = api_server_pki(&["localhost"]);
+    let double = PveDouble::start(&pki, settings());
+    let controller = Controller::new(&pki);
+    let url = format!("https://localhost:{}", double.port);
+    let (colons, bare) = pins(&pki);
+    let mut outputs = Vec::new();
+
+    // Trusted by the CA file: every line ok, and the exit status 0.
+    let (code, out, err) = controller.doctor(&url, "ca_file = \"pve-root-ca.pem\"\n");
+    assert_eq!(code, 0, "{out}{err}");
+    let lines = cluster_lines(&out);
+    let names: Vec<&str> = lines.iter().map(|(check, _, _)| check.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "pve-api",
+            "pve-tls",
+            "pve-token",
+            "pve-version",
+            "pve-cluster"
+        ],
+        "{out}"
+    );
+    assert!(lines.iter().all(|(_, level, _)| level == "ok"), "{out}");
+    assert!(out.contains("cluster pve-tls ok"), "{out}");
+    assert!(out.contains("verified by the CA file"), "{out}");
+    assert!(
+        out.contains(&format!("cluster pve-token ok token {TOKEN_ID} accepted")),
+        "{out}"
+    );
+    assert!(
+        out.contains("cluster pve-version ok Proxmox VE 9."),
+        "{out}"
+    );
+    outputs.push(out + &err);
+
+    // Pinned, in both spellings, without a CA: ok, and said to be by the pin.
+    for pin in [&colons, &bare] {
+        let (code, out, err) = controller.doctor(&url, &format!("fingerprint = {pin:?}\n"));
+        assert_eq!(code, 0, "{pin}: {out}{err}");
+        assert!(out.contains("verified by the pinned fingerprint"), "{out}");
+        outputs.push(out + &err);
+    }
+    let (code, out, err) = controller.doctor(
+        &url,
+        &format!("ca_file = \"pve-root-ca.pem\"\nfingerprint = {colons:?}\n"),
+    );
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("verified by the CA file and the pinned fingerprint"),
+        "{out}"
+    );
+    outputs.push(out + &err);
+
+    // Each refusal: the API reached, TLS refused, the reason and what to do; nothing after.
+    let refusals: [(&str, String, &str); 5] = [
+        (
+            "another CA",
+            "ca_file = \"other-ca.pem\"\n".into(),
+            "does not chain to the CA in ca_file",
+        ),
+        (
+            "a pin mismatch",
+            format!("fingerprint = {:?}\n", wrong_pin()),
+            "not the pinned AB:AB",
+        ),
+        (
+            "the CA but a pin mismatch",
+            format!(
+                "ca_file = \"pve-root-ca.pem\"\nfingerprint = {:?}\n",
+                wrong_pin()
+            ),
+            "not the pinned AB:AB",
+        ),
+        (
+            "the pin but another CA",
+            format!("ca_file = \"other-ca.pem\"\nfingerprint = {colons:?}\n"),
+            "does not chain to the CA in ca_file",
+        ),
+        (
+            "a wrong host name",
+            "ca_file = \"pve-root-ca.pem\"\n".into(),
+            "is not valid for 127.0.0.1",
+        ),
+    ];
+    for (case, trust, reason) in refusals {
+        let url = if case == "a wrong host name" {
+            format!("https://127.0.0.1:{}", double.port)
+        } else {
+            url.clone()
+        };
+        let (code, out, err) = controller.doctor(&url, &trust);
+        assert_eq!(code, 1, "{case}: {out}{err}");
+        let lines = cluster_lines(&out);
+        assert_eq!(lines.len(), 2, "{case}: {out}");
+        assert_eq!(
+            (lines[0].0.as_str(), lines[0].1.as_str()),
+            ("pve-api", "ok"),
+            "{case}: {out}"
+        );
+        assert_eq!(
+            (lines[1].0.as_str(), lines[1].1.as_str()),
+            ("pve-tls", "fail"),
+            "{case}: {out}"
+        );
+        assert!(lines[1].2.contains(reason), "{case}: {out}");
+        outputs.push(out + &err);
+    }
+    // No request reached the API without a verified certificate: four good doctor runs, two
+    // calls each (/version, /cluster/status); the five refusals ended in the handshake, which
+    // the server saw fail.
+    let log = double.calls_log();
+    let requests = log
+        .lines()
+        .filter(|line| line.contains("\"path\": \"/api2/json/"))
+        .count();
+    let handshakes_refused = log
+        .lines()
+        .filter(|line| line.contains("\"tls_error\""))
+        .count();
+    assert_eq!((requests, handshakes_refused), (8, 5), "{log}");
+
+    // A secret file others may read: refused before anything is sent, with the chmod to run.
+    std::fs::set_permissions(
+        controller.path("pve-token"),
+        std::fs::Permissions::from_mode(0o644),
+    )
+    .unwrap();
+    let (code, out, err) = controller.doctor(&url, "ca_file = \"pve-root-ca.pem\"\n");
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        out.contains("cluster pve-api fail pve.token_secret_file:"),
+        "{out}"
+    );
+    assert!(out.contains("chmod 0600"), "{out}");
+    outputs.push(out + &err);
+    std::fs::set_permissions(
+        controller.path("pve-token"),
+        std::fs::Permissions::from_mode(0o600),
+    )
+    .unwrap();
+
+    // A wrong secret: the token line fails, naming the call, the status and what to check.
+    std::fs::write(controller.path("pve-token"), "not-the-secret\n").unwrap();
+    let (code, out, err) = controller.doctor(&url, "ca_file = \"pve-root-ca.pem\"\n");
+    assert_eq!(code, 1, "{out}{err}");
+    let token = cluster_lines(&out)
+        .into_iter()
+        .find(|(check, _, _)| check == "pve-token")
+        .unwrap();
+    assert_eq!(token.1, "fail", "{out}");
+    assert!(
+        token.2.contains("GET /api2/json/version: HTTP 401"),
+        "{out}"
+    );
+    assert!(token.2.contains("pveum user token list"), "{out}");
+    outputs.push(out + &err);
+    std::fs::write(controller.path("pve-token"), format!("{SECRET}\n")).unwrap();
+
+    // The secret is in no output and not in the API's log; the log has the token's id.
+    for output in &outputs {
+        assert!(!output.contains(SECRET), "{output}");
+    }
+    let log = double.calls_log();
+    assert!(
+        !log.contains(SECRET) && !log.contains("not-the-secret"),
+        "{log}"
+    );
+    assert!(log.contains(TOKEN_ID), "{log}");
+}
+
+#[test]
+fn replies_are_bounded_in_size_and_time() {
+    let pki = api_server_pki(&["localhost"]);
+    let controller = Controller::new(&pki);
+    let secret_file = controller.path("pve-token");
+    let ca_file = controller.path("pve-root-ca.pem");
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let limits = Limits {
+        connect: Duration::from_secs(5),
+        response: Duration::from_secs(1),
+        max_reply_bytes: 64 * 1024,
+        concurrency: 2,
+    };
+
+    // A reply over the cap is refused, naming the call.
+    let mut padded = settings();
+    padded["pad_reply_bytes"] = serde_json::json!(128 * 1024);
+    let double = PveDouble::start(&pki, padded);
+    let mut endpoint = controller.endpoint(double.port, &secret_file);
+    endpoint.ca_file = Some(&ca_file);
+    let client = PveClient::new(&endpoint, limits).unwrap();
+    let error = runtime.block_on(client.version()).unwrap_err();
+    assert!(matches!(error, ApiError::TooLarge { .. }), "{error}");
+    assert!(
+        error
+            .to_string()
+            .starts_with("GET /api2/json/version: the reply is larger than 65536 bytes"),
+        "{error}"
+    );
+    drop(double);
+
+    // A server that stalls: the call ends at the deadline, saying which stage waited.
+    let mut stalling = settings();
+    stalling["stall_seconds"] = serde_json::json!(10);
+    let double = PveDouble::start(&pki, stalling);
+    let endpoint = PveEndpoint {
+        port: double.port,
+        ..endpoint
+    };
+    let client = PveClient::new(&endpoint, limits).unwrap();
+    let started = std::time::Instant::now();
+    let error = runtime.block_on(client.version()).unwrap_err();
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(
+        matches!(
+            error,
+            ApiError::Timeout {
+                stage: "reply",
+                seconds: 1,
+                ..
+            }
+        ),
+        "{error}"
+    );
+
+    // Nothing listening: unreachable, with the URL.
+    drop(double);
+    let error = runtime.block_on(client.version()).unwrap_err();
+    assert!(matches!(error, ApiError::Connect { .. }), "{error}");
+    assert!(!error.reached());
+
+    // The token's Debug output names the id only.
+    let shown = format!("{client:?}");
+    assert!(
+        shown.contains(TOKEN_ID) && !shown.contains(SECRET),
+        "{shown}"
+    );
+}
+
+#[test]
+fn the_token_reads_the_api_as_pve_answers_it() {
+    let pki = api_server_pki(&["localhost"]);
+    let mut with_permissions = settings();
+    with_permissions["permissions"] = serde_json::json!({
+        TOKEN_ID: { "/": { "Sys.Audit": 1 }, "/vms": { "VM.Audit": 1, "VM.Allocate": 0 } }
+    });
+    let double = PveDouble::start(&pki, with_permissions);
+    let controller = Controller::new(&pki);
+    let secret_file = controller.path("pve-token");
+    let (colons, _) = pins(&pki);
+    let fingerprint = certistack_core::tls::parse_fingerprint(&colons).unwrap();
+    let mut endpoint = controller.endpoint(double.port, &secret_file);
+    endpoint.fingerprint = Some(fingerprint);
+    let client = PveClient::new(&endpoint, Limits::default()).unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let version = runtime.block_on(client.version()).unwrap();
+    assert!(version.version.starts_with("9."), "{version:?}");
+    let permissions = runtime.block_on(client.permissions(None)).unwrap();
+    assert!(permissions["/"]["Sys.Audit"].0);
+    assert!(!permissions["/vms"]["VM.Allocate"].0);
+    let status = runtime.block_on(client.cluster_status()).unwrap();
+    assert!(
+        status.iter().any(|entry| entry.kind == "node"),
+        "{status:?}"
+    );
+}
