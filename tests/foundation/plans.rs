@@ -300,7 +300,7 @@ fn plan_show_json_is_one_document_whose_every_value_carries_its_source() {
     assert_eq!(document["storage"]["port"]["source"], "plan");
     assert_eq!(
         document["storage"]["encryption_key_file"],
-        serde_json::Value::Null
+        serde_json::json!({"value": null, "source": "default", "key": "storage.encryption_key_file"})
     );
     let validations = document["validations"].as_array().unwrap();
     assert_eq!(validations.len(), 2);
@@ -321,9 +321,15 @@ fn plan_show_json_is_one_document_whose_every_value_carries_its_source() {
     let mut all = Vec::new();
     sourced_values(&document["validations"], &mut all);
     sourced_values(&document["storage"], &mut all);
-    // web01: 5 values, 3 per sandbox VM, 3 network, 2 probes, 1 assertion, 2 timeouts, 2
-    // recovery; dc01 the same less its assertion; storage 7 (no encryption key).
-    assert_eq!(all.len(), 18 + 17 + 7, "{document:#}");
+    // Per validation: node, endpoint, source_vmid, snapshot, archives (5); 3 per sandbox VM;
+    // network (3); 12 per probe (kind, address, port, 9 expectations); 6 per assertion;
+    // timeouts (2); recovery (2). web01: 2 probes, 1 assertion; dc01: 2 probes, none.
+    // Storage: 8.
+    assert_eq!(
+        all.len(),
+        (5 + 3 + 3 + 24 + 6 + 4) + (5 + 3 + 3 + 24 + 4) + 8,
+        "{document:#}"
+    );
     for value in &all {
         let source = value["source"].as_str().unwrap();
         assert!(
@@ -348,8 +354,17 @@ fn plan_show_json_is_one_document_whose_every_value_carries_its_source() {
         "validations[1].sandbox[0].vmid"
     );
     assert_eq!(
-        web.pointer("/probes/0/value/expect/banner_prefix").unwrap(),
+        web.pointer("/probes/0/expect/banner_prefix/value").unwrap(),
         "SSH-2.0-"
+    );
+    // An expectation the plan does not set is there, by default, checking nothing.
+    assert_eq!(
+        web.pointer("/probes/0/expect/http_status").unwrap(),
+        &serde_json::json!({"value": 0, "source": "default", "key": "validations[0].probes[0].expect.http_status"})
+    );
+    assert_eq!(
+        web.pointer("/assertions/0/exit_code/source").unwrap(),
+        "plan"
     );
     assert_eq!(
         web.pointer("/timeouts/run_seconds/source").unwrap(),
@@ -418,6 +433,37 @@ fn plan_show_refuses_what_plan_check_refuses_and_escapes_what_it_prints() {
     assert!(
         out.contains("secrets/pbs\\u{1b}[2J\\u{1b}]52;c;aGk=\\u{7}"),
         "{out}"
+    );
+    std::fs::write(setup.dir.0.join("nightly.yaml"), &original).unwrap();
+
+    // A right-to-left override in an argument (the grant accepts it): escaped once, on its own
+    // line, in the text; a `\u202e` escape in the JSON, which still reads back to the value.
+    setup.edit(
+        "nightly.yaml",
+        "args: [is-active, nginx]",
+        "args: [is-active, \"ngi\\u202enx\"]",
+    );
+    let (code, out, err) = setup.show("nightly.yaml", &[]);
+    assert_eq!(code, 0, "{err}");
+    assert!(!out.contains('\u{202e}'), "{out:?}");
+    assert!(
+        out.lines()
+            .any(|line| line.starts_with("  assertions[0].args[1] ")
+                && line.ends_with(" ngi\\u{202e}nx")),
+        "{out}"
+    );
+    let (code, out, err) = setup.show("nightly.yaml", &["--json"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        !out.contains('\u{202e}') && out.contains("ngi\\u202enx"),
+        "{out}"
+    );
+    let document: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        document
+            .pointer("/validations/0/assertions/0/args/value/1")
+            .unwrap(),
+        "ngi\u{202e}nx"
     );
     setup.assert_nothing_contacted();
 }

@@ -48,7 +48,7 @@ pub fn plan_show(
     let plan = load_plan(plan, &config, now)?;
     // Written without panicking on a closed pipe (`plan show ... | head`).
     let text = if json {
-        format!("{:#}", show::json(&plan))
+        show::json(&plan)
     } else {
         format!(
             "{}{} validation(s); nothing was contacted",

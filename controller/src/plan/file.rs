@@ -71,20 +71,21 @@ pub(super) struct NetworkFile {
     pub(super) probe_source: String,
 }
 
-/// A probe as written; `plan show` prints it the same way, every key present.
-#[derive(Debug, Clone, Deserialize, Serialize)]
+/// A probe as written. Optional keys are `None` when not written: resolution puts in their
+/// defaults and says so.
+#[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct ProbeFile {
-    pub(super) kind: ProbeKindFile,
+pub(super) struct ProbeFile {
+    pub(super) kind: ProbeKind,
     pub(super) address: String,
     pub(super) port: u16,
     #[serde(default)]
     pub(super) expect: ExpectFile,
 }
 
-#[derive(Debug, Clone, Copy, Deserialize, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
-pub enum ProbeKindFile {
+pub enum ProbeKind {
     Tcp,
     Http,
     Https,
@@ -92,32 +93,44 @@ pub enum ProbeKindFile {
     Ldap,
 }
 
-#[derive(Debug, Clone, Default, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct ExpectFile {
-    #[serde(default)]
-    pub(super) banner_prefix: String,
-    #[serde(default)]
-    pub(super) http_path: String,
-    #[serde(default)]
-    pub(super) http_status: u16,
-    #[serde(default)]
-    pub(super) body_contains: String,
-    #[serde(default)]
-    pub(super) body_sha256: String,
-    #[serde(default)]
-    pub(super) dns_name: String,
-    #[serde(default)]
-    pub(super) dns_type: Option<DnsTypeFile>,
-    #[serde(default)]
-    pub(super) dns_answers: Vec<String>,
-    #[serde(default)]
-    pub(super) ldap_naming_context: String,
+impl ProbeKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Tcp => "tcp",
+            Self::Http => "http",
+            Self::Https => "https",
+            Self::Dns => "dns",
+            Self::Ldap => "ldap",
+        }
+    }
 }
 
-#[derive(Debug, Clone, Copy, Deserialize, Serialize)]
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct ExpectFile {
+    #[serde(default)]
+    pub(super) banner_prefix: Option<String>,
+    #[serde(default)]
+    pub(super) http_path: Option<String>,
+    #[serde(default)]
+    pub(super) http_status: Option<u16>,
+    #[serde(default)]
+    pub(super) body_contains: Option<String>,
+    #[serde(default)]
+    pub(super) body_sha256: Option<String>,
+    #[serde(default)]
+    pub(super) dns_name: Option<String>,
+    #[serde(default)]
+    pub(super) dns_type: Option<DnsType>,
+    #[serde(default)]
+    pub(super) dns_answers: Option<Vec<String>>,
+    #[serde(default)]
+    pub(super) ldap_naming_context: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "UPPERCASE")]
-pub enum DnsTypeFile {
+pub enum DnsType {
     A,
     Aaaa,
     Cname,
@@ -127,18 +140,33 @@ pub enum DnsTypeFile {
     Ptr,
 }
 
-/// An assertion as written; `plan show` prints it the same way, every key present.
-#[derive(Debug, Clone, Deserialize, Serialize)]
+impl DnsType {
+    /// As a plan writes it and DNS names it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::A => "A",
+            Self::Aaaa => "AAAA",
+            Self::Cname => "CNAME",
+            Self::Mx => "MX",
+            Self::Txt => "TXT",
+            Self::Srv => "SRV",
+            Self::Ptr => "PTR",
+        }
+    }
+}
+
+/// An assertion as written; optional keys are `None` when not written.
+#[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct AssertionFile {
+pub(super) struct AssertionFile {
     pub(super) id: String,
     pub(super) program: String,
     #[serde(default)]
-    pub(super) args: Vec<String>,
+    pub(super) args: Option<Vec<String>>,
     #[serde(default)]
-    pub(super) exit_code: i32,
+    pub(super) exit_code: Option<i32>,
     #[serde(default)]
-    pub(super) stdout_contains: String,
+    pub(super) stdout_contains: Option<String>,
     pub(super) timeout_seconds: u32,
 }
 

@@ -21,13 +21,11 @@ mod tests;
 mod wire;
 
 use file::*;
-pub use file::{
-    AssertionFile, DnsTypeFile, ExpectFile, NetworkLifecycle, NetworkRecoveryMode, ProbeFile,
-    ProbeKindFile,
-};
+pub use file::{DnsType, NetworkLifecycle, NetworkRecoveryMode, ProbeKind};
 pub use resolve::{
-    Origin, ResolvedNetwork, ResolvedNetworkRecovery, ResolvedSandboxVm, ResolvedStorage,
-    ResolvedTimeouts, ResolvedValidation, Sourced,
+    Origin, ResolvedAssertion, ResolvedExpect, ResolvedNetwork, ResolvedNetworkRecovery,
+    ResolvedProbe, ResolvedSandboxVm, ResolvedStorage, ResolvedTimeouts, ResolvedValidation,
+    Sourced,
 };
 use wire::*;
 
@@ -188,11 +186,7 @@ impl Plan {
             path: path.to_owned(),
             digest: crate::report::sha256_text(text.as_bytes()),
             pbs_password_file: resolved.storage.pbs_password_file.value.clone(),
-            encryption_key_file: resolved
-                .storage
-                .encryption_key_file
-                .as_ref()
-                .map(|file| file.value.clone()),
+            encryption_key_file: resolved.storage.encryption_key_file.value.clone(),
             storage: resolved.storage,
             validations,
         })

@@ -72,7 +72,8 @@ pub struct ResolvedStorage {
     pub fingerprint: Sourced<String>,
     /// Resolved against the plan's directory; the file is named, never read, by resolution.
     pub pbs_password_file: Sourced<PathBuf>,
-    pub encryption_key_file: Option<Sourced<PathBuf>>,
+    /// `None` (by default) when the backups are not encrypted.
+    pub encryption_key_file: Sourced<Option<PathBuf>>,
 }
 
 impl ResolvedStorage {
@@ -104,10 +105,44 @@ pub struct ResolvedValidation {
     pub archives: Sourced<Vec<String>>,
     pub sandbox: Vec<ResolvedSandboxVm>,
     pub network: ResolvedNetwork,
-    pub probes: Vec<Sourced<ProbeFile>>,
-    pub assertions: Vec<Sourced<AssertionFile>>,
+    pub probes: Vec<ResolvedProbe>,
+    pub assertions: Vec<ResolvedAssertion>,
     pub timeouts: ResolvedTimeouts,
     pub network_recovery: ResolvedNetworkRecovery,
+}
+
+/// A probe, each key with where it came from.
+#[derive(Debug, Clone, Serialize)]
+pub struct ResolvedProbe {
+    pub kind: Sourced<ProbeKind>,
+    pub address: Sourced<String>,
+    pub port: Sourced<u16>,
+    pub expect: ResolvedExpect,
+}
+
+/// What a probe expects; an empty string, `0`, `[]` or `null` checks nothing.
+#[derive(Debug, Clone, Serialize)]
+pub struct ResolvedExpect {
+    pub banner_prefix: Sourced<String>,
+    pub http_path: Sourced<String>,
+    pub http_status: Sourced<u16>,
+    pub body_contains: Sourced<String>,
+    pub body_sha256: Sourced<String>,
+    pub dns_name: Sourced<String>,
+    pub dns_type: Sourced<Option<DnsType>>,
+    pub dns_answers: Sourced<Vec<String>>,
+    pub ldap_naming_context: Sourced<String>,
+}
+
+/// An assertion, each key with where it came from.
+#[derive(Debug, Clone, Serialize)]
+pub struct ResolvedAssertion {
+    pub id: Sourced<String>,
+    pub program: Sourced<String>,
+    pub args: Sourced<Vec<String>>,
+    pub exit_code: Sourced<i32>,
+    pub stdout_contains: Sourced<String>,
+    pub timeout_seconds: Sourced<u32>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -204,6 +239,25 @@ pub(super) fn offline(
         }
         validations.push(resolved);
     }
+    // A sandbox VM must not take the VMID of a VM the plan backs up: that VM most likely
+    // still exists in the cluster, and `qm create` would fail mid-run.
+    let sources: BTreeMap<Vmid, &str> = validations
+        .iter()
+        .map(|v| (v.source_vmid.value, v.name.as_str()))
+        .collect();
+    for (index, v) in validations.iter().enumerate() {
+        for vm in &v.sandbox {
+            if let Some(source_of) = sources.get(&vm.vmid.value) {
+                return Err(refused(
+                    format!("validations[{index}] ({}).sandbox", v.name),
+                    format!(
+                        "sandbox VMID {} is the source VM of validation {source_of}, which is likely still in the cluster; give the sandbox VM a VMID of its own",
+                        vm.vmid.value
+                    ),
+                ));
+            }
+        }
+    }
     Ok(ResolvedPlan {
         storage,
         validations,
@@ -224,10 +278,14 @@ fn resolve_storage(path: &Path, storage: &StorageFile) -> ResolvedStorage {
             base.join(&storage.pbs_password_file),
             key("pbs_password_file"),
         ),
-        encryption_key_file: storage
-            .encryption_key_file
-            .as_ref()
-            .map(|file| Sourced::plan(base.join(file), key("encryption_key_file"))),
+        encryption_key_file: Sourced::written_or(
+            storage
+                .encryption_key_file
+                .as_ref()
+                .map(|file| Some(base.join(file))),
+            None,
+            key("encryption_key_file"),
+        ),
     }
 }
 
@@ -282,7 +340,7 @@ fn resolve_validation(
         endpoint: Sourced::new(
             node.endpoint(),
             Origin::Configuration,
-            format!("nodes ({}).address, port", v.node),
+            format!("nodes ({})", v.node),
         ),
         source_vmid: Sourced::plan(v.source_vmid.0, key("source_vmid")),
         snapshot: Sourced::plan(v.snapshot.0.clone(), key("snapshot")),
@@ -309,19 +367,63 @@ fn resolve_validation(
             .probes
             .iter()
             .enumerate()
-            .map(|(i, probe)| Sourced::plan(probe.clone(), key(&format!("probes[{i}]"))))
+            .map(|(i, probe)| resolve_probe(&key(&format!("probes[{i}]")), probe))
             .collect(),
         assertions: v
             .assertions
             .iter()
             .enumerate()
-            .map(|(i, assertion)| {
-                Sourced::plan(assertion.clone(), key(&format!("assertions[{i}]")))
-            })
+            .map(|(i, assertion)| resolve_assertion(&key(&format!("assertions[{i}]")), assertion))
             .collect(),
         timeouts,
         network_recovery,
     })
+}
+
+/// A probe's keys below `at` (`validations[i].probes[j]`).
+fn resolve_probe(at: &str, probe: &ProbeFile) -> ResolvedProbe {
+    let key = |name: &str| format!("{at}.{name}");
+    let e = &probe.expect;
+    let text = |value: &Option<String>, name: &str| {
+        Sourced::written_or(value.clone(), String::new(), key(&format!("expect.{name}")))
+    };
+    ResolvedProbe {
+        kind: Sourced::plan(probe.kind, key("kind")),
+        address: Sourced::plan(probe.address.clone(), key("address")),
+        port: Sourced::plan(probe.port, key("port")),
+        expect: ResolvedExpect {
+            banner_prefix: text(&e.banner_prefix, "banner_prefix"),
+            http_path: text(&e.http_path, "http_path"),
+            http_status: Sourced::written_or(e.http_status, 0, key("expect.http_status")),
+            body_contains: text(&e.body_contains, "body_contains"),
+            body_sha256: text(&e.body_sha256, "body_sha256"),
+            dns_name: text(&e.dns_name, "dns_name"),
+            dns_type: Sourced::written_or(e.dns_type.map(Some), None, key("expect.dns_type")),
+            dns_answers: Sourced::written_or(
+                e.dns_answers.clone(),
+                Vec::new(),
+                key("expect.dns_answers"),
+            ),
+            ldap_naming_context: text(&e.ldap_naming_context, "ldap_naming_context"),
+        },
+    }
+}
+
+/// An assertion's keys below `at` (`validations[i].assertions[j]`).
+fn resolve_assertion(at: &str, assertion: &AssertionFile) -> ResolvedAssertion {
+    let key = |name: &str| format!("{at}.{name}");
+    ResolvedAssertion {
+        id: Sourced::plan(assertion.id.clone(), key("id")),
+        program: Sourced::plan(assertion.program.clone(), key("program")),
+        args: Sourced::written_or(assertion.args.clone(), Vec::new(), key("args")),
+        exit_code: Sourced::written_or(assertion.exit_code, 0, key("exit_code")),
+        stdout_contains: Sourced::written_or(
+            assertion.stdout_contains.clone(),
+            String::new(),
+            key("stdout_contains"),
+        ),
+        timeout_seconds: Sourced::plan(assertion.timeout_seconds, key("timeout_seconds")),
+    }
 }
 
 /// The guest agent wait fits in the run with its cleanup reserve, and the run in one grant.

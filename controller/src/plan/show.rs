@@ -1,10 +1,12 @@
 //! `plan show`: a checked plan with every value of every validation spelled out and where each
-//! came from, for a person (aligned text) or a script (one JSON document whose keys are
+//! came from, for a person (one value a line) or a script (one JSON document whose keys are
 //! documented in docs/plans.md, "plan show", and do not change within `format` 1).
 //!
-//! Plan text can carry any character a YAML escape writes, so every value printed for a person
-//! goes through `untrusted::printable`: a plan cannot move the cursor or rewrite the terminal
-//! of whoever reviews it.
+//! A plan string may carry characters a terminal acts on or that hide what follows them
+//! (bidirectional overrides, invisible separators; the grant refuses control characters but
+//! not those). Every value printed for a person goes through `untrusted::printable` once, one
+//! value a line, so no value can hide another; the JSON writes every such character as a
+//! `\uXXXX` escape, so a script still reads the exact value.
 
 use super::*;
 use certistack_core::untrusted;
@@ -12,20 +14,19 @@ use certistack_core::untrusted;
 /// The `format` of the JSON document; raised only when a key changes meaning or goes away.
 pub const SHOW_FORMAT: u32 = 1;
 
-/// Characters of one value printed for a person.
-const MAX_SHOWN_CHARS: usize = 512;
+/// Characters of one value printed for a person: more than any value a grant accepts.
+const MAX_SHOWN_CHARS: usize = 4096;
 
-/// The plan as one JSON document: `format`, `plan`, `digest`, `storage`, `validations`.
-pub fn json(plan: &Plan) -> serde_json::Value {
+/// The plan as one JSON document (`format`, `plan`, `digest`, `storage`, `validations`), as
+/// text with every character a terminal might act on escaped.
+pub fn json(plan: &Plan) -> String {
     let storage = &plan.storage;
-    let path = |file: &Sourced<PathBuf>| {
-        serde_json::json!({
-            "value": file.value.to_string_lossy(),
-            "source": file.source,
-            "key": file.key,
-        })
+    let path = |file: &Sourced<PathBuf>| Sourced {
+        value: file.value.to_string_lossy().into_owned(),
+        source: file.source,
+        key: file.key.clone(),
     };
-    serde_json::json!({
+    let document = serde_json::json!({
         "format": SHOW_FORMAT,
         "plan": plan.path.to_string_lossy(),
         "digest": plan.digest,
@@ -37,18 +38,46 @@ pub fn json(plan: &Plan) -> serde_json::Value {
             "auth_id": storage.auth_id,
             "fingerprint": storage.fingerprint,
             "pbs_password_file": path(&storage.pbs_password_file),
-            "encryption_key_file": storage.encryption_key_file.as_ref().map(path),
+            "encryption_key_file": Sourced {
+                value: storage
+                    .encryption_key_file
+                    .value
+                    .as_ref()
+                    .map(|file| file.to_string_lossy().into_owned()),
+                source: storage.encryption_key_file.source,
+                key: storage.encryption_key_file.key.clone(),
+            },
         },
         "validations": plan
             .validations
             .iter()
             .map(|validation| &validation.resolved)
             .collect::<Vec<_>>(),
-    })
+    });
+    escape_for_terminals(&format!("{document:#}"))
+}
+
+/// `json` with every non-ASCII character that Rust's `escape_debug` would escape (C1 controls,
+/// bidirectional and other format characters, separators) written as a JSON `\uXXXX` escape
+/// (a surrogate pair above U+FFFF). serde_json already escapes C0 controls, `"` and `\`; in
+/// valid JSON such characters can only stand inside strings, so the document means the same.
+fn escape_for_terminals(json: &str) -> String {
+    let mut out = String::with_capacity(json.len());
+    for c in json.chars() {
+        if !c.is_ascii() && c.escape_debug().next() == Some('\\') {
+            let mut units = [0u16; 2];
+            for unit in c.encode_utf16(&mut units) {
+                out.push_str(&format!("\\u{unit:04x}"));
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 /// The plan for a person: the storage, then each validation, one value a line with where it
-/// came from.
+/// came from. Keys whose default checks nothing (an unset probe expectation) are left out.
 pub fn text(plan: &Plan) -> String {
     let mut out = Lines::default();
     let storage = &plan.storage;
@@ -72,17 +101,14 @@ pub fn text(plan: &Plan) -> String {
     out.shown("pbs_password_file", &storage.pbs_password_file, |p| {
         p.to_string_lossy().into_owned()
     });
-    match &storage.encryption_key_file {
-        Some(file) => out.shown("encryption_key_file", file, |p| {
-            p.to_string_lossy().into_owned()
-        }),
-        None => out.line(
-            "encryption_key_file",
-            "(none)",
-            Origin::Default,
-            "storage.encryption_key_file",
-        ),
-    }
+    out.shown(
+        "encryption_key_file",
+        &storage.encryption_key_file,
+        |file| match file {
+            Some(file) => file.to_string_lossy().into_owned(),
+            None => "(none)".into(),
+        },
+    );
     for validation in &plan.validations {
         let v = &validation.resolved;
         out.heading(&format!("validation {} ({})", v.name, v.key), &v.key);
@@ -90,7 +116,7 @@ pub fn text(plan: &Plan) -> String {
         out.value("endpoint", &v.endpoint);
         out.value("source_vmid", &v.source_vmid);
         out.value("snapshot", &v.snapshot);
-        out.shown("archives", &v.archives, |a| a.join(", "));
+        out.list("archives", &v.archives);
         for (i, vm) in v.sandbox.iter().enumerate() {
             out.value(&format!("sandbox[{i}].vmid"), &vm.vmid);
             out.value(&format!("sandbox[{i}].cores"), &vm.cores);
@@ -110,7 +136,7 @@ pub fn text(plan: &Plan) -> String {
             );
         }
         for (i, probe) in v.probes.iter().enumerate() {
-            out.shown(&format!("probes[{i}]"), probe, describe_probe);
+            probe_lines(&mut out, &format!("probes[{i}]"), probe);
         }
         if v.assertions.is_empty() {
             out.line(
@@ -121,7 +147,15 @@ pub fn text(plan: &Plan) -> String {
             );
         }
         for (i, assertion) in v.assertions.iter().enumerate() {
-            out.shown(&format!("assertions[{i}]"), assertion, describe_assertion);
+            let name = |key: &str| format!("assertions[{i}].{key}");
+            out.value(&name("id"), &assertion.id);
+            out.value(&name("program"), &assertion.program);
+            out.list(&name("args"), &assertion.args);
+            out.value(&name("exit_code"), &assertion.exit_code);
+            if assertion.stdout_contains.source != Origin::Default {
+                out.value(&name("stdout_contains"), &assertion.stdout_contains);
+            }
+            out.value(&name("timeout_seconds"), &assertion.timeout_seconds);
         }
         out.value("timeouts.run_seconds", &v.timeouts.run_seconds);
         out.value(
@@ -146,57 +180,36 @@ pub fn text(plan: &Plan) -> String {
     out.text
 }
 
-fn describe_probe(probe: &ProbeFile) -> String {
-    let kind = match probe.kind {
-        ProbeKindFile::Tcp => "tcp",
-        ProbeKindFile::Http => "http",
-        ProbeKindFile::Https => "https",
-        ProbeKindFile::Dns => "dns",
-        ProbeKindFile::Ldap => "ldap",
-    };
-    let mut text = format!("{kind} {}:{}", probe.address, probe.port);
+/// One probe's lines: kind, address, port, and each expectation the plan sets.
+fn probe_lines(out: &mut Lines, at: &str, probe: &ResolvedProbe) {
+    let name = |key: &str| format!("{at}.{key}");
+    out.shown(&name("kind"), &probe.kind, |kind| kind.name().to_owned());
+    out.value(&name("address"), &probe.address);
+    out.value(&name("port"), &probe.port);
     let e = &probe.expect;
-    let strings = [
+    for (key, value) in [
         ("banner_prefix", &e.banner_prefix),
         ("http_path", &e.http_path),
         ("body_contains", &e.body_contains),
         ("body_sha256", &e.body_sha256),
         ("dns_name", &e.dns_name),
         ("ldap_naming_context", &e.ldap_naming_context),
-    ];
-    for (name, value) in strings {
-        if !value.is_empty() {
-            text.push_str(&format!(" {name}={value:?}"));
+    ] {
+        if value.source != Origin::Default {
+            out.value(&name(&format!("expect.{key}")), value);
         }
     }
-    if e.http_status != 0 {
-        text.push_str(&format!(" http_status={}", e.http_status));
+    if e.http_status.source != Origin::Default {
+        out.value(&name("expect.http_status"), &e.http_status);
     }
-    if let Some(dns_type) = e.dns_type {
-        text.push_str(&format!(" dns_type={dns_type:?}"));
+    if e.dns_type.source != Origin::Default {
+        out.shown(&name("expect.dns_type"), &e.dns_type, |dns_type| {
+            dns_type.map_or_else(String::new, |t| t.name().to_owned())
+        });
     }
-    if !e.dns_answers.is_empty() {
-        text.push_str(&format!(" dns_answers={:?}", e.dns_answers));
+    if e.dns_answers.source != Origin::Default {
+        out.list(&name("expect.dns_answers"), &e.dns_answers);
     }
-    text
-}
-
-fn describe_assertion(assertion: &AssertionFile) -> String {
-    let mut text = format!("{}: {}", assertion.id, assertion.program);
-    for arg in &assertion.args {
-        text.push_str(&format!(" {arg:?}"));
-    }
-    text.push_str(&format!(
-        "; exit {}; {} s",
-        assertion.exit_code, assertion.timeout_seconds
-    ));
-    if !assertion.stdout_contains.is_empty() {
-        text.push_str(&format!(
-            "; stdout contains {:?}",
-            assertion.stdout_contains
-        ));
-    }
-    text
 }
 
 /// Width of the name column.
@@ -238,5 +251,38 @@ impl Lines {
 
     fn value<T: std::fmt::Display>(&mut self, name: &str, sourced: &Sourced<T>) {
         self.shown(name, sourced, T::to_string);
+    }
+
+    /// A list, one item a line (`name[i]`), or `(none)` when it is empty.
+    fn list(&mut self, name: &str, sourced: &Sourced<Vec<String>>) {
+        if sourced.value.is_empty() {
+            self.line(name, "(none)", sourced.source, &sourced.key);
+        }
+        for (i, item) in sourced.value.iter().enumerate() {
+            let key = format!("{}[{i}]", sourced.key);
+            self.line(&format!("{name}[{i}]"), item, sourced.source, &key);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_escapes_what_a_terminal_acts_on_and_keeps_the_value() {
+        let value = "a\u{202e}b\u{9b}c\u{2028}d\u{e0001}é";
+        let escaped = escape_for_terminals(&serde_json::to_string(value).unwrap());
+        assert!(escaped.is_ascii() || escaped.contains('é'), "{escaped}");
+        assert!(
+            !escaped.contains('\u{202e}') && !escaped.contains('\u{9b}'),
+            "{escaped}"
+        );
+        assert!(
+            escaped.contains("\\u202e") && escaped.contains("\\udb40\\udc01"),
+            "{escaped}"
+        );
+        let read: String = serde_json::from_str(&escaped).unwrap();
+        assert_eq!(read, value);
     }
 }

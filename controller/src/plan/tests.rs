@@ -208,6 +208,21 @@ fn a_sandbox_vmid_is_unique_across_the_plan_not_only_per_node() {
 }
 
 #[test]
+fn a_sandbox_vm_may_not_take_the_vmid_of_a_source_vm_of_the_plan() {
+    let error = refusal(&PLAN.replace("vmid: 9101", "vmid: 100"));
+    assert!(error.contains("validations[1] (db01).sandbox"), "{error}");
+    assert!(
+        error.contains("sandbox VMID 100 is the source VM of validation web01"),
+        "{error}"
+    );
+    let error = refusal(&PLAN.replace("vmid: 9101", "vmid: 101"));
+    assert!(
+        error.contains("sandbox VMID 101 is the source VM of validation db01"),
+        "{error}"
+    );
+}
+
+#[test]
 fn rewrite_is_the_default_and_preserve_the_explicit_opt_out() {
     let plan = check(PLAN).unwrap();
     let web = &plan.validations[0];
@@ -340,8 +355,36 @@ fn every_resolved_value_says_where_it_came_from() {
         ("192.0.2.11:7443", Origin::Configuration)
     );
     assert_eq!(web.sandbox[0].vmid.key, "validations[0].sandbox[0].vmid");
-    assert_eq!(web.probes[0].key, "validations[0].probes[0]");
-    assert_eq!(web.assertions[0].key, "validations[0].assertions[0]");
+    assert_eq!(
+        web.probes[0].address.key,
+        "validations[0].probes[0].address"
+    );
+    assert_eq!(
+        web.probes[0].expect.banner_prefix.source,
+        Origin::Plan,
+        "written in PLAN"
+    );
+    assert_eq!(
+        (
+            web.probes[0].expect.http_status.value,
+            web.probes[0].expect.http_status.source
+        ),
+        (0, Origin::Default)
+    );
+    assert_eq!(
+        web.assertions[0].program.key,
+        "validations[0].assertions[0].program"
+    );
+    assert_eq!(
+        (
+            web.assertions[0].exit_code.value,
+            web.assertions[0].exit_code.source
+        ),
+        (0, Origin::Default),
+        "exit_code is not written in PLAN"
+    );
+    assert_eq!(web.assertions[0].args.source, Origin::Plan);
+    assert_eq!(plan.storage.encryption_key_file.source, Origin::Default);
     assert_eq!(
         (
             web.timeouts.run_seconds.value,

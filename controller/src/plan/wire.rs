@@ -37,17 +37,17 @@ pub(super) fn granted(
             .collect(),
         vnet: v.network.vnet.value.clone(),
         probe_source: v.network.probe_source.value.clone(),
-        probe_targets: v.probes.iter().map(|p| wire_probe(&p.value)).collect(),
+        probe_targets: v.probes.iter().map(wire_probe).collect(),
         qga_assertions: v
             .assertions
             .iter()
             .map(|a| pb::QgaAssertion {
-                id: a.value.id.clone(),
-                program: a.value.program.clone(),
-                args: a.value.args.clone(),
-                expect_exit_code: a.value.exit_code,
-                expect_stdout_contains: a.value.stdout_contains.clone(),
-                timeout_seconds: a.value.timeout_seconds,
+                id: a.id.value.clone(),
+                program: a.program.value.clone(),
+                args: a.args.value.clone(),
+                expect_exit_code: a.exit_code.value,
+                expect_stdout_contains: a.stdout_contains.value.clone(),
+                timeout_seconds: a.timeout_seconds.value,
             })
             .collect(),
         network_recovery_modes: vec![v.network_recovery.mode.value.wire() as i32],
@@ -71,39 +71,39 @@ pub(super) fn granted(
     })
 }
 
-pub(super) fn wire_probe(probe: &ProbeFile) -> pb::ProbeTarget {
-    let kind = match probe.kind {
-        ProbeKindFile::Tcp => pb::ProbeKind::Tcp,
-        ProbeKindFile::Http => pb::ProbeKind::Http,
-        ProbeKindFile::Https => pb::ProbeKind::Https,
-        ProbeKindFile::Dns => pb::ProbeKind::Dns,
-        ProbeKindFile::Ldap => pb::ProbeKind::Ldap,
+pub(super) fn wire_probe(probe: &ResolvedProbe) -> pb::ProbeTarget {
+    let kind = match probe.kind.value {
+        ProbeKind::Tcp => pb::ProbeKind::Tcp,
+        ProbeKind::Http => pb::ProbeKind::Http,
+        ProbeKind::Https => pb::ProbeKind::Https,
+        ProbeKind::Dns => pb::ProbeKind::Dns,
+        ProbeKind::Ldap => pb::ProbeKind::Ldap,
     };
     let e = &probe.expect;
-    let dns_type = match e.dns_type {
+    let dns_type = match e.dns_type.value {
         None => pb::DnsRecordType::Unspecified,
-        Some(DnsTypeFile::A) => pb::DnsRecordType::A,
-        Some(DnsTypeFile::Aaaa) => pb::DnsRecordType::Aaaa,
-        Some(DnsTypeFile::Cname) => pb::DnsRecordType::Cname,
-        Some(DnsTypeFile::Mx) => pb::DnsRecordType::Mx,
-        Some(DnsTypeFile::Txt) => pb::DnsRecordType::Txt,
-        Some(DnsTypeFile::Srv) => pb::DnsRecordType::Srv,
-        Some(DnsTypeFile::Ptr) => pb::DnsRecordType::Ptr,
+        Some(DnsType::A) => pb::DnsRecordType::A,
+        Some(DnsType::Aaaa) => pb::DnsRecordType::Aaaa,
+        Some(DnsType::Cname) => pb::DnsRecordType::Cname,
+        Some(DnsType::Mx) => pb::DnsRecordType::Mx,
+        Some(DnsType::Txt) => pb::DnsRecordType::Txt,
+        Some(DnsType::Srv) => pb::DnsRecordType::Srv,
+        Some(DnsType::Ptr) => pb::DnsRecordType::Ptr,
     };
     pb::ProbeTarget {
         kind: kind.into(),
-        address: probe.address.clone(),
-        port: u32::from(probe.port),
+        address: probe.address.value.clone(),
+        port: u32::from(probe.port.value),
         expect: Some(pb::ProbeExpectation {
-            banner_prefix: e.banner_prefix.clone(),
-            http_path: e.http_path.clone(),
-            http_status: u32::from(e.http_status),
-            body_contains: e.body_contains.clone(),
-            body_sha256: e.body_sha256.clone(),
-            dns_name: e.dns_name.clone(),
+            banner_prefix: e.banner_prefix.value.clone(),
+            http_path: e.http_path.value.clone(),
+            http_status: u32::from(e.http_status.value),
+            body_contains: e.body_contains.value.clone(),
+            body_sha256: e.body_sha256.value.clone(),
+            dns_name: e.dns_name.value.clone(),
             dns_type: dns_type.into(),
-            dns_answers: e.dns_answers.clone(),
-            ldap_naming_context: e.ldap_naming_context.clone(),
+            dns_answers: e.dns_answers.value.clone(),
+            ldap_naming_context: e.ldap_naming_context.value.clone(),
         }),
     }
 }
