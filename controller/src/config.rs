@@ -217,7 +217,7 @@ fn pve_settings(pve: PveFile, base: &Path) -> Result<PveSettings, String> {
         .transpose()
         .map_err(|reason| format!("pve.fingerprint: {reason}"))?;
     if pve.ca_file.is_none() && fingerprint.is_none() {
-        return Err("[pve] names neither ca_file nor fingerprint, and the API's certificate is always verified: set ca_file to the cluster CA (a copy of /etc/pve/pve-root-ca.pem), or fingerprint to the node certificate's SHA-256 (`pvenode cert info` on the node), or both".into());
+        return Err("[pve] names neither ca_file nor fingerprint, and the API's certificate is always verified: set ca_file to the cluster CA (a copy of /etc/pve/pve-root-ca.pem), or fingerprint to the SHA-256 of the certificate pveproxy serves (`pvenode cert info` on the node: the pveproxy-ssl.pem entry if there is one, else pve-ssl.pem; not pve-root-ca.pem), or both".into());
     }
     Ok(PveSettings {
         host,
@@ -235,7 +235,9 @@ fn parse_api_url(url: &str) -> Result<(String, u16), String> {
     let expected =
         "write it as https://HOST:8006 (the API's host name as its certificate names it)";
     let rest = url
-        .strip_prefix("https://")
+        .get(..8)
+        .filter(|scheme| scheme.eq_ignore_ascii_case("https://"))
+        .and_then(|_| url.get(8..))
         .ok_or_else(|| format!("{url:?} is not an https:// URL; {expected}"))?;
     let rest = rest.strip_suffix('/').unwrap_or(rest);
     if rest.contains(['/', '@', '?', '#']) || rest.is_empty() {
@@ -248,7 +250,18 @@ fn parse_api_url(url: &str) -> Result<(String, u16), String> {
             let (host, after) = bracketed
                 .split_once(']')
                 .ok_or_else(|| format!("{url:?}: an IPv6 address ends with `]`; {expected}"))?;
-            (host, after.strip_prefix(':'))
+            if host.parse::<std::net::Ipv6Addr>().is_err() {
+                return Err(format!(
+                    "{url:?}: only an IPv6 address goes in brackets; {expected}"
+                ));
+            }
+            let port = match after {
+                "" => None,
+                after => Some(after.strip_prefix(':').ok_or_else(|| {
+                    format!("{url:?}: after `]` comes `:PORT` or nothing; {expected}")
+                })?),
+            };
+            (host, port)
         }
         None => match rest.split_once(':') {
             Some((host, port)) => (host, Some(port)),
@@ -257,9 +270,11 @@ fn parse_api_url(url: &str) -> Result<(String, u16), String> {
     };
     let port = match port {
         None => DEFAULT_PVE_API_PORT,
-        Some(port) => port
-            .parse::<u16>()
-            .ok()
+        Some(port) => Some(port)
+            .filter(|port| {
+                !port.is_empty() && port.len() <= 5 && port.bytes().all(|b| b.is_ascii_digit())
+            })
+            .and_then(|port| port.parse::<u16>().ok())
             .filter(|port| *port != 0)
             .ok_or_else(|| format!("{url:?}: {port:?} is not a port (1..=65535)"))?,
     };
@@ -273,15 +288,15 @@ fn check_token_id(id: &str) -> Result<(), String> {
     let shape = "write the token's full id, USER@REALM!TOKENID, e.g. certistack@pve!ctl (`pveum user token list USER@REALM`)";
     let (user, token) = id
         .split_once('!')
-        .ok_or_else(|| format!("{id:?} has no `!TOKENID`; {shape}"))?;
+        .ok_or_else(|| format!("it has no `!TOKENID`; {shape}"))?;
     let (name, realm) = user
         .rsplit_once('@')
-        .ok_or_else(|| format!("{id:?} has no `@REALM`; {shape}"))?;
+        .ok_or_else(|| format!("it has no `@REALM`; {shape}"))?;
     let name_ok = !name.is_empty()
         && name.len() <= 60
         && !name
             .chars()
-            .any(|c| c.is_whitespace() || c.is_control() || matches!(c, ':' | '/' | '!' | '@'));
+            .any(|c| c.is_whitespace() || c.is_control() || matches!(c, ':' | '/' | '!'));
     let realm_ok = (2..=32).contains(&realm.len())
         && realm.starts_with(|c: char| c.is_ascii_alphabetic())
         && realm
@@ -295,7 +310,11 @@ fn check_token_id(id: &str) -> Result<(), String> {
     if name_ok && realm_ok && token_ok {
         Ok(())
     } else {
-        Err(format!("{id:?} is not a PVE API token id; {shape}"))
+        // The id is not quoted back: written as the header writes it (`ID=SECRET`), it ends
+        // with the secret.
+        Err(format!(
+            "this is not a PVE API token id; {shape} (the secret goes in token_secret_file, never here)"
+        ))
     }
 }
 
@@ -402,6 +421,10 @@ port = 7443
             ("https://pve:0", "not a port"),
             ("https://pve:99999", "not a port"),
             ("https://pve..example:8006", "the host"),
+            ("https://[::1]x:8006", "after `]`"),
+            ("https://[::1]]:8006", "after `]`"),
+            ("https://[localhost]:8006", "only an IPv6 address"),
+            ("https://pve:+8006", "not a port"),
         ] {
             let error = parse(&format!(
                 "{GOOD}{}",
@@ -420,6 +443,7 @@ port = 7443
             "certistack@pve!",
             "a b@pve!ctl",
             "certistack@p!ctl",
+            "certistack@pve!ctl=0b1e5c1e-secret",
         ] {
             let error = parse(&format!("{GOOD}{}", pve.replace("certistack@pve!ctl", id)))
                 .unwrap_err()
@@ -429,6 +453,23 @@ port = 7443
                 "{id}: {error}"
             );
         }
+        // The secret written into the id is not quoted back.
+        let error = parse(&format!(
+            "{GOOD}{}",
+            pve.replace("certistack@pve!ctl", "certistack@pve!ctl=0b1e5c1e-secret")
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(!error.contains("0b1e5c1e"), "{error}");
+        // A user name may hold `@` (an e-mail address in an OpenID or LDAP realm); the scheme
+        // may be written in capitals.
+        let email = parse(&format!(
+            "{GOOD}{}",
+            pve.replace("certistack@pve!ctl", "alice@example.com@oidc!ctl")
+                .replace("https://", "HTTPS://")
+        ))
+        .unwrap();
+        assert_eq!(email.pve.unwrap().token_id, "alice@example.com@oidc!ctl");
         // Neither a CA nor a pin: refused, saying how to give one.
         let error = parse(&format!(
             "{GOOD}{}",

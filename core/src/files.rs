@@ -57,7 +57,11 @@ fn effective_uid() -> u32 {
 
 /// A private key (or a directory of them): owned by us, no access for group or others.
 pub fn check_private(path: &Path) -> Result<(), FileError> {
-    let meta = metadata(path)?;
+    check_private_metadata(path, &metadata(path)?)
+}
+
+/// [`check_private`] on metadata already read (of an open file: no second lookup of the path).
+fn check_private_metadata(path: &Path, meta: &fs::Metadata) -> Result<(), FileError> {
     let mode = meta.permissions().mode() & 0o7777;
     if meta.uid() != effective_uid() {
         return Err(FileError::WrongOwner {
@@ -116,21 +120,47 @@ pub fn read_private(path: &Path) -> Result<zeroize::Zeroizing<String>, FileError
 /// The most a secret file may hold: a password or an API token's secret is one short line.
 pub const MAX_SECRET_LINE_BYTES: usize = 4096;
 
-/// Reads a secret kept in a file: [`check_private`] (owned by us, closed to group and others),
-/// at most [`MAX_SECRET_LINE_BYTES`], the first line only (as `PBS_PASSWORD_FILE` is read), not
-/// empty. `what` names the secret in refusals ("the PBS password or API-token secret"). The
-/// file's whole text is zeroized when dropped, the line is handed over zeroizing.
+/// Reads a secret kept in a file: opened once (without waiting on a FIFO), then, on what was
+/// opened, checked as [`check_private`] checks a path (owned by us, closed to group and others)
+/// and to be a regular file; at most [`MAX_SECRET_LINE_BYTES`] are read, and the first line
+/// (as `PBS_PASSWORD_FILE` is read) must not be empty. `what` names the secret in refusals
+/// ("the PBS password or API-token secret"). Everything read is zeroized when dropped; the
+/// line is handed over zeroizing.
 pub fn read_secret_line(path: &Path, what: &str) -> Result<zeroize::Zeroizing<String>, FileError> {
-    let text = read_private(path)?;
-    if text.len() > MAX_SECRET_LINE_BYTES {
+    use std::io::Read;
+    let read_error = |error| FileError::Read {
+        path: path.to_owned(),
+        error,
+    };
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32)
+        .open(path)
+        .map_err(read_error)?;
+    let meta = file.metadata().map_err(read_error)?;
+    if !meta.is_file() {
+        return Err(FileError::Content {
+            path: path.to_owned(),
+            reason: format!("is not a regular file; write {what} in a file"),
+        });
+    }
+    check_private_metadata(path, &meta)?;
+    let mut bytes = zeroize::Zeroizing::new(Vec::with_capacity(MAX_SECRET_LINE_BYTES + 1));
+    file.take(MAX_SECRET_LINE_BYTES as u64 + 1)
+        .read_to_end(&mut bytes)
+        .map_err(read_error)?;
+    if bytes.len() > MAX_SECRET_LINE_BYTES {
         return Err(FileError::Content {
             path: path.to_owned(),
             reason: format!(
-                "holds {} bytes; {what} is one line of at most {MAX_SECRET_LINE_BYTES} bytes",
-                text.len()
+                "holds more than {MAX_SECRET_LINE_BYTES} bytes; {what} is one line of at most {MAX_SECRET_LINE_BYTES} bytes"
             ),
         });
     }
+    let text = std::str::from_utf8(&bytes).map_err(|_| FileError::Content {
+        path: path.to_owned(),
+        reason: format!("is not UTF-8 text; write {what} as text"),
+    })?;
     let first = text.lines().next().unwrap_or_default();
     if first.is_empty() {
         return Err(FileError::Content {
@@ -266,6 +296,53 @@ mod tests {
         assert!(check_trusted(&ca).is_ok());
         fs::set_permissions(&ca, fs::Permissions::from_mode(0o666)).unwrap();
         assert!(check_trusted(&ca).is_err());
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_secret_is_the_first_line_of_a_small_private_regular_file() {
+        let dir = std::env::temp_dir().join(format!("certistack-secret-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        create_private_dir(&dir).unwrap();
+        let secret = dir.join("secret");
+        write_new(&secret, b"0b1e5c1e\r\nsecond line\n", 0o600).unwrap();
+        assert_eq!(
+            read_secret_line(&secret, "the secret").unwrap().as_str(),
+            "0b1e5c1e"
+        );
+        fs::set_permissions(&secret, fs::Permissions::from_mode(0o644)).unwrap();
+        let error = read_secret_line(&secret, "the secret")
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("chmod 0600"), "{error}");
+        // Too large: refused after reading no more than the bound.
+        let large = dir.join("large");
+        write_new(&large, &vec![b'x'; MAX_SECRET_LINE_BYTES + 1], 0o600).unwrap();
+        let error = read_secret_line(&large, "the secret")
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("more than 4096 bytes"), "{error}");
+        let empty = dir.join("empty");
+        write_new(&empty, b"\n", 0o600).unwrap();
+        let error = read_secret_line(&empty, "the secret")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("is empty; write the secret on its first line"),
+            "{error}"
+        );
+        // A FIFO is refused at once instead of waiting for a writer.
+        let fifo = dir.join("fifo");
+        rustix::fs::mkfifoat(
+            rustix::fs::CWD,
+            &fifo,
+            rustix::fs::Mode::from_raw_mode(0o600),
+        )
+        .unwrap();
+        let error = read_secret_line(&fifo, "the secret")
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("is not a regular file"), "{error}");
         fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -303,7 +303,7 @@ fn doctor_proves_the_connection_to_the_pve_api_and_refuses_every_certificate_it_
         token.2.contains("GET /api2/json/version: HTTP 401"),
         "{out}"
     );
-    assert!(token.2.contains("pveum user token list"), "{out}");
+    assert!(token.2.contains("pveum user token add"), "{out}");
     outputs.push(out + &err);
     std::fs::write(controller.path("pve-token"), format!("{SECRET}\n")).unwrap();
 
@@ -424,4 +424,29 @@ fn the_token_reads_the_api_as_pve_answers_it() {
         status.iter().any(|entry| entry.kind == "node"),
         "{status:?}"
     );
+}
+
+#[test]
+fn doctor_checks_the_controllers_keys_before_it_contacts_the_api() {
+    let pki = api_server_pki(&["localhost"]);
+    let double = PveDouble::start(&pki, settings());
+    let controller = Controller::new(&pki);
+    // A node in the inventory, and no controller state directory: refused (66) before the
+    // API is asked anything.
+    let config = format!(
+        "state_dir = {:?}\nreports_dir = {:?}\n\n[[nodes]]\nname = \"pve1\"\naddress = \"127.0.0.1\"\nport = 9\n\n[pve]\napi_url = \"https://localhost:{}\"\ntoken_id = {TOKEN_ID:?}\ntoken_secret_file = \"pve-token\"\nca_file = \"pve-root-ca.pem\"\n",
+        controller.path("missing-state"),
+        controller.path("reports"),
+        double.port,
+    );
+    let path = controller.path("controller.toml");
+    std::fs::write(&path, config).unwrap();
+    let (code, out, err) = run_binary(
+        "certistack-ctl",
+        &["doctor", "--config", path.to_str().unwrap()],
+    );
+    assert_eq!(code, 66, "{out}{err}");
+    assert!(err.contains("controller state directory refused"), "{err}");
+    assert!(out.is_empty(), "{out}");
+    assert_eq!(double.calls_log(), "", "the API was contacted");
 }

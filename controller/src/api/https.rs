@@ -69,7 +69,7 @@ pub enum ApiError {
         reason: String,
     },
     #[error(
-        "{call}: {mismatch}; if the certificate was renewed on purpose, read its fingerprint on the node (`pvenode cert info`) and update fingerprint"
+        "{call}: {mismatch}; if the node's certificate was renewed, read its fingerprint on the node (`pvenode cert info`: the pveproxy-ssl.pem entry if there is one, else pve-ssl.pem; never pve-root-ca.pem) and pin it only if it is the one presented here"
     )]
     Fingerprint {
         call: String,
@@ -397,7 +397,97 @@ impl HttpsClient {
     }
 }
 
+/// What stands where a secret the server sent back stood.
+pub const REDACTED: &str = "<redacted>";
+
+/// `error` with every occurrence of `secret` in the server's text replaced: a server (or
+/// something in front of it) that echoes the Authorization header must not get the secret
+/// printed.
+pub fn redact_error(error: ApiError, secret: &str) -> ApiError {
+    match error {
+        ApiError::Status {
+            call,
+            status,
+            message,
+        } if !secret.is_empty() => ApiError::Status {
+            call,
+            status,
+            message: message.replace(secret, REDACTED),
+        },
+        other => other,
+    }
+}
+
+/// `body` with every occurrence of `secret` replaced, as [`redact_error`] does for errors.
+pub fn redact_body(body: Vec<u8>, secret: &[u8]) -> Vec<u8> {
+    if secret.is_empty() || !body.windows(secret.len()).any(|window| window == secret) {
+        return body;
+    }
+    let mut out = Vec::with_capacity(body.len());
+    let mut rest = body.as_slice();
+    while let Some(at) = rest
+        .windows(secret.len())
+        .position(|window| window == secret)
+    {
+        out.extend_from_slice(rest.get(..at).unwrap_or_default());
+        out.extend_from_slice(REDACTED.as_bytes());
+        rest = rest.get(at + secret.len()..).unwrap_or_default();
+    }
+    out.extend_from_slice(rest);
+    out
+}
+
+/// `value` as a query value: the unreserved characters and `/` (PVE paths, PBS namespaces)
+/// as they are, anything else percent-encoded.
+pub fn query_escape(value: &str) -> String {
+    value
+        .bytes()
+        .map(|byte| match byte {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' | b'/' => {
+                (byte as char).to_string()
+            }
+            other => format!("%{other:02X}"),
+        })
+        .collect()
+}
+
 /// A TCP connect error, told apart from a TLS one by its type.
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 struct TcpError(std::io::Error);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_secret_the_server_echoes_is_redacted() {
+        assert_eq!(
+            redact_body(
+                b"{\"data\":{\"version\":\"s3cr3t and s3cr3t\"}}".to_vec(),
+                b"s3cr3t"
+            ),
+            b"{\"data\":{\"version\":\"<redacted> and <redacted>\"}}"
+        );
+        assert_eq!(redact_body(b"plain".to_vec(), b"s3cr3t"), b"plain");
+        let error = redact_error(
+            ApiError::Status {
+                call: "GET /x".into(),
+                status: 401,
+                message: "bad PVEAPIToken=a@b!c=s3cr3t".into(),
+            },
+            "s3cr3t",
+        );
+        assert_eq!(
+            error.to_string(),
+            "GET /x: HTTP 401 bad PVEAPIToken=a@b!c=<redacted>"
+        );
+    }
+
+    #[test]
+    fn values_are_escaped_in_a_query() {
+        assert_eq!(query_escape("/vms/100"), "/vms/100");
+        assert_eq!(query_escape("/pool/a b&c=d"), "/pool/a%20b%26c%3Dd");
+        assert_eq!(query_escape("nightly/web"), "nightly/web");
+    }
+}

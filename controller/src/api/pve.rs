@@ -10,7 +10,7 @@
 //! token's id only. The copy put into each request's header is encoded by hyper and freed, not
 //! wiped: the secret lives in the controller's memory while it talks to the API, as it must.
 
-use super::https::{ApiError, HttpsClient, Limits};
+use super::https::{ApiError, HttpsClient, Limits, query_escape, redact_body, redact_error};
 use certistack_core::files::{self, FileError};
 use certistack_core::tls::{self, ApiTrust};
 use serde::de::DeserializeOwned;
@@ -53,8 +53,10 @@ impl std::fmt::Debug for PveToken {
 impl PveToken {
     /// The token `id` with its secret read from `secret_file`.
     pub fn read(id: &str, secret_file: &Path) -> Result<Self, PveSetupError> {
-        let secret = files::read_secret_line(secret_file, "the PVE API token's secret")
+        let line = files::read_secret_line(secret_file, "the PVE API token's secret")
             .map_err(PveSetupError::Secret)?;
+        // A token's secret is a UUID: blanks around it (a paste, a CR) are no part of it.
+        let secret = Zeroizing::new(line.trim().to_owned());
         Ok(Self {
             id: id.to_owned(),
             secret,
@@ -165,9 +167,11 @@ impl PveClient {
                 &[("authorization", header.as_slice())],
                 describe_refusal,
             )
-            .await?;
+            .await
+            .map_err(|error| redact_error(error, &self.token.secret))?;
+        let body = redact_body(reply.body, self.token.secret.as_bytes());
         let envelope: Envelope<T> =
-            serde_json::from_slice(&reply.body).map_err(|error| ApiError::Decode {
+            serde_json::from_slice(&body).map_err(|error| ApiError::Decode {
                 call: format!("GET {path}"),
                 reason: error.to_string(),
             })?;
@@ -203,20 +207,6 @@ fn describe_refusal(reason: &str, body: &[u8]) -> String {
         }
     }
     message
-}
-
-/// `path` as a query value: PVE paths are ASCII (`/`, `/vms/100`, `/sdn/zones/z1`); anything
-/// else is percent-encoded.
-fn query_escape(value: &str) -> String {
-    value
-        .bytes()
-        .map(|byte| match byte {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' | b'/' => {
-                (byte as char).to_string()
-            }
-            other => format!("%{other:02X}"),
-        })
-        .collect()
 }
 
 /// `GET /version`.
@@ -314,11 +304,5 @@ mod tests {
             token.header().as_slice(),
             b"PVEAPIToken=certistack@pve!ctl=0b1e5c1e-secret"
         );
-    }
-
-    #[test]
-    fn paths_are_escaped_in_a_query() {
-        assert_eq!(query_escape("/vms/100"), "/vms/100");
-        assert_eq!(query_escape("/pool/a b&c"), "/pool/a%20b%26c");
     }
 }

@@ -59,6 +59,17 @@ pub fn doctor(args: &DoctorArgs, now: OffsetDateTime) -> Result<(), ExitStatus> 
                 .or_insert(validation.grant.vnet);
         }
     }
+    // The controller's keys are checked before anything is contacted; a configuration with
+    // `[pve]` and no nodes yet is checked without them.
+    let node_identity = if nodes.is_empty() && config.pve.is_some() {
+        None
+    } else {
+        let authority = load_authority(&config.state_dir)?;
+        let identity = authority
+            .issue_operator("doctor", now)
+            .map_err(|e| ExitStatus::new(exit::REFUSED_CONFIG, e.to_string()))?;
+        Some((authority, identity))
+    };
     let runtime = runtime(Threads::Two).map_err(ExitStatus::runtime_refused)?;
     // The cluster's lines first: nodes are judged against a cluster that answers.
     let cluster = match &config.pve {
@@ -68,15 +79,9 @@ pub fn doctor(args: &DoctorArgs, now: OffsetDateTime) -> Result<(), ExitStatus> 
         )),
         None => Vec::new(),
     };
-    // A configuration with `[pve]` and no nodes yet is checked without the controller's keys.
-    let node_checks = if nodes.is_empty() && config.pve.is_some() {
-        Vec::new()
-    } else {
-        let authority = load_authority(&config.state_dir)?;
-        let identity = authority
-            .issue_operator("doctor", now)
-            .map_err(|e| ExitStatus::new(exit::REFUSED_CONFIG, e.to_string()))?;
-        runtime.block_on(doctor::check_fleet(
+    let node_checks = match node_identity {
+        None => Vec::new(),
+        Some((authority, identity)) => runtime.block_on(doctor::check_fleet(
             nodes,
             authority.ca_pem(),
             std::sync::Arc::new(identity),
@@ -85,7 +90,7 @@ pub fn doctor(args: &DoctorArgs, now: OffsetDateTime) -> Result<(), ExitStatus> 
                 .map(|secs| std::time::Duration::from_secs(u64::from(secs))),
             crate::audit::DEFAULT_CONCURRENCY,
             doctor::DEFAULT_NODE_TIMEOUT,
-        ))
+        )),
     };
     let checks: Vec<Vec<doctor::Check>> = std::iter::once(cluster).chain(node_checks).collect();
     for check in checks.iter().flatten() {

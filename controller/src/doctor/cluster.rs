@@ -62,17 +62,32 @@ pub async fn check_cluster(settings: &PveSettings, limits: Limits) -> Vec<Check>
                     "pve-token",
                     Level::Fail,
                     format!(
-                        "{error}; the API refused token {}: check pve.token_id and the secret in pve.token_secret_file against `pveum user token list USER@REALM` (a deleted or expired token is refused the same way)",
+                        "{error}; the API refused token {}: check pve.token_id, and that pve.token_secret_file holds the secret `pveum user token add` printed (PVE shows it only then: if it is lost, remove the token, add it again and grant its ACLs again); a deleted or expired token, or a disabled user, is refused the same way",
                         client.token_id()
                     ),
                 ),
             ];
         }
-        Err(error) => {
+        Err(error @ ApiError::Status { status: 403, .. }) => {
             return vec![
                 reached,
                 verified,
                 check("pve-token", Level::Fail, error.to_string()),
+            ];
+        }
+        // The token was not refused, but the answer was not one: a server error, a reply too
+        // large or too slow, or not PVE's.
+        Err(error) => {
+            return vec![
+                reached,
+                verified,
+                check(
+                    "pve-version",
+                    Level::Fail,
+                    format!(
+                        "{error}; check that api_url names a Proxmox VE API (pveproxy, port 8006)"
+                    ),
+                ),
             ];
         }
     };
@@ -126,14 +141,18 @@ pub async fn check_cluster(settings: &PveSettings, limits: Limits) -> Vec<Check>
                 ),
             }
         }
-        Err(error) => check(
-            "pve-cluster",
-            Level::Warn,
-            format!(
-                "{error}; the token may lack Sys.Audit on / (`pveum acl modify / --tokens {} --roles PVEAuditor`)",
-                client.token_id()
-            ),
-        ),
+        Err(error @ ApiError::Status { status: 403, .. }) => {
+            let user = client.token_id().split('!').next().unwrap_or_default();
+            check(
+                "pve-cluster",
+                Level::Warn,
+                format!(
+                    "{error}; the token (and, with privilege separation, its user) needs Sys.Audit on /: `pveum acl modify / --users '{user}' --roles PVEAuditor` and `pveum acl modify / --tokens '{}' --roles PVEAuditor`",
+                    client.token_id()
+                ),
+            )
+        }
+        Err(error) => check("pve-cluster", Level::Warn, error.to_string()),
     };
     vec![reached, verified, accepted, release, quorum]
 }

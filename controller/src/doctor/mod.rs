@@ -31,9 +31,9 @@
 //! |---|---|---|---|
 //! | `pve-api` | the API answered over TCP | | the client cannot be built (secret file, CA file) or the API is unreachable |
 //! | `pve-tls` | the certificate verified (by the CA file, the pin, or both) | | another CA, another name, another fingerprint |
-//! | `pve-token` | the token accepted | | refused (401) or another error |
-//! | `pve-version` | Proxmox VE 9 | another major | |
-//! | `pve-cluster` | quorate, or a standalone node | `/cluster/status` not readable | not quorate |
+//! | `pve-token` | the token accepted | | refused (401, 403) |
+//! | `pve-version` | Proxmox VE 9 | another major | any other failed answer (a server error, too large, too slow) |
+//! | `pve-cluster` | quorate, or a standalone node | `/cluster/status` not readable (403: the `pveum` lines that grant Sys.Audit) | not quorate |
 //!
 //! The PBS client is a warning above major 4 rather than a failure: the map/unmap interface the
 //! connector drives has been stable across majors, and PVE 9 ships 4.x; below 4 it fails,
