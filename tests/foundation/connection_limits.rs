@@ -52,9 +52,10 @@ async fn connections_are_bounded_per_identity_and_closed_when_idle() {
     let mut first = open_quiet(&node.address, tls.clone()).await;
     let mut second = open_quiet(&node.address, tls.clone()).await;
     let opened = Instant::now();
-    // A third connection of the same identity is closed at once ...
+    // A third connection of the same identity is closed at once (within 5 s: well before the
+    // 10 s idle timeout, with room for a loaded 2-core machine) ...
     let mut third = open_quiet(&node.address, tls.clone()).await;
-    let closed = closed_within(&mut third, Duration::from_secs(2)).await;
+    let closed = closed_within(&mut third, Duration::from_secs(5)).await;
     assert!(closed.is_some(), "a third connection of alice stayed open");
     // ... while another identity still gets in, and the first two stay open.
     let bob = authority.issue_operator("bob", now()).unwrap();
