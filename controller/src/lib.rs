@@ -6,6 +6,7 @@
 pub mod api;
 pub mod audit;
 pub mod authority;
+pub mod catalog;
 pub mod client;
 pub mod commands;
 pub mod config;

@@ -52,11 +52,18 @@ pub fn load_config(
     Ok(crate::config::ControllerConfig::load(config)?)
 }
 
-/// Loads and checks a plan; its failures exit as `From<PlanError>` says.
+/// Loads and checks a plan, asking the PBS API where it says `snapshot: latest`; its failures
+/// exit as `From<PlanError>` says.
 pub fn load_plan(
     plan: &std::path::Path,
     config: &crate::config::ControllerConfig,
     now: OffsetDateTime,
 ) -> Result<crate::plan::Plan, ExitStatus> {
-    Ok(crate::plan::Plan::load(plan, config, now.unix_timestamp())?)
+    let catalog = crate::catalog::PbsCatalog::new();
+    Ok(crate::plan::Plan::load_with(
+        plan,
+        config,
+        now.unix_timestamp(),
+        &catalog,
+    )?)
 }

@@ -41,7 +41,7 @@ pub(super) struct ValidationFile {
     pub(super) name: String,
     pub(super) node: String,
     pub(super) source_vmid: PlanVmid,
-    pub(super) snapshot: SnapshotTime,
+    pub(super) snapshot: SnapshotFile,
     pub(super) archives: Vec<String>,
     pub(super) sandbox: Vec<SandboxFile>,
     pub(super) network: NetworkFile,
@@ -258,19 +258,21 @@ impl<'de> Deserialize<'de> for PlanVmid {
     }
 }
 
-/// The exact time of a snapshot; `latest` is refused where it is written.
+/// The snapshot a validation restores: an exact time, or `latest` (the newest finished one,
+/// which resolution asks the PBS API for).
 #[derive(Debug, Clone)]
-pub(super) struct SnapshotTime(pub(super) String);
+pub(super) enum SnapshotFile {
+    Exact(String),
+    Latest,
+}
 
-impl<'de> Deserialize<'de> for SnapshotTime {
+impl<'de> Deserialize<'de> for SnapshotFile {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         let value = String::deserialize(deserializer)?;
         if value.eq_ignore_ascii_case("latest") {
-            return Err(serde::de::Error::custom(
-                "resolving latest comes with PBS API support; give the exact snapshot time, e.g. 2026-11-01T02:00:00Z (`proxmox-backup-client snapshot list` shows them)",
-            ));
+            return Ok(Self::Latest);
         }
-        Ok(Self(value))
+        Ok(Self::Exact(value))
     }
 }
 

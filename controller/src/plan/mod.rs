@@ -14,6 +14,7 @@
 //! field types raise, so a refusal points at the line to change.
 
 mod file;
+pub mod latest;
 mod resolve;
 pub mod show;
 #[cfg(test)]
@@ -22,6 +23,7 @@ mod wire;
 
 use file::*;
 pub use file::{DnsType, NetworkLifecycle, NetworkRecoveryMode, ProbeKind};
+use latest::{BackupCatalog, LatestError, LatestFound, NoCatalog, resolve_latest};
 pub use resolve::{
     Origin, ResolvedAssertion, ResolvedExpect, ResolvedNetwork, ResolvedNetworkRecovery,
     ResolvedProbe, ResolvedSandboxVm, ResolvedStorage, ResolvedTimeouts, ResolvedValidation,
@@ -128,6 +130,16 @@ impl Plan {
     /// Reads and checks the plan at `path` against the controller's inventory. Nothing is
     /// contacted.
     pub fn load(path: &Path, config: &ControllerConfig, now_unix: i64) -> Result<Self, PlanError> {
+        Self::load_with(path, config, now_unix, &NoCatalog)
+    }
+
+    /// [`Plan::load`], resolving `snapshot: latest` through `catalog`.
+    pub fn load_with(
+        path: &Path,
+        config: &ControllerConfig,
+        now_unix: i64,
+        catalog: &dyn BackupCatalog,
+    ) -> Result<Self, PlanError> {
         let size = std::fs::metadata(path)
             .map_err(|error| {
                 PlanError::Read(FileError::Read {
@@ -145,7 +157,7 @@ impl Plan {
         // The plan decides which PBS server the secret is handed to, so it is held to the same
         // rule as every file that steers trust: nobody else may write it.
         let text = files::read_trusted(path).map_err(PlanError::Read)?;
-        let plan = Self::parse(path, &text, config, now_unix)?;
+        let plan = Self::parse_with(path, &text, config, now_unix, catalog)?;
         files::check_private(&plan.pbs_password_file).map_err(|error| PlanError::Secret {
             path: path.to_owned(),
             at: "storage.pbs_password_file",
@@ -161,16 +173,28 @@ impl Plan {
         Ok(plan)
     }
 
-    /// Parses and checks plan text in the three steps (as written, resolved, granted); secret
-    /// files are resolved but not opened.
+    /// Parses and checks plan text in the three steps (as written, resolved, granted), with no
+    /// catalog: `snapshot: latest` is refused. Secret files are resolved but not opened.
     pub fn parse(
         path: &Path,
         text: &str,
         config: &ControllerConfig,
         now_unix: i64,
     ) -> Result<Self, PlanError> {
+        Self::parse_with(path, text, config, now_unix, &NoCatalog)
+    }
+
+    /// [`Plan::parse`], resolving `snapshot: latest` through `catalog` (which may read the PBS
+    /// secret file to ask the PBS API).
+    pub fn parse_with(
+        path: &Path,
+        text: &str,
+        config: &ControllerConfig,
+        now_unix: i64,
+        catalog: &dyn BackupCatalog,
+    ) -> Result<Self, PlanError> {
         let file = read_written(path, text)?;
-        let resolved = resolve::offline(path, &file, config)?;
+        let resolved = resolve::resolve(path, &file, config, catalog, now_unix)?;
         let mut validations = Vec::with_capacity(resolved.validations.len());
         for (index, validation) in resolved.validations.into_iter().enumerate() {
             let validation = granted(&resolved.storage, validation, now_unix).map_err(|error| {

@@ -19,6 +19,8 @@ pub enum Origin {
     Default,
     /// Not written in the plan: worked out from the plan keys named.
     Derived,
+    /// Asked of the PBS API (`snapshot: latest`).
+    Pbs,
     /// The controller configuration (its node inventory), at the key.
     Configuration,
 }
@@ -29,6 +31,7 @@ impl Origin {
             Self::Plan => "plan",
             Self::Default => "default",
             Self::Derived => "derived",
+            Self::Pbs => "pbs",
             Self::Configuration => "configuration",
         }
     }
@@ -102,6 +105,8 @@ pub struct ResolvedValidation {
     pub source_vmid: Sourced<Vmid>,
     /// The snapshot's time, `YYYY-MM-DDTHH:MM:SSZ`.
     pub snapshot: Sourced<String>,
+    /// With `snapshot: latest`, what the PBS listing showed; `None` for an exact time.
+    pub latest: Option<LatestFound>,
     pub archives: Sourced<Vec<String>>,
     pub sandbox: Vec<ResolvedSandboxVm>,
     pub network: ResolvedNetwork,
@@ -182,10 +187,12 @@ pub(super) struct ResolvedPlan {
 /// Step two, for a plan whose values all come from the plan and the configuration: nothing is
 /// contacted. Checks what spans several keys or validations; what a single key or the grant
 /// checks is checked where it is read and where the grant is built.
-pub(super) fn offline(
+pub(super) fn resolve(
     path: &Path,
     file: &PlanFile,
     config: &ControllerConfig,
+    catalog: &dyn BackupCatalog,
+    now_unix: i64,
 ) -> Result<ResolvedPlan, PlanError> {
     let refused = |at: String, reason: String| PlanError::Refused {
         path: path.to_owned(),
@@ -216,8 +223,23 @@ pub(super) fn offline(
                 "another validation has this name; give each a name of its own".into(),
             ));
         }
-        let resolved = resolve_validation(index, v, config)
+        let mut resolved = resolve_validation(index, v, config)
             .map_err(|(key, reason)| refused(at(&key), reason))?;
+        if let SnapshotFile::Latest = v.snapshot {
+            let (time, found) =
+                resolve_latest(catalog, &storage, resolved.source_vmid.value, now_unix).map_err(
+                    |error| match error {
+                        LatestError::Secret(error) => PlanError::Secret {
+                            path: path.to_owned(),
+                            at: "storage.pbs_password_file",
+                            error,
+                        },
+                        LatestError::Refused(reason) => refused(at(".snapshot"), reason),
+                    },
+                )?;
+            resolved.snapshot = Sourced::new(time, Origin::Pbs, key_of(index, "snapshot"));
+            resolved.latest = Some(found);
+        }
         // PVE's VMIDs are unique across the cluster, not per node: a VMID on two nodes passes
         // each node's grant check and fails the second `qm create`.
         for vm in &resolved.sandbox {
@@ -262,6 +284,11 @@ pub(super) fn offline(
         storage,
         validations,
     })
+}
+
+/// `validations[i].name`.
+fn key_of(index: usize, name: &str) -> String {
+    format!("validations[{index}].{name}")
 }
 
 fn resolve_storage(path: &Path, storage: &StorageFile) -> ResolvedStorage {
@@ -343,7 +370,12 @@ fn resolve_validation(
             format!("nodes ({})", v.node),
         ),
         source_vmid: Sourced::plan(v.source_vmid.0, key("source_vmid")),
-        snapshot: Sourced::plan(v.snapshot.0.clone(), key("snapshot")),
+        // `latest` is resolved by the caller, which has the catalog.
+        snapshot: match &v.snapshot {
+            SnapshotFile::Exact(time) => Sourced::plan(time.clone(), key("snapshot")),
+            SnapshotFile::Latest => Sourced::plan("latest".to_owned(), key("snapshot")),
+        },
+        latest: None,
         archives: Sourced::plan(v.archives.clone(), key("archives")),
         sandbox: v
             .sandbox

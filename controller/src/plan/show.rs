@@ -116,6 +116,20 @@ pub fn text(plan: &Plan) -> String {
         out.value("endpoint", &v.endpoint);
         out.value("source_vmid", &v.source_vmid);
         out.value("snapshot", &v.snapshot);
+        if let Some(found) = &v.latest {
+            out.line(
+                "snapshot.latest",
+                &format!(
+                    "the newest of {} finished snapshot(s) ({} listed), {} old, {} bytes",
+                    found.finished,
+                    found.listed,
+                    age(found.age_seconds),
+                    found.size_bytes
+                ),
+                Origin::Pbs,
+                &v.snapshot.key,
+            );
+        }
         out.list("archives", &v.archives);
         for (i, vm) in v.sandbox.iter().enumerate() {
             out.value(&format!("sandbox[{i}].vmid"), &vm.vmid);
@@ -178,6 +192,17 @@ pub fn text(plan: &Plan) -> String {
         );
     }
     out.text
+}
+
+/// `5 h 12 min`, `3 d 2 h`: an age as an operator reads it.
+fn age(seconds: i64) -> String {
+    let minutes = seconds.max(0) / 60;
+    let (days, hours, minutes) = (minutes / 1440, minutes / 60 % 24, minutes % 60);
+    match (days, hours) {
+        (0, 0) => format!("{minutes} min"),
+        (0, _) => format!("{hours} h {minutes} min"),
+        _ => format!("{days} d {hours} h"),
+    }
 }
 
 /// One probe's lines: kind, address, port, and each expectation the plan sets.

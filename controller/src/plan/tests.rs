@@ -127,12 +127,75 @@ fn an_inline_secret_is_refused_where_it_is_written() {
     assert!(!error.contains("hunter2"), "{error}");
 }
 
+/// A catalog that lists what it was given, for resolution's rules (the PBS API double and
+/// its client are tested in tests/foundation).
+struct Listed(Vec<latest::CatalogSnapshot>);
+
+impl BackupCatalog for Listed {
+    fn vm_snapshots(
+        &self,
+        _storage: &ResolvedStorage,
+        _vmid: Vmid,
+    ) -> Result<Vec<latest::CatalogSnapshot>, latest::CatalogError> {
+        Ok(self.0.clone())
+    }
+}
+
 #[test]
-fn latest_is_refused_with_what_to_give_instead() {
-    let error = refusal(&PLAN.replace("\"2026-11-01T02:00:00Z\"", "latest"));
-    assert!(error.starts_with("/plans/nightly.yaml:12:"), "{error}");
+fn latest_is_the_newest_finished_snapshot_and_says_it_came_from_pbs() {
+    let text = PLAN.replace("\"2026-11-01T02:00:00Z\"", "latest");
+    // Without a catalog (Plan::parse): refused where it is written, saying what reads it.
+    let error = refusal(&text);
     assert!(
-        error.contains("resolving latest comes with PBS API support; give the exact snapshot time"),
+        error.contains("validations[0] (web01).snapshot: snapshot: latest:"),
+        "{error}"
+    );
+    assert!(error.contains("plan check, plan show or run"), "{error}");
+    let snapshot =
+        |backup_time: i64, size: Option<u64>| latest::CatalogSnapshot { backup_time, size };
+    // 2026-11-30T02:00:00Z finished; a newer one still being written is skipped.
+    let catalog = Listed(vec![
+        snapshot(1_796_004_000, Some(10)),
+        snapshot(1_796_090_400, None),
+        snapshot(1_795_917_600, Some(9)),
+    ]);
+    let now = 1_796_011_200;
+    let plan = Plan::parse_with(
+        Path::new("/plans/nightly.yaml"),
+        &text,
+        &config(),
+        now,
+        &catalog,
+    )
+    .unwrap();
+    let web = &plan.validations[0];
+    assert_eq!(web.wire.snapshot, "vm/100/2026-11-30T02:00:00Z");
+    assert_eq!(web.resolved.snapshot.source, Origin::Pbs);
+    assert_eq!(
+        web.resolved.latest,
+        Some(latest::LatestFound {
+            listed: 3,
+            finished: 2,
+            age_seconds: 7200,
+            size_bytes: 10
+        })
+    );
+    // An exact time is the plan's, with nothing looked up.
+    assert_eq!(plan.validations[1].resolved.snapshot.source, Origin::Plan);
+    assert_eq!(plan.validations[1].resolved.latest, None);
+    // No finished backup: refused, saying how many were listed.
+    let none = Listed(vec![snapshot(1_796_090_400, None)]);
+    let error = Plan::parse_with(
+        Path::new("/plans/nightly.yaml"),
+        &text,
+        &config(),
+        now,
+        &none,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        error.contains("VM 100 has no finished backup in datastore backups, namespace nightly (1 snapshot(s) listed, none finished)"),
         "{error}"
     );
 }

@@ -54,7 +54,8 @@ pub fn run(
 /// and the controller's keys.
 pub fn load(options: &Options, now: OffsetDateTime) -> Result<Loaded, ExitStatus> {
     let config = ControllerConfig::load(&options.config)?;
-    let plan = Plan::load(&options.plan, &config, now.unix_timestamp())?;
+    let catalog = crate::catalog::PbsCatalog::new();
+    let plan = Plan::load_with(&options.plan, &config, now.unix_timestamp(), &catalog)?;
     let secrets = runner::Secrets::load(&plan)?;
     let authority = Authority::load(&config.state_dir)?;
     Ok(Loaded {

@@ -1,0 +1,180 @@
+//! `snapshot: latest`: the newest *finished* snapshot of the VM in the plan's datastore and
+//! namespace, as the PBS API lists them. A snapshot still being written (or whose manifest
+//! cannot be read) is listed without a size and is never chosen: restoring it would test a
+//! backup that does not exist yet.
+//!
+//! Resolution asks a [`BackupCatalog`]; the controller's is the PBS API (`crate::catalog`), a
+//! plan read without one (`Plan::parse`) refuses `latest` saying so.
+
+use super::*;
+use certistack_core::files::FileError;
+
+/// One snapshot of a VM as the catalog lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CatalogSnapshot {
+    /// `backup-time`, seconds since the epoch.
+    pub backup_time: i64,
+    /// `None` while the snapshot is being written, or when it is broken.
+    pub size: Option<u64>,
+}
+
+/// Why the catalog could not answer.
+#[derive(Debug, thiserror::Error)]
+pub enum CatalogError {
+    /// The PBS secret file is refused (its mode, its owner) or cannot be read.
+    #[error(transparent)]
+    Secret(FileError),
+    #[error("{0}")]
+    Unavailable(String),
+}
+
+/// Where resolution reads which snapshots a VM has.
+pub trait BackupCatalog {
+    /// Every snapshot of VM `vmid` in `storage`'s datastore and namespace, in no order.
+    fn vm_snapshots(
+        &self,
+        storage: &ResolvedStorage,
+        vmid: Vmid,
+    ) -> Result<Vec<CatalogSnapshot>, CatalogError>;
+}
+
+/// No catalog: `latest` is refused, saying what reads it.
+#[derive(Debug, Clone, Copy)]
+pub struct NoCatalog;
+
+impl BackupCatalog for NoCatalog {
+    fn vm_snapshots(
+        &self,
+        _storage: &ResolvedStorage,
+        _vmid: Vmid,
+    ) -> Result<Vec<CatalogSnapshot>, CatalogError> {
+        Err(CatalogError::Unavailable(
+            "`latest` is read from the PBS API, which this command does not ask; use certistack-ctl plan check, plan show or run".into(),
+        ))
+    }
+}
+
+/// The newest snapshot with a size.
+pub fn newest_finished(snapshots: &[CatalogSnapshot]) -> Option<&CatalogSnapshot> {
+    snapshots
+        .iter()
+        .filter(|snapshot| snapshot.size.is_some())
+        .max_by_key(|snapshot| snapshot.backup_time)
+}
+
+/// What resolving `latest` found, for `plan show` and the report.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct LatestFound {
+    /// Snapshots the catalog listed for the VM, and how many of them were finished.
+    pub listed: usize,
+    pub finished: usize,
+    /// The chosen snapshot's age when the plan was resolved, and its size in bytes.
+    pub age_seconds: i64,
+    pub size_bytes: u64,
+}
+
+/// `epoch` as a snapshot time, `YYYY-MM-DDTHH:MM:SSZ` (UTC), as PBS names snapshots.
+pub fn snapshot_time(epoch: i64) -> Option<String> {
+    let at = time::OffsetDateTime::from_unix_timestamp(epoch).ok()?;
+    Some(format!(
+        "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}Z",
+        at.year(),
+        u8::from(at.month()),
+        at.day(),
+        at.hour(),
+        at.minute(),
+        at.second()
+    ))
+}
+
+/// Resolves `latest` for `vmid`: the newest finished snapshot's time and what was found, or a
+/// refusal's key (after `validations[i] (name)`) and reason.
+pub(super) fn resolve_latest(
+    catalog: &dyn BackupCatalog,
+    storage: &ResolvedStorage,
+    vmid: Vmid,
+    now_unix: i64,
+) -> Result<(String, LatestFound), LatestError> {
+    let snapshots = catalog
+        .vm_snapshots(storage, vmid)
+        .map_err(|error| match error {
+            CatalogError::Secret(file) => LatestError::Secret(file),
+            CatalogError::Unavailable(reason) => {
+                LatestError::Refused(format!("snapshot: latest: {reason}"))
+            }
+        })?;
+    let where_ = if storage.namespace.value.is_empty() {
+        format!("datastore {}", storage.datastore.value)
+    } else {
+        format!(
+            "datastore {}, namespace {}",
+            storage.datastore.value, storage.namespace.value
+        )
+    };
+    let newest = newest_finished(&snapshots).ok_or_else(|| {
+        LatestError::Refused(format!(
+            "snapshot: latest: VM {vmid} has no finished backup in {where_} ({} snapshot(s) listed, none finished); check its backup job, or name an existing snapshot",
+            snapshots.len()
+        ))
+    })?;
+    let time = snapshot_time(newest.backup_time).ok_or_else(|| {
+        LatestError::Refused(format!(
+            "snapshot: latest: PBS lists a backup-time {} that is no time",
+            newest.backup_time
+        ))
+    })?;
+    Ok((
+        time,
+        LatestFound {
+            listed: snapshots.len(),
+            finished: snapshots.iter().filter(|s| s.size.is_some()).count(),
+            age_seconds: now_unix.saturating_sub(newest.backup_time),
+            size_bytes: newest.size.unwrap_or_default(),
+        },
+    ))
+}
+
+/// Why `latest` could not be resolved.
+#[derive(Debug)]
+pub(super) enum LatestError {
+    Secret(FileError),
+    Refused(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_newest_finished_snapshot_wins_and_one_in_progress_is_skipped() {
+        let snapshots = [
+            CatalogSnapshot {
+                backup_time: 100,
+                size: Some(1),
+            },
+            CatalogSnapshot {
+                backup_time: 300,
+                size: None,
+            },
+            CatalogSnapshot {
+                backup_time: 200,
+                size: Some(2),
+            },
+        ];
+        assert_eq!(
+            newest_finished(&snapshots).map(|s| s.backup_time),
+            Some(200)
+        );
+        assert_eq!(newest_finished(&snapshots[1..2]), None);
+        assert_eq!(newest_finished(&[]), None);
+    }
+
+    #[test]
+    fn snapshot_times_are_written_as_pbs_names_them() {
+        assert_eq!(
+            snapshot_time(1_764_554_400).as_deref(),
+            Some("2025-12-01T02:00:00Z")
+        );
+        assert_eq!(snapshot_time(0).as_deref(), Some("1970-01-01T00:00:00Z"));
+    }
+}
