@@ -9,7 +9,7 @@
 use crate::api::https::Limits;
 use crate::api::pbs::{PbsClient, PbsEndpoint};
 use crate::plan::ResolvedStorage;
-use crate::plan::latest::{BackupCatalog, CatalogError, CatalogSnapshot};
+use crate::plan::latest::{BackupCatalog, CatalogError, CatalogFile, CatalogSnapshot};
 use certistack_core::files;
 use certistack_core::validate::Vmid;
 use std::sync::OnceLock;
@@ -58,14 +58,13 @@ impl PbsCatalog {
     }
 }
 
-impl BackupCatalog for PbsCatalog {
-    fn vm_snapshots(
+impl PbsCatalog {
+    /// The client, built on first use from `storage`; a refused secret file is reported as
+    /// such every time it is asked, any other failure to build the client is kept as text.
+    fn client(
         &self,
         storage: &ResolvedStorage,
-        vmid: Vmid,
-    ) -> Result<Vec<CatalogSnapshot>, CatalogError> {
-        // A secret file refused is reported as such, every time it is asked; any other
-        // failure to build the client is kept as text.
+    ) -> Result<&(PbsClient, tokio::runtime::Runtime), CatalogError> {
         let connected = match self.client.get() {
             Some(connected) => connected,
             None => {
@@ -77,9 +76,19 @@ impl BackupCatalog for PbsCatalog {
                     .get_or_init(|| made.map_err(|error| error.to_string()))
             }
         };
-        let (client, runtime) = connected
+        connected
             .as_ref()
-            .map_err(|reason| CatalogError::Unavailable(reason.clone()))?;
+            .map_err(|reason| CatalogError::Unavailable(reason.clone()))
+    }
+}
+
+impl BackupCatalog for PbsCatalog {
+    fn vm_snapshots(
+        &self,
+        storage: &ResolvedStorage,
+        vmid: Vmid,
+    ) -> Result<Vec<CatalogSnapshot>, CatalogError> {
+        let (client, runtime) = self.client(storage)?;
         let items = runtime
             .block_on(client.vm_snapshots(
                 &storage.datastore.value,
@@ -93,7 +102,35 @@ impl BackupCatalog for PbsCatalog {
             .map(|item| CatalogSnapshot {
                 backup_time: item.backup_time,
                 size: item.size,
+                files: item
+                    .files
+                    .into_iter()
+                    .map(|file| CatalogFile {
+                        name: file.filename,
+                        size: file.size,
+                        crypt_mode: file.crypt_mode,
+                    })
+                    .collect(),
             })
             .collect())
+    }
+
+    fn blob(
+        &self,
+        storage: &ResolvedStorage,
+        vmid: Vmid,
+        backup_time: i64,
+        name: &str,
+    ) -> Result<Vec<u8>, CatalogError> {
+        let (client, runtime) = self.client(storage)?;
+        runtime
+            .block_on(client.download_blob(
+                &storage.datastore.value,
+                &storage.namespace.value,
+                vmid.get(),
+                backup_time,
+                name,
+            ))
+            .map_err(|error| CatalogError::Unavailable(error.to_string()))
     }
 }

@@ -315,19 +315,19 @@ fn plan_show_json_is_one_document_whose_every_value_carries_its_source() {
     let mut all = Vec::new();
     sourced_values(&document["validations"], &mut all);
     sourced_values(&document["storage"], &mut all);
-    // Per validation: node, endpoint, source_vmid, snapshot, archives (5); 3 per sandbox VM;
+    // Per validation: node, endpoint, source_vmid, snapshot, archives (5); 5 per sandbox VM;
     // network (3); 12 per probe (kind, address, port, 9 expectations); 6 per assertion;
     // timeouts (2); recovery (2). web01: 2 probes, 1 assertion; dc01: 2 probes, none.
     // Storage: 8.
     assert_eq!(
         all.len(),
-        (5 + 3 + 3 + 24 + 6 + 4) + (5 + 3 + 3 + 24 + 4) + 8,
+        (5 + 5 + 3 + 24 + 6 + 4) + (5 + 5 + 3 + 24 + 4) + 8,
         "{document:#}"
     );
     for value in &all {
         let source = value["source"].as_str().unwrap();
         assert!(
-            ["plan", "default", "derived", "configuration"].contains(&source),
+            ["plan", "default", "derived", "configuration", "pbs"].contains(&source),
             "{value}"
         );
         assert!(!value["key"].as_str().unwrap().is_empty(), "{value}");

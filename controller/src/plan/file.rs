@@ -42,7 +42,9 @@ pub(super) struct ValidationFile {
     pub(super) node: String,
     pub(super) source_vmid: PlanVmid,
     pub(super) snapshot: SnapshotFile,
-    pub(super) archives: Vec<String>,
+    /// Every disk archive of the snapshot when not written.
+    #[serde(default)]
+    pub(super) archives: Option<Vec<String>>,
     pub(super) sandbox: Vec<SandboxFile>,
     pub(super) network: NetworkFile,
     #[serde(default)]
@@ -59,8 +61,17 @@ pub(super) struct ValidationFile {
 #[serde(deny_unknown_fields)]
 pub(super) struct SandboxFile {
     pub(super) vmid: PlanVmid,
-    pub(super) cores: u32,
-    pub(super) memory_mib: u32,
+    /// The source's (`cores` × `sockets` of its backed-up config) when not written, capped
+    /// by `max_cores`.
+    #[serde(default)]
+    pub(super) cores: Option<u32>,
+    /// The source's (`memory`) when not written, capped by `max_memory_mib`.
+    #[serde(default)]
+    pub(super) memory_mib: Option<u32>,
+    #[serde(default)]
+    pub(super) max_cores: Option<u32>,
+    #[serde(default)]
+    pub(super) max_memory_mib: Option<u32>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -16,6 +16,17 @@ pub struct CatalogSnapshot {
     pub backup_time: i64,
     /// `None` while the snapshot is being written, or when it is broken.
     pub size: Option<u64>,
+    /// Its files (`drive-scsi0.img.fidx`, `qemu-server.conf.blob`, …).
+    pub files: Vec<CatalogFile>,
+}
+
+/// One file of a snapshot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CatalogFile {
+    pub name: String,
+    pub size: Option<u64>,
+    /// `none`, `sign-only` or `encrypt`; `None` when the listing does not say.
+    pub crypt_mode: Option<String>,
 }
 
 /// Why the catalog could not answer.
@@ -36,6 +47,15 @@ pub trait BackupCatalog {
         storage: &ResolvedStorage,
         vmid: Vmid,
     ) -> Result<Vec<CatalogSnapshot>, CatalogError>;
+
+    /// The decoded contents of blob `name` (`qemu-server.conf.blob`) of a snapshot.
+    fn blob(
+        &self,
+        storage: &ResolvedStorage,
+        vmid: Vmid,
+        backup_time: i64,
+        name: &str,
+    ) -> Result<Vec<u8>, CatalogError>;
 }
 
 /// No catalog: `latest` is refused, saying what reads it.
@@ -48,11 +68,21 @@ impl BackupCatalog for NoCatalog {
         _storage: &ResolvedStorage,
         _vmid: Vmid,
     ) -> Result<Vec<CatalogSnapshot>, CatalogError> {
-        Err(CatalogError::Unavailable(
-            "`latest` is read from the PBS API, which this command does not ask; use certistack-ctl plan check, plan show or run".into(),
-        ))
+        Err(CatalogError::Unavailable(NO_CATALOG.into()))
+    }
+
+    fn blob(
+        &self,
+        _storage: &ResolvedStorage,
+        _vmid: Vmid,
+        _backup_time: i64,
+        _name: &str,
+    ) -> Result<Vec<u8>, CatalogError> {
+        Err(CatalogError::Unavailable(NO_CATALOG.into()))
     }
 }
+
+const NO_CATALOG: &str = "this is read from the PBS API, which this command does not ask; use certistack-ctl plan check, plan show or run";
 
 /// The newest snapshot with a size.
 pub fn newest_finished(snapshots: &[CatalogSnapshot]) -> Option<&CatalogSnapshot> {
@@ -87,58 +117,12 @@ pub fn snapshot_time(epoch: i64) -> Option<String> {
     ))
 }
 
-/// Resolves `latest` for `vmid`: the newest finished snapshot's time and what was found, or a
+/// Why what a validation takes from the backup could not be read: the secret file, or a
 /// refusal's key (after `validations[i] (name)`) and reason.
-pub(super) fn resolve_latest(
-    catalog: &dyn BackupCatalog,
-    storage: &ResolvedStorage,
-    vmid: Vmid,
-    now_unix: i64,
-) -> Result<(String, LatestFound), LatestError> {
-    let snapshots = catalog
-        .vm_snapshots(storage, vmid)
-        .map_err(|error| match error {
-            CatalogError::Secret(file) => LatestError::Secret(file),
-            CatalogError::Unavailable(reason) => {
-                LatestError::Refused(format!("snapshot: latest: {reason}"))
-            }
-        })?;
-    let where_ = if storage.namespace.value.is_empty() {
-        format!("datastore {}", storage.datastore.value)
-    } else {
-        format!(
-            "datastore {}, namespace {}",
-            storage.datastore.value, storage.namespace.value
-        )
-    };
-    let newest = newest_finished(&snapshots).ok_or_else(|| {
-        LatestError::Refused(format!(
-            "snapshot: latest: VM {vmid} has no finished backup in {where_} ({} snapshot(s) listed, none finished); check its backup job, or name an existing snapshot",
-            snapshots.len()
-        ))
-    })?;
-    let time = snapshot_time(newest.backup_time).ok_or_else(|| {
-        LatestError::Refused(format!(
-            "snapshot: latest: PBS lists a backup-time {} that is no time",
-            newest.backup_time
-        ))
-    })?;
-    Ok((
-        time,
-        LatestFound {
-            listed: snapshots.len(),
-            finished: snapshots.iter().filter(|s| s.size.is_some()).count(),
-            age_seconds: now_unix.saturating_sub(newest.backup_time),
-            size_bytes: newest.size.unwrap_or_default(),
-        },
-    ))
-}
-
-/// Why `latest` could not be resolved.
 #[derive(Debug)]
 pub(super) enum LatestError {
     Secret(FileError),
-    Refused(String),
+    Refused(String, String),
 }
 
 #[cfg(test)]
@@ -151,14 +135,17 @@ mod tests {
             CatalogSnapshot {
                 backup_time: 100,
                 size: Some(1),
+                files: Vec::new(),
             },
             CatalogSnapshot {
                 backup_time: 300,
                 size: None,
+                files: Vec::new(),
             },
             CatalogSnapshot {
                 backup_time: 200,
                 size: Some(2),
+                files: Vec::new(),
             },
         ];
         assert_eq!(

@@ -13,6 +13,7 @@
 //! fuzzed) with input budgets and line/column on every error, including the errors our own
 //! field types raise, so a refusal points at the line to change.
 
+pub mod backup;
 mod file;
 pub mod latest;
 mod resolve;
@@ -21,9 +22,13 @@ pub mod show;
 mod tests;
 mod wire;
 
+use backup::{BackupFacts, read_backup};
 use file::*;
 pub use file::{DnsType, NetworkLifecycle, NetworkRecoveryMode, ProbeKind};
-use latest::{BackupCatalog, LatestError, LatestFound, NoCatalog, resolve_latest};
+use latest::{
+    BackupCatalog, CatalogError, LatestError, LatestFound, NoCatalog, newest_finished,
+    snapshot_time,
+};
 pub use resolve::{
     Origin, ResolvedAssertion, ResolvedExpect, ResolvedNetwork, ResolvedNetworkRecovery,
     ResolvedProbe, ResolvedSandboxVm, ResolvedStorage, ResolvedTimeouts, ResolvedValidation,

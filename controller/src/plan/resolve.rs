@@ -108,6 +108,8 @@ pub struct ResolvedValidation {
     /// With `snapshot: latest`, what the PBS listing showed; `None` for an exact time.
     pub latest: Option<LatestFound>,
     pub archives: Sourced<Vec<String>>,
+    /// Each archive's size in bytes, when the snapshot's listing was read.
+    pub archive_sizes: BTreeMap<String, u64>,
     pub sandbox: Vec<ResolvedSandboxVm>,
     pub network: ResolvedNetwork,
     pub probes: Vec<ResolvedProbe>,
@@ -155,6 +157,9 @@ pub struct ResolvedSandboxVm {
     pub vmid: Sourced<Vmid>,
     pub cores: Sourced<u32>,
     pub memory_mib: Sourced<u32>,
+    /// The caps on cores and memory taken from the backup.
+    pub max_cores: Sourced<u32>,
+    pub max_memory_mib: Sourced<u32>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -225,20 +230,16 @@ pub(super) fn resolve(
         }
         let mut resolved = resolve_validation(index, v, config)
             .map_err(|(key, reason)| refused(at(&key), reason))?;
-        if let SnapshotFile::Latest = v.snapshot {
-            let (time, found) =
-                resolve_latest(catalog, &storage, resolved.source_vmid.value, now_unix).map_err(
-                    |error| match error {
-                        LatestError::Secret(error) => PlanError::Secret {
-                            path: path.to_owned(),
-                            at: "storage.pbs_password_file",
-                            error,
-                        },
-                        LatestError::Refused(reason) => refused(at(".snapshot"), reason),
-                    },
-                )?;
-            resolved.snapshot = Sourced::new(time, Origin::Pbs, key_of(index, "snapshot"));
-            resolved.latest = Some(found);
+        let backup = read_backup(v, &storage, catalog, now_unix).map_err(|error| match error {
+            LatestError::Secret(error) => PlanError::Secret {
+                path: path.to_owned(),
+                at: "storage.pbs_password_file",
+                error,
+            },
+            LatestError::Refused(key, reason) => refused(at(&key), reason),
+        })?;
+        if let Some(backup) = backup {
+            take_from_backup(&mut resolved, v, backup, index);
         }
         // PVE's VMIDs are unique across the cluster, not per node: a VMID on two nodes passes
         // each node's grant check and fails the second `qm create`.
@@ -284,6 +285,62 @@ pub(super) fn resolve(
         storage,
         validations,
     })
+}
+
+/// Puts what was read of the backup where the plan left a value out: the snapshot for
+/// `latest`, the archives, the sizes (the source's, capped).
+fn take_from_backup(
+    resolved: &mut ResolvedValidation,
+    v: &ValidationFile,
+    backup: BackupFacts,
+    index: usize,
+) {
+    if let Some((time, found)) = backup.latest {
+        resolved.snapshot = Sourced::new(time, Origin::Pbs, key_of(index, "snapshot"));
+        resolved.latest = Some(found);
+    }
+    if v.archives.is_none() {
+        resolved.archives = Sourced::new(
+            backup
+                .archives
+                .iter()
+                .map(|(name, _)| name.clone())
+                .collect(),
+            Origin::Pbs,
+            "the snapshot's disk archives".into(),
+        );
+    }
+    resolved.archive_sizes = backup
+        .archives
+        .iter()
+        .filter(|(name, _)| resolved.archives.value.contains(name))
+        .filter_map(|(name, size)| Some((name.clone(), (*size)?)))
+        .collect();
+    if let Some(sizes) = backup.sizes {
+        for (vm, written) in resolved.sandbox.iter_mut().zip(&v.sandbox) {
+            if written.cores.is_none() {
+                let source = sizes.cores.saturating_mul(sizes.sockets);
+                vm.cores = Sourced::new(
+                    source.min(vm.max_cores.value),
+                    Origin::Pbs,
+                    format!(
+                        "qemu-server.conf: cores {} × sockets {}, at most max_cores {}",
+                        sizes.cores, sizes.sockets, vm.max_cores.value
+                    ),
+                );
+            }
+            if written.memory_mib.is_none() {
+                vm.memory_mib = Sourced::new(
+                    sizes.memory_mib.min(vm.max_memory_mib.value),
+                    Origin::Pbs,
+                    format!(
+                        "qemu-server.conf: memory {}, at most max_memory_mib {}",
+                        sizes.memory_mib, vm.max_memory_mib.value
+                    ),
+                );
+            }
+        }
+    }
 }
 
 /// `validations[i].name`.
@@ -376,15 +433,32 @@ fn resolve_validation(
             SnapshotFile::Latest => Sourced::plan("latest".to_owned(), key("snapshot")),
         },
         latest: None,
-        archives: Sourced::plan(v.archives.clone(), key("archives")),
+        // Left out: every disk archive of the snapshot, by `take_from_backup`.
+        archives: Sourced::written_or(v.archives.clone(), Vec::new(), key("archives")),
+        archive_sizes: BTreeMap::new(),
         sandbox: v
             .sandbox
             .iter()
             .enumerate()
             .map(|(i, vm)| ResolvedSandboxVm {
                 vmid: Sourced::plan(vm.vmid.0, key(&format!("sandbox[{i}].vmid"))),
-                cores: Sourced::plan(vm.cores, key(&format!("sandbox[{i}].cores"))),
-                memory_mib: Sourced::plan(vm.memory_mib, key(&format!("sandbox[{i}].memory_mib"))),
+                // Left out: taken from the backup's config by `take_from_backup`.
+                cores: Sourced::written_or(vm.cores, 0, key(&format!("sandbox[{i}].cores"))),
+                memory_mib: Sourced::written_or(
+                    vm.memory_mib,
+                    0,
+                    key(&format!("sandbox[{i}].memory_mib")),
+                ),
+                max_cores: Sourced::written_or(
+                    vm.max_cores,
+                    backup::DEFAULT_MAX_CORES,
+                    key(&format!("sandbox[{i}].max_cores")),
+                ),
+                max_memory_mib: Sourced::written_or(
+                    vm.max_memory_mib,
+                    backup::DEFAULT_MAX_MEMORY_MIB,
+                    key(&format!("sandbox[{i}].max_memory_mib")),
+                ),
             })
             .collect(),
         network: ResolvedNetwork {

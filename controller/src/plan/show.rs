@@ -130,7 +130,18 @@ pub fn text(plan: &Plan) -> String {
                 &v.snapshot.key,
             );
         }
-        out.list("archives", &v.archives);
+        for (i, archive) in v.archives.value.iter().enumerate() {
+            let shown = match v.archive_sizes.get(archive) {
+                Some(size) => format!("{archive}, {size} bytes"),
+                None => archive.clone(),
+            };
+            let key = if v.archives.source == Origin::Plan {
+                format!("{}[{i}]", v.archives.key)
+            } else {
+                v.archives.key.clone()
+            };
+            out.line(&format!("archives[{i}]"), &shown, v.archives.source, &key);
+        }
         for (i, vm) in v.sandbox.iter().enumerate() {
             out.value(&format!("sandbox[{i}].vmid"), &vm.vmid);
             out.value(&format!("sandbox[{i}].cores"), &vm.cores);

@@ -139,6 +139,37 @@ impl BackupCatalog for Listed {
     ) -> Result<Vec<latest::CatalogSnapshot>, latest::CatalogError> {
         Ok(self.0.clone())
     }
+
+    fn blob(
+        &self,
+        _storage: &ResolvedStorage,
+        _vmid: Vmid,
+        _backup_time: i64,
+        name: &str,
+    ) -> Result<Vec<u8>, latest::CatalogError> {
+        assert_eq!(name, "qemu-server.conf.blob");
+        Ok(b"cores: 4\nsockets: 2\nmemory: 16384\nscsi0: local:100/vm-100-disk-0.raw\n".to_vec())
+    }
+}
+
+/// A finished (or, without a size, unfinished) snapshot with a system disk, an EFI vars disk
+/// and the config.
+fn snapshot(backup_time: i64, size: Option<u64>) -> latest::CatalogSnapshot {
+    let file = |name: &str, size: u64| latest::CatalogFile {
+        name: name.into(),
+        size: Some(size),
+        crypt_mode: Some("none".into()),
+    };
+    latest::CatalogSnapshot {
+        backup_time,
+        size,
+        files: vec![
+            file("drive-scsi0.img.fidx", 4 << 20),
+            file("drive-efidisk0.img.fidx", 528 << 10),
+            file("qemu-server.conf.blob", 300),
+            file("index.json.blob", 600),
+        ],
+    }
 }
 
 #[test]
@@ -147,12 +178,10 @@ fn latest_is_the_newest_finished_snapshot_and_says_it_came_from_pbs() {
     // Without a catalog (Plan::parse): refused where it is written, saying what reads it.
     let error = refusal(&text);
     assert!(
-        error.contains("validations[0] (web01).snapshot: snapshot: latest:"),
+        error.contains("validations[0] (web01).snapshot: listing the VM's backups:"),
         "{error}"
     );
     assert!(error.contains("plan check, plan show or run"), "{error}");
-    let snapshot =
-        |backup_time: i64, size: Option<u64>| latest::CatalogSnapshot { backup_time, size };
     // 2026-11-30T02:00:00Z finished; a newer one still being written is skipped.
     let catalog = Listed(vec![
         snapshot(1_796_004_000, Some(10)),
@@ -196,6 +225,90 @@ fn latest_is_the_newest_finished_snapshot_and_says_it_came_from_pbs() {
     .to_string();
     assert!(
         error.contains("VM 100 has no finished backup in datastore backups, namespace nightly (1 snapshot(s) listed, none finished)"),
+        "{error}"
+    );
+}
+
+#[test]
+fn archives_cores_and_memory_left_out_come_from_the_backup_capped() {
+    let catalog = Listed(vec![snapshot(1_796_004_000, Some(10))]);
+    let text = PLAN
+        .replacen("\"2026-11-01T02:00:00Z\"", "\"2026-11-30T02:00:00Z\"", 1)
+        .replacen("    archives: [drive-scsi0.img]\n", "", 1)
+        .replacen(
+            "        cores: 2\n        memory_mib: 2048\n",
+            "        max_memory_mib: 12288\n",
+            1,
+        );
+    let plan = Plan::parse_with(
+        Path::new("/plans/nightly.yaml"),
+        &text,
+        &config(),
+        1_796_011_200,
+        &catalog,
+    )
+    .unwrap();
+    let web = &plan.validations[0];
+    // Every disk archive, the EFI vars disk included, in name order.
+    assert_eq!(
+        web.resolved.archives.value,
+        ["drive-efidisk0.img", "drive-scsi0.img"]
+    );
+    assert_eq!(web.resolved.archives.source, Origin::Pbs);
+    assert_eq!(web.wire.archives, ["drive-efidisk0.img", "drive-scsi0.img"]);
+    // 4 cores × 2 sockets capped at the default 4; 16384 MiB capped at the plan's 12288.
+    let vm = &web.resolved.sandbox[0];
+    assert_eq!((vm.cores.value, vm.cores.source), (4, Origin::Pbs));
+    assert_eq!(
+        (vm.memory_mib.value, vm.memory_mib.source),
+        (12288, Origin::Pbs)
+    );
+    assert!(
+        vm.cores
+            .key
+            .contains("cores 4 × sockets 2, at most max_cores 4"),
+        "{}",
+        vm.cores.key
+    );
+    assert_eq!(
+        (
+            web.wire.sandbox_vms[0].max_cores,
+            web.wire.sandbox_vms[0].max_memory_mib
+        ),
+        (4, 12288)
+    );
+    // The snapshot named must exist, and be finished.
+    let unknown = text.replacen("\"2026-11-30T02:00:00Z\"", "\"2026-11-29T02:00:00Z\"", 1);
+    let error = Plan::parse_with(
+        Path::new("/plans/nightly.yaml"),
+        &unknown,
+        &config(),
+        1_796_011_200,
+        &catalog,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        error.contains("VM 100 has no snapshot 2026-11-29T02:00:00Z"),
+        "{error}"
+    );
+    // An encrypted config: the sizes must be written.
+    let mut encrypted = snapshot(1_796_004_000, Some(10));
+    for file in &mut encrypted.files {
+        file.crypt_mode = Some("encrypt".into());
+    }
+    let error = Plan::parse_with(
+        Path::new("/plans/nightly.yaml"),
+        &text,
+        &config(),
+        1_796_011_200,
+        &Listed(vec![encrypted]),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        error.contains("qemu-server.conf is encrypted")
+            && error.contains("write cores and memory_mib"),
         "{error}"
     );
 }
