@@ -52,6 +52,8 @@ mod idle_with_a_silent_stream;
 mod node_checks;
 #[path = "foundation/operator_commands.rs"]
 mod operator_commands;
+#[path = "foundation/pbs_latest.rs"]
+mod pbs_latest;
 #[path = "foundation/plans.rs"]
 mod plans;
 #[path = "foundation/pve_api.rs"]

@@ -148,9 +148,10 @@ struct Envelope<T> {
     data: T,
 }
 
-/// A refusal's message: the reason phrase, then the body's `message` or `errors` when it has
-/// them (proxmox-rest-server writes API errors as the reason phrase and, for JSON calls, a
-/// body).
+/// A refusal's message: the reason phrase, then what the body says. proxmox-rest-server writes
+/// an API error as a plain-text body under the standard reason phrase (`400 Bad Request`, `no
+/// such datastore 'x'`; `error_to_response`), and labels it JSON: a body that is not JSON with
+/// `message` or `errors` is taken as the message itself.
 fn describe_refusal(reason: &str, body: &[u8]) -> String {
     #[derive(Deserialize)]
     struct Refusal {
@@ -160,15 +161,24 @@ fn describe_refusal(reason: &str, body: &[u8]) -> String {
         errors: Option<std::collections::BTreeMap<String, serde_json::Value>>,
     }
     let mut message = reason.trim().to_owned();
-    if let Ok(refusal) = serde_json::from_slice::<Refusal>(body) {
-        if let Some(text) = refusal.message.filter(|text| text.trim() != message) {
-            message.push_str(&format!("; {}", text.trim()));
+    match serde_json::from_slice::<Refusal>(body) {
+        Ok(refusal) => {
+            if let Some(text) = refusal.message.filter(|text| text.trim() != message) {
+                message.push_str(&format!("; {}", text.trim()));
+            }
+            for (parameter, error) in refusal.errors.unwrap_or_default() {
+                let error = error
+                    .as_str()
+                    .map_or_else(|| error.to_string(), str::to_owned);
+                message.push_str(&format!("; {parameter}: {}", error.trim()));
+            }
         }
-        for (parameter, error) in refusal.errors.unwrap_or_default() {
-            let error = error
-                .as_str()
-                .map_or_else(|| error.to_string(), str::to_owned);
-            message.push_str(&format!("; {parameter}: {}", error.trim()));
+        Err(_) => {
+            let text = String::from_utf8_lossy(body);
+            let text = text.trim();
+            if !text.is_empty() {
+                message.push_str(&format!(": {text}"));
+            }
         }
     }
     message
@@ -219,6 +229,15 @@ mod tests {
         .unwrap_err();
         assert!(error.contains("API token only"), "{error}");
         assert!(error.contains("auth_id: USER@REALM!NAME"), "{error}");
+    }
+
+    #[test]
+    fn a_plain_text_error_body_is_the_message() {
+        assert_eq!(
+            describe_refusal("Bad Request", b"no such datastore 'nostore'\n"),
+            "Bad Request: no such datastore 'nostore'"
+        );
+        assert_eq!(describe_refusal("Unauthorized", b""), "Unauthorized");
     }
 
     #[test]
