@@ -125,6 +125,7 @@ fn validation(dir: &Path) -> Validation {
             }],
             manifest_sha256: None,
             verify_state: None,
+            latest: None,
         },
         steps: vec![
             Step {
@@ -191,7 +192,7 @@ fn validation(dir: &Path) -> Validation {
 }
 
 /// The Python program of docs/report.md, written to `dir`.
-fn python_verifier(dir: &Path) -> PathBuf {
+pub(super) fn python_verifier(dir: &Path) -> PathBuf {
     let doc = std::fs::read_to_string(workspace_root().join("docs/report.md")).unwrap();
     let (_, after) = doc.split_once("```python\n").unwrap();
     let (program, _) = after.split_once("```").unwrap();
@@ -200,7 +201,12 @@ fn python_verifier(dir: &Path) -> PathBuf {
     path
 }
 
-fn python(verifier: &Path, report: &Path, key: &Path, extra: &[&str]) -> (i32, String, String) {
+pub(super) fn python(
+    verifier: &Path,
+    report: &Path,
+    key: &Path,
+    extra: &[&str],
+) -> (i32, String, String) {
     let has_cryptography = Command::new("/usr/bin/python3")
         .args(["-c", "import cryptography"])
         .status()

@@ -296,11 +296,6 @@ fn latest_archives_and_sizes_come_from_the_pbs_api() {
             "the snapshot has no archive drive-scsi1.img; its disk archives are drive-efidisk0.img, drive-scsi0.img",
         ),
         (
-            "source_vmid: 100",
-            "source_vmid: 101",
-            "VM 101 has no finished backup in datastore backups, namespace nightly (1 snapshot(s) listed, none finished)",
-        ),
-        (
             "snapshot: latest",
             "snapshot: \"2026-12-03T02:00:00Z\"",
             "is not finished",
@@ -459,4 +454,134 @@ fn an_encrypted_config_asks_for_the_sizes() {
     );
     let (code, _, err) = setup.show_json();
     assert_eq!(code, 0, "{err}");
+}
+
+#[test]
+fn a_backup_too_old_or_missing_fails_its_validation_with_a_signed_report_and_no_node() {
+    let pbs = Pbs::start(settings());
+    let setup = Setup::new(&pbs);
+    let (code, _, err) = setup.ctl(&["ca", "init", "--state-dir", "state"]);
+    assert_eq!(code, 0, "{err}");
+    // The newest finished backup is 2026-12-02T02:00:00Z, more than an hour ago.
+    setup.edit(
+        "    snapshot: latest\n",
+        "    snapshot: latest\n    max_age_hours: 1\n",
+    );
+    let (code, out, err) = setup.ctl(&[
+        "plan",
+        "check",
+        "nightly.yaml",
+        "--config",
+        "controller.toml",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("web01: fails before any node is asked: the newest finished backup of VM 100 (2026-12-02T02:00:00Z) is "), "{out}");
+    assert!(
+        out.contains("older than max_age_hours 1: check its backup job"),
+        "{out}"
+    );
+    let (code, out, err) = setup.show_json();
+    assert_eq!(code, 0, "{err}");
+    let document: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        document["validations"][0]["fails_before_run"]["finished"],
+        2
+    );
+    assert_eq!(document["validations"][0]["max_age_hours"]["value"], 1);
+
+    let verifier = evidence_report::python_verifier(&setup.dir.0);
+    let public = setup.dir.0.join("state/report-signing.pub");
+    let mut reasons = Vec::new();
+    for (case, vmid) in [("stale", "100"), ("none finished", "101")] {
+        let original = std::fs::read_to_string(setup.dir.0.join("nightly.yaml")).unwrap();
+        setup.edit("source_vmid: 100", &format!("source_vmid: {vmid}"));
+        let (code, out, err) = setup.ctl(&["run", "nightly.yaml", "--config", "controller.toml"]);
+        assert_eq!(
+            code, 1,
+            "{case}: a backup that cannot be proven fails the run: {out}{err}"
+        );
+        assert!(out.contains("FAILED"), "{case}: {out}");
+        assert!(!out.contains(SECRET) && !err.contains(SECRET), "{case}");
+        let reports: Vec<_> = std::fs::read_dir(setup.dir.0.join("reports"))
+            .unwrap()
+            .map(|entry| entry.unwrap().path())
+            .filter(|path| path.extension().is_some_and(|ext| ext == "json"))
+            .collect();
+        let report = reports.last().expect("a signed report").clone();
+        let (code, out, err) = setup.ctl(&[
+            "report",
+            "verify",
+            report.to_str().unwrap(),
+            "--state-dir",
+            "state",
+        ]);
+        assert_eq!(code, 0, "{case}: {out}{err}");
+        assert!(out.contains("verdict failed"), "{case}: {out}");
+        let (code, out, err) = evidence_report::python(&verifier, &report, &public, &[]);
+        assert_eq!(
+            code, 0,
+            "{case}: the independent verifier refused it: {out}{err}"
+        );
+        assert!(out.starts_with("valid: failed pve1 "), "{case}: {out}");
+        let key = certistack_controller::report::load_public_key(&public).unwrap();
+        let statement =
+            certistack_controller::report::verify(&std::fs::read(&report).unwrap(), &key).unwrap();
+        let statement = serde_json::to_value(&statement).unwrap();
+        let predicate = &statement["predicate"];
+        assert_eq!(predicate["steps"][0]["name"], "resolve backup", "{case}");
+        assert_eq!(
+            predicate["journal"]["records"],
+            serde_json::json!([]),
+            "{case}"
+        );
+        assert_eq!(
+            predicate["snapshot"]["latest"]["max_age_hours"], 1,
+            "{case}"
+        );
+        if vmid == "100" {
+            // The stale backup is named by its manifest's digests.
+            assert_eq!(
+                predicate["snapshot"]["snapshot"],
+                "vm/100/2026-12-02T02:00:00Z"
+            );
+            assert!(
+                statement["subject"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .all(|s| s["digest"]["sha256"].is_string()),
+                "{statement}"
+            );
+            assert!(
+                predicate["snapshot"]["latest"]["age_seconds"]
+                    .as_i64()
+                    .unwrap()
+                    > 3600
+            );
+        } else {
+            assert_eq!(predicate["snapshot"]["snapshot"], "vm/101");
+            assert_eq!(predicate["snapshot"]["latest"]["finished"], 0);
+        }
+        reasons.push(
+            predicate["verdict"]["reasons"][0]
+                .as_str()
+                .unwrap()
+                .to_owned(),
+        );
+        for path in reports {
+            std::fs::remove_file(path).unwrap();
+        }
+        std::fs::write(setup.dir.0.join("nightly.yaml"), original).unwrap();
+    }
+    assert!(
+        reasons[1].contains("VM 101 has no finished backup"),
+        "{reasons:?}"
+    );
+    setup.assert_no_node_contacted();
+
+    // max_age_hours without latest is refused.
+    setup.edit("snapshot: latest", "snapshot: \"2026-12-02T02:00:00Z\"");
+    let (code, _, err) = setup.show_json();
+    assert_eq!(code, 65, "{err}");
+    assert!(err.contains("validations[0] (web01).max_age_hours: max_age_hours checks the newest backup, so it needs snapshot: latest"), "{err}");
 }

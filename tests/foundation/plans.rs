@@ -315,13 +315,14 @@ fn plan_show_json_is_one_document_whose_every_value_carries_its_source() {
     let mut all = Vec::new();
     sourced_values(&document["validations"], &mut all);
     sourced_values(&document["storage"], &mut all);
-    // Per validation: node, endpoint, source_vmid, snapshot, archives (5); 5 per sandbox VM;
+    // Per validation: node, endpoint, source_vmid, snapshot, max_age_hours, archives (6); 5
+    // per sandbox VM;
     // network (3); 12 per probe (kind, address, port, 9 expectations); 6 per assertion;
     // timeouts (2); recovery (2). web01: 2 probes, 1 assertion; dc01: 2 probes, none.
     // Storage: 8.
     assert_eq!(
         all.len(),
-        (5 + 5 + 3 + 24 + 6 + 4) + (5 + 5 + 3 + 24 + 4) + 8,
+        (6 + 5 + 3 + 24 + 6 + 4) + (6 + 5 + 3 + 24 + 4) + 8,
         "{document:#}"
     );
     for value in &all {

@@ -18,13 +18,19 @@ pub fn plan_check(
         text.push_str(&plan::describe(validation));
         text.push('\n');
     }
+    for failed in &plan.failed_before_run {
+        text.push_str(&format!(
+            "{}: fails before any node is asked: {}\n",
+            failed.resolved.name, failed.why.reason
+        ));
+    }
     text.push_str(&format!(
         "plan {} accepted: {} validation(s); nothing was contacted",
         certistack_core::untrusted::printable(
             plan.path.as_os_str().as_encoded_bytes(),
             certistack_core::untrusted::MAX_VALUE_CHARS
         ),
-        plan.validations.len()
+        plan.validations.len() + plan.failed_before_run.len()
     ));
     write_stdout(&text)
 }
@@ -53,7 +59,7 @@ pub fn plan_show(
         format!(
             "{}{} validation(s); nothing was contacted",
             show::text(&plan),
-            plan.validations.len()
+            plan.validations.len() + plan.failed_before_run.len()
         )
     };
     write_stdout(&text)

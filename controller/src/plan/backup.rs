@@ -18,6 +18,31 @@ const PVE_DEFAULT_SOCKETS: u32 = 1;
 const PVE_DEFAULT_MEMORY_MIB: u32 = 512;
 /// The blob every PVE VM backup carries its config in.
 pub const CONFIG_BLOB: &str = "qemu-server.conf.blob";
+/// A snapshot's manifest.
+pub const MANIFEST_BLOB: &str = "index.json.blob";
+
+/// A validation that fails before any node is asked, and what the listing showed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct FailsBeforeRun {
+    pub reason: String,
+    pub listed: usize,
+    pub finished: usize,
+    /// The stale snapshot's manifest as PBS decodes it, for the report's digests; `None` when
+    /// there is no finished snapshot.
+    #[serde(skip)]
+    pub manifest: Option<Vec<u8>>,
+}
+
+/// `5 h 12 min`, `3 d 2 h`: an age as an operator reads it.
+pub fn age_text(seconds: i64) -> String {
+    let minutes = seconds.max(0) / 60;
+    let (days, hours, minutes) = (minutes / 1440, minutes / 60 % 24, minutes % 60);
+    match (days, hours) {
+        (0, 0) => format!("{minutes} min"),
+        (0, _) => format!("{hours} h {minutes} min"),
+        _ => format!("{days} d {hours} h"),
+    }
+}
 
 /// A disk archive's index file as the listing names it.
 fn index_name(archive: &str) -> String {
@@ -119,9 +144,15 @@ pub fn source_sizes(config: &str) -> Result<SourceSizes, String> {
     Ok(sizes)
 }
 
+/// The most `max_age_hours` may say: a year.
+pub const MAX_AGE_HOURS: u32 = 8760;
+
 /// What resolution read of the backup for one validation.
 #[derive(Debug, Clone, Default)]
 pub(super) struct BackupFacts {
+    /// Why the validation fails before any node is asked: `latest` found no finished backup,
+    /// or one older than `max_age_hours`.
+    pub(super) fails_before_run: Option<FailsBeforeRun>,
     /// The snapshot's time and, with `latest`, what the listing showed.
     pub(super) latest: Option<(String, LatestFound)>,
     /// The snapshot's disk archives and their sizes.
@@ -156,11 +187,39 @@ pub(super) fn read_backup(
                 refused(".snapshot", format!("listing the VM's backups: {reason}"))
             }
         })?;
+    let mut fails_before_run = None;
     let (chosen, latest) = match &v.snapshot {
         SnapshotFile::Latest => {
+            let Some(chosen) = newest_finished(&snapshots) else {
+                // No backup to restore is the nightly check's finding, not the plan's error.
+                return Ok(Some(BackupFacts {
+                    fails_before_run: Some(FailsBeforeRun {
+                        reason: format!(
+                            "VM {vmid} has no finished backup in {} ({} snapshot(s) listed, none finished): check its backup job",
+                            where_(storage),
+                            snapshots.len()
+                        ),
+                        listed: snapshots.len(),
+                        finished: 0,
+                        manifest: None,
+                    }),
+                    ..BackupFacts::default()
+                }));
+            };
             let (time, found) = choose_latest(&snapshots, storage, vmid, now_unix)?;
-            let chosen = newest_finished(&snapshots)
-                .ok_or_else(|| refused(".snapshot", "no finished snapshot".into()))?;
+            if let Some(hours) = v.max_age_hours
+                && found.age_seconds > i64::from(hours) * 3600
+            {
+                fails_before_run = Some(FailsBeforeRun {
+                    reason: format!(
+                        "the newest finished backup of VM {vmid} ({time}) is {} old, older than max_age_hours {hours}: check its backup job",
+                        age_text(found.age_seconds)
+                    ),
+                    listed: found.listed,
+                    finished: found.finished,
+                    manifest: None,
+                });
+            }
             (chosen, Some((time, found)))
         }
         SnapshotFile::Exact(time) => {
@@ -221,6 +280,25 @@ pub(super) fn read_backup(
             "the snapshot has no disk archive (drive-*.img); write archives".into(),
         ));
     }
+    if let Some(stale) = &mut fails_before_run {
+        // No run: the report names the stale backup by its manifest's digests, read here.
+        let manifest = catalog
+            .blob(storage, vmid, chosen.backup_time, MANIFEST_BLOB)
+            .map_err(|error| match error {
+                CatalogError::Secret(file) => LatestError::Secret(file),
+                CatalogError::Unavailable(reason) => refused(
+                    ".snapshot",
+                    format!("reading the backup's manifest: {reason}"),
+                ),
+            })?;
+        stale.manifest = Some(manifest);
+        return Ok(Some(BackupFacts {
+            fails_before_run,
+            latest,
+            archives,
+            sizes: None,
+        }));
+    }
     let sizes = if sizes_needed {
         let config: Option<&CatalogFile> =
             chosen.files.iter().find(|file| file.name == CONFIG_BLOB);
@@ -250,6 +328,7 @@ pub(super) fn read_backup(
         None
     };
     Ok(Some(BackupFacts {
+        fails_before_run: None,
         latest,
         archives,
         sizes,

@@ -42,6 +42,9 @@ pub(super) struct ValidationFile {
     pub(super) node: String,
     pub(super) source_vmid: PlanVmid,
     pub(super) snapshot: SnapshotFile,
+    /// With `snapshot: latest`: the oldest the newest finished backup may be.
+    #[serde(default)]
+    pub(super) max_age_hours: Option<u32>,
     /// Every disk archive of the snapshot when not written.
     #[serde(default)]
     pub(super) archives: Option<Vec<String>>,

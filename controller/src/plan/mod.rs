@@ -109,11 +109,45 @@ pub struct Plan {
     pub encryption_key_file: Option<PathBuf>,
     /// The PBS repository, each value with where it came from.
     pub storage: ResolvedStorage,
+    /// The validations that run, in plan order.
     pub validations: Vec<Validation>,
+    /// The validations that fail before any node is asked (`latest` found no finished
+    /// backup, or one older than `max_age_hours`), in plan order.
+    pub failed_before_run: Vec<FailedBeforeRun>,
+}
+
+impl Plan {
+    /// Every validation's resolved values, the ones that run and the ones that fail before
+    /// any node is asked, in plan order.
+    pub fn resolved_in_order(&self) -> Vec<&ResolvedValidation> {
+        let mut all: Vec<(usize, &ResolvedValidation)> = self
+            .validations
+            .iter()
+            .map(|v| (v.index, &v.resolved))
+            .chain(
+                self.failed_before_run
+                    .iter()
+                    .map(|f| (f.index, &f.resolved)),
+            )
+            .collect();
+        all.sort_by_key(|(index, _)| *index);
+        all.into_iter().map(|(_, resolved)| resolved).collect()
+    }
+}
+
+/// A validation that fails before any node is asked: no grant, a signed failed report.
+#[derive(Debug)]
+pub struct FailedBeforeRun {
+    /// Its place in the plan.
+    pub index: usize,
+    pub resolved: ResolvedValidation,
+    pub why: backup::FailsBeforeRun,
 }
 
 #[derive(Debug)]
 pub struct Validation {
+    /// Its place in the plan.
+    pub index: usize,
     pub name: String,
     pub source_vmid: Vmid,
     /// The endpoint of the node in the inventory, `HOST:PORT`.
@@ -201,14 +235,28 @@ impl Plan {
         let file = read_written(path, text)?;
         let resolved = resolve::resolve(path, &file, config, catalog, now_unix)?;
         let mut validations = Vec::with_capacity(resolved.validations.len());
-        for (index, validation) in resolved.validations.into_iter().enumerate() {
-            let validation = granted(&resolved.storage, validation, now_unix).map_err(|error| {
-                PlanError::Refused {
-                    path: path.to_owned(),
-                    at: format!("validations[{index}] ({})", error.name),
-                    reason: grant_refusal(&error.error),
-                }
-            })?;
+        let mut failed_before_run = Vec::new();
+        for (index, mut validation) in resolved.validations.into_iter().enumerate() {
+            if let Some(why) = validation.fails_before_run.take() {
+                validation.fails_before_run = Some(backup::FailsBeforeRun {
+                    manifest: None,
+                    ..why.clone()
+                });
+                failed_before_run.push(FailedBeforeRun {
+                    index,
+                    resolved: validation,
+                    why,
+                });
+                continue;
+            }
+            let validation =
+                granted(&resolved.storage, validation, index, now_unix).map_err(|error| {
+                    PlanError::Refused {
+                        path: path.to_owned(),
+                        at: format!("validations[{index}] ({})", error.name),
+                        reason: grant_refusal(&error.error),
+                    }
+                })?;
             validations.push(validation);
         }
         Ok(Self {
@@ -218,6 +266,7 @@ impl Plan {
             encryption_key_file: resolved.storage.encryption_key_file.value.clone(),
             storage: resolved.storage,
             validations,
+            failed_before_run,
         })
     }
 }

@@ -107,6 +107,11 @@ pub struct ResolvedValidation {
     pub snapshot: Sourced<String>,
     /// With `snapshot: latest`, what the PBS listing showed; `None` for an exact time.
     pub latest: Option<LatestFound>,
+    /// With `snapshot: latest`: the oldest its newest finished backup may be.
+    pub max_age_hours: Sourced<Option<u32>>,
+    /// Why the validation fails before any node is asked (no finished backup, or one older
+    /// than `max_age_hours`); `None` for one that runs.
+    pub fails_before_run: Option<backup::FailsBeforeRun>,
     pub archives: Sourced<Vec<String>>,
     /// Each archive's size in bytes, when the snapshot's listing was read.
     pub archive_sizes: BTreeMap<String, u64>,
@@ -295,6 +300,7 @@ fn take_from_backup(
     backup: BackupFacts,
     index: usize,
 ) {
+    resolved.fails_before_run = backup.fails_before_run;
     if let Some((time, found)) = backup.latest {
         resolved.snapshot = Sourced::new(time, Origin::Pbs, key_of(index, "snapshot"));
         resolved.latest = Some(found);
@@ -417,6 +423,20 @@ fn resolve_validation(
         timeouts.guest_agent_seconds.value,
     )?;
     let network_recovery = resolve_network_recovery(index, v)?;
+    if let Some(hours) = v.max_age_hours {
+        if !matches!(v.snapshot, SnapshotFile::Latest) {
+            return Err((
+                ".max_age_hours".into(),
+                "max_age_hours checks the newest backup, so it needs snapshot: latest; remove it or write snapshot: latest".into(),
+            ));
+        }
+        if !(1..=backup::MAX_AGE_HOURS).contains(&hours) {
+            return Err((
+                ".max_age_hours".into(),
+                format!("{hours} is outside 1..={} (hours)", backup::MAX_AGE_HOURS),
+            ));
+        }
+    }
     Ok(ResolvedValidation {
         name: v.name.clone(),
         key: format!("validations[{index}]"),
@@ -433,6 +453,8 @@ fn resolve_validation(
             SnapshotFile::Latest => Sourced::plan("latest".to_owned(), key("snapshot")),
         },
         latest: None,
+        max_age_hours: Sourced::written_or(v.max_age_hours.map(Some), None, key("max_age_hours")),
+        fails_before_run: None,
         // Left out: every disk archive of the snapshot, by `take_from_backup`.
         archives: Sourced::written_or(v.archives.clone(), Vec::new(), key("archives")),
         archive_sizes: BTreeMap::new(),

@@ -48,11 +48,7 @@ pub fn json(plan: &Plan) -> String {
                 key: storage.encryption_key_file.key.clone(),
             },
         },
-        "validations": plan
-            .validations
-            .iter()
-            .map(|validation| &validation.resolved)
-            .collect::<Vec<_>>(),
+        "validations": plan.resolved_in_order(),
     });
     escape_for_terminals(&format!("{document:#}"))
 }
@@ -109,9 +105,24 @@ pub fn text(plan: &Plan) -> String {
             None => "(none)".into(),
         },
     );
-    for validation in &plan.validations {
-        let v = &validation.resolved;
+    for v in plan.resolved_in_order() {
         out.heading(&format!("validation {} ({})", v.name, v.key), &v.key);
+        if let Some(fails) = &v.fails_before_run {
+            out.line(
+                "fails_before_run",
+                &fails.reason,
+                Origin::Pbs,
+                &v.snapshot.key,
+            );
+        }
+        if let Some(hours) = v.max_age_hours.value {
+            out.line(
+                "max_age_hours",
+                &hours.to_string(),
+                v.max_age_hours.source,
+                &v.max_age_hours.key,
+            );
+        }
         out.value("node", &v.node);
         out.value("endpoint", &v.endpoint);
         out.value("source_vmid", &v.source_vmid);
@@ -123,7 +134,7 @@ pub fn text(plan: &Plan) -> String {
                     "the newest of {} finished snapshot(s) ({} listed), {} old, {} bytes",
                     found.finished,
                     found.listed,
-                    age(found.age_seconds),
+                    backup::age_text(found.age_seconds),
                     found.size_bytes
                 ),
                 Origin::Pbs,
@@ -203,17 +214,6 @@ pub fn text(plan: &Plan) -> String {
         );
     }
     out.text
-}
-
-/// `5 h 12 min`, `3 d 2 h`: an age as an operator reads it.
-fn age(seconds: i64) -> String {
-    let minutes = seconds.max(0) / 60;
-    let (days, hours, minutes) = (minutes / 1440, minutes / 60 % 24, minutes % 60);
-    match (days, hours) {
-        (0, 0) => format!("{minutes} min"),
-        (0, _) => format!("{hours} h {minutes} min"),
-        _ => format!("{days} d {hours} h"),
-    }
 }
 
 /// One probe's lines: kind, address, port, and each expectation the plan sets.

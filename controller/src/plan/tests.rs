@@ -212,20 +212,35 @@ fn latest_is_the_newest_finished_snapshot_and_says_it_came_from_pbs() {
     // An exact time is the plan's, with nothing looked up.
     assert_eq!(plan.validations[1].resolved.snapshot.source, Origin::Plan);
     assert_eq!(plan.validations[1].resolved.latest, None);
-    // No finished backup: refused, saying how many were listed.
+    // No finished backup: the validation fails before any node is asked (the plan is fine;
+    // the backup job is not), saying how many were listed; the others still run.
     let none = Listed(vec![snapshot(1_796_090_400, None)]);
-    let error = Plan::parse_with(
+    let plan = Plan::parse_with(
         Path::new("/plans/nightly.yaml"),
         &text,
         &config(),
         now,
         &none,
     )
-    .unwrap_err()
-    .to_string();
+    .unwrap();
+    assert_eq!(plan.validations.len(), 1);
+    assert_eq!(plan.validations[0].index, 1);
+    let failed = &plan.failed_before_run[0];
+    assert_eq!(
+        (failed.index, failed.why.listed, failed.why.finished),
+        (0, 1, 0)
+    );
     assert!(
-        error.contains("VM 100 has no finished backup in datastore backups, namespace nightly (1 snapshot(s) listed, none finished)"),
-        "{error}"
+        failed.why.reason.contains("VM 100 has no finished backup in datastore backups, namespace nightly (1 snapshot(s) listed, none finished)"),
+        "{}",
+        failed.why.reason
+    );
+    assert_eq!(
+        plan.resolved_in_order()
+            .iter()
+            .map(|v| v.name.as_str())
+            .collect::<Vec<_>>(),
+        ["web01", "db01"]
     );
 }
 

@@ -14,6 +14,7 @@ pub(super) struct GrantRefused {
 pub(super) fn granted(
     storage: &ResolvedStorage,
     resolved: ResolvedValidation,
+    index: usize,
     now_unix: i64,
 ) -> Result<Validation, GrantRefused> {
     let v = &resolved;
@@ -58,6 +59,7 @@ pub(super) fn granted(
         error,
     })?;
     Ok(Validation {
+        index,
         name: v.name.clone(),
         source_vmid: v.source_vmid.value,
         endpoint: v.endpoint.value.clone(),

@@ -45,7 +45,7 @@ pub fn run(
     runtime: &tokio::runtime::Runtime,
 ) -> Result<Vec<runner::Summary>, ExitStatus> {
     let loaded = load(options, now)?;
-    let summaries = runtime.block_on(validate(options, loaded));
+    let summaries = runtime.block_on(validate(options, loaded, now));
     print(options.output, &summaries);
     Ok(summaries)
 }
@@ -66,12 +66,18 @@ pub fn load(options: &Options, now: OffsetDateTime) -> Result<Loaded, ExitStatus
     })
 }
 
-/// Phase 2: every validation driven on its node, bounded per node and in total, with the
-/// operator's interrupts heard throughout.
-pub async fn validate(options: &Options, loaded: Loaded) -> Vec<runner::Summary> {
+/// Phase 2: the validations that fail before any node is asked (`latest` found no finished
+/// backup, or one too old) get their signed failed reports; every other validation is driven
+/// on its node, bounded per node and in total, with the operator's interrupts heard
+/// throughout.
+pub async fn validate(
+    options: &Options,
+    loaded: Loaded,
+    now: OffsetDateTime,
+) -> Vec<runner::Summary> {
     let Loaded {
         config,
-        plan,
+        mut plan,
         secrets,
         authority,
     } = loaded;
@@ -91,7 +97,21 @@ pub async fn validate(options: &Options, loaded: Loaded) -> Vec<runner::Summary>
         progress,
         interrupts,
     });
-    runner::run_plan(context, plan, options.per_node, options.max_concurrent).await
+    // What fails before any node is asked is reported first, then the rest runs; the
+    // summaries come back in plan order.
+    let failed = std::mem::take(&mut plan.failed_before_run);
+    let mut summaries: Vec<(usize, runner::Summary)> = failed
+        .iter()
+        .map(|failed| {
+            let summary = runner::report_failed_before_run(&context, &plan.storage, failed, now);
+            (failed.index, summary)
+        })
+        .collect();
+    let order: Vec<usize> = plan.validations.iter().map(|v| v.index).collect();
+    let ran = runner::run_plan(context, plan, options.per_node, options.max_concurrent).await;
+    summaries.extend(order.into_iter().zip(ran));
+    summaries.sort_by_key(|(index, _)| *index);
+    summaries.into_iter().map(|(_, summary)| summary).collect()
 }
 
 /// Phase 3: the summaries, written without panicking on a closed pipe (`run ... | head`): the

@@ -202,6 +202,34 @@ pub struct Snapshot {
     /// manifest was not read).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub verify_state: Option<VerifyState>,
+    /// With `snapshot: latest`: what the PBS listing showed when the plan was resolved; absent
+    /// for a snapshot the plan named.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub latest: Option<LatestEvidence>,
+}
+
+/// `snapshot: latest` as it was resolved.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LatestEvidence {
+    /// The VM's snapshots PBS listed, and how many of them were finished. With none finished
+    /// there is no backup to name: `snapshot` is then the VM's group (`vm/100`), and the
+    /// failed verdict carries no digest.
+    pub listed: u64,
+    pub finished: u64,
+    /// The chosen snapshot's age in seconds when the plan was resolved.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub age_seconds: Option<i64>,
+    /// The plan's `max_age_hours`, when it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_age_hours: Option<u32>,
+}
+
+impl LatestEvidence {
+    /// No finished backup: the verdict is about its absence, not about bytes.
+    pub fn found_none(&self) -> bool {
+        self.finished == 0
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -51,8 +51,9 @@ impl Statement {
                     ));
                 }
                 // A verdict about the backup names the bytes it is about (the manifest is
-                // read before any VM exists); only an error verdict may come before that.
-                None if !matches!(predicate.verdict, Verdict::Error { .. }) => {
+                // read before any VM exists); only an error verdict may come before that, and
+                // a failed one that says there is no backup (`latest` found none finished).
+                None if !may_name_no_digest(predicate) => {
                     return shape(format!(
                         "subject {:?} has no sha256 digest, but the verdict is about its bytes",
                         subject.name
@@ -99,6 +100,20 @@ impl Statement {
             )));
         }
         Ok(())
+    }
+}
+
+/// Whether a subject may carry no digest: an error verdict (nothing was proven), or a failed
+/// one that says there is no finished backup to name.
+fn may_name_no_digest(predicate: &Validation) -> bool {
+    match predicate.verdict {
+        Verdict::Error { .. } => true,
+        Verdict::Failed { .. } => predicate
+            .snapshot
+            .latest
+            .as_ref()
+            .is_some_and(LatestEvidence::found_none),
+        Verdict::Passed => false,
     }
 }
 

@@ -83,6 +83,7 @@ fn validation() -> Validation {
                     .into(),
                 started_unix_ms: 1_732_878_784_000,
             }),
+            latest: None,
         },
         steps: vec![Step {
             name: "start".into(),
@@ -652,4 +653,42 @@ fn report_show_prints_no_terminal_sequence_of_the_node_or_guest_and_stays_bounde
         "a line longer than 8 KiB"
     );
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn only_a_failed_verdict_about_a_missing_backup_may_name_no_digest() {
+    let mut missing = validation();
+    missing.snapshot.snapshot = "vm/100".into();
+    missing.snapshot.archives.clear();
+    missing.snapshot.manifest_sha256 = None;
+    missing.snapshot.verify_state = None;
+    missing.verdict = Verdict::Failed {
+        reasons: vec!["VM 100 has no finished backup".into()],
+    };
+    // Without the listing's word that nothing was finished, a failed verdict must name bytes.
+    assert!(Statement::new(missing.clone()).check().is_err());
+    missing.snapshot.latest = Some(LatestEvidence {
+        listed: 1,
+        finished: 0,
+        age_seconds: None,
+        max_age_hours: Some(30),
+    });
+    Statement::new(missing.clone()).check().unwrap();
+    // A finished backup exists: its digest is required again.
+    missing.snapshot.latest = Some(LatestEvidence {
+        listed: 2,
+        finished: 1,
+        age_seconds: Some(200_000),
+        max_age_hours: Some(30),
+    });
+    assert!(Statement::new(missing.clone()).check().is_err());
+    // A passed verdict never goes without.
+    missing.snapshot.latest = Some(LatestEvidence {
+        listed: 1,
+        finished: 0,
+        age_seconds: None,
+        max_age_hours: None,
+    });
+    missing.verdict = Verdict::Passed;
+    assert!(Statement::new(missing).check().is_err());
 }

@@ -123,6 +123,30 @@ pub(super) fn granted_snapshot(grant: &Grant) -> report::Snapshot {
             .collect(),
         manifest_sha256: None,
         verify_state: None,
+        latest: None,
+    }
+}
+
+/// `snapshot: latest` as the plan resolved it, for the report; `None` for a named snapshot.
+pub(super) fn latest_evidence(
+    resolved: &crate::plan::ResolvedValidation,
+    failed: Option<&crate::plan::backup::FailsBeforeRun>,
+) -> Option<report::LatestEvidence> {
+    let max_age_hours = resolved.max_age_hours.value;
+    match (&resolved.latest, failed) {
+        (Some(found), _) => Some(report::LatestEvidence {
+            listed: found.listed as u64,
+            finished: found.finished as u64,
+            age_seconds: Some(found.age_seconds),
+            max_age_hours,
+        }),
+        (None, Some(failed)) => Some(report::LatestEvidence {
+            listed: failed.listed as u64,
+            finished: failed.finished as u64,
+            age_seconds: None,
+            max_age_hours,
+        }),
+        (None, None) => None,
     }
 }
 

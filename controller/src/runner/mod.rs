@@ -13,6 +13,7 @@
 //! the journal is read back and its chain recomputed here for the report. A run whose cleanup
 //! cannot be proven complete says so in its report and in the exit code.
 
+mod before_run;
 mod evidence;
 mod progress;
 mod readings;
@@ -22,6 +23,7 @@ mod steps;
 mod summary;
 mod teardown;
 
+pub use before_run::{RESOLVE_STEP, report_failed_before_run};
 pub use progress::{Event, Progress, ProgressMode, write_line};
 pub use secrets::{SecretError, Secrets};
 pub use summary::{CleanupState, Outcome, Summary, summary_table};

@@ -3,7 +3,7 @@
 
 use super::evidence::{
     Evidence, Recorder, elapsed_ms, empty_journal, granted_snapshot, heads_in_journal,
-    read_journal, save_screenshot,
+    latest_evidence, read_journal, save_screenshot,
 };
 use super::session::{
     CONNECT_TIMEOUT, CallError, OPERATOR_CALL_TIMEOUT, RECONNECT_PAUSE_MAX, RUN_CALL_TIMEOUT,
@@ -141,10 +141,13 @@ pub(super) async fn finish(
         node: recorder.node.clone(),
         connector: evidence.connector.clone(),
         controller_version: env!("CARGO_PKG_VERSION").to_owned(),
-        snapshot: evidence
-            .snapshot
-            .clone()
-            .unwrap_or_else(|| granted_snapshot(grant)),
+        snapshot: report::Snapshot {
+            latest: latest_evidence(&validation.resolved, None),
+            ..evidence
+                .snapshot
+                .clone()
+                .unwrap_or_else(|| granted_snapshot(grant))
+        },
         steps: std::mem::take(&mut recorder.steps),
         guest: evidence.guest.clone().unwrap_or(report::GuestFacts {
             status: "not started".into(),
