@@ -12,6 +12,8 @@ use std::process::{Child, Command, Stdio};
 
 #[path = "runs/interruptions.rs"]
 mod interruptions;
+#[path = "runs/latest.rs"]
+mod latest;
 #[path = "runs/node_conditions.rs"]
 mod node_conditions;
 
