@@ -3,8 +3,10 @@
 //!
 //! Resolution is synchronous (a plan is read before the run's runtime starts), so the catalog
 //! keeps a small runtime of its own for its calls; the client is built on first use, when the
-//! plan's secret file is read (owner and mode checked, zeroized), so a plan that never asks for
-//! `latest` never reads it here.
+//! plan's secret file is read (owner and mode checked, zeroized), so a plan that asks nothing of
+//! the backup never reads it here. A VM's listing is asked once per plan, and all the calls of
+//! one plan together get [`RESOLUTION_BUDGET`]: a PBS that answers slowly holds a night's run
+//! up for minutes, not hours.
 
 use crate::api::https::Limits;
 use crate::api::pbs::{PbsClient, PbsEndpoint};
@@ -12,31 +14,86 @@ use crate::plan::ResolvedStorage;
 use crate::plan::latest::{BackupCatalog, CatalogError, CatalogFile, CatalogSnapshot};
 use certistack_core::files;
 use certistack_core::validate::Vmid;
-use std::sync::OnceLock;
+use std::collections::BTreeMap;
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// How long resolving one plan may spend asking the PBS API, all calls together.
+pub const RESOLUTION_BUDGET: Duration = Duration::from_secs(300);
+
+/// A client that could not be built: whether the plan is at fault, and why.
+type Unbuilt = (bool, String);
 
 /// The PBS API as a [`BackupCatalog`].
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct PbsCatalog {
-    client: OnceLock<Result<(PbsClient, tokio::runtime::Runtime), String>>,
+    client: OnceLock<Result<(PbsClient, tokio::runtime::Runtime), Unbuilt>>,
+    deadline: Instant,
+    /// Each VM's listing, asked once.
+    listings: Mutex<BTreeMap<u32, Vec<CatalogSnapshot>>>,
+}
+
+impl Default for PbsCatalog {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl PbsCatalog {
     pub fn new() -> Self {
-        Self::default()
+        Self {
+            client: OnceLock::new(),
+            deadline: Instant::now() + RESOLUTION_BUDGET,
+            listings: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    /// Runs one call within what is left of the budget.
+    fn call<T>(
+        &self,
+        runtime: &tokio::runtime::Runtime,
+        call: impl std::future::Future<Output = Result<T, crate::api::https::ApiError>>,
+    ) -> Result<T, CatalogError> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        let spent = || {
+            CatalogError::Unavailable(format!(
+                "resolving the plan has asked the PBS API for {} s, its budget; check the PBS's load and the network",
+                RESOLUTION_BUDGET.as_secs()
+            ))
+        };
+        if left.is_zero() {
+            return Err(spent());
+        }
+        runtime
+            // The deadline's timer is made inside the runtime that drives it.
+            .block_on(async move { tokio::time::timeout(left, call).await })
+            .map_err(|_| spent())?
+            .map_err(catalog_error)
     }
 
     fn connect(
         storage: &ResolvedStorage,
     ) -> Result<(PbsClient, tokio::runtime::Runtime), CatalogError> {
+        // Every key the request is built from is checked as the node's grant checks it
+        // before the secret leaves the file: nothing odd is sent along with the token.
+        use certistack_core::validate::{
+            AuthId, Datastore, Fingerprint, Host, Namespace, Validated,
+        };
+        let key =
+            |name: &str, reason: String| CatalogError::Refused(format!("storage.{name}: {reason}"));
+        Host::validate(&storage.server.value).map_err(|reason| key("server", reason))?;
+        Datastore::validate(&storage.datastore.value).map_err(|reason| key("datastore", reason))?;
+        Namespace::validate(&storage.namespace.value).map_err(|reason| key("namespace", reason))?;
+        AuthId::validate(&storage.auth_id.value).map_err(|reason| key("auth_id", reason))?;
+        Fingerprint::validate(&storage.fingerprint.value)
+            .map_err(|reason| key("fingerprint", reason))?;
         let secret = files::read_secret_line(
             &storage.pbs_password_file.value,
             "the PBS password or API-token secret",
         )
         .map_err(CatalogError::Secret)?;
         let fingerprint = certistack_core::tls::parse_fingerprint(&storage.fingerprint.value)
-            .map_err(|reason| {
-                CatalogError::Unavailable(format!("storage.fingerprint: {reason}"))
-            })?;
+            .map_err(|reason| CatalogError::Refused(format!("storage.fingerprint: {reason}")))?;
         let client = PbsClient::new(
             PbsEndpoint {
                 host: &storage.server.value,
@@ -47,7 +104,7 @@ impl PbsCatalog {
             },
             Limits::default(),
         )
-        .map_err(|reason| CatalogError::Unavailable(format!("storage.auth_id: {reason}")))?;
+        .map_err(|reason| CatalogError::Refused(format!("storage.auth_id: {reason}")))?;
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -69,16 +126,22 @@ impl PbsCatalog {
             Some(connected) => connected,
             None => {
                 let made = Self::connect(storage);
-                if let Err(CatalogError::Secret(error)) = made {
-                    return Err(CatalogError::Secret(error));
-                }
-                self.client
-                    .get_or_init(|| made.map_err(|error| error.to_string()))
+                let made = match made {
+                    Err(CatalogError::Secret(error)) => return Err(CatalogError::Secret(error)),
+                    Err(CatalogError::Refused(reason)) => Err((true, reason)),
+                    Err(CatalogError::Unavailable(reason)) => Err((false, reason)),
+                    Ok(made) => Ok(made),
+                };
+                self.client.get_or_init(|| made)
             }
         };
-        connected
-            .as_ref()
-            .map_err(|reason| CatalogError::Unavailable(reason.clone()))
+        connected.as_ref().map_err(|(refused, reason)| {
+            if *refused {
+                CatalogError::Refused(reason.clone())
+            } else {
+                CatalogError::Unavailable(reason.clone())
+            }
+        })
     }
 }
 
@@ -88,15 +151,24 @@ impl BackupCatalog for PbsCatalog {
         storage: &ResolvedStorage,
         vmid: Vmid,
     ) -> Result<Vec<CatalogSnapshot>, CatalogError> {
+        if let Some(listed) = self
+            .listings
+            .lock()
+            .ok()
+            .and_then(|l| l.get(&vmid.get()).cloned())
+        {
+            return Ok(listed);
+        }
         let (client, runtime) = self.client(storage)?;
-        let items = runtime
-            .block_on(client.vm_snapshots(
+        let items = self.call(
+            runtime,
+            client.vm_snapshots(
                 &storage.datastore.value,
                 &storage.namespace.value,
                 vmid.get(),
-            ))
-            .map_err(|error| CatalogError::Unavailable(error.to_string()))?;
-        Ok(items
+            ),
+        )?;
+        let listed: Vec<CatalogSnapshot> = items
             .into_iter()
             .filter(|item| item.backup_type == "vm" && item.backup_id == vmid.to_string())
             .map(|item| CatalogSnapshot {
@@ -112,7 +184,11 @@ impl BackupCatalog for PbsCatalog {
                     })
                     .collect(),
             })
-            .collect())
+            .collect();
+        if let Ok(mut listings) = self.listings.lock() {
+            listings.insert(vmid.get(), listed.clone());
+        }
+        Ok(listed)
     }
 
     fn blob(
@@ -123,14 +199,27 @@ impl BackupCatalog for PbsCatalog {
         name: &str,
     ) -> Result<Vec<u8>, CatalogError> {
         let (client, runtime) = self.client(storage)?;
-        runtime
-            .block_on(client.download_blob(
+        self.call(
+            runtime,
+            client.download_blob(
                 &storage.datastore.value,
                 &storage.namespace.value,
                 vmid.get(),
                 backup_time,
                 name,
-            ))
-            .map_err(|error| CatalogError::Unavailable(error.to_string()))
+            ),
+        )
+    }
+}
+
+/// An answer refusing what was asked (4xx but for a refused token) is the catalog's refusal;
+/// anything else (unreachable, TLS, a refused token, a server error, too slow, too large) means
+/// it could not be asked.
+fn catalog_error(error: crate::api::https::ApiError) -> CatalogError {
+    match error.status() {
+        Some(status) if (400..500).contains(&status) && status != 401 && status != 403 => {
+            CatalogError::Refused(error.to_string())
+        }
+        _ => CatalogError::Unavailable(error.to_string()),
     }
 }

@@ -237,6 +237,13 @@ impl From<PlanError> for ExitStatus {
             PlanError::TooLarge { .. } | PlanError::Syntax { .. } | PlanError::Refused { .. } => {
                 REFUSED_PLAN
             }
+            // Not the plan's fault: the nightly monitor should see an infrastructure failure.
+            PlanError::Unavailable { .. } => {
+                return Self::new(
+                    INFRASTRUCTURE,
+                    format!("the plan could not be resolved: {error}"),
+                );
+            }
         };
         Self::new(code, format!("plan refused: {error}"))
     }

@@ -287,39 +287,68 @@ fn latest_archives_and_sizes_come_from_the_pbs_api() {
     );
     outputs.push(out + &err);
 
-    // Refusals, each before any node: an archive the snapshot lacks; a VM with only a backup
-    // in progress; a wrong fingerprint; a password login.
-    for (from, to, reason) in [
+    // Refusals, each before any node. The plan's own (65): an archive the snapshot lacks, a
+    // snapshot in progress named, a password login, a datastore name no grant accepts (refused
+    // before the token is sent). The infrastructure's (2): a wrong fingerprint, a PBS down.
+    let down = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let down_port = down.local_addr().unwrap().port();
+    drop(down);
+    let cases: Vec<(String, String, i32, &str)> = vec![
         (
-            "    snapshot: latest\n",
-            "    snapshot: latest\n    archives: [drive-scsi1.img]\n",
+            "    snapshot: latest\n".into(),
+            "    snapshot: latest\n    archives: [drive-scsi1.img]\n".into(),
+            65,
             "the snapshot has no archive drive-scsi1.img; its disk archives are drive-efidisk0.img, drive-scsi0.img",
         ),
         (
-            "snapshot: latest",
-            "snapshot: \"2026-12-03T02:00:00Z\"",
+            "snapshot: latest".into(),
+            "snapshot: \"2026-12-03T02:00:00Z\"".into(),
+            65,
             "is not finished",
         ),
         (
-            &format!("fingerprint: \"{}\"", pbs.fingerprint),
-            &format!("fingerprint: \"{}\"", ["ab"; 32].join(":")),
+            format!("auth_id: \"{AUTH_ID}\""),
+            "auth_id: \"certistack@pbs\"".into(),
+            65,
+            "API token only",
+        ),
+        (
+            "datastore: backups".into(),
+            "datastore: \"../../version\"".into(),
+            65,
+            "storage.datastore",
+        ),
+        (
+            format!("fingerprint: \"{}\"", pbs.fingerprint),
+            format!("fingerprint: \"{}\"", ["ab"; 32].join(":")),
+            2,
             "not the pinned AB:AB",
         ),
         (
-            &format!("auth_id: \"{AUTH_ID}\""),
-            "auth_id: \"certistack@pbs\"",
-            "API token only",
+            format!("port: {}", pbs.port),
+            format!("port: {down_port}"),
+            2,
+            "cannot reach https://localhost:",
         ),
-    ] {
+    ];
+    for (from, to, expected, reason) in cases {
         let original = std::fs::read_to_string(setup.dir.0.join("nightly.yaml")).unwrap();
-        setup.edit(from, to);
+        let requests_before = pbs.calls_log().lines().count();
+        setup.edit(&from, &to);
         let (code, out, err) = setup.show_json();
-        assert_eq!(code, 65, "{to}: {out}{err}");
+        assert_eq!(code, expected, "{to}: {out}{err}");
         assert!(out.is_empty(), "{out}");
         assert!(
             err.contains("validations[0] (web01)") && err.contains(reason),
             "{to}: {err}"
         );
+        if to.contains("datastore") {
+            assert_eq!(
+                pbs.calls_log().lines().count(),
+                requests_before,
+                "the token was sent"
+            );
+        }
         outputs.push(out + &err);
         std::fs::write(setup.dir.0.join("nightly.yaml"), original).unwrap();
     }

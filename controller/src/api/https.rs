@@ -48,7 +48,7 @@ const MAX_SERVER_TEXT: usize = 512;
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
     #[error(
-        "{call}: cannot reach {url}: {reason}; check api_url and that the API service runs there"
+        "{call}: cannot reach {url}: {reason}; check the server's address and port (pve.api_url, or the plan's storage.server and storage.port) and that its API service runs there"
     )]
     Connect {
         call: String,
@@ -69,7 +69,7 @@ pub enum ApiError {
         reason: String,
     },
     #[error(
-        "{call}: {mismatch}; if the node's certificate was renewed, read its fingerprint on the node (`pvenode cert info`: the pveproxy-ssl.pem entry if there is one, else pve-ssl.pem; never pve-root-ca.pem) and pin it only if it is the one presented here"
+        "{call}: {mismatch}; if the server's certificate was renewed, read its fingerprint on the server (Proxmox VE: `pvenode cert info`, the pveproxy-ssl.pem entry if there is one, else pve-ssl.pem, never pve-root-ca.pem; Proxmox Backup Server: `proxmox-backup-manager cert info`) and pin it only if it is the one presented here"
     )]
     Fingerprint {
         call: String,
@@ -203,6 +203,7 @@ impl HttpsClient {
         path_and_query: &str,
         headers: &[(&'static str, &[u8])],
         describe_error: fn(&str, &[u8]) -> String,
+        secret: &str,
     ) -> Result<Reply, ApiError> {
         let call = format!(
             "{method} {}",
@@ -315,14 +316,20 @@ impl HttpsClient {
                 seconds: self.limits.response.as_secs(),
             })??;
         if !(200..300).contains(&status) {
-            let message = describe_error(&reason, &body);
+            // The secret is taken out before the text is cut, so no part of it survives.
+            let reason = redact_text(&reason, secret);
+            let body = redact_body(body, secret.as_bytes());
+            let message = redact_text(&describe_error(&reason, &body), secret);
             return Err(ApiError::Status {
                 call,
                 status,
                 message: untrusted::printable(message.as_bytes(), MAX_SERVER_TEXT),
             });
         }
-        Ok(Reply { status, body })
+        Ok(Reply {
+            status,
+            body: redact_body(body, secret.as_bytes()),
+        })
     }
 
     fn host_header(&self) -> String {
@@ -400,26 +407,18 @@ impl HttpsClient {
 /// What stands where a secret the server sent back stood.
 pub const REDACTED: &str = "<redacted>";
 
-/// `error` with every occurrence of `secret` in the server's text replaced: a server (or
-/// something in front of it) that echoes the Authorization header must not get the secret
-/// printed.
-pub fn redact_error(error: ApiError, secret: &str) -> ApiError {
-    match error {
-        ApiError::Status {
-            call,
-            status,
-            message,
-        } if !secret.is_empty() => ApiError::Status {
-            call,
-            status,
-            message: message.replace(secret, REDACTED),
-        },
-        other => other,
+/// `text` with every occurrence of `secret` replaced.
+fn redact_text(text: &str, secret: &str) -> String {
+    if secret.is_empty() {
+        text.to_owned()
+    } else {
+        text.replace(secret, REDACTED)
     }
 }
 
-/// `body` with every occurrence of `secret` replaced, as [`redact_error`] does for errors.
-pub fn redact_body(body: Vec<u8>, secret: &[u8]) -> Vec<u8> {
+/// `body` with every occurrence of `secret` replaced: a server (or something in front of it)
+/// that echoes the Authorization header must not get the secret printed.
+fn redact_body(body: Vec<u8>, secret: &[u8]) -> Vec<u8> {
     if secret.is_empty() || !body.windows(secret.len()).any(|window| window == secret) {
         return body;
     }
@@ -470,17 +469,9 @@ mod tests {
             b"{\"data\":{\"version\":\"<redacted> and <redacted>\"}}"
         );
         assert_eq!(redact_body(b"plain".to_vec(), b"s3cr3t"), b"plain");
-        let error = redact_error(
-            ApiError::Status {
-                call: "GET /x".into(),
-                status: 401,
-                message: "bad PVEAPIToken=a@b!c=s3cr3t".into(),
-            },
-            "s3cr3t",
-        );
         assert_eq!(
-            error.to_string(),
-            "GET /x: HTTP 401 bad PVEAPIToken=a@b!c=<redacted>"
+            redact_text("bad PVEAPIToken=a@b!c=s3cr3t", "s3cr3t"),
+            "bad PVEAPIToken=a@b!c=<redacted>"
         );
     }
 

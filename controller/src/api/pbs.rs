@@ -7,7 +7,7 @@
 //! pinned fingerprint, as `proxmox-backup-client` trusts it on the node. The secret is held
 //! zeroizing and never printed; `Debug` shows the auth id only.
 
-use super::https::{ApiError, HttpsClient, Limits, query_escape, redact_body, redact_error};
+use super::https::{ApiError, HttpsClient, Limits, query_escape};
 use certistack_core::tls::ApiTrust;
 use serde::Deserialize;
 use zeroize::Zeroizing;
@@ -52,7 +52,7 @@ impl PbsClient {
     pub fn new(endpoint: PbsEndpoint<'_>, limits: Limits) -> Result<Self, String> {
         if !endpoint.auth_id.contains('!') {
             return Err(format!(
-                "{:?} is a user, and the controller reads the PBS API with an API token only: make one (`proxmox-backup-manager user generate-token USER@REALM NAME`), give it DatastoreReader or DatastoreBackup on the datastore, and write auth_id: USER@REALM!NAME with its secret in pbs_password_file",
+                "{:?} is a user, and the controller reads the PBS API with an API token only: make one (`proxmox-backup-manager user generate-token USER@REALM NAME`), give it and its user DatastoreReader on the datastore (docs/install.md, \"The PBS API token\"), and write auth_id: USER@REALM!NAME with its secret in pbs_password_file",
                 endpoint.auth_id
             ));
         }
@@ -136,10 +136,10 @@ impl PbsClient {
                 path,
                 &[("authorization", header.as_slice())],
                 describe_refusal,
+                &self.secret,
             )
-            .await
-            .map_err(|error| redact_error(error, &self.secret))?;
-        Ok(redact_body(reply.body, self.secret.as_bytes()))
+            .await?;
+        Ok(reply.body)
     }
 }
 

@@ -10,7 +10,7 @@
 //! token's id only. The copy put into each request's header is encoded by hyper and freed, not
 //! wiped: the secret lives in the controller's memory while it talks to the API, as it must.
 
-use super::https::{ApiError, HttpsClient, Limits, query_escape, redact_body, redact_error};
+use super::https::{ApiError, HttpsClient, Limits, query_escape};
 use certistack_core::files::{self, FileError};
 use certistack_core::tls::{self, ApiTrust};
 use serde::de::DeserializeOwned;
@@ -166,12 +166,11 @@ impl PveClient {
                 &path,
                 &[("authorization", header.as_slice())],
                 describe_refusal,
+                &self.token.secret,
             )
-            .await
-            .map_err(|error| redact_error(error, &self.token.secret))?;
-        let body = redact_body(reply.body, self.token.secret.as_bytes());
+            .await?;
         let envelope: Envelope<T> =
-            serde_json::from_slice(&body).map_err(|error| ApiError::Decode {
+            serde_json::from_slice(&reply.body).map_err(|error| ApiError::Decode {
                 call: format!("GET {path}"),
                 reason: error.to_string(),
             })?;

@@ -125,7 +125,8 @@ enum NodesCommand {
     },
 }
 
-const PLAN_EXIT_CODES: &str = "Exit codes: 0 the plan is accepted; 65 the plan is refused (the message names \
+const PLAN_EXIT_CODES: &str = "Exit codes: 0 the plan is accepted; 2 the PBS API could not be asked \
+while the plan was resolved (unreachable, refused, too slow); 65 the plan is refused (the message names \
 file:line:column or the validation and key, and what to change); 66 the plan, the configuration or a secret \
 file cannot be read; 74 the output cannot be written (a full disk, not a closed pipe); 77 a file's owner or mode is refused (the message gives the chmod or chown to run); 78 the \
 controller configuration is refused; 64 the command line itself is wrong.";

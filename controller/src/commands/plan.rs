@@ -25,7 +25,7 @@ pub fn plan_check(
         ));
     }
     text.push_str(&format!(
-        "plan {} accepted: {} validation(s); nothing was contacted",
+        "plan {} accepted: {} validation(s); no node was contacted",
         certistack_core::untrusted::printable(
             plan.path.as_os_str().as_encoded_bytes(),
             certistack_core::untrusted::MAX_VALUE_CHARS
@@ -57,7 +57,7 @@ pub fn plan_show(
         show::json(&plan)
     } else {
         format!(
-            "{}{} validation(s); nothing was contacted",
+            "{}{} validation(s); no node was contacted",
             show::text(&plan),
             plan.validations.len() + plan.failed_before_run.len()
         )

@@ -20,6 +20,13 @@ const PVE_DEFAULT_MEMORY_MIB: u32 = 512;
 pub const CONFIG_BLOB: &str = "qemu-server.conf.blob";
 /// A snapshot's manifest.
 pub const MANIFEST_BLOB: &str = "index.json.blob";
+/// The most archives a grant names.
+pub const MAX_ARCHIVES: usize = 16;
+/// The least memory a sandbox VM gets (the grant's bound).
+pub const MIN_MEMORY_MIB: u32 = 64;
+/// The most cores and memory a sandbox VM may be given (the grant's bounds).
+pub const MAX_CORES: u32 = 64;
+pub const MAX_MEMORY_MIB: u32 = 262_144;
 
 /// A validation that fails before any node is asked, and what the listing showed.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -179,18 +186,35 @@ pub(super) fn read_backup(
     }
     let vmid = v.source_vmid.0;
     let refused = |key: &str, reason: String| LatestError::Refused(key.to_owned(), reason);
-    let snapshots = catalog
-        .vm_snapshots(storage, vmid)
-        .map_err(|error| match error {
+    // What the catalog could not answer is the infrastructure's failure; what it refused is
+    // the plan's (`then` says what to write instead).
+    let failed = |key: &'static str, what: &'static str, then: &'static str| {
+        move |error: CatalogError| match error {
             CatalogError::Secret(file) => LatestError::Secret(file),
             CatalogError::Unavailable(reason) => {
-                refused(".snapshot", format!("listing the VM's backups: {reason}"))
+                LatestError::Unavailable(key.to_owned(), format!("{what}: {reason}"))
             }
-        })?;
+            CatalogError::Refused(reason) => {
+                LatestError::Refused(key.to_owned(), format!("{what}: {reason}{then}"))
+            }
+        }
+    };
+    let snapshots = catalog.vm_snapshots(storage, vmid).map_err(failed(
+        ".snapshot",
+        "listing the VM's backups",
+        "",
+    ))?;
     let mut fails_before_run = None;
+    // A backup-time PBS cannot have written (before 1970, or more than a day ahead of this
+    // clock) is never the newest backup: it would win every night and never grow stale.
+    let plausible: Vec<CatalogSnapshot> = snapshots
+        .iter()
+        .filter(|s| s.backup_time >= 1 && s.backup_time <= now_unix.saturating_add(86_400))
+        .cloned()
+        .collect();
     let (chosen, latest) = match &v.snapshot {
         SnapshotFile::Latest => {
-            let Some(chosen) = newest_finished(&snapshots) else {
+            let Some(chosen) = newest_finished(&plausible) else {
                 // No backup to restore is the nightly check's finding, not the plan's error.
                 return Ok(Some(BackupFacts {
                     fails_before_run: Some(FailsBeforeRun {
@@ -206,7 +230,11 @@ pub(super) fn read_backup(
                     ..BackupFacts::default()
                 }));
             };
-            let (time, found) = choose_latest(&snapshots, storage, vmid, now_unix)?;
+            let (time, found) = choose_latest(&plausible, storage, vmid, now_unix)?;
+            let found = LatestFound {
+                listed: snapshots.len(),
+                ..found
+            };
             if let Some(hours) = v.max_age_hours
                 && found.age_seconds > i64::from(hours) * 3600
             {
@@ -229,9 +257,11 @@ pub(super) fn read_backup(
                     format!("{time:?} is not a snapshot time (YYYY-MM-DDTHH:MM:SSZ)"),
                 )
             })?;
+            // PBS lists a time once; a listing with it twice gets its finished entry chosen.
             let chosen = snapshots
                 .iter()
-                .find(|snapshot| snapshot.backup_time == at)
+                .filter(|snapshot| snapshot.backup_time == at)
+                .max_by_key(|snapshot| snapshot.size.is_some())
                 .ok_or_else(|| {
                     refused(
                         ".snapshot",
@@ -279,18 +309,20 @@ pub(super) fn read_backup(
             ".archives",
             "the snapshot has no disk archive (drive-*.img); write archives".into(),
         ));
+    } else if archives.len() > MAX_ARCHIVES {
+        return Err(refused(
+            ".archives",
+            format!(
+                "the snapshot has {} disk archives and a validation restores at most {MAX_ARCHIVES}: write archives, the ones the guest needs",
+                archives.len()
+            ),
+        ));
     }
     if let Some(stale) = &mut fails_before_run {
         // No run: the report names the stale backup by its manifest's digests, read here.
         let manifest = catalog
             .blob(storage, vmid, chosen.backup_time, MANIFEST_BLOB)
-            .map_err(|error| match error {
-                CatalogError::Secret(file) => LatestError::Secret(file),
-                CatalogError::Unavailable(reason) => refused(
-                    ".snapshot",
-                    format!("reading the backup's manifest: {reason}"),
-                ),
-            })?;
+            .map_err(failed(".snapshot", "reading the backup's manifest", ""))?;
         stale.manifest = Some(manifest);
         return Ok(Some(BackupFacts {
             fails_before_run,
@@ -302,6 +334,12 @@ pub(super) fn read_backup(
     let sizes = if sizes_needed {
         let config: Option<&CatalogFile> =
             chosen.files.iter().find(|file| file.name == CONFIG_BLOB);
+        if config.is_none() {
+            return Err(refused(
+                ".sandbox",
+                "the backup carries no qemu-server.conf, so the controller cannot read the VM's cores and memory: write cores and memory_mib for each sandbox VM".into(),
+            ));
+        }
         if config.is_some_and(|file| file.crypt_mode.as_deref() == Some("encrypt")) {
             return Err(refused(
                 ".sandbox",
@@ -310,20 +348,28 @@ pub(super) fn read_backup(
         }
         let bytes = catalog
             .blob(storage, vmid, chosen.backup_time, CONFIG_BLOB)
-            .map_err(|error| match error {
-                CatalogError::Secret(file) => LatestError::Secret(file),
-                CatalogError::Unavailable(reason) => refused(
-                    ".sandbox",
-                    format!("reading the backup's qemu-server.conf: {reason}"),
-                ),
-            })?;
+            .map_err(failed(
+                ".sandbox",
+                "reading the backup's qemu-server.conf",
+                "; write cores and memory_mib for each sandbox VM",
+            ))?;
         let text = String::from_utf8_lossy(&bytes);
-        Some(source_sizes(&text).map_err(|reason| {
+        let sizes = source_sizes(&text).map_err(|reason| {
             refused(
                 ".sandbox",
                 format!("the backup's qemu-server.conf: {reason}; write cores and memory_mib"),
             )
-        })?)
+        })?;
+        if sizes.memory_mib < MIN_MEMORY_MIB && v.sandbox.iter().any(|vm| vm.memory_mib.is_none()) {
+            return Err(refused(
+                ".sandbox",
+                format!(
+                    "the backup's qemu-server.conf gives the VM {} MiB, less than the {MIN_MEMORY_MIB} MiB a sandbox VM gets: write memory_mib",
+                    sizes.memory_mib
+                ),
+            ));
+        }
+        Some(sizes)
     } else {
         None
     };

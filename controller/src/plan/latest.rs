@@ -35,8 +35,14 @@ pub enum CatalogError {
     /// The PBS secret file is refused (its mode, its owner) or cannot be read.
     #[error(transparent)]
     Secret(FileError),
+    /// The catalog could not be asked: unreachable, its certificate or the token refused, a
+    /// server error, too slow.
     #[error("{0}")]
     Unavailable(String),
+    /// The catalog answered, and refused what was asked (a file it does not have, or cannot
+    /// decode).
+    #[error("{0}")]
+    Refused(String),
 }
 
 /// Where resolution reads which snapshots a VM has.
@@ -122,6 +128,8 @@ pub fn snapshot_time(epoch: i64) -> Option<String> {
 #[derive(Debug)]
 pub(super) enum LatestError {
     Secret(FileError),
+    /// The PBS API could not be asked: the plan is fine, the infrastructure is not.
+    Unavailable(String, String),
     Refused(String, String),
 }
 

@@ -86,6 +86,13 @@ pub enum PlanError {
         at: String,
         reason: String,
     },
+    /// The PBS API could not be asked while the plan was resolved: the plan may be fine.
+    #[error("{path}: {at}: {reason}")]
+    Unavailable {
+        path: PathBuf,
+        at: String,
+        reason: String,
+    },
     #[error("{path}: {at}: {error}")]
     Secret {
         path: PathBuf,

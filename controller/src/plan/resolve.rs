@@ -242,6 +242,11 @@ pub(super) fn resolve(
                 error,
             },
             LatestError::Refused(key, reason) => refused(at(&key), reason),
+            LatestError::Unavailable(key, reason) => PlanError::Unavailable {
+                path: path.to_owned(),
+                at: at(&key),
+                reason,
+            },
         })?;
         if let Some(backup) = backup {
             take_from_backup(&mut resolved, v, backup, index);
@@ -316,10 +321,11 @@ fn take_from_backup(
             "the snapshot's disk archives".into(),
         );
     }
+    let restored: BTreeSet<&String> = resolved.archives.value.iter().collect();
     resolved.archive_sizes = backup
         .archives
         .iter()
-        .filter(|(name, _)| resolved.archives.value.contains(name))
+        .filter(|(name, _)| restored.contains(name))
         .filter_map(|(name, size)| Some((name.clone(), (*size)?)))
         .collect();
     if let Some(sizes) = backup.sizes {
@@ -423,6 +429,30 @@ fn resolve_validation(
         timeouts.guest_agent_seconds.value,
     )?;
     let network_recovery = resolve_network_recovery(index, v)?;
+    for (i, vm) in v.sandbox.iter().enumerate() {
+        if vm
+            .max_cores
+            .is_some_and(|n| !(1..=backup::MAX_CORES).contains(&n))
+        {
+            return Err((
+                format!(".sandbox[{i}].max_cores"),
+                format!("must be 1..={}", backup::MAX_CORES),
+            ));
+        }
+        if vm
+            .max_memory_mib
+            .is_some_and(|n| !(backup::MIN_MEMORY_MIB..=backup::MAX_MEMORY_MIB).contains(&n))
+        {
+            return Err((
+                format!(".sandbox[{i}].max_memory_mib"),
+                format!(
+                    "must be {}..={}",
+                    backup::MIN_MEMORY_MIB,
+                    backup::MAX_MEMORY_MIB
+                ),
+            ));
+        }
+    }
     if let Some(hours) = v.max_age_hours {
         if !matches!(v.snapshot, SnapshotFile::Latest) {
             return Err((
