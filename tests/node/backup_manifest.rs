@@ -176,7 +176,21 @@ async fn a_manifest_outside_the_bounds_is_refused_and_nothing_else_is_read() {
     other_snapshot["backup-id"] = "101".into();
     let mut bad_csum = good(&run.lab);
     bad_csum["files"][0]["csum"] = "\u{1b}[2Jpassed".into();
-    let cases: [(Vec<u8>, &str); 4] = [
+    // The good manifest with one byte that is not UTF-8 in a note: read as text with the byte
+    // replaced it would parse, and its digest would name other bytes than the file's.
+    let mut latin1 = good(&run.lab);
+    latin1["unprotected"]["notes"] = "caf\u{e9}".into();
+    let latin1 = latin1
+        .to_string()
+        .replace("caf\u{e9}", "caf\u{fffd}")
+        .into_bytes();
+    let latin1: Vec<u8> = {
+        let text = String::from_utf8(latin1).unwrap();
+        let (before, after) = text.split_once('\u{fffd}').unwrap();
+        [before.as_bytes(), &[0xe9], after.as_bytes()].concat()
+    };
+    let latin1_sha256 = hex::encode(sha2::Sha256::digest(&latin1));
+    let cases: [(Vec<u8>, &str); 5] = [
         (
             format!("{{\"notes\": \"{}\"}}", "a".repeat(70 * 1024)).into_bytes(),
             "the manifest of vm/100/2026-11-01T02:00:00Z is refused: the manifest is larger than 65536 bytes",
@@ -192,6 +206,10 @@ async fn a_manifest_outside_the_bounds_is_refused_and_nothing_else_is_read() {
         (
             bad_csum.to_string().into_bytes(),
             "the manifest's csum of drive-scsi0.img.fidx is missing or malformed: not 64 lower-case hex digits",
+        ),
+        (
+            latin1,
+            "the manifest of vm/100/2026-11-01T02:00:00Z is refused: the manifest is not JSON",
         ),
     ];
     let stored = snapshot_dir(&run.lab).join("index.json.blob");
@@ -213,11 +231,17 @@ async fn a_manifest_outside_the_bounds_is_refused_and_nothing_else_is_read() {
         .filter(|c| c["command"] == "restore")
         .map(|c| c["archive"].as_str().unwrap().to_owned())
         .collect();
-    assert_eq!(archives, ["index.json.blob"; 4]);
+    assert_eq!(archives, ["index.json.blob"; 5]);
     let records = manifest_records(&mut run).await;
     let failed: Vec<&pb::JournalRecord> = records.iter().filter(|r| r.phase == "failed").collect();
-    assert_eq!(failed.len(), 4, "{records:?}");
+    assert_eq!(failed.len(), 5, "{records:?}");
     assert!(failed.iter().all(|r| r.detail.contains("\"read_sha256\"")));
+    // The digest journaled is of the bytes the client wrote, not of a decoding of them.
+    assert!(
+        failed[4].detail.contains(&latin1_sha256),
+        "{}",
+        failed[4].detail
+    );
     let journal = run.journal().await;
     assert!(
         !journal.iter().any(|s| s.starts_with("source.config")),

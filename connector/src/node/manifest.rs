@@ -318,13 +318,15 @@ impl NodeContext {
         let parsed = if output.truncated {
             Err(ManifestError::TooLarge)
         } else {
-            parse(output.stdout.as_bytes(), snapshot)
+            // The bytes as the client wrote them: the digest names the manifest, not a
+            // decoding of it.
+            parse(&output.stdout_bytes, snapshot)
         };
         let manifest = match parsed {
             Ok(manifest) => manifest,
             Err(error) => {
                 let reason = error.to_string();
-                let read_sha256 = hex::encode(Sha256::digest(output.stdout.as_bytes()));
+                let read_sha256 = hex::encode(Sha256::digest(&output.stdout_bytes));
                 self.journal_tool_failed(
                     guard,
                     MANIFEST_OP,

@@ -103,7 +103,11 @@ const STDERR_EXCERPT_LINE_CHARS: usize = 512;
 pub struct ToolOutput {
     /// The exit code, or `None` when a signal ended the child.
     pub exit_code: Option<i32>,
+    /// Standard output as text (invalid UTF-8 replaced), for parsing and excerpts.
     pub stdout: String,
+    /// Standard output as the tool wrote it, for digests: a hash over the text would name
+    /// other bytes wherever the output was not UTF-8.
+    pub stdout_bytes: Vec<u8>,
     pub stderr: String,
     pub elapsed: Duration,
     /// Output beyond the call's cap ([`OUTPUT_CAP`] by default) was dropped: a caller that parses all of it must not

@@ -231,6 +231,11 @@ impl RunningTool {
         Ok(ToolOutput {
             exit_code: status.code(),
             stdout: text(&self.stdout),
+            stdout_bytes: self
+                .stdout
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone(),
             stderr: text(&self.stderr),
             elapsed: self.started.elapsed(),
             truncated: self.truncated.load(std::sync::atomic::Ordering::SeqCst),

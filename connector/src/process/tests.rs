@@ -250,6 +250,7 @@ fn stderr_excerpts_keep_the_last_lines_escaped_and_capped() {
     let output = ToolOutput {
         exit_code: Some(1),
         stdout: String::new(),
+        stdout_bytes: Vec::new(),
         stderr,
         elapsed: std::time::Duration::ZERO,
         truncated: false,

@@ -366,6 +366,7 @@ impl GuestNetwork<'_> {
         let output = ToolOutput {
             exit_code: code,
             stdout: String::new(),
+            stdout_bytes: Vec::new(),
             stderr: String::new(),
             elapsed,
             truncated: false,
