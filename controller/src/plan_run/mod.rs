@@ -119,7 +119,7 @@ pub async fn validate(
 pub fn print(output: runner::ProgressMode, summaries: &[runner::Summary]) {
     if output == runner::ProgressMode::Json {
         for summary in summaries {
-            if let Ok(line) = serde_json::to_string(&serde_json::json!({ "summary": summary })) {
+            if let Some(line) = summary.json_line() {
                 runner::write_line(&line);
             }
         }

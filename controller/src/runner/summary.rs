@@ -41,6 +41,26 @@ pub struct Summary {
     pub report: Option<PathBuf>,
 }
 
+impl Summary {
+    /// The summary as `run --json` prints it: its reasons quote what a node or a guest said (a
+    /// probe's detail, a refusal), so each is escaped and bounded as on a terminal line (JSON
+    /// escapes C0 controls only; C1 controls and bidirectional overrides would reach a terminal
+    /// that shows the stream).
+    pub fn json_line(&self) -> Option<String> {
+        let shown = Summary {
+            reasons: self
+                .reasons
+                .iter()
+                .map(|reason| for_terminal(reason))
+                .collect(),
+            validation: for_terminal(&self.validation),
+            node: for_terminal(&self.node),
+            ..self.clone()
+        };
+        serde_json::to_string(&serde_json::json!({ "summary": shown })).ok()
+    }
+}
+
 /// The closing table: one row per validation.
 pub fn summary_table(summaries: &[Summary]) -> String {
     use std::fmt::Write;
@@ -136,5 +156,28 @@ mod tests {
             lines[4].trim_start().starts_with("report /var/lib"),
             "{table}"
         );
+    }
+
+    #[test]
+    fn a_json_summary_carries_no_terminal_sequence() {
+        use certistack_core::fixtures::{TERMINAL_SEQUENCES, acts_on_a_terminal};
+        let summary = Summary {
+            validation: "web01".into(),
+            node: "pve1".into(),
+            run_id: "0b1e5c1e-1111-4222-8333-944445555666".into(),
+            outcome: Outcome::Failed,
+            cleanup: CleanupState::Complete,
+            reasons: vec![format!(
+                "probe tcp://10.99.0.10:22: banner {TERMINAL_SEQUENCES}"
+            )],
+            elapsed_ms: 1,
+            report: None,
+        };
+        let line = summary.json_line().unwrap();
+        assert!(!acts_on_a_terminal(&line), "{line}");
+        let read: serde_json::Value = serde_json::from_str(&line).unwrap();
+        let reason = read["summary"]["reasons"][0].as_str().unwrap();
+        assert!(!acts_on_a_terminal(reason), "{reason}");
+        assert!(reason.contains("verdict: passed"), "{reason}");
     }
 }
