@@ -365,11 +365,22 @@ impl Admission {
         let mut state = self.lock();
         let mut evicted = Vec::new();
         loop {
-            let oldest_of_source = state
+            // A source's share counts its trusted and other handshakes apart: an untrusted host
+            // in the controller's IPv6 /64 (one source) must not evict the controller's.
+            let of_source: Vec<u64> = state
                 .pending_by_source
                 .get(&source)
-                .filter(|ids| ids.len() >= self.limits.max_pending_handshakes_per_source)
-                .and_then(|ids| ids.first().copied());
+                .map(|ids| {
+                    ids.iter()
+                        .copied()
+                        .filter(|id| state.pending.get(id).is_some_and(|p| p.trusted == trusted))
+                        .collect()
+                })
+                .unwrap_or_default();
+            let oldest_of_source = (of_source.len()
+                >= self.limits.max_pending_handshakes_per_source)
+                .then(|| of_source.first().copied())
+                .flatten();
             let Some(oldest) = oldest_of_source else {
                 break;
             };
@@ -936,6 +947,39 @@ mod tests {
         assert!(!full.evict_oldest_pending());
         drop(held);
         assert!(full.begin_handshake(flood(1), false).is_ok());
+    }
+
+    /// One IPv6 /64 is one source; an untrusted host beside the trusted controller in it
+    /// fills its own share, never evicting the controller's handshake.
+    #[test]
+    fn an_untrusted_neighbour_in_the_controllers_64_does_not_evict_its_handshake() {
+        let trusted = with_trusted(admission(2, 16, 8, 8), &["2001:db8::9/128"]);
+        let controller: SocketAddr = "[2001:db8::9]:40000".parse().unwrap();
+        let neighbour: SocketAddr = "[2001:db8::2]:40000".parse().unwrap();
+        assert_eq!(source_of(&controller), source_of(&neighbour));
+        assert!(trusted.limits.is_trusted(&controller));
+        assert!(!trusted.limits.is_trusted(&neighbour));
+        let (_c, mut evicted) = trusted
+            .begin_handshake(source_of(&controller), true)
+            .unwrap();
+        let mut neighbours = Vec::new();
+        for _ in 0..6 {
+            neighbours.push(
+                trusted
+                    .begin_handshake(source_of(&neighbour), false)
+                    .unwrap(),
+            );
+        }
+        assert!(
+            evicted.try_recv().is_err(),
+            "the controller's handshake was evicted"
+        );
+        // The neighbour evicted its own oldest: it holds its share, two.
+        assert_eq!(trusted.lock().untrusted_pending(), 2);
+        assert!(matches!(
+            neighbours[0].1.try_recv(),
+            Ok(Refusal::EvictedBySource)
+        ));
     }
 
     #[test]
