@@ -564,6 +564,12 @@ impl Vms<'_> {
             let prepared = states
                 .get(&table.key())
                 .is_some_and(|s| s.is_open() && s.standing() == Standing::Done);
+            // No recovery unit may still write an overlay while QEMU reads it: one that survived
+            // its stop is stopped now, or the start is refused.
+            self.ctx
+                .guest_network()
+                .release_recovery_unit(grant, vmid)
+                .await?;
             // And it boots only from this run's live mappings: re-check every disk's loop device.
             let archives =
                 states

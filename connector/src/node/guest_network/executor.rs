@@ -326,6 +326,14 @@ impl GuestNetwork<'_> {
         if let Some(Err(reason)) = &given_back {
             tracing::warn!(run_id = %grant.run_id, %vmid, %reason, "the overlay was not given back after recovery");
         }
+        // A unit that survived its stop may still be writing the overlay: the recovery has
+        // failed, whatever the appliance said (StartVm stops the unit before it checks).
+        let result = match (result, &unit_left) {
+            (Ok(_), Some(name)) => Err(RecoveryError::Tool(format!(
+                "the recovery unit {name} still runs and could not be stopped, so the overlay may still change; delete the overlay (or clean up the run) and try again"
+            ))),
+            (result, _) => result,
+        };
         // The appliance user could write every byte of the overlay, its header included: a
         // recovery whose overlay no longer names only this run's mapping has failed (StartVm
         // checks again before QEMU opens it).
