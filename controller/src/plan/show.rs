@@ -153,10 +153,24 @@ pub fn text(plan: &Plan) -> String {
             };
             out.line(&format!("archives[{i}]"), &shown, v.archives.source, &key);
         }
+        // A validation that fails before any node is asked never reads the sizes it left out.
+        let not_read = |sourced: &Sourced<u32>| {
+            v.fails_before_run.is_some() && sourced.source == Origin::Default
+        };
         for (i, vm) in v.sandbox.iter().enumerate() {
             out.value(&format!("sandbox[{i}].vmid"), &vm.vmid);
-            out.value(&format!("sandbox[{i}].cores"), &vm.cores);
-            out.value(&format!("sandbox[{i}].memory_mib"), &vm.memory_mib);
+            for (name, sourced) in [("cores", &vm.cores), ("memory_mib", &vm.memory_mib)] {
+                if not_read(sourced) {
+                    out.line(
+                        &format!("sandbox[{i}].{name}"),
+                        "(not read: the validation fails before any node is asked)",
+                        sourced.source,
+                        &sourced.key,
+                    );
+                } else {
+                    out.value(&format!("sandbox[{i}].{name}"), sourced);
+                }
+            }
         }
         out.shown("network.lifecycle", &v.network.lifecycle, |l| {
             l.name().to_owned()

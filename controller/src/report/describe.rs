@@ -60,6 +60,20 @@ pub fn describe(statement: &Statement, report_path: &Path) -> String {
         value(&p.snapshot.datastore),
         value(&p.snapshot.namespace)
     );
+    if let Some(latest) = &p.snapshot.latest {
+        let age = latest.age_seconds.map_or_else(
+            || "none finished".to_owned(),
+            |age| format!("the newest finished {} s old", age.max(0)),
+        );
+        let max_age = latest
+            .max_age_hours
+            .map_or_else(String::new, |hours| format!(", max_age_hours {hours}"));
+        let _ = writeln!(
+            out,
+            "  latest: {} of {} listed snapshot(s) finished, {age}{max_age}",
+            latest.finished, latest.listed
+        );
+    }
     // `verify` checked the digests' and the verify state's form before this prints them.
     if let Some(digest) = &p.snapshot.manifest_sha256 {
         let _ = writeln!(out, "  manifest: sha256 {digest}");

@@ -80,7 +80,7 @@ pub fn report_failed_before_run(
         node: resolved.node.value.clone(),
         connector: report::ConnectorVersion {
             version: "not contacted".into(),
-            surface_digest: String::new(),
+            surface_digest: "none".into(),
         },
         controller_version: env!("CARGO_PKG_VERSION").to_owned(),
         snapshot,
