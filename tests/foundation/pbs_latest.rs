@@ -6,7 +6,6 @@
 use super::*;
 use std::os::unix::fs::PermissionsExt;
 use std::process::Command;
-use std::time::Duration;
 
 const AUTH_ID: &str = "certistack@pbs!restore";
 const SECRET: &str = "pbs-api-double-secret-7f3a";
@@ -15,24 +14,15 @@ const CONFIG: &str = "boot: order=scsi0\ncores: 2\nsockets: 2\nmemory: 4096\nscs
 /// The "PBS" (the client double's tree) and the API double serving it; stopped on drop.
 struct Pbs {
     root: TempDir,
-    tls: TempDir,
     port: u16,
     fingerprint: String,
-    child: std::process::Child,
+    _api: ApiDouble,
 }
 
 impl Pbs {
     fn start(settings: serde_json::Value) -> Self {
         let root = TempDir::new("pbs-api");
-        let tls = TempDir::new("pbs-tls");
-        let pki = api_server_pki(&["localhost"]);
-        std::fs::write(tls.0.join("cert.pem"), &pki.leaf_pem).unwrap();
-        std::fs::write(tls.0.join("key.pem"), &pki.leaf_key_pem).unwrap();
         std::fs::write(root.0.join("double.json"), settings.to_string()).unwrap();
-        let fingerprint = certistack_core::tls::format_fingerprint(
-            &certistack_core::tls::certificate_fingerprint(&pki.leaf_der),
-        )
-        .to_lowercase();
         let group = root.0.join("pbs/backups/ns/nightly/vm/100");
         for (time, unfinished) in [
             ("2026-12-01T02:00:00Z", false),
@@ -55,48 +45,22 @@ impl Pbs {
         std::fs::create_dir_all(&lone).unwrap();
         std::fs::write(lone.join("drive-scsi0.img"), vec![0u8; 4096]).unwrap();
         std::fs::write(lone.join(".unfinished"), "").unwrap();
-        let child = Command::new("python3")
-            .arg(workspace_root().join("tests/doubles/pbs-api"))
-            .arg("--root")
-            .arg(&root.0)
-            .arg("--tls-dir")
-            .arg(&tls.0)
-            .stdout(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
-        let deadline = std::time::Instant::now() + Duration::from_secs(20);
-        let port = loop {
-            if let Some(port) = std::fs::read_to_string(tls.0.join("port"))
-                .ok()
-                .and_then(|text| text.trim().parse().ok())
-            {
-                break port;
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "the PBS API double did not start"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        };
+        let api = ApiDouble::start(
+            "pbs-api",
+            &api_server_pki(&["localhost"]),
+            &["--root".into(), root.0.clone().into_os_string()],
+            "--tls-dir",
+        );
         Self {
+            port: api.port,
+            fingerprint: api.fingerprint.clone(),
             root,
-            tls,
-            port,
-            fingerprint,
-            child,
+            _api: api,
         }
     }
 
     fn calls_log(&self) -> String {
         std::fs::read_to_string(self.root.0.join("calls.log")).unwrap_or_default()
-    }
-}
-
-impl Drop for Pbs {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = &self.tls;
     }
 }
 

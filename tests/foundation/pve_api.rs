@@ -15,51 +15,24 @@ const SECRET: &str = "0b1e5c1e-1111-4222-8333-944445555666";
 
 /// The double, serving `pki`'s leaf on 127.0.0.1; stopped on drop.
 struct PveDouble {
-    root: TempDir,
     port: u16,
-    child: std::process::Child,
+    api: ApiDouble,
 }
 
 impl PveDouble {
     fn start(pki: &ApiServerPki, settings: serde_json::Value) -> Self {
+        // pve-api keeps its certificate, settings, port and calls.log in its --root.
         let root = TempDir::new("pve-api");
-        std::fs::write(root.0.join("cert.pem"), &pki.leaf_pem).unwrap();
-        std::fs::write(root.0.join("key.pem"), &pki.leaf_key_pem).unwrap();
         std::fs::write(root.0.join("double.json"), settings.to_string()).unwrap();
-        let child = std::process::Command::new("python3")
-            .arg(workspace_root().join("tests/doubles/pve-api"))
-            .arg("--root")
-            .arg(&root.0)
-            .stdout(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
-        let port_file = root.0.join("port");
-        let deadline = std::time::Instant::now() + Duration::from_secs(20);
-        let port = loop {
-            if let Some(port) = std::fs::read_to_string(&port_file)
-                .ok()
-                .and_then(|text| text.trim().parse().ok())
-            {
-                break port;
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "the PVE API double did not start"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        };
-        Self { root, port, child }
+        let api = ApiDouble::start_in("pve-api", pki, &[], "--root", root);
+        Self {
+            port: api.port,
+            api,
+        }
     }
 
     fn calls_log(&self) -> String {
-        std::fs::read_to_string(self.root.0.join("calls.log")).unwrap_or_default()
-    }
-}
-
-impl Drop for PveDouble {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        std::fs::read_to_string(self.api.tls_dir().join("calls.log")).unwrap_or_default()
     }
 }
 

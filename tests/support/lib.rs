@@ -11,6 +11,7 @@
     missing_debug_implementations
 )]
 
+mod api_doubles;
 mod assertions;
 mod daemon_process;
 pub mod drifted;
@@ -24,6 +25,7 @@ mod recording_executor;
 mod skips;
 mod temp_dir;
 
+pub use api_doubles::*;
 pub use assertions::*;
 pub use daemon_process::*;
 pub use drifted::{node_tls_server_config, serve_drifted};

@@ -404,6 +404,42 @@ impl HttpsClient {
     }
 }
 
+/// A refusal's message: the reason phrase, then the body's `errors` (a parameter and what is
+/// wrong with it) and `message` when the body is JSON with them; with `plain_text`, a body that
+/// is not is taken as the message itself.
+pub fn describe_refusal(reason: &str, body: &[u8], plain_text: bool) -> String {
+    #[derive(serde::Deserialize)]
+    struct Refusal {
+        #[serde(default)]
+        errors: Option<std::collections::BTreeMap<String, serde_json::Value>>,
+        #[serde(default)]
+        message: Option<String>,
+    }
+    let mut message = reason.trim().to_owned();
+    match serde_json::from_slice::<Refusal>(body) {
+        Ok(refusal) => {
+            for (parameter, error) in refusal.errors.unwrap_or_default() {
+                let error = error
+                    .as_str()
+                    .map_or_else(|| error.to_string(), str::to_owned);
+                message.push_str(&format!("; {parameter}: {}", error.trim()));
+            }
+            if let Some(text) = refusal.message.filter(|text| text.trim() != message) {
+                message.push_str(&format!("; {}", text.trim()));
+            }
+        }
+        Err(_) if plain_text => {
+            let text = String::from_utf8_lossy(body);
+            let text = text.trim();
+            if !text.is_empty() {
+                message.push_str(&format!(": {text}"));
+            }
+        }
+        Err(_) => {}
+    }
+    message
+}
+
 /// What stands where a secret the server sent back stood.
 pub const REDACTED: &str = "<redacted>";
 

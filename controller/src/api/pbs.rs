@@ -148,40 +148,11 @@ struct Envelope<T> {
     data: T,
 }
 
-/// A refusal's message: the reason phrase, then what the body says. proxmox-rest-server writes
-/// an API error as a plain-text body under the standard reason phrase (`400 Bad Request`, `no
-/// such datastore 'x'`; `error_to_response`), and labels it JSON: a body that is not JSON with
-/// `message` or `errors` is taken as the message itself.
+/// A refusal's message: proxmox-rest-server writes an API error as a plain-text body under
+/// the standard reason phrase (`400 Bad Request`, `no such datastore 'x'`;
+/// `error_to_response`), labelled JSON.
 fn describe_refusal(reason: &str, body: &[u8]) -> String {
-    #[derive(Deserialize)]
-    struct Refusal {
-        #[serde(default)]
-        message: Option<String>,
-        #[serde(default)]
-        errors: Option<std::collections::BTreeMap<String, serde_json::Value>>,
-    }
-    let mut message = reason.trim().to_owned();
-    match serde_json::from_slice::<Refusal>(body) {
-        Ok(refusal) => {
-            if let Some(text) = refusal.message.filter(|text| text.trim() != message) {
-                message.push_str(&format!("; {}", text.trim()));
-            }
-            for (parameter, error) in refusal.errors.unwrap_or_default() {
-                let error = error
-                    .as_str()
-                    .map_or_else(|| error.to_string(), str::to_owned);
-                message.push_str(&format!("; {parameter}: {}", error.trim()));
-            }
-        }
-        Err(_) => {
-            let text = String::from_utf8_lossy(body);
-            let text = text.trim();
-            if !text.is_empty() {
-                message.push_str(&format!(": {text}"));
-            }
-        }
-    }
-    message
+    super::https::describe_refusal(reason, body, true)
 }
 
 /// One snapshot as `GET …/snapshots` lists it (pbs-api-types `SnapshotListItem`).

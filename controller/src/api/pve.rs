@@ -183,29 +183,10 @@ struct Envelope<T> {
     data: T,
 }
 
-/// A refusal's message: the reason phrase (pve-http-server puts the error there), then the
-/// body's `errors` (a parameter's name and what is wrong with it) or `message`.
+/// A refusal's message: pve-http-server puts the error in the reason phrase and, for a
+/// parameter error, the parameters in the body's `errors`.
 fn describe_refusal(reason: &str, body: &[u8]) -> String {
-    #[derive(Deserialize)]
-    struct Refusal {
-        #[serde(default)]
-        errors: Option<BTreeMap<String, serde_json::Value>>,
-        #[serde(default)]
-        message: Option<String>,
-    }
-    let mut message = reason.trim().to_owned();
-    if let Ok(refusal) = serde_json::from_slice::<Refusal>(body) {
-        for (parameter, error) in refusal.errors.unwrap_or_default() {
-            let error = error
-                .as_str()
-                .map_or_else(|| error.to_string(), str::to_owned);
-            message.push_str(&format!("; {parameter}: {}", error.trim()));
-        }
-        if let Some(text) = refusal.message.filter(|text| text.trim() != message) {
-            message.push_str(&format!("; {}", text.trim()));
-        }
-    }
-    message
+    super::https::describe_refusal(reason, body, false)
 }
 
 /// `GET /version`.

@@ -3,13 +3,12 @@
 //! backup job that stopped), so it is reported like any failed validation: a signed report, the
 //! exit status 1. Nothing was created anywhere, so there is nothing to clean and no journal.
 
-use super::evidence::{empty_journal, latest_evidence};
+use super::evidence::{empty_journal, guest_not_started, latest_evidence, no_isolation};
 use super::{CleanupState, Outcome, RunContext, Summary};
 use crate::plan::{FailedBeforeRun, ResolvedStorage};
 use crate::report::{self, StepResult, Verdict};
 use certistack_proto::v1 as pb;
 use sha2::{Digest, Sha256};
-use std::collections::BTreeMap;
 use time::OffsetDateTime;
 
 /// The step a report of a validation that failed before any node names.
@@ -91,20 +90,9 @@ pub fn report_failed_before_run(
             result: StepResult::Failed,
             detail: failed.why.reason.clone(),
         }],
-        guest: report::GuestFacts {
-            status: "not started".into(),
-            os_info: serde_json::Value::Null,
-            interfaces: serde_json::Value::Null,
-        },
+        guest: guest_not_started(),
         probes: Vec::new(),
-        isolation: report::Isolation {
-            bridge_ports: Vec::new(),
-            bridge_addresses: Vec::new(),
-            forwarding: BTreeMap::new(),
-            ruleset: String::new(),
-            ruleset_digest: report::sha256_text(b""),
-            nat_sources: Vec::new(),
-        },
+        isolation: no_isolation(),
         assertions: Vec::new(),
         cleanup: report::CleanupEvidence {
             receipts: Vec::new(),

@@ -127,6 +127,28 @@ pub(super) fn granted_snapshot(grant: &Grant) -> report::Snapshot {
     }
 }
 
+/// The isolation evidence of a run that never prepared a sandbox: nothing, and the digest of
+/// the empty ruleset.
+pub(super) fn no_isolation() -> report::Isolation {
+    report::Isolation {
+        bridge_ports: Vec::new(),
+        bridge_addresses: Vec::new(),
+        forwarding: std::collections::BTreeMap::new(),
+        ruleset: String::new(),
+        ruleset_digest: report::sha256_text(b""),
+        nat_sources: Vec::new(),
+    }
+}
+
+/// What a report says of a guest that never started.
+pub(super) fn guest_not_started() -> report::GuestFacts {
+    report::GuestFacts {
+        status: "not started".into(),
+        os_info: serde_json::Value::Null,
+        interfaces: serde_json::Value::Null,
+    }
+}
+
 /// `snapshot: latest` as the plan resolved it, for the report; `None` for a named snapshot.
 pub(super) fn latest_evidence(
     resolved: &crate::plan::ResolvedValidation,

@@ -2,8 +2,8 @@
 //! operator after the deadline), EndRun, the journal read back, the report signed and written.
 
 use super::evidence::{
-    Evidence, Recorder, elapsed_ms, empty_journal, granted_snapshot, heads_in_journal,
-    latest_evidence, read_journal, save_screenshot,
+    Evidence, Recorder, elapsed_ms, empty_journal, granted_snapshot, guest_not_started,
+    heads_in_journal, latest_evidence, no_isolation, read_journal, save_screenshot,
 };
 use super::session::{
     CONNECT_TIMEOUT, CallError, OPERATOR_CALL_TIMEOUT, RECONNECT_PAUSE_MAX, RUN_CALL_TIMEOUT,
@@ -15,7 +15,6 @@ use crate::operator;
 use crate::plan::Validation;
 use crate::report::{self, StepResult, Verdict};
 use certistack_proto::v1 as pb;
-use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 use time::OffsetDateTime;
 
@@ -149,23 +148,9 @@ pub(super) async fn finish(
                 .unwrap_or_else(|| granted_snapshot(grant))
         },
         steps: std::mem::take(&mut recorder.steps),
-        guest: evidence.guest.clone().unwrap_or(report::GuestFacts {
-            status: "not started".into(),
-            os_info: serde_json::Value::Null,
-            interfaces: serde_json::Value::Null,
-        }),
+        guest: evidence.guest.clone().unwrap_or_else(guest_not_started),
         probes: evidence.probes.clone(),
-        isolation: evidence
-            .isolation
-            .clone()
-            .unwrap_or_else(|| report::Isolation {
-                bridge_ports: Vec::new(),
-                bridge_addresses: Vec::new(),
-                forwarding: BTreeMap::new(),
-                ruleset: String::new(),
-                ruleset_digest: report::sha256_text(b""),
-                nat_sources: Vec::new(),
-            }),
+        isolation: evidence.isolation.clone().unwrap_or_else(no_isolation),
         assertions: evidence.assertions.clone(),
         cleanup,
         journal,

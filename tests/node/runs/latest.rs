@@ -4,63 +4,16 @@
 
 use super::*;
 
-/// The PBS API double over a lab's "PBS"; stopped on drop.
-struct PbsApi {
-    child: std::process::Child,
-    port: u16,
-    fingerprint: String,
-    _tls: TempDir,
-}
-
-impl PbsApi {
-    /// Serves `root`'s "PBS" and has the node's client double expect the same certificate.
-    fn start(lab: &Lab) -> Self {
-        let tls = TempDir::new("latest-tls");
-        let pki = api_server_pki(&["localhost"]);
-        std::fs::write(tls.0.join("cert.pem"), &pki.leaf_pem).unwrap();
-        std::fs::write(tls.0.join("key.pem"), &pki.leaf_key_pem).unwrap();
-        let fingerprint = certistack_core::tls::format_fingerprint(
-            &certistack_core::tls::certificate_fingerprint(&pki.leaf_der),
-        )
-        .to_lowercase();
-        lab.settings(serde_json::json!({ "pbs_fingerprint": fingerprint }));
-        let child = Command::new("python3")
-            .arg(workspace_root().join("tests/doubles/pbs-api"))
-            .arg("--root")
-            .arg(&lab.root)
-            .arg("--tls-dir")
-            .arg(&tls.0)
-            .stdout(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-        let port = loop {
-            if let Some(port) = std::fs::read_to_string(tls.0.join("port"))
-                .ok()
-                .and_then(|text| text.trim().parse().ok())
-            {
-                break port;
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "the PBS API double did not start"
-            );
-            std::thread::sleep(std::time::Duration::from_millis(50));
-        };
-        Self {
-            child,
-            port,
-            fingerprint,
-            _tls: tls,
-        }
-    }
-}
-
-impl Drop for PbsApi {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// The PBS API double over a lab's "PBS", whose client double expects the same certificate.
+fn pbs_api(lab: &Lab) -> ApiDouble {
+    let api = ApiDouble::start(
+        "pbs-api",
+        &api_server_pki(&["localhost"]),
+        &["--root".into(), lab.root.clone().into_os_string()],
+        "--tls-dir",
+    );
+    lab.settings(serde_json::json!({ "pbs_fingerprint": api.fingerprint }));
+    api
 }
 
 #[test]
@@ -80,7 +33,7 @@ fn a_validation_of_the_latest_backup_runs_end_to_end() {
         let newer = lab.add_backup("vm/100/2026-11-02T02:00:00Z", ARCHIVE, MARKER, 8 << 20);
         std::fs::write(newer.parent().unwrap().join(".unfinished"), "").unwrap();
         assert!(older.exists());
-        let api = PbsApi::start(lab);
+        let api = pbs_api(lab);
         let secret = fleet.dir.0.join("pbs-password");
         std::fs::write(&secret, format!("{PBS_PASSWORD}\n")).unwrap();
         std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
