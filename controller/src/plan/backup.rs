@@ -318,6 +318,26 @@ pub(super) fn read_backup(
             ),
         ));
     }
+    // An encrypted disk cannot be mapped without the key: the node would fail at its first
+    // step, after the run began. Said here, before anything is asked of a node.
+    if storage.encryption_key_file.value.is_none() {
+        let restored: Vec<&str> = match &v.archives {
+            Some(written) => written.iter().map(String::as_str).collect(),
+            None => archives.iter().map(|(name, _)| name.as_str()).collect(),
+        };
+        if let Some(encrypted) = restored.iter().find(|archive| {
+            chosen.files.iter().any(|file| {
+                file.name == index_name(archive) && file.crypt_mode.as_deref() == Some("encrypt")
+            })
+        }) {
+            return Err(refused(
+                ".archives",
+                format!(
+                    "{encrypted} of the snapshot is encrypted and the plan names no key: write storage.encryption_key_file (the backup's key file, chmod 0600)"
+                ),
+            ));
+        }
+    }
     if let Some(stale) = &mut fails_before_run {
         // No run: the report names the stale backup by its manifest's digests, read here.
         let manifest = catalog

@@ -307,10 +307,28 @@ fn archives_cores_and_memory_left_out_come_from_the_backup_capped() {
         error.contains("VM 100 has no snapshot 2026-11-29T02:00:00Z"),
         "{error}"
     );
+    // Encrypted disks and no key in the plan: refused before any node would fail to map them.
+    let mut encrypted_disks = snapshot(1_796_004_000, Some(10));
+    encrypted_disks.files[0].crypt_mode = Some("encrypt".into());
+    let error = Plan::parse_with(
+        Path::new("/plans/nightly.yaml"),
+        &text,
+        &config(),
+        1_796_011_200,
+        &Listed(vec![encrypted_disks]),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        error.contains("drive-scsi0.img of the snapshot is encrypted and the plan names no key: write storage.encryption_key_file"),
+        "{error}"
+    );
     // An encrypted config: the sizes must be written.
     let mut encrypted = snapshot(1_796_004_000, Some(10));
     for file in &mut encrypted.files {
-        file.crypt_mode = Some("encrypt".into());
+        if file.name == "qemu-server.conf.blob" {
+            file.crypt_mode = Some("encrypt".into());
+        }
     }
     let error = Plan::parse_with(
         Path::new("/plans/nightly.yaml"),
