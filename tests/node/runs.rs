@@ -605,12 +605,12 @@ fn a_plan_runs_on_several_nodes_at_once_and_a_failing_node_fails_only_its_valida
         let refused = fleet.plan("refused.yaml", &[("web1", 1, 9101)], 60);
         let text = std::fs::read_to_string(&refused)
             .unwrap()
-            .replace("\"2026-11-01T02:00:00Z\"", "latest");
+            .replace("vmid: 9101", "vmid: 42");
         std::fs::write(&refused, text).unwrap();
         let out = fleet.ctl(&refused, &config).output().unwrap();
         assert_eq!(out.status.code(), Some(65), "{out:?}");
         assert!(
-            String::from_utf8_lossy(&out.stderr).contains("give the exact snapshot time"),
+            String::from_utf8_lossy(&out.stderr).contains("VMID 42 is outside 100..=999999999"),
             "{out:?}"
         );
         for node in &fleet.nodes {
