@@ -76,8 +76,7 @@ impl Controller {
         )
     }
 
-    fn endpoint<'a>(&'a self, port: u16, secret_file: &'a Path) -> PveEndpoint<'a> {
-        let _ = port;
+    fn endpoint(port: u16, secret_file: &Path) -> PveEndpoint<'_> {
         PveEndpoint {
             host: "localhost",
             port,
@@ -313,7 +312,7 @@ fn replies_are_bounded_in_size_and_time() {
     let mut padded = settings();
     padded["pad_reply_bytes"] = serde_json::json!(128 * 1024);
     let double = PveDouble::start(&pki, padded);
-    let mut endpoint = controller.endpoint(double.port, &secret_file);
+    let mut endpoint = Controller::endpoint(double.port, &secret_file);
     endpoint.ca_file = Some(&ca_file);
     let client = PveClient::new(&endpoint, limits).unwrap();
     let error = runtime.block_on(client.version()).unwrap_err();
@@ -380,7 +379,7 @@ fn the_token_reads_the_api_as_pve_answers_it() {
     let secret_file = controller.path("pve-token");
     let (colons, _) = pins(&pki);
     let fingerprint = certistack_core::tls::parse_fingerprint(&colons).unwrap();
-    let mut endpoint = controller.endpoint(double.port, &secret_file);
+    let mut endpoint = Controller::endpoint(double.port, &secret_file);
     endpoint.fingerprint = Some(fingerprint);
     let client = PveClient::new(&endpoint, Limits::default()).unwrap();
     let runtime = tokio::runtime::Builder::new_current_thread()

@@ -3,7 +3,9 @@
 //! backup job that stopped), so it is reported like any failed validation: a signed report, the
 //! exit status 1. Nothing was created anywhere, so there is nothing to clean and no journal.
 
-use super::evidence::{empty_journal, guest_not_started, latest_evidence, no_isolation};
+use super::evidence::{
+    empty_journal, guest_not_started, latest_evidence, no_isolation, write_report,
+};
 use super::{CleanupState, Outcome, RunContext, Summary};
 use crate::plan::{FailedBeforeRun, ResolvedStorage};
 use crate::report::{self, StepResult, Verdict};
@@ -105,19 +107,7 @@ pub fn report_failed_before_run(
         hardware: None,
     };
     let statement = report::Statement::new(predicate);
-    let report_path = match report::write(
-        &context.reports_dir,
-        &statement,
-        context.authority.report_signing(),
-        now,
-    ) {
-        Ok(path) => Some(path),
-        Err(error) => {
-            reasons.push(format!("the report could not be written: {error}"));
-            outcome = Outcome::Error;
-            None
-        }
-    };
+    let report_path = write_report(context, &statement, now, &mut reasons, &mut outcome);
     let summary = Summary {
         validation: resolved.name.clone(),
         node: resolved.node.value.clone(),

@@ -127,6 +127,30 @@ pub(super) fn granted_snapshot(grant: &Grant) -> report::Snapshot {
     }
 }
 
+/// Signs and writes the report of `statement`; when it cannot be written, the validation's
+/// outcome becomes an error and its reasons say why.
+pub(super) fn write_report(
+    context: &RunContext,
+    statement: &report::Statement,
+    at: time::OffsetDateTime,
+    reasons: &mut Vec<String>,
+    outcome: &mut super::Outcome,
+) -> Option<std::path::PathBuf> {
+    match report::write(
+        &context.reports_dir,
+        statement,
+        context.authority.report_signing(),
+        at,
+    ) {
+        Ok(path) => Some(path),
+        Err(error) => {
+            reasons.push(format!("the report could not be written: {error}"));
+            *outcome = super::Outcome::Error;
+            None
+        }
+    }
+}
+
 /// The isolation evidence of a run that never prepared a sandbox: nothing, and the digest of
 /// the empty ruleset.
 pub(super) fn no_isolation() -> report::Isolation {

@@ -3,7 +3,7 @@
 
 use super::evidence::{
     Evidence, Recorder, elapsed_ms, empty_journal, granted_snapshot, guest_not_started,
-    heads_in_journal, latest_evidence, no_isolation, read_journal, save_screenshot,
+    heads_in_journal, latest_evidence, no_isolation, read_journal, save_screenshot, write_report,
 };
 use super::session::{
     CONNECT_TIMEOUT, CallError, OPERATOR_CALL_TIMEOUT, RECONNECT_PAUSE_MAX, RUN_CALL_TIMEOUT,
@@ -159,19 +159,7 @@ pub(super) async fn finish(
         hardware: evidence.hardware.clone(),
     };
     let statement = report::Statement::new(predicate);
-    let report_path = match report::write(
-        &context.reports_dir,
-        &statement,
-        context.authority.report_signing(),
-        at,
-    ) {
-        Ok(path) => Some(path),
-        Err(error) => {
-            reasons.push(format!("the report could not be written: {error}"));
-            outcome = Outcome::Error;
-            None
-        }
-    };
+    let report_path = write_report(context, &statement, at, &mut reasons, &mut outcome);
     let summary = Summary {
         validation: recorder.validation.clone(),
         node: recorder.node.clone(),
