@@ -18,6 +18,11 @@ use std::collections::BTreeMap;
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+/// The most snapshots of one VM a listing may hold: a group PBS prunes keeps a few dozen.
+/// Each VM's listing is kept for the plan's resolution, so this bounds what a PBS can make the
+/// controller hold (with the 8 MiB reply cap).
+pub const MAX_LISTED_SNAPSHOTS: usize = 10_000;
+
 /// How long resolving one plan may spend asking the PBS API, all calls together.
 pub const RESOLUTION_BUDGET: Duration = Duration::from_secs(300);
 
@@ -168,6 +173,12 @@ impl BackupCatalog for PbsCatalog {
                 vmid.get(),
             ),
         )?;
+        if items.len() > MAX_LISTED_SNAPSHOTS {
+            return Err(CatalogError::Refused(format!(
+                "PBS lists {} snapshots of VM {vmid}, more than the {MAX_LISTED_SNAPSHOTS} read; prune the group (a prune job keeps a few dozen)",
+                items.len()
+            )));
+        }
         let listed: Vec<CatalogSnapshot> = items
             .into_iter()
             .filter(|item| item.backup_type == "vm" && item.backup_id == vmid.to_string())
