@@ -32,6 +32,8 @@ mod backup_mappings;
 mod cleanup_journal;
 #[path = "node/crash.rs"]
 mod crash;
+#[path = "node/loop_ioctls.rs"]
+mod loop_ioctls;
 #[path = "node/run_files.rs"]
 mod run_files;
 #[path = "node/source_hardware.rs"]

@@ -63,14 +63,19 @@ impl ApplianceAccelerator {
     }
 }
 
+/// The longest `guest_network.appliance_users` list.
+pub const MAX_APPLIANCE_USERS: usize = 64;
+
 #[derive(Debug, Clone, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct GuestNetworkPolicy {
     /// `"auto"` (the default) or `"tcg"`.
     pub accelerator: ApplianceAccelerator,
-    /// The unprivileged system user the appliance's unit runs as (the package's sysusers.d
-    /// file creates `certistack-guestnet`); never root.
-    pub appliance_user: String,
+    /// The unprivileged system users confined appliances run as, one per appliance running
+    /// at once (the package's sysusers.d file creates `certistack-guestnet-1` to `-4`); never
+    /// root. Two appliances never share a user, so one cannot reach the other's processes or
+    /// files; with all of them busy, a recovery waits for none and is refused.
+    pub appliance_users: Vec<String>,
     /// `"auto"` (the default) or `"always"`: when the appliance runs in its confined unit.
     pub confined: ApplianceConfinement,
 }
@@ -94,7 +99,9 @@ impl Default for GuestNetworkPolicy {
     fn default() -> Self {
         Self {
             accelerator: ApplianceAccelerator::default(),
-            appliance_user: "certistack-guestnet".into(),
+            appliance_users: (1..=4)
+                .map(|n| format!("certistack-guestnet-{n}"))
+                .collect(),
             confined: ApplianceConfinement::Auto,
         }
     }
@@ -182,7 +189,7 @@ pub struct PvePaths {
     pub kvm_device: PathBuf,
     /// The CPU flags NodeChecks reads: `hypervisor` (the node is a virtual machine), `vmx`/`svm`.
     pub cpuinfo: PathBuf,
-    /// The accounts the appliance user (`guest_network.appliance_user`) and the loop device's
+    /// The accounts the appliance users (`guest_network.appliance_users`) and the loop device's
     /// group `disk` are read from, as systemd, which starts the appliance, resolves them.
     pub passwd: PathBuf,
     pub group: PathBuf,
@@ -568,6 +575,30 @@ impl Config {
                 reason: "may not hold whitespace, control characters, ':', '\\', or quotes (systemd's BindPaths= would split or unquote it); choose a plain directory such as /var/lib/certistack-overlays".into(),
             });
         }
+        let users = &self.guest_network.appliance_users;
+        let distinct: std::collections::BTreeSet<&String> = users.iter().collect();
+        let plain = |name: &String| {
+            !name.is_empty()
+                && name.len() <= 32
+                && name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+        };
+        if users.is_empty()
+            || users.len() > MAX_APPLIANCE_USERS
+            || distinct.len() != users.len()
+            || !users.iter().all(plain)
+        {
+            return Err(ConfigError::Invalid {
+                path: path.to_owned(),
+                key: "guest_network.appliance_users",
+                value: format!("{users:?}"),
+                reason: format!(
+                    "must list 1 to {} distinct system user names (letters, digits, '-', '_', '.'; at most 32 characters), one per appliance that may run at once",
+                    MAX_APPLIANCE_USERS
+                ),
+            });
+        }
         let limit = |key, value: usize, lo: usize, hi: usize| {
             if (lo..=hi).contains(&value) {
                 Ok(())
@@ -929,7 +960,26 @@ overlay_root = "/var/lib/certistack/overlays"
         );
         let err = Config::load(&kvm).unwrap_err().to_string();
         assert!(err.contains("accelerator") && err.contains("auto"), "{err}");
-        for path in [tcg, kvm] {
+        assert_eq!(config.guest_network.appliance_users.len(), 4);
+        let mut refused = Vec::new();
+        for (tag, users) in [
+            ("users-empty", "[]"),
+            ("users-twice", "[\"a\", \"a\"]"),
+            ("users-odd", "[\"a b\"]"),
+        ] {
+            let path = write(
+                tag,
+                &format!("{GOOD}[guest_network]\nappliance_users = {users}\n"),
+                0o644,
+            );
+            let err = Config::load(&path).unwrap_err().to_string();
+            assert!(
+                err.contains("guest_network.appliance_users") && err.contains("distinct"),
+                "{users}: {err}"
+            );
+            refused.push(path);
+        }
+        for path in [tcg, kvm].into_iter().chain(refused) {
             std::fs::remove_file(path).unwrap();
         }
         for path in [disable, unknown, tiny] {

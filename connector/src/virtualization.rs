@@ -12,7 +12,7 @@
 //! one at a time.
 
 use crate::config::{Config, ProcessPolicy};
-use crate::node::guest_network::Appliance;
+use crate::node::guest_network::{self, Appliance};
 use crate::process::{self, TransientRole};
 use certistack_core::untrusted::printable;
 use certistack_proto::v1 as pb;
@@ -146,8 +146,9 @@ pub struct ApplianceSettings {
     pub process: ProcessPolicy,
     /// Whether the boot runs in the appliance's confined unit ([`Config::appliance_confined`]).
     pub confined: bool,
-    /// `guest_network.appliance_user`, whom the confined boot runs as, from `pve.passwd`.
-    pub appliance_user: String,
+    /// `guest_network.appliance_users`, one of which the confined boot runs as (one no other
+    /// appliance runs as), from `pve.passwd`.
+    pub appliance_users: Vec<String>,
     pub passwd: PathBuf,
 }
 
@@ -158,7 +159,7 @@ impl ApplianceSettings {
             appliance: Appliance::from_config(config),
             process: config.process.clone(),
             confined: config.appliance_confined(),
-            appliance_user: config.guest_network.appliance_user.clone(),
+            appliance_users: config.guest_network.appliance_users.clone(),
             passwd: config.pve.passwd.clone(),
         }
     }
@@ -173,6 +174,8 @@ struct BootGuard {
     unit: Option<(String, String)>,
     systemctl: PathBuf,
     slot: Option<tokio::sync::OwnedMutexGuard<()>>,
+    /// The appliance user the boot runs as, given back with the slot.
+    lease: Option<guest_network::IdentityLease>,
 }
 
 impl Drop for BootGuard {
@@ -184,6 +187,7 @@ impl Drop for BootGuard {
         };
         let systemctl = self.systemctl.clone();
         let slot = self.slot.take();
+        let lease = self.lease.take();
         runtime.spawn(async move {
             if let Err(reason) =
                 process::release_transient_unit(&systemctl, &unit, &description, UNIT_STOP_TIMEOUT)
@@ -192,6 +196,7 @@ impl Drop for BootGuard {
                 tracing::warn!(%unit, %reason, "the appliance boot's unit could not be stopped; its RuntimeMaxSec ends it");
             }
             drop(slot);
+            drop(lease);
         });
     }
 }
@@ -236,20 +241,36 @@ pub async fn boot_appliance(
         .arg("/dev/null")
         .arg("run");
     let process = &settings.process;
+    let mut lease = None;
     let (call, unit) = if settings.confined {
         // Booted as a recovery's appliance is, confined: a boot that works here works there.
-        let user = match crate::node::guest_network::ApplianceUser::lookup(
-            &settings.passwd,
-            &settings.appliance_user,
-        ) {
-            Ok(user) => user,
+        let running = match guest_network::users_of_loaded_units(
+            &process.systemctl,
+            guest_network::APPLIANCE_UNITS,
+            UNIT_STOP_TIMEOUT,
+        )
+        .await
+        {
+            Ok(running) => running,
             Err(reason) => return fail(facts, Boot::Failed, reason),
         };
-        let call = crate::node::guest_network::confine(
+        let leased =
+            match guest_network::lease(&settings.appliance_users, &settings.passwd, &running) {
+                Ok(leased) => leased,
+                Err(reason) => return fail(facts, Boot::Busy, reason),
+            };
+        let user = leased.user.clone();
+        lease = Some(leased);
+        let launcher = match guest_network::appliance_launcher() {
+            Ok(launcher) => launcher,
+            Err(reason) => return fail(facts, Boot::Failed, reason),
+        };
+        let call = guest_network::confine(
             call,
             &user,
             None,
-            Path::new(crate::node::guest_network::KVM_DEVICE),
+            Path::new(guest_network::KVM_DEVICE),
+            &launcher,
         );
         let id = uuid::Uuid::new_v4().simple().to_string();
         let role = TransientRole::GuestNetwork {
@@ -281,6 +302,7 @@ pub async fn boot_appliance(
         unit,
         systemctl: process.systemctl.clone(),
         slot: Some(held),
+        lease,
     };
     let started = Instant::now();
     let outcome = process::run(call).await;

@@ -338,7 +338,7 @@ bash "$root/tests/systemd/container-root.sh" "$nspawn_root" ||
 # The appliance supermin builds is kept between lab runs, as a node keeps it between recoveries.
 mkdir -p "$root/target/nspawn/guestnet-cache"
 nspawn_binds=(--bind="$work" --bind-ro=/boot --bind-ro=/lib/modules:/usr/lib/modules
-  --bind="$root/target/nspawn/guestnet-cache:/var/cache/certistack-guestnet"
+  --bind="$root/target/nspawn/guestnet-cache:/var/cache/certistack-appliance"
   --bind-ro="$root/packaging/certistack-connector.sysusers:/usr/lib/sysusers.d/certistack-connector.conf")
 [ -e /dev/kvm ] && nspawn_binds+=(--bind=/dev/kvm)
 systemd-nspawn -D "$nspawn_root" --volatile=overlay -b --register=no --keep-unit --console=passive \
@@ -373,8 +373,8 @@ for tool in systemd-run systemctl; do
   printf '#!/bin/sh\n# The lab node'"'"'s systemd runs in a container: enter it.\nexec nsenter -t %s -a -- /usr/bin/%s "$@"\n' "$leader" "$tool" >"$node/bin/$tool"
   chmod 0755 "$node/bin/$tool"
 done
-appliance_uid=$(in_node_systemd getent passwd certistack-guestnet | cut -d: -f3)
-echo "the node's systemd: container $ns (pid $leader), appliance user certistack-guestnet (uid $appliance_uid)"
+appliance_uid=$(in_node_systemd getent passwd certistack-guestnet-1 | cut -d: -f3)
+echo "the node's systemd: container $ns (pid $leader), appliance users certistack-guestnet-1 (uid $appliance_uid) to -4"
 disk=$node/pbs/store1/vm/100/$snapshot_time/drive-scsi0.img
 cp --sparse=always "$assets/disk-boot.img" "$disk"
 printf 'certistack-lab-disk v1\nmarker=%s\naddress=%s/24\nagent=yes\n' "$marker" "$guest" |
@@ -858,8 +858,8 @@ if backups_changed:
 # its journaled intent names.
 if int(os.environ.get("LAB_CONFINED_UNITS") or 0) < 1:
     unmet.append("no guest network recovery ran in the appliance's confined unit")
-if appliance_users != {"certistack-guestnet"}:
-    unmet.append(f"the recovery's appliance ran as {sorted(appliance_users)}, not certistack-guestnet alone")
+if not appliance_users or not all(u.startswith("certistack-guestnet-") for u in appliance_users):
+    unmet.append(f"the recovery's appliance ran as {sorted(appliance_users)}, not the package's appliance users")
 try:
     starts = [json.loads(line) for line in open(os.path.join(os.path.dirname(reports[0]) if reports else ".", "doubles-calls.log"))]
     starts = [r for r in starts if r.get("event") == "qemu-start" and r.get("accel")]

@@ -192,6 +192,8 @@ impl Drop for Container {
 
 use std::collections::BTreeMap;
 
+#[path = "systemd_unit/appliance_identities.rs"]
+mod appliance_identities;
 #[path = "systemd_unit/confined_appliance.rs"]
 mod confined_appliance;
 
@@ -480,7 +482,7 @@ async fn a_guest_network_session_runs_in_its_unit_with_the_callers_pipes_and_the
     std::fs::write(
         &standin,
         format!(
-            "#!/bin/sh\nwhile read -r line; do\n  [ \"$line\" = hang ] && exec sleep 600\n  echo \"answer: $line\"\ndone\necho \"args: $*\"\necho \"env: $LIBGUESTFS_BACKEND $LIBGUESTFS_MEMSIZE\"\necho \"uid: $(id -u)\"\necho \"cgroup: $(cat /proc/self/cgroup)\"\nsystemctl show -p MemoryMax -p RuntimeMaxUSec {}\nexit 7\n",
+            "#!/bin/sh\nwhile read -r line; do\n  [ \"$line\" = hang ] && exec sleep 600\n  echo \"answer: $line\"\ndone\necho \"args: $*\"\necho \"env: $LIBGUESTFS_BACKEND $LIBGUESTFS_MEMSIZE\"\necho \"uid: $(id -u)\"\necho \"loop ioctl: $(printf 'import fcntl,os\\ntry:\\n  fcntl.ioctl(os.open(\"/dev/null\",0),0x4C01)\\n  print(\"allowed\")\\nexcept OSError as e:\\n  print(e.errno)\\n' | python3)\"\necho \"cgroup: $(cat /proc/self/cgroup)\"\nsystemctl show -p MemoryMax -p RuntimeMaxUSec {}\nexit 7\n",
             unit.name
         ),
     )
@@ -499,22 +501,27 @@ async fn a_guest_network_session_runs_in_its_unit_with_the_callers_pipes_and_the
             (dir.0.clone(), dir.0.clone()),
             (standin, "/usr/local/bin/guestfish".into()),
             (
+                binary("certistack-connector"),
+                "/usr/local/bin/certistack-connector".into(),
+            ),
+            (
                 packaging.join("certistack-connector.sysusers"),
                 "/usr/lib/sysusers.d/certistack-connector.conf".into(),
             ),
         ],
     );
     container.run(&["systemd-sysusers", "certistack-connector.conf"]);
-    let account = container.run(&["getent", "passwd", "certistack-guestnet"]);
+    let account = container.run(&["getent", "passwd", "certistack-guestnet-1"]);
     let field = |index: usize| -> u32 { account.split(':').nth(index).unwrap().parse().unwrap() };
     let confinement = guest_network::Confinement {
         user: guest_network::ApplianceUser {
-            name: "certistack-guestnet".into(),
+            name: "certistack-guestnet-1".into(),
             uid: field(2),
             gid: field(3),
         },
         loop_device: "/dev/loop7".into(),
         kvm_device: "/dev/kvm".into(),
+        launcher: "/usr/local/bin/certistack-connector".into(),
     };
     let session = |timeout: std::time::Duration, commands: &str| {
         let call = guest_network::guestfish_call(
@@ -567,6 +574,9 @@ async fn a_guest_network_session_runs_in_its_unit_with_the_callers_pipes_and_the
         ),
         "env: direct 512\n",
         &format!("uid: {}\n", confinement.user.uid),
+        // Started through the launcher: a loop ioctl fails with EPERM (1), not with the
+        // ENOTTY (25) /dev/null gives without the filter.
+        "loop ioctl: 1\n",
         // The unit's own cgroup (cgroup v2, or v1's name=systemd hierarchy).
         &format!(":/system.slice/{}\n", unit.name),
         // 512 MiB for the appliance, 1024 MiB around it and its 512 MiB tmpfs.

@@ -286,9 +286,11 @@ mode() { stat -c '%a %U:%G' "$chroot_dir$1"; }
 [ "$(mode /usr/sbin/certistack-connector)" = "755 root:root" ] || fail "the binary is $(mode /usr/sbin/certistack-connector)"
 [ -f "$chroot_dir/usr/lib/systemd/system/certistack-connector.service" ] || fail "the unit is missing"
 if [ -x "$chroot_dir/usr/bin/systemd-sysusers" ]; then
-  in_root getent passwd certistack-guestnet | grep -q ':/nonexistent:/usr/sbin/nologin$' ||
-    fail "postinst made no appliance user certistack-guestnet"
-  echo "appliance user: $(in_root getent passwd certistack-guestnet)"
+  for n in 1 2 3 4; do
+    in_root getent passwd "certistack-guestnet-$n" | grep -q ':/nonexistent:/usr/sbin/nologin$' ||
+      fail "postinst made no appliance user certistack-guestnet-$n"
+  done
+  echo "appliance users: $(in_root getent passwd certistack-guestnet-1 certistack-guestnet-2 certistack-guestnet-3 certistack-guestnet-4 | cut -d: -f1,3 | tr '\n' ' ')"
 else
   echo "no systemd-sysusers in the root: the appliance user comes with systemd's first sysusers run"
 fi

@@ -39,6 +39,14 @@ enum Command {
     Check,
     /// Enroll this node with a controller.
     Enroll(EnrollArgs),
+    /// The first program of a guest network recovery's confined unit (started by the daemon,
+    /// never by hand): forbids the loop driver's ioctls to itself and what it starts, then
+    /// executes PROGRAM (guestfish). Reads no configuration.
+    #[command(name = "appliance-exec", hide = true)]
+    ApplianceExec {
+        #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+        command: Vec<std::ffi::OsString>,
+    },
 }
 
 #[derive(clap::Args, Debug)]
@@ -71,6 +79,18 @@ enum Failure {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // Before logging or configuration: the launcher runs as the appliance user, in its unit.
+    if let Some(Command::ApplianceExec { command }) = &cli.command {
+        let Some((program, args)) = command.split_first() else {
+            return ExitCode::from(2);
+        };
+        let reason = certistack_connector::node::guest_network::exec_without_loop_ioctls(
+            std::path::Path::new(program),
+            args,
+        );
+        eprintln!("certistack-connector appliance-exec: {reason}");
+        return ExitCode::from(1);
+    }
     init_logging(cli.log_json);
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
@@ -171,6 +191,8 @@ fn run(cli: Cli) -> Result<(), Failure> {
             );
             Ok(())
         }
+        // Handled in `main`, before the configuration is read.
+        Command::ApplianceExec { .. } => Ok(()),
     }
 }
 

@@ -23,7 +23,7 @@ use certistack_core::validate::{ArchiveName, Secret, Snapshot};
 use certistack_proto::v1 as pb;
 use serde_json::json;
 use sha2::{Digest, Sha256};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// The blob every PVE VM backup carries the VM's config in.
@@ -126,6 +126,31 @@ impl Backups<'_> {
             return Err(ExecError::FailedPrecondition(format!(
                 "the mapping of {archive} on {device} is dead: {problem}; call Cleanup (or UnmapBackup) and map it again"
             )));
+        }
+        // The path sysfs shows is a name: the file the driver reads must be the one at that
+        // name. A descriptor holder with LOOP_CHANGE_FD could have swapped it (the confined
+        // appliance cannot: its launcher forbids loop ioctls).
+        let held = loopdev::backing_identity(Path::new(device));
+        let named = loopdev::BackingIdentity::of_file(&expected);
+        match (held, named) {
+            (Ok(held), Ok(named)) if held == named => {}
+            (Ok(held), Ok(named)) => {
+                return Err(ExecError::FailedPrecondition(format!(
+                    "{device} reads another file ({held}) than this run's mapping of {archive} at {} ({named}): its backing was swapped; call Cleanup and map it again",
+                    expected.display()
+                )));
+            }
+            (Err(error), _) => {
+                return Err(ExecError::FailedPrecondition(format!(
+                    "cannot read which file {device} reads (LOOP_GET_STATUS64: {error}); call Cleanup and map {archive} again"
+                )));
+            }
+            (_, Err(error)) => {
+                return Err(ExecError::FailedPrecondition(format!(
+                    "cannot read this run's mapping of {archive} at {} ({error}); call Cleanup and map it again",
+                    expected.display()
+                )));
+            }
         }
         // The host's LVM activated a volume of the guest: the host reads (and may write
         // metadata of) the disk under test, and the mapping cannot be undone while it does.

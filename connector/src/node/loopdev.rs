@@ -249,6 +249,100 @@ pub fn inspect(sys_block: &Path, device: &str) -> Option<LoopDevice> {
     })
 }
 
+/// The file a loop device reads, named by what the kernel holds rather than by path: the
+/// device number and inode of its backing file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BackingIdentity {
+    pub device: u64,
+    pub inode: u64,
+}
+
+impl BackingIdentity {
+    /// The identity of the file at `path` (its `stat`).
+    pub fn of_file(path: &Path) -> std::io::Result<Self> {
+        use std::os::unix::fs::MetadataExt;
+        let meta = std::fs::metadata(path)?;
+        Ok(Self {
+            device: meta.dev(),
+            inode: meta.ino(),
+        })
+    }
+}
+
+impl std::fmt::Display for BackingIdentity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "device {:#x} inode {}", self.device, self.inode)
+    }
+}
+
+/// `struct loop_info64` (`include/uapi/linux/loop.h`), which `LOOP_GET_STATUS64` fills.
+#[repr(C)]
+struct LoopInfo64 {
+    lo_device: u64,
+    lo_inode: u64,
+    lo_rdevice: u64,
+    lo_offset: u64,
+    lo_sizelimit: u64,
+    lo_number: u32,
+    lo_encrypt_type: u32,
+    lo_encrypt_key_size: u32,
+    lo_flags: u32,
+    lo_file_name: [u8; 64],
+    lo_crypt_name: [u8; 64],
+    lo_encrypt_key: [u8; 32],
+    lo_init: [u64; 2],
+}
+const _: () = assert!(std::mem::size_of::<LoopInfo64>() == 232);
+
+/// `LOOP_GET_STATUS64` (`include/uapi/linux/loop.h`).
+const LOOP_GET_STATUS64: libc::c_ulong = 0x4C05;
+
+/// The backing file `device` reads now (`LOOP_GET_STATUS64`: the `stat` of the file the
+/// driver holds, `huge_encode_dev`, the same encoding `stat(2)` gives). Unlike sysfs'
+/// `backing_file`, a path, this cannot be matched by another file given the same name.
+pub fn backing_identity(device: &Path) -> std::io::Result<BackingIdentity> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
+        .open(device)?;
+    let mut info = LoopInfo64 {
+        lo_device: 0,
+        lo_inode: 0,
+        lo_rdevice: 0,
+        lo_offset: 0,
+        lo_sizelimit: 0,
+        lo_number: 0,
+        lo_encrypt_type: 0,
+        lo_encrypt_key_size: 0,
+        lo_flags: 0,
+        lo_file_name: [0; 64],
+        lo_crypt_name: [0; 64],
+        lo_encrypt_key: [0; 32],
+        lo_init: [0; 2],
+    };
+    // SAFETY: `file` is an open descriptor for the call's duration; LOOP_GET_STATUS64 writes
+    // exactly one `struct loop_info64` (232 bytes, checked above) through the pointer, which
+    // points at `info`, a live value of that layout. On a device that is not a loop device
+    // the call fails without writing.
+    #[allow(unsafe_code)]
+    let result = unsafe {
+        libc::ioctl(
+            file.as_raw_fd(),
+            LOOP_GET_STATUS64,
+            std::ptr::from_mut(&mut info),
+        )
+    };
+    if result != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(BackingIdentity {
+        device: info.lo_device,
+        inode: info.lo_inode,
+    })
+}
+
 /// Every attached loop device.
 pub fn attached(sys_block: &Path) -> Vec<LoopDevice> {
     let Ok(entries) = std::fs::read_dir(sys_block) else {

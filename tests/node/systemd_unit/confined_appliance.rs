@@ -119,7 +119,8 @@ async fn guest_network_recovery_runs_its_appliance_in_the_confined_unit() {
     let container = Container::boot(&root, &binds);
     // As the package's postinst does.
     let sysusers = container.run(&["systemd-sysusers", "certistack-connector.conf"]);
-    let account = container.run(&["getent", "passwd", "certistack-guestnet"]);
+    // Nothing else runs an appliance: the recovery gets the first user of the list.
+    let account = container.run(&["getent", "passwd", "certistack-guestnet-1"]);
     assert!(
         account.ends_with(":/nonexistent:/usr/sbin/nologin\n"),
         "{sysusers}{account}"

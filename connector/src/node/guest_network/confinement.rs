@@ -2,7 +2,8 @@
 //! appliance kernel (the one place on the node where a hostile filesystem is parsed), the
 //! unprivileged user they run as, and the overlay handed to that user for the session.
 //!
-//! The unit runs as `guest_network.appliance_user` (a system user the package creates), with
+//! The unit runs as one of `guest_network.appliance_users` (system users the package
+//! creates), lent to this appliance alone ([`super::identities`]), with
 //! no capabilities, no network, a private `/dev` holding only `/dev/kvm` and the backup's loop
 //! device (read-only, through the device cgroup), the whole file system read-only but for the
 //! run's overlay (bound in at [`OVERLAY_IN_UNIT`]) and the libguestfs cache, and its temporary
@@ -20,9 +21,12 @@ pub const OVERLAY_IN_UNIT: &str = "/tmp/disk.qcow2";
 pub const APPLIANCE_TMP_MIB: u64 = 512;
 /// `/var/tmp` in the unit, which libguestfs does not use once told where its files go.
 const VAR_TMP_MIB: u64 = 16;
-/// The libguestfs cache (supermin's appliance, built once from the node's packages and kept
-/// between recoveries): the unit's `CacheDirectory=`, owned by the appliance user.
-pub const APPLIANCE_CACHE: &str = "/var/cache/certistack-guestnet";
+/// Where each appliance user's libguestfs cache is (supermin's appliance, built once per user
+/// from the node's packages and kept between its recoveries): `<this>/<user>`, the unit's
+/// `CacheDirectory=`, 0700 and owned by that user alone.
+pub const APPLIANCE_CACHE_ROOT: &str = "/var/cache/certistack-appliance";
+/// [`APPLIANCE_CACHE_ROOT`] as systemd's `CacheDirectory=` names it (under `/var/cache`).
+const APPLIANCE_CACHE_DIRECTORY: &str = "certistack-appliance";
 /// The group the appliance user reads the loop device through: udev gives every block
 /// device `root:disk 0660` (systemd's `50-udev-default.rules`); the unit's private `/dev`
 /// holds no other block device, and its device cgroup allows the loop device read-only.
@@ -64,6 +68,8 @@ pub const CONFINEMENT: &[&str] = &[
     "LockPersonality=yes",
     "SystemCallArchitectures=native",
     "SystemCallFilter=@system-service",
+    // The launcher adds its own filter (loop ioctls) with seccomp(2), which only narrows.
+    "SystemCallFilter=seccomp",
     "SystemCallErrorNumber=EPERM",
     "RestrictAddressFamilies=AF_UNIX",
     "KeyringMode=private",
@@ -143,20 +149,50 @@ fn read_account_file(path: &Path) -> Result<String, String> {
     Ok(text)
 }
 
-/// `call` (guestfish) made to run confined once it is started in a transient unit: the
-/// appliance user, [`CONFINEMENT`], `/dev/kvm` and, for a recovery, the run's loop device
-/// (readable only) and overlay (bound in at [`OVERLAY_IN_UNIT`]); the libguestfs cache and
-/// the tmpfs mounts, and the environment that points libguestfs at them.
+/// The program that starts every confined appliance: this connector's own binary, as its
+/// `appliance-exec` launcher ([`super::launcher`]). The unit sees the node's `/usr` (read-only),
+/// where the package installs it.
+pub fn appliance_launcher() -> Result<PathBuf, String> {
+    let exe = std::env::current_exe()
+        .map_err(|e| format!("cannot tell where this connector's binary is: {e}"))?;
+    match std::fs::metadata(&exe) {
+        Ok(meta) if meta.is_file() => Ok(exe),
+        _ => Err(format!(
+            "this connector's binary {} is gone (replaced by a package upgrade?): it starts every confined appliance; restart certistack-connector",
+            exe.display()
+        )),
+    }
+}
+
+/// `call` (guestfish) made to run confined once it is started in a transient unit: through
+/// `launcher` (`appliance-exec`, which forbids the loop driver's ioctls), as the appliance
+/// user, [`CONFINEMENT`], `/dev/kvm` and, for a recovery, the run's loop device (readable
+/// only) and overlay (bound in at [`OVERLAY_IN_UNIT`]); the libguestfs cache and the tmpfs
+/// mounts, and the environment that points libguestfs at them.
 pub fn confine(
     call: ToolCall,
     user: &ApplianceUser,
     disk: Option<Disk<'_>>,
     kvm_device: &Path,
+    launcher: &Path,
 ) -> ToolCall {
     let mut call = call;
+    let program = std::mem::replace(&mut call.program, launcher.to_owned());
+    let args = std::mem::take(&mut call.args);
+    call.args = [
+        super::launcher::APPLIANCE_EXEC.into(),
+        program.into_os_string(),
+    ]
+    .into_iter()
+    .chain(args)
+    .collect();
     for (key, value) in SESSION_ENVIRONMENT {
         call = call.env(key, *value);
     }
+    call = call.env(
+        "LIBGUESTFS_CACHEDIR",
+        format!("{APPLIANCE_CACHE_ROOT}/{}", user.name),
+    );
     for property in CONFINEMENT {
         call = call.unit_property(*property);
     }
@@ -191,7 +227,7 @@ pub fn session_properties(
         format!("BindPaths=-{}", kvm_device.display()),
         format!("TemporaryFileSystem=/tmp:size={APPLIANCE_TMP_MIB}M,mode=1777"),
         format!("TemporaryFileSystem=/var/tmp:size={VAR_TMP_MIB}M,mode=1777"),
-        "CacheDirectory=certistack-guestnet".to_owned(),
+        format!("CacheDirectory={APPLIANCE_CACHE_DIRECTORY}/{}", user.name),
         "CacheDirectoryMode=0700".to_owned(),
     ];
     if let Some(disk) = disk {
@@ -204,10 +240,10 @@ pub fn session_properties(
     properties
 }
 
-/// The environment libguestfs gets in the unit: its cache and temporary files where the
-/// unit's sandbox lets the appliance user write.
+/// The environment libguestfs gets in the unit: its temporary files where the unit's sandbox
+/// lets the appliance user write (and `LIBGUESTFS_CACHEDIR`, its user's cache, set by
+/// [`confine`]).
 pub const SESSION_ENVIRONMENT: &[(&str, &str)] = &[
-    ("LIBGUESTFS_CACHEDIR", APPLIANCE_CACHE),
     ("LIBGUESTFS_TMPDIR", "/tmp"),
     ("TMPDIR", "/tmp"),
     ("HOME", "/tmp"),

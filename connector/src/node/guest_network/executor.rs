@@ -2,9 +2,10 @@
 //! transient unit, the journal records around the recovery.
 
 use super::confinement::{
-    ApplianceUser, KVM_DEVICE, KVM_GROUP, LOOP_DEVICE_GROUP, OverlayHandover, group_id,
+    KVM_DEVICE, KVM_GROUP, LOOP_DEVICE_GROUP, OverlayHandover, appliance_launcher, group_id,
     loop_device_problem,
 };
+use super::identities::{APPLIANCE_UNITS, IdentityLease, lease, users_of_loaded_units};
 use super::plan::recover;
 use super::profiles::probe_ports;
 use super::session::{
@@ -85,14 +86,24 @@ impl GuestNetwork<'_> {
         })
     }
 
-    /// What confines the appliance of a recovery on `device`: the appliance user, and the
-    /// loop device readable to it through its group (as udev leaves block devices).
-    fn confinement(&self, device: &str) -> Result<Confinement, ExecError> {
-        let user = ApplianceUser::lookup(
-            &self.ctx.config.pve.passwd,
-            &self.ctx.config.guest_network.appliance_user,
+    /// What confines the appliance of a recovery on `device`: a user lent to it alone (the
+    /// lease, held until its unit has ended), and the loop device readable to it through its
+    /// group (as udev leaves block devices).
+    async fn confinement(&self, device: &str) -> Result<(Confinement, IdentityLease), ExecError> {
+        let running = users_of_loaded_units(
+            &self.ctx.config.process.systemctl,
+            APPLIANCE_UNITS,
+            self.ctx.tool_timeout(),
         )
-        .map_err(ExecError::FailedPrecondition)?;
+        .await
+        .map_err(ExecError::Failed)?;
+        let lease = lease(
+            &self.ctx.config.guest_network.appliance_users,
+            &self.ctx.config.pve.passwd,
+            &running,
+        )
+        .map_err(ExecError::ResourceExhausted)?;
+        let user = lease.user.clone();
         let disk = group_id(&self.ctx.config.pve.group, LOOP_DEVICE_GROUP)
             .map_err(|e| ExecError::FailedPrecondition(format!("{e}; nothing was written")))?;
         // systemd refuses to start a unit whose SupplementaryGroups= names a missing group
@@ -105,11 +116,16 @@ impl GuestNetwork<'_> {
                 "{problem}; nothing was written"
             )));
         }
-        Ok(Confinement {
-            user,
-            loop_device,
-            kvm_device: KVM_DEVICE.into(),
-        })
+        let launcher = appliance_launcher().map_err(ExecError::FailedPrecondition)?;
+        Ok((
+            Confinement {
+                user,
+                loop_device,
+                kvm_device: KVM_DEVICE.into(),
+                launcher,
+            },
+            lease,
+        ))
     }
 
     pub(in crate::node) async fn recover(
@@ -214,9 +230,12 @@ impl GuestNetwork<'_> {
         let timeout_secs = appliance.timeout.as_secs();
         let memory_mib = appliance.memory_mib;
         let unit = self.guest_network_unit(grant, vmid, memory_mib)?;
-        let confinement = match &unit {
-            Some(_) => Some(self.confinement(&device)?),
-            None => None,
+        let (confinement, lease) = match &unit {
+            Some(_) => {
+                let (confinement, lease) = self.confinement(&device).await?;
+                (Some(confinement), Some(lease))
+            }
+            None => (None, None),
         };
         let call = guestfish_call(
             &program,
@@ -323,6 +342,9 @@ impl GuestNetwork<'_> {
             unit_left = Some(unit.name.clone());
         }
         let given_back = handover.map(OverlayHandover::give_back);
+        // The user is free for another appliance once its unit has ended; a unit that would
+        // not stop keeps it (systemd still names it as the unit's user).
+        drop(lease);
         if let Some(Err(reason)) = &given_back {
             tracing::warn!(run_id = %grant.run_id, %vmid, %reason, "the overlay was not given back after recovery");
         }

@@ -21,13 +21,22 @@
 
 mod confinement;
 mod executor;
+mod identities;
+mod launcher;
 mod plan;
 mod profiles;
 mod session;
 
 pub use confinement::{
     APPLIANCE_TMP_MIB, ApplianceUser, CONFINEMENT, KVM_DEVICE, LOOP_DEVICE_GROUP, OVERLAY_IN_UNIT,
-    confine,
+    appliance_launcher, confine,
+};
+pub use identities::{
+    APPLIANCE_UNITS, IdentityLease, MAX_APPLIANCE_USERS, lease, running_users,
+    users_of_loaded_units,
+};
+pub use launcher::{
+    APPLIANCE_EXEC, LOOP_IOCTL_BASE, LOOP_IOCTL_MASK, exec_without_loop_ioctls, loop_ioctl_filter,
 };
 pub use profiles::{
     firewalld_allow, firewalld_default_zone, ifcfg_disable, ifcfg_fights, ifcfg_profile,

@@ -373,6 +373,8 @@ pub struct Confinement {
     pub loop_device: PathBuf,
     /// `/dev/kvm`, which QEMU opens.
     pub kvm_device: PathBuf,
+    /// The connector's binary, whose `appliance-exec` starts guestfish in the unit.
+    pub launcher: PathBuf,
 }
 
 /// The call of one recovery's guestfish session on `overlay`: guestfish itself, or with `unit`
@@ -407,6 +409,7 @@ pub fn guestfish_call(
             loop_device: &confined.loop_device,
         }),
         &confined.kvm_device,
+        &confined.launcher,
     );
     process::in_transient_unit(
         call,

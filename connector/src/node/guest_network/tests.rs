@@ -399,6 +399,7 @@ fn the_confined_unit_runs_the_appliance_unprivileged_with_two_devices_and_the_ov
         user: user.clone(),
         loop_device: "/dev/loop7".into(),
         kvm_device: "/dev/kvm".into(),
+        launcher: "/usr/bin/certistack-connector".into(),
     };
     let call = guestfish_call(
         Path::new("/usr/bin/guestfish"),
@@ -446,9 +447,12 @@ fn the_confined_unit_runs_the_appliance_unprivileged_with_two_devices_and_the_ov
             .any(|p| p.starts_with("DeviceAllow=/dev/loop7 rw"))
     );
     let guestfish_args = &args[args.iter().position(|a| a == "--").unwrap() + 1..];
+    // The launcher that forbids loop ioctls starts guestfish.
     assert_eq!(
         guestfish_args,
         [
+            "/usr/bin/certistack-connector",
+            "appliance-exec",
             "/usr/bin/guestfish",
             "--format=qcow2",
             "-a",
