@@ -93,6 +93,12 @@ done
 work=$(mktemp -d "$root/target/lab/run.XXXXXX")
 keep=$root/target/lab/last
 ns=cslab$(head -c 3 /dev/urandom | od -An -tx1 | tr -d ' \n')
+# The connector's own binary starts every confined appliance (`appliance-exec`, which seals the
+# loop ioctls off before it runs guestfish), by the path it runs from. The unit hides /home,
+# /root, /tmp and /var/tmp, where a checkout may well be, so the lab runs the connector from a
+# copy under /var/lib, which the node's systemd sees at the same path (as a node's sees the
+# package's /usr/bin).
+launcher_dir() { printf '/var/lib/certistack-lab/%s' "${ns:?}"; }
 node=$work/node
 ctl=$work/ctl
 daemon=""
@@ -154,6 +160,8 @@ teardown() {
     wait "$container" 2>/dev/null
   fi
   container=""
+  rm -rf "$(launcher_dir)"
+  rmdir /var/lib/certistack-lab 2>/dev/null
   # Anything of this lab still running: the controller of a lab killed mid-run (its working
   # directory is in $work), a holder or QEMU the steps above could not stop.
   local pids
@@ -173,6 +181,7 @@ lab_program() {
   # A binary rebuilt since it started reads as "<path> (deleted)".
   case "$(readlink "/proc/$1/exe" 2>/dev/null)" in
     "$bin"/certistack-connector | "$bin/certistack-connector (deleted)" | "$bin"/certistack-ctl | \
+      "$(launcher_dir)"/certistack-connector | "$(launcher_dir)/certistack-connector (deleted)" | \
       "$bin/certistack-ctl (deleted)" | */python3* | */qemu-system-*) return 0 ;;
   esac
   return 1
@@ -204,6 +213,7 @@ residue() {
   pids=$(lab_pids)
   [ -n "$pids" ] && found+=" processes $pids;"
   [ -e "/run/netns/$ns" ] && found+=" /run/netns/$ns;"
+  [ -e "$(launcher_dir)" ] && found+=" $(launcher_dir);"
   local nspawn
   nspawn=$(pgrep -f -- "systemd-nspawn .*--bind=$work" 2>/dev/null | tr '\n' ' ' || true)
   [ -n "$nspawn" ] && found+=" the node's systemd container (systemd-nspawn $nspawn);"
@@ -337,7 +347,9 @@ bash "$root/tests/systemd/container-root.sh" "$nspawn_root" ||
   { echo "lab: the node's systemd root could not be made (see $nspawn_root.log)" >&2; exit 70; }
 # The appliance supermin builds is kept between lab runs, as a node keeps it between recoveries.
 mkdir -p "$root/target/nspawn/guestnet-cache"
-nspawn_binds=(--bind="$work" --bind-ro=/boot --bind-ro=/lib/modules:/usr/lib/modules
+mkdir -p "$(launcher_dir)"
+install -m 0755 "$bin/certistack-connector" "$(launcher_dir)/certistack-connector"
+nspawn_binds=(--bind="$work" --bind-ro="$(launcher_dir)" --bind-ro=/boot --bind-ro=/lib/modules:/usr/lib/modules
   --bind="$root/target/nspawn/guestnet-cache:/var/cache/certistack-appliance"
   --bind-ro="$root/packaging/certistack-connector.sysusers:/usr/lib/sysusers.d/certistack-connector.conf")
 [ -e /dev/kvm ] && nspawn_binds+=(--bind=/dev/kvm)
@@ -630,7 +642,7 @@ PLAN
 # Started directly (not through a shell function) so that $! is the daemon itself, in a session
 # of its own: a Ctrl-C at the terminal reaches certistack-ctl, which cleans up through the
 # connector, and not the connector itself.
-setsid ip netns exec "$ns" "$bin/certistack-connector" --config "$node/connector.toml" 2>"$work/connector.log" &
+setsid ip netns exec "$ns" "$(launcher_dir)/certistack-connector" --config "$node/connector.toml" 2>"$work/connector.log" &
 daemon=$!
 echo "daemon=$daemon" >>"$work/lab.env"
 up=0
