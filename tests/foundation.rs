@@ -58,6 +58,8 @@ mod pbs_latest;
 mod plans;
 #[path = "foundation/pve_api.rs"]
 mod pve_api;
+#[path = "foundation/pve_selection.rs"]
+mod pve_selection;
 #[path = "foundation/request_refusals.rs"]
 mod request_refusals;
 #[path = "foundation/run_authorization.rs"]

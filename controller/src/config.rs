@@ -5,7 +5,7 @@
 //! key is refused with its line and column rather than silently ignored.
 
 use certistack_core::files::{self, FileError};
-use certistack_core::validate::{Host, NodeName, Validated};
+use certistack_core::validate::{Host, NodeName, Validated, Vmid};
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -59,6 +59,8 @@ struct PveFile {
     ca_file: Option<PathBuf>,
     #[serde(default)]
     fingerprint: Option<String>,
+    #[serde(default)]
+    sandbox_vmid_range: Option<String>,
 }
 
 /// The port pveproxy serves the API on.
@@ -77,6 +79,58 @@ pub struct PveSettings {
     pub token_secret_file: PathBuf,
     pub ca_file: Option<PathBuf>,
     pub fingerprint: Option<[u8; 32]>,
+    /// `sandbox_vmid_range = "LOW-HIGH"`: where a sandbox VM the plan leaves without a VMID
+    /// takes one (the first the cluster does not use).
+    pub sandbox_vmid_range: Option<(Vmid, Vmid)>,
+}
+
+impl PveSettings {
+    /// What a client of the API is built from.
+    pub fn endpoint(&self) -> crate::api::pve::PveEndpoint<'_> {
+        crate::api::pve::PveEndpoint {
+            host: &self.host,
+            port: self.port,
+            token_id: &self.token_id,
+            token_secret_file: &self.token_secret_file,
+            ca_file: self.ca_file.as_deref(),
+            fingerprint: self.fingerprint,
+        }
+    }
+}
+
+/// The most VMIDs `sandbox_vmid_range` may span: enough for every sandbox VM of many plans,
+/// few enough that looking for a free one stays a short walk.
+pub const MAX_SANDBOX_VMID_RANGE: u32 = 100_000;
+
+/// `LOW-HIGH`, both VMIDs Proxmox VE accepts, LOW ≤ HIGH, at most [`MAX_SANDBOX_VMID_RANGE`].
+fn parse_vmid_range(text: &str) -> Result<(Vmid, Vmid), String> {
+    let expected = "write it as LOW-HIGH, e.g. \"990000-990999\": VMIDs no one else allocates";
+    let (low, high) = text
+        .split_once('-')
+        .ok_or_else(|| format!("{text:?} is not a range; {expected}"))?;
+    let vmid = |part: &str| {
+        part.trim()
+            .parse::<u32>()
+            .ok()
+            .and_then(|n| Vmid::parse("sandbox_vmid_range", n).ok())
+            .ok_or_else(|| {
+                format!(
+                    "{part:?} is not a VMID ({}..={}); {expected}",
+                    Vmid::MIN,
+                    Vmid::MAX
+                )
+            })
+    };
+    let (low, high) = (vmid(low)?, vmid(high)?);
+    if low > high {
+        return Err(format!("{text:?} ends before it starts; {expected}"));
+    }
+    if high.get() - low.get() >= MAX_SANDBOX_VMID_RANGE {
+        return Err(format!(
+            "{text:?} spans more than {MAX_SANDBOX_VMID_RANGE} VMIDs; {expected}"
+        ));
+    }
+    Ok((low, high))
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -219,6 +273,12 @@ fn pve_settings(pve: PveFile, base: &Path) -> Result<PveSettings, String> {
     if pve.ca_file.is_none() && fingerprint.is_none() {
         return Err("[pve] names neither ca_file nor fingerprint, and the API's certificate is always verified: set ca_file to the cluster CA (a copy of /etc/pve/pve-root-ca.pem), or fingerprint to the SHA-256 of the certificate pveproxy serves (`pvenode cert info` on the node: the pveproxy-ssl.pem entry if there is one, else pve-ssl.pem; not pve-root-ca.pem), or both".into());
     }
+    let sandbox_vmid_range = pve
+        .sandbox_vmid_range
+        .as_deref()
+        .map(parse_vmid_range)
+        .transpose()
+        .map_err(|reason| format!("pve.sandbox_vmid_range: {reason}"))?;
     Ok(PveSettings {
         host,
         port,
@@ -226,6 +286,7 @@ fn pve_settings(pve: PveFile, base: &Path) -> Result<PveSettings, String> {
         token_secret_file: base.join(pve.token_secret_file),
         ca_file: pve.ca_file.map(|file| base.join(file)),
         fingerprint,
+        sandbox_vmid_range,
     })
 }
 

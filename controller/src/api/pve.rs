@@ -156,6 +156,37 @@ impl PveClient {
         self.get("/cluster/status").await
     }
 
+    /// `GET /cluster/resources?type=KIND`: what the token may audit (pve-manager
+    /// `PVE/API2/Cluster.pm`, `resources`: a VM without VM.Audit is left out, silently).
+    pub async fn cluster_resources(&self, kind: &str) -> Result<Vec<ClusterResource>, ApiError> {
+        self.get(&format!("/cluster/resources?type={}", query_escape(kind)))
+            .await
+    }
+
+    /// `GET /pools/{pool}`: the pool's members (Pool.Audit on `/pool/{pool}`).
+    pub async fn pool(&self, pool: &str) -> Result<PoolContent, ApiError> {
+        self.get(&format!("/pools/{}", query_escape(pool))).await
+    }
+
+    /// `GET /cluster/nextid?vmid=N`: whether no guest of the cluster has VMID `vmid`. The
+    /// method reads the cluster's whole VM list (permissions `user => 'all'`), so it answers for
+    /// guests the token cannot see too; a VMID in use is refused with a parameter error (pve-manager
+    /// `PVE/API2/Cluster.pm`, `nextid`: `raise_param_exc({ vmid => "VM $vmid already exists" })`).
+    pub async fn vmid_free(&self, vmid: u32) -> Result<bool, ApiError> {
+        match self
+            .get::<serde_json::Value>(&format!("/cluster/nextid?vmid={vmid}"))
+            .await
+        {
+            Ok(_) => Ok(true),
+            Err(ApiError::Status {
+                status: 400,
+                message,
+                ..
+            }) if message.contains("already exists") => Ok(false),
+            Err(error) => Err(error),
+        }
+    }
+
     async fn get<T: DeserializeOwned>(&self, path: &str) -> Result<T, ApiError> {
         let header = self.token.header();
         let path = format!("{API_PREFIX}{path}");
@@ -215,6 +246,53 @@ pub struct ClusterStatusEntry {
     pub quorate: Option<PveBool>,
     #[serde(default)]
     pub nodes: Option<u32>,
+}
+
+/// One entry of `GET /cluster/resources`: a guest (`type` `qemu` or `lxc`), a node, a storage.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ClusterResource {
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default)]
+    pub vmid: Option<u32>,
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(default)]
+    pub node: Option<String>,
+    #[serde(default)]
+    pub status: Option<String>,
+    #[serde(default)]
+    pub template: Option<PveBool>,
+    #[serde(default)]
+    pub pool: Option<String>,
+    /// `;`-separated, as PVE stores them.
+    #[serde(default)]
+    pub tags: Option<String>,
+    #[serde(default)]
+    pub maxcpu: Option<f64>,
+    /// A fraction of `maxcpu`.
+    #[serde(default)]
+    pub cpu: Option<f64>,
+    #[serde(default)]
+    pub maxmem: Option<u64>,
+    #[serde(default)]
+    pub mem: Option<u64>,
+}
+
+/// `GET /pools/{pool}`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct PoolContent {
+    #[serde(default)]
+    pub members: Vec<PoolMember>,
+}
+
+/// A member of a pool: a guest or a storage.
+#[derive(Debug, Clone, Deserialize)]
+pub struct PoolMember {
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default)]
+    pub vmid: Option<u32>,
 }
 
 /// A boolean as PVE writes it: 0 or 1 (and, from some endpoints, `true`/`false`).

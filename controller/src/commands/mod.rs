@@ -52,18 +52,25 @@ pub fn load_config(
     Ok(crate::config::ControllerConfig::load(config)?)
 }
 
-/// Loads and checks a plan, asking the PBS API where it says `snapshot: latest`; its failures
-/// exit as `From<PlanError>` says.
+/// Loads and checks a plan, asking the PBS API where it says `snapshot: latest` and the PVE API
+/// where it says `select` or leaves sandbox VMIDs out; its failures exit as `From<PlanError>`
+/// says.
 pub fn load_plan(
     plan: &std::path::Path,
     config: &crate::config::ControllerConfig,
     now: OffsetDateTime,
 ) -> Result<crate::plan::Plan, ExitStatus> {
     let catalog = crate::catalog::PbsCatalog::new();
+    let cluster = crate::cluster::PveCluster::new(config.pve.as_ref());
+    let rooms = crate::placer::NodeRooms::new(config, &cluster, crate::runner::DEFAULT_PER_NODE);
     Ok(crate::plan::Plan::load_with(
         plan,
         config,
         now.unix_timestamp(),
-        &catalog,
+        crate::plan::Resolvers {
+            catalog: &catalog,
+            cluster: &cluster,
+            rooms: &rooms,
+        },
     )?)
 }

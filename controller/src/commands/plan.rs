@@ -24,15 +24,36 @@ pub fn plan_check(
             failed.resolved.name, failed.why.reason
         ));
     }
+    for unplaced in &plan.unplaced {
+        text.push_str(&format!(
+            "{}: placed on no node: {}\n",
+            unplaced.resolved.name,
+            certistack_core::untrusted::printable(
+                unplaced.why.as_bytes(),
+                certistack_core::untrusted::MAX_VALUE_CHARS
+            )
+        ));
+    }
     text.push_str(&format!(
-        "plan {} accepted: {} validation(s); no node was contacted",
+        "plan {} accepted: {} validation(s); {}",
         certistack_core::untrusted::printable(
             plan.path.as_os_str().as_encoded_bytes(),
             certistack_core::untrusted::MAX_VALUE_CHARS
         ),
-        plan.validations.len() + plan.failed_before_run.len()
+        plan.validations.len() + plan.failed_before_run.len() + plan.unplaced.len(),
+        contacted(&plan)
     ));
     write_stdout(&text)
+}
+
+/// What checking the plan asked of the nodes: nothing, or (to place `node: auto`) only what
+/// `doctor` asks.
+fn contacted(plan: &crate::plan::Plan) -> &'static str {
+    if plan.placed() {
+        "the nodes were asked only what placement needs (Hello, their prerequisites); nothing was created"
+    } else {
+        "no node was contacted"
+    }
 }
 
 /// `text` and a newline on standard output: a closed pipe ends the command quietly, any other
@@ -57,9 +78,10 @@ pub fn plan_show(
         show::json(&plan)
     } else {
         format!(
-            "{}{} validation(s); no node was contacted",
+            "{}{} validation(s); {}",
             show::text(&plan),
-            plan.validations.len() + plan.failed_before_run.len()
+            plan.validations.len() + plan.failed_before_run.len() + plan.unplaced.len(),
+            contacted(&plan)
         )
     };
     write_stdout(&text)

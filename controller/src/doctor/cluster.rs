@@ -6,7 +6,7 @@
 
 use super::{Check, Level};
 use crate::api::https::{ApiError, Limits};
-use crate::api::pve::{PveClient, PveEndpoint};
+use crate::api::pve::PveClient;
 use crate::config::PveSettings;
 
 /// The name the cluster's lines carry where a node's name stands.
@@ -22,14 +22,7 @@ pub async fn check_cluster(settings: &PveSettings, limits: Limits) -> Vec<Check>
         level,
         detail,
     };
-    let endpoint = PveEndpoint {
-        host: &settings.host,
-        port: settings.port,
-        token_id: &settings.token_id,
-        token_secret_file: &settings.token_secret_file,
-        ca_file: settings.ca_file.as_deref(),
-        fingerprint: settings.fingerprint,
-    };
+    let endpoint = settings.endpoint();
     let client = match PveClient::new(&endpoint, limits) {
         Ok(client) => client,
         Err(error) => return vec![check("pve-api", Level::Fail, error.to_string())],

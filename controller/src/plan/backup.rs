@@ -172,6 +172,7 @@ pub(super) struct BackupFacts {
 /// is the key (after `validations[i] (name)`) and why.
 pub(super) fn read_backup(
     v: &ValidationFile,
+    vmid: Vmid,
     storage: &ResolvedStorage,
     catalog: &dyn BackupCatalog,
     now_unix: i64,
@@ -184,7 +185,6 @@ pub(super) fn read_backup(
     if !latest && v.archives.is_some() && !sizes_needed {
         return Ok(None);
     }
-    let vmid = v.source_vmid.0;
     let refused = |key: &str, reason: String| LatestError::Refused(key.to_owned(), reason);
     // What the catalog could not answer is the infrastructure's failure; what it refused is
     // the plan's (`then` says what to write instead).

@@ -5,14 +5,14 @@ use super::*;
 
 // The plan as written.
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct PlanFile {
     pub(super) storage: StorageFile,
     pub(super) validations: Vec<ValidationFile>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct StorageFile {
     pub(super) server: String,
@@ -35,12 +35,17 @@ pub(super) struct StorageFile {
     pub(super) _encryption_key: Option<InlineSecret>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct ValidationFile {
     pub(super) name: String,
-    pub(super) node: String,
-    pub(super) source_vmid: PlanVmid,
+    pub(super) node: NodeFile,
+    /// The VM whose backup is restored; or `select`, which names several.
+    #[serde(default)]
+    pub(super) source_vmid: Option<PlanVmid>,
+    /// VMs asked of the PVE API: one validation per VM, named `<name>-<vmid>`.
+    #[serde(default)]
+    pub(super) select: Option<SelectFile>,
     pub(super) snapshot: SnapshotFile,
     /// With `snapshot: latest`: the oldest the newest finished backup may be.
     #[serde(default)]
@@ -60,10 +65,12 @@ pub(super) struct ValidationFile {
     pub(super) network_recovery: NetworkRecoveryFile,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct SandboxFile {
-    pub(super) vmid: PlanVmid,
+    /// Taken from `[pve] sandbox_vmid_range` when not written.
+    #[serde(default)]
+    pub(super) vmid: Option<PlanVmid>,
     /// The source's (`cores` × `sockets` of its backed-up config) when not written, capped
     /// by `max_cores`.
     #[serde(default)]
@@ -77,7 +84,61 @@ pub(super) struct SandboxFile {
     pub(super) max_memory_mib: Option<u32>,
 }
 
-#[derive(Debug, Deserialize)]
+/// Where a validation runs: a node of the inventory, `auto` (any of them) or a list to
+/// choose from; a choice is made by placement (`plan::placement`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum NodeFile {
+    Named(String),
+    Auto,
+    Among(Vec<String>),
+}
+
+impl NodeFile {
+    /// As the plan writes it.
+    pub(super) fn written(&self) -> String {
+        match self {
+            Self::Named(name) => name.clone(),
+            Self::Auto => "auto".into(),
+            Self::Among(names) => format!("[{}]", names.join(", ")),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for NodeFile {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Written {
+            One(String),
+            Many(Vec<String>),
+        }
+        match Written::deserialize(deserializer)? {
+            Written::One(name) if name == "auto" => Ok(Self::Auto),
+            Written::One(name) => Ok(Self::Named(name)),
+            Written::Many(names) if names.is_empty() => Err(serde::de::Error::custom(
+                "an empty list of nodes: name the nodes to choose from, or write auto",
+            )),
+            Written::Many(names) => Ok(Self::Among(names)),
+        }
+    }
+}
+
+/// Which VMs a validation covers, asked of the PVE API; exactly one key.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct SelectFile {
+    /// These VMs.
+    #[serde(default)]
+    pub(super) vmids: Option<Vec<PlanVmid>>,
+    /// Every QEMU VM of this pool (templates skipped).
+    #[serde(default)]
+    pub(super) pool: Option<String>,
+    /// Every QEMU VM carrying all of these tags (templates skipped).
+    #[serde(default)]
+    pub(super) tags: Option<Vec<String>>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct NetworkFile {
     pub(super) lifecycle: NetworkLifecycle,
@@ -87,7 +148,7 @@ pub(super) struct NetworkFile {
 
 /// A probe as written. Optional keys are `None` when not written: resolution puts in their
 /// defaults and says so.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct ProbeFile {
     pub(super) kind: ProbeKind,
@@ -119,7 +180,7 @@ impl ProbeKind {
     }
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct ExpectFile {
     #[serde(default)]
@@ -170,7 +231,7 @@ impl DnsType {
 }
 
 /// An assertion as written; optional keys are `None` when not written.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct AssertionFile {
     pub(super) id: String,
@@ -185,7 +246,7 @@ pub(super) struct AssertionFile {
 }
 
 /// Each timeout is `None` when not written: resolution puts in the default and says so.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct TimeoutsFile {
     #[serde(default)]
@@ -194,7 +255,7 @@ pub(super) struct TimeoutsFile {
     pub(super) guest_agent_seconds: Option<u32>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct NetworkRecoveryFile {
     /// `rewrite` when not written: `preserve` is the explicit opt-out.
@@ -239,7 +300,7 @@ impl NetworkRecoveryMode {
 }
 
 /// A value that must not appear in a plan: deserializing it fails with where the secret goes.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(super) struct InlineSecret;
 
 impl<'de> Deserialize<'de> for InlineSecret {

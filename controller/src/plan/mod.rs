@@ -14,8 +14,10 @@
 //! field types raise, so a refusal points at the line to change.
 
 pub mod backup;
+pub mod cluster;
 mod file;
 pub mod latest;
+pub mod placement;
 mod resolve;
 pub mod show;
 #[cfg(test)]
@@ -23,6 +25,7 @@ mod tests;
 mod wire;
 
 use backup::{BackupFacts, read_backup};
+use cluster::{Cluster, ClusterError, ExpandError, NoCluster};
 use file::*;
 pub use file::{DnsType, NetworkLifecycle, NetworkRecoveryMode, ProbeKind};
 use latest::{
@@ -121,6 +124,8 @@ pub struct Plan {
     /// The validations that fail before any node is asked (`latest` found no finished
     /// backup, or one older than `max_age_hours`), in plan order.
     pub failed_before_run: Vec<FailedBeforeRun>,
+    /// The validations placement put on no node, in plan order.
+    pub unplaced: Vec<Unplaced>,
 }
 
 impl Plan {
@@ -136,10 +141,32 @@ impl Plan {
                     .iter()
                     .map(|f| (f.index, &f.resolved)),
             )
+            .chain(self.unplaced.iter().map(|u| (u.index, &u.resolved)))
             .collect();
         all.sort_by_key(|(index, _)| *index);
         all.into_iter().map(|(_, resolved)| resolved).collect()
     }
+}
+
+impl Plan {
+    /// Whether placement (`node: auto`, a list) chose any node, or tried to.
+    pub fn placed(&self) -> bool {
+        !self.unplaced.is_empty()
+            || self
+                .resolved_in_order()
+                .iter()
+                .any(|v| v.node.source == Origin::Placement)
+    }
+}
+
+/// A validation placement could put on no node (`node: auto` or a list): no grant, an error
+/// in the run's summary, nothing created anywhere.
+#[derive(Debug)]
+pub struct Unplaced {
+    /// Its place in the plan.
+    pub index: usize,
+    pub resolved: ResolvedValidation,
+    pub why: String,
 }
 
 /// A validation that fails before any node is asked: no grant, a signed failed report.
@@ -172,19 +199,45 @@ pub struct Validation {
     pub resolved: ResolvedValidation,
 }
 
+/// What resolution may ask beyond the plan and the configuration: the PBS API (`snapshot:
+/// latest`, sizes, archives) and the PVE API (`select`, sandbox VMIDs).
+#[derive(Clone, Copy)]
+pub struct Resolvers<'a> {
+    pub catalog: &'a dyn BackupCatalog,
+    pub cluster: &'a dyn Cluster,
+    pub rooms: &'a dyn placement::Rooms,
+}
+
+impl std::fmt::Debug for Resolvers<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Resolvers")
+    }
+}
+
+impl Resolvers<'static> {
+    /// Nothing to ask: what needs an API is refused, saying which.
+    pub fn none() -> Self {
+        Self {
+            catalog: &NoCatalog,
+            cluster: &NoCluster,
+            rooms: &placement::NoRooms,
+        }
+    }
+}
+
 impl Plan {
     /// Reads and checks the plan at `path` against the controller's inventory. Nothing is
     /// contacted.
     pub fn load(path: &Path, config: &ControllerConfig, now_unix: i64) -> Result<Self, PlanError> {
-        Self::load_with(path, config, now_unix, &NoCatalog)
+        Self::load_with(path, config, now_unix, Resolvers::none())
     }
 
-    /// [`Plan::load`], resolving `snapshot: latest` through `catalog`.
+    /// [`Plan::load`], asking `resolvers` what the plan leaves to the APIs.
     pub fn load_with(
         path: &Path,
         config: &ControllerConfig,
         now_unix: i64,
-        catalog: &dyn BackupCatalog,
+        resolvers: Resolvers<'_>,
     ) -> Result<Self, PlanError> {
         let size = std::fs::metadata(path)
             .map_err(|error| {
@@ -203,7 +256,7 @@ impl Plan {
         // The plan decides which PBS server the secret is handed to, so it is held to the same
         // rule as every file that steers trust: nobody else may write it.
         let text = files::read_trusted(path).map_err(PlanError::Read)?;
-        let plan = Self::parse_with(path, &text, config, now_unix, catalog)?;
+        let plan = Self::parse_resolving(path, &text, config, now_unix, resolvers)?;
         files::check_private(&plan.pbs_password_file).map_err(|error| PlanError::Secret {
             path: path.to_owned(),
             at: "storage.pbs_password_file",
@@ -239,11 +292,49 @@ impl Plan {
         now_unix: i64,
         catalog: &dyn BackupCatalog,
     ) -> Result<Self, PlanError> {
+        Self::parse_resolving(
+            path,
+            text,
+            config,
+            now_unix,
+            Resolvers {
+                catalog,
+                cluster: &NoCluster,
+                rooms: &placement::NoRooms,
+            },
+        )
+    }
+
+    /// [`Plan::parse`], asking `resolvers` what the plan leaves to the APIs.
+    pub fn parse_resolving(
+        path: &Path,
+        text: &str,
+        config: &ControllerConfig,
+        now_unix: i64,
+        resolvers: Resolvers<'_>,
+    ) -> Result<Self, PlanError> {
         let file = read_written(path, text)?;
-        let resolved = resolve::resolve(path, &file, config, catalog, now_unix)?;
+        let mut resolved = resolve::resolve(
+            path,
+            &file,
+            config,
+            resolvers.catalog,
+            resolvers.cluster,
+            now_unix,
+        )?;
+        place_validations(path, &mut resolved.validations, config, resolvers.rooms)?;
         let mut validations = Vec::with_capacity(resolved.validations.len());
         let mut failed_before_run = Vec::new();
+        let mut unplaced = Vec::new();
         for (index, mut validation) in resolved.validations.into_iter().enumerate() {
+            if let Some(why) = validation.unplaced.clone() {
+                unplaced.push(Unplaced {
+                    index,
+                    resolved: validation,
+                    why,
+                });
+                continue;
+            }
             if let Some(why) = validation.fails_before_run.take() {
                 validation.fails_before_run = Some(backup::FailsBeforeRun {
                     manifest: None,
@@ -274,8 +365,94 @@ impl Plan {
             storage: resolved.storage,
             validations,
             failed_before_run,
+            unplaced,
         })
     }
+}
+
+/// Places every validation whose node is a choice (`auto`, a list), in plan order, on the
+/// node with the most room of those ready; one no node can take is marked `unplaced`, saying
+/// why. A validation that fails before any node is asked needs no node.
+fn place_validations(
+    path: &Path,
+    validations: &mut [ResolvedValidation],
+    config: &ControllerConfig,
+    rooms: &dyn placement::Rooms,
+) -> Result<(), PlanError> {
+    let choosing: Vec<usize> = validations
+        .iter()
+        .enumerate()
+        .filter(|(_, v)| v.candidates.is_some() && v.fails_before_run.is_none())
+        .map(|(i, _)| i)
+        .collect();
+    let Some(&first) = choosing.first() else {
+        return Ok(());
+    };
+    let at = validations
+        .get(first)
+        .map(|v| format!("{} ({}).node", v.key, v.name))
+        .unwrap_or_default();
+    let nodes: BTreeSet<String> = choosing
+        .iter()
+        .filter_map(|&i| validations.get(i)?.candidates.clone())
+        .flatten()
+        .collect();
+    let vnets: BTreeSet<String> = choosing
+        .iter()
+        .filter_map(|&i| Some(validations.get(i)?.network.vnet.value.clone()))
+        .collect();
+    let room = rooms.rooms(&nodes, &vnets).map_err(|error| match error {
+        placement::RoomsError::Unavailable(reason) => PlanError::Unavailable {
+            path: path.to_owned(),
+            at: at.clone(),
+            reason,
+        },
+        placement::RoomsError::Refused(reason) => PlanError::Refused {
+            path: path.to_owned(),
+            at: at.clone(),
+            reason,
+        },
+    })?;
+    let demands: Vec<placement::Demand> = choosing
+        .iter()
+        .filter_map(|&i| {
+            let v = validations.get(i)?;
+            Some(placement::Demand {
+                candidates: v.candidates.clone().unwrap_or_default(),
+                cores: v.sandbox.iter().map(|vm| vm.cores.value).sum(),
+                memory_mib: v
+                    .sandbox
+                    .iter()
+                    .map(|vm| u64::from(vm.memory_mib.value))
+                    .sum(),
+                vnet: v.network.vnet.value.clone(),
+            })
+        })
+        .collect();
+    let placed = placement::place(&demands, &room, rooms.per_node());
+    for (&i, placed) in choosing.iter().zip(placed) {
+        let Some(v) = validations.get_mut(i) else {
+            continue;
+        };
+        let written = v.node.value.clone();
+        match placed {
+            placement::Placed::On { node, why } => {
+                let endpoint = config
+                    .nodes
+                    .iter()
+                    .find(|(name, _)| name.as_str() == node)
+                    .map(|(_, inventory)| inventory.endpoint())
+                    .unwrap_or_default();
+                v.endpoint =
+                    Sourced::new(endpoint, Origin::Configuration, format!("nodes ({node})"));
+                v.node = Sourced::new(node, Origin::Placement, format!("node {written}: {why}"));
+            }
+            placement::Placed::Nowhere(why) => {
+                v.unplaced = Some(format!("node {written}: {why}"));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Step one: the plan as written, every key known and every single value checked as it is read.

@@ -21,6 +21,11 @@ pub enum Origin {
     Derived,
     /// Asked of the PBS API (`snapshot: latest`).
     Pbs,
+    /// Asked of the PVE API (`select`, sandbox VMIDs from `[pve] sandbox_vmid_range`).
+    Pve,
+    /// Chosen by placement (`node: auto` or a list): the node with the most room of those
+    /// ready, the key saying why.
+    Placement,
     /// The controller configuration (its node inventory), at the key.
     Configuration,
 }
@@ -32,6 +37,8 @@ impl Origin {
             Self::Default => "default",
             Self::Derived => "derived",
             Self::Pbs => "pbs",
+            Self::Pve => "pve",
+            Self::Placement => "placement",
             Self::Configuration => "configuration",
         }
     }
@@ -47,11 +54,11 @@ pub struct Sourced<T> {
 }
 
 impl<T> Sourced<T> {
-    fn new(value: T, source: Origin, key: String) -> Self {
+    pub(super) fn new(value: T, source: Origin, key: String) -> Self {
         Self { value, source, key }
     }
 
-    fn plan(value: T, key: String) -> Self {
+    pub(super) fn plan(value: T, key: String) -> Self {
         Self::new(value, Origin::Plan, key)
     }
 
@@ -102,6 +109,12 @@ pub struct ResolvedValidation {
     pub node: Sourced<String>,
     /// Where the node's connector listens, `HOST:PORT`.
     pub endpoint: Sourced<String>,
+    /// With `node: auto` or a list: the nodes placement chose among; `None` for a named node.
+    #[serde(skip)]
+    pub candidates: Option<Vec<String>>,
+    /// With `node: auto` or a list, why no node could take it; `None` once placed (or for a
+    /// named node).
+    pub unplaced: Option<String>,
     pub source_vmid: Sourced<Vmid>,
     /// The snapshot's time, `YYYY-MM-DDTHH:MM:SSZ`.
     pub snapshot: Sourced<String>,
@@ -202,6 +215,7 @@ pub(super) fn resolve(
     file: &PlanFile,
     config: &ControllerConfig,
     catalog: &dyn BackupCatalog,
+    cluster: &dyn Cluster,
     now_unix: i64,
 ) -> Result<ResolvedPlan, PlanError> {
     let refused = |at: String, reason: String| PlanError::Refused {
@@ -219,11 +233,32 @@ pub(super) fn resolve(
         ));
     }
     let storage = resolve_storage(path, &file.storage);
+    let expanded = cluster::expand(&file.validations, cluster).map_err(|(index, error)| {
+        let name = file.validations.get(index).map_or("", |v| v.name.as_str());
+        let at = |key: String| format!("validations[{index}] ({name}){key}");
+        match error {
+            ExpandError::Refused(key, reason) => refused(at(key), reason),
+            ExpandError::Unavailable(key, reason) => PlanError::Unavailable {
+                path: path.to_owned(),
+                at: at(key),
+                reason,
+            },
+            ExpandError::Secret(error) => PlanError::Secret {
+                path: path.to_owned(),
+                at: "pve.token_secret_file",
+                error,
+            },
+        }
+    })?;
     let mut names = BTreeSet::new();
-    // Each sandbox VMID of the plan: the validation and node that use it.
+    // Each sandbox VMID the plan writes: the validation and node that use it.
     let mut sandbox_vmids: BTreeMap<Vmid, (String, String)> = BTreeMap::new();
-    let mut validations = Vec::with_capacity(file.validations.len());
-    for (index, v) in file.validations.iter().enumerate() {
+    // Each sandbox VM the plan leaves without a VMID, and each that has one (with its key).
+    let mut omitted: Vec<cluster::Omitted> = Vec::new();
+    let mut written: Vec<(usize, Vmid)> = Vec::new();
+    let mut validations = Vec::with_capacity(expanded.len());
+    for expansion in &expanded {
+        let (index, v) = (expansion.plan_index, &expansion.file);
         let at = |key: &str| format!("validations[{index}] ({}){key}", v.name);
         check_name(&v.name)
             .map_err(|reason| refused(format!("validations[{index}].name"), reason))?;
@@ -233,32 +268,45 @@ pub(super) fn resolve(
                 "another validation has this name; give each a name of its own".into(),
             ));
         }
-        let mut resolved = resolve_validation(index, v, config)
+        let source = expansion.source_vmid.clone();
+        let mut resolved = resolve_validation(index, v, source.clone(), config)
             .map_err(|(key, reason)| refused(at(&key), reason))?;
-        let backup = read_backup(v, &storage, catalog, now_unix).map_err(|error| match error {
-            LatestError::Secret(error) => PlanError::Secret {
-                path: path.to_owned(),
-                at: "storage.pbs_password_file",
-                error,
+        let backup = read_backup(v, source.value, &storage, catalog, now_unix).map_err(
+            |error| match error {
+                LatestError::Secret(error) => PlanError::Secret {
+                    path: path.to_owned(),
+                    at: "storage.pbs_password_file",
+                    error,
+                },
+                LatestError::Refused(key, reason) => refused(at(&key), reason),
+                LatestError::Unavailable(key, reason) => PlanError::Unavailable {
+                    path: path.to_owned(),
+                    at: at(&key),
+                    reason,
+                },
             },
-            LatestError::Refused(key, reason) => refused(at(&key), reason),
-            LatestError::Unavailable(key, reason) => PlanError::Unavailable {
-                path: path.to_owned(),
-                at: at(&key),
-                reason,
-            },
-        })?;
+        )?;
         if let Some(backup) = backup {
             take_from_backup(&mut resolved, v, backup, index);
         }
         // PVE's VMIDs are unique across the cluster, not per node: a VMID on two nodes passes
         // each node's grant check and fails the second `qm create`.
-        for vm in &resolved.sandbox {
-            let this = (v.name.clone(), v.node.clone());
+        for (i, (vm, as_written)) in resolved.sandbox.iter().zip(&v.sandbox).enumerate() {
+            if as_written.vmid.is_none() {
+                omitted.push((validations.len(), i));
+                continue;
+            }
+            written.push((validations.len(), vm.vmid.value));
+            let this = (v.name.clone(), v.node.written());
             if let Some((other, other_node)) = sandbox_vmids.insert(vm.vmid.value, this) {
                 let reason = if other == v.name {
                     format!(
                         "sandbox VMID {} is written twice in this validation; give each sandbox VM its own VMID",
+                        vm.vmid.value
+                    )
+                } else if expansion.source_vmid.source == Origin::Pve {
+                    format!(
+                        "sandbox VMID {} is written in a validation that `select` expands to several ({other} has it too); leave the sandbox vmid out and set [pve] sandbox_vmid_range, so each gets its own",
                         vm.vmid.value
                     )
                 } else {
@@ -278,16 +326,82 @@ pub(super) fn resolve(
         .iter()
         .map(|v| (v.source_vmid.value, v.name.as_str()))
         .collect();
-    for (index, v) in validations.iter().enumerate() {
-        for vm in &v.sandbox {
-            if let Some(source_of) = sources.get(&vm.vmid.value) {
+    for &(at, vmid) in &written {
+        let Some(v) = validations.get(at) else {
+            continue;
+        };
+        if let Some(source_of) = sources.get(&vmid) {
+            return Err(refused(
+                format!("{} ({}).sandbox", v.key, v.name),
+                format!(
+                    "sandbox VMID {vmid} is the source VM of validation {source_of}, which is likely still in the cluster; give the sandbox VM a VMID of its own"
+                ),
+            ));
+        }
+    }
+    let cluster_failed = |at: String| {
+        move |error: ClusterError| match error {
+            ClusterError::Secret(error) => PlanError::Secret {
+                path: path.to_owned(),
+                at: "pve.token_secret_file",
+                error,
+            },
+            ClusterError::Unavailable(reason) => PlanError::Unavailable {
+                path: path.to_owned(),
+                at,
+                reason,
+            },
+            ClusterError::Refused(reason) => PlanError::Refused {
+                path: path.to_owned(),
+                at,
+                reason,
+            },
+        }
+    };
+    // A written VMID the cluster already has fails `qm create` mid-run: refused before any
+    // node is asked (the API sees every guest, whatever the token may audit).
+    if cluster.configured() {
+        for &(at, vmid) in &written {
+            let Some(v) = validations.get(at) else {
+                continue;
+            };
+            let key = format!("{} ({}).sandbox", v.key, v.name);
+            if cluster
+                .vmid_in_use(vmid)
+                .map_err(cluster_failed(key.clone()))?
+            {
                 return Err(refused(
-                    format!("validations[{index}] ({}).sandbox", v.name),
+                    key,
                     format!(
-                        "sandbox VMID {} is the source VM of validation {source_of}, which is likely still in the cluster; give the sandbox VM a VMID of its own",
-                        vm.vmid.value
+                        "sandbox VMID {vmid} is already used in the cluster (GET /cluster/nextid?vmid={vmid}: VM {vmid} already exists), perhaps by a guest the token cannot see or a leftover of an earlier run (certistack-ctl cleanup); choose another VMID, or leave it out to take one from [pve] sandbox_vmid_range"
                     ),
                 ));
+            }
+        }
+    }
+    let taken: BTreeSet<Vmid> = sandbox_vmids
+        .keys()
+        .chain(sources.keys())
+        .copied()
+        .collect();
+    let first_omitted = omitted
+        .first()
+        .and_then(|(at, i)| {
+            validations
+                .get(*at)
+                .map(|v| format!("{} ({}).sandbox[{i}].vmid", v.key, v.name))
+        })
+        .unwrap_or_default();
+    let assigned = cluster::assign_sandbox_vmids(&omitted, &taken, cluster)
+        .map_err(cluster_failed(first_omitted))?;
+    if let Some((low, high)) = cluster.sandbox_vmid_range() {
+        for (&(at, i), vmid) in omitted.iter().zip(assigned) {
+            if let Some(vm) = validations.get_mut(at).and_then(|v| v.sandbox.get_mut(i)) {
+                vm.vmid = Sourced::new(
+                    vmid,
+                    Origin::Pve,
+                    format!("pve.sandbox_vmid_range {low}-{high}, free in the cluster"),
+                );
             }
         }
     }
@@ -389,29 +503,68 @@ fn resolve_storage(path: &Path, storage: &StorageFile) -> ResolvedStorage {
 fn resolve_validation(
     index: usize,
     v: &ValidationFile,
+    source_vmid: Sourced<Vmid>,
     config: &ControllerConfig,
 ) -> Result<ResolvedValidation, (String, String)> {
     let key = |name: &str| format!("validations[{index}].{name}");
-    let node = config
-        .nodes
-        .iter()
-        .find(|(name, _)| name.as_str() == v.node)
-        .map(|(_, node)| node)
-        .ok_or_else(|| {
+    let inventory = || {
+        config
+            .nodes
+            .keys()
+            .map(|n| n.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let known = |name: &str| {
+        config
+            .nodes
+            .iter()
+            .find(|(known, _)| known.as_str() == name)
+            .map(|(_, node)| node)
+            .ok_or_else(|| {
+                (
+                    ".node".to_owned(),
+                    format!(
+                        "node {name:?} is not in the controller's inventory ({}); add it under [[nodes]] in the controller configuration or use one of those",
+                        inventory()
+                    ),
+                )
+            })
+    };
+    // A choice (`auto`, a list) is placed once the whole plan is resolved.
+    let (node, endpoint, candidates) = match &v.node {
+        NodeFile::Named(name) => {
+            let node = known(name)?;
             (
-                ".node".to_owned(),
-                format!(
-                    "node {:?} is not in the controller's inventory ({}); add it under [[nodes]] in the controller configuration or use one of those",
-                    v.node,
-                    config
-                        .nodes
-                        .keys()
-                        .map(|n| n.as_str())
-                        .collect::<Vec<_>>()
-                        .join(", ")
+                Sourced::plan(name.clone(), key("node")),
+                Sourced::new(
+                    node.endpoint(),
+                    Origin::Configuration,
+                    format!("nodes ({name})"),
                 ),
+                None,
             )
-        })?;
+        }
+        choice => {
+            let candidates: Vec<String> = match choice {
+                NodeFile::Among(names) => {
+                    for name in names {
+                        known(name)?;
+                    }
+                    names.clone()
+                }
+                _ => config.nodes.keys().map(|n| n.to_string()).collect(),
+            };
+            (
+                Sourced::new(choice.written(), Origin::Plan, key("node")),
+                Sourced::new(String::new(), Origin::Placement, key("node")),
+                Some(candidates),
+            )
+        }
+    };
+    // Replaced before the plan is resolved (or the plan is refused): never reaches a grant.
+    let unassigned =
+        Vmid::parse("vmid", Vmid::MIN).map_err(|e| (".sandbox".to_owned(), e.to_string()))?;
     let timeouts = ResolvedTimeouts {
         run_seconds: Sourced::written_or(
             v.timeouts.run_seconds,
@@ -470,13 +623,11 @@ fn resolve_validation(
     Ok(ResolvedValidation {
         name: v.name.clone(),
         key: format!("validations[{index}]"),
-        node: Sourced::plan(v.node.clone(), key("node")),
-        endpoint: Sourced::new(
-            node.endpoint(),
-            Origin::Configuration,
-            format!("nodes ({})", v.node),
-        ),
-        source_vmid: Sourced::plan(v.source_vmid.0, key("source_vmid")),
+        node,
+        endpoint,
+        candidates,
+        unplaced: None,
+        source_vmid,
         // `latest` is resolved by the caller, which has the catalog.
         snapshot: match &v.snapshot {
             SnapshotFile::Exact(time) => Sourced::plan(time.clone(), key("snapshot")),
@@ -493,7 +644,13 @@ fn resolve_validation(
             .iter()
             .enumerate()
             .map(|(i, vm)| ResolvedSandboxVm {
-                vmid: Sourced::plan(vm.vmid.0, key(&format!("sandbox[{i}].vmid"))),
+                // Left out: taken from `[pve] sandbox_vmid_range` once the whole plan is read.
+                vmid: match vm.vmid {
+                    Some(vmid) => Sourced::plan(vmid.0, key(&format!("sandbox[{i}].vmid"))),
+                    None => {
+                        Sourced::new(unassigned, Origin::Pve, key(&format!("sandbox[{i}].vmid")))
+                    }
+                },
                 // Left out: taken from the backup's config by `take_from_backup`.
                 cores: Sourced::written_or(vm.cores, 0, key(&format!("sandbox[{i}].cores"))),
                 memory_mib: Sourced::written_or(

@@ -123,6 +123,9 @@ pub fn text(plan: &Plan) -> String {
                 &v.max_age_hours.key,
             );
         }
+        if let Some(why) = &v.unplaced {
+            out.line("unplaced", why, Origin::Placement, &v.node.key);
+        }
         out.value("node", &v.node);
         out.value("endpoint", &v.endpoint);
         out.value("source_vmid", &v.source_vmid);

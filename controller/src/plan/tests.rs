@@ -52,7 +52,7 @@ validations:
       mode: preserve
 "#;
 
-fn config() -> ControllerConfig {
+pub(super) fn config() -> ControllerConfig {
     ControllerConfig::parse(
         Path::new("controller.toml"),
         "state_dir = \"/s\"\nreports_dir = \"/r\"\n[[nodes]]\nname = \"pve1\"\naddress = \"192.0.2.11\"\nport = 7443\n",

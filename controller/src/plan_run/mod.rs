@@ -35,6 +35,8 @@ pub struct Loaded {
     pub plan: Plan,
     pub secrets: runner::Secrets,
     pub authority: Authority,
+    /// Each `(node, vnet)`'s prerequisites as placement read them.
+    pub checked: runner::Checked,
 }
 
 /// Runs the plan: every phase in order, on `runtime`. Returns the validations' summaries in
@@ -55,7 +57,20 @@ pub fn run(
 pub fn load(options: &Options, now: OffsetDateTime) -> Result<Loaded, ExitStatus> {
     let config = ControllerConfig::load(&options.config)?;
     let catalog = crate::catalog::PbsCatalog::new();
-    let plan = Plan::load_with(&options.plan, &config, now.unix_timestamp(), &catalog)?;
+    let cluster = crate::cluster::PveCluster::new(config.pve.as_ref());
+    let rooms = crate::placer::NodeRooms::new(&config, &cluster, options.per_node);
+    let plan = Plan::load_with(
+        &options.plan,
+        &config,
+        now.unix_timestamp(),
+        crate::plan::Resolvers {
+            catalog: &catalog,
+            cluster: &cluster,
+            rooms: &rooms,
+        },
+    )?;
+    // What placement asked the nodes is not asked again by the runner.
+    let checked = rooms.into_checks();
     let secrets = runner::Secrets::load(&plan)?;
     let authority = Authority::load(&config.state_dir)?;
     Ok(Loaded {
@@ -63,6 +78,7 @@ pub fn load(options: &Options, now: OffsetDateTime) -> Result<Loaded, ExitStatus
         plan,
         secrets,
         authority,
+        checked,
     })
 }
 
@@ -80,6 +96,7 @@ pub async fn validate(
         mut plan,
         secrets,
         authority,
+        checked,
     } = loaded;
     let progress = Arc::new(runner::Progress::new(options.output));
     let announced = progress.clone();
@@ -107,8 +124,22 @@ pub async fn validate(
             (failed.index, summary)
         })
         .collect();
+    // A validation placement put on no node is an error of the run: nothing was created.
+    summaries.extend(std::mem::take(&mut plan.unplaced).iter().map(|unplaced| {
+        (
+            unplaced.index,
+            runner::summarize_unplaced(&context, unplaced),
+        )
+    }));
     let order: Vec<usize> = plan.validations.iter().map(|v| v.index).collect();
-    let ran = runner::run_plan(context, plan, options.per_node, options.max_concurrent).await;
+    let ran = runner::run_plan(
+        context,
+        plan,
+        checked,
+        options.per_node,
+        options.max_concurrent,
+    )
+    .await;
     summaries.extend(order.into_iter().zip(ran));
     summaries.sort_by_key(|(index, _)| *index);
     summaries.into_iter().map(|(_, summary)| summary).collect()

@@ -7,7 +7,7 @@ use super::evidence::{
     empty_journal, guest_not_started, latest_evidence, no_isolation, write_report,
 };
 use super::{CleanupState, Outcome, RunContext, Summary};
-use crate::plan::{FailedBeforeRun, ResolvedStorage};
+use crate::plan::{FailedBeforeRun, ResolvedStorage, Unplaced};
 use crate::report::{self, StepResult, Verdict};
 use certistack_proto::v1 as pb;
 use sha2::{Digest, Sha256};
@@ -123,6 +123,30 @@ pub fn report_failed_before_run(
         format!(
             "{}: {:?} before any node was asked: {}",
             summary.validation, summary.outcome, failed.why.reason
+        ),
+    );
+    summary
+}
+
+/// The summary of a validation placement put on no node (`node: auto` or a list, and no
+/// candidate ready with room): an error of the run, not a finding about the backup, so no
+/// report is signed; nothing was created anywhere.
+pub fn summarize_unplaced(context: &RunContext, unplaced: &Unplaced) -> Summary {
+    let summary = Summary {
+        validation: unplaced.resolved.name.clone(),
+        node: unplaced.resolved.node.value.clone(),
+        run_id: String::new(),
+        outcome: Outcome::Error,
+        cleanup: CleanupState::NotNeeded,
+        reasons: vec![format!("placed on no node: {}", unplaced.why)],
+        elapsed_ms: 0,
+        report: None,
+    };
+    context.progress.finish(
+        &summary.validation,
+        format!(
+            "{}: not run: placed on no node: {}",
+            summary.validation, unplaced.why
         ),
     );
     summary

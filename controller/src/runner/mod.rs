@@ -23,7 +23,7 @@ mod steps;
 mod summary;
 mod teardown;
 
-pub use before_run::{RESOLVE_STEP, report_failed_before_run};
+pub use before_run::{RESOLVE_STEP, report_failed_before_run, summarize_unplaced};
 pub use progress::{Event, Progress, ProgressMode, write_line};
 pub use secrets::{SecretError, Secrets};
 pub use summary::{CleanupState, Outcome, Summary, summary_table};
@@ -65,11 +65,15 @@ pub struct RunContext {
     pub interrupts: Interrupts,
 }
 
+/// Each `(node, vnet)`'s prerequisite checks, already asked (by placement).
+pub type Checked = BTreeMap<(String, String), Vec<doctor::Check>>;
+
 /// Runs every validation of `plan`, at most `per_node` at once on one node and `total` at once
 /// overall, and returns their summaries in plan order.
 pub async fn run_plan(
     context: Arc<RunContext>,
     plan: Plan,
+    checked: Checked,
     per_node: usize,
     total: usize,
 ) -> Vec<Summary> {
@@ -82,7 +86,10 @@ pub async fn run_plan(
     let mut prerequisites: BTreeMap<
         (String, String),
         Arc<tokio::sync::OnceCell<Vec<doctor::Check>>>,
-    > = BTreeMap::new();
+    > = checked
+        .into_iter()
+        .map(|(key, checks)| (key, Arc::new(tokio::sync::OnceCell::new_with(Some(checks)))))
+        .collect();
     let mut tasks = tokio::task::JoinSet::new();
     let mut names = Vec::with_capacity(plan.validations.len());
     for (index, validation) in plan.validations.into_iter().enumerate() {

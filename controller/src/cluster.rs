@@ -1,0 +1,254 @@
+//! The controller's view of the Proxmox VE cluster while a plan is resolved: the PVE API of
+//! `[pve]`, asked which VMs a `select` names and whether sandbox VMIDs are free.
+//!
+//! Like the backup catalog (`crate::catalog`), resolution is synchronous, so the cluster keeps a
+//! small runtime of its own; the client is built on first use (the token's secret read then),
+//! the VM list is asked once per plan, and all calls of one plan share
+//! [`crate::catalog::RESOLUTION_BUDGET`]. Without `[pve]` every question is refused saying
+//! where to configure it.
+
+use crate::api::https::{ApiError, Limits};
+use crate::api::pve::PveClient;
+use crate::catalog::RESOLUTION_BUDGET;
+use crate::config::PveSettings;
+use crate::plan::cluster::{Cluster, ClusterError, ClusterVm, NoCluster};
+use certistack_core::validate::Vmid;
+use std::collections::BTreeMap;
+use std::sync::{Mutex, OnceLock};
+use std::time::Instant;
+
+/// The most VMs a `/cluster/resources` listing may hold before it is refused: a large cluster
+/// has a few thousand guests (with the 8 MiB reply cap, this bounds what the API can make the
+/// controller hold).
+pub const MAX_LISTED_VMS: usize = 20_000;
+/// The most members a pool listing may hold.
+pub const MAX_POOL_MEMBERS: usize = 20_000;
+
+/// The PVE API as a [`Cluster`].
+#[derive(Debug)]
+pub struct PveCluster {
+    settings: Option<PveSettings>,
+    client: OnceLock<Result<(PveClient, tokio::runtime::Runtime), String>>,
+    deadline: Instant,
+    listed: Mutex<Option<Vec<ClusterVm>>>,
+    /// What `/cluster/nextid` said of each VMID asked.
+    in_use: Mutex<BTreeMap<u32, bool>>,
+}
+
+impl PveCluster {
+    /// The cluster of `[pve]`; `None` (no `[pve]`) refuses every question as [`NoCluster`].
+    pub fn new(settings: Option<&PveSettings>) -> Self {
+        Self {
+            settings: settings.cloned(),
+            client: OnceLock::new(),
+            deadline: Instant::now() + RESOLUTION_BUDGET,
+            listed: Mutex::new(None),
+            in_use: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    fn client(&self) -> Result<&(PveClient, tokio::runtime::Runtime), ClusterError> {
+        let Some(settings) = &self.settings else {
+            return Err(NoCluster
+                .vms()
+                .err()
+                .unwrap_or(ClusterError::Refused("[pve] is not configured".into())));
+        };
+        if let Some(made) = self.client.get() {
+            return made
+                .as_ref()
+                .map_err(|reason| ClusterError::Refused(reason.clone()));
+        }
+        let made = match PveClient::new(&settings.endpoint(), Limits::default()) {
+            Err(crate::api::pve::PveSetupError::Secret(error)) => {
+                return Err(ClusterError::Secret(error));
+            }
+            Err(error) => Err(error.to_string()),
+            Ok(client) => tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map(|runtime| (client, runtime))
+                .map_err(|error| format!("cannot start a runtime: {error}")),
+        };
+        self.client
+            .get_or_init(|| made)
+            .as_ref()
+            .map_err(|reason| ClusterError::Refused(reason.clone()))
+    }
+
+    /// Runs one call within what is left of the budget.
+    fn call<T>(
+        &self,
+        runtime: &tokio::runtime::Runtime,
+        call: impl std::future::Future<Output = Result<T, ApiError>>,
+    ) -> Result<T, ClusterError> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        let spent = || {
+            ClusterError::Unavailable(format!(
+                "resolving the plan has asked the APIs for {} s, its budget; check the PVE API's load and the network",
+                RESOLUTION_BUDGET.as_secs()
+            ))
+        };
+        if left.is_zero() {
+            return Err(spent());
+        }
+        runtime
+            // The deadline's timer is made inside the runtime that drives it.
+            .block_on(async move { tokio::time::timeout(left, call).await })
+            .map_err(|_| spent())?
+            .map_err(cluster_error)
+    }
+}
+
+/// What PVE says of one node (`/cluster/resources?type=node`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NodeFigure {
+    pub online: bool,
+    /// Whether PVE showed its figures: it leaves them out without Sys.Audit on `/nodes/NODE`
+    /// (pve-manager `PVE/API2Tools.pm`, `extract_node_stats`), and then nothing is known free.
+    pub audited: bool,
+    /// Cores not in use: `maxcpu` × (1 − `cpu`), rounded down.
+    pub free_cores: u32,
+    /// Memory not in use: `maxmem` − `mem`, in MiB.
+    pub free_memory_mib: u64,
+}
+
+impl PveCluster {
+    /// Every node of the cluster, by name.
+    pub fn node_figures(&self) -> Result<BTreeMap<String, NodeFigure>, ClusterError> {
+        let (client, runtime) = self.client()?;
+        let resources = self.call(runtime, client.cluster_resources("node"))?;
+        if resources.len() > MAX_LISTED_VMS {
+            return Err(ClusterError::Refused(format!(
+                "GET /cluster/resources?type=node lists {} nodes, more than the {MAX_LISTED_VMS} read",
+                resources.len()
+            )));
+        }
+        Ok(resources
+            .into_iter()
+            .filter(|r| r.kind == "node")
+            .filter_map(|r| {
+                let maxcpu = r.maxcpu.unwrap_or(0.0).max(0.0);
+                let used = r.cpu.unwrap_or(1.0).clamp(0.0, 1.0);
+                let free_cores = (maxcpu * (1.0 - used)).floor();
+                let free_bytes = r
+                    .maxmem
+                    .unwrap_or(0)
+                    .saturating_sub(r.mem.unwrap_or(u64::MAX));
+                Some((
+                    r.node?,
+                    NodeFigure {
+                        online: r.status.as_deref() == Some("online"),
+                        audited: r.maxmem.is_some() && r.maxcpu.is_some(),
+                        free_cores: if free_cores >= f64::from(u32::MAX) {
+                            u32::MAX
+                        } else {
+                            free_cores as u32
+                        },
+                        free_memory_mib: free_bytes / (1024 * 1024),
+                    },
+                ))
+            })
+            .collect())
+    }
+}
+
+impl Cluster for PveCluster {
+    fn vms(&self) -> Result<Vec<ClusterVm>, ClusterError> {
+        if let Some(listed) = self.listed.lock().ok().and_then(|l| l.clone()) {
+            return Ok(listed);
+        }
+        let (client, runtime) = self.client()?;
+        let resources = self.call(runtime, client.cluster_resources("vm"))?;
+        if resources.len() > MAX_LISTED_VMS {
+            return Err(ClusterError::Refused(format!(
+                "GET /cluster/resources?type=vm lists {} guests, more than the {MAX_LISTED_VMS} read",
+                resources.len()
+            )));
+        }
+        let vms: Vec<ClusterVm> = resources
+            .into_iter()
+            .filter(|r| r.kind == "qemu")
+            .filter_map(|r| {
+                Some(ClusterVm {
+                    vmid: Vmid::parse("vmid", r.vmid?).ok()?,
+                    name: r.name.unwrap_or_default(),
+                    node: r.node.unwrap_or_default(),
+                    template: r.template.is_some_and(|t| t.0),
+                    pool: r.pool.filter(|p| !p.is_empty()),
+                    tags: r
+                        .tags
+                        .unwrap_or_default()
+                        .split([';', ',', ' '])
+                        .filter(|t| !t.is_empty())
+                        .map(str::to_owned)
+                        .collect(),
+                })
+            })
+            .collect();
+        if let Ok(mut listed) = self.listed.lock() {
+            *listed = Some(vms.clone());
+        }
+        Ok(vms)
+    }
+
+    fn pool_members(&self, pool: &str) -> Result<Vec<Vmid>, ClusterError> {
+        let (client, runtime) = self.client()?;
+        let content = self.call(runtime, client.pool(pool))?;
+        if content.members.len() > MAX_POOL_MEMBERS {
+            return Err(ClusterError::Refused(format!(
+                "pool {pool} lists {} members, more than the {MAX_POOL_MEMBERS} read",
+                content.members.len()
+            )));
+        }
+        Ok(content
+            .members
+            .into_iter()
+            .filter(|m| m.kind == "qemu")
+            .filter_map(|m| Vmid::parse("vmid", m.vmid?).ok())
+            .collect())
+    }
+
+    fn vmid_in_use(&self, vmid: Vmid) -> Result<bool, ClusterError> {
+        if let Some(known) = self
+            .in_use
+            .lock()
+            .ok()
+            .and_then(|m| m.get(&vmid.get()).copied())
+        {
+            return Ok(known);
+        }
+        let (client, runtime) = self.client()?;
+        let free = self.call(runtime, client.vmid_free(vmid.get()))?;
+        if let Ok(mut in_use) = self.in_use.lock() {
+            in_use.insert(vmid.get(), !free);
+        }
+        Ok(!free)
+    }
+
+    fn sandbox_vmid_range(&self) -> Option<(Vmid, Vmid)> {
+        self.settings.as_ref()?.sandbox_vmid_range
+    }
+
+    fn configured(&self) -> bool {
+        self.settings.is_some()
+    }
+}
+
+/// An answer refusing what was asked (403: a privilege; 4xx: a pool that does not exist) is
+/// the plan's or the token's to fix; anything else means the API could not be asked.
+fn cluster_error(error: ApiError) -> ClusterError {
+    match error.status() {
+        Some(403) => ClusterError::Refused(format!(
+            "{error}; grant the token the privilege named (docs/install.md, section 4)"
+        )),
+        Some(status) if (400..500).contains(&status) && status != 401 => {
+            ClusterError::Refused(error.to_string())
+        }
+        // pve-manager `PVE/API2/Pool.pm` dies (HTTP 500) for a pool that does not exist.
+        Some(500) if error.to_string().contains("does not exist") => ClusterError::Refused(
+            format!("{error}; name a pool of the cluster (pveum pool list)"),
+        ),
+        _ => ClusterError::Unavailable(error.to_string()),
+    }
+}

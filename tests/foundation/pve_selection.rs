@@ -1,0 +1,366 @@
+//! Which VMs, which VMIDs, which node, read through the PVE API double
+//! (`tests/doubles/pve-api`): `select` by pool and by tags, a pool member the token cannot
+//! audit refused rather than skipped, sandbox VMIDs taken from `pve.sandbox_vmid_range` around
+//! the VMIDs the cluster has (seen or not), a written VMID in use refused before any node is
+//! contacted, a selection over the bound refused, and `node: auto` with no node ready leaving
+//! the validation unplaced, saying why of each candidate.
+
+use super::*;
+use std::os::unix::fs::PermissionsExt;
+use std::process::Command;
+
+const TOKEN_ID: &str = "certistack@pve!ctl";
+const SECRET: &str = "0b1e5c1e-1111-4222-8333-944445555666";
+
+/// The PVE API double with `guests`, `pools` and `permissions` for the token; stopped on drop.
+struct Pve {
+    ca_pem: String,
+    api: ApiDouble,
+}
+
+impl Pve {
+    fn start(settings: serde_json::Value) -> Self {
+        let pki = api_server_pki(&["localhost"]);
+        let root = TempDir::new("pve-select");
+        let mut all = serde_json::json!({ "tokens": { TOKEN_ID: SECRET } });
+        for (key, value) in settings.as_object().unwrap() {
+            all[key] = value.clone();
+        }
+        std::fs::write(root.0.join("double.json"), all.to_string()).unwrap();
+        let api = ApiDouble::start_in("pve-api", &pki, &[], "--root", root);
+        Self {
+            ca_pem: pki.ca_pem,
+            api,
+        }
+    }
+
+    fn calls_log(&self) -> String {
+        std::fs::read_to_string(self.api.tls_dir().join("calls.log")).unwrap_or_default()
+    }
+}
+
+/// Guests 201..=205 in pool `prod` (201 and 203 tagged `web;nightly`), 210 tagged `web`,
+/// a container 206 in `prod`, and 9100, a guest the token may not audit.
+fn cluster(permissions: serde_json::Value) -> serde_json::Value {
+    let mut guests: Vec<serde_json::Value> = (201..=205)
+        .map(|vmid| {
+            serde_json::json!({
+                "vmid": vmid, "type": "qemu", "node": "pve1", "name": format!("app{vmid}"),
+                "pool": "prod",
+                "tags": if vmid == 201 || vmid == 203 { "web;nightly" } else { "" },
+            })
+        })
+        .collect();
+    guests.push(serde_json::json!({"vmid": 206, "type": "lxc", "node": "pve1", "pool": "prod"}));
+    guests.push(serde_json::json!({"vmid": 210, "type": "qemu", "node": "pve1", "tags": "web"}));
+    guests
+        .push(serde_json::json!({"vmid": 9100, "type": "qemu", "node": "pve1", "name": "hidden"}));
+    serde_json::json!({
+        "guests": guests,
+        "pools": ["prod"],
+        "permissions": { TOKEN_ID: permissions },
+    })
+}
+
+/// VM.Audit on every VM but 9100, Pool.Audit on `prod`, Sys.Audit on the nodes.
+fn auditor() -> serde_json::Value {
+    let mut table = serde_json::json!({
+        "/": {"Sys.Audit": 1},
+        "/pool/prod": {"Pool.Audit": 1},
+        "/nodes": {"Sys.Audit": 1},
+    });
+    for vmid in [201, 202, 203, 204, 205, 206, 210] {
+        table[format!("/vms/{vmid}")] = serde_json::json!({"VM.Audit": 0});
+    }
+    table
+}
+
+/// A controller configuration (`[pve]` at the double, `sandbox_vmid_range`) and a plan, in a
+/// directory of their own; `pve1` is a listener nobody answers, so a contact would be seen.
+struct Setup {
+    dir: TempDir,
+    listener: std::net::TcpListener,
+}
+
+impl Setup {
+    fn new(pve: &Pve, extra_nodes: &str, validation: &str) -> Self {
+        let dir = TempDir::new("pve-select-plan");
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        std::fs::write(dir.0.join("pve-root-ca.pem"), &pve.ca_pem).unwrap();
+        let secret = dir.0.join("pve-token");
+        std::fs::write(&secret, format!("{SECRET}\n")).unwrap();
+        std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let config = format!(
+            "state_dir = {:?}\nreports_dir = {:?}\n\n[pve]\napi_url = \"https://localhost:{}\"\ntoken_id = {TOKEN_ID:?}\ntoken_secret_file = \"pve-token\"\nca_file = \"pve-root-ca.pem\"\nsandbox_vmid_range = \"9100-9199\"\n\n[[nodes]]\nname = \"pve1\"\naddress = \"127.0.0.1\"\nport = {}\n{extra_nodes}",
+            dir.0.join("state"),
+            dir.0.join("reports"),
+            pve.api.port,
+            listener.local_addr().unwrap().port()
+        );
+        std::fs::write(dir.0.join("controller.toml"), config).unwrap();
+        std::fs::create_dir(dir.0.join("secrets")).unwrap();
+        let pbs_secret = dir.0.join("secrets/pbs-token");
+        std::fs::write(&pbs_secret, "pbs-secret\n").unwrap();
+        std::fs::set_permissions(&pbs_secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let plan = format!(
+            r#"storage:
+  server: pbs.example.net
+  datastore: backups
+  auth_id: "certistack@pbs!restore"
+  fingerprint: "{fingerprint}"
+  pbs_password_file: secrets/pbs-token
+validations:
+  - name: app
+{validation}    snapshot: "2026-12-01T02:00:00Z"
+    archives: [drive-scsi0.img]
+    sandbox:
+      - cores: 2
+        memory_mib: 2048
+    network:
+      lifecycle: preprovisioned
+      vnet: csnet1
+      probe_source: 10.99.0.1/24
+    probes:
+      - kind: tcp
+        address: 10.99.0.10
+        port: 22
+"#,
+            fingerprint = ["ab"; 32].join(":"),
+        );
+        std::fs::write(dir.0.join("nightly.yaml"), plan).unwrap();
+        Self { dir, listener }
+    }
+
+    fn ctl(&self, args: &[&str]) -> (i32, String, String) {
+        let out = Command::new(binary("certistack-ctl"))
+            .args(args)
+            .args(["nightly.yaml", "--config", "controller.toml"])
+            .current_dir(&self.dir.0)
+            .env_remove("CERTISTACK_LOG")
+            .output()
+            .unwrap();
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+
+    /// `plan show --json`, parsed; panics with the output unless it exits 0.
+    fn show(&self) -> serde_json::Value {
+        let (code, out, err) = self.ctl(&["plan", "show", "--json"]);
+        assert_eq!(code, 0, "plan show failed: {err}{out}");
+        serde_json::from_str(&out).unwrap()
+    }
+
+    fn assert_no_node_contacted(&self) {
+        let accepted = self.listener.accept();
+        assert!(
+            matches!(&accepted, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+            "a node was contacted: {accepted:?}"
+        );
+    }
+}
+
+/// Each validation's (name, source_vmid, its source key, sandbox VMID, its source).
+fn chosen(document: &serde_json::Value) -> Vec<(String, u64, String, u64, String)> {
+    document["validations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| {
+            (
+                v["name"].as_str().unwrap().to_owned(),
+                v["source_vmid"]["value"].as_u64().unwrap(),
+                v["source_vmid"]["key"].as_str().unwrap().to_owned(),
+                v["sandbox"][0]["vmid"]["value"].as_u64().unwrap(),
+                v["sandbox"][0]["vmid"]["source"]
+                    .as_str()
+                    .unwrap()
+                    .to_owned(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn a_pool_expands_to_its_vms_with_free_sandbox_vmids_around_a_hidden_guest() {
+    let pve = Pve::start(cluster(auditor()));
+    let setup = Setup::new(&pve, "", "    node: pve1\n    select: {pool: prod}\n");
+    let document = setup.show();
+    // Five VMs, not the container; VMID 9100 is taken by a guest the token cannot see, so the
+    // sandboxes start at 9101.
+    let expected: Vec<_> = (201..=205)
+        .zip(9101..)
+        .map(|(vmid, sandbox)| {
+            (
+                format!("app-{vmid}"),
+                vmid,
+                "validations[0] (app).select.pool (prod)".to_owned(),
+                sandbox,
+                "pve".to_owned(),
+            )
+        })
+        .collect();
+    let got = chosen(&document);
+    assert_eq!(
+        got.iter()
+            .map(|(n, v, _, s, src)| (n.clone(), *v, *s, src.clone()))
+            .collect::<Vec<_>>(),
+        expected
+            .iter()
+            .map(|(n, v, _, s, src)| (n.clone(), *v, *s, src.clone()))
+            .collect::<Vec<_>>()
+    );
+    for (name, _, key, _, _) in &got {
+        assert!(key.contains("select.pool (prod)"), "{name}: {key}");
+    }
+    let log = pve.calls_log();
+    assert!(log.contains("\"query\": \"vmid=9100\"") || log.contains("\"query\":\"vmid=9100\""));
+    assert!(log.contains("/api2/json/pools/prod"), "{log}");
+    setup.assert_no_node_contacted();
+    // plan check says the same in a line each.
+    let (code, out, err) = setup.ctl(&["plan", "check"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("app-203: node pve1"), "{out}");
+    assert!(out.contains("sandbox 9103"), "{out}");
+    assert!(
+        out.ends_with("5 validation(s); no node was contacted\n"),
+        "{out}"
+    );
+}
+
+#[test]
+fn tags_select_the_vms_that_carry_all_of_them() {
+    let pve = Pve::start(cluster(auditor()));
+    let setup = Setup::new(
+        &pve,
+        "",
+        "    node: pve1\n    select: {tags: [web, nightly]}\n",
+    );
+    let got: Vec<(String, u64)> = chosen(&setup.show())
+        .into_iter()
+        .map(|(name, vmid, ..)| (name, vmid))
+        .collect();
+    assert_eq!(
+        got,
+        [("app-201".to_owned(), 201), ("app-203".to_owned(), 203)]
+    );
+}
+
+#[test]
+fn a_pool_member_the_token_cannot_audit_refuses_the_plan_naming_it() {
+    let mut permissions = auditor();
+    permissions.as_object_mut().unwrap().remove("/vms/204");
+    let pve = Pve::start(cluster(permissions));
+    let setup = Setup::new(&pve, "", "    node: pve1\n    select: {pool: prod}\n");
+    let (code, out, err) = setup.ctl(&["plan", "check"]);
+    assert_eq!(code, 65, "{out}{err}");
+    assert!(err.contains("204"), "{err}");
+    assert!(err.contains("VM.Audit on /pool/prod"), "{err}");
+    assert!(out.is_empty(), "{out}");
+    setup.assert_no_node_contacted();
+}
+
+#[test]
+fn a_written_sandbox_vmid_the_cluster_has_is_refused_before_any_node() {
+    let pve = Pve::start(cluster(auditor()));
+    let setup = Setup::new(&pve, "", "    node: pve1\n    source_vmid: 201\n");
+    let plan = setup.dir.0.join("nightly.yaml");
+    let text = std::fs::read_to_string(&plan).unwrap();
+    std::fs::write(
+        &plan,
+        text.replace("      - cores: 2", "      - vmid: 9100\n        cores: 2"),
+    )
+    .unwrap();
+    let (code, out, err) = setup.ctl(&["plan", "check"]);
+    assert_eq!(code, 65, "{out}{err}");
+    assert!(err.contains("9100"), "{err}");
+    assert!(err.contains("already"), "{err}");
+    setup.assert_no_node_contacted();
+}
+
+#[test]
+fn a_selection_over_the_bound_is_refused() {
+    let mut settings = cluster(serde_json::json!({"/": {"Sys.Audit": 1, "VM.Audit": 1}}));
+    let guests = settings["guests"].as_array_mut().unwrap();
+    for vmid in 1000..1300 {
+        guests.push(
+            serde_json::json!({"vmid": vmid, "type": "qemu", "node": "pve1", "tags": "bulk"}),
+        );
+    }
+    let pve = Pve::start(settings);
+    let setup = Setup::new(&pve, "", "    node: pve1\n    select: {tags: [bulk]}\n");
+    let (code, out, err) = setup.ctl(&["plan", "check"]);
+    assert_eq!(code, 65, "{out}{err}");
+    assert!(err.contains("256"), "{err}");
+    assert!(err.contains("300"), "{err}");
+    setup.assert_no_node_contacted();
+}
+
+#[test]
+fn node_auto_with_no_node_ready_leaves_the_validation_unplaced_saying_why() {
+    // pve1's connector is down (a closed port); pve2 is offline in PVE; pve3 is not in the
+    // cluster at all.
+    let mut settings = cluster(auditor());
+    settings["cluster_status"] = serde_json::json!([
+        {"type": "cluster", "id": "cluster", "name": "lab", "nodes": 3, "version": 3, "quorate": 1},
+        {"type": "node", "id": "node/pve1", "name": "pve1", "nodeid": 1, "ip": "127.0.0.1",
+         "local": 1, "online": 1, "level": ""},
+        {"type": "node", "id": "node/pve2", "name": "pve2", "nodeid": 2, "ip": "127.0.0.2",
+         "local": 0, "online": 0, "level": ""},
+    ]);
+    settings["node_stats"] = serde_json::json!({
+        "pve1": {"maxcpu": 8, "cpu": 0.0, "maxmem": 17179869184u64, "mem": 0},
+        "pve2": {"maxcpu": 8, "cpu": 0.0, "maxmem": 17179869184u64, "mem": 0},
+    });
+    let pve = Pve::start(settings);
+    let closed = free_local_port();
+    let extra = format!(
+        "\n[[nodes]]\nname = \"pve2\"\naddress = \"127.0.0.1\"\nport = {closed}\n\n[[nodes]]\nname = \"pve3\"\naddress = \"127.0.0.1\"\nport = {closed}\n"
+    );
+    let setup = Setup::new(&pve, &extra, "    node: auto\n    source_vmid: 201\n");
+    // pve1 must refuse rather than hang: close the listener so its port is closed too.
+    let config = setup.dir.0.join("controller.toml");
+    let text = std::fs::read_to_string(&config).unwrap();
+    let pve1_port = setup.listener.local_addr().unwrap().port();
+    std::fs::write(
+        &config,
+        text.replace(
+            &format!("port = {pve1_port}\n"),
+            &format!("port = {closed}\n"),
+        ),
+    )
+    .unwrap();
+    // Placement asks the nodes as an operator would, with the controller's keys.
+    let state = setup.dir.0.join("state");
+    let (code, _, err) = run_binary(
+        "certistack-ctl",
+        &["ca", "init", "--state-dir", state.to_str().unwrap()],
+    );
+    assert_eq!(code, 0, "{err}");
+    let document = setup.show();
+    let app = &document["validations"][0];
+    let why = app["unplaced"].as_str().expect("unplaced");
+    assert!(
+        why.starts_with("node auto: no candidate node can take it"),
+        "{why}"
+    );
+    assert!(why.contains("pve2: offline in PVE"), "{why}");
+    assert!(
+        why.contains("pve3: not in the PVE API's node list"),
+        "{why}"
+    );
+    assert!(
+        why.contains("pve1: ") && why.contains("doctor pve1 --vnet csnet1"),
+        "{why}"
+    );
+    let (code, out, err) = setup.ctl(&["plan", "check"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("app: placed on no node: node auto:"), "{out}");
+    assert!(
+        out.contains("the nodes were asked only what placement needs"),
+        "{out}"
+    );
+}
