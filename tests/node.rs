@@ -34,6 +34,8 @@ mod cleanup_journal;
 mod crash;
 #[path = "node/loop_ioctls.rs"]
 mod loop_ioctls;
+#[path = "node/recovery_unit.rs"]
+mod recovery_unit;
 #[path = "node/run_files.rs"]
 mod run_files;
 #[path = "node/source_hardware.rs"]
@@ -94,6 +96,24 @@ impl Run {
         edit: impl FnOnce(&mut pb::RunGrant),
         limits: impl FnOnce(&mut certistack_connector::config::Limits),
     ) -> Self {
+        Self::begin_with_config(
+            tag,
+            archives,
+            prepare,
+            edit,
+            |_, config: &mut certistack_connector::config::Config| limits(&mut config.limits),
+        )
+        .await
+    }
+
+    /// As `begin_with`, with the connector's whole configuration adjusted (paths in the lab).
+    async fn begin_with_config(
+        tag: &str,
+        archives: &[&str],
+        prepare: impl FnOnce(&Lab),
+        edit: impl FnOnce(&mut pb::RunGrant),
+        configure: impl FnOnce(&Lab, &mut certistack_connector::config::Config),
+    ) -> Self {
         let serial = SERIAL.lock().await;
         let lab = Lab::new(tag);
         for archive in archives {
@@ -103,7 +123,7 @@ impl Run {
         let (authority_dir, authority, mut config) =
             lab.controller_and_node_config(&format!("{tag}-ctl"));
         config.limits.guest_timeout_secs = 3;
-        limits(&mut config.limits);
+        configure(&lab, &mut config);
         let (address, shutdown, task) = serve_node(config).await;
         let mut wire = grant(RUN_ID, NODE);
         wire.archives = archives.iter().map(|a| (*a).to_owned()).collect();
