@@ -188,6 +188,7 @@ fn validation(dir: &Path) -> Validation {
             sha256: hex::encode(sha2::Sha256::digest(b"png")),
         }),
         hardware: None,
+        placement: None,
     }
 }
 

@@ -16,6 +16,8 @@ mod interruptions;
 mod latest;
 #[path = "runs/node_conditions.rs"]
 mod node_conditions;
+#[path = "runs/placement.rs"]
+mod placement;
 
 pub(crate) const RUN_TOOLS: &[&str] = &[
     "losetup",

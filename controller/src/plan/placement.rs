@@ -149,7 +149,7 @@ pub fn place(
                         ));
                     }
                     if !why_not.is_empty() {
-                        why.push_str(&format!("; passed over: {}", why_not.join("; ")));
+                        why.push_str(&format!("; passed over: {}", listed(&why_not)));
                     }
                     Placed::On {
                         node: room.name.clone(),
@@ -163,12 +163,30 @@ pub fn place(
                     "no candidate node can take it ({} cores, {} MiB): {}",
                     demand.cores,
                     demand.memory_mib,
-                    why_not.join("; ")
+                    listed(&why_not)
                 )),
             }
         })
         .collect()
 }
+
+/// The candidates' reasons a person reads in `plan show` and the report: the first
+/// [`MAX_REASONS_SHOWN`], then how many more (an inventory may hold 1024 nodes).
+fn listed(reasons: &[String]) -> String {
+    let mut text = reasons
+        .iter()
+        .take(MAX_REASONS_SHOWN)
+        .cloned()
+        .collect::<Vec<_>>()
+        .join("; ");
+    if reasons.len() > MAX_REASONS_SHOWN {
+        text.push_str(&format!("; and {} more", reasons.len() - MAX_REASONS_SHOWN));
+    }
+    text
+}
+
+/// Reasons of passed-over candidates shown per validation.
+const MAX_REASONS_SHOWN: usize = 8;
 
 /// The cores and memory of the `per_node` largest demands of `load` (by memory, then cores):
 /// what runs at once at worst.
@@ -218,6 +236,29 @@ mod tests {
                 Placed::Nowhere(_) => "-".into(),
             })
             .collect()
+    }
+
+    #[test]
+    fn the_reasons_of_a_large_inventory_are_bounded() {
+        let names: Vec<String> = (1..=20).map(|i| format!("pve{i}")).collect();
+        let list = names
+            .iter()
+            .map(|name| NodeRoom {
+                ready: Err("offline in PVE".into()),
+                ..room(name, 8, 8192)
+            })
+            .collect();
+        let candidates: Vec<&str> = names.iter().map(String::as_str).collect();
+        let placed = place(&[demand(&candidates, 1, 256)], &rooms(list), 2);
+        let Placed::Nowhere(why) = &placed[0] else {
+            panic!("{placed:?}")
+        };
+        assert_eq!(
+            why.matches("offline in PVE").count(),
+            MAX_REASONS_SHOWN,
+            "{why}"
+        );
+        assert!(why.ends_with("; and 12 more"), "{why}");
     }
 
     #[test]

@@ -49,6 +49,9 @@ pub fn describe(statement: &Statement, report_path: &Path) -> String {
         value(&p.connector.version),
         value(&p.connector.surface_digest)
     );
+    if let Some(placement) = &p.placement {
+        let _ = writeln!(out, "  placed: {}", value(placement));
+    }
     let _ = writeln!(out, "controller: {}", value(&p.controller_version));
     let _ = writeln!(out, "plan: {}", value(&p.plan_digest));
     let _ = writeln!(

@@ -53,6 +53,10 @@ pub struct Validation {
     /// `qemu-server.conf`, and what it left out.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hardware: Option<SandboxHardware>,
+    /// With `node: auto` or a list of nodes: how the node was chosen (what it had free, the
+    /// candidates passed over and why); absent for a node the plan names.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub placement: Option<String>,
 }
 
 /// The sandbox VM's hardware, mirrored from the source VM's config.

@@ -155,6 +155,7 @@ fn validation() -> Validation {
             changed: vec!["net0: rtl8139 -> e1000 (a legacy emulated NIC)".into()],
             ..SandboxHardware::default()
         }),
+        placement: None,
     }
 }
 

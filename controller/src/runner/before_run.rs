@@ -105,6 +105,7 @@ pub fn report_failed_before_run(
         verdict,
         screenshot: None,
         hardware: None,
+        placement: None,
     };
     let statement = report::Statement::new(predicate);
     let report_path = write_report(context, &statement, now, &mut reasons, &mut outcome);

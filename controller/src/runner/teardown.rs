@@ -157,6 +157,7 @@ pub(super) async fn finish(
         verdict,
         screenshot: saved_screenshot,
         hardware: evidence.hardware.clone(),
+        placement: placement_of(&validation.resolved),
     };
     let statement = report::Statement::new(predicate);
     let report_path = write_report(context, &statement, at, &mut reasons, &mut outcome);
@@ -411,4 +412,9 @@ async fn operator_cleanup(
     )
     .await
     .map_err(|e| format!("Cleanup as an operator after the deadline: {e}"))
+}
+
+/// How placement chose the node, for the report: `None` for a node the plan names.
+fn placement_of(resolved: &crate::plan::ResolvedValidation) -> Option<String> {
+    (resolved.node.source == crate::plan::Origin::Placement).then(|| resolved.node.key.clone())
 }
