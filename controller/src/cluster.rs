@@ -107,8 +107,8 @@ pub struct NodeFigure {
     /// Whether PVE showed its figures: it leaves them out without Sys.Audit on `/nodes/NODE`
     /// (pve-manager `PVE/API2Tools.pm`, `extract_node_stats`), and then nothing is known free.
     pub audited: bool,
-    /// Cores not in use: `maxcpu` × (1 − `cpu`), rounded down.
-    pub free_cores: u32,
+    /// Its CPUs (`maxcpu`).
+    pub cores: u32,
     /// Memory not in use: `maxmem` − `mem`, in MiB.
     pub free_memory_mib: u64,
 }
@@ -129,8 +129,6 @@ impl PveCluster {
             .filter(|r| r.kind == "node")
             .filter_map(|r| {
                 let maxcpu = r.maxcpu.unwrap_or(0.0).max(0.0);
-                let used = r.cpu.unwrap_or(1.0).clamp(0.0, 1.0);
-                let free_cores = (maxcpu * (1.0 - used)).floor();
                 let free_bytes = r
                     .maxmem
                     .unwrap_or(0)
@@ -140,10 +138,10 @@ impl PveCluster {
                     NodeFigure {
                         online: r.status.as_deref() == Some("online"),
                         audited: r.maxmem.is_some() && r.maxcpu.is_some(),
-                        free_cores: if free_cores >= f64::from(u32::MAX) {
+                        cores: if maxcpu >= f64::from(u32::MAX) {
                             u32::MAX
                         } else {
-                            free_cores as u32
+                            maxcpu as u32
                         },
                         free_memory_mib: free_bytes / (1024 * 1024),
                     },

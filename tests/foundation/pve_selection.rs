@@ -357,7 +357,8 @@ fn node_auto_with_no_node_ready_leaves_the_validation_unplaced_saying_why() {
         "{why}"
     );
     let (code, out, err) = setup.ctl(&["plan", "check"]);
-    assert_eq!(code, 0, "{err}");
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("1 validation(s) placed on no node"), "{err}");
     assert!(out.contains("app: placed on no node: node auto:"), "{out}");
     assert!(
         out.contains("the nodes were asked only what placement needs"),

@@ -43,7 +43,19 @@ pub fn plan_check(
         plan.validations.len() + plan.failed_before_run.len() + plan.unplaced.len(),
         contacted(&plan)
     ));
-    write_stdout(&text)
+    write_stdout(&text)?;
+    // A pre-flight check must not pass what the night would report as errors.
+    if plan.unplaced.is_empty() {
+        Ok(())
+    } else {
+        Err(ExitStatus::new(
+            crate::exit::INFRASTRUCTURE,
+            format!(
+                "{} validation(s) placed on no node (above): run would report them as errors; bring a node back or give the plan room, then check again",
+                plan.unplaced.len()
+            ),
+        ))
+    }
 }
 
 /// What checking the plan asked of the nodes: nothing, or (to place `node: auto`) only what

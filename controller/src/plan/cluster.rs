@@ -264,7 +264,7 @@ fn select_vms(
                     format!(
                         "pool {pool} has {} QEMU VM(s) the token may not audit ({}): /cluster/resources leaves them out, so they would go unvalidated; grant VM.Audit on /pool/{pool} (or on each /vms/<vmid>)",
                         hidden.len(),
-                        hidden.join(", ")
+                        first_of(&hidden)
                     ),
                 ));
             }
@@ -343,6 +343,27 @@ pub(super) type Omitted = (usize, usize);
 /// the plan uses (`taken`) and every one the cluster has, whether the token may see it or not
 /// (`/cluster/nextid?vmid=N` for each candidate not known to be taken). Returns the VMIDs in
 /// the order of `omitted`.
+/// VMIDs named in one message: the first [`MAX_VMIDS_NAMED`], then how many more.
+fn first_of(vmids: &[String]) -> String {
+    let mut text = vmids
+        .iter()
+        .take(MAX_VMIDS_NAMED)
+        .cloned()
+        .collect::<Vec<_>>()
+        .join(", ");
+    if vmids.len() > MAX_VMIDS_NAMED {
+        text.push_str(&format!(" and {} more", vmids.len() - MAX_VMIDS_NAMED));
+    }
+    text
+}
+
+/// VMIDs one refusal names.
+const MAX_VMIDS_NAMED: usize = 20;
+
+/// VMIDs of the range asked of `/cluster/nextid` for one plan beyond the ones it takes: each
+/// is an HTTPS call, and a range that is this full is full of something to clean up.
+pub const MAX_VMIDS_IN_USE_SKIPPED: usize = 256;
+
 pub(super) fn assign_sandbox_vmids(
     omitted: &[Omitted],
     taken: &BTreeSet<Vmid>,
@@ -358,7 +379,13 @@ pub(super) fn assign_sandbox_vmids(
     };
     let mut chosen = Vec::with_capacity(omitted.len());
     let mut candidate = low.get();
+    let mut in_use = 0usize;
     while chosen.len() < omitted.len() {
+        if in_use > MAX_VMIDS_IN_USE_SKIPPED {
+            return Err(ClusterError::Refused(format!(
+                "[pve] sandbox_vmid_range {low}-{high}: more than {MAX_VMIDS_IN_USE_SKIPPED} of its VMIDs below {candidate} are in use in the cluster; sandboxes of interrupted runs? run certistack-ctl cleanup on the nodes (qm list shows them), or move the range to VMIDs no one allocates"
+            )));
+        }
         if candidate > high.get() {
             return Err(ClusterError::Refused(format!(
                 "[pve] sandbox_vmid_range {low}-{high} has {} free VMID(s) for the {} sandbox VM(s) the plan leaves without one; widen the range or free VMIDs in it",
@@ -370,7 +397,11 @@ pub(super) fn assign_sandbox_vmids(
             ClusterError::Refused(format!("[pve] sandbox_vmid_range: {reason}"))
         })?;
         candidate = candidate.saturating_add(1);
-        if taken.contains(&vmid) || cluster.vmid_in_use(vmid)? {
+        if taken.contains(&vmid) {
+            continue;
+        }
+        if cluster.vmid_in_use(vmid)? {
+            in_use += 1;
             continue;
         }
         chosen.push(vmid);

@@ -126,6 +126,9 @@ pub struct Plan {
     pub failed_before_run: Vec<FailedBeforeRun>,
     /// The validations placement put on no node, in plan order.
     pub unplaced: Vec<Unplaced>,
+    /// The nodes placement found room on for fewer than `--per-node` validations at once:
+    /// the run keeps to it.
+    pub at_once: BTreeMap<String, usize>,
 }
 
 impl Plan {
@@ -322,7 +325,7 @@ impl Plan {
             resolvers.cluster,
             now_unix,
         )?;
-        place_validations(path, &mut resolved.validations, config, resolvers.rooms)?;
+        let at_once = place_validations(path, &mut resolved.validations, config, resolvers.rooms)?;
         let mut validations = Vec::with_capacity(resolved.validations.len());
         let mut failed_before_run = Vec::new();
         let mut unplaced = Vec::new();
@@ -366,6 +369,7 @@ impl Plan {
             validations,
             failed_before_run,
             unplaced,
+            at_once,
         })
     }
 }
@@ -378,7 +382,7 @@ fn place_validations(
     validations: &mut [ResolvedValidation],
     config: &ControllerConfig,
     rooms: &dyn placement::Rooms,
-) -> Result<(), PlanError> {
+) -> Result<BTreeMap<String, usize>, PlanError> {
     let choosing: Vec<usize> = validations
         .iter()
         .enumerate()
@@ -386,22 +390,24 @@ fn place_validations(
         .map(|(i, _)| i)
         .collect();
     let Some(&first) = choosing.first() else {
-        return Ok(());
+        return Ok(BTreeMap::new());
     };
     let at = validations
         .get(first)
         .map(|v| format!("{} ({}).node", v.key, v.name))
         .unwrap_or_default();
-    let nodes: BTreeSet<String> = choosing
+    // Only what the choices need is asked: each candidate with the VNet of its validation.
+    let pairs: BTreeSet<(String, String)> = choosing
         .iter()
-        .filter_map(|&i| validations.get(i)?.candidates.clone())
-        .flatten()
+        .filter_map(|&i| validations.get(i))
+        .flat_map(|v| {
+            v.candidates
+                .iter()
+                .flatten()
+                .map(|node| (node.clone(), v.network.vnet.value.clone()))
+        })
         .collect();
-    let vnets: BTreeSet<String> = choosing
-        .iter()
-        .filter_map(|&i| Some(validations.get(i)?.network.vnet.value.clone()))
-        .collect();
-    let room = rooms.rooms(&nodes, &vnets).map_err(|error| match error {
+    let room = rooms.rooms(&pairs).map_err(|error| match error {
         placement::RoomsError::Unavailable(reason) => PlanError::Unavailable {
             path: path.to_owned(),
             at: at.clone(),
@@ -413,24 +419,37 @@ fn place_validations(
             reason,
         },
     })?;
+    let memory = |v: &ResolvedValidation| -> u64 {
+        v.sandbox
+            .iter()
+            .map(|vm| u64::from(vm.memory_mib.value))
+            .sum()
+    };
     let demands: Vec<placement::Demand> = choosing
         .iter()
         .filter_map(|&i| {
             let v = validations.get(i)?;
             Some(placement::Demand {
                 candidates: v.candidates.clone().unwrap_or_default(),
-                cores: v.sandbox.iter().map(|vm| vm.cores.value).sum(),
-                memory_mib: v
-                    .sandbox
-                    .iter()
-                    .map(|vm| u64::from(vm.memory_mib.value))
-                    .sum(),
+                vm_cores: v.sandbox.iter().map(|vm| vm.cores.value).max().unwrap_or(0),
+                memory_mib: memory(v),
                 vnet: v.network.vnet.value.clone(),
             })
         })
         .collect();
-    let placed = placement::place(&demands, &room, rooms.per_node());
-    for (&i, placed) in choosing.iter().zip(placed) {
+    // What the plan runs on a named node is load there too.
+    let mut named: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+    for v in validations
+        .iter()
+        .filter(|v| v.candidates.is_none() && v.fails_before_run.is_none())
+    {
+        named
+            .entry(v.node.value.clone())
+            .or_default()
+            .push(memory(v));
+    }
+    let placement = placement::place(&demands, &named, &room, rooms.per_node());
+    for (&i, placed) in choosing.iter().zip(placement.placed) {
         let Some(v) = validations.get_mut(i) else {
             continue;
         };
@@ -452,7 +471,7 @@ fn place_validations(
             }
         }
     }
-    Ok(())
+    Ok(placement.at_once)
 }
 
 /// Step one: the plan as written, every key known and every single value checked as it is read.

@@ -1,24 +1,27 @@
 //! `node: auto` (or a list of nodes): which node each such validation runs on. A pure
-//! function of what the nodes have free and what the validations need, so its choices can be
-//! read, tested and explained.
+//! function of what the nodes have and what the validations need, so its choices can be read,
+//! tested and explained.
 //!
 //! A node is a candidate when the inventory has it, PVE says it is online, its connector
 //! answers Hello with this controller's surface and its prerequisites pass with the
-//! validation's VNet (the facts are gathered by the caller; here they are given). Validations
-//! are placed in plan order, each on the candidate with the most memory left after it
-//! (then the most cores, then the name): the night's load is spread rather than stacked. A node
-//! runs at most `per_node` validations at once, so what must fit in its free cores and memory is
-//! the `per_node` largest demands placed on it, not all of them.
+//! validation's VNet (the facts are gathered by the caller; here they are given), it has as many
+//! CPUs as the largest sandbox VM's cores (PVE shares CPUs between VMs, so the cores in use do
+//! not count) and the validation's memory fits in what it has free. Validations are placed in
+//! plan order: each on the candidate where it would start soonest (the fewest rounds of
+//! validations already placed there), then the fewest placed there, then the most memory
+//! left, then by name; the
+//! night's load is spread rather than stacked. A node runs at most `per_node` validations at
+//! once, fewer where its free memory holds fewer of the largest placed there: placement says
+//! how many, and the run keeps to it. What the plan places on a named node counts as load too.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 /// Where placement reads what the nodes have: PVE's figures and each node's readiness per VNet.
 pub trait Rooms {
-    /// Each of `nodes`' room for a validation on each of `vnets`, keyed `(node, vnet)`.
+    /// Each `(node, vnet)` of `pairs`: the node's room for a validation on that VNet.
     fn rooms(
         &self,
-        nodes: &BTreeSet<String>,
-        vnets: &BTreeSet<String>,
+        pairs: &BTreeSet<(String, String)>,
     ) -> Result<BTreeMap<(String, String), NodeRoom>, RoomsError>;
     /// Validations at once on one node (`run --per-node`).
     fn per_node(&self) -> usize;
@@ -42,8 +45,7 @@ pub struct NoRooms;
 impl Rooms for NoRooms {
     fn rooms(
         &self,
-        _nodes: &BTreeSet<String>,
-        _vnets: &BTreeSet<String>,
+        _pairs: &BTreeSet<(String, String)>,
     ) -> Result<BTreeMap<(String, String), NodeRoom>, RoomsError> {
         Err(RoomsError::Refused(
             "the node is chosen by asking the PVE API (which nodes are online, what they have free) and each node's connector (Hello, its prerequisites with the VNet): configure [pve] and use certistack-ctl plan check, plan show or run, or name the node".into(),
@@ -62,7 +64,8 @@ pub struct NodeRoom {
     /// `Err(why)`: not a candidate (offline in PVE, its connector down or on another surface,
     /// a prerequisite failing for the VNet).
     pub ready: Result<(), String>,
-    pub free_cores: u32,
+    /// Its CPUs (PVE's `maxcpu`): no VM may have more cores.
+    pub cores: u32,
     pub free_memory_mib: u64,
 }
 
@@ -71,8 +74,9 @@ pub struct NodeRoom {
 pub struct Demand {
     /// The nodes it may run on, in the plan's words (`auto`: the whole inventory).
     pub candidates: Vec<String>,
-    /// Its sandbox VMs' cores and memory, added up.
-    pub cores: u32,
+    /// The cores of its largest sandbox VM.
+    pub vm_cores: u32,
+    /// Its sandbox VMs' memory, added up.
     pub memory_mib: u64,
     /// The VNet it attaches to: a node's readiness is judged per VNet.
     pub vnet: String,
@@ -85,22 +89,38 @@ pub enum Placed {
     Nowhere(String),
 }
 
+/// What placement decided: each demand's node, in order, and the nodes that may run fewer
+/// than `per_node` at once (their free memory holds no more of what was placed there).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    pub placed: Vec<Placed>,
+    pub at_once: BTreeMap<String, usize>,
+}
+
 /// Places `demands` in order on `rooms` (each node's readiness for a demand's VNet looked up
-/// as `rooms[(node, vnet)]`), at most `per_node` running at once on one node.
+/// as `rooms[(node, vnet)]`), with `named` (each node's memory demands the plan places there by
+/// name) already there, at most `per_node` running at once on one node.
 pub fn place(
     demands: &[Demand],
+    named: &BTreeMap<String, Vec<u64>>,
     rooms: &BTreeMap<(String, String), NodeRoom>,
     per_node: usize,
-) -> Vec<Placed> {
+) -> Placement {
     let per_node = per_node.max(1);
-    // The demands placed on each node so far: (cores, memory).
-    let mut placed: BTreeMap<String, Vec<(u32, u64)>> = BTreeMap::new();
-    demands
+    // The memory of each validation placed on each node so far.
+    let mut load: BTreeMap<String, Vec<u64>> = named.clone();
+    let mut at_once: BTreeMap<String, usize> = BTreeMap::new();
+    let placed = demands
         .iter()
         .map(|demand| {
             let mut why_not = Vec::new();
-            let mut best: Option<(&NodeRoom, u64, u32)> = None;
-            for name in &demand.candidates {
+            // (room, at once there, memory left at once, its order: the rounds before it
+            // starts, the validations there, the most memory left)
+            #[allow(clippy::type_complexity)]
+            let mut best: Option<(&NodeRoom, usize, u64, (usize, usize, std::cmp::Reverse<u64>))> =
+                None;
+            let mut ready = 0usize;
+            for name in unique(&demand.candidates) {
                 let Some(room) = rooms.get(&(name.clone(), demand.vnet.clone())) else {
                     why_not.push(format!("{name}: not examined"));
                     continue;
@@ -109,44 +129,47 @@ pub fn place(
                     why_not.push(format!("{name}: {why}"));
                     continue;
                 }
-                let mut load = placed.get(name).cloned().unwrap_or_default();
-                load.push((demand.cores, demand.memory_mib));
-                let (cores, memory) = busiest(&load, per_node);
-                if cores > room.free_cores || memory > room.free_memory_mib {
+                ready += 1;
+                if demand.vm_cores > room.cores {
                     why_not.push(format!(
-                        "{name}: {} cores and {} MiB free, {cores} cores and {memory} MiB needed at once",
-                        room.free_cores, room.free_memory_mib
+                        "{name}: {} CPUs, fewer than a sandbox VM's {} cores",
+                        room.cores, demand.vm_cores
                     ));
                     continue;
                 }
-                let memory_left = room.free_memory_mib - memory;
-                let cores_left = room.free_cores - cores;
-                let better = match best {
-                    None => true,
-                    Some((_, best_memory, best_cores)) => {
-                        (memory_left, cores_left) > (best_memory, best_cores)
-                    }
-                };
-                if better {
-                    best = Some((room, memory_left, cores_left));
+                if demand.memory_mib > room.free_memory_mib {
+                    why_not.push(format!(
+                        "{name}: {} MiB free, {} MiB needed",
+                        room.free_memory_mib, demand.memory_mib
+                    ));
+                    continue;
+                }
+                let mut there = load.get(name).cloned().unwrap_or_default();
+                there.push(demand.memory_mib);
+                let fits = fitting(&there, room.free_memory_mib, per_node);
+                let rounds = there.len().div_ceil(fits);
+                let left = room.free_memory_mib - largest(&there, fits);
+                let key = (rounds, there.len(), std::cmp::Reverse(left));
+                if best.as_ref().is_none_or(|(.., best_key)| key < *best_key) {
+                    best = Some((room, fits, left, key));
                 }
             }
             match best {
-                Some((room, memory_left, cores_left)) => {
-                    placed
-                        .entry(room.name.clone())
-                        .or_default()
-                        .push((demand.cores, demand.memory_mib));
-                    let others = demand.candidates.len().saturating_sub(1);
+                Some((room, fits, left, _)) => {
+                    let there = load.entry(room.name.clone()).or_default();
+                    there.push(demand.memory_mib);
+                    let count = there.len();
+                    // Memory, not the per-node limit or the count, holds it to fewer at once.
+                    if fits < per_node.min(count) {
+                        let limit = at_once.entry(room.name.clone()).or_insert(fits);
+                        *limit = (*limit).min(fits);
+                    }
                     let mut why = format!(
-                        "{} MiB and {} cores left after it, of {} MiB and {} cores free",
-                        memory_left, cores_left, room.free_memory_mib, room.free_cores
+                        "{left} MiB left with {fits} at once, of {} MiB free; validation {count} there",
+                        room.free_memory_mib
                     );
-                    if others > 0 {
-                        why.push_str(&format!(
-                            "; the most room of {} candidate(s)",
-                            demand.candidates.len()
-                        ));
+                    if ready > 1 {
+                        why.push_str(&format!("; the soonest start and most room of {ready} ready"));
                     }
                     if !why_not.is_empty() {
                         why.push_str(&format!("; passed over: {}", listed(&why_not)));
@@ -160,14 +183,39 @@ pub fn place(
                     Placed::Nowhere("no candidate node (the inventory is empty)".into())
                 }
                 None => Placed::Nowhere(format!(
-                    "no candidate node can take it ({} cores, {} MiB): {}",
-                    demand.cores,
+                    "no candidate node can take it ({} MiB, a VM of {} cores): {}",
                     demand.memory_mib,
+                    demand.vm_cores,
                     listed(&why_not)
                 )),
             }
         })
-        .collect()
+        .collect();
+    Placement { placed, at_once }
+}
+
+/// `names` without repeats, in their order (`node: [pve1, pve1]` is one candidate).
+fn unique(names: &[String]) -> Vec<&String> {
+    let mut seen = BTreeSet::new();
+    names.iter().filter(|name| seen.insert(*name)).collect()
+}
+
+/// How many of `load` may run at once within `free` MiB: at most `per_node`, and at least one
+/// (each fits alone, or it would not have been placed).
+fn fitting(load: &[u64], free: u64, per_node: usize) -> usize {
+    (1..=per_node.min(load.len()).max(1))
+        .rev()
+        .find(|&k| largest(load, k) <= free)
+        .unwrap_or(1)
+}
+
+/// The memory of the `k` largest of `load`: what runs at once at worst.
+fn largest(load: &[u64], k: usize) -> u64 {
+    let mut load = load.to_vec();
+    load.sort_unstable_by(|a, b| b.cmp(a));
+    load.iter()
+        .take(k)
+        .fold(0u64, |sum, m| sum.saturating_add(*m))
 }
 
 /// The candidates' reasons a person reads in `plan show` and the report: the first
@@ -188,18 +236,6 @@ fn listed(reasons: &[String]) -> String {
 /// Reasons of passed-over candidates shown per validation.
 const MAX_REASONS_SHOWN: usize = 8;
 
-/// The cores and memory of the `per_node` largest demands of `load` (by memory, then cores):
-/// what runs at once at worst.
-fn busiest(load: &[(u32, u64)], per_node: usize) -> (u32, u64) {
-    let mut load = load.to_vec();
-    load.sort_by_key(|&(cores, memory)| std::cmp::Reverse((memory, cores)));
-    load.iter()
-        .take(per_node)
-        .fold((0u32, 0u64), |(cores, memory), (c, m)| {
-            (cores.saturating_add(*c), memory.saturating_add(*m))
-        })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -208,7 +244,7 @@ mod tests {
         NodeRoom {
             name: name.into(),
             ready: Ok(()),
-            free_cores: cores,
+            cores,
             free_memory_mib: memory_mib,
         }
     }
@@ -219,23 +255,28 @@ mod tests {
             .collect()
     }
 
-    fn demand(candidates: &[&str], cores: u32, memory_mib: u64) -> Demand {
+    fn demand(candidates: &[&str], vm_cores: u32, memory_mib: u64) -> Demand {
         Demand {
             candidates: candidates.iter().map(|c| (*c).to_owned()).collect(),
-            cores,
+            vm_cores,
             memory_mib,
             vnet: "csnet1".into(),
         }
     }
 
-    fn nodes(placed: &[Placed]) -> Vec<String> {
-        placed
+    fn nodes(placement: &Placement) -> Vec<String> {
+        placement
+            .placed
             .iter()
             .map(|p| match p {
                 Placed::On { node, .. } => node.clone(),
                 Placed::Nowhere(_) => "-".into(),
             })
             .collect()
+    }
+
+    fn count(placement: &Placement, node: &str) -> usize {
+        nodes(placement).iter().filter(|n| *n == node).count()
     }
 
     #[test]
@@ -249,9 +290,14 @@ mod tests {
             })
             .collect();
         let candidates: Vec<&str> = names.iter().map(String::as_str).collect();
-        let placed = place(&[demand(&candidates, 1, 256)], &rooms(list), 2);
-        let Placed::Nowhere(why) = &placed[0] else {
-            panic!("{placed:?}")
+        let placement = place(
+            &[demand(&candidates, 1, 256)],
+            &BTreeMap::new(),
+            &rooms(list),
+            2,
+        );
+        let Placed::Nowhere(why) = &placement.placed[0] else {
+            panic!("{placement:?}")
         };
         assert_eq!(
             why.matches("offline in PVE").count(),
@@ -262,81 +308,117 @@ mod tests {
     }
 
     #[test]
-    fn the_node_with_room_is_preferred_and_the_load_is_spread() {
-        let rooms = rooms(vec![room("pve1", 8, 4096), room("pve2", 8, 16384)]);
-        let both = ["pve1", "pve2"];
-        let placed = place(
-            &[
-                demand(&both, 2, 4096),
-                demand(&both, 2, 4096),
-                demand(&both, 2, 4096),
-                demand(&both, 2, 4096),
-            ],
+    fn twenty_validations_on_three_nodes_are_spread_evenly() {
+        let rooms = rooms(vec![
+            room("pve1", 8, 14336),
+            room("pve2", 8, 14336),
+            room("pve3", 8, 14336),
+        ]);
+        let all = ["pve1", "pve2", "pve3"];
+        let placement = place(
+            &vec![demand(&all, 2, 4096); 20],
+            &BTreeMap::new(),
             &rooms,
-            4,
+            2,
         );
-        // pve2 has the room; once it has taken three, pve1 has as much left.
-        assert_eq!(nodes(&placed), ["pve2", "pve2", "pve2", "pve1"]);
-        let Placed::On { why, .. } = &placed[0] else {
-            panic!("{placed:?}")
-        };
-        assert!(why.contains("12288 MiB and 6 cores left after it"), "{why}");
+        let counts: Vec<usize> = all.iter().map(|n| count(&placement, n)).collect();
+        assert_eq!(counts, [7, 7, 6], "{:?}", nodes(&placement));
+        assert!(placement.at_once.is_empty(), "{placement:?}");
     }
 
     #[test]
-    fn a_node_not_ready_is_passed_over_saying_why_and_nothing_fitting_errs() {
+    fn the_node_with_room_is_preferred() {
+        let rooms = rooms(vec![room("pve1", 8, 4096), room("pve2", 8, 16384)]);
+        let both = ["pve1", "pve2"];
+        let placement = place(
+            &vec![demand(&both, 2, 4096); 3],
+            &BTreeMap::new(),
+            &rooms,
+            1,
+        );
+        // One at a time: pve2 first (more left), then pve1 (it would start a round sooner),
+        // then pve2 again.
+        assert_eq!(nodes(&placement), ["pve2", "pve1", "pve2"]);
+        let Placed::On { why, .. } = &placement.placed[0] else {
+            panic!("{placement:?}")
+        };
+        assert!(
+            why.contains("12288 MiB left with 1 at once, of 16384 MiB free; validation 1 there"),
+            "{why}"
+        );
+        assert!(
+            why.contains("the soonest start and most room of 2 ready"),
+            "{why}"
+        );
+    }
+
+    #[test]
+    fn a_node_not_ready_or_too_small_is_passed_over_saying_why() {
         let mut down = room("pve1", 64, 65536);
         down.ready = Err("its connector does not answer".into());
-        let rooms = rooms(vec![down, room("pve2", 2, 2048)]);
-        let placed = place(
-            &[
-                demand(&["pve1", "pve2"], 2, 2048),
-                demand(&["pve1", "pve2"], 2, 2048),
-            ],
+        let rooms = rooms(vec![down, room("pve2", 2, 2048), room("pve3", 1, 65536)]);
+        let three = ["pve1", "pve2", "pve3", "pve2"];
+        let placement = place(
+            &[demand(&three, 2, 2048), demand(&three, 2, 4096)],
+            &BTreeMap::new(),
             &rooms,
             4,
         );
-        let Placed::On { node, why } = &placed[0] else {
-            panic!("{placed:?}")
+        let Placed::On { node, why } = &placement.placed[0] else {
+            panic!("{placement:?}")
         };
         assert_eq!(node, "pve2");
         assert!(
-            why.contains("passed over: pve1: its connector does not answer"),
+            why.contains("passed over: pve1: its connector does not answer; pve3: 1 CPUs, fewer than a sandbox VM's 2 cores"),
             "{why}"
         );
-        let Placed::Nowhere(why) = &placed[1] else {
-            panic!("{placed:?}")
+        let Placed::Nowhere(why) = &placement.placed[1] else {
+            panic!("{placement:?}")
         };
-        assert!(why.contains("pve1: its connector does not answer"), "{why}");
+        // pve2 is named twice, and judged once.
+        assert_eq!(why.matches("pve2:").count(), 1, "{why}");
         assert!(
-            why.contains("pve2: 2 cores and 2048 MiB free, 4 cores and 4096 MiB needed at once"),
+            why.contains("pve2: 2048 MiB free, 4096 MiB needed"),
             "{why}"
         );
     }
 
     #[test]
-    fn only_what_runs_at_once_must_fit_within_the_per_node_limit() {
-        let rooms = rooms(vec![room("pve1", 4, 4096)]);
-        let demands = vec![demand(&["pve1"], 2, 2048); 5];
-        // One at a time: each fits alone, so all five go there and wait their turn.
-        assert_eq!(nodes(&place(&demands, &rooms, 1)), ["pve1"; 5]);
-        // Three at once would need 6 cores: the third and later do not fit.
-        assert_eq!(
-            nodes(&place(&demands, &rooms, 3)),
-            ["pve1", "pve1", "-", "-", "-"]
+    fn a_node_whose_memory_holds_fewer_runs_fewer_at_once() {
+        let rooms = rooms(vec![room("pve1", 4, 5000)]);
+        let placement = place(
+            &vec![demand(&["pve1"], 2, 2048); 5],
+            &BTreeMap::new(),
+            &rooms,
+            3,
         );
+        // Each fits alone; two fit at once, not three: all five go there, two at a time.
+        assert_eq!(nodes(&placement), ["pve1"; 5]);
+        assert_eq!(placement.at_once.get("pve1"), Some(&2));
+    }
+
+    #[test]
+    fn what_the_plan_names_counts_as_load() {
+        let rooms = rooms(vec![room("pve1", 8, 8192), room("pve2", 8, 8192)]);
+        let named = BTreeMap::from([("pve1".to_owned(), vec![2048, 2048])]);
+        let placement = place(&[demand(&["pve1", "pve2"], 1, 1024)], &named, &rooms, 2);
+        assert_eq!(nodes(&placement), ["pve2"]);
     }
 
     #[test]
     fn a_node_never_examined_or_an_empty_inventory_is_said() {
-        let placed = place(&[demand(&["pve9"], 1, 512)], &BTreeMap::new(), 4);
+        let none = BTreeMap::new();
+        let placement = place(&[demand(&["pve9"], 1, 512)], &none, &BTreeMap::new(), 4);
         assert_eq!(
-            placed,
+            placement.placed,
             [Placed::Nowhere(
-                "no candidate node can take it (1 cores, 512 MiB): pve9: not examined".into()
+                "no candidate node can take it (512 MiB, a VM of 1 cores): pve9: not examined"
+                    .into()
             )]
         );
-        let placed = place(&[demand(&[], 1, 512)], &BTreeMap::new(), 4);
-        assert!(matches!(&placed[0], Placed::Nowhere(why) if why.contains("inventory is empty")));
+        let placement = place(&[demand(&[], 1, 512)], &none, &BTreeMap::new(), 4);
+        assert!(
+            matches!(&placement.placed[0], Placed::Nowhere(why) if why.contains("inventory is empty"))
+        );
     }
 }

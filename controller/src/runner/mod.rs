@@ -92,11 +92,18 @@ pub async fn run_plan(
         .collect();
     let mut tasks = tokio::task::JoinSet::new();
     let mut names = Vec::with_capacity(plan.validations.len());
+    // Where placement found memory for fewer at once, the node runs fewer.
+    let at_once = plan.at_once;
     for (index, validation) in plan.validations.into_iter().enumerate() {
         names.push((validation.name.clone(), validation.grant.node.to_string()));
         let node_limit = per_node_limits
             .entry(validation.grant.node.to_string())
-            .or_insert_with(|| Arc::new(Semaphore::new(per_node.max(1))))
+            .or_insert_with(|| {
+                let limit = at_once
+                    .get(validation.grant.node.as_str())
+                    .map_or(per_node, |&fits| fits.min(per_node));
+                Arc::new(Semaphore::new(limit.max(1)))
+            })
             .clone();
         // A node refuses a run whose VNet or archive another open run holds: validations that
         // share one on a node run one after the other. Locks are taken in one global order

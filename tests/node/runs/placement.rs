@@ -167,7 +167,7 @@ fn a_selection_placed_by_node_auto_runs_on_two_nodes_end_to_end() {
                 .expect("the report says how the node was chosen");
             assert!(placement.starts_with("node auto: "), "{placement}");
             assert!(
-                placement.contains("the most room of 3 candidate(s)"),
+                placement.contains("the soonest start and most room of 2 ready"),
                 "{placement}"
             );
             assert!(

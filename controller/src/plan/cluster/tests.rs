@@ -263,3 +263,25 @@ fn a_range_with_too_few_free_vmids_says_how_many_it_has() {
         "{error}"
     );
 }
+
+#[test]
+fn a_range_full_of_leftovers_is_refused_after_a_bounded_walk() {
+    let mut cluster = pool_of_five();
+    cluster.range = Some((990_000, 990_999));
+    cluster.in_use = (990_000..990_500).collect();
+    let error = resolve(&selecting("{pool: prod}"), &cluster)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains("more than 256 of its VMIDs below 990257 are in use"),
+        "{error}"
+    );
+    assert!(error.contains("certistack-ctl cleanup"), "{error}");
+    // The range's VMIDs asked: 257, no more (the plan's written VMID is asked too).
+    let asked = cluster.asked_nextid.borrow();
+    assert_eq!(
+        asked.iter().filter(|v| **v >= 990_000).count(),
+        257,
+        "{asked:?}"
+    );
+}
