@@ -180,9 +180,14 @@ struct BootGuard {
 
 impl Drop for BootGuard {
     fn drop(&mut self) {
-        let (Some((unit, description)), Ok(runtime)) =
-            (self.unit.take(), tokio::runtime::Handle::try_current())
-        else {
+        let Some((unit, description)) = self.unit.take() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            // Without a runtime the unit cannot be stopped here: its user stays lent.
+            if let Some(lease) = self.lease.take() {
+                lease.keep();
+            }
             return;
         };
         let systemctl = self.systemctl.clone();
@@ -193,10 +198,14 @@ impl Drop for BootGuard {
                 process::release_transient_unit(&systemctl, &unit, &description, UNIT_STOP_TIMEOUT)
                     .await
             {
-                tracing::warn!(%unit, %reason, "the appliance boot's unit could not be stopped; its RuntimeMaxSec ends it");
+                tracing::warn!(%unit, %reason, "the appliance boot's unit could not be stopped; its RuntimeMaxSec ends it, and its user stays lent until the connector restarts");
+                if let Some(lease) = lease {
+                    lease.keep();
+                }
+            } else {
+                drop(lease);
             }
             drop(slot);
-            drop(lease);
         });
     }
 }

@@ -250,11 +250,14 @@ pub fn inspect(sys_block: &Path, device: &str) -> Option<LoopDevice> {
 }
 
 /// The file a loop device reads, named by what the kernel holds rather than by path: the
-/// device number and inode of its backing file.
+/// device number and inode of its backing file, and the window of it the device shows (a PBS
+/// mapping shows the whole file: offset 0, no size limit; `LOOP_SET_STATUS64` could move it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BackingIdentity {
     pub device: u64,
     pub inode: u64,
+    pub offset: u64,
+    pub size_limit: u64,
 }
 
 impl BackingIdentity {
@@ -265,13 +268,23 @@ impl BackingIdentity {
         Ok(Self {
             device: meta.dev(),
             inode: meta.ino(),
+            offset: 0,
+            size_limit: 0,
         })
     }
 }
 
 impl std::fmt::Display for BackingIdentity {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "device {:#x} inode {}", self.device, self.inode)
+        write!(f, "device {:#x} inode {}", self.device, self.inode)?;
+        if self.offset != 0 || self.size_limit != 0 {
+            write!(
+                f,
+                " from byte {} (size limit {})",
+                self.offset, self.size_limit
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -340,6 +353,8 @@ pub fn backing_identity(device: &Path) -> std::io::Result<BackingIdentity> {
     Ok(BackingIdentity {
         device: info.lo_device,
         inode: info.lo_inode,
+        offset: info.lo_offset,
+        size_limit: info.lo_sizelimit,
     })
 }
 

@@ -214,7 +214,7 @@ fn select_vms(
                         return Err(refused(
                             ".select.vmids",
                             format!(
-                                "VM {} ({}) is a template, which has no backups to restore; remove it",
+                                "VM {} ({}) is a template, which is not validated (a template does not boot as a guest); remove it",
                                 vmid.0,
                                 untrusted(&vm.name)
                             ),

@@ -5,7 +5,7 @@ use super::confinement::{
     KVM_DEVICE, KVM_GROUP, LOOP_DEVICE_GROUP, OverlayHandover, appliance_launcher, group_id,
     loop_device_problem,
 };
-use super::identities::{APPLIANCE_UNITS, IdentityLease, lease, users_of_loaded_units};
+use super::identities::{APPLIANCE_UNITS, IdentityLease, UnitLease, lease, users_of_loaded_units};
 use super::plan::recover;
 use super::profiles::probe_ports;
 use super::session::{
@@ -230,9 +230,17 @@ impl GuestNetwork<'_> {
         let timeout_secs = appliance.timeout.as_secs();
         let memory_mib = appliance.memory_mib;
         let unit = self.guest_network_unit(grant, vmid, memory_mib)?;
+        // The user stays lent until the unit is known to have ended, on every path.
         let (confinement, lease) = match &unit {
-            Some(_) => {
+            Some(unit) => {
                 let (confinement, lease) = self.confinement(&device).await?;
+                let lease = UnitLease::new(
+                    lease,
+                    &self.ctx.config.process.systemctl,
+                    &unit.name,
+                    &unit.description,
+                    self.ctx.tool_timeout(),
+                );
                 (Some(confinement), Some(lease))
             }
             None => (None, None),
@@ -329,22 +337,19 @@ impl GuestNetwork<'_> {
         // A unit that could not be stopped is named in the step's record; deleting the overlay
         // (DeleteOverlay, Cleanup) stops it first.
         let mut unit_left = None;
-        if let Some(unit) = &unit
-            && let Err(reason) = process::release_transient_unit(
-                &self.ctx.config.process.systemctl,
-                &unit.name,
-                &unit.description,
-                self.ctx.tool_timeout(),
-            )
-            .await
+        let mut lease = lease;
+        if let (Some(unit), Some(lease)) = (&unit, lease.as_mut())
+            && let Err(reason) = lease.stop().await
         {
             tracing::warn!(run_id = %grant.run_id, %vmid, unit = %unit.name, %reason, "the guest network recovery's unit was not stopped");
             unit_left = Some(unit.name.clone());
         }
         let given_back = handover.map(OverlayHandover::give_back);
-        // The user is free for another appliance once its unit has ended; a unit that would
-        // not stop keeps it (systemd still names it as the unit's user).
-        drop(lease);
+        // The user is free for another appliance once its unit has ended and the overlay is
+        // its owner's again; a unit that would not stop keeps it lent.
+        if let Some(lease) = lease {
+            lease.give_back();
+        }
         if let Some(Err(reason)) = &given_back {
             tracing::warn!(run_id = %grant.run_id, %vmid, %reason, "the overlay was not given back after recovery");
         }

@@ -29,17 +29,120 @@ pub const APPLIANCE_UNITS: &str = "certistack-guestnet-*";
 
 pub use crate::config::MAX_APPLIANCE_USERS;
 
-/// A user lent to one appliance; given back when dropped (after its unit has ended).
+/// A user lent to one appliance; given back when dropped (after its unit has ended), unless
+/// [`IdentityLease::keep`] kept it lent.
 #[derive(Debug)]
 pub struct IdentityLease {
     pub user: ApplianceUser,
+    kept: bool,
+}
+
+impl IdentityLease {
+    /// Keeps the user lent for the rest of this daemon's life: its appliance's unit may still
+    /// run (its stop failed, or could not be asked). After a restart, systemd says who runs.
+    pub fn keep(mut self) {
+        self.kept = true;
+    }
 }
 
 impl Drop for IdentityLease {
     fn drop(&mut self) {
-        if let Ok(mut lent) = LENT.lock() {
-            lent.remove(&self.user.name);
+        if !self.kept {
+            // A poisoned lock still holds the set: a panic elsewhere must not lend a user twice
+            // or never again.
+            LENT.lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .remove(&self.user.name);
         }
+    }
+}
+
+/// A lease tied to the transient unit its appliance runs in: the user stays lent until the
+/// unit is known to have ended. [`UnitLease::stop`] stops the unit, [`UnitLease::give_back`]
+/// then frees the user (or keeps it lent when the stop failed); dropped on any other path (an
+/// early return, a panic), it stops the unit on the runtime and frees the user only if that
+/// worked.
+#[derive(Debug)]
+pub struct UnitLease {
+    lease: Option<IdentityLease>,
+    systemctl: std::path::PathBuf,
+    unit: String,
+    description: String,
+    timeout: Duration,
+    stopped: bool,
+}
+
+impl UnitLease {
+    pub fn new(
+        lease: IdentityLease,
+        systemctl: &Path,
+        unit: &str,
+        description: &str,
+        timeout: Duration,
+    ) -> Self {
+        Self {
+            lease: Some(lease),
+            systemctl: systemctl.to_owned(),
+            unit: unit.to_owned(),
+            description: description.to_owned(),
+            timeout,
+            stopped: false,
+        }
+    }
+
+    /// Stops the unit (its whole cgroup, the appliance's QEMU included); one that ended by
+    /// itself was collected already.
+    pub async fn stop(&mut self) -> Result<(), String> {
+        crate::process::release_transient_unit(
+            &self.systemctl,
+            &self.unit,
+            &self.description,
+            self.timeout,
+        )
+        .await?;
+        self.stopped = true;
+        Ok(())
+    }
+
+    /// Frees the user if the unit was stopped; keeps it lent otherwise.
+    pub fn give_back(mut self) {
+        if let Some(lease) = self.lease.take()
+            && !self.stopped
+        {
+            lease.keep();
+        }
+    }
+}
+
+impl Drop for UnitLease {
+    fn drop(&mut self) {
+        let Some(lease) = self.lease.take() else {
+            return;
+        };
+        if self.stopped {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            lease.keep();
+            return;
+        };
+        let (systemctl, unit, description, timeout) = (
+            self.systemctl.clone(),
+            self.unit.clone(),
+            self.description.clone(),
+            self.timeout,
+        );
+        runtime.spawn(async move {
+            match crate::process::release_transient_unit(&systemctl, &unit, &description, timeout)
+                .await
+            {
+                Ok(_) => drop(lease),
+                Err(reason) => {
+                    tracing::warn!(%unit, %reason, "an appliance's unit could not be stopped: its user stays lent until the connector restarts");
+                    lease.keep();
+                }
+            }
+        });
     }
 }
 
@@ -52,7 +155,7 @@ pub fn lease(
 ) -> Result<IdentityLease, String> {
     let mut lent = LENT
         .lock()
-        .map_err(|_| "the appliance identities' lock is poisoned; restart the connector")?;
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let Some(name) = names
         .iter()
         .find(|name| !lent.contains(*name) && !running.contains(*name))
@@ -63,8 +166,19 @@ pub fn lease(
         ));
     };
     let user = ApplianceUser::lookup(passwd, name)?;
+    // Two names of one uid would be one identity: the appliances could reach each other.
+    for other in names.iter().filter(|other| *other != name) {
+        if let Ok(same) = ApplianceUser::lookup(passwd, other)
+            && same.uid == user.uid
+        {
+            return Err(format!(
+                "appliance users {name} and {other} of guest_network.appliance_users share uid {}: each appliance needs a uid of its own; give each user its own uid (the package's sysusers.d file does)",
+                user.uid
+            ));
+        }
+    }
     lent.insert(name.clone());
-    Ok(IdentityLease { user })
+    Ok(IdentityLease { user, kept: false })
 }
 
 /// The users loaded units matching `pattern` (`certistack-guestnet-*`) run as, unless the unit
@@ -135,6 +249,90 @@ mod tests {
         assert!(none.contains("retry when one has ended"), "{none}");
         drop(first);
         assert_eq!(lease(&names, &passwd, &running).unwrap().user.uid, 901);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn passwd_of(lines: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+        let dir = std::env::temp_dir().join(format!("identities-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir(&dir).unwrap();
+        let passwd = dir.join("passwd");
+        std::fs::write(&passwd, lines).unwrap();
+        (dir, passwd)
+    }
+
+    #[test]
+    fn two_names_of_one_uid_are_refused() {
+        let (dir, passwd) = passwd_of(
+            "same-a:x:921:921::/nonexistent:/usr/sbin/nologin\nsame-b:x:921:921::/nonexistent:/usr/sbin/nologin\n",
+        );
+        let names: Vec<String> = ["same-a", "same-b"].map(String::from).to_vec();
+        let refused = lease(&names, &passwd, &BTreeSet::new()).unwrap_err();
+        assert!(refused.contains("share uid 921"), "{refused}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A `systemctl` for one loaded unit described as "desc", whose stop fails unless `ok`.
+    fn systemctl(dir: &Path, ok: bool) -> std::path::PathBuf {
+        use std::os::unix::fs::PermissionsExt;
+        let path = dir.join(if ok {
+            "systemctl-ok"
+        } else {
+            "systemctl-stuck"
+        });
+        std::fs::write(
+            &path,
+            format!(
+                "#!/bin/sh\ncase \"$1\" in\n  show) printf 'LoadState=loaded\\nDescription=desc\\n' ;;\n  stop) exit {} ;;\nesac\nexit 0\n",
+                if ok { 0 } else { 1 }
+            ),
+        )
+        .unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        path
+    }
+
+    #[tokio::test]
+    async fn a_unit_lease_frees_its_user_only_once_its_unit_has_ended() {
+        let (dir, passwd) = passwd_of(
+            "unit-a:x:931:931::/nonexistent:/usr/sbin/nologin\nunit-b:x:932:932::/nonexistent:/usr/sbin/nologin\n",
+        );
+        let timeout = Duration::from_secs(10);
+        let none = BTreeSet::new();
+        // A unit that would not stop keeps its user lent.
+        let stuck = vec!["unit-a".to_owned()];
+        let mut held = UnitLease::new(
+            lease(&stuck, &passwd, &none).unwrap(),
+            &systemctl(&dir, false),
+            "certistack-guestnet-t-1",
+            "desc",
+            timeout,
+        );
+        assert!(held.stop().await.is_err());
+        held.give_back();
+        assert!(lease(&stuck, &passwd, &none).is_err(), "unit-a stays lent");
+        // Dropped on an early return: the unit is stopped on the runtime, then the user freed.
+        let early = vec!["unit-b".to_owned()];
+        let dropped = UnitLease::new(
+            lease(&early, &passwd, &none).unwrap(),
+            &systemctl(&dir, true),
+            "certistack-guestnet-t-2",
+            "desc",
+            timeout,
+        );
+        assert!(lease(&early, &passwd, &none).is_err(), "unit-b is lent");
+        drop(dropped);
+        let mut again = None;
+        for _ in 0..100 {
+            if let Ok(lent) = lease(&early, &passwd, &none) {
+                again = Some(lent);
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(
+            again.is_some(),
+            "unit-b was not given back after its unit stopped"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -44,10 +44,13 @@ pub fn loop_ioctl_filter() -> Result<BpfProgram, String> {
         u64::from(LOOP_IOCTL_BASE),
     )
     .map_err(|e| e.to_string())?;
-    let rules = BTreeMap::from([(
-        libc::SYS_ioctl,
-        vec![SeccompRule::new(vec![loop_command]).map_err(|e| e.to_string())?],
-    )]);
+    let mut rules = BTreeMap::new();
+    for number in ioctl_numbers() {
+        rules.insert(
+            number,
+            vec![SeccompRule::new(vec![loop_command.clone()]).map_err(|e| e.to_string())?],
+        );
+    }
     let filter = SeccompFilter::new(
         rules,
         SeccompAction::Allow,
@@ -59,6 +62,25 @@ pub fn loop_ioctl_filter() -> Result<BpfProgram, String> {
         .try_into()
         .map_err(|e: seccompiler::BackendError| e.to_string())
 }
+
+/// The system call numbers of `ioctl` this filter's architecture answers. On x86_64 the x32
+/// ABI's (`__X32_SYSCALL_BIT | 514`, `compat_sys_ioctl`, arch/x86/entry/syscalls/syscall_64.tbl)
+/// passes the same architecture check as the native one, so it is filtered too, whether or not
+/// the kernel has x32 (the unit's `SystemCallArchitectures=native` refuses it as well).
+pub fn ioctl_numbers() -> Vec<i64> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        vec![libc::SYS_ioctl, X32_SYSCALL_BIT | 514]
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        vec![libc::SYS_ioctl]
+    }
+}
+
+/// `__X32_SYSCALL_BIT` (arch/x86/include/uapi/asm/unistd.h).
+#[cfg(target_arch = "x86_64")]
+pub const X32_SYSCALL_BIT: i64 = 0x4000_0000;
 
 /// Installs [`loop_ioctl_filter`] on this process (and what it starts), then replaces it with
 /// `program`; returns only on failure, saying what failed.
@@ -73,4 +95,23 @@ pub fn exec_without_loop_ioctls(program: &Path, args: &[OsString]) -> String {
     }
     let error = std::process::Command::new(program).args(args).exec();
     format!("cannot execute {}: {error}", program.display())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn the_filter_compares_the_x32_ioctl_too() {
+        let program = loop_ioctl_filter().unwrap();
+        for number in ioctl_numbers() {
+            let number = u32::try_from(number).unwrap();
+            assert!(
+                program.iter().any(|instruction| instruction.k == number),
+                "no comparison with system call {number:#x}"
+            );
+        }
+        assert!(ioctl_numbers().contains(&(X32_SYSCALL_BIT | 514)));
+    }
 }

@@ -32,7 +32,7 @@ pub use confinement::{
     appliance_launcher, confine,
 };
 pub use identities::{
-    APPLIANCE_UNITS, IdentityLease, MAX_APPLIANCE_USERS, lease, running_users,
+    APPLIANCE_UNITS, IdentityLease, MAX_APPLIANCE_USERS, UnitLease, lease, running_users,
     users_of_loaded_units,
 };
 pub use launcher::{
