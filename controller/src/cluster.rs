@@ -151,6 +151,29 @@ impl PveCluster {
     }
 }
 
+impl crate::plan::needs::Privileges for PveCluster {
+    fn privileges(
+        &self,
+        path: &str,
+    ) -> Result<Option<std::collections::BTreeSet<String>>, ClusterError> {
+        if self.settings.is_none() {
+            return Ok(None);
+        }
+        let (client, runtime) = self.client()?;
+        let table = self.call(runtime, client.permissions(Some(path)))?;
+        Ok(Some(
+            table
+                .get(path)
+                .map(|privileges| privileges.keys().cloned().collect())
+                .unwrap_or_default(),
+        ))
+    }
+
+    fn token_id(&self) -> Option<String> {
+        self.settings.as_ref().map(|s| s.token_id.clone())
+    }
+}
+
 impl Cluster for PveCluster {
     fn vms(&self) -> Result<Vec<ClusterVm>, ClusterError> {
         if let Some(listed) = self.listed.lock().ok().and_then(|l| l.clone()) {

@@ -38,7 +38,8 @@ pub const UNREADABLE: u8 = 66;
 pub const OS_ERROR: u8 = 71;
 /// The output could not be written (EX_IOERR): a full disk, a failing device.
 pub const OUTPUT_FAILED: u8 = 74;
-/// A file's owner or mode is refused (EX_NOPERM).
+/// A file's owner or mode is refused, or the PVE API token lacks a privilege the plan needs
+/// (EX_NOPERM).
 pub const INSECURE_FILE: u8 = 77;
 /// The controller configuration, or a key of its state directory, is refused (EX_CONFIG).
 pub const REFUSED_CONFIG: u8 = 78;
@@ -237,6 +238,8 @@ impl From<PlanError> for ExitStatus {
             PlanError::TooLarge { .. } | PlanError::Syntax { .. } | PlanError::Refused { .. } => {
                 REFUSED_PLAN
             }
+            // Permission denied, as for a file's mode: the operator grants, then retries.
+            PlanError::Privileges { .. } => INSECURE_FILE,
             // Not the plan's fault: the nightly monitor should see an infrastructure failure.
             PlanError::Unavailable { .. } => {
                 return Self::new(
@@ -246,6 +249,60 @@ impl From<PlanError> for ExitStatus {
             }
         };
         Self::new(code, format!("plan refused: {error}"))
+    }
+}
+
+/// A refused plan's exit status. Missing privileges are listed first on standard error, one
+/// line each (every need, then the `pveum` lines to paste), each line escaped on its own.
+pub fn plan_refused(error: crate::plan::PlanError) -> ExitStatus {
+    if let crate::plan::PlanError::Privileges { lacking, .. } = &error {
+        let line = |text: &str| {
+            certistack_core::untrusted::printable(
+                text.as_bytes(),
+                certistack_core::untrusted::MAX_DETAIL_CHARS,
+            )
+        };
+        for need in &lacking.required {
+            eprintln!(
+                "missing {} on {}: {}",
+                need.privilege,
+                line(&need.path),
+                line(&need.why)
+            );
+        }
+        for need in &lacking.worked_around {
+            eprintln!(
+                "missing (worked around) {} on {}: {}",
+                need.privilege,
+                line(&need.path),
+                line(&need.why)
+            );
+        }
+        eprintln!("grant them with:");
+        for grant in &lacking.grant {
+            eprintln!("  {}", line(grant));
+        }
+        return ExitStatus::new(
+            INSECURE_FILE,
+            format!(
+                "plan refused: the PVE API token lacks {} privilege(s) the plan needs (above); nothing was asked of any node",
+                lacking.required.len()
+            ),
+        );
+    }
+    error.into()
+}
+
+/// What the plan works around, on standard error (escaped: it quotes the plan).
+pub fn print_plan_warnings(plan: &crate::plan::Plan) {
+    for warning in &plan.warnings {
+        eprintln!(
+            "certistack-ctl: warning: {}",
+            certistack_core::untrusted::printable(
+                warning.as_bytes(),
+                certistack_core::untrusted::MAX_DETAIL_CHARS
+            )
+        );
     }
 }
 

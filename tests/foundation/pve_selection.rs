@@ -365,3 +365,36 @@ fn node_auto_with_no_node_ready_leaves_the_validation_unplaced_saying_why() {
         "{out}"
     );
 }
+
+#[test]
+fn missing_privileges_are_listed_at_once_before_anything_is_asked() {
+    // VM.Audit on every VM, but neither Pool.Audit on the pool nor Sys.Audit on the node.
+    let mut permissions = auditor();
+    permissions["/pool/prod"] = serde_json::json!({});
+    permissions["/nodes"] = serde_json::json!({});
+    permissions["/"] = serde_json::json!({});
+    let pve = Pve::start(cluster(permissions));
+    let setup = Setup::new(&pve, "", "    node: auto\n    select: {pool: prod}\n");
+    for command in [&["plan", "check"][..], &["plan", "show"], &["run"]] {
+        let (code, out, err) = setup.ctl(command);
+        assert_eq!(code, 77, "{command:?}: {out}{err}");
+        for line in [
+            "missing Pool.Audit on /pool/prod: validations[0] (app).select.pool",
+            "missing Sys.Audit on /nodes/pve1: validations[0] (app).node",
+            "grant them with:",
+            "  pveum role add CertiStackPoolAudit --privs Pool.Audit",
+            "  pveum role add CertiStackSysAudit --privs Sys.Audit",
+            "  pveum acl modify /nodes/pve1 --roles CertiStackSysAudit --users 'certistack@pve' --tokens 'certistack@pve!ctl'",
+            "  pveum acl modify /pool/prod --roles CertiStackPoolAudit --users 'certistack@pve' --tokens 'certistack@pve!ctl'",
+            "lacks 2 privilege(s) the plan needs",
+        ] {
+            assert!(err.contains(line), "{command:?}: {line:?} not in {err}");
+        }
+    }
+    // Only the privileges were asked: no listing, no pool, no node.
+    let log = pve.calls_log();
+    assert!(!log.contains("/cluster/resources"), "{log}");
+    assert!(!log.contains("/pools/"), "{log}");
+    assert!(log.contains("/access/permissions"), "{log}");
+    setup.assert_no_node_contacted();
+}

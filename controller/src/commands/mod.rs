@@ -63,7 +63,7 @@ pub fn load_plan(
     let catalog = crate::catalog::PbsCatalog::new();
     let cluster = crate::cluster::PveCluster::new(config.pve.as_ref());
     let rooms = crate::placer::NodeRooms::new(config, &cluster, crate::runner::DEFAULT_PER_NODE);
-    Ok(crate::plan::Plan::load_with(
+    let plan = crate::plan::Plan::load_with(
         plan,
         config,
         now.unix_timestamp(),
@@ -72,5 +72,8 @@ pub fn load_plan(
             cluster: &cluster,
             rooms: &rooms,
         },
-    )?)
+    )
+    .map_err(crate::exit::plan_refused)?;
+    crate::exit::print_plan_warnings(&plan);
+    Ok(plan)
 }

@@ -49,8 +49,17 @@ pub enum ClusterError {
     Refused(String),
 }
 
-/// Where resolution reads the cluster's VMs.
-pub trait Cluster {
+/// Where the token's privileges are read: `None` when no PVE API is configured (then nothing
+/// is checked here, and what needs the API is refused by resolution, saying so).
+pub trait Privileges {
+    /// The privileges the token has on exactly `path` (`GET /access/permissions?path=`).
+    fn privileges(&self, path: &str) -> Result<Option<BTreeSet<String>>, ClusterError>;
+    /// The token's id, `USER@REALM!TOKEN`, for the lines that grant what is missing.
+    fn token_id(&self) -> Option<String>;
+}
+
+/// Where resolution reads the cluster's VMs (and, before anything, the token's privileges).
+pub trait Cluster: Privileges {
     /// Every QEMU VM the token may audit (`/cluster/resources?type=vm`), templates included.
     fn vms(&self) -> Result<Vec<ClusterVm>, ClusterError>;
     /// The VMIDs of the QEMU VMs in pool `pool` (`/pools/{pool}`), whatever the token may
@@ -72,6 +81,15 @@ pub trait Cluster {
 pub struct NoCluster;
 
 const NO_CLUSTER: &str = "this is read from the Proxmox VE API: configure [pve] in the controller configuration (docs/install.md, section 4) and use certistack-ctl plan check, plan show or run";
+
+impl Privileges for NoCluster {
+    fn privileges(&self, _path: &str) -> Result<Option<BTreeSet<String>>, ClusterError> {
+        Ok(None)
+    }
+    fn token_id(&self) -> Option<String> {
+        None
+    }
+}
 
 impl Cluster for NoCluster {
     fn vms(&self) -> Result<Vec<ClusterVm>, ClusterError> {

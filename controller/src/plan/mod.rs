@@ -17,6 +17,7 @@ pub mod backup;
 pub mod cluster;
 mod file;
 pub mod latest;
+pub mod needs;
 pub mod placement;
 mod resolve;
 pub mod show;
@@ -102,6 +103,37 @@ pub enum PlanError {
         at: &'static str,
         error: FileError,
     },
+    /// The PVE API token lacks privileges the plan needs: every one, at once.
+    #[error("{path}: {}", privileges_text(.lacking))]
+    Privileges {
+        path: PathBuf,
+        lacking: needs::Lacking,
+    },
+}
+
+/// What a refusal for missing privileges says: each need, then the lines that grant them all.
+fn privileges_text(lacking: &needs::Lacking) -> String {
+    let mut text = format!(
+        "the PVE API token lacks {} privilege(s) the plan needs; nothing was asked of any node:",
+        lacking.required.len()
+    );
+    for need in &lacking.required {
+        text.push_str(&format!(
+            "\n  {} on {}: {}",
+            need.privilege, need.path, need.why
+        ));
+    }
+    for need in &lacking.worked_around {
+        text.push_str(&format!(
+            "\n  (worked around) {} on {}: {}",
+            need.privilege, need.path, need.why
+        ));
+    }
+    text.push_str("\ngrant them with:");
+    for line in &lacking.grant {
+        text.push_str(&format!("\n  {line}"));
+    }
+    text
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -129,6 +161,8 @@ pub struct Plan {
     /// The nodes placement found room on for fewer than `--per-node` validations at once:
     /// the run keeps to it.
     pub at_once: BTreeMap<String, usize>,
+    /// What the plan works around (a privilege a tag selection would use), for the operator.
+    pub warnings: Vec<String>,
 }
 
 impl Plan {
@@ -317,6 +351,47 @@ impl Plan {
         resolvers: Resolvers<'_>,
     ) -> Result<Self, PlanError> {
         let file = read_written(path, text)?;
+        // Before anything else is asked: every privilege the plan needs, every missing one
+        // said at once.
+        let lacking =
+            needs::lacking(&needs::needs(&file, config), resolvers.cluster).map_err(|error| {
+                match error {
+                    ClusterError::Secret(error) => PlanError::Secret {
+                        path: path.to_owned(),
+                        at: "pve.token_secret_file",
+                        error,
+                    },
+                    ClusterError::Unavailable(reason) => PlanError::Unavailable {
+                        path: path.to_owned(),
+                        at: "pve (the token's privileges)".into(),
+                        reason,
+                    },
+                    ClusterError::Refused(reason) => PlanError::Refused {
+                        path: path.to_owned(),
+                        at: "pve (the token's privileges)".into(),
+                        reason,
+                    },
+                }
+            })?;
+        if !lacking.required.is_empty() {
+            return Err(PlanError::Privileges {
+                path: path.to_owned(),
+                lacking,
+            });
+        }
+        let warnings: Vec<String> = lacking
+            .worked_around
+            .iter()
+            .map(|need| {
+                format!(
+                    "the PVE API token lacks {} on {}: {}; grant it with: {}",
+                    need.privilege,
+                    need.path,
+                    need.why,
+                    lacking.grant.join("; ")
+                )
+            })
+            .collect();
         let mut resolved = resolve::resolve(
             path,
             &file,
@@ -370,6 +445,7 @@ impl Plan {
             failed_before_run,
             unplaced,
             at_once,
+            warnings,
         })
     }
 }
@@ -475,7 +551,7 @@ fn place_validations(
 }
 
 /// Step one: the plan as written, every key known and every single value checked as it is read.
-fn read_written(path: &Path, text: &str) -> Result<PlanFile, PlanError> {
+pub(in crate::plan) fn read_written(path: &Path, text: &str) -> Result<PlanFile, PlanError> {
     serde_saphyr::from_str(text).map_err(|error| {
         let position = error.location().filter(|at| at.line() > 0).map_or_else(
             || "?".to_owned(),

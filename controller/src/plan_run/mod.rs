@@ -68,7 +68,9 @@ pub fn load(options: &Options, now: OffsetDateTime) -> Result<Loaded, ExitStatus
             cluster: &cluster,
             rooms: &rooms,
         },
-    )?;
+    )
+    .map_err(crate::exit::plan_refused)?;
+    crate::exit::print_plan_warnings(&plan);
     // What placement asked the nodes is not asked again by the runner.
     let checked = rooms.into_checks();
     let secrets = runner::Secrets::load(&plan)?;

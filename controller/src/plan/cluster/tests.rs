@@ -27,6 +27,15 @@ fn vm(vmid: u32, pool: Option<&str>, tags: &[&str]) -> ClusterVm {
     }
 }
 
+impl crate::plan::needs::Privileges for Listed {
+    fn privileges(&self, _path: &str) -> Result<Option<BTreeSet<String>>, ClusterError> {
+        Ok(None)
+    }
+    fn token_id(&self) -> Option<String> {
+        None
+    }
+}
+
 impl Cluster for Listed {
     fn vms(&self) -> Result<Vec<ClusterVm>, ClusterError> {
         Ok(self.vms.clone())
