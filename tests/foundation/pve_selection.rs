@@ -398,3 +398,105 @@ fn missing_privileges_are_listed_at_once_before_anything_is_asked() {
     assert!(log.contains("/access/permissions"), "{log}");
     setup.assert_no_node_contacted();
 }
+
+/// Applies `pveum role add NAME --privs P` and `pveum acl modify PATH --roles R,.. [--users
+/// 'U'] [--tokens 'T']` lines to the double's user.cfg model (`roles`, `acl`), as pveum writes
+/// user.cfg (pve-access-control `PVE/CLI/pveum.pm`: `acl modify` propagates by default).
+fn apply_pveum(settings: &mut serde_json::Value, lines: &[&str]) {
+    for line in lines {
+        let words: Vec<String> = line
+            .split_whitespace()
+            .map(|w| w.trim_matches('\'').to_owned())
+            .collect();
+        let value = |flag: &str| {
+            words
+                .iter()
+                .position(|w| w == flag)
+                .and_then(|at| words.get(at + 1).cloned())
+        };
+        match (
+            words.get(1).map(String::as_str),
+            words.get(2).map(String::as_str),
+        ) {
+            (Some("role"), Some("add")) => {
+                settings["roles"][&words[3]] =
+                    serde_json::json!(value("--privs").unwrap().split(',').collect::<Vec<_>>());
+            }
+            (Some("acl"), Some("modify")) => {
+                let mut entry = serde_json::json!({
+                    "path": words[3],
+                    "roles": value("--roles").unwrap().split(',').collect::<Vec<_>>(),
+                    "propagate": 1,
+                });
+                for kind in ["users", "tokens"] {
+                    if let Some(who) = value(&format!("--{kind}")) {
+                        entry[kind] = serde_json::json!([who]);
+                    }
+                }
+                settings["acl"].as_array_mut().unwrap().push(entry);
+            }
+            _ => panic!("not a pveum line this test applies: {line}"),
+        }
+    }
+}
+
+#[test]
+fn privilege_separation_is_seen_and_the_printed_grants_make_the_preflight_pass() {
+    // The user may audit everything (PVEAuditor on / through its group); its token, with
+    // privilege separation, was granted nothing of its own.
+    let mut settings = cluster(serde_json::json!({}));
+    settings["users"] = serde_json::json!({
+        "certistack@pve": {"groups": ["auditors"], "tokens": {"ctl": {"privsep": 1}}}
+    });
+    settings["acl"] = serde_json::json!([
+        {"path": "/", "roles": ["PVEAuditor"], "groups": ["auditors"], "propagate": 1}
+    ]);
+    let pve = Pve::start(settings.clone());
+    let write = |settings: &serde_json::Value| {
+        let mut all = settings.clone();
+        all["tokens"] = serde_json::json!({ TOKEN_ID: SECRET });
+        let path = pve.api.tls_dir().join("double.json");
+        let staged = pve.api.tls_dir().join("double.json.tmp");
+        std::fs::write(&staged, all.to_string()).unwrap();
+        std::fs::rename(&staged, path).unwrap();
+    };
+    let setup = Setup::new(&pve, "", "    node: pve1\n    select: {pool: prod}\n");
+    let (code, out, err) = setup.ctl(&["plan", "check"]);
+    assert_eq!(code, 77, "{out}{err}");
+    assert!(err.contains("missing Pool.Audit on /pool/prod"), "{err}");
+    let grants: Vec<&str> = err
+        .lines()
+        .filter_map(|line| line.strip_prefix("  "))
+        .filter(|line| line.starts_with("pveum "))
+        .collect();
+    assert_eq!(grants.len(), 2, "{err}");
+
+    // The lines it printed, applied as pveum would: the preflight passes, and resolution
+    // names what the pool's VMs still need (VM.Audit may be granted per VM or on the pool).
+    apply_pveum(&mut settings, &grants);
+    write(&settings);
+    let (code, out, err) = setup.ctl(&["plan", "check"]);
+    assert_eq!(code, 65, "{out}{err}");
+    assert!(err.contains("grant VM.Audit on /pool/prod"), "{err}");
+    apply_pveum(
+        &mut settings,
+        &[
+            "pveum role add CertiStackVMAudit --privs VM.Audit",
+            "pveum acl modify /pool/prod --roles CertiStackVMAudit --users 'certistack@pve' --tokens 'certistack@pve!ctl'",
+        ],
+    );
+    write(&settings);
+    let (code, out, err) = setup.ctl(&["plan", "check"]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("5 validation(s)"), "{out}");
+
+    // Without privilege separation the token has its user's privileges, and needs no grant.
+    settings["acl"] = serde_json::json!([
+        {"path": "/", "roles": ["PVEAuditor"], "groups": ["auditors"], "propagate": 1}
+    ]);
+    settings["users"]["certistack@pve"]["tokens"]["ctl"]["privsep"] = serde_json::json!(0);
+    write(&settings);
+    let (code, out, err) = setup.ctl(&["plan", "check"]);
+    assert_eq!(code, 0, "{out}{err}");
+    setup.assert_no_node_contacted();
+}
