@@ -12,6 +12,8 @@ use crate::api::pve::PveClient;
 use crate::catalog::RESOLUTION_BUDGET;
 use crate::config::PveSettings;
 use crate::plan::cluster::{Cluster, ClusterError, ClusterVm, NoCluster};
+use crate::plan::sdn::{SdnView, SubnetView};
+use certistack_core::untrusted;
 use certistack_core::validate::Vmid;
 use std::collections::BTreeMap;
 use std::sync::{Mutex, OnceLock};
@@ -33,6 +35,8 @@ pub struct PveCluster {
     listed: Mutex<Option<Vec<ClusterVm>>>,
     /// What `/cluster/nextid` said of each VMID asked.
     in_use: Mutex<BTreeMap<u32, bool>>,
+    /// Each VNet's SDN configuration, as read.
+    sdn: Mutex<BTreeMap<String, SdnView>>,
 }
 
 impl PveCluster {
@@ -44,6 +48,7 @@ impl PveCluster {
             deadline: Instant::now() + RESOLUTION_BUDGET,
             listed: Mutex::new(None),
             in_use: Mutex::new(BTreeMap::new()),
+            sdn: Mutex::new(BTreeMap::new()),
         }
     }
 
@@ -254,7 +259,124 @@ impl Cluster for PveCluster {
     fn configured(&self) -> bool {
         self.settings.is_some()
     }
+
+    fn sdn_vnet(&self, vnet: &str) -> Result<Option<SdnView>, ClusterError> {
+        if self.settings.is_none() {
+            return Ok(None);
+        }
+        if let Some(seen) = self.sdn.lock().ok().and_then(|s| s.get(vnet).cloned()) {
+            return Ok(Some(seen));
+        }
+        let (client, runtime) = self.client()?;
+        // pve-network `Vnets.pm` `read` dies (HTTP 500) for a VNet that is not configured.
+        let found = self.call(runtime, async {
+            match client.sdn_vnet(vnet).await {
+                Err(error)
+                    if error.status() == Some(500)
+                        && error.to_string().contains("does not exist") =>
+                {
+                    Ok(None)
+                }
+                other => other.map(Some),
+            }
+        })?;
+        let Some(found) = found else {
+            return Err(ClusterError::Refused(format!(
+                "VNet {vnet} is not in the cluster's SDN configuration (GET /cluster/sdn/vnets/{vnet}): create it in a Simple zone (docs/sandbox-network.md) and apply, or name the VNet the nodes have"
+            )));
+        };
+        let shown = |text: &str| untrusted::printable(text.as_bytes(), untrusted::MAX_VALUE_CHARS);
+        let Some(zone_name) = found.zone.clone() else {
+            return Err(ClusterError::Refused(format!(
+                "VNet {vnet} names no zone in the SDN configuration"
+            )));
+        };
+        let zones = self.call(runtime, client.sdn_zones())?;
+        if zones.len() > MAX_SDN_OBJECTS {
+            return Err(ClusterError::Refused(format!(
+                "GET /cluster/sdn/zones lists {} zones, more than the {MAX_SDN_OBJECTS} read",
+                zones.len()
+            )));
+        }
+        let Some(zone) = zones.iter().find(|z| z.zone == zone_name) else {
+            return Err(ClusterError::Refused(format!(
+                "the zone {} of VNet {vnet} is not listed to the token: grant SDN.Audit on /sdn/zones/{}",
+                shown(&zone_name),
+                shown(&zone_name)
+            )));
+        };
+        let subnets = self.call(runtime, client.sdn_subnets(vnet))?;
+        if subnets.len() > MAX_SDN_OBJECTS {
+            return Err(ClusterError::Refused(format!(
+                "VNet {vnet} has {} subnets, more than the {MAX_SDN_OBJECTS} read",
+                subnets.len()
+            )));
+        }
+        let mut pending = Vec::new();
+        let mut note =
+            |what: String,
+             state: &Option<String>,
+             changes: &Option<serde_json::Map<String, serde_json::Value>>| {
+                let keys: Vec<String> = changes
+                    .iter()
+                    .flat_map(|c| c.keys())
+                    .map(|k| shown(k))
+                    .collect();
+                match (state, keys.is_empty()) {
+                    (Some(state), true) => pending.push(format!("{what} ({})", shown(state))),
+                    (Some(state), false) => {
+                        pending.push(format!("{what} ({}: {})", shown(state), keys.join(", ")))
+                    }
+                    (None, false) => pending.push(format!("{what}: {}", keys.join(", "))),
+                    (None, true) => {}
+                }
+            };
+        note(
+            format!("zone {}", shown(&zone.zone)),
+            &zone.state,
+            &zone.pending,
+        );
+        note(format!("VNet {vnet}"), &found.state, &found.pending);
+        let subnets: Vec<SubnetView> = subnets
+            .iter()
+            .map(|s| {
+                let cidr = shown(
+                    s.cidr
+                        .as_deref()
+                        .or(s.subnet.as_deref())
+                        .unwrap_or("(unnamed)"),
+                );
+                note(format!("subnet {cidr}"), &s.state, &s.pending);
+                SubnetView {
+                    gateway: s.gateway.as_deref().map(shown),
+                    snat: s.snat.is_some_and(|b| b.0),
+                    dhcp_range: s.dhcp_range.as_ref().is_some_and(|r| {
+                        !r.is_null() && r.as_array().is_none_or(|a| !a.is_empty())
+                    }),
+                    cidr,
+                }
+            })
+            .collect();
+        let view = SdnView {
+            zone: shown(&zone.zone),
+            zone_type: shown(zone.kind.as_deref().unwrap_or("(none)")),
+            zone_nodes: zone
+                .nodes
+                .as_deref()
+                .filter(|n| !n.is_empty())
+                .map(|n| n.split(',').map(|node| shown(node.trim())).collect()),
+            subnets,
+            pending,
+        };
+        if let Ok(mut seen) = self.sdn.lock() {
+            seen.insert(vnet.to_owned(), view.clone());
+        }
+        Ok(Some(view))
+    }
 }
+
+/// SDN zones, or one VNet's subnets, read at most.
+const MAX_SDN_OBJECTS: usize = 10_000;
 
 /// An answer refusing what was asked (403: a privilege; 4xx: a pool that does not exist) is
 /// the plan's or the token's to fix; anything else means the API could not be asked.

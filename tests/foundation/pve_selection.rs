@@ -68,6 +68,7 @@ fn auditor() -> serde_json::Value {
         "/": {"Sys.Audit": 1},
         "/pool/prod": {"Pool.Audit": 1},
         "/nodes": {"Sys.Audit": 1},
+        "/sdn/zones": {"SDN.Audit": 1},
     });
     for vmid in [201, 202, 203, 204, 205, 206, 210] {
         table[format!("/vms/{vmid}")] = serde_json::json!({"VM.Audit": 0});
@@ -283,7 +284,8 @@ fn a_written_sandbox_vmid_the_cluster_has_is_refused_before_any_node() {
 
 #[test]
 fn a_selection_over_the_bound_is_refused() {
-    let mut settings = cluster(serde_json::json!({"/": {"Sys.Audit": 1, "VM.Audit": 1}}));
+    let mut settings =
+        cluster(serde_json::json!({"/": {"Sys.Audit": 1, "VM.Audit": 1, "SDN.Audit": 1}}));
     let guests = settings["guests"].as_array_mut().unwrap();
     for vmid in 1000..1300 {
         guests.push(
@@ -464,12 +466,13 @@ fn privilege_separation_is_seen_and_the_printed_grants_make_the_preflight_pass()
     let (code, out, err) = setup.ctl(&["plan", "check"]);
     assert_eq!(code, 77, "{out}{err}");
     assert!(err.contains("missing Pool.Audit on /pool/prod"), "{err}");
+    assert!(err.contains("missing SDN.Audit on /sdn/zones"), "{err}");
     let grants: Vec<&str> = err
         .lines()
         .filter_map(|line| line.strip_prefix("  "))
         .filter(|line| line.starts_with("pveum "))
         .collect();
-    assert_eq!(grants.len(), 2, "{err}");
+    assert_eq!(grants.len(), 4, "{err}");
 
     // The lines it printed, applied as pveum would: the preflight passes, and resolution
     // names what the pool's VMs still need (VM.Audit may be granted per VM or on the pool).
@@ -499,4 +502,71 @@ fn privilege_separation_is_seen_and_the_printed_grants_make_the_preflight_pass()
     let (code, out, err) = setup.ctl(&["plan", "check"]);
     assert_eq!(code, 0, "{out}{err}");
     setup.assert_no_node_contacted();
+}
+
+#[test]
+fn a_vnet_the_sdn_configuration_does_not_keep_on_the_node_is_refused_before_any_node() {
+    let cases: [(&str, serde_json::Value, &str); 6] = [
+        (
+            "gateway",
+            serde_json::json!({"subnets": [{"subnet": "csbox-10.99.0.0-24", "cidr": "10.99.0.0/24",
+                "vnet": "csnet1", "gateway": "10.99.0.1"}]}),
+            "its subnet 10.99.0.0/24 has gateway 10.99.0.1",
+        ),
+        (
+            "snat",
+            serde_json::json!({"subnets": [{"subnet": "csbox-10.99.0.0-24", "cidr": "10.99.0.0/24",
+                "vnet": "csnet1", "snat": 1}]}),
+            "has SNAT on",
+        ),
+        (
+            "vlan",
+            serde_json::json!({"zones": [{"zone": "csbox", "type": "vlan", "bridge": "vmbr0"}]}),
+            "of type vlan, which carries the VNet off the node",
+        ),
+        (
+            "other nodes",
+            serde_json::json!({"zones": [{"zone": "csbox", "type": "simple", "nodes": "pve2,pve3"}]}),
+            "is not on node pve1 (nodes pve2,pve3)",
+        ),
+        (
+            "pending",
+            serde_json::json!({"subnets": [{"subnet": "csbox-10.99.0.0-24", "cidr": "10.99.0.0/24",
+                "vnet": "csnet1", "state": "changed", "pending": {"gateway": "10.99.0.1"}}]}),
+            "subnet 10.99.0.0/24 (changed: gateway) is pending",
+        ),
+        (
+            "absent",
+            serde_json::json!({"vnets": []}),
+            "VNet csnet1 is not in the cluster's SDN configuration",
+        ),
+    ];
+    for (case, patch, expected) in cases {
+        let mut settings = cluster(auditor());
+        let mut sdn = serde_json::json!({
+            "zones": [{"zone": "csbox", "type": "simple"}],
+            "vnets": [{"vnet": "csnet1", "zone": "csbox"}],
+            "subnets": [{"subnet": "csbox-10.99.0.0-24", "cidr": "10.99.0.0/24", "vnet": "csnet1"}],
+        });
+        for (key, value) in patch.as_object().unwrap() {
+            sdn[key] = value.clone();
+        }
+        settings["sdn"] = sdn;
+        let pve = Pve::start(settings);
+        let setup = Setup::new(&pve, "", "    node: pve1\n    source_vmid: 201\n");
+        let (code, out, err) = setup.ctl(&["plan", "check"]);
+        assert_eq!(code, 65, "{case}: {out}{err}");
+        assert!(
+            err.contains("validations[0] (app).network.vnet"),
+            "{case}: {err}"
+        );
+        assert!(err.contains(expected), "{case}: {expected:?} not in {err}");
+        setup.assert_no_node_contacted();
+        // Read, never written.
+        let log = pve.calls_log();
+        assert!(
+            log.lines().all(|line| line.contains("\"method\": \"GET\"")),
+            "{case}: {log}"
+        );
+    }
 }

@@ -168,6 +168,31 @@ impl PveClient {
         self.get(&format!("/pools/{}", query_escape(pool))).await
     }
 
+    /// `GET /cluster/sdn/zones?pending=1`: the SDN zones the token may audit (pve-network
+    /// `PVE/API2/Network/SDN/Zones.pm`, `index`: filtered by SDN.Audit on `/sdn/zones/<zone>`),
+    /// each with its running values and, under `pending`, what an apply would change.
+    pub async fn sdn_zones(&self) -> Result<Vec<SdnZone>, ApiError> {
+        self.get("/cluster/sdn/zones?pending=1").await
+    }
+
+    /// `GET /cluster/sdn/vnets/{vnet}?pending=1` (SDN.Audit on `/sdn/zones/<zone>/<vnet>`).
+    pub async fn sdn_vnet(&self, vnet: &str) -> Result<SdnVnet, ApiError> {
+        self.get(&format!(
+            "/cluster/sdn/vnets/{}?pending=1",
+            query_escape(vnet)
+        ))
+        .await
+    }
+
+    /// `GET /cluster/sdn/vnets/{vnet}/subnets?pending=1`: the VNet's subnets.
+    pub async fn sdn_subnets(&self, vnet: &str) -> Result<Vec<SdnSubnet>, ApiError> {
+        self.get(&format!(
+            "/cluster/sdn/vnets/{}/subnets?pending=1",
+            query_escape(vnet)
+        ))
+        .await
+    }
+
     /// `GET /cluster/nextid?vmid=N`: whether no guest of the cluster has VMID `vmid`. The
     /// method reads the cluster's whole VM list (permissions `user => 'all'`), so it answers for
     /// guests the token cannot see too; a VMID in use is refused with a parameter error (pve-manager
@@ -277,6 +302,52 @@ pub struct ClusterResource {
     pub maxmem: Option<u64>,
     #[serde(default)]
     pub mem: Option<u64>,
+}
+
+/// An SDN zone as `?pending=1` shows it: the running values, `pending` what an apply would
+/// change, `state` `new`, `changed` or `deleted` when anything is pending.
+#[derive(Debug, Clone, Deserialize)]
+pub struct SdnZone {
+    pub zone: String,
+    #[serde(rename = "type", default)]
+    pub kind: Option<String>,
+    /// `,`-separated; absent: every node.
+    #[serde(default)]
+    pub nodes: Option<String>,
+    #[serde(default)]
+    pub state: Option<String>,
+    #[serde(default)]
+    pub pending: Option<serde_json::Map<String, serde_json::Value>>,
+}
+
+/// An SDN VNet.
+#[derive(Debug, Clone, Deserialize)]
+pub struct SdnVnet {
+    #[serde(default)]
+    pub zone: Option<String>,
+    #[serde(default)]
+    pub state: Option<String>,
+    #[serde(default)]
+    pub pending: Option<serde_json::Map<String, serde_json::Value>>,
+}
+
+/// An SDN subnet of a VNet.
+#[derive(Debug, Clone, Deserialize)]
+pub struct SdnSubnet {
+    #[serde(default)]
+    pub subnet: Option<String>,
+    #[serde(default)]
+    pub cidr: Option<String>,
+    #[serde(default)]
+    pub gateway: Option<String>,
+    #[serde(default)]
+    pub snat: Option<PveBool>,
+    #[serde(rename = "dhcp-range", default)]
+    pub dhcp_range: Option<serde_json::Value>,
+    #[serde(default)]
+    pub state: Option<String>,
+    #[serde(default)]
+    pub pending: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
 /// `GET /pools/{pool}`.

@@ -74,6 +74,11 @@ pub trait Cluster: Privileges {
     fn configured(&self) -> bool {
         true
     }
+    /// A preprovisioned VNet as the SDN configuration has it (`plan::sdn`); `None` when no
+    /// API is there to ask.
+    fn sdn_vnet(&self, _vnet: &str) -> Result<Option<super::sdn::SdnView>, ClusterError> {
+        Ok(None)
+    }
 }
 
 /// No cluster: `select` and omitted sandbox VMIDs are refused, saying what reads them.

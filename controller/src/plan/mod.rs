@@ -20,6 +20,7 @@ pub mod latest;
 pub mod needs;
 pub mod placement;
 mod resolve;
+pub mod sdn;
 pub mod show;
 #[cfg(test)]
 mod tests;
@@ -401,6 +402,7 @@ impl Plan {
             now_unix,
         )?;
         let at_once = place_validations(path, &mut resolved.validations, config, resolvers.rooms)?;
+        check_sdn(path, &resolved.validations, resolvers.cluster)?;
         let mut validations = Vec::with_capacity(resolved.validations.len());
         let mut failed_before_run = Vec::new();
         let mut unplaced = Vec::new();
@@ -548,6 +550,64 @@ fn place_validations(
         }
     }
     Ok(placement.at_once)
+}
+
+/// Every VNet a validation runs on, as the SDN configuration has it for the node it runs on
+/// (`sdn`): refused before any node is asked. Without `[pve]` the nodes' checks alone judge it.
+fn check_sdn(
+    path: &Path,
+    validations: &[ResolvedValidation],
+    cluster: &dyn Cluster,
+) -> Result<(), PlanError> {
+    if !cluster.configured() {
+        return Ok(());
+    }
+    for v in validations
+        .iter()
+        .filter(|v| v.unplaced.is_none() && v.fails_before_run.is_none())
+    {
+        let at = format!("{} ({}).network.vnet", v.key, v.name);
+        let vnet = &v.network.vnet.value;
+        let view = match cluster.sdn_vnet(vnet) {
+            Ok(Some(view)) => view,
+            Ok(None) => continue,
+            Err(ClusterError::Secret(error)) => {
+                return Err(PlanError::Secret {
+                    path: path.to_owned(),
+                    at: "pve.token_secret_file",
+                    error,
+                });
+            }
+            Err(ClusterError::Unavailable(reason)) => {
+                return Err(PlanError::Unavailable {
+                    path: path.to_owned(),
+                    at,
+                    reason,
+                });
+            }
+            Err(ClusterError::Refused(reason)) => {
+                return Err(PlanError::Refused {
+                    path: path.to_owned(),
+                    at,
+                    reason,
+                });
+            }
+        };
+        let found = sdn::problems(&view, vnet, &v.node.value);
+        if !found.is_empty() {
+            return Err(PlanError::Refused {
+                path: path.to_owned(),
+                at,
+                reason: format!(
+                    "VNet {vnet} (zone {}) may not hold a sandbox on node {}: {}",
+                    view.zone,
+                    v.node.value,
+                    found.join("; ")
+                ),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Step one: the plan as written, every key known and every single value checked as it is read.

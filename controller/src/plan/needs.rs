@@ -96,6 +96,14 @@ pub(super) fn needs(file: &PlanFile, config: &ControllerConfig) -> Vec<Need> {
                 );
             }
         }
+        add(
+            "/sdn/zones".into(),
+            "SDN.Audit",
+            NeedLevel::Required,
+            format!(
+                "{at}.network.vnet: the VNet, its zone and its subnets are read from the SDN configuration (GET /cluster/sdn/zones, /cluster/sdn/vnets/<vnet> and its subnets) and checked before any node is asked"
+            ),
+        );
         let candidates: Vec<&str> = match &v.node {
             NodeFile::Named(_) => Vec::new(),
             NodeFile::Among(names) => names.iter().map(String::as_str).collect(),

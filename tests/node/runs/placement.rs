@@ -18,7 +18,16 @@ fn cluster_settings() -> serde_json::Value {
     let mib = |n: u64| n << 20;
     serde_json::json!({
         "tokens": { "certistack@pve!ctl": "0b1e5c1e-1111-4222-8333-944445555666" },
-        "permissions": { "certistack@pve!ctl": { "/": { "Sys.Audit": 1, "VM.Audit": 1 } } },
+        "permissions": { "certistack@pve!ctl": {
+            "/": { "Sys.Audit": 1, "VM.Audit": 1, "SDN.Audit": 1 }
+        } },
+        // The lab's VNet as PVE's SDN has it: a Simple zone, a subnet without gateway or SNAT.
+        "sdn": {
+            "zones": [{"zone": "cslab", "type": "simple"}],
+            "vnets": [{"vnet": "csv1", "zone": "cslab", "type": "vnet"}],
+            "subnets": [{"subnet": "cslab-10.77.1.0-24", "cidr": "10.77.1.0/24", "vnet": "csv1",
+                         "zone": "cslab", "type": "subnet"}],
+        },
         "cluster_status": [
             {"type": "cluster", "id": "cluster", "name": "lab", "nodes": 3, "version": 3,
              "quorate": 1},

@@ -77,7 +77,10 @@ fn resolve(text: &str, token: &Token) -> Result<Plan, PlanError> {
 #[test]
 fn every_missing_privilege_is_listed_at_once_with_its_grant_before_anything_else_is_asked() {
     let token = Token {
-        held: BTreeMap::from([("/nodes/pve1".to_owned(), vec!["VM.Audit"])]),
+        held: BTreeMap::from([
+            ("/nodes/pve1".to_owned(), vec!["VM.Audit"]),
+            ("/sdn/zones".to_owned(), vec!["SDN.Audit"]),
+        ]),
         asked: RefCell::new(Vec::new()),
     };
     let text = plan_with("    node: auto\n    select: {pool: prod}\n");
@@ -113,13 +116,16 @@ fn every_missing_privilege_is_listed_at_once_with_its_grant_before_anything_else
         "{text}"
     );
     // Only the privileges were asked: no listing, no pool, no VMID.
-    assert_eq!(*token.asked.borrow(), ["/nodes/pve1", "/pool/prod"]);
+    assert_eq!(
+        *token.asked.borrow(),
+        ["/nodes/pve1", "/pool/prod", "/sdn/zones"]
+    );
 }
 
 #[test]
 fn a_tag_selection_without_vm_audit_on_vms_is_worked_around_with_a_warning() {
     let token = Token {
-        held: BTreeMap::new(),
+        held: BTreeMap::from([("/sdn/zones".to_owned(), vec!["SDN.Audit"])]),
         asked: RefCell::new(Vec::new()),
     };
     let text = plan_with("    node: pve1\n    select: {tags: [web]}\n");
@@ -136,16 +142,19 @@ fn a_tag_selection_without_vm_audit_on_vms_is_worked_around_with_a_warning() {
             .iter()
             .map(|n| (n.path.as_str(), n.privilege, n.level))
             .collect::<Vec<_>>(),
-        [("/vms", "VM.Audit", NeedLevel::WorkedAround)]
+        [
+            ("/vms", "VM.Audit", NeedLevel::WorkedAround),
+            ("/sdn/zones", "SDN.Audit", NeedLevel::Required)
+        ]
     );
 }
 
 #[test]
-fn a_plan_of_named_nodes_and_written_vmids_needs_nothing() {
+fn a_plan_of_named_nodes_and_written_vmids_needs_only_to_read_its_vnets() {
     let token = Token {
-        held: BTreeMap::new(),
+        held: BTreeMap::from([("/sdn/zones".to_owned(), vec!["SDN.Audit"])]),
         asked: RefCell::new(Vec::new()),
     };
     resolve(PLAN, &token).unwrap();
-    assert!(token.asked.borrow().is_empty());
+    assert_eq!(*token.asked.borrow(), ["/sdn/zones"]);
 }
