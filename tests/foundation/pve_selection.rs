@@ -570,3 +570,57 @@ fn a_vnet_the_sdn_configuration_does_not_keep_on_the_node_is_refused_before_any_
         );
     }
 }
+
+#[test]
+fn the_grant_block_in_the_install_guide_makes_the_preflight_pass() {
+    let guide = std::fs::read_to_string(workspace_root().join("docs/install.md")).unwrap();
+    let (_, after) = guide
+        .split_once("The exact grant for a nightly plan")
+        .expect("the grant block in docs/install.md");
+    let block: Vec<&str> = after
+        .lines()
+        .skip_while(|line| !line.starts_with("    pveum "))
+        .take_while(|line| line.starts_with("    pveum "))
+        .map(str::trim)
+        .collect();
+    assert!(block.len() >= 5, "{block:?}");
+    // A token with privilege separation whose user was granted nothing either.
+    let mut settings = cluster(serde_json::json!({}));
+    settings["users"] = serde_json::json!({
+        "certistack@pve": {"tokens": {"ctl": {"privsep": 1}}}
+    });
+    settings["acl"] = serde_json::json!([]);
+    let pve = Pve::start(settings.clone());
+    let setup = Setup::new(&pve, "", "    node: auto\n    select: {pool: prod}\n");
+    let (code, _, err) = setup.ctl(&["plan", "check"]);
+    assert_eq!(code, 77, "{err}");
+    // Placement asks the node (here a closed port) with the controller's keys.
+    let state = setup.dir.0.join("state");
+    let (code, _, err) = run_binary(
+        "certistack-ctl",
+        &["ca", "init", "--state-dir", state.to_str().unwrap()],
+    );
+    assert_eq!(code, 0, "{err}");
+    let config = setup.dir.0.join("controller.toml");
+    let port = setup.listener.local_addr().unwrap().port();
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(
+        &config,
+        text.replace(
+            &format!("port = {port}\n"),
+            &format!("port = {}\n", free_local_port()),
+        ),
+    )
+    .unwrap();
+    apply_pveum(&mut settings, &block);
+    settings["tokens"] = serde_json::json!({ TOKEN_ID: SECRET });
+    let path = pve.api.tls_dir().join("double.json");
+    std::fs::write(path.with_extension("tmp"), settings.to_string()).unwrap();
+    std::fs::rename(path.with_extension("tmp"), &path).unwrap();
+    // The preflight passes, the pool resolves; the node's connector is down here, so the
+    // validations are unplaced (exit 2), which is not a privilege.
+    let (code, out, err) = setup.ctl(&["plan", "check"]);
+    assert!(!err.contains("missing "), "{err}");
+    assert!(out.contains("app-205: placed on no node"), "{out}{err}");
+    assert_eq!(code, 2, "{out}{err}");
+}
