@@ -377,7 +377,12 @@ fn missing_privileges_are_listed_at_once_before_anything_is_asked() {
     permissions["/"] = serde_json::json!({});
     let pve = Pve::start(cluster(permissions));
     let setup = Setup::new(&pve, "", "    node: auto\n    select: {pool: prod}\n");
-    for command in [&["plan", "check"][..], &["plan", "show"], &["run"]] {
+    for command in [
+        &["plan", "check"][..],
+        &["plan", "show"],
+        &["run"],
+        &["doctor", "--plan"],
+    ] {
         let (code, out, err) = setup.ctl(command);
         assert_eq!(code, 77, "{command:?}: {out}{err}");
         for line in [
