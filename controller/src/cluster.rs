@@ -157,10 +157,7 @@ impl PveCluster {
 }
 
 impl crate::plan::needs::Privileges for PveCluster {
-    fn privileges(
-        &self,
-        path: &str,
-    ) -> Result<Option<std::collections::BTreeSet<String>>, ClusterError> {
+    fn privileges(&self, path: &str) -> Result<Option<BTreeMap<String, bool>>, ClusterError> {
         if self.settings.is_none() {
             return Ok(None);
         }
@@ -169,7 +166,12 @@ impl crate::plan::needs::Privileges for PveCluster {
         Ok(Some(
             table
                 .get(path)
-                .map(|privileges| privileges.keys().cloned().collect())
+                .map(|privileges| {
+                    privileges
+                        .iter()
+                        .map(|(privilege, propagate)| (privilege.clone(), propagate.0))
+                        .collect()
+                })
                 .unwrap_or_default(),
         ))
     }

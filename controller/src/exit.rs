@@ -278,7 +278,9 @@ pub fn plan_refused(error: crate::plan::PlanError) -> ExitStatus {
                 line(&need.why)
             );
         }
-        eprintln!("grant them with:");
+        eprintln!(
+            "grant them with (a role that exists already makes its `role add` fail: skip that line; the user is granted too, as privilege separation needs, so give the token a user of its own: an entry on a path replaces what the user inherited there):"
+        );
         for grant in &lacking.grant {
             eprintln!("  {}", line(grant));
         }

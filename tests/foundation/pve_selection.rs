@@ -66,7 +66,7 @@ fn cluster(permissions: serde_json::Value) -> serde_json::Value {
 fn auditor() -> serde_json::Value {
     let mut table = serde_json::json!({
         "/": {"Sys.Audit": 1},
-        "/pool/prod": {"Pool.Audit": 1},
+        "/pool/prod": {"Pool.Audit": 1, "VM.Audit": 1},
         "/nodes": {"Sys.Audit": 1},
         "/sdn/zones": {"SDN.Audit": 1},
     });
@@ -252,9 +252,14 @@ fn tags_select_the_vms_that_carry_all_of_them() {
 
 #[test]
 fn a_pool_member_the_token_cannot_audit_refuses_the_plan_naming_it() {
-    let mut permissions = auditor();
-    permissions.as_object_mut().unwrap().remove("/vms/204");
-    let pve = Pve::start(cluster(permissions));
+    // PVEAuditor on /, and NoAccess on one member of the pool: the listing leaves it out.
+    let mut settings = cluster(serde_json::json!({}));
+    settings["users"] = serde_json::json!({"certistack@pve": {"tokens": {"ctl": {"privsep": 0}}}});
+    settings["acl"] = serde_json::json!([
+        {"path": "/", "roles": ["PVEAuditor"], "users": ["certistack@pve"], "propagate": 1},
+        {"path": "/vms/204", "roles": ["NoAccess"], "users": ["certistack@pve"], "propagate": 1},
+    ]);
+    let pve = Pve::start(settings);
     let setup = Setup::new(&pve, "", "    node: pve1\n    select: {pool: prod}\n");
     let (code, out, err) = setup.ctl(&["plan", "check"]);
     assert_eq!(code, 65, "{out}{err}");
@@ -387,13 +392,15 @@ fn missing_privileges_are_listed_at_once_before_anything_is_asked() {
         assert_eq!(code, 77, "{command:?}: {out}{err}");
         for line in [
             "missing Pool.Audit on /pool/prod: validations[0] (app).select.pool",
+            "missing VM.Audit on /pool/prod: validations[0] (app).select.pool",
             "missing Sys.Audit on /nodes/pve1: validations[0] (app).node",
-            "grant them with:",
+            "grant them with",
             "  pveum role add CertiStackPoolAudit --privs Pool.Audit",
             "  pveum role add CertiStackSysAudit --privs Sys.Audit",
-            "  pveum acl modify /nodes/pve1 --roles CertiStackSysAudit --users 'certistack@pve' --tokens 'certistack@pve!ctl'",
-            "  pveum acl modify /pool/prod --roles CertiStackPoolAudit --users 'certistack@pve' --tokens 'certistack@pve!ctl'",
-            "lacks 2 privilege(s) the plan needs",
+            "  pveum role add CertiStackVMAudit --privs VM.Audit",
+            "  pveum acl modify /nodes/pve1 --roles CertiStackSysAudit --users certistack@pve --tokens 'certistack@pve!ctl'",
+            "  pveum acl modify /pool/prod --roles CertiStackPoolAudit,CertiStackVMAudit --users certistack@pve --tokens 'certistack@pve!ctl'",
+            "lacks 3 privilege(s) the plan needs",
         ] {
             assert!(err.contains(line), "{command:?}: {line:?} not in {err}");
         }
@@ -471,28 +478,17 @@ fn privilege_separation_is_seen_and_the_printed_grants_make_the_preflight_pass()
     let (code, out, err) = setup.ctl(&["plan", "check"]);
     assert_eq!(code, 77, "{out}{err}");
     assert!(err.contains("missing Pool.Audit on /pool/prod"), "{err}");
+    assert!(err.contains("missing VM.Audit on /pool/prod"), "{err}");
     assert!(err.contains("missing SDN.Audit on /sdn/zones"), "{err}");
     let grants: Vec<&str> = err
         .lines()
         .filter_map(|line| line.strip_prefix("  "))
         .filter(|line| line.starts_with("pveum "))
         .collect();
-    assert_eq!(grants.len(), 4, "{err}");
+    assert_eq!(grants.len(), 5, "{err}");
 
-    // The lines it printed, applied as pveum would: the preflight passes, and resolution
-    // names what the pool's VMs still need (VM.Audit may be granted per VM or on the pool).
+    // The lines it printed, applied as pveum would: the plan resolves.
     apply_pveum(&mut settings, &grants);
-    write(&settings);
-    let (code, out, err) = setup.ctl(&["plan", "check"]);
-    assert_eq!(code, 65, "{out}{err}");
-    assert!(err.contains("grant VM.Audit on /pool/prod"), "{err}");
-    apply_pveum(
-        &mut settings,
-        &[
-            "pveum role add CertiStackVMAudit --privs VM.Audit",
-            "pveum acl modify /pool/prod --roles CertiStackVMAudit --users 'certistack@pve' --tokens 'certistack@pve!ctl'",
-        ],
-    );
     write(&settings);
     let (code, out, err) = setup.ctl(&["plan", "check"]);
     assert_eq!(code, 0, "{out}{err}");
@@ -574,6 +570,19 @@ fn a_vnet_the_sdn_configuration_does_not_keep_on_the_node_is_refused_before_any_
             "{case}: {log}"
         );
     }
+    // With node: auto the VNet is judged before placement asks any node.
+    let mut settings = cluster(auditor());
+    settings["sdn"] = serde_json::json!({
+        "zones": [{"zone": "csbox", "type": "vxlan"}],
+        "vnets": [{"vnet": "csnet1", "zone": "csbox"}],
+        "subnets": [],
+    });
+    let pve = Pve::start(settings);
+    let setup = Setup::new(&pve, "", "    node: auto\n    source_vmid: 201\n");
+    let (code, out, err) = setup.ctl(&["plan", "check"]);
+    assert_eq!(code, 65, "{out}{err}");
+    assert!(err.contains("of type vxlan"), "{err}");
+    setup.assert_no_node_contacted();
 }
 
 #[test]

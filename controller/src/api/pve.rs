@@ -165,7 +165,7 @@ impl PveClient {
 
     /// `GET /pools/{pool}`: the pool's members (Pool.Audit on `/pool/{pool}`).
     pub async fn pool(&self, pool: &str) -> Result<PoolContent, ApiError> {
-        self.get(&format!("/pools/{}", query_escape(pool))).await
+        self.get(&format!("/pools/{}", segment_escape(pool))).await
     }
 
     /// `GET /cluster/sdn/zones?pending=1`: the SDN zones the token may audit (pve-network
@@ -179,7 +179,7 @@ impl PveClient {
     pub async fn sdn_vnet(&self, vnet: &str) -> Result<SdnVnet, ApiError> {
         self.get(&format!(
             "/cluster/sdn/vnets/{}?pending=1",
-            query_escape(vnet)
+            segment_escape(vnet)
         ))
         .await
     }
@@ -188,7 +188,7 @@ impl PveClient {
     pub async fn sdn_subnets(&self, vnet: &str) -> Result<Vec<SdnSubnet>, ApiError> {
         self.get(&format!(
             "/cluster/sdn/vnets/{}/subnets?pending=1",
-            query_escape(vnet)
+            segment_escape(vnet)
         ))
         .await
     }
@@ -386,6 +386,12 @@ impl<'de> Deserialize<'de> for PveBool {
             ))),
         }
     }
+}
+
+/// `value` as one path segment of a URL: [`query_escape`], with `/` escaped too, so a name
+/// cannot reach another route.
+fn segment_escape(value: &str) -> String {
+    query_escape(value).replace('/', "%2F")
 }
 
 #[cfg(test)]

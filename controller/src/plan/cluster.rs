@@ -52,8 +52,9 @@ pub enum ClusterError {
 /// Where the token's privileges are read: `None` when no PVE API is configured (then nothing
 /// is checked here, and what needs the API is refused by resolution, saying so).
 pub trait Privileges {
-    /// The privileges the token has on exactly `path` (`GET /access/permissions?path=`).
-    fn privileges(&self, path: &str) -> Result<Option<BTreeSet<String>>, ClusterError>;
+    /// The privileges the token has on exactly `path` (`GET /access/permissions?path=`), each
+    /// with whether it propagates below the path.
+    fn privileges(&self, path: &str) -> Result<Option<BTreeMap<String, bool>>, ClusterError>;
     /// The token's id, `USER@REALM!TOKEN`, for the lines that grant what is missing.
     fn token_id(&self) -> Option<String>;
 }
@@ -88,7 +89,7 @@ pub struct NoCluster;
 const NO_CLUSTER: &str = "this is read from the Proxmox VE API: configure [pve] in the controller configuration (docs/install.md, section 4) and use certistack-ctl plan check, plan show or run";
 
 impl Privileges for NoCluster {
-    fn privileges(&self, _path: &str) -> Result<Option<BTreeSet<String>>, ClusterError> {
+    fn privileges(&self, _path: &str) -> Result<Option<BTreeMap<String, bool>>, ClusterError> {
         Ok(None)
     }
     fn token_id(&self) -> Option<String> {

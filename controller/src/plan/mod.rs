@@ -401,8 +401,11 @@ impl Plan {
             resolvers.cluster,
             now_unix,
         )?;
+        // The VNets as SDN has them, before placement asks any node; then, once each
+        // validation has its node, whether the zone is there.
+        check_sdn(path, &resolved.validations, resolvers.cluster, false)?;
         let at_once = place_validations(path, &mut resolved.validations, config, resolvers.rooms)?;
-        check_sdn(path, &resolved.validations, resolvers.cluster)?;
+        check_sdn(path, &resolved.validations, resolvers.cluster, true)?;
         let mut validations = Vec::with_capacity(resolved.validations.len());
         let mut failed_before_run = Vec::new();
         let mut unplaced = Vec::new();
@@ -552,22 +555,33 @@ fn place_validations(
     Ok(placement.at_once)
 }
 
-/// Every VNet a validation runs on, as the SDN configuration has it for the node it runs on
-/// (`sdn`): refused before any node is asked. Without `[pve]` the nodes' checks alone judge it.
+/// Every VNet a validation runs on, as the SDN configuration has it (`sdn`): its
+/// configuration, or (`on_nodes`, once placed) whether its zone is on the validation's node.
+/// Refused before the run asks any node. Without `[pve]` the nodes' checks alone judge it.
 fn check_sdn(
     path: &Path,
     validations: &[ResolvedValidation],
     cluster: &dyn Cluster,
+    on_nodes: bool,
 ) -> Result<(), PlanError> {
     if !cluster.configured() {
         return Ok(());
     }
-    for v in validations
-        .iter()
-        .filter(|v| v.unplaced.is_none() && v.fails_before_run.is_none())
-    {
+    for v in validations.iter().filter(|v| {
+        v.fails_before_run.is_none()
+            && (!on_nodes || (v.unplaced.is_none() && !v.node.value.is_empty()))
+    }) {
         let at = format!("{} ({}).network.vnet", v.key, v.name);
         let vnet = &v.network.vnet.value;
+        // A name that is no VNet id is refused when the grant is built, saying so; it is not
+        // put into an API path.
+        if <certistack_core::validate::VnetName as certistack_core::validate::Validated>::validate(
+            vnet,
+        )
+        .is_err()
+        {
+            continue;
+        }
         let view = match cluster.sdn_vnet(vnet) {
             Ok(Some(view)) => view,
             Ok(None) => continue,
@@ -593,17 +607,29 @@ fn check_sdn(
                 });
             }
         };
-        let found = sdn::problems(&view, vnet, &v.node.value);
+        let found = if on_nodes {
+            sdn::node_problems(&view, &v.node.value)
+        } else {
+            sdn::configuration_problems(&view, vnet)
+        };
         if !found.is_empty() {
             return Err(PlanError::Refused {
                 path: path.to_owned(),
                 at,
-                reason: format!(
-                    "VNet {vnet} (zone {}) may not hold a sandbox on node {}: {}",
-                    view.zone,
-                    v.node.value,
-                    found.join("; ")
-                ),
+                reason: if on_nodes {
+                    format!(
+                        "VNet {vnet} (zone {}) may not hold a sandbox on node {}: {}",
+                        view.zone,
+                        v.node.value,
+                        found.join("; ")
+                    )
+                } else {
+                    format!(
+                        "VNet {vnet} (zone {}) may not hold a sandbox: {}",
+                        view.zone,
+                        found.join("; ")
+                    )
+                },
             });
         }
     }

@@ -16,6 +16,9 @@ pub struct Need {
     pub path: String,
     /// The privilege, e.g. `VM.Audit`.
     pub privilege: &'static str,
+    /// Whether it must hold below the path too (granted with propagate): `/vms` for every VM,
+    /// `/sdn/zones` for every zone and VNet.
+    pub below: bool,
     /// What lacks it: refused, or worked around with a warning.
     pub level: NeedLevel,
     /// The plan key that needs it and what the privilege is used for.
@@ -42,6 +45,7 @@ pub(super) fn needs(file: &PlanFile, config: &ControllerConfig) -> Vec<Need> {
     {
         Some(known) => known.level = known.level.min(level),
         None => out.push(Need {
+            below: path == "/vms" || path == "/sdn/zones",
             path,
             privilege,
             level,
@@ -82,8 +86,14 @@ pub(super) fn needs(file: &PlanFile, config: &ControllerConfig) -> Vec<Need> {
                     NeedLevel::Required,
                     format!("{at}.select.pool: GET /pools/{pool} reads the pool's members"),
                 );
-                // VM.Audit may be granted on the pool or on each VM: resolution compares the
-                // pool's members with what is listed and names the VMs hidden from the token.
+                add(
+                    format!("/pool/{pool}"),
+                    "VM.Audit",
+                    NeedLevel::Required,
+                    format!(
+                        "{at}.select.pool: GET /cluster/resources lists the pool's VMs only to a token that may audit them (granted on the pool, it holds for every member)"
+                    ),
+                );
             }
             if select.tags.is_some() {
                 add(
@@ -104,9 +114,15 @@ pub(super) fn needs(file: &PlanFile, config: &ControllerConfig) -> Vec<Need> {
                 "{at}.network.vnet: the VNet, its zone and its subnets are read from the SDN configuration (GET /cluster/sdn/zones, /cluster/sdn/vnets/<vnet> and its subnets) and checked before any node is asked"
             ),
         );
+        // Only the inventory's names (checked when the configuration was read) become paths:
+        // any other is refused by resolution, saying so.
         let candidates: Vec<&str> = match &v.node {
             NodeFile::Named(_) => Vec::new(),
-            NodeFile::Among(names) => names.iter().map(String::as_str).collect(),
+            NodeFile::Among(names) => names
+                .iter()
+                .map(String::as_str)
+                .filter(|name| config.nodes.keys().any(|known| known.as_str() == *name))
+                .collect(),
             NodeFile::Auto => config.nodes.keys().map(|name| name.as_str()).collect(),
         };
         for node in candidates {
@@ -146,7 +162,7 @@ pub fn lacking(needs: &[Need], privileges: &dyn Privileges) -> Result<Lacking, C
             paths.len()
         )));
     }
-    let mut held: BTreeMap<&str, BTreeSet<String>> = BTreeMap::new();
+    let mut held: BTreeMap<&str, BTreeMap<String, bool>> = BTreeMap::new();
     for path in paths {
         match privileges.privileges(path)? {
             Some(privileges) => {
@@ -159,7 +175,8 @@ pub fn lacking(needs: &[Need], privileges: &dyn Privileges) -> Result<Lacking, C
     for need in needs {
         if held
             .get(need.path.as_str())
-            .is_some_and(|p| p.contains(need.privilege))
+            .and_then(|p| p.get(need.privilege))
+            .is_some_and(|propagates| *propagates || !need.below)
         {
             continue;
         }
@@ -188,6 +205,7 @@ pub fn grant_lines(needs: &[&Need], token_id: Option<&str>) -> Vec<String> {
     }
     let token = token_id.unwrap_or("USER@REALM!TOKEN");
     let user = token.split_once('!').map_or(token, |(user, _)| user);
+    let (token, user) = (shell_word(token), shell_word(user));
     let privileges: BTreeSet<&str> = needs.iter().map(|n| n.privilege).collect();
     let mut lines: Vec<String> = privileges
         .iter()
@@ -203,11 +221,27 @@ pub fn grant_lines(needs: &[&Need], token_id: Option<&str>) -> Vec<String> {
     for (path, privileges) in by_path {
         let roles: Vec<String> = privileges.iter().map(|p| role_of(p)).collect();
         lines.push(format!(
-            "pveum acl modify {path} --roles {} --users '{user}' --tokens '{token}'",
-            roles.join(",")
+            "pveum acl modify {} --roles {} --users {user} --tokens {token}",
+            shell_word(path),
+            shell_word(&roles.join(","))
         ));
     }
     lines
+}
+
+/// `word` as one shell word: as it is when it holds only characters no shell treats
+/// specially, else in single quotes (a quote inside written `'\''`). The lines are pasted into
+/// a root shell: nothing in them may be more than the word it stands for.
+pub fn shell_word(word: &str) -> String {
+    let plain = !word.is_empty()
+        && word
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "@%+=:,./_-".contains(c));
+    if plain {
+        word.to_owned()
+    } else {
+        format!("'{}'", word.replace('\'', "'\\''"))
+    }
 }
 
 #[cfg(test)]

@@ -29,20 +29,30 @@ pub struct SubnetView {
 
 /// Why `vnet`, as `view` shows it, may not carry a sandbox on `node`; empty when it may.
 pub fn problems(view: &SdnView, vnet: &str, node: &str) -> Vec<String> {
+    let mut out = configuration_problems(view, vnet);
+    out.extend(node_problems(view, node));
+    out
+}
+
+/// Why `node` may not carry a sandbox on the VNet `view` shows: its zone is not there.
+pub fn node_problems(view: &SdnView, node: &str) -> Vec<String> {
+    match &view.zone_nodes {
+        Some(nodes) if !nodes.iter().any(|n| n == node) => vec![format!(
+            "its zone {} is not on node {node} (nodes {}): add the node to the zone, or run the validation elsewhere",
+            view.zone,
+            nodes.join(",")
+        )],
+        _ => Vec::new(),
+    }
+}
+
+/// Why `vnet`, as `view` shows it, may carry no sandbox on any node.
+pub fn configuration_problems(view: &SdnView, vnet: &str) -> Vec<String> {
     let mut out = Vec::new();
     if view.zone_type != "simple" {
         out.push(format!(
             "its zone {} is of type {}, which carries the VNet off the node; a sandbox VNet belongs to a Simple zone (docs/sandbox-network.md)",
             view.zone, view.zone_type
-        ));
-    }
-    if let Some(nodes) = &view.zone_nodes
-        && !nodes.iter().any(|n| n == node)
-    {
-        out.push(format!(
-            "its zone {} is not on node {node} (nodes {}): add the node to the zone, or run the validation elsewhere",
-            view.zone,
-            nodes.join(",")
         ));
     }
     for subnet in &view.subnets {

@@ -28,7 +28,7 @@ fn vm(vmid: u32, pool: Option<&str>, tags: &[&str]) -> ClusterVm {
 }
 
 impl crate::plan::needs::Privileges for Listed {
-    fn privileges(&self, _path: &str) -> Result<Option<BTreeSet<String>>, ClusterError> {
+    fn privileges(&self, _path: &str) -> Result<Option<BTreeMap<String, bool>>, ClusterError> {
         Ok(None)
     }
     fn token_id(&self) -> Option<String> {

@@ -14,12 +14,12 @@ struct Token {
 }
 
 impl Privileges for Token {
-    fn privileges(&self, path: &str) -> Result<Option<BTreeSet<String>>, ClusterError> {
+    fn privileges(&self, path: &str) -> Result<Option<BTreeMap<String, bool>>, ClusterError> {
         self.asked.borrow_mut().push(path.to_owned());
         Ok(Some(
             self.held
                 .get(path)
-                .map(|p| p.iter().map(|s| (*s).to_owned()).collect())
+                .map(|p| p.iter().map(|s| ((*s).to_owned(), true)).collect())
                 .unwrap_or_default(),
         ))
     }
@@ -97,6 +97,7 @@ fn every_missing_privilege_is_listed_at_once_with_its_grant_before_anything_else
         missing,
         [
             ("/pool/prod".to_owned(), "Pool.Audit"),
+            ("/pool/prod".to_owned(), "VM.Audit"),
             ("/nodes/pve1".to_owned(), "Sys.Audit"),
         ]
     );
@@ -105,12 +106,13 @@ fn every_missing_privilege_is_listed_at_once_with_its_grant_before_anything_else
         [
             "pveum role add CertiStackPoolAudit --privs Pool.Audit",
             "pveum role add CertiStackSysAudit --privs Sys.Audit",
-            "pveum acl modify /nodes/pve1 --roles CertiStackSysAudit --users 'certistack@pve' --tokens 'certistack@pve!ctl'",
-            "pveum acl modify /pool/prod --roles CertiStackPoolAudit --users 'certistack@pve' --tokens 'certistack@pve!ctl'",
+            "pveum role add CertiStackVMAudit --privs VM.Audit",
+            "pveum acl modify /nodes/pve1 --roles CertiStackSysAudit --users certistack@pve --tokens 'certistack@pve!ctl'",
+            "pveum acl modify /pool/prod --roles CertiStackPoolAudit,CertiStackVMAudit --users certistack@pve --tokens 'certistack@pve!ctl'",
         ]
     );
     let text = error.to_string();
-    assert!(text.contains("lacks 2 privilege(s)"), "{text}");
+    assert!(text.contains("lacks 3 privilege(s)"), "{text}");
     assert!(
         text.contains("validations[0] (web01).select.pool"),
         "{text}"
@@ -157,4 +159,54 @@ fn a_plan_of_named_nodes_and_written_vmids_needs_only_to_read_its_vnets() {
     };
     resolve(PLAN, &token).unwrap();
     assert_eq!(*token.asked.borrow(), ["/sdn/zones"]);
+}
+
+#[test]
+fn a_grant_line_is_made_of_shell_words_whatever_the_names() {
+    let need = Need {
+        path: "/nodes/pve1".into(),
+        privilege: "Sys.Audit",
+        below: false,
+        level: NeedLevel::Required,
+        why: String::new(),
+    };
+    let lines = grant_lines(&[&need], Some("o'hara;$(id)@pve!ctl"));
+    assert_eq!(
+        lines[1],
+        "pveum acl modify /nodes/pve1 --roles CertiStackSysAudit --users 'o'\\''hara;$(id)@pve' --tokens 'o'\\''hara;$(id)@pve!ctl'"
+    );
+    // A node name outside the inventory never becomes a path.
+    let text = plan_with("    node: [\"x;$(id)\", pve1]\n    source_vmid: 100\n");
+    let needs = needs(
+        &crate::plan::read_written(Path::new("p"), &text).unwrap(),
+        &config(),
+    );
+    assert!(needs.iter().all(|n| !n.path.contains('$')), "{needs:?}");
+    assert!(needs.iter().any(|n| n.path == "/nodes/pve1"), "{needs:?}");
+}
+
+#[test]
+fn a_privilege_on_vms_or_sdn_zones_that_does_not_propagate_is_lacking() {
+    struct Flat;
+    impl Privileges for Flat {
+        fn privileges(&self, _path: &str) -> Result<Option<BTreeMap<String, bool>>, ClusterError> {
+            Ok(Some(BTreeMap::from([
+                ("SDN.Audit".to_owned(), false),
+                ("VM.Audit".to_owned(), false),
+            ])))
+        }
+        fn token_id(&self) -> Option<String> {
+            None
+        }
+    }
+    let text = plan_with("    node: pve1\n    select: {tags: [web]}\n");
+    let needs = needs(
+        &crate::plan::read_written(Path::new("p"), &text).unwrap(),
+        &config(),
+    );
+    let found = lacking(&needs, &Flat).unwrap();
+    assert_eq!(found.required.len(), 1, "{found:?}");
+    assert_eq!(found.required[0].path, "/sdn/zones");
+    assert_eq!(found.worked_around.len(), 1, "{found:?}");
+    assert_eq!(found.worked_around[0].path, "/vms");
 }
