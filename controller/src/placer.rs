@@ -126,6 +126,10 @@ impl Rooms for NodeRooms<'_> {
     fn per_node(&self) -> usize {
         self.per_node
     }
+
+    fn asked_nodes(&self) -> bool {
+        self.checked.lock().is_ok_and(|checked| !checked.is_empty())
+    }
 }
 
 /// Nodes asked at once while placing: each check is a TLS handshake and a few calls.

@@ -638,3 +638,28 @@ fn the_grant_block_in_the_install_guide_makes_the_preflight_pass() {
     assert!(out.contains("app-205: placed on no node"), "{out}{err}");
     assert_eq!(code, 2, "{out}{err}");
 }
+
+#[test]
+fn placement_that_asks_no_node_says_no_node_was_contacted() {
+    // pve1, the only node, is offline in PVE: placement has no node to ask.
+    let mut settings = cluster(auditor());
+    settings["cluster_status"] = serde_json::json!([
+        {"type": "cluster", "id": "cluster", "name": "lab", "nodes": 1, "version": 1, "quorate": 0},
+        {"type": "node", "id": "node/pve1", "name": "pve1", "nodeid": 1, "ip": "127.0.0.1",
+         "local": 1, "online": 0, "level": ""},
+    ]);
+    let pve = Pve::start(settings);
+    let setup = Setup::new(&pve, "", "    node: auto\n    source_vmid: 201\n");
+    let (code, out, err) = setup.ctl(&["plan", "check"]);
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(
+        out.contains("app: placed on no node: node auto: no candidate node can take it"),
+        "{out}"
+    );
+    assert!(out.contains("pve1: offline in PVE"), "{out}");
+    assert!(
+        out.ends_with("1 validation(s); no node was contacted\n"),
+        "{out}"
+    );
+    setup.assert_no_node_contacted();
+}

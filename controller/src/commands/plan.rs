@@ -61,7 +61,7 @@ pub fn plan_check(
 /// What checking the plan asked of the nodes: nothing, or (to place `node: auto`) only what
 /// `doctor` asks.
 fn contacted(plan: &crate::plan::Plan) -> &'static str {
-    if plan.placed() {
+    if plan.asked_nodes {
         "the nodes were asked only what placement needs (Hello, their prerequisites); nothing was created"
     } else {
         "no node was contacted"

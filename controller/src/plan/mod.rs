@@ -164,6 +164,8 @@ pub struct Plan {
     pub at_once: BTreeMap<String, usize>,
     /// What the plan works around (a privilege a tag selection would use), for the operator.
     pub warnings: Vec<String>,
+    /// Whether placement asked any node's connector (Hello, its prerequisites).
+    pub asked_nodes: bool,
 }
 
 impl Plan {
@@ -183,17 +185,6 @@ impl Plan {
             .collect();
         all.sort_by_key(|(index, _)| *index);
         all.into_iter().map(|(_, resolved)| resolved).collect()
-    }
-}
-
-impl Plan {
-    /// Whether placement (`node: auto`, a list) chose any node, or tried to.
-    pub fn placed(&self) -> bool {
-        !self.unplaced.is_empty()
-            || self
-                .resolved_in_order()
-                .iter()
-                .any(|v| v.node.source == Origin::Placement)
     }
 }
 
@@ -451,6 +442,7 @@ impl Plan {
             unplaced,
             at_once,
             warnings,
+            asked_nodes: resolvers.rooms.asked_nodes(),
         })
     }
 }

@@ -25,6 +25,10 @@ pub trait Rooms {
     ) -> Result<BTreeMap<(String, String), NodeRoom>, RoomsError>;
     /// Validations at once on one node (`run --per-node`).
     fn per_node(&self) -> usize;
+    /// Whether any node's connector was asked (its prerequisites).
+    fn asked_nodes(&self) -> bool {
+        false
+    }
 }
 
 /// Why the nodes' room could not be read.
