@@ -14,7 +14,7 @@
 # The reports, their public key, the plan and the logs stay in target/lab/last/.
 #
 # The plan has three validations, run at once, each on a sandbox VNet of its own:
-#   lab-web             a guest that takes the address the lab gives it (network_recovery
+#   lab-web-100         a guest that takes the address the lab gives it (network_recovery
 #                       preserve); it must pass.
 #   lab-prod-preserve   a Debian guest (ext4 root, ifupdown) whose own configuration puts its
 #                       NIC on a production subnet with a gateway (192.168.77.10/24 via
@@ -317,7 +317,22 @@ echo "node namespace $ns, VNets $vnets (no uplink, forwarding off), work directo
 mkdir -p "$node/bin" "$node/pbs/store1/vm/100/$snapshot_time" "$ctl"
 install -m 0755 "$root/tests/doubles/proxmox-backup-client" "$root/tests/doubles/qm" "$node/bin/"
 pbs_password=$(head -c 18 /dev/urandom | base64)
-fingerprint=$(python3 -c 'print(":".join(["ab"] * 32))')
+# The PBS and PVE APIs, as the controller asks them (tests/doubles/pbs-api, pve-api), serve
+# HTTPS with certificates of a CA of the lab's own: the controller verifies the PVE API by that
+# CA and pins the PBS API's certificate, as an operator's configuration does.
+tls=$work/tls
+mkdir -p "$tls/pbs" "$tls/pve"
+openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 2 \
+  -keyout "$tls/ca.key" -out "$tls/ca.pem" -subj "/CN=CertiStack lab CA" \
+  -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign" 2>/dev/null
+printf 'subjectAltName=DNS:localhost\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n' >"$tls/leaf.ext"
+for api in pbs pve; do
+  openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -subj "/CN=localhost" \
+    -keyout "$tls/$api/key.pem" -out "$tls/$api.csr" 2>/dev/null
+  openssl x509 -req -days 2 -in "$tls/$api.csr" -CA "$tls/ca.pem" -CAkey "$tls/ca.key" \
+    -CAcreateserial -extfile "$tls/leaf.ext" -out "$tls/$api/cert.pem" 2>/dev/null
+done
+fingerprint=$(openssl x509 -noout -fingerprint -sha256 -in "$tls/pbs/cert.pem" | cut -d= -f2)
 # The qm double runs guests under KVM only where the lab's own guest (SeaBIOS, SYSLINUX, the lab
 # kernel reaching its init) boots under it within 30 s, else TCG; the verdict is kept for this
 # boot, QEMU binary and guest disk beside the guest assets. CERTISTACK_LAB_ACCEL=kvm|tcg decides
@@ -521,9 +536,57 @@ echo "fresh CA, run-authority and report-signing keys in $ctl/state; node pve1 e
 umask 077
 printf '%s\n' "$pbs_password" >"$ctl/pbs-password"
 umask 022
+# The cluster as the PVE API shows it: VM 100 in pool web, VM 101 in pool prod, the node, the
+# three VNets in a Simple zone with gateway-less subnets; a token that may audit all of it.
+pve_secret=$(head -c 18 /dev/urandom | base64)
+umask 077
+printf '%s\n' "$pve_secret" >"$ctl/pve-token"
+umask 022
+LAB_PVE_SECRET=$pve_secret python3 - "$tls/pve/double.json" <<'PY'
+import json, os, sys
+token = "certistack@pve!ctl"
+vnets = ["csv1", "csv2", "csv3"]
+settings = {
+    "tokens": {token: os.environ["LAB_PVE_SECRET"]},
+    "permissions": {token: {"/": {"Sys.Audit": 1, "VM.Audit": 1, "Pool.Audit": 1, "SDN.Audit": 1}}},
+    "guests": [
+        {"vmid": 100, "type": "qemu", "node": "pve1", "name": "lab-web", "pool": "web"},
+        {"vmid": 101, "type": "qemu", "node": "pve1", "name": "prod-web", "pool": "prod"},
+    ],
+    "pools": ["web", "prod"],
+    "sdn": {
+        "zones": [{"zone": "cslab", "type": "simple"}],
+        "vnets": [{"vnet": v, "zone": "cslab", "type": "vnet"} for v in vnets],
+        "subnets": [{"subnet": "cslab-10.77.%d.0-24" % i, "cidr": "10.77.%d.0/24" % i,
+                     "vnet": v, "zone": "cslab", "type": "subnet"}
+                    for i, v in enumerate(vnets, start=1)],
+    },
+}
+with open(sys.argv[1], "w") as f:
+    json.dump(settings, f)
+PY
+# Both doubles listen inside the node's namespace, where the controller runs.
+in_ns python3 "$root/tests/doubles/pbs-api" --root "$node" --tls-dir "$tls/pbs" >"$work/pbs-api.log" 2>&1 &
+in_ns python3 "$root/tests/doubles/pve-api" --root "$tls/pve" >"$work/pve-api.log" 2>&1 &
+for _ in $(seq 1 100); do
+  [ -s "$tls/pbs/port" ] && [ -s "$tls/pve/port" ] && break
+  sleep 0.1
+done
+[ -s "$tls/pbs/port" ] && [ -s "$tls/pve/port" ] ||
+  { echo "lab: the API doubles did not start:" >&2; cat "$work/pbs-api.log" "$work/pve-api.log" >&2; exit 70; }
+pbs_port=$(cat "$tls/pbs/port")
+pve_port=$(cat "$tls/pve/port")
+echo "API doubles: PBS on localhost:$pbs_port, PVE on localhost:$pve_port (inside $ns)"
 cat >"$ctl/controller.toml" <<CONF
 state_dir = "$ctl/state"
 reports_dir = "$ctl/reports"
+
+[pve]
+api_url = "https://localhost:$pve_port"
+token_id = "certistack@pve!ctl"
+token_secret_file = "pve-token"
+ca_file = "$tls/ca.pem"
+sandbox_vmid_range = "9101-9199"
 
 [[nodes]]
 name = "pve1"
@@ -550,27 +613,28 @@ PROBES
 preserve_probes=$(prod_probes "$preserve_guest")
 rewrite_probes=$(prod_probes "$rewrite_guest")
 cat >"$ctl/lab.yaml" <<PLAN
-# The lab plan: restore VM 100's disk from its snapshot into sandbox VM $vmid on VNet csv1,
-# boot it, and prove the guest serves what the backup holds; at the same time VM 101's, whose
-# guest configures a production network of its own, twice: as it is on csv2 (its probes cannot
-# reach it), and with network recovery on csv3 (they do). Each says its network_recovery mode:
-# none relies on the default.
+# The lab plan, as an operator writes it: restore the newest backup of every VM of pool web
+# (VM 100) into a sandbox VM on VNet csv1, boot it, and prove the guest serves what the backup
+# holds; at the same time VM 101's, whose guest configures a production network of its own,
+# twice: an older backup named by its time, as it is on csv2 (its probes cannot reach it), and
+# the newest with network recovery on csv3 (they do). The controller finds the snapshots,
+# archives and sizes in the PBS, the sandbox VMIDs in the range, and the node; each validation
+# says its network_recovery mode: none relies on the default.
 storage:
-  server: pbs.lab
+  server: localhost
+  port: $pbs_port
   datastore: store1
   auth_id: certistack@pbs!restore
   fingerprint: "$fingerprint"
   pbs_password_file: pbs-password
 validations:
   - name: lab-web
-    node: pve1
-    source_vmid: 100
-    snapshot: "$snapshot_time"
-    archives: [drive-scsi0.img]
+    node: auto
+    select: {pool: web}
+    snapshot: latest
+    max_age_hours: 8760
     sandbox:
-      - vmid: $vmid
-        cores: 1
-        memory_mib: 256
+      - {}
     network:
       lifecycle: preprovisioned
       vnet: csv1
@@ -615,14 +679,12 @@ $preserve_probes
       run_seconds: 600
       guest_agent_seconds: 180
   - name: lab-prod-rewrite
-    node: pve1
+    node: auto
     source_vmid: 101
-    snapshot: "$snapshot_time"
-    archives: [drive-scsi0.img]
+    snapshot: latest
+    max_age_hours: 8760
     sandbox:
-      - vmid: $rewrite_vmid
-        cores: 1
-        memory_mib: 256
+      - {}
     network:
       lifecycle: preprovisioned
       vnet: csv3
@@ -658,6 +720,10 @@ echo "connector pid $daemon listening on 127.0.0.1:$port inside $ns; backup mark
 phase_end set-up
 
 # ---- the validation -------------------------------------------------------------------------
+say "certistack-ctl plan show lab.yaml"
+# What will run where, and why, as the operator reads it before the night.
+(cd "$ctl" && in_ns "$bin/certistack-ctl" plan show lab.yaml --config controller.toml)
+
 say "certistack-ctl run lab.yaml"
 # `times` in this shell (not in a subshell) gives the CPU time of the waited-for children.
 times >"$work/times.before"
@@ -818,7 +884,7 @@ def expect_recovered(p, problems):
     if any(a in PROD_SUBNET for found in nics.values() for a in found):
         problems.append(f"the guest still configured its production subnet: {nics}")
 
-EXPECTED = {"lab-web": expect_passed, "lab-prod-preserve": expect_unreachable, "lab-prod-rewrite": expect_recovered}
+EXPECTED = {"lab-web-100": expect_passed, "lab-prod-preserve": expect_unreachable, "lab-prod-rewrite": expect_recovered}
 
 unmet = []
 seen = set()
