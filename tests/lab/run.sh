@@ -471,6 +471,12 @@ SOURCE
 cp "$node/pbs/store1/vm/101/$snapshot_time/qemu-server.conf.blob" "$node/pbs/store1/vm/101/$prod_snapshot_before/"
 prod_body="certistack lab guest: marker $prod_marker"
 prod_body_sha256=$(printf '%s\n' "$prod_body" | sha256sum | cut -d' ' -f1)
+# VM 102's only backup is a month older than the nightly check allows: its validation fails
+# before any node is asked, with a signed report saying how old it is.
+stale_snapshot=2026-10-01T02:00:00Z
+mkdir -p "$node/pbs/store1/vm/102/$stale_snapshot"
+cp --sparse=always "$disk" "$node/pbs/store1/vm/102/$stale_snapshot/drive-scsi0.img"
+cp "$node/pbs/store1/vm/100/$snapshot_time/qemu-server.conf.blob" "$node/pbs/store1/vm/102/$stale_snapshot/"
 # What the backups hold: no validation may change it.
 backups_sha256=$(sha256sum "$disk" "$prod_disk" "$prod_disk_before")
 
@@ -552,6 +558,7 @@ settings = {
     "guests": [
         {"vmid": 100, "type": "qemu", "node": "pve1", "name": "lab-web", "pool": "web"},
         {"vmid": 101, "type": "qemu", "node": "pve1", "name": "prod-web", "pool": "prod"},
+        {"vmid": 102, "type": "qemu", "node": "pve1", "name": "old-app"},
     ],
     "pools": ["web", "prod"],
     "sdn": {
@@ -699,6 +706,20 @@ $rewrite_probes
       # the guest's.
       run_seconds: 1200
       guest_agent_seconds: 180
+  # VM 102's newest backup is older than a day allows: the validation fails, no node asked.
+  - name: lab-stale
+    node: auto
+    source_vmid: 102
+    snapshot: latest
+    max_age_hours: 24
+    sandbox:
+      - {}
+    network:
+      lifecycle: preprovisioned
+      vnet: csv1
+      probe_source: 10.77.1.2/24
+    network_recovery:
+      mode: preserve
 PLAN
 
 # Started directly (not through a shell function) so that $! is the daemon itself, in a session
@@ -884,7 +905,18 @@ def expect_recovered(p, problems):
     if any(a in PROD_SUBNET for found in nics.values() for a in found):
         problems.append(f"the guest still configured its production subnet: {nics}")
 
-EXPECTED = {"lab-web-100": expect_passed, "lab-prod-preserve": expect_unreachable, "lab-prod-rewrite": expect_recovered}
+def expect_stale(p, problems):
+    verdict = p["verdict"]
+    if verdict["result"] != "failed":
+        problems.append(f"verdict {verdict['result']}, expected failed (the newest backup is too old)")
+    reasons = " ".join(verdict.get("reasons", []))
+    if " old" not in reasons or "VM 102" not in reasons:
+        problems.append(f"the verdict's reasons do not say how old VM 102's newest backup is: {verdict.get('reasons')}")
+    if p["connector"]["version"] != "not contacted" or p["steps"][0]["name"] != "resolve backup":
+        problems.append("a node was asked for a validation that fails before any node")
+
+EXPECTED = {"lab-web-100": expect_passed, "lab-prod-preserve": expect_unreachable,
+            "lab-prod-rewrite": expect_recovered, "lab-stale": expect_stale}
 
 unmet = []
 seen = set()
@@ -901,6 +933,11 @@ for report in reports:
     recovery_ms = span(steps, lambda n: n.startswith("recover network"), lambda n: n.startswith("recover network"))
     teardown_ms = span(steps, lambda n: n.startswith("stop "), lambda n: n == "journal")
     lines.append(f"[{name}]")
+    # What the controller resolved: the snapshot (from the listing for latest), the node (with
+    # how placement chose it) and the sandbox VMIDs (from the range).
+    created = [s["name"].split()[1] for s in steps if s["name"].startswith("create ")]
+    placed = f" (placed: {p['placement']})" if p.get("placement") else ""
+    lines.append(f"resolved      {p['snapshot']['snapshot']} on {p['node']}{placed}; sandbox VMIDs {' '.join(created) or 'none created'}")
     verdict = p["verdict"]
     lines.append(f"verdict       {verdict['result']}" + "".join(f"\n              {r}" for r in verdict.get("reasons", [])))
     os_info = (p.get("guest") or {}).get("os_info") or {}
@@ -946,6 +983,10 @@ try:
         lines.append(f"appliance     confined: {os.environ['LAB_CONFINED_UNITS']} unit(s) of the node's systemd, as {', '.join(sorted(appliance_users)) or 'no user'}")
 except (OSError, ValueError):
     pass
+lines.append("preflight     " + ("REFUSED: the PVE API token lacks privileges (see above)" if run_code == 77 else
+             "passed: the PVE API token holds every privilege the plan needs, read before anything was asked"))
+if run_code == 77:
+    unmet.append("the preflight refused the plan")
 lines.append(f"reports       {len(reports)}, {'all verified' if verify_code == 0 else 'NOT ALL VERIFY'}; backups' content {'CHANGED' if backups_changed else 'unchanged (SHA-256 before and after)'}")
 print("\n".join(lines))
 total = sum(phases.values()) + run_ms
