@@ -24,7 +24,10 @@
 //!   (`performance/checks.rs`);
 //! - `node-ops`: each node operation through the connector against its tool alone, with the
 //!   Proxmox doubles, real `qemu-img`, loop devices and QEMU (`performance/node_ops.rs`; needs
-//!   root).
+//!   root);
+//! - `resolve`: `plan show` of a 100-VM pool selection with `snapshot: latest` and VMIDs from
+//!   the range against the PBS and PVE API doubles, beside the same plan written out, and the API
+//!   calls of one resolution by kind (`performance/resolve.rs`).
 //!
 //! `fleet`, `checks` and `node-ops` run only when named. They share one binary because each bench
 //! target is a separate executable linked with the release profile's thin LTO over every
@@ -1297,6 +1300,8 @@ async fn footprint(settings: &Settings) {
 mod checks;
 #[path = "performance/node_ops.rs"]
 mod node_ops;
+#[path = "performance/resolve.rs"]
+mod resolve;
 
 fn main() {
     let args: Vec<String> = std::env::args()
@@ -1337,10 +1342,11 @@ fn main() {
                 "footprint" => footprint(&settings).await,
                 "fleet" => fleet::fleet(&settings).await,
                 "checks" => checks::checks().await,
+                "resolve" => resolve::resolve(&settings).await,
                 // Runs on its own thread and runtime inside a network namespace until it is done.
                 "node-ops" => tokio::task::block_in_place(node_ops::node_ops),
                 other => panic!(
-                    "unknown section {other:?}: transport, setup, history, concurrency, footprint, fleet, checks, node-ops"
+                    "unknown section {other:?}: transport, setup, history, concurrency, footprint, fleet, checks, node-ops, resolve"
                 ),
             }
         }
