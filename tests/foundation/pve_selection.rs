@@ -663,3 +663,36 @@ fn placement_that_asks_no_node_says_no_node_was_contacted() {
     );
     setup.assert_no_node_contacted();
 }
+
+#[test]
+fn offline_asks_nothing_and_refuses_what_needs_an_api() {
+    let pve = Pve::start(cluster(auditor()));
+    // A plan that leaves the selection to the API: refused offline, saying so.
+    let setup = Setup::new(&pve, "", "    node: pve1\n    select: {pool: prod}\n");
+    let (code, out, err) = setup.ctl(&["plan", "check", "--offline"]);
+    assert_eq!(code, 65, "{out}{err}");
+    assert!(err.contains("select"), "{err}");
+    assert!(err.contains("without --offline"), "{err}");
+    // One written out is accepted offline, the API never asked.
+    let written = Setup::new(&pve, "", "    node: pve1\n    source_vmid: 201\n");
+    let plan = written.dir.0.join("nightly.yaml");
+    let text = std::fs::read_to_string(&plan).unwrap();
+    std::fs::write(
+        &plan,
+        text.replace("      - cores: 2", "      - vmid: 9150\n        cores: 2"),
+    )
+    .unwrap();
+    let (code, out, err) = written.ctl(&["plan", "show", "--offline"]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.ends_with("1 validation(s); no node was contacted\n"),
+        "{out}"
+    );
+    assert!(pve.calls_log().is_empty(), "{}", pve.calls_log());
+    // --online is the default, said explicitly.
+    let (code, _, err) = written.ctl(&["plan", "check", "--online"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(pve.calls_log().contains("/access/permissions"));
+    let (code, _, err) = written.ctl(&["plan", "check", "--online", "--offline"]);
+    assert_eq!(code, 64, "{err}");
+}

@@ -131,9 +131,24 @@ file:line:column or the validation and key, and what to change); 66 the plan, th
 file cannot be read; 74 the output cannot be written (a full disk, not a closed pipe); 77 a file's owner or mode is refused (the message gives the chmod or chown to run); 78 the \
 controller configuration is refused; 64 the command line itself is wrong.";
 
+/// Whether `plan check` and `plan show` ask the APIs and, for placement, the nodes.
+#[derive(clap::Args, Debug)]
+struct Reach {
+    /// Ask the PBS and PVE APIs what the plan leaves to them (`snapshot: latest`, `select`,
+    /// sandbox VMIDs, the VNet's SDN view) after the token's privileges, and the nodes what
+    /// `node: auto` needs: the default, as `run` does.
+    #[arg(long)]
+    online: bool,
+    /// Ask nothing of any API or node: a plan that leaves something to them is refused, saying
+    /// which key needs which.
+    #[arg(long, conflicts_with = "online")]
+    offline: bool,
+}
+
 #[derive(Subcommand, Debug)]
 enum PlanCommand {
-    /// Check a plan completely without contacting any node, and print what would run where.
+    /// Check a plan completely, creating nothing, and print what would run where: online (the
+    /// default) it asks the APIs what the plan leaves to them, after the token's privileges.
     #[command(after_help = PLAN_EXIT_CODES)]
     Check {
         /// The plan (YAML; see docs/plans.md).
@@ -141,9 +156,11 @@ enum PlanCommand {
         /// The controller configuration.
         #[arg(long, default_value = certistack_controller::config::DEFAULT_CONFIG)]
         config: PathBuf,
+        #[command(flatten)]
+        reach: Reach,
     },
     /// Check a plan as `plan check` does, then print every validation spelled out, each value
-    /// with where it came from: what tonight's run would do, contacting nothing.
+    /// with where it came from: what tonight's run would do, creating nothing.
     #[command(after_help = PLAN_EXIT_CODES)]
     Show {
         /// The plan (YAML; see docs/plans.md).
@@ -154,6 +171,8 @@ enum PlanCommand {
         /// One JSON document with stable keys (docs/plans.md, "plan show") instead of text.
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        reach: Reach,
     },
 }
 
@@ -219,12 +238,17 @@ fn run(cli: Cli) -> Result<(), ExitStatus> {
         }) => commands::ca::node_sign(&state_dir, &node, &csr, out, now),
         Command::Surface => commands::surface::surface(),
         Command::Hello(args) => commands::hello::hello(args, now),
-        Command::Plan(PlanCommand::Check { plan, config }) => {
-            commands::plan::plan_check(&plan, &config, now)
-        }
-        Command::Plan(PlanCommand::Show { plan, config, json }) => {
-            commands::plan::plan_show(&plan, &config, json, now)
-        }
+        Command::Plan(PlanCommand::Check {
+            plan,
+            config,
+            reach,
+        }) => commands::plan::plan_check(&plan, &config, !reach.offline, now),
+        Command::Plan(PlanCommand::Show {
+            plan,
+            config,
+            json,
+            reach,
+        }) => commands::plan::plan_show(&plan, &config, json, !reach.offline, now),
         Command::Report(command) => commands::report::report_command(command),
         Command::Runs(args) => {
             let node =

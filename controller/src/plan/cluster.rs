@@ -86,7 +86,7 @@ pub trait Cluster: Privileges {
 #[derive(Debug, Clone, Copy)]
 pub struct NoCluster;
 
-const NO_CLUSTER: &str = "this is read from the Proxmox VE API: configure [pve] in the controller configuration (docs/install.md, section 4) and use certistack-ctl plan check, plan show or run";
+const NO_CLUSTER: &str = "this is read from the Proxmox VE API: configure [pve] in the controller configuration (docs/install.md, section 4) and use certistack-ctl plan check or plan show without --offline, or run";
 
 impl Privileges for NoCluster {
     fn privileges(&self, _path: &str) -> Result<Option<BTreeMap<String, bool>>, ClusterError> {

@@ -88,7 +88,7 @@ impl BackupCatalog for NoCatalog {
     }
 }
 
-const NO_CATALOG: &str = "this is read from the PBS API, which this command does not ask; use certistack-ctl plan check, plan show or run";
+const NO_CATALOG: &str = "this is read from the PBS API, which this command does not ask; use certistack-ctl plan check or plan show without --offline, or run";
 
 /// The newest snapshot with a size.
 pub fn newest_finished(snapshots: &[CatalogSnapshot]) -> Option<&CatalogSnapshot> {

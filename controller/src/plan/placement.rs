@@ -52,7 +52,7 @@ impl Rooms for NoRooms {
         _pairs: &BTreeSet<(String, String)>,
     ) -> Result<BTreeMap<(String, String), NodeRoom>, RoomsError> {
         Err(RoomsError::Refused(
-            "the node is chosen by asking the PVE API (which nodes are online, what they have free) and each node's connector (Hello, its prerequisites with the VNet): configure [pve] and use certistack-ctl plan check, plan show or run, or name the node".into(),
+            "the node is chosen by asking the PVE API (which nodes are online, what they have free) and each node's connector (Hello, its prerequisites with the VNet): configure [pve] and use certistack-ctl plan check or plan show without --offline, or run, or name the node".into(),
         ))
     }
 

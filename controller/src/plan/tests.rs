@@ -181,7 +181,10 @@ fn latest_is_the_newest_finished_snapshot_and_says_it_came_from_pbs() {
         error.contains("validations[0] (web01).snapshot: listing the VM's backups:"),
         "{error}"
     );
-    assert!(error.contains("plan check, plan show or run"), "{error}");
+    assert!(
+        error.contains("plan check or plan show without --offline, or run"),
+        "{error}"
+    );
     // 2026-11-30T02:00:00Z finished; a newer one still being written is skipped.
     let catalog = Listed(vec![
         snapshot(1_796_004_000, Some(10)),
