@@ -11,10 +11,11 @@
 use crate::api::https::Limits;
 use crate::api::pbs::{PbsClient, PbsEndpoint};
 use crate::plan::ResolvedStorage;
+use crate::plan::backup::CONFIG_BLOB;
 use crate::plan::latest::{BackupCatalog, CatalogError, CatalogFile, CatalogSnapshot};
 use certistack_core::files;
 use certistack_core::validate::Vmid;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -36,7 +37,13 @@ pub struct PbsCatalog {
     deadline: Instant,
     /// Each VM's listing, asked once.
     listings: Mutex<BTreeMap<u32, Vec<CatalogSnapshot>>>,
+    /// Blobs read ahead (`prefetch`), by VM, snapshot time and name; each taken once.
+    blobs: Mutex<BTreeMap<(u32, i64, String), Vec<u8>>>,
 }
+
+/// Calls to the PBS API at once while reading ahead: each is a request (and, to a server that
+/// closes the connection after each reply, a TLS handshake).
+pub const CALLS_AT_ONCE: usize = 16;
 
 impl Default for PbsCatalog {
     fn default() -> Self {
@@ -50,6 +57,7 @@ impl PbsCatalog {
             client: OnceLock::new(),
             deadline: Instant::now() + RESOLUTION_BUDGET,
             listings: Mutex::new(BTreeMap::new()),
+            blobs: Mutex::new(BTreeMap::new()),
         }
     }
 
@@ -173,29 +181,7 @@ impl BackupCatalog for PbsCatalog {
                 vmid.get(),
             ),
         )?;
-        if items.len() > MAX_LISTED_SNAPSHOTS {
-            return Err(CatalogError::Refused(format!(
-                "PBS lists {} snapshots of VM {vmid}, more than the {MAX_LISTED_SNAPSHOTS} read; prune the group (a prune job keeps a few dozen)",
-                items.len()
-            )));
-        }
-        let listed: Vec<CatalogSnapshot> = items
-            .into_iter()
-            .filter(|item| item.backup_type == "vm" && item.backup_id == vmid.to_string())
-            .map(|item| CatalogSnapshot {
-                backup_time: item.backup_time,
-                size: item.size,
-                files: item
-                    .files
-                    .into_iter()
-                    .map(|file| CatalogFile {
-                        name: file.filename,
-                        size: file.size,
-                        crypt_mode: file.crypt_mode,
-                    })
-                    .collect(),
-            })
-            .collect();
+        let listed = listing_of(items, vmid)?;
         if let Ok(mut listings) = self.listings.lock() {
             listings.insert(vmid.get(), listed.clone());
         }
@@ -209,6 +195,14 @@ impl BackupCatalog for PbsCatalog {
         backup_time: i64,
         name: &str,
     ) -> Result<Vec<u8>, CatalogError> {
+        if let Some(read) = self
+            .blobs
+            .lock()
+            .ok()
+            .and_then(|mut b| b.remove(&(vmid.get(), backup_time, name.to_owned())))
+        {
+            return Ok(read);
+        }
         let (client, runtime) = self.client(storage)?;
         self.call(
             runtime,
@@ -221,6 +215,127 @@ impl BackupCatalog for PbsCatalog {
             ),
         )
     }
+
+    fn prefetch(&self, storage: &ResolvedStorage, listed: &[Vmid], configs: &[Vmid]) {
+        use futures_util::StreamExt;
+        let Ok((client, runtime)) = self.client(storage) else {
+            return;
+        };
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        let (store, namespace) = (&storage.datastore.value, &storage.namespace.value);
+        let known: BTreeSet<u32> = self
+            .listings
+            .lock()
+            .map(|l| l.keys().copied().collect())
+            .unwrap_or_default();
+        let todo: BTreeSet<u32> = listed
+            .iter()
+            .map(|vmid| vmid.get())
+            .filter(|vmid| !known.contains(vmid))
+            .collect();
+        let answers = runtime
+            .block_on(async move {
+                tokio::time::timeout(
+                    left,
+                    futures_util::stream::iter(todo)
+                        .map(|vmid| async move {
+                            (vmid, client.vm_snapshots(store, namespace, vmid).await)
+                        })
+                        .buffer_unordered(CALLS_AT_ONCE)
+                        .collect::<Vec<_>>(),
+                )
+                .await
+            })
+            .unwrap_or_default();
+        for (vmid, answer) in answers {
+            let Ok(vmid) = Vmid::parse("vmid", vmid) else {
+                continue;
+            };
+            if let Ok(items) = answer
+                && let Ok(listing) = listing_of(items, vmid)
+                && let Ok(mut listings) = self.listings.lock()
+            {
+                listings.insert(vmid.get(), listing);
+            }
+        }
+        // The config of each newest finished snapshot, where the sizes come from it.
+        let wanted: Vec<(u32, i64)> = {
+            let listings = self.listings.lock();
+            configs
+                .iter()
+                .filter_map(|vmid| {
+                    let listings = listings.as_ref().ok()?;
+                    let newest = crate::plan::latest::newest_finished(listings.get(&vmid.get())?)?;
+                    newest
+                        .files
+                        .iter()
+                        .any(|f| f.name == CONFIG_BLOB)
+                        .then_some((vmid.get(), newest.backup_time))
+                })
+                .collect::<BTreeSet<_>>()
+                .into_iter()
+                .collect()
+        };
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        let read = runtime
+            .block_on(async move {
+                tokio::time::timeout(
+                    left,
+                    futures_util::stream::iter(wanted)
+                        .map(|(vmid, time)| async move {
+                            (
+                                vmid,
+                                time,
+                                client
+                                    .download_blob(store, namespace, vmid, time, CONFIG_BLOB)
+                                    .await,
+                            )
+                        })
+                        .buffer_unordered(CALLS_AT_ONCE)
+                        .collect::<Vec<_>>(),
+                )
+                .await
+            })
+            .unwrap_or_default();
+        if let Ok(mut blobs) = self.blobs.lock() {
+            for (vmid, time, answer) in read {
+                if let Ok(bytes) = answer {
+                    blobs.insert((vmid, time, CONFIG_BLOB.to_owned()), bytes);
+                }
+            }
+        }
+    }
+}
+
+/// A VM's listing as the catalog keeps it, refused past [`MAX_LISTED_SNAPSHOTS`].
+fn listing_of(
+    items: Vec<crate::api::pbs::SnapshotListItem>,
+    vmid: Vmid,
+) -> Result<Vec<CatalogSnapshot>, CatalogError> {
+    if items.len() > MAX_LISTED_SNAPSHOTS {
+        return Err(CatalogError::Refused(format!(
+            "PBS lists {} snapshots of VM {vmid}, more than the {MAX_LISTED_SNAPSHOTS} read; prune the group (a prune job keeps a few dozen)",
+            items.len()
+        )));
+    }
+    let listed: Vec<CatalogSnapshot> = items
+        .into_iter()
+        .filter(|item| item.backup_type == "vm" && item.backup_id == vmid.to_string())
+        .map(|item| CatalogSnapshot {
+            backup_time: item.backup_time,
+            size: item.size,
+            files: item
+                .files
+                .into_iter()
+                .map(|file| CatalogFile {
+                    name: file.filename,
+                    size: file.size,
+                    crypt_mode: file.crypt_mode,
+                })
+                .collect(),
+        })
+        .collect();
+    Ok(listed)
 }
 
 /// An answer refusing what was asked (4xx but for a refused token) is the catalog's refusal;

@@ -254,6 +254,46 @@ impl Cluster for PveCluster {
         Ok(!free)
     }
 
+    fn prefetch_vmids(&self, vmids: &[Vmid]) {
+        use futures_util::StreamExt;
+        let Ok((client, runtime)) = self.client() else {
+            return;
+        };
+        let known: std::collections::BTreeSet<u32> = self
+            .in_use
+            .lock()
+            .map(|m| m.keys().copied().collect())
+            .unwrap_or_default();
+        let todo: std::collections::BTreeSet<u32> = vmids
+            .iter()
+            .map(|vmid| vmid.get())
+            .filter(|vmid| !known.contains(vmid))
+            .collect();
+        if todo.is_empty() {
+            return;
+        }
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        let answers = runtime
+            .block_on(async move {
+                tokio::time::timeout(
+                    left,
+                    futures_util::stream::iter(todo)
+                        .map(|vmid| async move { (vmid, client.vmid_free(vmid).await) })
+                        .buffer_unordered(crate::catalog::CALLS_AT_ONCE)
+                        .collect::<Vec<_>>(),
+                )
+                .await
+            })
+            .unwrap_or_default();
+        if let Ok(mut in_use) = self.in_use.lock() {
+            for (vmid, answer) in answers {
+                if let Ok(free) = answer {
+                    in_use.insert(vmid, !free);
+                }
+            }
+        }
+    }
+
     fn sandbox_vmid_range(&self) -> Option<(Vmid, Vmid)> {
         self.settings.as_ref()?.sandbox_vmid_range
     }

@@ -220,6 +220,17 @@ fn a_pool_expands_to_its_vms_with_free_sandbox_vmids_around_a_hidden_guest() {
     let log = pve.calls_log();
     assert!(log.contains("\"query\": \"vmid=9100\"") || log.contains("\"query\":\"vmid=9100\""));
     assert!(log.contains("/api2/json/pools/prod"), "{log}");
+    // The range's candidates are asked ahead, all at once, and each only once.
+    let asked: Vec<&str> = log
+        .lines()
+        .filter(|line| line.contains("/cluster/nextid"))
+        .collect();
+    let distinct: BTreeSet<&str> = asked
+        .iter()
+        .filter_map(|line| line.split("vmid=").nth(1)?.split('"').next())
+        .collect();
+    assert_eq!(asked.len(), distinct.len(), "a VMID was asked twice: {log}");
+    assert!(asked.len() <= 5 + 1 + 8, "{log}");
     setup.assert_no_node_contacted();
     // plan check says the same in a line each.
     let (code, out, err) = setup.ctl(&["plan", "check"]);

@@ -75,6 +75,9 @@ pub trait Cluster: Privileges {
     fn configured(&self) -> bool {
         true
     }
+    /// Asks at once (within a bound) whether each of `vmids` is in use, for
+    /// [`Cluster::vmid_in_use`] to answer from; what fails is left for that call to say.
+    fn prefetch_vmids(&self, _vmids: &[Vmid]) {}
     /// A preprovisioned VNet as the SDN configuration has it (`plan::sdn`); `None` when no
     /// API is there to ask.
     fn sdn_vnet(&self, _vnet: &str) -> Result<Option<super::sdn::SdnView>, ClusterError> {
@@ -381,6 +384,9 @@ fn first_of(vmids: &[String]) -> String {
     text
 }
 
+/// Candidates of the range asked ahead beyond those still needed.
+const VMIDS_ASKED_AHEAD: usize = 8;
+
 /// VMIDs one refusal names.
 const MAX_VMIDS_NAMED: usize = 20;
 
@@ -404,7 +410,22 @@ pub(super) fn assign_sandbox_vmids(
     let mut chosen = Vec::with_capacity(omitted.len());
     let mut candidate = low.get();
     let mut in_use = 0usize;
+    // The candidates are asked ahead in batches (a few more than still needed), all at once.
+    let mut asked_up_to = candidate;
     while chosen.len() < omitted.len() {
+        if candidate >= asked_up_to {
+            let wanted = (omitted.len() - chosen.len()).saturating_add(VMIDS_ASKED_AHEAD);
+            let batch: Vec<Vmid> = (candidate..=high.get())
+                .filter_map(|n| Vmid::parse("sandbox_vmid_range", n).ok())
+                .filter(|vmid| !taken.contains(vmid))
+                .take(wanted)
+                .collect();
+            asked_up_to = batch
+                .last()
+                .map_or(high.get(), |last| last.get())
+                .saturating_add(1);
+            cluster.prefetch_vmids(&batch);
+        }
         if in_use > MAX_VMIDS_IN_USE_SKIPPED {
             return Err(ClusterError::Refused(format!(
                 "[pve] sandbox_vmid_range {low}-{high}: more than {MAX_VMIDS_IN_USE_SKIPPED} of its VMIDs below {candidate} are in use in the cluster; sandboxes of interrupted runs? run certistack-ctl cleanup on the nodes (qm list shows them), or move the range to VMIDs no one allocates"

@@ -62,6 +62,11 @@ pub trait BackupCatalog {
         backup_time: i64,
         name: &str,
     ) -> Result<Vec<u8>, CatalogError>;
+
+    /// Asks at once (within a bound) what resolution will then ask one VM at a time: the
+    /// listings of `listed`, and the config of the newest finished snapshot of `configs`. What
+    /// fails is left for the call that needs it to say.
+    fn prefetch(&self, _storage: &ResolvedStorage, _listed: &[Vmid], _configs: &[Vmid]) {}
 }
 
 /// No catalog: `latest` is refused, saying what reads it.

@@ -257,6 +257,26 @@ pub(super) fn resolve(
     let mut omitted: Vec<cluster::Omitted> = Vec::new();
     let mut written: Vec<(usize, Vmid)> = Vec::new();
     let mut validations = Vec::with_capacity(expanded.len());
+    // What `latest` and the sizes will ask one VM at a time is asked at once first.
+    let latest: Vec<Vmid> = expanded
+        .iter()
+        .filter(|e| matches!(e.file.snapshot, SnapshotFile::Latest))
+        .map(|e| e.source_vmid.value)
+        .collect();
+    let configs: Vec<Vmid> = expanded
+        .iter()
+        .filter(|e| {
+            matches!(e.file.snapshot, SnapshotFile::Latest)
+                && e.file
+                    .sandbox
+                    .iter()
+                    .any(|vm| vm.cores.is_none() || vm.memory_mib.is_none())
+        })
+        .map(|e| e.source_vmid.value)
+        .collect();
+    if !latest.is_empty() {
+        catalog.prefetch(&storage, &latest, &configs);
+    }
     for expansion in &expanded {
         let (index, v) = (expansion.plan_index, &expansion.file);
         let at = |key: &str| format!("validations[{index}] ({}){key}", v.name);
@@ -361,6 +381,7 @@ pub(super) fn resolve(
     // A written VMID the cluster already has fails `qm create` mid-run: refused before any
     // node is asked (the API sees every guest, whatever the token may audit).
     if cluster.configured() {
+        cluster.prefetch_vmids(&written.iter().map(|&(_, vmid)| vmid).collect::<Vec<_>>());
         for &(at, vmid) in &written {
             let Some(v) = validations.get(at) else {
                 continue;
