@@ -13,7 +13,7 @@
 # down, checking that nothing is left: namespace, loop devices, processes, nft tables.
 # The reports, their public key, the plan and the logs stay in target/lab/last/.
 #
-# The plan has three validations, run at once, each on a sandbox VNet of its own:
+# The plan has four validations; three run at once, each on a sandbox VNet of its own:
 #   lab-web-100         a guest that takes the address the lab gives it (network_recovery
 #                       preserve); it must pass.
 #   lab-prod-preserve   a Debian guest (ext4 root, ifupdown) whose own configuration puts its
@@ -24,6 +24,8 @@
 #                       rewrite and a guest address on its probe network: the node writes a
 #                       sandbox profile into the overlay before boot (libguestfs); it must pass,
 #                       and its report must show the recovery's evidence.
+#   lab-stale           VM 102, whose only backup is two months old (max_age_hours 24): it
+#                       must fail before any node is asked, saying how old the backup is.
 # The backups' image files must hash the same after the run as before.
 #
 # Exit code: 0 when every validation ended as above, 1 when one did not, 2 when
@@ -107,14 +109,16 @@ daemon=""
 # systemd); its nspawn process.
 container=""
 port=7443
-snapshot_time=2026-11-01T02:00:00Z
-vmid=9101
+# The backups' times, relative to today as a nightly PBS job's are: last night's (what latest
+# finds), the night before (named by its time), and one two months old (too old).
+snapshot_time=$(date -u -d 'yesterday' +%Y-%m-%dT02:00:00Z)
+prod_snapshot_before=$(date -u -d '2 days ago' +%Y-%m-%dT02:00:00Z)
+stale_snapshot=$(date -u -d '60 days ago' +%Y-%m-%dT02:00:00Z)
 marker=lab-$(head -c 6 /dev/urandom | od -An -tx1 | tr -d ' \n')
 guest=10.77.1.10
 # The production guest: restored as it is, and with network recovery. The three validations
 # run at once, each on a sandbox VNet (and probe network) of its own.
 preserve_vmid=9102
-rewrite_vmid=9103
 vnets="csv1 csv2 csv3"
 preserve_guest=10.77.2.10
 rewrite_guest=10.77.3.10
@@ -252,7 +256,8 @@ node_residue() {
 keep_evidence() {
   rm -rf "$keep"
   mkdir -p "$keep"
-  cp "$ctl/reports"/* "$ctl/state/report-signing.pub" "$ctl/lab.yaml" "$work/connector.log" "$keep/" 2>/dev/null || true
+  cp "$ctl/reports"/* "$ctl/state/report-signing.pub" "$ctl/lab.yaml" "$work/connector.log" \
+    "$work/node-systemd.log" "$work/pbs-api.log" "$work/pve-api.log" "$keep/" 2>/dev/null || true
   cp "$node/calls.log" "$keep/doubles-calls.log" 2>/dev/null || true
 }
 
@@ -380,7 +385,7 @@ for _ in $(seq 1 300); do
   [ -n "$leader" ] && break
   sleep 0.1
 done
-[ -n "$leader" ] || { echo "lab: systemd-nspawn started no systemd (see $work/node-systemd.log)" >&2; exit 70; }
+[ -n "$leader" ] || { echo "lab: systemd-nspawn started no systemd (see $keep/node-systemd.log)" >&2; exit 70; }
 in_node_systemd() { nsenter -t "$leader" -a -- "$@"; }
 node_systemd=""
 for _ in $(seq 1 300); do
@@ -390,7 +395,7 @@ for _ in $(seq 1 300); do
 done
 case "$node_systemd" in
   running | degraded) ;;
-  *) echo "lab: the node's systemd did not come up within 30 s ($node_systemd; see $work/node-systemd.log)" >&2; exit 70 ;;
+  *) echo "lab: the node's systemd did not come up within 30 s ($node_systemd; see $keep/node-systemd.log)" >&2; exit 70 ;;
 esac
 # Its /dev is its own: the loop nodes, as udev leaves block devices (root:disk 0660); the
 # appliance user, as the package's postinst makes it.
@@ -429,7 +434,6 @@ body_sha256=$(printf '%s\n' "$body" | sha256sum | cut -d' ' -f1)
 prod_disk=$node/pbs/store1/vm/101/$snapshot_time/drive-scsi0.img
 # Its backup of the day before, the same disk: the node runs validations of one archive one
 # after the other, and the two restores of this guest run at the same time.
-prod_snapshot_before=2026-10-31T02:00:00Z
 prod_disk_before=$node/pbs/store1/vm/101/$prod_snapshot_before/drive-scsi0.img
 mkdir -p "$(dirname "$prod_disk")" "$work/prod-root"
 (
@@ -471,9 +475,8 @@ SOURCE
 cp "$node/pbs/store1/vm/101/$snapshot_time/qemu-server.conf.blob" "$node/pbs/store1/vm/101/$prod_snapshot_before/"
 prod_body="certistack lab guest: marker $prod_marker"
 prod_body_sha256=$(printf '%s\n' "$prod_body" | sha256sum | cut -d' ' -f1)
-# VM 102's only backup is a month older than the nightly check allows: its validation fails
-# before any node is asked, with a signed report saying how old it is.
-stale_snapshot=2026-10-01T02:00:00Z
+# VM 102's only backup is two months old, far older than the nightly check allows: its
+# validation fails before any node is asked, with a signed report saying how old it is.
 mkdir -p "$node/pbs/store1/vm/102/$stale_snapshot"
 cp --sparse=always "$disk" "$node/pbs/store1/vm/102/$stale_snapshot/drive-scsi0.img"
 cp "$node/pbs/store1/vm/100/$snapshot_time/qemu-server.conf.blob" "$node/pbs/store1/vm/102/$stale_snapshot/"
@@ -639,7 +642,7 @@ validations:
     node: auto
     select: {pool: web}
     snapshot: latest
-    max_age_hours: 8760
+    max_age_hours: 48
     sandbox:
       - {}
     network:
@@ -689,7 +692,7 @@ $preserve_probes
     node: auto
     source_vmid: 101
     snapshot: latest
-    max_age_hours: 8760
+    max_age_hours: 48
     sandbox:
       - {}
     network:
