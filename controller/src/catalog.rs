@@ -8,7 +8,7 @@
 //! one plan together get [`RESOLUTION_BUDGET`]: a PBS that answers slowly holds a night's run
 //! up for minutes, not hours.
 
-use crate::api::https::Limits;
+use crate::api::https::{Limits, ask_at_once};
 use crate::api::pbs::{PbsClient, PbsEndpoint};
 use crate::plan::ResolvedStorage;
 use crate::plan::backup::CONFIG_BLOB;
@@ -41,10 +41,6 @@ pub struct PbsCatalog {
     blobs: Mutex<BTreeMap<(u32, i64, String), Vec<u8>>>,
 }
 
-/// Calls to the PBS API at once while reading ahead: each is a request (and, to a server that
-/// closes the connection after each reply, a TLS handshake).
-pub const CALLS_AT_ONCE: usize = 16;
-
 impl Default for PbsCatalog {
     fn default() -> Self {
         Self::new()
@@ -67,20 +63,13 @@ impl PbsCatalog {
         runtime: &tokio::runtime::Runtime,
         call: impl std::future::Future<Output = Result<T, crate::api::https::ApiError>>,
     ) -> Result<T, CatalogError> {
-        let left = self.deadline.saturating_duration_since(Instant::now());
-        let spent = || {
-            CatalogError::Unavailable(format!(
-                "resolving the plan has asked the PBS API for {} s, its budget; check the PBS's load and the network",
-                RESOLUTION_BUDGET.as_secs()
-            ))
-        };
-        if left.is_zero() {
-            return Err(spent());
-        }
-        runtime
-            // The deadline's timer is made inside the runtime that drives it.
-            .block_on(async move { tokio::time::timeout(left, call).await })
-            .map_err(|_| spent())?
+        crate::api::https::within(runtime, self.deadline, call)
+            .ok_or_else(|| {
+                CatalogError::Unavailable(format!(
+                    "resolving the plan has asked the PBS API for {} s, its budget; check the PBS's load and the network",
+                    RESOLUTION_BUDGET.as_secs()
+                ))
+            })?
             .map_err(catalog_error)
     }
 
@@ -217,40 +206,27 @@ impl BackupCatalog for PbsCatalog {
     }
 
     fn prefetch(&self, storage: &ResolvedStorage, listed: &[Vmid], configs: &[Vmid]) {
-        use futures_util::StreamExt;
         let Ok((client, runtime)) = self.client(storage) else {
             return;
         };
-        let left = self.deadline.saturating_duration_since(Instant::now());
         let (store, namespace) = (&storage.datastore.value, &storage.namespace.value);
         let known: BTreeSet<u32> = self
             .listings
             .lock()
             .map(|l| l.keys().copied().collect())
             .unwrap_or_default();
-        let todo: BTreeSet<u32> = listed
+        let todo: BTreeSet<Vmid> = listed
             .iter()
-            .map(|vmid| vmid.get())
-            .filter(|vmid| !known.contains(vmid))
+            .copied()
+            .filter(|vmid| !known.contains(&vmid.get()))
             .collect();
-        let answers = runtime
-            .block_on(async move {
-                tokio::time::timeout(
-                    left,
-                    futures_util::stream::iter(todo)
-                        .map(|vmid| async move {
-                            (vmid, client.vm_snapshots(store, namespace, vmid).await)
-                        })
-                        .buffer_unordered(CALLS_AT_ONCE)
-                        .collect::<Vec<_>>(),
-                )
-                .await
-            })
-            .unwrap_or_default();
+        let answers = ask_at_once(runtime, self.deadline, todo, |vmid| async move {
+            (
+                vmid,
+                client.vm_snapshots(store, namespace, vmid.get()).await,
+            )
+        });
         for (vmid, answer) in answers {
-            let Ok(vmid) = Vmid::parse("vmid", vmid) else {
-                continue;
-            };
             if let Ok(items) = answer
                 && let Ok(listing) = listing_of(items, vmid)
                 && let Ok(mut listings) = self.listings.lock()
@@ -276,27 +252,12 @@ impl BackupCatalog for PbsCatalog {
                 .into_iter()
                 .collect()
         };
-        let left = self.deadline.saturating_duration_since(Instant::now());
-        let read = runtime
-            .block_on(async move {
-                tokio::time::timeout(
-                    left,
-                    futures_util::stream::iter(wanted)
-                        .map(|(vmid, time)| async move {
-                            (
-                                vmid,
-                                time,
-                                client
-                                    .download_blob(store, namespace, vmid, time, CONFIG_BLOB)
-                                    .await,
-                            )
-                        })
-                        .buffer_unordered(CALLS_AT_ONCE)
-                        .collect::<Vec<_>>(),
-                )
-                .await
-            })
-            .unwrap_or_default();
+        let read = ask_at_once(runtime, self.deadline, wanted, |(vmid, time)| async move {
+            let answer = client
+                .download_blob(store, namespace, vmid, time, CONFIG_BLOB)
+                .await;
+            (vmid, time, answer)
+        });
         if let Ok(mut blobs) = self.blobs.lock() {
             for (vmid, time, answer) in read {
                 if let Ok(bytes) = answer {

@@ -87,20 +87,13 @@ impl PveCluster {
         runtime: &tokio::runtime::Runtime,
         call: impl std::future::Future<Output = Result<T, ApiError>>,
     ) -> Result<T, ClusterError> {
-        let left = self.deadline.saturating_duration_since(Instant::now());
-        let spent = || {
-            ClusterError::Unavailable(format!(
-                "resolving the plan has asked the APIs for {} s, its budget; check the PVE API's load and the network",
-                RESOLUTION_BUDGET.as_secs()
-            ))
-        };
-        if left.is_zero() {
-            return Err(spent());
-        }
-        runtime
-            // The deadline's timer is made inside the runtime that drives it.
-            .block_on(async move { tokio::time::timeout(left, call).await })
-            .map_err(|_| spent())?
+        crate::api::https::within(runtime, self.deadline, call)
+            .ok_or_else(|| {
+                ClusterError::Unavailable(format!(
+                    "resolving the plan has asked the APIs for {} s, its budget; check the PVE API's load and the network",
+                    RESOLUTION_BUDGET.as_secs()
+                ))
+            })?
             .map_err(cluster_error)
     }
 }
@@ -255,7 +248,6 @@ impl Cluster for PveCluster {
     }
 
     fn prefetch_vmids(&self, vmids: &[Vmid]) {
-        use futures_util::StreamExt;
         let Ok((client, runtime)) = self.client() else {
             return;
         };
@@ -272,19 +264,10 @@ impl Cluster for PveCluster {
         if todo.is_empty() {
             return;
         }
-        let left = self.deadline.saturating_duration_since(Instant::now());
-        let answers = runtime
-            .block_on(async move {
-                tokio::time::timeout(
-                    left,
-                    futures_util::stream::iter(todo)
-                        .map(|vmid| async move { (vmid, client.vmid_free(vmid).await) })
-                        .buffer_unordered(crate::catalog::CALLS_AT_ONCE)
-                        .collect::<Vec<_>>(),
-                )
-                .await
-            })
-            .unwrap_or_default();
+        let answers =
+            crate::api::https::ask_at_once(runtime, self.deadline, todo, |vmid| async move {
+                (vmid, client.vmid_free(vmid).await)
+            });
         if let Ok(mut in_use) = self.in_use.lock() {
             for (vmid, answer) in answers {
                 if let Ok(free) = answer {

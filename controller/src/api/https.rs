@@ -474,6 +474,52 @@ fn redact_body(body: Vec<u8>, secret: &[u8]) -> Vec<u8> {
 
 /// `value` as a query value: the unreserved characters and `/` (PVE paths, PBS namespaces)
 /// as they are, anything else percent-encoded.
+/// Calls to one API at once when answers are read ahead: each is a request (and, to a server
+/// that closes the connection after each reply, a TLS handshake).
+pub const CALLS_AT_ONCE: usize = 16;
+
+/// Runs `call` on `runtime` (a caller that is not async: plan resolution) within what is left
+/// until `deadline`; `None` once that has run out.
+pub fn within<T>(
+    runtime: &tokio::runtime::Runtime,
+    deadline: std::time::Instant,
+    call: impl std::future::Future<Output = T>,
+) -> Option<T> {
+    let left = deadline.saturating_duration_since(std::time::Instant::now());
+    if left.is_zero() {
+        return None;
+    }
+    runtime
+        // The deadline's timer is made inside the runtime that drives it.
+        .block_on(async move { tokio::time::timeout(left, call).await })
+        .ok()
+}
+
+/// `ask` of each of `items`, at most [`CALLS_AT_ONCE`] at a time, within `deadline`: the
+/// answers in the order they came, none once the deadline has passed.
+pub fn ask_at_once<I, F, Fut>(
+    runtime: &tokio::runtime::Runtime,
+    deadline: std::time::Instant,
+    items: I,
+    ask: F,
+) -> Vec<Fut::Output>
+where
+    I: IntoIterator,
+    F: FnMut(I::Item) -> Fut,
+    Fut: std::future::Future,
+{
+    use futures_util::StreamExt;
+    within(
+        runtime,
+        deadline,
+        futures_util::stream::iter(items)
+            .map(ask)
+            .buffer_unordered(CALLS_AT_ONCE)
+            .collect::<Vec<_>>(),
+    )
+    .unwrap_or_default()
+}
+
 pub fn query_escape(value: &str) -> String {
     value
         .bytes()

@@ -258,14 +258,7 @@ fn select_vms(
             Ok((chosen.into_iter().collect(), "select.vmids".into()))
         }
         (None, Some(pool), None) => {
-            // pve-access-control `PVE/AccessControl.pm` `verify_poolname`; a nested pool's `/`
-            // would change the API path asked.
-            if pool.is_empty()
-                || pool.len() > 64
-                || !pool
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
-            {
+            if !is_pool_name(pool) {
                 return Err(refused(
                     ".select.pool",
                     format!(
@@ -386,6 +379,16 @@ fn first_of(vmids: &[String]) -> String {
 
 /// Candidates of the range asked ahead beyond those still needed.
 const VMIDS_ASKED_AHEAD: usize = 8;
+
+/// Whether `pool` is a pool name a plan may select (pve-access-control `PVE/AccessControl.pm`
+/// `verify_poolname`, without nesting: a nested pool's `/` would change the API and ACL paths).
+pub(super) fn is_pool_name(pool: &str) -> bool {
+    !pool.is_empty()
+        && pool.len() <= 64
+        && pool
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+}
 
 /// VMIDs one refusal names.
 const MAX_VMIDS_NAMED: usize = 20;

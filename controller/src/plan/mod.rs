@@ -112,6 +112,23 @@ pub enum PlanError {
     },
 }
 
+impl PlanError {
+    /// What the PVE API's failure to answer means for the plan at `path`, said at `at`: a
+    /// secret file refused, the API unavailable (the plan may be fine), or a refusal.
+    pub(super) fn of_cluster(path: &Path, at: &str, error: ClusterError) -> Self {
+        let (path, at) = (path.to_owned(), at.to_owned());
+        match error {
+            ClusterError::Secret(error) => Self::Secret {
+                path,
+                at: "pve.token_secret_file",
+                error,
+            },
+            ClusterError::Unavailable(reason) => Self::Unavailable { path, at, reason },
+            ClusterError::Refused(reason) => Self::Refused { path, at, reason },
+        }
+    }
+}
+
 /// What a refusal for missing privileges says: each need, then the lines that grant them all.
 fn privileges_text(lacking: &needs::Lacking) -> String {
     let mut text = format!(
@@ -345,26 +362,8 @@ impl Plan {
         let file = read_written(path, text)?;
         // Before anything else is asked: every privilege the plan needs, every missing one
         // said at once.
-        let lacking =
-            needs::lacking(&needs::needs(&file, config), resolvers.cluster).map_err(|error| {
-                match error {
-                    ClusterError::Secret(error) => PlanError::Secret {
-                        path: path.to_owned(),
-                        at: "pve.token_secret_file",
-                        error,
-                    },
-                    ClusterError::Unavailable(reason) => PlanError::Unavailable {
-                        path: path.to_owned(),
-                        at: "pve (the token's privileges)".into(),
-                        reason,
-                    },
-                    ClusterError::Refused(reason) => PlanError::Refused {
-                        path: path.to_owned(),
-                        at: "pve (the token's privileges)".into(),
-                        reason,
-                    },
-                }
-            })?;
+        let lacking = needs::lacking(&needs::needs(&file, config), resolvers.cluster)
+            .map_err(|error| PlanError::of_cluster(path, "pve (the token's privileges)", error))?;
         if !lacking.required.is_empty() {
             return Err(PlanError::Privileges {
                 path: path.to_owned(),
@@ -577,27 +576,7 @@ fn check_sdn(
         let view = match cluster.sdn_vnet(vnet) {
             Ok(Some(view)) => view,
             Ok(None) => continue,
-            Err(ClusterError::Secret(error)) => {
-                return Err(PlanError::Secret {
-                    path: path.to_owned(),
-                    at: "pve.token_secret_file",
-                    error,
-                });
-            }
-            Err(ClusterError::Unavailable(reason)) => {
-                return Err(PlanError::Unavailable {
-                    path: path.to_owned(),
-                    at,
-                    reason,
-                });
-            }
-            Err(ClusterError::Refused(reason)) => {
-                return Err(PlanError::Refused {
-                    path: path.to_owned(),
-                    at,
-                    reason,
-                });
-            }
+            Err(error) => return Err(PlanError::of_cluster(path, &at, error)),
         };
         let found = if on_nodes {
             sdn::node_problems(&view, &v.node.value)

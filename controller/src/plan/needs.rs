@@ -74,12 +74,11 @@ pub(super) fn needs(file: &PlanFile, config: &ControllerConfig) -> Vec<Need> {
                 );
             }
             // A pool name resolution would refuse is not a path to ask about (it refuses it).
-            if let Some(pool) = select.pool.as_ref().filter(|pool| {
-                !pool.is_empty()
-                    && pool
-                        .chars()
-                        .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
-            }) {
+            if let Some(pool) = select
+                .pool
+                .as_ref()
+                .filter(|pool| super::cluster::is_pool_name(pool))
+            {
                 add(
                     format!("/pool/{pool}"),
                     "Pool.Audit",

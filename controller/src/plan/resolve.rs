@@ -359,25 +359,8 @@ pub(super) fn resolve(
             ));
         }
     }
-    let cluster_failed = |at: String| {
-        move |error: ClusterError| match error {
-            ClusterError::Secret(error) => PlanError::Secret {
-                path: path.to_owned(),
-                at: "pve.token_secret_file",
-                error,
-            },
-            ClusterError::Unavailable(reason) => PlanError::Unavailable {
-                path: path.to_owned(),
-                at,
-                reason,
-            },
-            ClusterError::Refused(reason) => PlanError::Refused {
-                path: path.to_owned(),
-                at,
-                reason,
-            },
-        }
-    };
+    let cluster_failed =
+        |at: String| move |error: ClusterError| PlanError::of_cluster(path, &at, error);
     // A written VMID the cluster already has fails `qm create` mid-run: refused before any
     // node is asked (the API sees every guest, whatever the token may audit).
     if cluster.configured() {
