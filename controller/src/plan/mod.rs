@@ -446,6 +446,9 @@ impl Plan {
     }
 }
 
+/// The (node, VNet) pairs placement may check for one plan.
+pub const MAX_PLACEMENT_CHECKS: usize = 1024;
+
 /// Places every validation whose node is a choice (`auto`, a list), in plan order, on the
 /// node with the most room of those ready; one no node can take is marked `unplaced`, saying
 /// why. A validation that fails before any node is asked needs no node.
@@ -479,6 +482,17 @@ fn place_validations(
                 .map(|node| (node.clone(), v.network.vnet.value.clone()))
         })
         .collect();
+    // Each pair is one node's checks with one VNet: a plan may make placement ask so many.
+    if pairs.len() > MAX_PLACEMENT_CHECKS {
+        return Err(PlanError::Refused {
+            path: path.to_owned(),
+            at,
+            reason: format!(
+                "placement would check {} (node, VNet) pairs, more than {MAX_PLACEMENT_CHECKS}: name fewer candidate nodes (node: [..]) or use fewer VNets",
+                pairs.len()
+            ),
+        });
+    }
     let room = rooms.rooms(&pairs).map_err(|error| match error {
         placement::RoomsError::Unavailable(reason) => PlanError::Unavailable {
             path: path.to_owned(),

@@ -294,3 +294,54 @@ fn a_range_full_of_leftovers_is_refused_after_a_bounded_walk() {
         "{asked:?}"
     );
 }
+
+#[test]
+fn placement_over_too_many_node_and_vnet_pairs_is_refused_before_any_is_asked() {
+    use crate::plan::placement::{NodeRoom, Rooms, RoomsError};
+    struct Counting(RefCell<usize>);
+    impl Rooms for Counting {
+        fn rooms(
+            &self,
+            pairs: &BTreeSet<(String, String)>,
+        ) -> Result<BTreeMap<(String, String), NodeRoom>, RoomsError> {
+            *self.0.borrow_mut() += pairs.len();
+            Err(RoomsError::Refused("asked".into()))
+        }
+        fn per_node(&self) -> usize {
+            2
+        }
+    }
+    // 600 nodes, and two validations on two VNets: 1,200 pairs.
+    let mut text = "state_dir = \"/s\"\nreports_dir = \"/r\"\n".to_owned();
+    for i in 0..600 {
+        text.push_str(&format!(
+            "[[nodes]]\nname = \"pve{i}\"\naddress = \"192.0.2.11\"\nport = {}\n",
+            7000 + i
+        ));
+    }
+    let config =
+        crate::config::ControllerConfig::parse(std::path::Path::new("controller.toml"), &text)
+            .unwrap();
+    let plan = PLAN
+        .replace("    node: pve1\n", "    node: auto\n")
+        .replacen("      vnet: csnet1\n", "      vnet: csnet2\n", 1);
+    let rooms = Counting(RefCell::new(0));
+    let error = Plan::parse_resolving(
+        Path::new("/plans/nightly.yaml"),
+        &plan,
+        &config,
+        1_800_000_000,
+        Resolvers {
+            catalog: &NoCatalog,
+            cluster: &NoCluster,
+            rooms: &rooms,
+        },
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        error.contains("placement would check 1200 (node, VNet) pairs, more than 1024"),
+        "{error}"
+    );
+    assert_eq!(*rooms.0.borrow(), 0);
+}
