@@ -551,12 +551,13 @@ pve_secret=$(head -c 18 /dev/urandom | base64)
 umask 077
 printf '%s\n' "$pve_secret" >"$ctl/pve-token"
 umask 022
-LAB_PVE_SECRET=$pve_secret python3 - "$tls/pve/double.json" <<'PY'
-import json, os, sys
+python3 - "$ctl/pve-token" "$tls/pve/double.json" <<'PY'
+import json, sys
 token = "certistack@pve!ctl"
+secret = open(sys.argv[1]).read().strip()
 vnets = ["csv1", "csv2", "csv3"]
 settings = {
-    "tokens": {token: os.environ["LAB_PVE_SECRET"]},
+    "tokens": {token: secret},
     "permissions": {token: {"/": {"Sys.Audit": 1, "VM.Audit": 1, "Pool.Audit": 1, "SDN.Audit": 1}}},
     "guests": [
         {"vmid": 100, "type": "qemu", "node": "pve1", "name": "lab-web", "pool": "web"},
@@ -572,7 +573,7 @@ settings = {
                     for i, v in enumerate(vnets, start=1)],
     },
 }
-with open(sys.argv[1], "w") as f:
+with open(sys.argv[2], "w") as f:
     json.dump(settings, f)
 PY
 # Both doubles listen inside the node's namespace, where the controller runs.
