@@ -434,3 +434,91 @@ fn doctor_checks_the_controllers_keys_before_it_contacts_the_api() {
     assert!(out.is_empty(), "{out}");
     assert_eq!(double.calls_log(), "", "the API was contacted");
 }
+
+/// The first `count` API calls of `calls.log`, each as (client port, path, status): the double
+/// writes a call's line just after its reply, so this waits a moment for the lines.
+fn calls(double: &PveDouble, count: usize) -> Vec<(u64, String, u64)> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let calls = logged_calls(double);
+        if calls.len() >= count || std::time::Instant::now() > deadline {
+            return calls;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn logged_calls(double: &PveDouble) -> Vec<(u64, String, u64)> {
+    double
+        .calls_log()
+        .lines()
+        .map(|line| serde_json::from_str::<serde_json::Value>(line).unwrap())
+        .filter(|call| call["path"].is_string())
+        .map(|call| {
+            (
+                call["connection"].as_u64().unwrap(),
+                call["path"].as_str().unwrap().to_owned(),
+                call["status"].as_u64().unwrap_or_default(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn calls_share_a_connection_the_server_keeps_open_and_a_closed_one_is_opened_anew() {
+    let pki = api_server_pki(&["localhost"]);
+    let mut double_settings = settings();
+    double_settings["idle_timeout_seconds"] = serde_json::json!(0.5);
+    let double = PveDouble::start(&pki, double_settings);
+    let controller = Controller::new(&pki);
+    let secret_file = controller.path("pve-token");
+    let (colons, _) = pins(&pki);
+    let mut endpoint = Controller::endpoint(double.port, &secret_file);
+    endpoint.fingerprint = Some(certistack_core::tls::parse_fingerprint(&colons).unwrap());
+    let client = PveClient::new(
+        &endpoint,
+        Limits {
+            concurrency: 1,
+            ..Limits::default()
+        },
+    )
+    .unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+
+    // Ten calls, one connection: pveproxy keeps it open (Connection: Keep-Alive).
+    for _ in 0..10 {
+        runtime.block_on(client.version()).unwrap();
+    }
+    let first = calls(&double, 10);
+    assert_eq!(first.len(), 10, "{first:?}");
+    assert!(
+        first.iter().all(|(port, _, _)| *port == first[0].0),
+        "{first:?}"
+    );
+
+    // A refusal closes the connection (AnyEvent.pm `response`: 400 and above); the next call
+    // opens another and succeeds.
+    let refused = runtime.block_on(client.pool("no-such-pool")).unwrap_err();
+    assert!(
+        refused.status().is_some_and(|status| status >= 400),
+        "{refused}"
+    );
+    runtime.block_on(client.version()).unwrap();
+    let after_refusal = calls(&double, 12);
+    let (refused_port, _, refused_status) = &after_refusal[10];
+    assert!(*refused_status >= 400, "{after_refusal:?}");
+    assert_eq!(*refused_port, first[0].0, "{after_refusal:?}");
+    assert_ne!(after_refusal[11].0, *refused_port, "{after_refusal:?}");
+
+    // The server closes a kept connection idle past its timeout: the next call, finding it
+    // closed, opens a new one and succeeds.
+    std::thread::sleep(Duration::from_millis(1200));
+    runtime.block_on(client.version()).unwrap();
+    let after_idle = calls(&double, 13);
+    assert_eq!(after_idle.len(), 13, "{after_idle:?}");
+    assert_ne!(after_idle[12].0, after_idle[11].0, "{after_idle:?}");
+    assert_eq!(after_idle[12].2, 200, "{after_idle:?}");
+}

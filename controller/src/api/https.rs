@@ -1,9 +1,9 @@
-//! One HTTPS request per connection to an API server, verified by an [`ApiTrust`], with a
-//! deadline on each stage (TCP and TLS, then the whole reply) and a cap on the reply's size, a
-//! bound on requests at once, and errors that name the call and say what to do.
+//! HTTPS requests to an API server, verified by an [`ApiTrust`], with a deadline on each stage
+//! (TCP and TLS, then the whole reply) and a cap on the reply's size, a bound on requests at
+//! once, and errors that name the call and say what to do.
 //!
-//! A connection per request keeps the client small and its failure modes few: PVE's API calls
-//! are seconds apart in a night's run, and pveproxy closes idle connections anyway. Text the
+//! A connection the server keeps open after a reply serves the next request for a few seconds
+//! ([`IdleConnections`]); a request that changes something always opens its own. Text the
 //! server chose (its reason phrase, its error messages) is escaped and bounded before it is
 //! put in an error, since it reaches a terminal and the logs.
 
@@ -150,6 +150,75 @@ pub struct Reply {
     pub body: Vec<u8>,
 }
 
+/// An open HTTP/1.1 connection to the server and the task that drives it.
+struct Connection {
+    sender: hyper::client::conn::http1::SendRequest<http_body_util::Empty<bytes::Bytes>>,
+    driver: tokio::task::JoinHandle<hyper::Result<()>>,
+}
+
+/// How a request on a connection failed: the connection ended before any answer came (a kept
+/// connection the server had closed meanwhile: pveproxy drops an idle one without a word), or
+/// otherwise.
+enum Exchange {
+    Unanswered(ApiError),
+    Failed(ApiError),
+}
+
+/// How long a connection is kept unused before it is closed: below the 5 s after which
+/// pveproxy (pve-http-server `PVE::APIServer::AnyEvent`, its `timeout`) and
+/// proxmox-backup-proxy drop an idle client, so a kept connection is seldom found closed.
+const IDLE_KEPT: Duration = Duration::from_secs(3);
+
+/// Connections the server kept open after a reply, for the next requests: at most one per
+/// request in flight, each for at most [`IDLE_KEPT`]. A night's run, seconds between calls,
+/// finds them gone and opens anew; plan resolution, hundreds of calls in a second, reuses them
+/// instead of paying a TLS handshake per call.
+#[derive(Clone)]
+struct IdleConnections {
+    kept: Arc<std::sync::Mutex<Vec<(Connection, std::time::Instant)>>>,
+    most: usize,
+}
+
+impl IdleConnections {
+    fn new(most: usize) -> Self {
+        Self {
+            kept: Arc::default(),
+            most,
+        }
+    }
+
+    /// The most recently kept connection still open and young enough; older ones are closed.
+    fn take(&self) -> Option<Connection> {
+        let mut kept = self
+            .kept
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        while let Some((connection, since)) = kept.pop() {
+            if since.elapsed() < IDLE_KEPT && !connection.sender.is_closed() {
+                return Some(connection);
+            }
+        }
+        None
+    }
+
+    fn keep(&self, connection: Connection) {
+        let mut kept = self
+            .kept
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if kept.len() < self.most && !connection.sender.is_closed() {
+            kept.push((connection, std::time::Instant::now()));
+        }
+    }
+}
+
+/// A connection dropped is closed: its driver stops with it.
+impl Drop for Connection {
+    fn drop(&mut self) {
+        self.driver.abort();
+    }
+}
+
 /// An HTTPS client of one API server.
 #[derive(Clone)]
 pub struct HttpsClient {
@@ -159,6 +228,7 @@ pub struct HttpsClient {
     connector: tokio_rustls::TlsConnector,
     limits: Limits,
     in_flight: Arc<Semaphore>,
+    idle: IdleConnections,
 }
 
 impl std::fmt::Debug for HttpsClient {
@@ -182,6 +252,7 @@ impl HttpsClient {
             connector: tokio_rustls::TlsConnector::from(config),
             limits,
             in_flight: Arc::new(Semaphore::new(limits.concurrency.max(1))),
+            idle: IdleConnections::new(limits.concurrency.max(1)),
         })
     }
 
@@ -218,103 +289,62 @@ impl HttpsClient {
                 call: call.clone(),
                 reason: "the client is shutting down".into(),
             })?;
-        let connected = tokio::time::timeout(self.limits.connect, self.connect())
-            .await
-            .map_err(|_| ApiError::Timeout {
-                call: call.clone(),
-                url: url.clone(),
-                stage: STAGE_CONNECT,
-                seconds: self.limits.connect.as_secs(),
-            })?;
-        let stream = connected.map_err(|error| self.classify(&call, error))?;
-        let mut request = http::Request::builder()
-            .method(method)
-            .uri(path_and_query)
-            .header(http::header::HOST, self.host_header())
-            .header(http::header::ACCEPT, "application/json")
-            .header(http::header::USER_AGENT, "certistack-ctl");
-        for (name, value) in headers {
-            let mut value =
-                http::HeaderValue::from_bytes(value).map_err(|_| ApiError::Request {
-                    call: call.clone(),
-                    reason: format!("the {name} header holds a character HTTP does not allow"),
-                })?;
-            value.set_sensitive(true);
-            request = request.header(*name, value);
-        }
-        let request = request
-            .body(http_body_util::Empty::<bytes::Bytes>::new())
-            .map_err(|error| ApiError::Request {
-                call: call.clone(),
-                reason: error.to_string(),
-            })?;
-        let max = self.limits.max_reply_bytes;
-        let exchange = async {
-            let (mut sender, connection) =
-                hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
-                    .await
-                    .map_err(|error| ApiError::Request {
+        let make_request = || {
+            let mut request = http::Request::builder()
+                .method(method.clone())
+                .uri(path_and_query)
+                .header(http::header::HOST, self.host_header())
+                .header(http::header::ACCEPT, "application/json")
+                .header(http::header::USER_AGENT, "certistack-ctl");
+            for (name, value) in headers {
+                let mut value =
+                    http::HeaderValue::from_bytes(value).map_err(|_| ApiError::Request {
                         call: call.clone(),
-                        reason: error.to_string(),
+                        reason: format!("the {name} header holds a character HTTP does not allow"),
                     })?;
-            // The connection is driven beside the request and dropped with it.
-            let driver = tokio::spawn(connection);
-            let response =
-                sender
-                    .send_request(request)
-                    .await
-                    .map_err(|error| ApiError::Request {
-                        call: call.clone(),
-                        reason: format!("the server closed the connection: {error}"),
-                    })?;
-            let status = response.status().as_u16();
-            let reason = response
-                .extensions()
-                .get::<hyper::ext::ReasonPhrase>()
-                .map(|phrase| String::from_utf8_lossy(phrase.as_bytes()).into_owned())
-                .or_else(|| response.status().canonical_reason().map(str::to_owned))
-                .unwrap_or_default();
-            let declared = response
-                .headers()
-                .get(http::header::CONTENT_LENGTH)
-                .and_then(|value| value.to_str().ok())
-                .and_then(|value| value.parse::<u64>().ok());
-            if declared.is_some_and(|length| length > max as u64) {
-                driver.abort();
-                return Err(ApiError::TooLarge {
-                    call: call.clone(),
-                    max,
-                });
+                value.set_sensitive(true);
+                request = request.header(*name, value);
             }
-            let body = http_body_util::Limited::new(response.into_body(), max)
-                .collect()
-                .await
-                .map_err(|error| {
-                    if error.is::<http_body_util::LengthLimitError>() {
-                        ApiError::TooLarge {
-                            call: call.clone(),
-                            max,
-                        }
-                    } else {
-                        ApiError::Request {
-                            call: call.clone(),
-                            reason: format!("reading the reply: {error}"),
-                        }
-                    }
-                })?
-                .to_bytes()
-                .to_vec();
-            driver.abort();
-            Ok((status, reason, body))
+            request
+                .body(http_body_util::Empty::<bytes::Bytes>::new())
+                .map_err(|error| ApiError::Request {
+                    call: call.clone(),
+                    reason: error.to_string(),
+                })
         };
-        let (status, reason, body) = tokio::time::timeout(self.limits.response, exchange)
-            .await
-            .map_err(|_| ApiError::Timeout {
-                call: call.clone(),
-                url,
-                stage: STAGE_REPLY,
-                seconds: self.limits.response.as_secs(),
-            })??;
+        // Only a request that changes nothing goes on a kept connection, and is sent again on a
+        // new one when the kept one ended without an answer: the server may have timed it out
+        // while nothing drove the connection.
+        let repeatable = method == Method::GET || method == Method::HEAD;
+        let kept = match repeatable.then(|| self.idle.take()).flatten() {
+            // The server may have closed it since; then hyper says so here.
+            Some(mut connection) => connection.sender.ready().await.ok().map(|()| connection),
+            None => None,
+        };
+        let reused = kept.is_some();
+        let connection = match kept {
+            Some(connection) => connection,
+            None => self.open(&call, &url).await?,
+        };
+        let exchanged = self
+            .exchange(&call, &url, connection, make_request()?)
+            .await;
+        let (status, reason, body) = match exchanged {
+            Err(Exchange::Unanswered(_)) if reused => {
+                let connection = self.open(&call, &url).await?;
+                match self
+                    .exchange(&call, &url, connection, make_request()?)
+                    .await
+                {
+                    Ok(answer) => answer,
+                    Err(Exchange::Unanswered(error) | Exchange::Failed(error)) => {
+                        return Err(error);
+                    }
+                }
+            }
+            Err(Exchange::Unanswered(error) | Exchange::Failed(error)) => return Err(error),
+            Ok(answer) => answer,
+        };
         if !(200..300).contains(&status) {
             // The secret is taken out before the text is cut, so no part of it survives.
             let reason = redact_text(&reason, secret);
@@ -330,6 +360,128 @@ impl HttpsClient {
             status,
             body: redact_body(body, secret.as_bytes()),
         })
+    }
+
+    /// A new connection: TCP, TLS verified by the client's trust, and HTTP/1.1 over them,
+    /// within the connect deadline.
+    async fn open(&self, call: &str, url: &str) -> Result<Connection, ApiError> {
+        let timed_out = || ApiError::Timeout {
+            call: call.to_owned(),
+            url: url.to_owned(),
+            stage: STAGE_CONNECT,
+            seconds: self.limits.connect.as_secs(),
+        };
+        let stream = tokio::time::timeout(self.limits.connect, self.connect())
+            .await
+            .map_err(|_| timed_out())?
+            .map_err(|error| self.classify(call, error))?;
+        let (sender, connection) = tokio::time::timeout(
+            self.limits.connect,
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)),
+        )
+        .await
+        .map_err(|_| timed_out())?
+        .map_err(|error| ApiError::Request {
+            call: call.to_owned(),
+            reason: error.to_string(),
+        })?;
+        Ok(Connection {
+            sender,
+            // The connection is driven beside its requests and stopped with its last one.
+            driver: tokio::spawn(connection),
+        })
+    }
+
+    /// One request on `connection` and its whole reply, within the reply deadline. The
+    /// connection is kept for the next request when the server keeps it open and the reply
+    /// was read to its end.
+    async fn exchange(
+        &self,
+        call: &str,
+        url: &str,
+        mut connection: Connection,
+        request: http::Request<http_body_util::Empty<bytes::Bytes>>,
+    ) -> Result<(u16, String, Vec<u8>), Exchange> {
+        let max = self.limits.max_reply_bytes;
+        let failed = |reason: String| {
+            Exchange::Failed(ApiError::Request {
+                call: call.to_owned(),
+                reason,
+            })
+        };
+        let exchange = async {
+            let response = match connection.sender.send_request(request).await {
+                Ok(response) => response,
+                Err(error) => {
+                    return Err(Exchange::Unanswered(ApiError::Request {
+                        call: call.to_owned(),
+                        reason: format!("the server closed the connection: {error}"),
+                    }));
+                }
+            };
+            let status = response.status().as_u16();
+            let reason = response
+                .extensions()
+                .get::<hyper::ext::ReasonPhrase>()
+                .map(|phrase| String::from_utf8_lossy(phrase.as_bytes()).into_owned())
+                .or_else(|| response.status().canonical_reason().map(str::to_owned))
+                .unwrap_or_default();
+            let declared = response
+                .headers()
+                .get(http::header::CONTENT_LENGTH)
+                .and_then(|value| value.to_str().ok())
+                .and_then(|value| value.parse::<u64>().ok());
+            if declared.is_some_and(|length| length > max as u64) {
+                return Err(Exchange::Failed(ApiError::TooLarge {
+                    call: call.to_owned(),
+                    max,
+                }));
+            }
+            let closes = response
+                .headers()
+                .get_all(http::header::CONNECTION)
+                .iter()
+                .any(|value| {
+                    value.to_str().is_ok_and(|value| {
+                        value
+                            .split(',')
+                            .any(|token| token.trim().eq_ignore_ascii_case("close"))
+                    })
+                });
+            let body = http_body_util::Limited::new(response.into_body(), max)
+                .collect()
+                .await
+                .map_err(|error| {
+                    if error.is::<http_body_util::LengthLimitError>() {
+                        Exchange::Failed(ApiError::TooLarge {
+                            call: call.to_owned(),
+                            max,
+                        })
+                    } else {
+                        failed(format!("reading the reply: {error}"))
+                    }
+                })?
+                .to_bytes()
+                .to_vec();
+            Ok((status, reason, body, closes))
+        };
+        let answer = tokio::time::timeout(self.limits.response, exchange).await;
+        let (status, reason, body, closes) = match answer {
+            Ok(Ok(answer)) => answer,
+            Ok(Err(error)) => return Err(error),
+            Err(_) => {
+                return Err(Exchange::Failed(ApiError::Timeout {
+                    call: call.to_owned(),
+                    url: url.to_owned(),
+                    stage: STAGE_REPLY,
+                    seconds: self.limits.response.as_secs(),
+                }));
+            }
+        };
+        if !closes {
+            self.idle.keep(connection);
+        }
+        Ok((status, reason, body))
     }
 
     fn host_header(&self) -> String {
@@ -472,8 +624,6 @@ fn redact_body(body: Vec<u8>, secret: &[u8]) -> Vec<u8> {
     out
 }
 
-/// `value` as a query value: the unreserved characters and `/` (PVE paths, PBS namespaces)
-/// as they are, anything else percent-encoded.
 /// Calls to one API at once when answers are read ahead: each is a request (and, to a server
 /// that closes the connection after each reply, a TLS handshake).
 pub const CALLS_AT_ONCE: usize = 16;
@@ -520,6 +670,8 @@ where
     .unwrap_or_default()
 }
 
+/// `value` as a query value: the unreserved characters and `/` (PVE paths, PBS namespaces)
+/// as they are, anything else percent-encoded.
 pub fn query_escape(value: &str) -> String {
     value
         .bytes()

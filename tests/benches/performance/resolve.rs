@@ -182,6 +182,7 @@ pub async fn resolve(settings: &Settings) {
 /// Each double's answered requests so far, by method and route (VMIDs and names folded).
 fn calls_by_kind(logs: &[std::path::PathBuf]) -> BTreeMap<String, u64> {
     let mut out = BTreeMap::new();
+    let mut connections = std::collections::BTreeSet::new();
     for log in logs {
         for line in std::fs::read_to_string(log).unwrap_or_default().lines() {
             let Ok(call) = serde_json::from_str::<serde_json::Value>(line) else {
@@ -217,7 +218,15 @@ fn calls_by_kind(logs: &[std::path::PathBuf]) -> BTreeMap<String, u64> {
                 folded
             ))
             .or_insert(0) += 1;
+            // The client's port: calls that share one came on one kept connection.
+            if let Some(port) = call["connection"].as_u64() {
+                connections.insert((call["tool"].as_str().unwrap_or("?").to_owned(), port));
+            }
         }
     }
+    out.insert(
+        "connections opened (TCP and TLS handshakes)".into(),
+        connections.len() as u64,
+    );
     out
 }
