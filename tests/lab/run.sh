@@ -257,7 +257,7 @@ keep_evidence() {
   rm -rf "$keep"
   mkdir -p "$keep"
   cp "$ctl/reports"/* "$ctl/state/report-signing.pub" "$ctl/lab.yaml" "$work/connector.log" \
-    "$work/node-systemd.log" "$work/pbs-api.log" "$work/pve-api.log" "$keep/" 2>/dev/null || true
+    "$work/node-systemd.log" "$work/pbs-api.log" "$work/pve-api.log" "$work/plan-show.txt" "$keep/" 2>/dev/null || true
   cp "$node/calls.log" "$keep/doubles-calls.log" 2>/dev/null || true
 }
 
@@ -747,7 +747,7 @@ phase_end set-up
 # ---- the validation -------------------------------------------------------------------------
 say "certistack-ctl plan show lab.yaml"
 # What will run where, and why, as the operator reads it before the night.
-(cd "$ctl" && in_ns "$bin/certistack-ctl" plan show lab.yaml --config controller.toml)
+(cd "$ctl" && in_ns "$bin/certistack-ctl" plan show lab.yaml --config controller.toml --per-node 3) | tee "$work/plan-show.txt"
 
 say "certistack-ctl run lab.yaml"
 # `times` in this shell (not in a subshell) gives the CPU time of the waited-for children.
@@ -823,7 +823,7 @@ done
 say "summary"
 expectations=0
 LAB_PRESERVE_PROBE_NETWORK=${preserve_guest%.*}.0/24 LAB_REWRITE_ADDRESS=$rewrite_guest/24 LAB_APPLIANCE_ACCEL=$appliance_accel \
-LAB_CONFINED_UNITS=$confined_units LAB_APPLIANCE_USERS="$appliance_users" \
+LAB_CONFINED_UNITS=$confined_units LAB_APPLIANCE_USERS="$appliance_users" LAB_PLAN_SHOW="$keep/plan-show.txt" \
   python3 - "$run_code" "$verify_code" "$run_ms" "$connector_cpu" "$connector_children_cpu" \
   "$cpu_before" "$cpu_after" "$backups_changed" "${phases[*]}" "${kept_reports[@]}" <<'PY' || expectations=$?
 import base64, ipaddress, json, os, re, sys
@@ -834,6 +834,7 @@ backups_changed = sys.argv[8] == "1"
 phase_words = sys.argv[9].split()
 phases = {phase_words[i]: int(phase_words[i + 1]) for i in range(0, len(phase_words) - 1, 2)}
 reports = sys.argv[10:]
+plan_show = open(os.environ["LAB_PLAN_SHOW"]).read()
 
 def seconds(text):
     minutes, _, rest = text.partition("m")
@@ -941,6 +942,9 @@ for report in reports:
     # how placement chose it) and the sandbox VMIDs (from the range).
     created = [s["name"].split()[1] for s in steps if s["name"].startswith("create ")]
     placed = f" (placed: {p['placement']})" if p.get("placement") else ""
+    # What plan show printed before the run is where the run placed it.
+    if p.get("placement") and f"{p['node']} (from {p['placement']})" not in plan_show:
+        unmet.append(f"{name}: placed on {p['node']} ({p['placement']}), which plan show did not print")
     lines.append(f"resolved      {p['snapshot']['snapshot']} on {p['node']}{placed}; sandbox VMIDs {' '.join(created) or 'none created'}")
     verdict = p["verdict"]
     lines.append(f"verdict       {verdict['result']}" + "".join(f"\n              {r}" for r in verdict.get("reasons", [])))

@@ -143,6 +143,19 @@ struct Reach {
     /// which key needs which.
     #[arg(long, conflicts_with = "online")]
     offline: bool,
+    /// Validations at once on one node, as `run --per-node` will run them: `node: auto` places
+    /// by it.
+    #[arg(long, default_value_t = certistack_controller::runner::DEFAULT_PER_NODE as u16, value_parser = clap::value_parser!(u16).range(1..=64))]
+    per_node: u16,
+}
+
+impl From<Reach> for commands::plan::Reach {
+    fn from(reach: Reach) -> Self {
+        Self {
+            online: !reach.offline,
+            per_node: usize::from(reach.per_node),
+        }
+    }
 }
 
 #[derive(Subcommand, Debug)]
@@ -242,13 +255,13 @@ fn run(cli: Cli) -> Result<(), ExitStatus> {
             plan,
             config,
             reach,
-        }) => commands::plan::plan_check(&plan, &config, !reach.offline, now),
+        }) => commands::plan::plan_check(&plan, &config, reach.into(), now),
         Command::Plan(PlanCommand::Show {
             plan,
             config,
             json,
             reach,
-        }) => commands::plan::plan_show(&plan, &config, json, !reach.offline, now),
+        }) => commands::plan::plan_show(&plan, &config, json, reach.into(), now),
         Command::Report(command) => commands::report::report_command(command),
         Command::Runs(args) => {
             let node =

@@ -53,7 +53,9 @@ pub fn doctor(args: &DoctorArgs, now: OffsetDateTime) -> Result<(), ExitStatus> 
         }
     }
     if let Some(plan) = &args.plan {
-        for validation in load_plan(plan, &config, now)?.validations {
+        for validation in
+            load_plan(plan, &config, crate::runner::DEFAULT_PER_NODE, now)?.validations
+        {
             vnets
                 .entry(validation.grant.node.to_string())
                 .or_insert(validation.grant.vnet);

@@ -53,16 +53,17 @@ pub fn load_config(
 }
 
 /// Loads and checks a plan, asking the PBS API where it says `snapshot: latest` and the PVE API
-/// where it says `select` or leaves sandbox VMIDs out; its failures exit as `From<PlanError>`
-/// says.
+/// where it says `select` or leaves sandbox VMIDs out, and placing `node: auto` as `per_node`
+/// validations at once on one node would run; its failures exit as `From<PlanError>` says.
 pub fn load_plan(
     plan: &std::path::Path,
     config: &crate::config::ControllerConfig,
+    per_node: usize,
     now: OffsetDateTime,
 ) -> Result<crate::plan::Plan, ExitStatus> {
     let catalog = crate::catalog::PbsCatalog::new();
     let cluster = crate::cluster::PveCluster::new(config.pve.as_ref());
-    let rooms = crate::placer::NodeRooms::new(config, &cluster, crate::runner::DEFAULT_PER_NODE);
+    let rooms = crate::placer::NodeRooms::new(config, &cluster, per_node);
     let plan = crate::plan::Plan::load_with(
         plan,
         config,

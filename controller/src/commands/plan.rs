@@ -2,31 +2,39 @@
 //! what would run where, briefly or spelled out.
 
 use super::{load_config, load_plan};
+use crate::exit::ExitStatus;
+use time::OffsetDateTime;
 
-/// [`load_plan`], or with `online` false the plan as it reads with nothing asked.
+/// How far `plan check` and `plan show` reach: the APIs and nodes (`online`, as `run` does)
+/// or nothing, and the validations at once on one node that placement assumes.
+#[derive(Debug, Clone, Copy)]
+pub struct Reach {
+    pub online: bool,
+    pub per_node: usize,
+}
+
+/// [`load_plan`], or offline the plan as it reads with nothing asked.
 fn load_plan_reaching(
     plan: &std::path::Path,
     config: &crate::config::ControllerConfig,
-    online: bool,
+    reach: Reach,
     now: OffsetDateTime,
 ) -> Result<crate::plan::Plan, ExitStatus> {
-    if online {
-        return load_plan(plan, config, now);
+    if reach.online {
+        return load_plan(plan, config, reach.per_node, now);
     }
     crate::plan::Plan::load(plan, config, now.unix_timestamp()).map_err(crate::exit::plan_refused)
 }
-use crate::exit::ExitStatus;
-use time::OffsetDateTime;
 
 pub fn plan_check(
     plan: &std::path::Path,
     config: &std::path::Path,
-    online: bool,
+    reach: Reach,
     now: OffsetDateTime,
 ) -> Result<(), ExitStatus> {
     use crate::plan;
     let config = load_config(config)?;
-    let plan = load_plan_reaching(plan, &config, online, now)?;
+    let plan = load_plan_reaching(plan, &config, reach, now)?;
     let mut text = String::new();
     for validation in &plan.validations {
         text.push_str(&plan::describe(validation));
@@ -94,12 +102,12 @@ pub fn plan_show(
     plan: &std::path::Path,
     config: &std::path::Path,
     json: bool,
-    online: bool,
+    reach: Reach,
     now: OffsetDateTime,
 ) -> Result<(), ExitStatus> {
     use crate::plan::show;
     let config = load_config(config)?;
-    let plan = load_plan_reaching(plan, &config, online, now)?;
+    let plan = load_plan_reaching(plan, &config, reach, now)?;
     // Written without panicking on a closed pipe (`plan show ... | head`).
     let text = if json {
         show::json(&plan)
