@@ -11,7 +11,8 @@ use crate::doctor::{self, Check, Level};
 use crate::operator::OperatorError;
 use crate::package::PackageError;
 use crate::plan::PlanError;
-use crate::runner::{CleanupState, Outcome, SecretError, Summary};
+use crate::runner::SecretError;
+use crate::verdict::{CleanupState, Outcome, Summary};
 use certistack_core::files::FileError;
 
 /// Everything the command was asked to do was done (also `--help` and `--version`).

@@ -25,3 +25,4 @@ pub mod run;
 pub mod runner;
 pub mod screenshot;
 pub mod surface;
+pub mod verdict;

@@ -45,7 +45,7 @@ pub fn run(
     options: &Options,
     now: OffsetDateTime,
     runtime: &tokio::runtime::Runtime,
-) -> Result<Vec<runner::Summary>, ExitStatus> {
+) -> Result<Vec<crate::verdict::Summary>, ExitStatus> {
     let loaded = load(options, now)?;
     let summaries = runtime.block_on(validate(options, loaded, now));
     print(options.output, &summaries);
@@ -92,7 +92,7 @@ pub async fn validate(
     options: &Options,
     loaded: Loaded,
     now: OffsetDateTime,
-) -> Vec<runner::Summary> {
+) -> Vec<crate::verdict::Summary> {
     let Loaded {
         config,
         mut plan,
@@ -119,7 +119,7 @@ pub async fn validate(
     // What fails before any node is asked is reported first, then the rest runs; the
     // summaries come back in plan order.
     let failed = std::mem::take(&mut plan.failed_before_run);
-    let mut summaries: Vec<(usize, runner::Summary)> = failed
+    let mut summaries: Vec<(usize, crate::verdict::Summary)> = failed
         .iter()
         .map(|failed| {
             let summary = runner::report_failed_before_run(&context, &plan.storage, failed, now);
@@ -149,10 +149,10 @@ pub async fn validate(
 
 /// Phase 3: the summaries, written without panicking on a closed pipe (`run ... | head`): the
 /// exit code still says how the run went.
-pub fn print(output: runner::ProgressMode, summaries: &[runner::Summary]) {
+pub fn print(output: runner::ProgressMode, summaries: &[crate::verdict::Summary]) {
     if output == runner::ProgressMode::Json {
         for summary in summaries {
-            if let Some(line) = summary.json_line() {
+            if let Some(line) = runner::summary_json_line(summary) {
                 runner::write_line(&line);
             }
         }

@@ -23,10 +23,11 @@ mod steps;
 mod summary;
 mod teardown;
 
+use crate::verdict::{CleanupState, Outcome, Summary};
 pub use before_run::{RESOLVE_STEP, report_failed_before_run, summarize_unplaced};
 pub use progress::{Event, Progress, ProgressMode, write_line};
 pub use secrets::{SecretError, Secrets};
-pub use summary::{CleanupState, Outcome, Summary, summary_table};
+pub use summary::{json_line as summary_json_line, summary_table};
 
 use crate::authority::Authority;
 use crate::doctor;

@@ -1,64 +1,24 @@
-//! What each validation of a run proved, and the closing summary table.
+//! The closing summary table of a run, and each summary as `run --json` prints it.
 
 use super::progress::for_terminal;
-use serde::Serialize;
-use std::path::PathBuf;
+use crate::verdict::{CleanupState, Outcome, Summary};
 
-/// What a validation proved.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Outcome {
-    /// The backup restored: every check held.
-    Passed,
-    /// The backup did not restore: a probe, an assertion or the guest said so.
-    Failed,
-    /// Nothing was proven about the backup: the node, the connection or the operator stopped it.
-    Error,
-}
-
-/// Whether the node is proven to hold nothing of the run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum CleanupState {
-    /// The run never began on the node: nothing to clean.
-    NotNeeded,
-    /// Cleanup found nothing left and the run was ended.
-    Complete,
-    /// The node could not prove it holds nothing of the run; see the report and `runs NODE`.
-    Unproven,
-}
-
-/// One validation's line in the closing summary.
-#[derive(Debug, Clone, Serialize)]
-pub struct Summary {
-    pub validation: String,
-    pub node: String,
-    pub run_id: String,
-    pub outcome: Outcome,
-    pub cleanup: CleanupState,
-    pub reasons: Vec<String>,
-    pub elapsed_ms: u64,
-    pub report: Option<PathBuf>,
-}
-
-impl Summary {
-    /// The summary as `run --json` prints it: its reasons quote what a node or a guest said (a
-    /// probe's detail, a refusal), so each is escaped and bounded as on a terminal line (JSON
-    /// escapes C0 controls only; C1 controls and bidirectional overrides would reach a terminal
-    /// that shows the stream).
-    pub fn json_line(&self) -> Option<String> {
-        let shown = Summary {
-            reasons: self
-                .reasons
-                .iter()
-                .map(|reason| for_terminal(reason))
-                .collect(),
-            validation: for_terminal(&self.validation),
-            node: for_terminal(&self.node),
-            ..self.clone()
-        };
-        serde_json::to_string(&serde_json::json!({ "summary": shown })).ok()
-    }
+/// The summary as `run --json` prints it: its reasons quote what a node or a guest said (a
+/// probe's detail, a refusal), so each is escaped and bounded as on a terminal line (JSON
+/// escapes C0 controls only; C1 controls and bidirectional overrides would reach a terminal
+/// that shows the stream).
+pub fn json_line(summary: &Summary) -> Option<String> {
+    let shown = Summary {
+        reasons: summary
+            .reasons
+            .iter()
+            .map(|reason| for_terminal(reason))
+            .collect(),
+        validation: for_terminal(&summary.validation),
+        node: for_terminal(&summary.node),
+        ..summary.clone()
+    };
+    serde_json::to_string(&serde_json::json!({ "summary": shown })).ok()
 }
 
 /// The closing table: one row per validation.
@@ -111,6 +71,7 @@ pub fn summary_table(summaries: &[Summary]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::PathBuf;
 
     fn summary(outcome: Outcome, cleanup: CleanupState) -> Summary {
         Summary {
@@ -173,7 +134,7 @@ mod tests {
             elapsed_ms: 1,
             report: None,
         };
-        let line = summary.json_line().unwrap();
+        let line = json_line(&summary).unwrap();
         assert!(!acts_on_a_terminal(&line), "{line}");
         let read: serde_json::Value = serde_json::from_str(&line).unwrap();
         let reason = read["summary"]["reasons"][0].as_str().unwrap();
