@@ -14,6 +14,7 @@ pub mod config;
 pub mod connect;
 pub mod doctor;
 pub mod exit;
+pub mod history;
 pub mod interrupt;
 pub mod operator;
 pub mod package;
