@@ -46,6 +46,8 @@ mod evidence_report;
 mod fleet_audit;
 #[path = "foundation/handshake_churn.rs"]
 mod handshake_churn;
+#[path = "foundation/history_command.rs"]
+mod history_command;
 #[path = "foundation/history_store.rs"]
 mod history_store;
 #[path = "foundation/idle_with_a_silent_stream.rs"]

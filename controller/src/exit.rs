@@ -310,6 +310,18 @@ pub fn print_plan_warnings(plan: &crate::plan::Plan) {
 }
 
 /// The plan's secret files: 66 or 77.
+impl From<crate::history::StoreError> for ExitStatus {
+    fn from(error: crate::history::StoreError) -> Self {
+        use crate::history::StoreError as E;
+        let code = match &error {
+            E::Corrupt { .. } | E::Newer { .. } => UNREADABLE,
+            E::Locked { .. } | E::Io { .. } => OS_ERROR,
+            E::Refused(_) => USAGE,
+        };
+        Self::new(code, format!("the run history: {error}"))
+    }
+}
+
 impl From<SecretError> for ExitStatus {
     fn from(error: SecretError) -> Self {
         let code = match &error {
@@ -379,6 +391,7 @@ mod tests {
             reasons: Vec::new(),
             elapsed_ms: 61_500,
             report: Some(PathBuf::from("/var/lib/certistack/reports/r.json")),
+            steps: Vec::new(),
         }
     }
 

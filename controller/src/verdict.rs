@@ -40,6 +40,9 @@ pub struct Summary {
     pub reasons: Vec<String>,
     pub elapsed_ms: u64,
     pub report: Option<PathBuf>,
+    /// Its steps and when they ran, for the history (not part of `run --json`).
+    #[serde(skip)]
+    pub steps: Vec<StepTiming>,
 }
 
 /// One step of a validation and when it ran, as the history keeps it.

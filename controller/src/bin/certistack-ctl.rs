@@ -7,6 +7,7 @@
 use certistack_controller::commands;
 use certistack_controller::commands::doctor::DoctorArgs;
 use certistack_controller::commands::hello::HelloArgs;
+use certistack_controller::commands::history::{HISTORY_EXIT_CODES, HistoryArgs};
 use certistack_controller::commands::package::{PACKAGE_EXIT_CODES, PackageCommand};
 use certistack_controller::commands::report::{REPORT_EXIT_CODES, ReportCommand};
 use certistack_controller::commands::run::RunPlanArgs;
@@ -75,6 +76,10 @@ enum Command {
     /// command to run).
     #[command(after_help = RUN_EXIT_CODES)]
     Run(RunPlanArgs),
+    /// The run history: per VM, when it last passed and failed, its streak, its last restore
+    /// time and that time's trend; with a VMID, its validations, newest first, a page at a time.
+    #[command(after_help = HISTORY_EXIT_CODES)]
+    History(HistoryArgs),
     /// Sign a connector package, or verify one before installing it: its minisign signature,
     /// the package, version and surface the signature names, and that the surface is this
     /// controller's.
@@ -282,5 +287,9 @@ fn run(cli: Cli) -> Result<(), ExitStatus> {
             commands::audit::nodes_audit(&config, json, now)
         }
         Command::Run(args) => commands::run::run_plan(&args, now),
+        Command::History(args) => commands::history::history(
+            &args,
+            i64::try_from(now.unix_timestamp_nanos() / 1_000_000).unwrap_or(i64::MAX),
+        ),
     }
 }

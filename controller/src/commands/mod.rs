@@ -6,6 +6,7 @@ pub mod audit;
 pub mod ca;
 pub mod doctor;
 pub mod hello;
+pub mod history;
 pub mod operator;
 pub mod package;
 pub mod plan;

@@ -37,6 +37,8 @@ pub struct Loaded {
     pub authority: Authority,
     /// Each `(node, vnet)`'s prerequisites as placement read them.
     pub checked: runner::Checked,
+    /// The run history, opened before anything is asked of a node.
+    pub history: Arc<dyn crate::verdict::HistoryWriter>,
 }
 
 /// Runs the plan: every phase in order, on `runtime`. Returns the validations' summaries in
@@ -75,12 +77,17 @@ pub fn load(options: &Options, now: OffsetDateTime) -> Result<Loaded, ExitStatus
     let checked = rooms.into_checks();
     let secrets = runner::Secrets::load(&plan)?;
     let authority = Authority::load(&config.state_dir)?;
+    let history = crate::history::sqlite::SqliteStore::open(
+        &config.state_dir.join(crate::history::FILE_NAME),
+        crate::history::sqlite::BUSY,
+    )?;
     Ok(Loaded {
         config,
         plan,
         secrets,
         authority,
         checked,
+        history: Arc::new(history),
     })
 }
 
@@ -99,6 +106,7 @@ pub async fn validate(
         secrets,
         authority,
         checked,
+        history,
     } = loaded;
     let progress = Arc::new(runner::Progress::new(options.output));
     let announced = progress.clone();
@@ -115,27 +123,51 @@ pub async fn validate(
         secrets: Arc::new(secrets),
         progress,
         interrupts,
+        history,
+        plan_run_id: uuid::Uuid::new_v4().hyphenated().to_string(),
+        history_failures: std::sync::atomic::AtomicUsize::new(0),
     });
+    let plan_row = crate::verdict::PlanRunStarted {
+        plan_run_id: context.plan_run_id.clone(),
+        plan: options.plan.display().to_string(),
+        plan_sha256: plan.digest.clone(),
+        started_unix_ms: runner::history_rows::now_ms(),
+    };
+    runner::history_rows::write(&context, move |history| history.plan_started(&plan_row)).await;
     // What fails before any node is asked is reported first, then the rest runs; the
     // summaries come back in plan order.
-    let failed = std::mem::take(&mut plan.failed_before_run);
-    let mut summaries: Vec<(usize, crate::verdict::Summary)> = failed
-        .iter()
-        .map(|failed| {
-            let summary = runner::report_failed_before_run(&context, &plan.storage, failed, now);
-            (failed.index, summary)
-        })
-        .collect();
-    // A validation placement put on no node is an error of the run: nothing was created.
-    summaries.extend(std::mem::take(&mut plan.unplaced).iter().map(|unplaced| {
-        (
-            unplaced.index,
-            runner::summarize_unplaced(&context, unplaced),
+    let mut summaries: Vec<(usize, crate::verdict::Summary)> = Vec::new();
+    for failed in std::mem::take(&mut plan.failed_before_run) {
+        let summary = runner::report_failed_before_run(&context, &plan.storage, &failed, now);
+        let resolved = &failed.resolved;
+        runner::history_rows::ended_before_run(
+            &context,
+            &summary,
+            resolved.source_vmid.value.get(),
+            format!("vm/{}", resolved.source_vmid.value),
         )
-    }));
+        .await;
+        summaries.push((failed.index, summary));
+    }
+    // A validation placement put on no node is an error of the run: nothing was created.
+    for unplaced in std::mem::take(&mut plan.unplaced) {
+        let summary = runner::summarize_unplaced(&context, &unplaced);
+        let resolved = &unplaced.resolved;
+        runner::history_rows::ended_before_run(
+            &context,
+            &summary,
+            resolved.source_vmid.value.get(),
+            format!(
+                "vm/{}/{}",
+                resolved.source_vmid.value, resolved.snapshot.value
+            ),
+        )
+        .await;
+        summaries.push((unplaced.index, summary));
+    }
     let order: Vec<usize> = plan.validations.iter().map(|v| v.index).collect();
     let ran = runner::run_plan(
-        context,
+        context.clone(),
         plan,
         checked,
         options.per_node,
@@ -143,6 +175,20 @@ pub async fn validate(
     )
     .await;
     summaries.extend(order.into_iter().zip(ran));
+    let plan_run_id = context.plan_run_id.clone();
+    let ended = runner::history_rows::now_ms();
+    runner::history_rows::write(&context, move |history| {
+        history.plan_ended(&plan_run_id, ended)
+    })
+    .await;
+    let failures = context
+        .history_failures
+        .load(std::sync::atomic::Ordering::Relaxed);
+    if failures > 0 {
+        context.progress.println(&format!(
+            "history: {failures} write(s) failed (above); `certistack-ctl history` lacks them"
+        ));
+    }
     summaries.sort_by_key(|(index, _)| *index);
     summaries.into_iter().map(|(_, summary)| summary).collect()
 }

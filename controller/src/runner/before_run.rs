@@ -118,6 +118,7 @@ pub fn report_failed_before_run(
         reasons,
         elapsed_ms: 0,
         report: report_path,
+        steps: Vec::new(),
     };
     context.progress.finish(
         &summary.validation,
@@ -142,6 +143,7 @@ pub fn summarize_unplaced(context: &RunContext, unplaced: &Unplaced) -> Summary 
         reasons: vec![format!("placed on no node: {}", unplaced.why)],
         elapsed_ms: 0,
         report: None,
+        steps: Vec::new(),
     };
     context.progress.finish(
         &summary.validation,

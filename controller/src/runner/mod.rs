@@ -15,6 +15,7 @@
 
 mod before_run;
 mod evidence;
+pub mod history_rows;
 mod progress;
 mod readings;
 mod secrets;
@@ -64,6 +65,11 @@ pub struct RunContext {
     pub secrets: Arc<Secrets>,
     pub progress: Arc<Progress>,
     pub interrupts: Interrupts,
+    /// Where each validation's row goes, and this run's id there.
+    pub history: Arc<dyn crate::verdict::HistoryWriter>,
+    pub plan_run_id: String,
+    /// History writes that failed (each said on the progress stream).
+    pub history_failures: std::sync::atomic::AtomicUsize,
 }
 
 /// Each `(node, vnet)`'s prerequisite checks, already asked (by placement).
@@ -134,7 +140,28 @@ pub async fn run_plan(
             }
             let _node = node_limit.acquire_owned().await;
             let _total = total.acquire_owned().await;
-            (index, drive(&context, validation, &checked).await)
+            // The row goes in before the grant is minted: a controller killed from here on
+            // leaves a row that reads interrupted once its deadline passed.
+            let run_id = uuid::Uuid::new_v4().to_string();
+            let begun = history_rows::started(
+                &context,
+                &run_id,
+                (&validation.name, validation.grant.node.as_str()),
+                (
+                    validation.source_vmid.get(),
+                    format!(
+                        "vm/{}/{}",
+                        validation.source_vmid, validation.resolved.snapshot.value
+                    ),
+                ),
+                validation.run_seconds,
+            );
+            let row = begun.clone();
+            history_rows::write(&context, move |history| history.validation_started(&row)).await;
+            let summary = drive(&context, validation, &checked, run_id).await;
+            let row = history_rows::ended(begun, &summary);
+            history_rows::write(&context, move |history| history.validation_ended(&row)).await;
+            (index, summary)
         });
     }
     let mut summaries: Vec<Option<Summary>> = names.iter().map(|_| None).collect();
@@ -162,6 +189,7 @@ pub async fn run_plan(
                 ],
                 elapsed_ms: 0,
                 report: None,
+                steps: Vec::new(),
             })
         })
         .collect()
@@ -223,8 +251,8 @@ async fn drive(
     context: &RunContext,
     validation: Validation,
     prerequisites: &tokio::sync::OnceCell<Vec<doctor::Check>>,
+    run_id: String,
 ) -> Summary {
-    let run_id = uuid::Uuid::new_v4().to_string();
     let node = validation.grant.node.to_string();
     let mut recorder = Recorder {
         context,

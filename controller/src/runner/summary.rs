@@ -83,6 +83,7 @@ mod tests {
             reasons: Vec::new(),
             elapsed_ms: 61_500,
             report: Some(PathBuf::from("/var/lib/certistack/reports/r.json")),
+            steps: Vec::new(),
         }
     }
 
@@ -133,6 +134,7 @@ mod tests {
             )],
             elapsed_ms: 1,
             report: None,
+            steps: Vec::new(),
         };
         let line = json_line(&summary).unwrap();
         assert!(!acts_on_a_terminal(&line), "{line}");

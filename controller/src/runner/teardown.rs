@@ -133,6 +133,22 @@ pub(super) async fn finish(
         },
     };
     let grant = &validation.grant;
+    // The steps' times, for the history, before the report takes the steps.
+    let timings: Vec<crate::verdict::StepTiming> = recorder
+        .steps
+        .iter()
+        .map(|step| crate::verdict::StepTiming {
+            name: step.name.clone(),
+            started_unix_ms: step.started_unix_ms,
+            ended_unix_ms: step.ended_unix_ms,
+            result: match step.result {
+                StepResult::Ok => "ok",
+                StepResult::Failed => "failed",
+                StepResult::Skipped => "skipped",
+            }
+            .into(),
+        })
+        .collect();
     let predicate = report::Validation {
         run_id: recorder.run_id.clone(),
         name: validation.name.clone(),
@@ -170,6 +186,7 @@ pub(super) async fn finish(
         reasons,
         elapsed_ms: elapsed_ms(recorder.started),
         report: report_path,
+        steps: timings,
     };
     context.progress.finish(
         &summary.validation,

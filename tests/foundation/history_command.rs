@@ -1,0 +1,242 @@
+//! `certistack-ctl run` writes its history, and `certistack-ctl history` reads it: a run against
+//! an unreachable node leaves an `error` row (written before the grant, ended after); the per-VM
+//! table, one VM's pages, `--json`, and `--max-age-hours` as the nightly alarm with its exit
+//! codes; a history file that is not one, or a bad page token, refused saying what to do.
+
+use super::*;
+use certistack_controller::history::sqlite::SqliteStore;
+use certistack_controller::history::{FILE_NAME, RowState, RunStore};
+use certistack_controller::verdict::{
+    CleanupState, HistoryWriter, Outcome, StepTiming, ValidationEnded, ValidationStarted,
+};
+use std::os::unix::fs::PermissionsExt;
+use std::time::Duration;
+
+/// A controller whose one node listens nowhere, and a plan written out for VM 100 on it.
+struct Controller {
+    dir: TempDir,
+}
+
+impl Controller {
+    fn new() -> Self {
+        let dir = TempDir::new("history-ctl");
+        let closed = free_local_port();
+        std::fs::write(
+            dir.0.join("controller.toml"),
+            format!(
+                "state_dir = {:?}\nreports_dir = {:?}\n\n[[nodes]]\nname = \"pve1\"\naddress = \"127.0.0.1\"\nport = {closed}\n",
+                dir.0.join("state"),
+                dir.0.join("reports")
+            ),
+        )
+        .unwrap();
+        let state = dir.0.join("state");
+        let (code, _, err) = run_binary(
+            "certistack-ctl",
+            &["ca", "init", "--state-dir", state.to_str().unwrap()],
+        );
+        assert_eq!(code, 0, "{err}");
+        let secret = dir.0.join("pbs-password");
+        std::fs::write(&secret, "s3cret\n").unwrap();
+        std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+        std::fs::write(
+            dir.0.join("nightly.yaml"),
+            format!(
+                "storage:\n  server: pbs.example.net\n  datastore: backups\n  auth_id: \"certistack@pbs!restore\"\n  fingerprint: \"{}\"\n  pbs_password_file: pbs-password\nvalidations:\n  - name: web01\n    node: pve1\n    source_vmid: 100\n    snapshot: \"2026-12-01T02:00:00Z\"\n    archives: [drive-scsi0.img]\n    sandbox:\n      - vmid: 9100\n        cores: 1\n        memory_mib: 512\n    network:\n      lifecycle: preprovisioned\n      vnet: csnet1\n      probe_source: 10.99.0.1/24\n    network_recovery:\n      mode: preserve\n",
+                ["ab"; 32].join(":")
+            ),
+        )
+        .unwrap();
+        Self { dir }
+    }
+
+    fn ctl(&self, args: &[&str]) -> (i32, String, String) {
+        let out = std::process::Command::new(binary("certistack-ctl"))
+            .args(args)
+            .args(["--config", "controller.toml"])
+            .current_dir(&self.dir.0)
+            .env_remove("CERTISTACK_LOG")
+            .output()
+            .unwrap();
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+
+    fn history_file(&self) -> std::path::PathBuf {
+        self.dir.0.join("state").join(FILE_NAME)
+    }
+}
+
+fn now_ms() -> i64 {
+    i64::try_from(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis(),
+    )
+    .unwrap()
+}
+
+/// A passed validation of `vmid`, `hours_ago`, with a restore of `restore_ms`.
+fn passed(store: &SqliteStore, run: u32, vmid: u32, hours_ago: i64, restore_ms: i64) {
+    let at = now_ms() - hours_ago * 3_600_000;
+    let step = |name: &str, from: i64, to: i64| StepTiming {
+        name: name.into(),
+        started_unix_ms: at + from,
+        ended_unix_ms: at + to,
+        result: "ok".into(),
+    };
+    let started = ValidationStarted {
+        run_id: format!("00000000-0000-4000-8000-{run:012}"),
+        plan_run_id: "22222222-2222-4222-8222-222222222222".into(),
+        validation: format!("db{vmid}"),
+        node: "pve1".into(),
+        source_vmid: vmid,
+        snapshot: format!("vm/{vmid}/2026-12-01T02:00:00Z"),
+        started_unix_ms: at,
+        deadline_unix_ms: at + 3_600_000,
+    };
+    store
+        .validation_ended(&ValidationEnded {
+            started,
+            outcome: Outcome::Passed,
+            cleanup: CleanupState::Complete,
+            reasons: Vec::new(),
+            ended_unix_ms: at + restore_ms + 5_000,
+            steps: vec![
+                step("map drive-scsi0.img", 0, 1_000),
+                step("guest agent 9100", 1_000, restore_ms),
+            ],
+            report: None,
+            report_sha256: None,
+        })
+        .unwrap();
+}
+
+#[test]
+fn a_run_writes_its_history_and_history_answers_from_it() {
+    let controller = Controller::new();
+    // Before any run: nothing, and the alarm rings for a VM with no validation at all.
+    let (code, out, err) = controller.ctl(&["history"]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("no validation in the history"), "{out}");
+    assert!(
+        !controller.history_file().exists(),
+        "reading creates nothing"
+    );
+    let (code, _, err) = controller.ctl(&["history", "100", "--max-age-hours", "24"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("VM 100: no validation in the history"),
+        "{err}"
+    );
+
+    // Two runs against a node that does not answer: an error row each.
+    for _ in 0..2 {
+        let (code, out, err) = controller.ctl(&["run", "nightly.yaml"]);
+        assert_eq!(code, 2, "{out}{err}");
+        assert!(!err.contains("history: not written"), "{err}");
+    }
+    let mode = std::fs::metadata(controller.history_file())
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600);
+    let store = SqliteStore::open(&controller.history_file(), Duration::from_secs(2)).unwrap();
+    let page = store.validations_of(100, None, 10, now_ms()).unwrap();
+    assert_eq!(page.validations.len(), 2, "{page:?}");
+    for row in &page.validations {
+        assert_eq!(row.state, RowState::Error, "{row:?}");
+        assert_eq!(row.validation, "web01");
+        assert_eq!(row.node, "pve1");
+        assert_eq!(row.snapshot, "vm/100/2026-12-01T02:00:00Z");
+        assert!(row.ended_unix_ms.is_some());
+        assert!(row.reasons[0].contains("pve1"), "{:?}", row.reasons);
+        assert!(
+            row.steps.iter().any(|step| step.name == "doctor"),
+            "{row:?}"
+        );
+        // The deadline a killed controller's row would be judged by is after the run's.
+        assert!(row.deadline_unix_ms > row.started_unix_ms + 600_000);
+    }
+
+    // VM 200 passed tonight and last night, the second restore slower.
+    passed(&store, 1, 200, 30, 20_000);
+    passed(&store, 2, 200, 6, 30_000);
+    let (code, out, err) = controller.ctl(&["history"]);
+    assert_eq!(code, 0, "{out}{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert!(lines[0].starts_with("VMID"), "{out}");
+    assert!(
+        lines[1].starts_with("100 ") && lines[1].contains("web01") && lines[1].contains("error"),
+        "{out}"
+    );
+    assert!(lines[1].contains("never"), "{out}");
+    assert!(
+        lines[2].starts_with("200 ")
+            && lines[2].contains("5 h ago")
+            && lines[2].contains("passed ×2")
+            && lines[2].contains("30.0 s")
+            && lines[2].contains("1.50×"),
+        "{out}"
+    );
+    let (code, out, err) = controller.ctl(&["history", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let document: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(document["vms"][1]["source_vmid"], 200);
+    assert_eq!(document["vms"][1]["last_restore_ms"], 30_000);
+    assert_eq!(document["vms"][0]["last_state"], "error");
+
+    // The alarm: VM 100 never passed; VM 200 passed 6 h ago.
+    let (code, _, err) = controller.ctl(&["history", "--max-age-hours", "24"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("VM 100 (web01) never passed"), "{err}");
+    assert!(!err.contains("VM 200"), "{err}");
+    let (code, _, err) = controller.ctl(&["history", "200", "--max-age-hours", "24"]);
+    assert_eq!(code, 0, "{err}");
+    let (code, _, err) = controller.ctl(&["history", "200", "--max-age-hours", "2"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("VM 200 (db200) last passed 5 h ago"), "{err}");
+
+    // One VM's pages, newest first, followed by their tokens.
+    let (code, out, err) = controller.ctl(&["history", "100", "--limit", "1"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.lines().nth(1).unwrap().contains("error"), "{out}");
+    let token = out
+        .lines()
+        .last()
+        .unwrap()
+        .strip_prefix("more: certistack-ctl history 100 --after ")
+        .unwrap_or_else(|| panic!("{out}"))
+        .to_owned();
+    let (code, out, err) = controller.ctl(&["history", "100", "--limit", "1", "--after", &token]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.ends_with("(end of VM 100's history)\n"), "{out}");
+    let (code, out, err) = controller.ctl(&["history", "100", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let page: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(page["validations"].as_array().unwrap().len(), 2);
+    assert!(page["next"].is_null());
+
+    // Refusals: a bad token (usage), a history that is not one (what to do).
+    let (code, _, err) = controller.ctl(&["history", "100", "--after", "yesterday"]);
+    assert_eq!(code, 64, "{err}");
+    assert!(err.contains("page token"), "{err}");
+    drop(store);
+    for suffix in ["-wal", "-shm"] {
+        let _ = std::fs::remove_file(format!("{}{suffix}", controller.history_file().display()));
+    }
+    std::fs::write(controller.history_file(), vec![0x5a; 4096]).unwrap();
+    let (code, _, err) = controller.ctl(&["history"]);
+    assert_eq!(code, 66, "{err}");
+    assert!(err.contains("move it aside"), "{err}");
+    let (code, out, err) = controller.ctl(&["run", "nightly.yaml"]);
+    assert_eq!(code, 66, "a run refuses before anything: {out}{err}");
+    assert_eq!(
+        std::fs::read(controller.history_file()).unwrap(),
+        vec![0x5a; 4096]
+    );
+}
