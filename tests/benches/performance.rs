@@ -28,6 +28,9 @@
 //! - `resolve`: `plan show` of a 100-VM pool selection with `snapshot: latest` and VMIDs from
 //!   the range against the PBS and PVE API doubles, beside the same plan written out, and the API
 //!   calls of one resolution by kind (`performance/resolve.rs`).
+//! - `run-history`: the controller's run history holding 100,000 validations: `history`'s
+//!   per-VM summary, pages, the command, and the store's cost per validation
+//!   (`performance/run_history.rs`).
 //!
 //! `fleet`, `checks` and `node-ops` run only when named. They share one binary because each bench
 //! target is a separate executable linked with the release profile's thin LTO over every
@@ -1302,6 +1305,8 @@ mod checks;
 mod node_ops;
 #[path = "performance/resolve.rs"]
 mod resolve;
+#[path = "performance/run_history.rs"]
+mod run_history;
 
 fn main() {
     let args: Vec<String> = std::env::args()
@@ -1343,10 +1348,11 @@ fn main() {
                 "fleet" => fleet::fleet(&settings).await,
                 "checks" => checks::checks().await,
                 "resolve" => resolve::resolve(&settings).await,
+                "run-history" => run_history::run_history(&settings).await,
                 // Runs on its own thread and runtime inside a network namespace until it is done.
                 "node-ops" => tokio::task::block_in_place(node_ops::node_ops),
                 other => panic!(
-                    "unknown section {other:?}: transport, setup, history, concurrency, footprint, fleet, checks, node-ops, resolve"
+                    "unknown section {other:?}: transport, setup, history, concurrency, footprint, fleet, checks, node-ops, resolve, run-history"
                 ),
             }
         }

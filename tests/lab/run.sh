@@ -257,7 +257,8 @@ keep_evidence() {
   rm -rf "$keep"
   mkdir -p "$keep"
   cp "$ctl/reports"/* "$ctl/state/report-signing.pub" "$ctl/lab.yaml" "$work/connector.log" \
-    "$work/node-systemd.log" "$work/pbs-api.log" "$work/pve-api.log" "$work/plan-show.txt" "$keep/" 2>/dev/null || true
+    "$work/node-systemd.log" "$work/pbs-api.log" "$work/pve-api.log" "$work/plan-show.txt" \
+    "$work/history.json" "$work/history-alarm.txt" "$keep/" 2>/dev/null || true
   cp "$node/calls.log" "$keep/doubles-calls.log" 2>/dev/null || true
 }
 
@@ -787,6 +788,17 @@ for report in $reports; do
   "$bin/certistack-ctl" report verify --state-dir "$ctl/state" "$report" || verify_code=$?
 done
 
+say "certistack-ctl history"
+# What the run left in the controller's history, and the alarm an operator sets after the night
+# (lab-stale's VM 102 has no pass: it rings for that one only).
+(cd "$ctl" && "$bin/certistack-ctl" history --config controller.toml) || true
+(cd "$ctl" && "$bin/certistack-ctl" history 101 --config controller.toml) || true
+(cd "$ctl" && "$bin/certistack-ctl" history --config controller.toml --json) >"$work/history.json" || true
+history_alarm=0
+(cd "$ctl" && "$bin/certistack-ctl" history --config controller.toml --max-age-hours 24 >/dev/null 2>"$work/history-alarm.txt") ||
+  history_alarm=$?
+echo "history --max-age-hours 24: exit $history_alarm: $(cat "$work/history-alarm.txt")"
+
 # The rewrite's appliance ran in its confined unit of the node's systemd, as the user the
 # recovery's journaled intent names.
 confined_units=$(in_node_systemd journalctl -q --no-pager -o cat -u 'certistack-guestnet-*' 2>/dev/null |
@@ -824,6 +836,7 @@ say "summary"
 expectations=0
 LAB_PRESERVE_PROBE_NETWORK=${preserve_guest%.*}.0/24 LAB_REWRITE_ADDRESS=$rewrite_guest/24 LAB_APPLIANCE_ACCEL=$appliance_accel \
 LAB_CONFINED_UNITS=$confined_units LAB_APPLIANCE_USERS="$appliance_users" LAB_PLAN_SHOW="$keep/plan-show.txt" \
+LAB_HISTORY="$keep/history.json" LAB_HISTORY_ALARM="$keep/history-alarm.txt" LAB_HISTORY_ALARM_CODE=$history_alarm \
   python3 - "$run_code" "$verify_code" "$run_ms" "$connector_cpu" "$connector_children_cpu" \
   "$cpu_before" "$cpu_after" "$backups_changed" "${phases[*]}" "${kept_reports[@]}" <<'PY' || expectations=$?
 import base64, ipaddress, json, os, re, sys
@@ -995,6 +1008,27 @@ lines.append("preflight     " + ("REFUSED: the PVE API token lacks privileges (s
              "passed: the PVE API token holds every privilege the plan needs, read before anything was asked"))
 if run_code == 77:
     unmet.append("the preflight refused the plan")
+# The history the run wrote: each VM's verdicts, restore times, and the alarm for VM 102 only.
+try:
+    vms = {vm["source_vmid"]: vm for vm in json.load(open(os.environ["LAB_HISTORY"]))["vms"]}
+except (OSError, ValueError, KeyError) as e:
+    vms = {}
+    unmet.append(f"history --json did not answer: {e}")
+if vms:
+    web, prod, stale = vms.get(100, {}), vms.get(101, {}), vms.get(102, {})
+    if not web.get("last_passed_unix_ms") or not web.get("last_restore_ms"):
+        unmet.append(f"the history has no pass with a restore time for VM 100: {web}")
+    if not prod.get("last_passed_unix_ms") or not prod.get("last_failed_unix_ms"):
+        unmet.append(f"the history lacks VM 101's pass (rewrite) or failure (preserve): {prod}")
+    if stale.get("last_state") != "failed" or stale.get("last_passed_unix_ms") is not None:
+        unmet.append(f"the history does not show VM 102 failed and never passed: {stale}")
+    restores = ", ".join(f"VM {v} {vm['last_restore_ms'] / 1000:.1f} s" for v, vm in sorted(vms.items()) if vm.get("last_restore_ms"))
+    lines.append(f"history       {len(vms)} VMs; restore times {restores}")
+alarm = open(os.environ["LAB_HISTORY_ALARM"]).read() if os.path.exists(os.environ["LAB_HISTORY_ALARM"]) else ""
+if os.environ.get("LAB_HISTORY_ALARM_CODE") != "1" or "VM 102" not in alarm or "VM 100" in alarm or "VM 101" in alarm:
+    unmet.append(f"history --max-age-hours 24 should exit 1 naming VM 102 only: exit {os.environ.get('LAB_HISTORY_ALARM_CODE')}: {alarm.strip()}")
+else:
+    lines.append("alarm         history --max-age-hours 24: exit 1, VM 102 only (never passed)")
 lines.append(f"reports       {len(reports)}, {'all verified' if verify_code == 0 else 'NOT ALL VERIFY'}; backups' content {'CHANGED' if backups_changed else 'unchanged (SHA-256 before and after)'}")
 print("\n".join(lines))
 total = sum(phases.values()) + run_ms
