@@ -229,6 +229,17 @@ mod suite {
         assert_eq!(vm.last_failed_unix_ms, Some(NOW_MS - 5 * DAY_MS + 5_000));
         let failing = &summaries[1];
         assert_eq!(failing.streak, Some((RowState::Failed, 2)));
+        // Two validations of one VM begun in the same millisecond (two validations of a plan,
+        // at once): ordered by run id, as pages are; the newer one's streak is one.
+        let at = NOW_MS - 1_000;
+        store
+            .validation_ended(&ended(&started(200, 142, at), Outcome::Failed, 0))
+            .unwrap();
+        store
+            .validation_ended(&ended(&started(201, 142, at), Outcome::Passed, 9_000))
+            .unwrap();
+        let tied = &store.vm_summaries(NOW_MS).unwrap()[2];
+        assert_eq!(tied.streak, Some((RowState::Passed, 1)), "{tied:?}");
         assert_eq!(failing.last_passed_unix_ms, None);
         assert_eq!(failing.last_restore_ms, None);
         assert_eq!(failing.restore_trend, None);

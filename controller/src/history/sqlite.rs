@@ -46,7 +46,7 @@ const MIGRATIONS: &[&str] = &[
         report_sha256 TEXT
     ) STRICT;
     CREATE INDEX validations_of_vm ON validations (source_vmid, started_unix_ms, run_id);
-    CREATE INDEX verdicts_of_vm ON validations (source_vmid, state, started_unix_ms);
+    CREATE INDEX verdicts_of_vm ON validations (source_vmid, state, started_unix_ms, run_id);
     CREATE TABLE vms (
         source_vmid INTEGER PRIMARY KEY,
         validation TEXT NOT NULL
@@ -398,14 +398,15 @@ impl RunStore for SqliteStore {
             .map_err(fail)?;
         let mut last_of = connection
             .prepare_cached(
-                "SELECT started_unix_ms, ended_unix_ms FROM validations
-                 WHERE source_vmid = ?1 AND state = ?2 ORDER BY started_unix_ms DESC LIMIT 1",
+                "SELECT started_unix_ms, run_id, ended_unix_ms FROM validations
+                 WHERE source_vmid = ?1 AND state = ?2
+                 ORDER BY started_unix_ms DESC, run_id DESC LIMIT 1",
             )
             .map_err(fail)?;
         let mut count_since = connection
             .prepare_cached(
                 "SELECT COUNT(*) FROM validations
-                 WHERE source_vmid = ?1 AND state = ?2 AND started_unix_ms > ?3",
+                 WHERE source_vmid = ?1 AND state = ?2 AND (started_unix_ms, run_id) > (?3, ?4)",
             )
             .map_err(fail)?;
         let mut restores = connection
@@ -437,27 +438,37 @@ impl RunStore for SqliteStore {
             let mut last = |state: &str| {
                 last_of
                     .query_row(params![vmid, state], |row| {
-                        Ok((row.get::<_, i64>(0)?, row.get::<_, Option<i64>>(1)?))
+                        Ok((
+                            (row.get::<_, i64>(0)?, row.get::<_, String>(1)?),
+                            row.get::<_, Option<i64>>(2)?,
+                        ))
                     })
                     .optional()
                     .map_err(fail)
             };
             let passed = last("passed")?;
             let failed = last("failed")?;
-            let newest_verdict = match (passed, failed) {
+            // Validations are ordered by (start, run id), as pages are: two begun in the same
+            // millisecond still have an order.
+            let newest_verdict = match (&passed, &failed) {
                 // Counted since the other verdict's newest: those in a row.
-                (Some(pass), Some(fail)) if pass.0 >= fail.0 => {
-                    Some(("passed", RowState::Passed, fail.0))
+                (Some((pass, _)), Some((fail, _))) if pass >= fail => {
+                    Some(("passed", RowState::Passed, Some(fail.clone())))
                 }
-                (Some(pass), Some(_)) => Some(("failed", RowState::Failed, pass.0)),
-                (Some(_), None) => Some(("passed", RowState::Passed, i64::MIN)),
-                (None, Some(_)) => Some(("failed", RowState::Failed, i64::MIN)),
+                (Some((pass, _)), Some(_)) => {
+                    Some(("failed", RowState::Failed, Some(pass.clone())))
+                }
+                (Some(_), None) => Some(("passed", RowState::Passed, None)),
+                (None, Some(_)) => Some(("failed", RowState::Failed, None)),
                 (None, None) => None,
             };
             let streak = match newest_verdict {
                 Some((stored_state, state, since)) => {
+                    let (since_ms, since_run) = since.unwrap_or((i64::MIN, String::new()));
                     let count: i64 = count_since
-                        .query_row(params![vmid, stored_state, since], |row| row.get(0))
+                        .query_row(params![vmid, stored_state, since_ms, since_run], |row| {
+                            row.get(0)
+                        })
                         .map_err(fail)?;
                     Some((state, u64::try_from(count).unwrap_or(0)))
                 }
@@ -478,8 +489,8 @@ impl RunStore for SqliteStore {
                 validation,
                 last_state: read_state(&stored, deadline, now_unix_ms),
                 last_started_unix_ms: started,
-                last_passed_unix_ms: passed.map(|(start, end)| end.unwrap_or(start)),
-                last_failed_unix_ms: failed.map(|(start, end)| end.unwrap_or(start)),
+                last_passed_unix_ms: passed.map(|((start, _), end)| end.unwrap_or(start)),
+                last_failed_unix_ms: failed.map(|((start, _), end)| end.unwrap_or(start)),
                 streak,
                 last_restore_ms,
                 restore_trend: last_restore_ms
