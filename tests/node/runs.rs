@@ -590,6 +590,51 @@ fn assert_passed_with_evidence(fleet: &Fleet, summary: &serde_json::Value, index
 /// Three nodes validated at once pass; then, with one daemon stopped, one serving another
 /// surface, and one pinning another run authority, those three fail cleanly on their own
 /// while the healthy node passes again. A refused plan contacts no node at all.
+/// After three runs of VM 100 (three passed, one failed, then one passed and three errors, the
+/// plan refused before them leaving nothing), `history` answers from the store: every
+/// validation once, each with its report's digest, and the VM's record.
+fn assert_history_of_three_runs(config: &Path) {
+    let history = |args: &[&str]| {
+        let out = Command::new(binary("certistack-ctl"))
+            .arg("history")
+            .args(args)
+            .args(["--config", config.to_str().unwrap(), "--json"])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(0), "{out:?}");
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let page = history(&["100", "--limit", "50"]);
+    let rows = page["validations"].as_array().unwrap();
+    let count = |state: &str| rows.iter().filter(|row| row["state"] == state).count();
+    assert_eq!(
+        (rows.len(), count("passed"), count("failed"), count("error")),
+        (8, 4, 1, 3),
+        "{page:#}"
+    );
+    for row in rows {
+        let report = row["report"].as_str().unwrap_or_else(|| panic!("{row}"));
+        let digest = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(
+            std::fs::read(report).unwrap(),
+        ));
+        assert_eq!(row["report_sha256"], digest.as_str(), "{row}");
+        assert!(row["ended_unix_ms"].is_i64(), "{row}");
+        if row["state"] == "passed" {
+            assert!(row["restore_ms"].as_u64().unwrap() > 0, "{row}");
+        }
+    }
+    let vms = history(&[]);
+    let vm = &vms["vms"][0];
+    assert_eq!(vm["source_vmid"], 100, "{vms:#}");
+    assert_eq!(vm["streak"], serde_json::json!(["passed", 1]), "{vm}");
+    assert!(
+        vm["last_failed_unix_ms"].is_i64() && vm["last_passed_unix_ms"].is_i64(),
+        "{vm}"
+    );
+    assert!(vm["last_restore_ms"].as_u64().unwrap() > 0, "{vm}");
+    eprintln!("history --json:\n{vms:#}");
+}
+
 #[test]
 fn a_plan_runs_on_several_nodes_at_once_and_a_failing_node_fails_only_its_validations() {
     if !privileged(
@@ -816,6 +861,7 @@ fn a_plan_runs_on_several_nodes_at_once_and_a_failing_node_fails_only_its_valida
             );
         }
         assert!(run_tables().is_empty(), "{:?}", run_tables());
+        assert_history_of_three_runs(&config);
 
         // Two validations on one node sharing its VNet and the snapshot's archive: the node
         // would refuse the second while the first holds them, so they run one after the other
