@@ -22,6 +22,8 @@ done
 # test verifies a signed report with Python's `cryptography`, independently of the project's code.
 /usr/bin/python3 -c "import google.protobuf" 2>/dev/null || missing+=(python3-protobuf)
 /usr/bin/python3 -c "import cryptography" 2>/dev/null || missing+=(python3-cryptography)
+# The metrics test reads the controller's textfile with Prometheus' own Python parser.
+/usr/bin/python3 -c "import prometheus_client.parser" 2>/dev/null || missing+=(python3-prometheus-client)
 # UEFI sandbox VMs (bios: ovmf) boot the qm double's QEMU on Debian's OVMF firmware.
 [ -e /usr/share/OVMF/OVMF_CODE_4M.fd ] || missing+=(ovmf)
 # The lab's guest disks boot through SYSLINUX's MBR code.
@@ -57,7 +59,7 @@ if [ "${#missing[@]}" -gt 0 ]; then
     iproute2 nftables iptables dnsmasq-base slapd openssl python3-protobuf python3-cryptography \
     busybox-static cpio fdisk dosfstools mtools syslinux syslinux-common ovmf \
     libguestfs-tools linux-image-amd64 e2fsprogs btrfs-progs systemd systemd-container mmdebstrap \
-    dpkg-dev minisign apt-utils gpg gpg-agent binutils ca-certificates procps
+    dpkg-dev minisign apt-utils gpg gpg-agent binutils ca-certificates procps python3-prometheus-client
 fi
 [ -e /usr/lib/syslinux/mbr/mbr.bin ] || { echo "prepare-machine: syslinux-common is missing /usr/lib/syslinux/mbr/mbr.bin" >&2; exit 1; }
 command -v qemu-img >/dev/null || { echo "prepare-machine: qemu-img is gone; reinstall qemu-utils" >&2; exit 1; }

@@ -46,6 +46,16 @@ struct ConfigFile {
     nodes: Vec<NodeFile>,
     #[serde(default)]
     pve: Option<PveFile>,
+    #[serde(default)]
+    outputs: Option<OutputsFile>,
+}
+
+/// `[outputs]`: what the controller writes beside its reports after each run.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct OutputsFile {
+    #[serde(default)]
+    metrics_textfile: Option<PathBuf>,
 }
 
 /// `[pve]`: how the controller reaches the Proxmox VE API.
@@ -169,6 +179,8 @@ pub struct ControllerConfig {
     pub nodes: BTreeMap<NodeName, InventoryNode>,
     /// `[pve]`, when the controller is to speak to the Proxmox VE API.
     pub pve: Option<PveSettings>,
+    /// `[outputs] metrics_textfile`: node_exporter's textfile, written after each run.
+    pub metrics_textfile: Option<PathBuf>,
 }
 
 impl ControllerConfig {
@@ -250,11 +262,28 @@ impl ControllerConfig {
             .map(|pve| pve_settings(pve, base))
             .transpose()
             .map_err(invalid)?;
+        let metrics_textfile = file
+            .outputs
+            .and_then(|outputs| outputs.metrics_textfile)
+            .map(|path| {
+                // node_exporter's textfile collector reads `*.prom` files only.
+                if path.extension().is_none_or(|ext| ext != "prom")
+                    || path.file_name().is_none()
+                {
+                    return Err(invalid(format!(
+                        "outputs.metrics_textfile: {} does not end in .prom, and node_exporter's textfile collector reads only *.prom files: name it e.g. /var/lib/prometheus/node-exporter/certistack.prom",
+                        path.display()
+                    )));
+                }
+                Ok(base.join(path))
+            })
+            .transpose()?;
         Ok(Self {
             state_dir: file.state_dir,
             reports_dir: file.reports_dir,
             nodes,
             pve,
+            metrics_textfile,
         })
     }
 }

@@ -16,6 +16,7 @@ pub mod doctor;
 pub mod exit;
 pub mod history;
 pub mod interrupt;
+pub mod metrics;
 pub mod operator;
 pub mod package;
 pub mod placer;

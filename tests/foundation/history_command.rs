@@ -240,3 +240,140 @@ fn a_run_writes_its_history_and_history_answers_from_it() {
         vec![0x5a; 4096]
     );
 }
+
+/// `text` read by Prometheus' own parser (`prometheus_client.parser`, Debian's
+/// python3-prometheus-client): each sample as `name{labels} value`, labels sorted.
+fn parsed_by_prometheus(text: &str) -> Vec<String> {
+    let script = r#"
+import sys
+from prometheus_client.parser import text_string_to_metric_families
+for family in text_string_to_metric_families(sys.stdin.read()):
+    assert family.type == "gauge", family.name
+    assert family.documentation, family.name
+    for sample in family.samples:
+        labels = ",".join('%s="%s"' % kv for kv in sorted(sample.labels.items()))
+        print("%s{%s} %r" % (sample.name, labels, sample.value))
+"#;
+    let mut child = std::process::Command::new("/usr/bin/python3")
+        .args(["-c", script])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("/usr/bin/python3 (tests/prepare-machine.sh installs python3-prometheus-client)");
+    use std::io::Write;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "Prometheus' parser refused the file: {}\n{text}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+#[test]
+fn each_run_replaces_the_metrics_file_node_exporter_reads() {
+    if !has_files(
+        "each_run_replaces_the_metrics_file_node_exporter_reads",
+        &[(
+            "/usr/lib/python3/dist-packages/prometheus_client/parser.py",
+            "python3-prometheus-client",
+        )],
+    ) {
+        return;
+    }
+    let controller = Controller::new();
+    let config = controller.dir.0.join("controller.toml");
+    let text = std::fs::read_to_string(&config).unwrap();
+    // Refused with what to do: node_exporter reads only *.prom files.
+    std::fs::write(
+        &config,
+        format!("{text}\n[outputs]\nmetrics_textfile = \"metrics/certistack.txt\"\n"),
+    )
+    .unwrap();
+    let (code, _, err) = controller.ctl(&["run", "nightly.yaml"]);
+    assert_eq!(code, 78, "{err}");
+    assert!(err.contains("reads only *.prom files"), "{err}");
+    std::fs::write(
+        &config,
+        format!("{text}\n[outputs]\nmetrics_textfile = \"metrics/certistack.prom\"\n"),
+    )
+    .unwrap();
+    let metrics = controller.dir.0.join("metrics");
+    std::fs::create_dir(&metrics).unwrap();
+    let file = metrics.join("certistack.prom");
+
+    let (code, out, err) = controller.ctl(&["run", "nightly.yaml"]);
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(!err.contains("metrics: not written"), "{err}");
+    let first = std::fs::read_to_string(&file).unwrap();
+    let samples = parsed_by_prometheus(&first);
+    for expected in [
+        "certistack_vm_last_pass_timestamp_seconds{validation=\"web01\",vmid=\"100\"} 0.0",
+        "certistack_vm_last_state{state=\"error\",validation=\"web01\",vmid=\"100\"} 1.0",
+        "certistack_run_validations{verdict=\"error\"} 1.0",
+        "certistack_run_validations{verdict=\"passed\"} 0.0",
+        "certistack_run_cleanup_unproven{} 0.0",
+        "certistack_run_history_write_failures{} 0.0",
+        "certistack_metrics_vms_left_out{} 0.0",
+    ] {
+        assert!(
+            samples.iter().any(|s| s == expected),
+            "{expected} not in {samples:#?}"
+        );
+    }
+    use std::os::unix::fs::MetadataExt;
+    let before = std::fs::metadata(&file).unwrap();
+    assert_eq!(before.mode() & 0o777, 0o644);
+
+    // A pass of VM 200 in the history, then the next run: the file is replaced whole.
+    let store = SqliteStore::open(&controller.history_file(), Duration::from_secs(2)).unwrap();
+    passed(&store, 7, 200, 3, 12_000);
+    drop(store);
+    let (code, _, err) = controller.ctl(&["run", "nightly.yaml"]);
+    assert_eq!(code, 2, "{err}");
+    let after = std::fs::metadata(&file).unwrap();
+    assert_ne!(
+        before.ino(),
+        after.ino(),
+        "replaced by a rename, not rewritten in place"
+    );
+    let names: Vec<_> = std::fs::read_dir(&metrics)
+        .unwrap()
+        .map(|entry| entry.unwrap().file_name())
+        .collect();
+    assert_eq!(names, ["certistack.prom"], "nothing left beside it");
+    let samples = parsed_by_prometheus(&std::fs::read_to_string(&file).unwrap());
+    let pass = samples
+        .iter()
+        .find(|s| {
+            s.starts_with(
+                "certistack_vm_last_pass_timestamp_seconds{validation=\"db200\",vmid=\"200\"}",
+            )
+        })
+        .unwrap_or_else(|| panic!("{samples:#?}"));
+    let at: f64 = pass.rsplit_once(' ').unwrap().1.parse().unwrap();
+    let hours = (now_ms() as f64 / 1000.0 - at) / 3600.0;
+    assert!((2.9..3.1).contains(&hours), "{pass}: {hours} h ago");
+    assert!(
+        samples
+            .iter()
+            .any(|s| s == "certistack_vm_restore_seconds{validation=\"db200\",vmid=\"200\"} 12.0"),
+        "{samples:#?}"
+    );
+    assert!(
+        samples.iter().any(|s| s
+            == "certistack_vm_streak{validation=\"db200\",verdict=\"passed\",vmid=\"200\"} 1.0"),
+        "{samples:#?}"
+    );
+}

@@ -38,7 +38,7 @@ pub struct Loaded {
     /// Each `(node, vnet)`'s prerequisites as placement read them.
     pub checked: runner::Checked,
     /// The run history, opened before anything is asked of a node.
-    pub history: Arc<dyn crate::verdict::HistoryWriter>,
+    pub history: Arc<crate::history::sqlite::SqliteStore>,
 }
 
 /// Runs the plan: every phase in order, on `runtime`. Returns the validations' summaries in
@@ -123,10 +123,12 @@ pub async fn validate(
         secrets: Arc::new(secrets),
         progress,
         interrupts,
-        history,
+        history: history.clone(),
         plan_run_id: uuid::Uuid::new_v4().hyphenated().to_string(),
         history_failures: std::sync::atomic::AtomicUsize::new(0),
     });
+    let run_started = runner::history_rows::now_ms();
+    let metrics_textfile = config.metrics_textfile.clone();
     let plan_row = crate::verdict::PlanRunStarted {
         plan_run_id: context.plan_run_id.clone(),
         plan: options.plan.display().to_string(),
@@ -188,6 +190,30 @@ pub async fn validate(
         context.progress.println(&format!(
             "history: {failures} write(s) failed (above); `certistack-ctl history` lacks them"
         ));
+    }
+    if let Some(path) = metrics_textfile {
+        let mut facts = crate::metrics::RunFacts::of(
+            &summaries.iter().map(|(_, s)| s.clone()).collect::<Vec<_>>(),
+            run_started,
+            ended,
+        );
+        facts.history_write_failures = failures;
+        let written = tokio::task::spawn_blocking(move || {
+            use crate::history::RunStore;
+            let vms = history
+                .vm_summaries(ended)
+                .map_err(|error| error.to_string())?;
+            crate::metrics::write(&path, &crate::metrics::render(&vms, &facts))
+                .map_err(|error| format!("{}: {error}", path.display()))
+        })
+        .await
+        .unwrap_or_else(|error| Err(error.to_string()));
+        // Like the history, the metrics never change a verdict or the exit code.
+        if let Err(error) = written {
+            context.progress.println(&format!(
+                "metrics: not written: {error}; check that outputs.metrics_textfile's directory exists and is writable"
+            ));
+        }
     }
     summaries.sort_by_key(|(index, _)| *index);
     summaries.into_iter().map(|(_, summary)| summary).collect()
