@@ -109,8 +109,13 @@ pub fn render(vms: &[VmSummary], run: &RunFacts) -> String {
         "certistack_vm_streak",
         "How many of the VM's newest verdicts in a row were the one labelled.",
         &mut shown.iter().filter_map(|s| {
-            s.streak.map(|(state, count)| {
-                format!("{{{},verdict=\"{}\"}} {count}", vm(s), state.as_str())
+            s.streak.map(|streak| {
+                format!(
+                    "{{{},verdict=\"{}\"}} {}",
+                    vm(s),
+                    streak.verdict.as_str(),
+                    streak.count
+                )
             })
         }),
     );
@@ -226,7 +231,10 @@ mod tests {
             last_started_unix_ms: 1_796_000_000_000,
             last_passed_unix_ms: passed,
             last_failed_unix_ms: None,
-            streak: Some((RowState::Passed, 3)),
+            streak: Some(crate::history::Streak {
+                verdict: RowState::Passed,
+                count: 3,
+            }),
             last_restore_ms: passed.map(|_| 9_800),
             restore_trend: None,
         }

@@ -116,6 +116,23 @@ fn passed(store: &SqliteStore, run: u32, vmid: u32, hours_ago: i64, restore_ms: 
         .unwrap();
 }
 
+/// The page token of VM 100's oldest validation: nothing comes after it.
+fn rows_token(controller: &Controller) -> String {
+    let (_, out, _) = controller.ctl(&["history", "100", "--json"]);
+    let page: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let oldest = page["validations"]
+        .as_array()
+        .unwrap()
+        .last()
+        .unwrap()
+        .clone();
+    format!(
+        "{}.{}",
+        oldest["started_unix_ms"],
+        oldest["run_id"].as_str().unwrap()
+    )
+}
+
 #[test]
 fn a_run_writes_its_history_and_history_answers_from_it() {
     let controller = Controller::new();
@@ -177,7 +194,7 @@ fn a_run_writes_its_history_and_history_answers_from_it() {
     assert!(lines[1].contains("never"), "{out}");
     assert!(
         lines[2].starts_with("200 ")
-            && lines[2].contains("5 h ago")
+            && lines[2].contains("5 h 59 min ago")
             && lines[2].contains("passed ×2")
             && lines[2].contains("30.0 s")
             && lines[2].contains("1.50×"),
@@ -199,7 +216,10 @@ fn a_run_writes_its_history_and_history_answers_from_it() {
     assert_eq!(code, 0, "{err}");
     let (code, _, err) = controller.ctl(&["history", "200", "--max-age-hours", "2"]);
     assert_eq!(code, 1, "{err}");
-    assert!(err.contains("VM 200 (db200) last passed 5 h ago"), "{err}");
+    assert!(
+        err.contains("VM 200 (db200) last passed 5 h 59 min ago"),
+        "{err}"
+    );
 
     // One VM's pages, newest first, followed by their tokens.
     let (code, out, err) = controller.ctl(&["history", "100", "--limit", "1"]);
@@ -215,6 +235,13 @@ fn a_run_writes_its_history_and_history_answers_from_it() {
     let (code, out, err) = controller.ctl(&["history", "100", "--limit", "1", "--after", &token]);
     assert_eq!(code, 0, "{err}");
     assert!(out.ends_with("(end of VM 100's history)\n"), "{out}");
+    let last = rows_token(&controller);
+    let (code, out, err) = controller.ctl(&["history", "100", "--after", &last]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("after that token: the history ends before it"),
+        "{out}"
+    );
     let (code, out, err) = controller.ctl(&["history", "100", "--json"]);
     assert_eq!(code, 0, "{err}");
     let page: serde_json::Value = serde_json::from_str(&out).unwrap();

@@ -5,7 +5,7 @@
 
 use super::*;
 use certistack_controller::history::sqlite::SqliteStore;
-use certistack_controller::history::{Cursor, RowState, RunStore, StoreError};
+use certistack_controller::history::{Cursor, RowState, RunStore, StoreError, Streak};
 use certistack_controller::verdict::HistoryWriter;
 use certistack_controller::verdict::{
     CleanupState, Outcome, PlanRunStarted, StepTiming, ValidationEnded, ValidationStarted,
@@ -218,7 +218,13 @@ mod suite {
         let vm = &summaries[0];
         assert_eq!(vm.validation, "app-140");
         assert_eq!(vm.last_state, RowState::Passed);
-        assert_eq!(vm.streak, Some((RowState::Passed, 3)));
+        assert_eq!(
+            vm.streak,
+            Some(Streak {
+                verdict: RowState::Passed,
+                count: 3
+            })
+        );
         assert_eq!(vm.last_restore_ms, Some(40_000));
         // The median of the four passes before it: 19, 20, 20, 21 s.
         assert_eq!(vm.restore_trend, Some(2.0));
@@ -228,7 +234,13 @@ mod suite {
         );
         assert_eq!(vm.last_failed_unix_ms, Some(NOW_MS - 5 * DAY_MS + 5_000));
         let failing = &summaries[1];
-        assert_eq!(failing.streak, Some((RowState::Failed, 2)));
+        assert_eq!(
+            failing.streak,
+            Some(Streak {
+                verdict: RowState::Failed,
+                count: 2
+            })
+        );
         // Two validations of one VM begun in the same millisecond (two validations of a plan,
         // at once): ordered by run id, as pages are; the newer one's streak is one.
         let at = NOW_MS - 1_000;
@@ -239,7 +251,31 @@ mod suite {
             .validation_ended(&ended(&started(201, 142, at), Outcome::Passed, 9_000))
             .unwrap();
         let tied = &store.vm_summaries(NOW_MS).unwrap()[2];
-        assert_eq!(tied.streak, Some((RowState::Passed, 1)), "{tied:?}");
+        assert_eq!(
+            tied.streak,
+            Some(Streak {
+                verdict: RowState::Passed,
+                count: 1
+            }),
+            "{tied:?}"
+        );
+        // Two validations of one VM (each with its own checks): one's pass does not hide the
+        // other's failure.
+        let mut other = started(300, 142, at + 10);
+        other.validation = "app-142-ldap".into();
+        store
+            .validation_ended(&ended(&other, Outcome::Failed, 0))
+            .unwrap();
+        let summaries = store.vm_summaries(NOW_MS).unwrap();
+        let of_142: Vec<(&str, Option<i64>)> = summaries
+            .iter()
+            .filter(|s| s.source_vmid == 142)
+            .map(|s| (s.validation.as_str(), s.last_passed_unix_ms))
+            .collect();
+        assert_eq!(of_142.len(), 2, "{summaries:?}");
+        assert_eq!(of_142[0].0, "app-142");
+        assert!(of_142[0].1.is_some());
+        assert_eq!(of_142[1], ("app-142-ldap", None));
         assert_eq!(failing.last_passed_unix_ms, None);
         assert_eq!(failing.last_restore_ms, None);
         assert_eq!(failing.restore_trend, None);

@@ -790,7 +790,7 @@ done
 
 say "certistack-ctl history"
 # What the run left in the controller's history, and the alarm an operator sets after the night
-# (lab-stale's VM 102 has no pass: it rings for that one only).
+# (it rings for the two validations that never passed: lab-stale and lab-prod-preserve).
 (cd "$ctl" && "$bin/certistack-ctl" history --config controller.toml) || true
 (cd "$ctl" && "$bin/certistack-ctl" history 101 --config controller.toml) || true
 (cd "$ctl" && "$bin/certistack-ctl" history --config controller.toml --json) >"$work/history.json" || true
@@ -1008,27 +1008,30 @@ lines.append("preflight     " + ("REFUSED: the PVE API token lacks privileges (s
              "passed: the PVE API token holds every privilege the plan needs, read before anything was asked"))
 if run_code == 77:
     unmet.append("the preflight refused the plan")
-# The history the run wrote: each VM's verdicts, restore times, and the alarm for VM 102 only.
+# The history the run wrote: each validation's verdicts, restore times, and the alarm for the
+# two that never passed (lab-stale: too old; lab-prod-preserve: probes cannot reach its guest).
 try:
-    vms = {vm["source_vmid"]: vm for vm in json.load(open(os.environ["LAB_HISTORY"]))["vms"]}
+    rows = {vm["validation"]: vm for vm in json.load(open(os.environ["LAB_HISTORY"]))["vms"]}
 except (OSError, ValueError, KeyError) as e:
-    vms = {}
+    rows = {}
     unmet.append(f"history --json did not answer: {e}")
-if vms:
-    web, prod, stale = vms.get(100, {}), vms.get(101, {}), vms.get(102, {})
-    if not web.get("last_passed_unix_ms") or not web.get("last_restore_ms"):
-        unmet.append(f"the history has no pass with a restore time for VM 100: {web}")
-    if not prod.get("last_passed_unix_ms") or not prod.get("last_failed_unix_ms"):
-        unmet.append(f"the history lacks VM 101's pass (rewrite) or failure (preserve): {prod}")
-    if stale.get("last_state") != "failed" or stale.get("last_passed_unix_ms") is not None:
-        unmet.append(f"the history does not show VM 102 failed and never passed: {stale}")
-    restores = ", ".join(f"VM {v} {vm['last_restore_ms'] / 1000:.1f} s" for v, vm in sorted(vms.items()) if vm.get("last_restore_ms"))
-    lines.append(f"history       {len(vms)} VMs; restore times {restores}")
+if rows:
+    for name in ("lab-web-100", "lab-prod-rewrite"):
+        row = rows.get(name, {})
+        if not row.get("last_passed_unix_ms") or not row.get("last_restore_ms"):
+            unmet.append(f"the history has no pass with a restore time for {name}: {row}")
+    for name in ("lab-prod-preserve", "lab-stale"):
+        row = rows.get(name, {})
+        if row.get("last_state") != "failed" or row.get("last_passed_unix_ms") is not None:
+            unmet.append(f"the history does not show {name} failed and never passed: {row}")
+    restores = ", ".join(f"{n} {r['last_restore_ms'] / 1000:.1f} s" for n, r in sorted(rows.items()) if r.get("last_restore_ms"))
+    lines.append(f"history       {len(rows)} validations of {len({r['source_vmid'] for r in rows.values()})} VMs; restore times {restores}")
 alarm = open(os.environ["LAB_HISTORY_ALARM"]).read() if os.path.exists(os.environ["LAB_HISTORY_ALARM"]) else ""
-if os.environ.get("LAB_HISTORY_ALARM_CODE") != "1" or "VM 102" not in alarm or "VM 100" in alarm or "VM 101" in alarm:
-    unmet.append(f"history --max-age-hours 24 should exit 1 naming VM 102 only: exit {os.environ.get('LAB_HISTORY_ALARM_CODE')}: {alarm.strip()}")
+if (os.environ.get("LAB_HISTORY_ALARM_CODE") != "1" or "lab-stale" not in alarm or "lab-prod-preserve" not in alarm
+        or "lab-web-100" in alarm or "lab-prod-rewrite" in alarm):
+    unmet.append(f"history --max-age-hours 24 should exit 1 naming lab-stale and lab-prod-preserve only: exit {os.environ.get('LAB_HISTORY_ALARM_CODE')}: {alarm.strip()}")
 else:
-    lines.append("alarm         history --max-age-hours 24: exit 1, VM 102 only (never passed)")
+    lines.append("alarm         history --max-age-hours 24: exit 1 for lab-stale and lab-prod-preserve (never passed), as expected")
 lines.append(f"reports       {len(reports)}, {'all verified' if verify_code == 0 else 'NOT ALL VERIFY'}; backups' content {'CHANGED' if backups_changed else 'unchanged (SHA-256 before and after)'}")
 print("\n".join(lines))
 total = sum(phases.values()) + run_ms

@@ -152,7 +152,7 @@ pub struct Reply {
 
 /// An open HTTP/1.1 connection to the server and the task that drives it.
 struct Connection {
-    sender: hyper::client::conn::http1::SendRequest<http_body_util::Empty<bytes::Bytes>>,
+    sender: hyper::client::conn::http1::SendRequest<http_body_util::Full<bytes::Bytes>>,
     driver: tokio::task::JoinHandle<hyper::Result<()>>,
 }
 
@@ -206,6 +206,10 @@ impl IdleConnections {
             .kept
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
+        // Those too old or closed make room first.
+        kept.retain(|(connection, since)| {
+            since.elapsed() < IDLE_KEPT && !connection.sender.is_closed()
+        });
         if kept.len() < self.most && !connection.sender.is_closed() {
             kept.push((connection, std::time::Instant::now()));
         }
@@ -276,6 +280,28 @@ impl HttpsClient {
         describe_error: fn(&str, &[u8]) -> String,
         secret: &str,
     ) -> Result<Reply, ApiError> {
+        self.send(
+            method,
+            path_and_query,
+            headers,
+            None,
+            describe_error,
+            secret,
+        )
+        .await
+    }
+
+    /// [`Self::request`] with a body of `content_type` (a webhook's JSON). A request with a
+    /// body is never sent twice: it goes on a connection of its own.
+    pub async fn send(
+        &self,
+        method: Method,
+        path_and_query: &str,
+        headers: &[(&'static str, &[u8])],
+        body: Option<(&'static str, bytes::Bytes)>,
+        describe_error: fn(&str, &[u8]) -> String,
+        secret: &str,
+    ) -> Result<Reply, ApiError> {
         let call = format!(
             "{method} {}",
             untrusted::printable(path_and_query.as_bytes(), MAX_SERVER_TEXT)
@@ -305,8 +331,15 @@ impl HttpsClient {
                 value.set_sensitive(true);
                 request = request.header(*name, value);
             }
+            if let Some((content_type, _)) = &body {
+                request = request.header(http::header::CONTENT_TYPE, *content_type);
+            }
             request
-                .body(http_body_util::Empty::<bytes::Bytes>::new())
+                .body(http_body_util::Full::new(
+                    body.as_ref()
+                        .map(|(_, bytes)| bytes.clone())
+                        .unwrap_or_default(),
+                ))
                 .map_err(|error| ApiError::Request {
                     call: call.clone(),
                     reason: error.to_string(),
@@ -315,10 +348,17 @@ impl HttpsClient {
         // Only a request that changes nothing goes on a kept connection, and is sent again on a
         // new one when the kept one ended without an answer: the server may have timed it out
         // while nothing drove the connection.
-        let repeatable = method == Method::GET || method == Method::HEAD;
+        let repeatable = (method == Method::GET || method == Method::HEAD) && body.is_none();
         let kept = match repeatable.then(|| self.idle.take()).flatten() {
-            // The server may have closed it since; then hyper says so here.
-            Some(mut connection) => connection.sender.ready().await.ok().map(|()| connection),
+            // The server may have closed it since; then hyper says so here, within the time a
+            // new connection would be given.
+            Some(mut connection) => {
+                tokio::time::timeout(self.limits.connect, connection.sender.ready())
+                    .await
+                    .ok()
+                    .and_then(Result::ok)
+                    .map(|()| connection)
+            }
             None => None,
         };
         let reused = kept.is_some();
@@ -400,7 +440,7 @@ impl HttpsClient {
         call: &str,
         url: &str,
         mut connection: Connection,
-        request: http::Request<http_body_util::Empty<bytes::Bytes>>,
+        request: http::Request<http_body_util::Full<bytes::Bytes>>,
     ) -> Result<(u16, String, Vec<u8>), Exchange> {
         let max = self.limits.max_reply_bytes;
         let failed = |reason: String| {

@@ -3,9 +3,10 @@
 //! alarm for a cron job or a monitoring check.
 
 use crate::exit::{self, ExitStatus};
+use crate::history::bounded;
 use crate::history::sqlite::{BUSY, SqliteStore};
 use crate::history::{Cursor, FILE_NAME, MAX_PAGE, Page, RunStore, VmSummary};
-use certistack_core::untrusted::{MAX_DETAIL_CHARS, MAX_VALUE_CHARS, printable};
+use certistack_core::untrusted::{MAX_DETAIL_CHARS, MAX_VALUE_CHARS};
 use std::fmt::Write;
 use std::path::PathBuf;
 
@@ -48,7 +49,7 @@ pub fn history(args: &HistoryArgs, now_unix_ms: i64) -> Result<(), ExitStatus> {
         .map_err(|reason| ExitStatus::new(exit::USAGE, format!("--after: {reason}")))?;
     // Reading never creates the file: before the first run there is simply no history.
     let store = if path.exists() {
-        Some(SqliteStore::open(&path, BUSY)?)
+        Some(SqliteStore::open_for_reading(&path, BUSY)?)
     } else {
         None
     };
@@ -58,7 +59,11 @@ pub fn history(args: &HistoryArgs, now_unix_ms: i64) -> Result<(), ExitStatus> {
                 Some(store) => store.vm_summaries(now_unix_ms)?,
                 None => Vec::new(),
             };
-            let stale: Vec<String> = stale_vms(&summaries, args.max_age_hours, now_unix_ms);
+            let mut stale: Vec<String> = stale_vms(&summaries, args.max_age_hours, now_unix_ms);
+            // No history at all (a wrong --config, no run yet, a file moved aside) is no pass.
+            if summaries.is_empty() && args.max_age_hours.is_some() {
+                stale.push(format!("no validation in the history ({})", path.display()));
+            }
             let text = if args.json {
                 serde_json::to_string_pretty(&serde_json::json!({ "vms": summaries }))
                     .unwrap_or_default()
@@ -104,7 +109,7 @@ pub fn history(args: &HistoryArgs, now_unix_ms: i64) -> Result<(), ExitStatus> {
             let text = if args.json {
                 serde_json::to_string_pretty(&page).unwrap_or_default()
             } else {
-                page_table(vmid, &page)
+                page_table(vmid, &page, after.is_some())
             };
             (text, stale)
         }
@@ -121,7 +126,7 @@ pub fn history(args: &HistoryArgs, now_unix_ms: i64) -> Result<(), ExitStatus> {
     Err(ExitStatus::new(
         exit::FAILED,
         format!(
-            "{} VM(s) with no passed validation in the last {hours} h: {}",
+            "{} validation(s) with no pass in the last {hours} h: {}",
             stale.len(),
             stale.join("; ")
         ),
@@ -154,16 +159,18 @@ fn stale_vms(summaries: &[VmSummary], max_age_hours: Option<u32>, now_unix_ms: i
         .collect()
 }
 
+/// Text from the history as a terminal shows it: escaped once (the store keeps it escaped, and
+/// escaping it again would double its backslashes) and bounded.
 fn shown(text: &str) -> String {
-    printable(text.as_bytes(), MAX_VALUE_CHARS)
+    bounded(text, MAX_VALUE_CHARS)
 }
 
-/// `at` as a time before `now`: `3 h ago`, `2 d 4 h ago`.
+/// `at` as a time before `now`: `12 min ago`, `5 h 59 min ago`, `2 d 4 h ago`.
 fn ago(now_unix_ms: i64, at: i64) -> String {
     let minutes = (now_unix_ms - at).max(0) / 60_000;
     match minutes {
         0..60 => format!("{minutes} min ago"),
-        60..2_880 => format!("{} h ago", minutes / 60),
+        60..2_880 => format!("{} h {} min ago", minutes / 60, minutes % 60),
         _ => format!("{} d {} h ago", minutes / 1_440, minutes % 1_440 / 60),
     }
 }
@@ -182,39 +189,78 @@ fn utc(ms: i64) -> String {
         .unwrap_or_else(|| ms.to_string())
 }
 
-fn vm_table(summaries: &[VmSummary], now_unix_ms: i64) -> String {
-    let mut out = String::new();
-    let _ = writeln!(
-        out,
-        "{:<8} {:<24} {:<13} {:<16} {:<16} {:<10} {:>9} {:>7}",
-        "VMID", "VALIDATION", "LAST", "LAST PASSED", "LAST FAILED", "STREAK", "RESTORE", "TREND"
-    );
-    for summary in summaries {
-        let streak = match summary.streak {
-            Some((state, count)) => format!("{} ×{count}", state.as_str()),
-            None => "-".into(),
-        };
-        let trend = match summary.restore_trend {
-            Some(ratio) => format!("{ratio:.2}×"),
-            None => "-".into(),
-        };
-        let _ = writeln!(
-            out,
-            "{:<8} {:<24} {:<13} {:<16} {:<16} {:<10} {:>9} {:>7}",
-            summary.source_vmid,
-            shown(&summary.validation),
-            summary.last_state.as_str(),
-            summary
-                .last_passed_unix_ms
-                .map_or("never".into(), |at| ago(now_unix_ms, at)),
-            summary
-                .last_failed_unix_ms
-                .map_or("never".into(), |at| ago(now_unix_ms, at)),
-            streak,
-            summary.last_restore_ms.map_or("-".into(), seconds),
-            trend
-        );
+/// Rows under `header`, each column as wide as its widest cell; `right` columns aligned right,
+/// the last column not padded.
+fn table(header: &[&str], right: &[bool], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = header.iter().map(|cell| cell.chars().count()).collect();
+    for row in rows {
+        for (width, cell) in widths.iter_mut().zip(row) {
+            *width = (*width).max(cell.chars().count());
+        }
     }
+    let mut out = String::new();
+    let header: Vec<String> = header.iter().map(|cell| (*cell).to_owned()).collect();
+    for row in std::iter::once(&header).chain(rows) {
+        let last = row.len().saturating_sub(1);
+        let mut line = String::new();
+        for (index, (cell, width)) in row.iter().zip(&widths).enumerate() {
+            let pad = width.saturating_sub(cell.chars().count());
+            if index > 0 {
+                line.push_str("  ");
+            }
+            if right.get(index).copied().unwrap_or(false) {
+                line.push_str(&" ".repeat(pad));
+                line.push_str(cell);
+            } else {
+                line.push_str(cell);
+                if index != last {
+                    line.push_str(&" ".repeat(pad));
+                }
+            }
+        }
+        let _ = writeln!(out, "{}", line.trim_end());
+    }
+    out
+}
+
+fn vm_table(summaries: &[VmSummary], now_unix_ms: i64) -> String {
+    let rows: Vec<Vec<String>> = summaries
+        .iter()
+        .map(|summary| {
+            vec![
+                summary.source_vmid.to_string(),
+                shown(&summary.validation),
+                summary.last_state.as_str().to_owned(),
+                summary
+                    .last_passed_unix_ms
+                    .map_or("never".into(), |at| ago(now_unix_ms, at)),
+                summary
+                    .last_failed_unix_ms
+                    .map_or("never".into(), |at| ago(now_unix_ms, at)),
+                summary.streak.map_or("-".into(), |streak| {
+                    format!("{} ×{}", streak.verdict.as_str(), streak.count)
+                }),
+                summary.last_restore_ms.map_or("-".into(), seconds),
+                summary
+                    .restore_trend
+                    .map_or("-".into(), |ratio| format!("{ratio:.2}×")),
+            ]
+        })
+        .collect();
+    let mut out = table(
+        &[
+            "VMID",
+            "VALIDATION",
+            "LAST",
+            "LAST PASSED",
+            "LAST FAILED",
+            "STREAK",
+            "RESTORE",
+            "TREND",
+        ],
+        &[false, false, false, false, false, false, true, true],
+        &rows,
+    );
     let _ = write!(
         out,
         "restore: from mapping the backup to the guest's first sign of life; trend: the last over the median of up to {} before it",
@@ -223,35 +269,54 @@ fn vm_table(summaries: &[VmSummary], now_unix_ms: i64) -> String {
     out
 }
 
-fn page_table(vmid: u32, page: &Page) -> String {
+fn page_table(vmid: u32, page: &Page, after: bool) -> String {
     let mut out = String::new();
     if page.validations.is_empty() {
-        let _ = write!(out, "no validation of VM {vmid} in the history");
+        let _ = if after {
+            write!(
+                out,
+                "no validation of VM {vmid} after that token: the history ends before it"
+            )
+        } else {
+            write!(out, "no validation of VM {vmid} in the history")
+        };
         return out;
     }
-    let _ = writeln!(
-        out,
-        "{:<20} {:<11} {:<12} {:<34} {:>9} {:<10} {:<36}  REASON",
-        "STARTED (UTC)", "RESULT", "NODE", "SNAPSHOT", "RESTORE", "CLEANUP", "RUN"
-    );
-    for row in &page.validations {
-        let reason = row
-            .reasons
-            .first()
-            .map(|reason| printable(reason.as_bytes(), MAX_DETAIL_CHARS))
-            .unwrap_or_default();
-        let _ = writeln!(
-            out,
-            "{:<20} {:<11} {:<12} {:<34} {:>9} {:<10} {:<36}  {reason}",
-            utc(row.started_unix_ms),
-            row.state.as_str(),
-            shown(&row.node),
-            shown(&row.snapshot),
-            row.restore_ms.map_or("-".into(), seconds),
-            row.cleanup.as_deref().unwrap_or("-"),
-            shown(&row.run_id),
-        );
-    }
+    let rows: Vec<Vec<String>> = page
+        .validations
+        .iter()
+        .map(|row| {
+            vec![
+                utc(row.started_unix_ms),
+                shown(&row.validation),
+                row.state.as_str().to_owned(),
+                shown(&row.node),
+                shown(&row.snapshot),
+                row.restore_ms.map_or("-".into(), seconds),
+                row.cleanup.as_deref().unwrap_or("-").to_owned(),
+                shown(&row.run_id),
+                row.reasons
+                    .first()
+                    .map(|reason| bounded(reason, MAX_DETAIL_CHARS))
+                    .unwrap_or_default(),
+            ]
+        })
+        .collect();
+    out.push_str(&table(
+        &[
+            "STARTED (UTC)",
+            "VALIDATION",
+            "RESULT",
+            "NODE",
+            "SNAPSHOT",
+            "RESTORE",
+            "CLEANUP",
+            "RUN",
+            "REASON",
+        ],
+        &[false, false, false, false, false, true],
+        &rows,
+    ));
     match &page.next {
         Some(token) => {
             let _ = write!(out, "more: certistack-ctl history {vmid} --after {token}");

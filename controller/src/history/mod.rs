@@ -144,11 +144,13 @@ pub struct Page {
     pub next: Option<String>,
 }
 
-/// A VM's record: when it was last proven restorable, and how its restores go.
+/// One validation of a VM (a VM may have several, each with its own checks): when it last
+/// proved the VM restorable, and how its restores go. One validation's pass never hides
+/// another's failure.
 #[derive(Debug, Clone, Serialize)]
 pub struct VmSummary {
     pub source_vmid: u32,
-    /// The name of its newest validation.
+    /// The validation's name in the plan.
     pub validation: String,
     /// Its newest validation: state and start.
     pub last_state: RowState,
@@ -158,7 +160,7 @@ pub struct VmSummary {
     pub last_failed_unix_ms: Option<i64>,
     /// Its newest verdicts (passed or failed; errors prove nothing either way) in a row: which,
     /// and how many.
-    pub streak: Option<(RowState, u64)>,
+    pub streak: Option<Streak>,
     /// The restore time of its newest pass, and that over the median of up to
     /// [`TREND_WINDOW`] passes before it (above 1: slower).
     pub last_restore_ms: Option<u64>,
@@ -168,7 +170,7 @@ pub struct VmSummary {
 /// A backend of the history: the writes the runner makes ([`HistoryWriter`]) and the reads
 /// `history` makes. Every backend passes the conformance suite.
 pub trait RunStore: HistoryWriter {
-    /// Every VM with a validation, by VMID.
+    /// Every (VM, validation) with a validation in the history, by VMID then name.
     fn vm_summaries(&self, now_unix_ms: i64) -> Result<Vec<VmSummary>, StoreError>;
     /// One VM's validations, newest first, `limit` (at most [`MAX_PAGE`]) after `after`.
     fn validations_of(
@@ -197,14 +199,50 @@ pub fn trend(last: u64, before: &[u64]) -> Option<f64> {
     (median > 0.0).then(|| last as f64 / median)
 }
 
-/// `text` as the history keeps a node's or a guest's words: escaped and bounded.
+/// `text` as the history keeps and shows a node's or a guest's words: every character a
+/// terminal would act on (C0 and C1 controls, bidirectional overrides) escaped as
+/// `untrusted::printable` escapes it, cut to `max_chars` characters. Unlike `printable`, it
+/// leaves backslashes alone, so text the runner already escaped is kept as it is, not escaped
+/// again each time it is stored or shown.
 pub fn bounded(text: &str, max_chars: usize) -> String {
-    certistack_core::untrusted::printable(text.as_bytes(), max_chars)
+    let mut out = String::new();
+    let mut kept = 0usize;
+    for (offset, c) in text.char_indices() {
+        let escaped: String = if c == '\\' || c == '"' || c == '\'' {
+            c.to_string()
+        } else {
+            c.escape_debug().collect()
+        };
+        let width = escaped.chars().count();
+        if kept + width > max_chars {
+            out.push_str(&format!("…[{} more bytes]", text.len() - offset));
+            return out;
+        }
+        kept += width;
+        out.push_str(&escaped);
+    }
+    out
+}
+
+/// A run of the same verdict: which, and how many.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Streak {
+    pub verdict: RowState,
+    pub count: u64,
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn text_is_escaped_once_however_often_it_is_bounded() {
+        let hostile = "banner \u{1b}[2J\u{202e} C:\\path";
+        let once = bounded(hostile, 256);
+        assert_eq!(once, "banner \\u{1b}[2J\\u{202e} C:\\path");
+        assert_eq!(bounded(&once, 256), once);
+        assert_eq!(bounded("abcdef", 3), "abc…[3 more bytes]");
+    }
 
     #[test]
     fn the_trend_compares_the_last_restore_with_the_median_before_it() {

@@ -3,8 +3,8 @@
 //! versioned by `PRAGMA user_version` and migrated forward on open.
 
 use super::{
-    Cursor, MAX_PAGE, MAX_REASONS, MAX_STEPS, Page, RowState, RunStore, StoreError, TREND_WINDOW,
-    ValidationRow, VmSummary, bounded, trend,
+    Cursor, MAX_PAGE, MAX_REASONS, MAX_STEPS, Page, RowState, RunStore, StoreError, Streak,
+    TREND_WINDOW, ValidationRow, VmSummary, bounded, trend,
 };
 use crate::verdict::{
     CleanupState, HistoryError, HistoryWriter, Outcome, PlanRunStarted, StepTiming,
@@ -19,7 +19,7 @@ use std::time::Duration;
 /// The schema, one step per version: a file at version N gets steps N+1.. in order, each in its
 /// own transaction with the version it brings.
 const MIGRATIONS: &[&str] = &[
-    // 1: plan runs, validations, the VMs they were of.
+    // 1: plan runs, validations, and each (VM, validation) there is one of.
     "CREATE TABLE plan_runs (
         plan_run_id TEXT PRIMARY KEY,
         plan TEXT NOT NULL,
@@ -46,10 +46,14 @@ const MIGRATIONS: &[&str] = &[
         report_sha256 TEXT
     ) STRICT;
     CREATE INDEX validations_of_vm ON validations (source_vmid, started_unix_ms, run_id);
-    CREATE INDEX verdicts_of_vm ON validations (source_vmid, state, started_unix_ms, run_id);
-    CREATE TABLE vms (
-        source_vmid INTEGER PRIMARY KEY,
-        validation TEXT NOT NULL
+    CREATE INDEX newest_of_subject
+        ON validations (source_vmid, validation, started_unix_ms, run_id);
+    CREATE INDEX verdicts_of_subject
+        ON validations (source_vmid, validation, state, started_unix_ms, run_id);
+    CREATE TABLE subjects (
+        source_vmid INTEGER NOT NULL,
+        validation TEXT NOT NULL,
+        PRIMARY KEY (source_vmid, validation)
     ) STRICT;",
 ];
 
@@ -86,6 +90,41 @@ impl SqliteStore {
         Ok(store)
     }
 
+    /// Opens the history at `path` to read it (`history`): read-only, creating and changing
+    /// nothing, when its schema is this version's; a file of an older schema is migrated first,
+    /// as [`Self::open`] does.
+    pub fn open_for_reading(path: &Path, busy: Duration) -> Result<Self, StoreError> {
+        use rusqlite::OpenFlags;
+        let connection = Connection::open_with_flags(
+            path,
+            OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )
+        .map_err(|error| classify(path, busy, error))?;
+        connection
+            .busy_timeout(busy)
+            .map_err(|error| classify(path, busy, error))?;
+        let found: i64 = connection
+            .query_row("PRAGMA user_version", [], |row| row.get(0))
+            .map_err(|error| classify(path, busy, error))?;
+        let known = MIGRATIONS.len() as i64;
+        if found > known {
+            return Err(StoreError::Newer {
+                path: path.display().to_string(),
+                found,
+                known,
+            });
+        }
+        if found < known {
+            drop(connection);
+            return Self::open(path, busy);
+        }
+        Ok(Self {
+            path: path.to_owned(),
+            busy,
+            connection: Mutex::new(connection),
+        })
+    }
+
     fn prepare(&self) -> Result<(), StoreError> {
         let mut connection = self.lock();
         let fail = |error| classify(&self.path, self.busy, error);
@@ -103,33 +142,40 @@ impl SqliteStore {
         connection
             .execute_batch("PRAGMA synchronous = FULL; PRAGMA foreign_keys = ON;")
             .map_err(fail)?;
-        let found: i64 = connection
-            .query_row("PRAGMA user_version", [], |row| row.get(0))
-            .map_err(fail)?;
         let known = MIGRATIONS.len() as i64;
-        if found > known {
-            return Err(StoreError::Newer {
-                path: self.path.display().to_string(),
-                found,
-                known,
-            });
+        let version = |connection: &Connection| -> Result<i64, StoreError> {
+            let found: i64 = connection
+                .query_row("PRAGMA user_version", [], |row| row.get(0))
+                .map_err(fail)?;
+            if found > known {
+                return Err(StoreError::Newer {
+                    path: self.path.display().to_string(),
+                    found,
+                    known,
+                });
+            }
+            Ok(found)
+        };
+        if version(&connection)? == known {
+            return Ok(());
         }
+        // Migrated under the write lock, the version read again there: another process may
+        // have migrated the file since (two runs started at once on a new file).
+        let transaction = connection
+            .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
+            .map_err(fail)?;
+        let found = version(&transaction)?;
         for (index, step) in MIGRATIONS
             .iter()
             .enumerate()
             .skip(usize::try_from(found).unwrap_or(0))
         {
-            let version = index + 1;
-            let transaction = connection
-                .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
-                .map_err(fail)?;
             transaction.execute_batch(step).map_err(fail)?;
             transaction
-                .execute_batch(&format!("PRAGMA user_version = {version}"))
+                .execute_batch(&format!("PRAGMA user_version = {}", index + 1))
                 .map_err(fail)?;
-            transaction.commit().map_err(fail)?;
         }
-        Ok(())
+        transaction.commit().map_err(fail)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Connection> {
@@ -226,8 +272,8 @@ const UPSERT_ENDED: &str = "INSERT INTO validations
         restore_ms = excluded.restore_ms, report = excluded.report,
         report_sha256 = excluded.report_sha256";
 
-const UPSERT_VM: &str = "INSERT INTO vms (source_vmid, validation) VALUES (?1, ?2)
-    ON CONFLICT (source_vmid) DO UPDATE SET validation = excluded.validation";
+const UPSERT_VM: &str = "INSERT INTO subjects (source_vmid, validation) VALUES (?1, ?2)
+    ON CONFLICT (source_vmid, validation) DO NOTHING";
 
 impl HistoryWriter for SqliteStore {
     fn plan_started(&self, plan: &PlanRunStarted) -> Result<(), HistoryError> {
@@ -387,43 +433,48 @@ impl RunStore for SqliteStore {
         let connection = self.lock();
         let fail = |error| self.fail(error);
         // One indexed look-up each, per VM: the cost grows with the VMs, not the validations.
-        let mut vms = connection
-            .prepare_cached("SELECT source_vmid, validation FROM vms ORDER BY source_vmid")
+        let mut subjects = connection
+            .prepare_cached(
+                "SELECT source_vmid, validation FROM subjects ORDER BY source_vmid, validation",
+            )
             .map_err(fail)?;
         let mut newest = connection
             .prepare_cached(
                 "SELECT state, started_unix_ms, deadline_unix_ms FROM validations
-                 WHERE source_vmid = ?1 ORDER BY started_unix_ms DESC, run_id DESC LIMIT 1",
+                 WHERE source_vmid = ?1 AND validation = ?2
+                 ORDER BY started_unix_ms DESC, run_id DESC LIMIT 1",
             )
             .map_err(fail)?;
         let mut last_of = connection
             .prepare_cached(
                 "SELECT started_unix_ms, run_id, ended_unix_ms FROM validations
-                 WHERE source_vmid = ?1 AND state = ?2
+                 WHERE source_vmid = ?1 AND validation = ?2 AND state = ?3
                  ORDER BY started_unix_ms DESC, run_id DESC LIMIT 1",
             )
             .map_err(fail)?;
         let mut count_since = connection
             .prepare_cached(
                 "SELECT COUNT(*) FROM validations
-                 WHERE source_vmid = ?1 AND state = ?2 AND (started_unix_ms, run_id) > (?3, ?4)",
+                 WHERE source_vmid = ?1 AND validation = ?2 AND state = ?3
+                 AND (started_unix_ms, run_id) > (?4, ?5)",
             )
             .map_err(fail)?;
         let mut restores = connection
             .prepare_cached(
                 "SELECT restore_ms FROM validations
-                 WHERE source_vmid = ?1 AND state = 'passed' AND restore_ms IS NOT NULL
-                 ORDER BY started_unix_ms DESC LIMIT ?2",
+                 WHERE source_vmid = ?1 AND validation = ?2 AND state = 'passed'
+                 AND restore_ms IS NOT NULL
+                 ORDER BY started_unix_ms DESC, run_id DESC LIMIT ?3",
             )
             .map_err(fail)?;
-        let listed: Vec<(u32, String)> = vms
+        let listed: Vec<(u32, String)> = subjects
             .query_map([], |row| Ok((row.get(0)?, row.get(1)?)))
             .and_then(Iterator::collect)
             .map_err(fail)?;
         let mut out = Vec::with_capacity(listed.len());
         for (vmid, validation) in listed {
             let Some((stored, started, deadline)) = newest
-                .query_row([vmid], |row| {
+                .query_row(params![vmid, validation], |row| {
                     Ok((
                         row.get::<_, String>(0)?,
                         row.get::<_, i64>(1)?,
@@ -437,7 +488,7 @@ impl RunStore for SqliteStore {
             };
             let mut last = |state: &str| {
                 last_of
-                    .query_row(params![vmid, state], |row| {
+                    .query_row(params![vmid, validation, state], |row| {
                         Ok((
                             (row.get::<_, i64>(0)?, row.get::<_, String>(1)?),
                             row.get::<_, Option<i64>>(2)?,
@@ -466,16 +517,20 @@ impl RunStore for SqliteStore {
                 Some((stored_state, state, since)) => {
                     let (since_ms, since_run) = since.unwrap_or((i64::MIN, String::new()));
                     let count: i64 = count_since
-                        .query_row(params![vmid, stored_state, since_ms, since_run], |row| {
-                            row.get(0)
-                        })
+                        .query_row(
+                            params![vmid, validation, stored_state, since_ms, since_run],
+                            |row| row.get(0),
+                        )
                         .map_err(fail)?;
-                    Some((state, u64::try_from(count).unwrap_or(0)))
+                    Some(Streak {
+                        verdict: state,
+                        count: u64::try_from(count).unwrap_or(0),
+                    })
                 }
                 None => None,
             };
             let times: Vec<u64> = restores
-                .query_map(params![vmid, TREND_WINDOW as i64 + 1], |row| {
+                .query_map(params![vmid, validation, TREND_WINDOW as i64 + 1], |row| {
                     row.get::<_, i64>(0)
                 })
                 .and_then(Iterator::collect::<rusqlite::Result<Vec<i64>>>)

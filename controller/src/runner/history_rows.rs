@@ -94,8 +94,11 @@ pub async fn ended_before_run(
         (source_vmid, snapshot),
         0,
     );
-    let row = ended(begun, summary);
-    write(context, move |history| history.validation_ended(&row)).await;
+    let summary = summary.clone();
+    write(context, move |history| {
+        history.validation_ended(&ended(begun, &summary))
+    })
+    .await;
 }
 
 pub fn now_ms() -> i64 {

@@ -159,8 +159,12 @@ pub async fn run_plan(
             let row = begun.clone();
             history_rows::write(&context, move |history| history.validation_started(&row)).await;
             let summary = drive(&context, validation, &checked, run_id).await;
-            let row = history_rows::ended(begun, &summary);
-            history_rows::write(&context, move |history| history.validation_ended(&row)).await;
+            // The report is read for its digest off the async threads too.
+            let ended = summary.clone();
+            history_rows::write(&context, move |history| {
+                history.validation_ended(&history_rows::ended(begun, &ended))
+            })
+            .await;
             (index, summary)
         });
     }
