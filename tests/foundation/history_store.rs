@@ -401,3 +401,38 @@ fn a_file_that_is_not_a_history_a_newer_one_and_a_locked_one_are_refused_saying_
     holder.execute_batch("ROLLBACK").unwrap();
     store.validation_started(&started(1, 170, NOW_MS)).unwrap();
 }
+
+#[test]
+fn two_processes_opening_a_new_history_at_once_both_succeed_and_reading_changes_nothing() {
+    for round in 0..20 {
+        let dir = TempDir::new("history-race");
+        let path = dir.0.join("history.sqlite");
+        let openers: Vec<_> = (0..2)
+            .map(|_| {
+                let path = path.clone();
+                std::thread::spawn(move || {
+                    SqliteStore::open(&path, Duration::from_secs(5)).map(drop)
+                })
+            })
+            .collect();
+        for opener in openers {
+            opener
+                .join()
+                .unwrap()
+                .unwrap_or_else(|error| panic!("round {round}: {error}"));
+        }
+        // Read: the database stays as it was (SQLite may lay an empty log beside it).
+        let digest = || {
+            hex::encode(<sha2::Sha256 as sha2::Digest>::digest(
+                std::fs::read(&path).unwrap(),
+            ))
+        };
+        let before = digest();
+        let reader = SqliteStore::open_for_reading(&path, Duration::from_secs(1)).unwrap();
+        assert!(reader.vm_summaries(NOW_MS).unwrap().is_empty());
+        drop(reader);
+        assert_eq!(before, digest(), "round {round}");
+        let log = std::fs::metadata(format!("{}-wal", path.display())).map_or(0, |meta| meta.len());
+        assert_eq!(log, 0, "round {round}: reading wrote to the log");
+    }
+}

@@ -86,8 +86,19 @@ impl SqliteStore {
             busy,
             connection: Mutex::new(connection),
         };
-        store.prepare()?;
-        Ok(store)
+        // Switching a new file to WAL and migrating it take the write lock in steps, and SQLite
+        // answers "busy" at once, without waiting, where waiting could deadlock (another
+        // process opening the same new file): the whole preparation is tried again, within
+        // the same `busy`.
+        let began = std::time::Instant::now();
+        loop {
+            match store.prepare() {
+                Err(StoreError::Locked { .. }) if began.elapsed() < busy => {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                prepared => return prepared.map(|()| store),
+            }
+        }
     }
 
     /// Opens the history at `path` to read it (`history`): read-only, creating and changing
