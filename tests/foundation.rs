@@ -54,6 +54,8 @@ mod history_store;
 mod idle_with_a_silent_stream;
 #[path = "foundation/node_checks.rs"]
 mod node_checks;
+#[path = "foundation/notifications.rs"]
+mod notifications;
 #[path = "foundation/operator_commands.rs"]
 mod operator_commands;
 #[path = "foundation/pbs_latest.rs"]

@@ -48,6 +48,8 @@ struct ConfigFile {
     pve: Option<PveFile>,
     #[serde(default)]
     outputs: Option<OutputsFile>,
+    #[serde(default)]
+    notify: Option<crate::notify::settings::NotifyFile>,
 }
 
 /// `[outputs]`: what the controller writes beside its reports after each run.
@@ -181,6 +183,8 @@ pub struct ControllerConfig {
     pub pve: Option<PveSettings>,
     /// `[outputs] metrics_textfile`: node_exporter's textfile, written after each run.
     pub metrics_textfile: Option<PathBuf>,
+    /// `[notify]`: who is told of a run, and when.
+    pub notify: Option<crate::notify::settings::NotifySettings>,
 }
 
 impl ControllerConfig {
@@ -278,12 +282,18 @@ impl ControllerConfig {
                 Ok(base.join(path))
             })
             .transpose()?;
+        let notify = file
+            .notify
+            .map(|notify| crate::notify::settings::settings(notify, base))
+            .transpose()
+            .map_err(invalid)?;
         Ok(Self {
             state_dir: file.state_dir,
             reports_dir: file.reports_dir,
             nodes,
             pve,
             metrics_textfile,
+            notify,
         })
     }
 }

@@ -17,6 +17,7 @@ pub mod exit;
 pub mod history;
 pub mod interrupt;
 pub mod metrics;
+pub mod notify;
 pub mod operator;
 pub mod package;
 pub mod placer;

@@ -109,6 +109,21 @@ pub struct ValidationEnded {
     pub report_sha256: Option<String>,
 }
 
+/// A notification of a plan run (a webhook, an e-mail): delivered or not, after how many tries.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Delivery {
+    pub plan_run_id: String,
+    /// `webhook` or `email`.
+    pub channel: String,
+    /// `failure` or `summary`.
+    pub kind: String,
+    pub attempts: u32,
+    pub delivered: bool,
+    /// Why the last attempt failed, when it did.
+    pub last_error: Option<String>,
+    pub at_unix_ms: i64,
+}
+
 /// Why the history could not be written, saying what to do.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
@@ -123,4 +138,5 @@ pub trait HistoryWriter: Send + Sync {
     fn plan_ended(&self, plan_run_id: &str, ended_unix_ms: i64) -> Result<(), HistoryError>;
     fn validation_started(&self, started: &ValidationStarted) -> Result<(), HistoryError>;
     fn validation_ended(&self, ended: &ValidationEnded) -> Result<(), HistoryError>;
+    fn delivery(&self, delivery: &Delivery) -> Result<(), HistoryError>;
 }

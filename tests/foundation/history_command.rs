@@ -13,12 +13,12 @@ use std::os::unix::fs::PermissionsExt;
 use std::time::Duration;
 
 /// A controller whose one node listens nowhere, and a plan written out for VM 100 on it.
-struct Controller {
-    dir: TempDir,
+pub(super) struct Controller {
+    pub(super) dir: TempDir,
 }
 
 impl Controller {
-    fn new() -> Self {
+    pub(super) fn new() -> Self {
         let dir = TempDir::new("history-ctl");
         let closed = free_local_port();
         std::fs::write(
@@ -50,7 +50,7 @@ impl Controller {
         Self { dir }
     }
 
-    fn ctl(&self, args: &[&str]) -> (i32, String, String) {
+    pub(super) fn ctl(&self, args: &[&str]) -> (i32, String, String) {
         let out = std::process::Command::new(binary("certistack-ctl"))
             .args(args)
             .args(["--config", "controller.toml"])
@@ -65,7 +65,7 @@ impl Controller {
         )
     }
 
-    fn history_file(&self) -> std::path::PathBuf {
+    pub(super) fn history_file(&self) -> std::path::PathBuf {
         self.dir.0.join("state").join(FILE_NAME)
     }
 }

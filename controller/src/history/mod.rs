@@ -22,6 +22,9 @@ pub const MAX_PAGE: usize = 500;
 pub const MAX_REASONS: usize = 16;
 /// Steps kept of one validation.
 pub const MAX_STEPS: usize = 256;
+/// The validations of one plan run read back at most (a plan's validations are bounded below
+/// this).
+pub const MAX_PLAN_RUN_VALIDATIONS: usize = 10_000;
 /// Earlier restore times the trend compares the last one with (their median).
 pub const TREND_WINDOW: usize = 7;
 
@@ -180,6 +183,16 @@ pub trait RunStore: HistoryWriter {
         limit: usize,
         now_unix_ms: i64,
     ) -> Result<Page, StoreError>;
+    /// The validations of one plan run, in the order they began (at most
+    /// [`MAX_PLAN_RUN_VALIDATIONS`]).
+    fn validations_of_plan_run(
+        &self,
+        plan_run_id: &str,
+        now_unix_ms: i64,
+    ) -> Result<Vec<ValidationRow>, StoreError>;
+    /// The notifications of one plan run.
+    fn deliveries_of(&self, plan_run_id: &str)
+    -> Result<Vec<crate::verdict::Delivery>, StoreError>;
 }
 
 /// The restore trend: `last` over the median of `before` (newest first), when there is one.

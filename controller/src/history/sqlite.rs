@@ -7,7 +7,7 @@ use super::{
     TREND_WINDOW, ValidationRow, VmSummary, bounded, trend,
 };
 use crate::verdict::{
-    CleanupState, HistoryError, HistoryWriter, Outcome, PlanRunStarted, StepTiming,
+    CleanupState, Delivery, HistoryError, HistoryWriter, Outcome, PlanRunStarted, StepTiming,
     ValidationEnded, ValidationStarted,
 };
 use certistack_core::untrusted::{MAX_DETAIL_CHARS, MAX_VALUE_CHARS};
@@ -54,6 +54,17 @@ const MIGRATIONS: &[&str] = &[
         source_vmid INTEGER NOT NULL,
         validation TEXT NOT NULL,
         PRIMARY KEY (source_vmid, validation)
+    ) STRICT;",
+    // 2: the notifications of each plan run.
+    "CREATE TABLE deliveries (
+        plan_run_id TEXT NOT NULL,
+        channel TEXT NOT NULL,
+        kind TEXT NOT NULL,
+        attempts INTEGER NOT NULL,
+        delivered INTEGER NOT NULL,
+        last_error TEXT,
+        at_unix_ms INTEGER NOT NULL,
+        PRIMARY KEY (plan_run_id, channel, kind)
     ) STRICT;",
 ];
 
@@ -287,6 +298,30 @@ const UPSERT_VM: &str = "INSERT INTO subjects (source_vmid, validation) VALUES (
     ON CONFLICT (source_vmid, validation) DO NOTHING";
 
 impl HistoryWriter for SqliteStore {
+    fn delivery(&self, delivery: &Delivery) -> Result<(), HistoryError> {
+        checked_id(&delivery.plan_run_id, "plan run")?;
+        self.write(
+            "INSERT INTO deliveries
+             (plan_run_id, channel, kind, attempts, delivered, last_error, at_unix_ms)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)
+             ON CONFLICT (plan_run_id, channel, kind) DO UPDATE SET
+                attempts = excluded.attempts, delivered = excluded.delivered,
+                last_error = excluded.last_error, at_unix_ms = excluded.at_unix_ms",
+            params![
+                delivery.plan_run_id,
+                bounded(&delivery.channel, MAX_VALUE_CHARS),
+                bounded(&delivery.kind, MAX_VALUE_CHARS),
+                delivery.attempts,
+                delivery.delivered,
+                delivery
+                    .last_error
+                    .as_deref()
+                    .map(|error| bounded(error, MAX_DETAIL_CHARS)),
+                delivery.at_unix_ms
+            ],
+        )
+    }
+
     fn plan_started(&self, plan: &PlanRunStarted) -> Result<(), HistoryError> {
         checked_id(&plan.plan_run_id, "plan run")?;
         self.write(
@@ -564,6 +599,52 @@ impl RunStore for SqliteStore {
             });
         }
         Ok(out)
+    }
+
+    fn validations_of_plan_run(
+        &self,
+        plan_run_id: &str,
+        now_unix_ms: i64,
+    ) -> Result<Vec<ValidationRow>, StoreError> {
+        let connection = self.lock();
+        let fail = |error| self.fail(error);
+        let sql = format!(
+            "SELECT {ROW_COLUMNS} FROM validations WHERE plan_run_id = ?1
+             ORDER BY started_unix_ms, run_id LIMIT ?2"
+        );
+        let mut statement = connection.prepare_cached(&sql).map_err(fail)?;
+        statement
+            .query_map(
+                params![plan_run_id, super::MAX_PLAN_RUN_VALIDATIONS as i64],
+                |found| row(found, now_unix_ms),
+            )
+            .and_then(Iterator::collect)
+            .map_err(fail)
+    }
+
+    fn deliveries_of(&self, plan_run_id: &str) -> Result<Vec<Delivery>, StoreError> {
+        let connection = self.lock();
+        let fail = |error| self.fail(error);
+        let mut statement = connection
+            .prepare_cached(
+                "SELECT plan_run_id, channel, kind, attempts, delivered, last_error, at_unix_ms
+                 FROM deliveries WHERE plan_run_id = ?1 ORDER BY channel, kind",
+            )
+            .map_err(fail)?;
+        statement
+            .query_map([plan_run_id], |row| {
+                Ok(Delivery {
+                    plan_run_id: row.get(0)?,
+                    channel: row.get(1)?,
+                    kind: row.get(2)?,
+                    attempts: row.get(3)?,
+                    delivered: row.get(4)?,
+                    last_error: row.get(5)?,
+                    at_unix_ms: row.get(6)?,
+                })
+            })
+            .and_then(Iterator::collect)
+            .map_err(fail)
     }
 
     fn validations_of(

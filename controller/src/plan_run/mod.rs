@@ -39,6 +39,8 @@ pub struct Loaded {
     pub checked: runner::Checked,
     /// The run history, opened before anything is asked of a node.
     pub history: Arc<crate::history::sqlite::SqliteStore>,
+    /// The webhook, its key and CA read before anything is asked of a node.
+    pub webhook: Option<crate::notify::webhook::Webhook>,
 }
 
 /// Runs the plan: every phase in order, on `runtime`. Returns the validations' summaries in
@@ -81,6 +83,13 @@ pub fn load(options: &Options, now: OffsetDateTime) -> Result<Loaded, ExitStatus
         &config.state_dir.join(crate::history::FILE_NAME),
         crate::history::sqlite::BUSY,
     )?;
+    let webhook = config
+        .notify
+        .as_ref()
+        .and_then(|notify| notify.webhook.as_ref())
+        .map(crate::notify::webhook::Webhook::new)
+        .transpose()
+        .map_err(|reason| ExitStatus::new(crate::exit::REFUSED_CONFIG, reason))?;
     Ok(Loaded {
         config,
         plan,
@@ -88,6 +97,7 @@ pub fn load(options: &Options, now: OffsetDateTime) -> Result<Loaded, ExitStatus
         authority,
         checked,
         history: Arc::new(history),
+        webhook,
     })
 }
 
@@ -107,6 +117,7 @@ pub async fn validate(
         authority,
         checked,
         history,
+        webhook,
     } = loaded;
     let progress = Arc::new(runner::Progress::new(options.output));
     let announced = progress.clone();
@@ -129,6 +140,7 @@ pub async fn validate(
     });
     let run_started = runner::history_rows::now_ms();
     let metrics_textfile = config.metrics_textfile.clone();
+    let plan_sha256 = plan.digest.clone();
     let plan_row = crate::verdict::PlanRunStarted {
         plan_run_id: context.plan_run_id.clone(),
         plan: options.plan.display().to_string(),
@@ -191,6 +203,19 @@ pub async fn validate(
             "history: {failures} write(s) failed (above); `certistack-ctl history` lacks them"
         ));
     }
+    let notification_failures = match (webhook, &config.notify) {
+        (Some(webhook), Some(notify)) => {
+            let facts = crate::notify::PlanRunFacts {
+                plan_run_id: context.plan_run_id.clone(),
+                plan: options.plan.display().to_string(),
+                plan_sha256: plan_sha256.clone(),
+                started_unix_ms: run_started,
+                ended_unix_ms: ended,
+            };
+            notify_after_run(&context, &history, &webhook, notify.on, &facts).await
+        }
+        _ => 0,
+    };
     if let Some(path) = metrics_textfile {
         let mut facts = crate::metrics::RunFacts::of(
             &summaries.iter().map(|(_, s)| s.clone()).collect::<Vec<_>>(),
@@ -198,6 +223,7 @@ pub async fn validate(
             ended,
         );
         facts.history_write_failures = failures;
+        facts.notification_failures = notification_failures;
         let written = tokio::task::spawn_blocking(move || {
             use crate::history::RunStore;
             let vms = history
@@ -217,6 +243,62 @@ pub async fn validate(
     }
     summaries.sort_by_key(|(index, _)| *index);
     summaries.into_iter().map(|(_, summary)| summary).collect()
+}
+
+/// Sends what the run's notifications say of the validations the history holds for it;
+/// each delivery recorded there and said on the progress stream. The number not delivered.
+async fn notify_after_run(
+    context: &Arc<runner::RunContext>,
+    history: &Arc<crate::history::sqlite::SqliteStore>,
+    webhook: &crate::notify::webhook::Webhook,
+    on: crate::notify::settings::Triggers,
+    facts: &crate::notify::PlanRunFacts,
+) -> usize {
+    use crate::history::RunStore;
+    let store = history.clone();
+    let plan_run_id = facts.plan_run_id.clone();
+    let ended = facts.ended_unix_ms;
+    let rows =
+        tokio::task::spawn_blocking(move || store.validations_of_plan_run(&plan_run_id, ended))
+            .await
+            .map_err(|error| error.to_string())
+            .and_then(|read| read.map_err(|error| error.to_string()));
+    let rows = match rows {
+        Ok(rows) => rows,
+        Err(error) => {
+            context.progress.println(&format!(
+                "notify: nothing sent: the run's validations could not be read back from the history: {error}"
+            ));
+            return 1;
+        }
+    };
+    let mut failures = 0;
+    for message in crate::notify::messages(on, facts, &rows) {
+        let delivery = crate::notify::deliver(webhook, &message, &facts.plan_run_id, || {
+            OffsetDateTime::now_utc().unix_timestamp()
+        })
+        .await;
+        context.progress.println(&if delivery.delivered {
+            format!(
+                "notify: webhook {} delivered to {} ({} tr{})",
+                delivery.kind,
+                webhook.url,
+                delivery.attempts,
+                if delivery.attempts == 1 { "y" } else { "ies" }
+            )
+        } else {
+            failures += 1;
+            format!(
+                "notify: webhook {} NOT delivered to {} after {} tries: {}",
+                delivery.kind,
+                webhook.url,
+                delivery.attempts,
+                delivery.last_error.as_deref().unwrap_or("")
+            )
+        });
+        runner::history_rows::write(context, move |history| history.delivery(&delivery)).await;
+    }
+    failures
 }
 
 /// Phase 3: the summaries, written without panicking on a closed pipe (`run ... | head`): the
