@@ -1,5 +1,6 @@
-//! Someone is told: after a run against a node that does not answer (an error), the signed
-//! webhook reaches the receiver double (`tests/doubles/webhook-receiver`) once, its signature
+//! Someone is told: after a run against a node that does not answer (an error), one mail
+//! reaches the SMTP double (`tests/doubles/smtp-receiver`, STARTTLS and TLS, AUTH PLAIN), and the
+//! signed webhook reaches the receiver double (`tests/doubles/webhook-receiver`) once, its signature
 //! checks with the receiver's five lines of Python from `docs/history.md`, and its delivery is
 //! recorded in the history; a receiver that keeps failing gets a bounded number of tries, a
 //! recorded failure and the metrics' count, and the exit code stays the run's; a receiver whose
@@ -236,4 +237,96 @@ fn a_receiver_the_configured_ca_did_not_sign_gets_nothing_and_summary_mode_sends
     let (code, _, err) = controller.ctl(&["run", "nightly.yaml"]);
     assert_ne!(code, 2, "refused before the run: {err}");
     assert!(err.contains("webhook.key"), "{err}");
+}
+
+const SMTP_PASSWORD: &str = "mail-secret-5f1e9c2a";
+
+#[test]
+fn a_failing_run_sends_one_mail_over_starttls_or_tls_with_auth_plain_and_no_secret_in_it() {
+    let pki = api_server_pki(&["localhost"]);
+    for mode in ["starttls", "tls"] {
+        let secrets = TempDir::new("smtp-secrets");
+        let server_password = secrets.0.join("password");
+        std::fs::write(&server_password, format!("{SMTP_PASSWORD}\n")).unwrap();
+        let smtp = ApiDouble::start_in(
+            "smtp-receiver",
+            &pki,
+            &[
+                "--mode".into(),
+                mode.into(),
+                "--user".into(),
+                "certistack".into(),
+                "--password-file".into(),
+                server_password.clone().into_os_string(),
+            ],
+            "--root",
+            TempDir::new("smtp-receiver"),
+        );
+        let controller = Controller::new();
+        let dir = &controller.dir.0;
+        let password = dir.join("smtp-password");
+        std::fs::write(&password, format!("{SMTP_PASSWORD}\n")).unwrap();
+        std::fs::set_permissions(&password, std::fs::Permissions::from_mode(0o600)).unwrap();
+        std::fs::write(dir.join("smtp-ca.pem"), &pki.ca_pem).unwrap();
+        let config = dir.join("controller.toml");
+        let text = std::fs::read_to_string(&config).unwrap();
+        std::fs::write(
+            &config,
+            format!(
+                "{text}\n[notify]\n[notify.smtp]\nhost = \"localhost\"\nport = {}\nsecurity = \"{mode}\"\nuser = \"certistack\"\npassword_file = \"smtp-password\"\nfrom = \"certistack@example.net\"\nto = [\"ops@example.net\", \"backup-team@example.net\"]\nca_file = \"smtp-ca.pem\"\n",
+                smtp.port
+            ),
+        )
+        .unwrap();
+        let (code, out, err) = controller.ctl(&["run", "nightly.yaml"]);
+        assert_eq!(code, 2, "{mode}: {out}{err}");
+        assert!(
+            out.contains("notify: email failure delivered to smtp://localhost:"),
+            "{mode}: {out}"
+        );
+        let log =
+            |name: &str| std::fs::read_to_string(smtp.tls_dir().join(name)).unwrap_or_default();
+        let messages: Vec<serde_json::Value> = log("messages.log")
+            .lines()
+            .map(|line| serde_json::from_str(line).unwrap())
+            .collect();
+        assert_eq!(messages.len(), 1, "{mode}: exactly one mail: {messages:#?}");
+        let mail = &messages[0];
+        assert_eq!(mail["tls"], true, "{mode}");
+        assert_eq!(mail["auth_user"], "certistack", "{mode}");
+        assert_eq!(mail["mail_from"], "certistack@example.net");
+        assert_eq!(
+            mail["rcpt_to"],
+            serde_json::json!(["ops@example.net", "backup-team@example.net"])
+        );
+        let data = mail["data"].as_str().unwrap();
+        eprintln!("{mode}: the mail as received:\n{data}");
+        assert!(
+            data.contains("Subject: CertiStack: 0 failed, 1 erred in nightly.yaml"),
+            "{data}"
+        );
+        assert!(
+            data.contains("web01 (VM 100) on pve1: error at step doctor"),
+            "{data}"
+        );
+        assert!(data.contains("report /"), "{data}");
+        let everything = format!("{out}{err}{}{}", log("messages.log"), log("sessions.log"));
+        assert!(
+            !everything.contains(SMTP_PASSWORD),
+            "{mode}: the password leaked"
+        );
+        let store = SqliteStore::open(&controller.history_file(), Duration::from_secs(2)).unwrap();
+        let summaries = store.vm_summaries(i64::MAX / 2).unwrap();
+        assert_eq!(summaries.len(), 1);
+        let run = store
+            .validations_of(100, None, 1, i64::MAX / 2)
+            .unwrap()
+            .validations[0]
+            .plan_run_id
+            .clone();
+        let deliveries = store.deliveries_of(&run).unwrap();
+        assert_eq!(deliveries.len(), 1, "{deliveries:?}");
+        assert_eq!(deliveries[0].channel, "email");
+        assert!(deliveries[0].delivered, "{deliveries:?}");
+    }
 }

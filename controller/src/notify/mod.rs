@@ -3,6 +3,7 @@
 //! recorded in the history; it never changes a verdict or the exit code, and never carries a
 //! secret. Node and guest text reaches it escaped and bounded, as the history keeps it.
 
+pub mod email;
 pub mod settings;
 pub mod webhook;
 
@@ -133,10 +134,41 @@ pub fn messages(on: Triggers, run: &PlanRunFacts, rows: &[ValidationRow]) -> Vec
     out
 }
 
-/// Delivers `message` through `webhook`: up to [`ATTEMPTS`] tries, [`BACKOFF`] apart; what
+/// Where a message goes.
+#[derive(Debug)]
+pub enum Channel {
+    Webhook(webhook::Webhook),
+    Email(email::Email),
+}
+
+impl Channel {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Webhook(_) => "webhook",
+            Self::Email(_) => "email",
+        }
+    }
+
+    /// Where, for a person: the webhook's URL or the SMTP server.
+    pub fn target(&self) -> &str {
+        match self {
+            Self::Webhook(webhook) => &webhook.url,
+            Self::Email(email) => &email.server,
+        }
+    }
+
+    async fn send(&self, message: &Message, now_unix: i64) -> Result<(), String> {
+        match self {
+            Self::Webhook(webhook) => webhook.send(&message.body, now_unix).await,
+            Self::Email(email) => email.send(message).await,
+        }
+    }
+}
+
+/// Delivers `message` through `channel`: up to [`ATTEMPTS`] tries, [`BACKOFF`] apart; what
 /// happened, for the history.
 pub async fn deliver(
-    webhook: &webhook::Webhook,
+    channel: &Channel,
     message: &Message,
     plan_run_id: &str,
     now_unix: impl Fn() -> i64,
@@ -151,7 +183,7 @@ pub async fn deliver(
             tokio::time::sleep(*wait).await;
         }
         attempts = attempt + 1;
-        match webhook.send(&message.body, now_unix()).await {
+        match channel.send(message, now_unix()).await {
             Ok(()) => {
                 last_error = None;
                 break;
@@ -161,7 +193,7 @@ pub async fn deliver(
     }
     Delivery {
         plan_run_id: plan_run_id.to_owned(),
-        channel: "webhook".into(),
+        channel: channel.name().into(),
         kind: message.kind.into(),
         attempts,
         delivered: last_error.is_none(),

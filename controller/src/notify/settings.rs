@@ -15,6 +15,26 @@ pub struct NotifyFile {
     on: Option<Vec<String>>,
     #[serde(default)]
     webhook: Option<WebhookFile>,
+    #[serde(default)]
+    smtp: Option<SmtpFile>,
+}
+
+/// `[notify.smtp]` as written.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SmtpFile {
+    host: String,
+    #[serde(default)]
+    port: Option<u16>,
+    security: String,
+    #[serde(default)]
+    user: Option<String>,
+    #[serde(default)]
+    password_file: Option<PathBuf>,
+    from: String,
+    to: Vec<String>,
+    #[serde(default)]
+    ca_file: Option<PathBuf>,
 }
 
 /// `[notify.webhook]` as written.
@@ -45,6 +65,34 @@ pub struct Triggers {
 pub struct NotifySettings {
     pub on: Triggers,
     pub webhook: Option<WebhookSettings>,
+    pub smtp: Option<SmtpSettings>,
+}
+
+/// How the SMTP connection is secured: always TLS, verified.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SmtpSecurity {
+    /// Plain connection upgraded with STARTTLS before anything else (submission, port 587);
+    /// a server that does not offer it is refused.
+    StartTls,
+    /// TLS from the first byte (submissions, port 465).
+    Tls,
+}
+
+/// Recipients of one message at most.
+pub const MAX_RECIPIENTS: usize = 32;
+
+/// `[notify.smtp]` checked.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SmtpSettings {
+    pub host: String,
+    pub port: u16,
+    pub security: SmtpSecurity,
+    /// The user and the file holding its password, when the server wants AUTH.
+    pub login: Option<(String, PathBuf)>,
+    pub from: String,
+    pub to: Vec<String>,
+    /// The CA the server's certificate must chain to: this file, or the system's bundle.
+    pub ca_file: PathBuf,
 }
 
 /// `[notify.webhook]` checked.
@@ -87,7 +135,64 @@ pub fn settings(file: NotifyFile, base: &Path) -> Result<NotifySettings, String>
         .webhook
         .map(|webhook| webhook_settings(webhook, base))
         .transpose()?;
-    Ok(NotifySettings { on, webhook })
+    let smtp = file
+        .smtp
+        .map(|smtp| smtp_settings(smtp, base))
+        .transpose()?;
+    Ok(NotifySettings { on, webhook, smtp })
+}
+
+fn smtp_settings(file: SmtpFile, base: &Path) -> Result<SmtpSettings, String> {
+    let security = match file.security.as_str() {
+        "starttls" => SmtpSecurity::StartTls,
+        "tls" => SmtpSecurity::Tls,
+        other => {
+            return Err(format!(
+                "notify.smtp.security: {other:?}: write \"starttls\" (port 587) or \"tls\" (port 465); mail is never sent in the clear"
+            ));
+        }
+    };
+    if file.host.is_empty() || file.host.contains(['/', '@', ' ', ':']) {
+        return Err(format!(
+            "notify.smtp.host: {:?} is not a host name; write the server's name as its certificate names it",
+            file.host
+        ));
+    }
+    let login = match (file.user, file.password_file) {
+        (Some(user), Some(password)) => Some((user, base.join(password))),
+        (None, None) => None,
+        _ => {
+            return Err(
+                "notify.smtp: user and password_file go together (AUTH PLAIN over TLS), or neither"
+                    .into(),
+            );
+        }
+    };
+    if file.to.is_empty() || file.to.len() > MAX_RECIPIENTS {
+        return Err(format!(
+            "notify.smtp.to: give 1 to {MAX_RECIPIENTS} addresses, not {}",
+            file.to.len()
+        ));
+    }
+    for address in std::iter::once(&file.from).chain(&file.to) {
+        address.parse::<lettre::Address>().map_err(|error| {
+            format!("notify.smtp: {address:?} is not an e-mail address: {error}")
+        })?;
+    }
+    Ok(SmtpSettings {
+        port: file.port.unwrap_or(match security {
+            SmtpSecurity::StartTls => 587,
+            SmtpSecurity::Tls => 465,
+        }),
+        host: file.host,
+        security,
+        login,
+        from: file.from,
+        to: file.to,
+        ca_file: file
+            .ca_file
+            .map_or_else(|| PathBuf::from(SYSTEM_CA_BUNDLE), |path| base.join(path)),
+    })
 }
 
 fn webhook_settings(file: WebhookFile, base: &Path) -> Result<WebhookSettings, String> {

@@ -39,8 +39,9 @@ pub struct Loaded {
     pub checked: runner::Checked,
     /// The run history, opened before anything is asked of a node.
     pub history: Arc<crate::history::sqlite::SqliteStore>,
-    /// The webhook, its key and CA read before anything is asked of a node.
-    pub webhook: Option<crate::notify::webhook::Webhook>,
+    /// Where notifications go (webhook, e-mail), each key, password and CA read before
+    /// anything is asked of a node.
+    pub channels: Vec<crate::notify::Channel>,
 }
 
 /// Runs the plan: every phase in order, on `runtime`. Returns the validations' summaries in
@@ -83,13 +84,20 @@ pub fn load(options: &Options, now: OffsetDateTime) -> Result<Loaded, ExitStatus
         &config.state_dir.join(crate::history::FILE_NAME),
         crate::history::sqlite::BUSY,
     )?;
-    let webhook = config
-        .notify
-        .as_ref()
-        .and_then(|notify| notify.webhook.as_ref())
-        .map(crate::notify::webhook::Webhook::new)
-        .transpose()
-        .map_err(|reason| ExitStatus::new(crate::exit::REFUSED_CONFIG, reason))?;
+    let mut channels = Vec::new();
+    if let Some(notify) = &config.notify {
+        let refused = |reason| ExitStatus::new(crate::exit::REFUSED_CONFIG, reason);
+        if let Some(webhook) = &notify.webhook {
+            channels.push(crate::notify::Channel::Webhook(
+                crate::notify::webhook::Webhook::new(webhook).map_err(refused)?,
+            ));
+        }
+        if let Some(smtp) = &notify.smtp {
+            channels.push(crate::notify::Channel::Email(
+                crate::notify::email::Email::new(smtp).map_err(refused)?,
+            ));
+        }
+    }
     Ok(Loaded {
         config,
         plan,
@@ -97,7 +105,7 @@ pub fn load(options: &Options, now: OffsetDateTime) -> Result<Loaded, ExitStatus
         authority,
         checked,
         history: Arc::new(history),
-        webhook,
+        channels,
     })
 }
 
@@ -117,7 +125,7 @@ pub async fn validate(
         authority,
         checked,
         history,
-        webhook,
+        channels,
     } = loaded;
     let progress = Arc::new(runner::Progress::new(options.output));
     let announced = progress.clone();
@@ -203,8 +211,8 @@ pub async fn validate(
             "history: {failures} write(s) failed (above); `certistack-ctl history` lacks them"
         ));
     }
-    let notification_failures = match (webhook, &config.notify) {
-        (Some(webhook), Some(notify)) => {
+    let notification_failures = match &config.notify {
+        Some(notify) if !channels.is_empty() => {
             let facts = crate::notify::PlanRunFacts {
                 plan_run_id: context.plan_run_id.clone(),
                 plan: options.plan.display().to_string(),
@@ -212,7 +220,7 @@ pub async fn validate(
                 started_unix_ms: run_started,
                 ended_unix_ms: ended,
             };
-            notify_after_run(&context, &history, &webhook, notify.on, &facts).await
+            notify_after_run(&context, &history, &channels, notify.on, &facts).await
         }
         _ => 0,
     };
@@ -250,7 +258,7 @@ pub async fn validate(
 async fn notify_after_run(
     context: &Arc<runner::RunContext>,
     history: &Arc<crate::history::sqlite::SqliteStore>,
-    webhook: &crate::notify::webhook::Webhook,
+    channels: &[crate::notify::Channel],
     on: crate::notify::settings::Triggers,
     facts: &crate::notify::PlanRunFacts,
 ) -> usize {
@@ -274,29 +282,33 @@ async fn notify_after_run(
     };
     let mut failures = 0;
     for message in crate::notify::messages(on, facts, &rows) {
-        let delivery = crate::notify::deliver(webhook, &message, &facts.plan_run_id, || {
-            OffsetDateTime::now_utc().unix_timestamp()
-        })
-        .await;
-        context.progress.println(&if delivery.delivered {
-            format!(
-                "notify: webhook {} delivered to {} ({} tr{})",
-                delivery.kind,
-                webhook.url,
-                delivery.attempts,
-                if delivery.attempts == 1 { "y" } else { "ies" }
-            )
-        } else {
-            failures += 1;
-            format!(
-                "notify: webhook {} NOT delivered to {} after {} tries: {}",
-                delivery.kind,
-                webhook.url,
-                delivery.attempts,
-                delivery.last_error.as_deref().unwrap_or("")
-            )
-        });
-        runner::history_rows::write(context, move |history| history.delivery(&delivery)).await;
+        for channel in channels {
+            let delivery = crate::notify::deliver(channel, &message, &facts.plan_run_id, || {
+                OffsetDateTime::now_utc().unix_timestamp()
+            })
+            .await;
+            context.progress.println(&if delivery.delivered {
+                format!(
+                    "notify: {} {} delivered to {} ({} tr{})",
+                    delivery.channel,
+                    delivery.kind,
+                    channel.target(),
+                    delivery.attempts,
+                    if delivery.attempts == 1 { "y" } else { "ies" }
+                )
+            } else {
+                failures += 1;
+                format!(
+                    "notify: {} {} NOT delivered to {} after {} tries: {}",
+                    delivery.channel,
+                    delivery.kind,
+                    channel.target(),
+                    delivery.attempts,
+                    delivery.last_error.as_deref().unwrap_or("")
+                )
+            });
+            runner::history_rows::write(context, move |history| history.delivery(&delivery)).await;
+        }
     }
     failures
 }
