@@ -258,7 +258,8 @@ keep_evidence() {
   mkdir -p "$keep"
   cp "$ctl/reports"/* "$ctl/state/report-signing.pub" "$ctl/lab.yaml" "$work/connector.log" \
     "$work/node-systemd.log" "$work/pbs-api.log" "$work/pve-api.log" "$work/plan-show.txt" \
-    "$work/history.json" "$work/history-alarm.txt" "$keep/" 2>/dev/null || true
+    "$work/history.json" "$work/history-alarm.txt" "$work/webhook-requests.log" \
+    "$work/smtp-messages.log" "$work/certistack.prom" "$work/webhook-signature.txt" "$keep/" 2>/dev/null || true
   cp "$node/calls.log" "$keep/doubles-calls.log" 2>/dev/null || true
 }
 
@@ -327,12 +328,12 @@ pbs_password=$(head -c 18 /dev/urandom | base64)
 # HTTPS with certificates of a CA of the lab's own: the controller verifies the PVE API by that
 # CA and pins the PBS API's certificate, as an operator's configuration does.
 tls=$work/tls
-mkdir -p "$tls/pbs" "$tls/pve"
+mkdir -p "$tls/pbs" "$tls/pve" "$tls/webhook" "$tls/smtp"
 openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 2 \
   -keyout "$tls/ca.key" -out "$tls/ca.pem" -subj "/CN=CertiStack lab CA" \
   -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign" 2>/dev/null
 printf 'subjectAltName=DNS:localhost\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n' >"$tls/leaf.ext"
-for api in pbs pve; do
+for api in pbs pve webhook smtp; do
   openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -subj "/CN=localhost" \
     -keyout "$tls/$api/key.pem" -out "$tls/$api.csr" 2>/dev/null
   openssl x509 -req -days 2 -in "$tls/$api.csr" -CA "$tls/ca.pem" -CAkey "$tls/ca.key" \
@@ -589,6 +590,25 @@ done
 pbs_port=$(cat "$tls/pbs/port")
 pve_port=$(cat "$tls/pve/port")
 echo "API doubles: PBS on localhost:$pbs_port, PVE on localhost:$pve_port (inside $ns)"
+# Who is told of the night: a webhook receiver and an SMTP server (STARTTLS, AUTH PLAIN), with
+# certificates of the lab's CA, inside the namespace too (tests/doubles/webhook-receiver,
+# smtp-receiver). The HMAC key and the mail password are the controller's, 0600.
+openssl rand -hex 32 >"$ctl/webhook.key"
+openssl rand -hex 16 >"$ctl/smtp-password"
+chmod 0600 "$ctl/webhook.key" "$ctl/smtp-password"
+cp "$ctl/smtp-password" "$tls/smtp/password"
+in_ns python3 "$root/tests/doubles/webhook-receiver" --root "$tls/webhook" >"$work/webhook.log" 2>&1 &
+in_ns python3 "$root/tests/doubles/smtp-receiver" --mode starttls --user certistack \
+  --password-file "$tls/smtp/password" --root "$tls/smtp" >"$work/smtp.log" 2>&1 &
+for _ in $(seq 1 100); do
+  [ -s "$tls/webhook/port" ] && [ -s "$tls/smtp/port" ] && break
+  sleep 0.1
+done
+[ -s "$tls/webhook/port" ] && [ -s "$tls/smtp/port" ] ||
+  { echo "lab: the receivers did not start:" >&2; cat "$work/webhook.log" "$work/smtp.log" >&2; exit 70; }
+webhook_port=$(cat "$tls/webhook/port")
+smtp_port=$(cat "$tls/smtp/port")
+mkdir -p "$ctl/metrics"
 cat >"$ctl/controller.toml" <<CONF
 state_dir = "$ctl/state"
 reports_dir = "$ctl/reports"
@@ -599,6 +619,27 @@ token_id = "certistack@pve!ctl"
 token_secret_file = "pve-token"
 ca_file = "$tls/ca.pem"
 sandbox_vmid_range = "9101-9199"
+
+[outputs]
+metrics_textfile = "$ctl/metrics/certistack.prom"
+
+[notify]
+on = ["failure", "error"]
+
+[notify.webhook]
+url = "https://localhost:$webhook_port/hooks/certistack"
+hmac_key_file = "webhook.key"
+ca_file = "$tls/ca.pem"
+
+[notify.smtp]
+host = "localhost"
+port = $smtp_port
+security = "starttls"
+user = "certistack"
+password_file = "smtp-password"
+from = "certistack@lab.example"
+to = ["backup-team@lab.example"]
+ca_file = "$tls/ca.pem"
 
 [[nodes]]
 name = "pve1"
@@ -787,6 +828,24 @@ verify_code=0
 for report in $reports; do
   "$bin/certistack-ctl" report verify --state-dir "$ctl/state" "$report" || verify_code=$?
 done
+
+# What the receivers got, kept with the evidence.
+cp "$tls/webhook/requests.log" "$work/webhook-requests.log" 2>/dev/null || true
+cp "$tls/smtp/messages.log" "$work/smtp-messages.log" 2>/dev/null || true
+cp "$ctl/metrics/certistack.prom" "$work/certistack.prom" 2>/dev/null || true
+# The receiver's check of the webhook's signature (docs/history.md, "Webhook"), made here while
+# the key exists; the key itself is not kept.
+python3 - "$ctl/webhook.key" "$work/webhook-requests.log" >"$work/webhook-signature.txt" 2>&1 <<'PY' || true
+import hashlib, hmac, json, sys
+key = open(sys.argv[1], "rb").read().strip()
+for line in open(sys.argv[2]):
+    request = json.loads(line)
+    stamp = request["headers"].get("x-certistack-timestamp", "")
+    mac = "sha256=" + hmac.new(key, stamp.encode() + b"." + request["body"].encode(), hashlib.sha256).hexdigest()
+    genuine = hmac.compare_digest(mac, request["headers"].get("x-certistack-signature", ""))
+    leaked = key.decode() in line
+    print("genuine" if genuine and not leaked else "FORGED OR LEAKED")
+PY
 
 say "certistack-ctl history"
 # What the run left in the controller's history, and the alarm an operator sets after the night
@@ -1032,6 +1091,47 @@ if (os.environ.get("LAB_HISTORY_ALARM_CODE") != "1" or "lab-stale" not in alarm 
     unmet.append(f"history --max-age-hours 24 should exit 1 naming lab-stale and lab-prod-preserve only: exit {os.environ.get('LAB_HISTORY_ALARM_CODE')}: {alarm.strip()}")
 else:
     lines.append("alarm         history --max-age-hours 24: exit 1 for lab-stale and lab-prod-preserve (never passed), as expected")
+# Someone was told: one signed webhook and one mail naming the two failed validations, and the
+# metrics file node_exporter reads.
+keep_dir = os.path.dirname(os.environ["LAB_HISTORY"])
+def read_lines(name):
+    try:
+        return [json.loads(line) for line in open(os.path.join(keep_dir, name))]
+    except (OSError, ValueError):
+        return []
+hooks = read_lines("webhook-requests.log")
+if len(hooks) != 1:
+    unmet.append(f"expected one webhook request, got {len(hooks)}")
+else:
+    try:
+        checked = open(os.path.join(keep_dir, "webhook-signature.txt")).read().split()
+    except OSError:
+        checked = []
+    body = json.loads(hooks[0]["body"])
+    named = sorted(v["validation"] for v in body.get("validations", []))
+    if checked != ["genuine"]:
+        unmet.append(f"the webhook's signature does not check with the key, or the key is in it: {checked}")
+    elif body.get("type") != "certistack.run.failure" or named != ["lab-prod-preserve", "lab-stale"]:
+        unmet.append(f"the webhook should name lab-prod-preserve and lab-stale as failed: {body.get('type')} {named}")
+    else:
+        lines.append(f"webhook       1 signed certistack.run.failure (signature checked), naming {', '.join(named)}")
+mails = read_lines("smtp-messages.log")
+subject = next((l for l in (mails[0]["data"].split("\r\n") if mails else []) if l.startswith("Subject: ")), "")
+if len(mails) != 1 or subject != "Subject: CertiStack: 2 failed, 0 erred in lab.yaml" or not mails[0].get("tls"):
+    unmet.append(f"expected one mail over TLS with the two failures in its subject, got {len(mails)}: {subject!r}")
+else:
+    lines.append(f"mail          1 over STARTTLS as {mails[0]['auth_user']}: {subject[9:]}")
+try:
+    metrics = open(os.path.join(keep_dir, "certistack.prom")).read()
+except OSError:
+    metrics = ""
+wanted = ['certistack_run_validations{verdict="passed"} 2', 'certistack_run_validations{verdict="failed"} 2',
+          "certistack_run_notification_failures 0", 'certistack_vm_last_pass_timestamp_seconds{vmid="102",validation="lab-stale"} 0']
+missing = [w for w in wanted if w not in metrics.splitlines()]
+if missing:
+    unmet.append(f"the metrics file lacks {missing}")
+else:
+    lines.append("metrics       certistack.prom replaced: 2 passed, 2 failed, 0 notifications lost; lab-stale never passed")
 lines.append(f"reports       {len(reports)}, {'all verified' if verify_code == 0 else 'NOT ALL VERIFY'}; backups' content {'CHANGED' if backups_changed else 'unchanged (SHA-256 before and after)'}")
 print("\n".join(lines))
 total = sum(phases.values()) + run_ms
