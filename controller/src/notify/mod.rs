@@ -45,7 +45,7 @@ struct Entry<'a> {
     verdict: RowState,
     /// The step that failed, or the last one taken.
     step: Option<&'a str>,
-    reasons: &'a [String],
+    reasons: Vec<String>,
     run_id: &'a str,
     report: Option<&'a str>,
     report_sha256: Option<&'a str>,
@@ -83,7 +83,16 @@ fn entry(row: &ValidationRow) -> Entry<'_> {
         node: &row.node,
         verdict: row.state,
         step,
-        reasons: &row.reasons,
+        // As the history keeps them, and escaped again should a row not have been (the
+        // function leaves escaped text as it is).
+        reasons: row
+            .reasons
+            .iter()
+            .take(crate::history::MAX_REASONS)
+            .map(|reason| {
+                crate::history::bounded(reason, certistack_core::untrusted::MAX_DETAIL_CHARS)
+            })
+            .collect(),
         run_id: &row.run_id,
         report: row.report.as_deref(),
         report_sha256: row.report_sha256.as_deref(),
@@ -267,5 +276,38 @@ mod tests {
         assert_eq!(failure["validations"][0]["validation"], "db");
         assert_eq!(failure["validations"].as_array().unwrap().len(), 1);
         assert!(messages(failures, &run, &[row("ldap", RowState::Error)]).is_empty());
+    }
+
+    #[test]
+    fn guest_text_reaches_a_message_escaped_and_bounded() {
+        let run = PlanRunFacts {
+            plan_run_id: "p".into(),
+            plan: "nightly.yaml".into(),
+            plan_sha256: "ab".into(),
+            started_unix_ms: 1,
+            ended_unix_ms: 2,
+        };
+        let mut hostile = row("db", RowState::Failed);
+        hostile.reasons = vec![format!(
+            "banner \u{1b}]52;c;aGk=\u{7}\u{1b}[2J\u{202e}{}",
+            "x".repeat(10_000)
+        )];
+        let on = Triggers {
+            failure: true,
+            error: true,
+            summary: false,
+        };
+        let sent = messages(on, &run, &[hostile]);
+        let body: serde_json::Value = serde_json::from_str(&sent[0].body).unwrap();
+        let reason = body["validations"][0]["reasons"][0].as_str().unwrap();
+        assert!(
+            !reason
+                .chars()
+                .any(|c| c.is_control() || ('\u{202a}'..='\u{202e}').contains(&c)),
+            "{reason}"
+        );
+        assert!(reason.chars().count() < 2_100, "{}", reason.len());
+        let (_, text) = email::render(&sent[0]);
+        assert!(!text.contains('\u{1b}'), "{text}");
     }
 }
