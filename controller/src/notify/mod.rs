@@ -43,7 +43,7 @@ struct Entry<'a> {
     source_vmid: u32,
     node: &'a str,
     verdict: RowState,
-    /// The step that failed, or the last one taken.
+    /// The step that failed, if one did.
     step: Option<&'a str>,
     reasons: Vec<String>,
     run_id: &'a str,
@@ -71,11 +71,12 @@ pub struct Message {
 }
 
 fn entry(row: &ValidationRow) -> Entry<'_> {
+    // A step that failed; none when every step ran and a check (a probe, an assertion) said no:
+    // the reasons say which.
     let step = row
         .steps
         .iter()
         .find(|step| step.result == "failed")
-        .or(row.steps.last())
         .map(|step| step.name.as_str());
     Entry {
         validation: &row.validation,
