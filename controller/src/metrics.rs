@@ -192,17 +192,19 @@ pub fn write(path: &Path, text: &str) -> std::io::Result<()> {
         .file_name()
         .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a file name"))?;
     // node_exporter reads only `*.prom`: a name without the suffix is never read while written.
+    // A name no other writer has (create_new refuses an existing file or a link), removed on
+    // failure only once it is known to be ours.
     let temporary = directory.join(format!(
         ".{}.{}.tmp",
         name.to_string_lossy(),
-        std::process::id()
+        uuid::Uuid::new_v4().simple()
     ));
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o644)
+        .open(&temporary)?;
     let written = (|| {
-        let mut file = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o644)
-            .open(&temporary)?;
         file.set_permissions(std::fs::Permissions::from_mode(0o644))?;
         file.write_all(text.as_bytes())?;
         file.sync_all()?;

@@ -60,18 +60,26 @@ fn notifying(receiver: &Receiver, ca_pem: &str, notify: &str, extra: &str) -> Co
     controller
 }
 
-/// Whether the receiver's documented check (docs/history.md, "Webhook") accepts `request`.
+/// The receiver's check as `docs/history.md` ("Webhook") gives it, taken from there.
+fn documented_check() -> String {
+    let doc = std::fs::read_to_string(workspace_root().join("docs/history.md")).unwrap();
+    let webhook = doc.split("## Webhook").nth(1).unwrap();
+    let code = webhook
+        .split("```python\n")
+        .nth(1)
+        .and_then(|rest| rest.split("```").next())
+        .expect("docs/history.md, Webhook: the receiver's check in a python block");
+    code.to_owned()
+}
+
+/// Whether the receiver's documented check accepts `request`.
 fn receiver_accepts(request: &serde_json::Value) -> bool {
-    let script = r#"
-import hashlib, hmac, json, sys
-request = json.load(sys.stdin)
-key, body = sys.argv[1].encode(), request["body"].encode()
-timestamp = request["headers"]["x-certistack-timestamp"]
-expected = "sha256=" + hmac.new(key, timestamp.encode() + b"." + body, hashlib.sha256).hexdigest()
-sys.exit(0 if hmac.compare_digest(expected, request["headers"]["x-certistack-signature"]) else 1)
-"#;
+    let script = format!(
+        "{}\nimport json, sys\nrequest = json.load(sys.stdin)\nsys.exit(0 if genuine(sys.argv[1].encode(), request['headers'], request['body'].encode()) else 1)\n",
+        documented_check()
+    );
     let mut child = std::process::Command::new("python3")
-        .args(["-c", script, KEY])
+        .args(["-c", &script, KEY])
         .stdin(std::process::Stdio::piped())
         .spawn()
         .unwrap();
@@ -116,6 +124,14 @@ fn a_failing_run_sends_one_signed_webhook_and_records_its_delivery() {
     let mut replayed = request.clone();
     replayed["headers"]["x-certistack-timestamp"] = serde_json::json!("1");
     assert!(!receiver_accepts(&replayed));
+    let mut garbled = request.clone();
+    garbled["headers"]["x-certistack-timestamp"] = serde_json::json!("soon");
+    assert!(
+        !receiver_accepts(&garbled),
+        "a malformed timestamp is refused, not an exception"
+    );
+    // The URL's path (a receiver's token, for some) is in no output.
+    assert!(!out.contains("/hooks/certistack"), "{out}");
 
     let body: serde_json::Value = serde_json::from_str(request["body"].as_str().unwrap()).unwrap();
     assert_eq!(body["type"], "certistack.run.failure", "{body:#}");

@@ -17,6 +17,9 @@ use std::time::Duration;
 pub const ATTEMPTS: u32 = 3;
 /// The wait before the second and the third try.
 pub const BACKOFF: [Duration; 2] = [Duration::from_secs(1), Duration::from_secs(3)];
+/// The longest one try may take, whatever the server does (an SMTP server that greets and then
+/// says nothing would otherwise hold the run forever).
+pub const TRY_TIMEOUT: Duration = Duration::from_secs(30);
 /// Validations named in one message at most; the rest are counted in `left_out`.
 pub const MAX_ENTRIES: usize = 1_000;
 
@@ -68,6 +71,36 @@ struct Body<'a> {
 pub struct Message {
     pub kind: &'static str,
     pub body: String,
+}
+
+/// A validation as a message names it when the history could not give its row (a write or the
+/// read back failed): what the run's summary knows, its VM unknown (0).
+pub fn row_of_summary(summary: &crate::verdict::Summary, plan_run_id: &str) -> ValidationRow {
+    ValidationRow {
+        run_id: summary.run_id.clone(),
+        plan_run_id: plan_run_id.to_owned(),
+        validation: summary.validation.clone(),
+        node: summary.node.clone(),
+        source_vmid: 0,
+        snapshot: String::new(),
+        state: match summary.outcome {
+            crate::verdict::Outcome::Passed => RowState::Passed,
+            crate::verdict::Outcome::Failed => RowState::Failed,
+            crate::verdict::Outcome::Error => RowState::Error,
+        },
+        started_unix_ms: 0,
+        deadline_unix_ms: 0,
+        ended_unix_ms: None,
+        cleanup: None,
+        reasons: summary.reasons.clone(),
+        restore_ms: None,
+        report: summary
+            .report
+            .as_ref()
+            .map(|path| path.display().to_string()),
+        report_sha256: None,
+        steps: summary.steps.clone(),
+    }
 }
 
 fn entry(row: &ValidationRow) -> Entry<'_> {
@@ -182,6 +215,7 @@ pub async fn deliver(
     message: &Message,
     plan_run_id: &str,
     now_unix: impl Fn() -> i64,
+    stopped: impl Fn() -> bool,
 ) -> Delivery {
     let mut last_error = None;
     let mut attempts = 0;
@@ -192,13 +226,26 @@ pub async fn deliver(
         {
             tokio::time::sleep(*wait).await;
         }
+        // The operator's interrupt ends the tries: the run is over, only telling is left.
+        if stopped() {
+            last_error = Some("not tried again: interrupted by the operator".to_owned());
+            break;
+        }
         attempts = attempt + 1;
-        match channel.send(message, now_unix()).await {
+        let tried = tokio::time::timeout(TRY_TIMEOUT, channel.send(message, now_unix()))
+            .await
+            .unwrap_or_else(|_| Err(format!("no answer within {} s", TRY_TIMEOUT.as_secs())));
+        match tried {
             Ok(()) => {
                 last_error = None;
                 break;
             }
-            Err(error) => last_error = Some(error),
+            Err(error) => {
+                last_error = Some(crate::history::bounded(
+                    &error,
+                    certistack_core::untrusted::MAX_DETAIL_CHARS,
+                ));
+            }
         }
     }
     Delivery {

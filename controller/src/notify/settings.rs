@@ -139,6 +139,12 @@ pub fn settings(file: NotifyFile, base: &Path) -> Result<NotifySettings, String>
         .smtp
         .map(|smtp| smtp_settings(smtp, base))
         .transpose()?;
+    if webhook.is_none() && smtp.is_none() {
+        return Err(
+            "[notify] names no channel: add [notify.webhook] or [notify.smtp], or remove [notify]"
+                .into(),
+        );
+    }
     Ok(NotifySettings { on, webhook, smtp })
 }
 
@@ -303,5 +309,7 @@ mod tests {
         }
         let error = parse("on = [\"failures\"]\n").unwrap_err();
         assert!(error.contains("is not a trigger"), "{error}");
+        let error = parse("on = [\"failure\"]\n").unwrap_err();
+        assert!(error.contains("names no channel"), "{error}");
     }
 }

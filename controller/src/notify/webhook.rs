@@ -22,6 +22,14 @@ pub fn signature(key: &[u8], timestamp: i64, body: &[u8]) -> String {
     format!("sha256={}", hex::encode(context.sign().as_ref()))
 }
 
+fn client_url(settings: &WebhookSettings) -> String {
+    if settings.host.contains(':') {
+        format!("https://[{}]:{}", settings.host, settings.port)
+    } else {
+        format!("https://{}:{}", settings.host, settings.port)
+    }
+}
+
 /// A webhook ready to send: its client, path and key.
 pub struct Webhook {
     client: HttpsClient,
@@ -53,8 +61,13 @@ impl Webhook {
         let ca = match &settings.ca_file {
             None => None,
             Some(path) => {
-                let pem = files::read_trusted(path)
-                    .map_err(|error| format!("notify.webhook.ca_file: {error}"))?;
+                let pem = files::read_trusted(path).map_err(|error| {
+                    if path == std::path::Path::new(super::settings::SYSTEM_CA_BUNDLE) {
+                        format!("notify.webhook: no ca_file or fingerprint is set, so the system's CAs verify the receiver, and {error}: install Debian's ca-certificates, or set ca_file or fingerprint")
+                    } else {
+                        format!("notify.webhook.ca_file: {error}")
+                    }
+                })?;
                 let certificates =
                     tls::parse_certificates(&pem, "the CA file").map_err(|error| {
                         format!("notify.webhook.ca_file: {}: {error}", path.display())
@@ -83,7 +96,8 @@ impl Webhook {
             client,
             path_and_query: settings.path_and_query.clone(),
             key,
-            url: settings.url.clone(),
+            // Only where it goes: the path may carry the receiver's token.
+            url: client_url(settings),
         })
     }
 
@@ -105,7 +119,8 @@ impl Webhook {
             )
             .await
             .map(|_| ())
-            .map_err(|error| error.to_string())
+            // The path may carry the receiver's token (Slack, Mattermost): it is not repeated.
+            .map_err(|error| error.to_string().replace(&self.path_and_query, "/…"))
     }
 }
 

@@ -84,6 +84,21 @@ pub fn load(options: &Options, now: OffsetDateTime) -> Result<Loaded, ExitStatus
         &config.state_dir.join(crate::history::FILE_NAME),
         crate::history::sqlite::BUSY,
     )?;
+    // The metrics file's directory is checked now, not found missing after the night's run.
+    if let Some(path) = &config.metrics_textfile {
+        let directory = path
+            .parent()
+            .filter(|parent| !parent.as_os_str().is_empty());
+        if directory.is_some_and(|directory| !directory.is_dir()) {
+            return Err(ExitStatus::new(
+                crate::exit::REFUSED_CONFIG,
+                format!(
+                    "outputs.metrics_textfile: {}: its directory does not exist; create it (node_exporter's textfile directory, e.g. /var/lib/prometheus/node-exporter) or fix the path",
+                    path.display()
+                ),
+            ));
+        }
+    }
     let mut channels = Vec::new();
     if let Some(notify) = &config.notify {
         let refused = |reason| ExitStatus::new(crate::exit::REFUSED_CONFIG, reason);
@@ -220,7 +235,9 @@ pub async fn validate(
                 started_unix_ms: run_started,
                 ended_unix_ms: ended,
             };
-            notify_after_run(&context, &history, &channels, notify.on, &facts).await
+            let ran: Vec<crate::verdict::Summary> =
+                summaries.iter().map(|(_, s)| s.clone()).collect();
+            notify_after_run(&context, &history, &channels, notify.on, &facts, &ran).await
         }
         _ => 0,
     };
@@ -261,6 +278,7 @@ async fn notify_after_run(
     channels: &[crate::notify::Channel],
     on: crate::notify::settings::Triggers,
     facts: &crate::notify::PlanRunFacts,
+    summaries: &[crate::verdict::Summary],
 ) -> usize {
     use crate::history::RunStore;
     let store = history.clone();
@@ -271,21 +289,32 @@ async fn notify_after_run(
             .await
             .map_err(|error| error.to_string())
             .and_then(|read| read.map_err(|error| error.to_string()));
-    let rows = match rows {
-        Ok(rows) => rows,
-        Err(error) => {
-            context.progress.println(&format!(
-                "notify: nothing sent: the run's validations could not be read back from the history: {error}"
-            ));
-            return 1;
+    // A storage problem must not hide a failure: what the history lacks, the summaries tell.
+    let mut rows = rows.unwrap_or_else(|error| {
+        context.progress.println(&format!(
+            "notify: the run's validations could not be read back from the history ({error}); the messages name what the summaries know"
+        ));
+        Vec::new()
+    });
+    for summary in summaries {
+        let known =
+            !summary.run_id.is_empty() && rows.iter().any(|row| row.run_id == summary.run_id);
+        let placed_nowhere = summary.run_id.is_empty()
+            && rows.iter().any(|row| row.validation == summary.validation);
+        if !known && !placed_nowhere {
+            rows.push(crate::notify::row_of_summary(summary, &facts.plan_run_id));
         }
-    };
+    }
     let mut failures = 0;
     for message in crate::notify::messages(on, facts, &rows) {
         for channel in channels {
-            let delivery = crate::notify::deliver(channel, &message, &facts.plan_run_id, || {
-                OffsetDateTime::now_utc().unix_timestamp()
-            })
+            let delivery = crate::notify::deliver(
+                channel,
+                &message,
+                &facts.plan_run_id,
+                || OffsetDateTime::now_utc().unix_timestamp(),
+                || *context.interrupts.borrow() > 0,
+            )
             .await;
             context.progress.println(&if delivery.delivered {
                 format!(
