@@ -99,6 +99,10 @@ pub async fn run_plan(
         .collect();
     let mut tasks = tokio::task::JoinSet::new();
     let mut names = Vec::with_capacity(plan.validations.len());
+    // Each validation's running row, so a task that ends without a summary (a panic) still
+    // gets its end in the history instead of reading interrupted later.
+    let begun_rows: Arc<std::sync::Mutex<BTreeMap<usize, crate::verdict::ValidationStarted>>> =
+        Arc::default();
     // Where placement found memory for fewer at once, the node runs fewer.
     let at_once = plan.at_once;
     for (index, validation) in plan.validations.into_iter().enumerate() {
@@ -133,6 +137,7 @@ pub async fn run_plan(
             .clone();
         let total = total.clone();
         let context = context.clone();
+        let begun_rows = begun_rows.clone();
         tasks.spawn(async move {
             let mut held = Vec::with_capacity(locks.len());
             for lock in locks {
@@ -156,6 +161,9 @@ pub async fn run_plan(
                 ),
                 validation.run_seconds,
             );
+            if let Ok(mut rows) = begun_rows.lock() {
+                rows.insert(index, begun.clone());
+            }
             let row = begun.clone();
             history_rows::write(&context, move |history| history.validation_started(&row)).await;
             let summary = drive(&context, validation, &checked, run_id).await;
@@ -177,26 +185,42 @@ pub async fn run_plan(
         }
     }
     // A validation whose task ended without a summary is not silently dropped.
-    summaries
-        .into_iter()
-        .zip(names)
-        .map(|(summary, (validation, node))| {
-            summary.unwrap_or_else(|| Summary {
-                validation,
-                node,
-                run_id: String::new(),
-                outcome: Outcome::Error,
-                cleanup: CleanupState::Unproven,
-                reasons: vec![
-                    "the validation's task ended unexpectedly; see `certistack-ctl runs NODE`"
-                        .into(),
-                ],
-                elapsed_ms: 0,
-                report: None,
-                steps: Vec::new(),
+    let mut out = Vec::with_capacity(summaries.len());
+    for (index, (summary, (validation, node))) in summaries.into_iter().zip(names).enumerate() {
+        if let Some(summary) = summary {
+            out.push(summary);
+            continue;
+        }
+        let begun = begun_rows
+            .lock()
+            .ok()
+            .and_then(|mut rows| rows.remove(&index));
+        let summary = Summary {
+            validation,
+            node,
+            run_id: begun
+                .as_ref()
+                .map(|row| row.run_id.clone())
+                .unwrap_or_default(),
+            outcome: Outcome::Error,
+            cleanup: CleanupState::Unproven,
+            reasons: vec![
+                "the validation's task ended unexpectedly; see `certistack-ctl runs NODE`".into(),
+            ],
+            elapsed_ms: 0,
+            report: None,
+            steps: Vec::new(),
+        };
+        if let Some(begun) = begun {
+            let ended = summary.clone();
+            history_rows::write(&context, move |history| {
+                history.validation_ended(&history_rows::ended(begun, &ended))
             })
-        })
-        .collect()
+            .await;
+        }
+        out.push(summary);
+    }
+    out
 }
 
 /// What a validation holds exclusively on its node: its VNet and each archive of its snapshot.
