@@ -39,7 +39,7 @@ async fn closed_within(
 async fn connections_are_bounded_per_identity_and_closed_when_idle() {
     let (dir, authority, mut config) = enrolled_node("conn-limits");
     config.limits.max_connections_per_identity = 2;
-    config.limits.idle_timeout_secs = 10;
+    config.limits.idle_timeout_secs = 20;
     let node = TestNode::serve(
         dir.0.join("node"),
         config,
@@ -49,15 +49,31 @@ async fn connections_are_bounded_per_identity_and_closed_when_idle() {
     .await;
     let alice = authority.issue_operator("alice", now()).unwrap();
     let tls = raw_client_config(&authority, &[&rustls::version::TLS13], Some(&alice));
-    let mut first = open_quiet(&node.address, tls.clone()).await;
-    let mut second = open_quiet(&node.address, tls.clone()).await;
     let opened = Instant::now();
-    // A third connection of the same identity is closed at once (within 5 s: well before the
-    // 10 s idle timeout, with room for a loaded 2-core machine) ...
-    let mut third = open_quiet(&node.address, tls.clone()).await;
-    let closed = closed_within(&mut third, Duration::from_secs(5)).await;
-    assert!(closed.is_some(), "a third connection of alice stayed open");
-    // ... while another identity still gets in, and the first two stay open.
+    // Of three connections of the same identity, one is closed at once (well before the 20 s
+    // idle timeout). Which one is the node's order: a client's TLS 1.3 handshake ends before the
+    // node has read its Finished, so the node may count the third before the second.
+    let mut open: Vec<_> = Vec::new();
+    for _ in 0..3 {
+        open.push(open_quiet(&node.address, tls.clone()).await);
+    }
+    let mut refused = None;
+    while refused.is_none() && opened.elapsed() < Duration::from_secs(10) {
+        for (index, stream) in open.iter_mut().enumerate() {
+            if closed_within(stream, Duration::from_millis(100))
+                .await
+                .is_some()
+            {
+                refused = Some(index);
+                break;
+            }
+        }
+    }
+    let refused = refused.expect("none of three connections of alice was closed");
+    open.remove(refused);
+    let mut second = open.pop().unwrap();
+    let mut first = open.pop().unwrap();
+    // ... while another identity still gets in, and the other two stay open.
     let bob = authority.issue_operator("bob", now()).unwrap();
     let mut c = client(&authority, &node.address, NODE, &bob).await.unwrap();
     c.hello(pb::HelloRequest {}).await.unwrap();
@@ -67,14 +83,14 @@ async fn connections_are_bounded_per_identity_and_closed_when_idle() {
     );
 
     // With no call for limits.idle_timeout_secs, the node closes them.
-    let first_closed = closed_within(&mut first, Duration::from_secs(15)).await;
+    let first_closed = closed_within(&mut first, Duration::from_secs(30)).await;
     let idle = opened.elapsed();
     assert!(
         first_closed.is_some(),
         "an idle connection stayed open for {idle:?}"
     );
     assert!(
-        idle >= Duration::from_secs(9),
+        idle >= Duration::from_secs(19),
         "closed after {idle:?}, before the idle timeout"
     );
     assert!(
