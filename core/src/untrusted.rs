@@ -17,11 +17,21 @@ pub const MAX_DETAIL_CHARS: usize = 2048;
 /// `bytes` as escaped text of at most `max_chars` characters (plus a marker counting the bytes
 /// left out).
 pub fn printable(bytes: &[u8], max_chars: usize) -> String {
-    let text = String::from_utf8_lossy(bytes);
+    escaped(&String::from_utf8_lossy(bytes), max_chars, true)
+}
+
+/// [`printable`] for text that may already be escaped (a reason the runner escaped, stored and
+/// shown again): backslashes are kept as they are, so escaping it again changes nothing, while
+/// every character a terminal would act on is still escaped and the text still cut.
+pub fn printable_again(text: &str, max_chars: usize) -> String {
+    escaped(text, max_chars, false)
+}
+
+fn escaped(text: &str, max_chars: usize, escape_backslash: bool) -> String {
     let mut out = String::new();
     let mut kept_chars = 0usize;
     for (offset, c) in text.char_indices() {
-        let escaped: String = if c == '"' || c == '\'' {
+        let escaped: String = if c == '"' || c == '\'' || (c == '\\' && !escape_backslash) {
             c.to_string()
         } else {
             c.escape_debug().collect()

@@ -122,12 +122,7 @@ impl Cursor {
         let started_unix_ms = started.parse().map_err(|_| {
             format!("{token:?} is not a page token: {started:?} is not a time in ms")
         })?;
-        if run_id.is_empty()
-            || run_id.len() > 64
-            || !run_id
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b == b'-')
-        {
+        if !is_key(run_id) {
             return Err(format!(
                 "{token:?} is not a page token: the run id is not one"
             ));
@@ -212,29 +207,16 @@ pub fn trend(last: u64, before: &[u64]) -> Option<f64> {
     (median > 0.0).then(|| last as f64 / median)
 }
 
-/// `text` as the history keeps and shows a node's or a guest's words: every character a
-/// terminal would act on (C0 and C1 controls, bidirectional overrides) escaped as
-/// `untrusted::printable` escapes it, cut to `max_chars` characters. Unlike `printable`, it
-/// leaves backslashes alone, so text the runner already escaped is kept as it is, not escaped
-/// again each time it is stored or shown.
+/// `text` as the history keeps and shows a node's or a guest's words: escaped once
+/// ([`certistack_core::untrusted::printable_again`]) and cut to `max_chars` characters.
 pub fn bounded(text: &str, max_chars: usize) -> String {
-    let mut out = String::new();
-    let mut kept = 0usize;
-    for (offset, c) in text.char_indices() {
-        let escaped: String = if c == '\\' || c == '"' || c == '\'' {
-            c.to_string()
-        } else {
-            c.escape_debug().collect()
-        };
-        let width = escaped.chars().count();
-        if kept + width > max_chars {
-            out.push_str(&format!("…[{} more bytes]", text.len() - offset));
-            return out;
-        }
-        kept += width;
-        out.push_str(&escaped);
-    }
-    out
+    certistack_core::untrusted::printable_again(text, max_chars)
+}
+
+/// Whether `id` is a key the history keeps (a run or plan run id, as `uuid` prints them):
+/// letters, digits and `-`, at most 64.
+pub fn is_key(id: &str) -> bool {
+    !id.is_empty() && id.len() <= 64 && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
 }
 
 /// A run of the same verdict: which, and how many.

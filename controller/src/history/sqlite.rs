@@ -219,6 +219,30 @@ impl SqliteStore {
     }
 }
 
+impl SqliteStore {
+    /// A validation's row (`sql` with `values`) and its (VM, validation) in one transaction.
+    fn write_validation(
+        &self,
+        sql: &str,
+        values: impl rusqlite::Params,
+        source_vmid: u32,
+        name: &str,
+    ) -> Result<(), HistoryError> {
+        let mut connection = self.lock();
+        let fail = |error| HistoryError(self.fail(error).to_string());
+        let transaction = connection.transaction().map_err(fail)?;
+        transaction
+            .prepare_cached(sql)
+            .and_then(|mut statement| statement.execute(values))
+            .map_err(fail)?;
+        transaction
+            .prepare_cached(UPSERT_VM)
+            .and_then(|mut statement| statement.execute(params![source_vmid, name]))
+            .map_err(fail)?;
+        transaction.commit().map_err(fail)
+    }
+}
+
 /// Makes `path` a file only its owner reads, creating it empty when it does not exist (SQLite
 /// would make it 0644, and gives its -wal and -shm files the database's mode): reasons quote
 /// what guests said, and report paths name the reports directory.
@@ -253,8 +277,7 @@ fn classify(path: &Path, busy: Duration, error: rusqlite::Error) -> StoreError {
 
 /// A run id as the history keys it: what `uuid` prints, or at least nothing else.
 fn checked_id(id: &str, what: &str) -> Result<(), HistoryError> {
-    if id.is_empty() || id.len() > 64 || !id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
-    {
+    if !super::is_key(id) {
         return Err(HistoryError(format!(
             "{what} {:?} is not an id the history keeps (letters, digits and '-', at most 64)",
             bounded(id, MAX_VALUE_CHARS)
@@ -347,29 +370,21 @@ impl HistoryWriter for SqliteStore {
     fn validation_started(&self, started: &ValidationStarted) -> Result<(), HistoryError> {
         checked_id(&started.run_id, "run")?;
         let name = bounded(&started.validation, MAX_VALUE_CHARS);
-        let mut connection = self.lock();
-        let fail = |error| HistoryError(self.fail(error).to_string());
-        let transaction = connection.transaction().map_err(fail)?;
-        transaction
-            .prepare_cached(INSERT_STARTED)
-            .and_then(|mut statement| {
-                statement.execute(params![
-                    started.run_id,
-                    started.plan_run_id,
-                    name,
-                    bounded(&started.node, MAX_VALUE_CHARS),
-                    started.source_vmid,
-                    bounded(&started.snapshot, MAX_VALUE_CHARS),
-                    started.started_unix_ms,
-                    started.deadline_unix_ms
-                ])
-            })
-            .map_err(fail)?;
-        transaction
-            .prepare_cached(UPSERT_VM)
-            .and_then(|mut statement| statement.execute(params![started.source_vmid, name]))
-            .map_err(fail)?;
-        transaction.commit().map_err(fail)
+        self.write_validation(
+            INSERT_STARTED,
+            params![
+                started.run_id,
+                started.plan_run_id,
+                name,
+                bounded(&started.node, MAX_VALUE_CHARS),
+                started.source_vmid,
+                bounded(&started.snapshot, MAX_VALUE_CHARS),
+                started.started_unix_ms,
+                started.deadline_unix_ms
+            ],
+            started.source_vmid,
+            &name,
+        )
     }
 
     fn validation_ended(&self, ended: &ValidationEnded) -> Result<(), HistoryError> {
@@ -393,43 +408,35 @@ impl HistoryWriter for SqliteStore {
             .collect();
         let restore = crate::verdict::restore_ms(&steps).and_then(|ms| i64::try_from(ms).ok());
         let name = bounded(&started.validation, MAX_VALUE_CHARS);
-        let mut connection = self.lock();
-        let fail = |error| HistoryError(self.fail(error).to_string());
-        let transaction = connection.transaction().map_err(fail)?;
-        transaction
-            .prepare_cached(UPSERT_ENDED)
-            .and_then(|mut statement| {
-                statement.execute(params![
-                    started.run_id,
-                    started.plan_run_id,
-                    name,
-                    bounded(&started.node, MAX_VALUE_CHARS),
-                    started.source_vmid,
-                    bounded(&started.snapshot, MAX_VALUE_CHARS),
-                    outcome_state(ended.outcome),
-                    started.started_unix_ms,
-                    started.deadline_unix_ms,
-                    ended.ended_unix_ms,
-                    cleanup_text(ended.cleanup),
-                    serde_json::to_string(&reasons).unwrap_or_else(|_| "[]".into()),
-                    serde_json::to_string(&steps).unwrap_or_else(|_| "[]".into()),
-                    restore,
-                    ended
-                        .report
-                        .as_ref()
-                        .map(|path| bounded(&path.display().to_string(), MAX_DETAIL_CHARS)),
-                    ended
-                        .report_sha256
-                        .as_deref()
-                        .map(|digest| bounded(digest, MAX_VALUE_CHARS)),
-                ])
-            })
-            .map_err(fail)?;
-        transaction
-            .prepare_cached(UPSERT_VM)
-            .and_then(|mut statement| statement.execute(params![started.source_vmid, name]))
-            .map_err(fail)?;
-        transaction.commit().map_err(fail)
+        self.write_validation(
+            UPSERT_ENDED,
+            params![
+                started.run_id,
+                started.plan_run_id,
+                name,
+                bounded(&started.node, MAX_VALUE_CHARS),
+                started.source_vmid,
+                bounded(&started.snapshot, MAX_VALUE_CHARS),
+                outcome_state(ended.outcome),
+                started.started_unix_ms,
+                started.deadline_unix_ms,
+                ended.ended_unix_ms,
+                cleanup_text(ended.cleanup),
+                serde_json::to_string(&reasons).unwrap_or_else(|_| "[]".into()),
+                serde_json::to_string(&steps).unwrap_or_else(|_| "[]".into()),
+                restore,
+                ended
+                    .report
+                    .as_ref()
+                    .map(|path| bounded(&path.display().to_string(), MAX_DETAIL_CHARS)),
+                ended
+                    .report_sha256
+                    .as_deref()
+                    .map(|digest| bounded(digest, MAX_VALUE_CHARS)),
+            ],
+            started.source_vmid,
+            &name,
+        )
     }
 }
 
