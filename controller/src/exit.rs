@@ -39,6 +39,9 @@ pub const UNREADABLE: u8 = 66;
 pub const OS_ERROR: u8 = 71;
 /// The output could not be written (EX_IOERR): a full disk, a failing device.
 pub const OUTPUT_FAILED: u8 = 74;
+/// Another `run` holds the state directory's run lock (EX_TEMPFAIL): nothing was done; run again
+/// once it has ended.
+pub const BUSY: u8 = 75;
 /// A file's owner or mode is refused, or the PVE API token lacks a privilege the plan needs
 /// (EX_NOPERM).
 pub const INSECURE_FILE: u8 = 77;

@@ -1,7 +1,8 @@
 //! What the CertiStack connector and controller share, and nothing either keeps to itself:
 //! the validated names and values of the wire ([`validate`], [`net`]), the run grant's codec and
 //! verification ([`grant`], [`known_fields`]), certificate identities ([`identity`]), the
-//! journal's format and its verification ([`journal`]), file checks ([`files`]), escaping of
+//! journal's format and its verification ([`journal`]), file checks ([`files`]), one process at a time on a directory
+//! ([`instance_lock`]), escaping of
 //! untrusted text ([`untrusted`]), the TLS profiles ([`tls`]), QEMU's run states ([`qemu`]) and
 //! the bounds both sides rely on ([`limits`]).
 //!
@@ -16,6 +17,7 @@ pub mod files;
 pub mod fixtures;
 pub mod grant;
 pub mod identity;
+pub mod instance_lock;
 pub mod journal;
 pub mod known_fields;
 pub mod limits;

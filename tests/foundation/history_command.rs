@@ -404,3 +404,52 @@ fn each_run_replaces_the_metrics_file_node_exporter_reads() {
         "{samples:#?}"
     );
 }
+
+/// One `run` at a time per state directory: while another holds the run lock (here this test,
+/// as a running `certistack-ctl run` would), a second is refused with exit 75, naming the
+/// holder, before it asks anything of anyone (no history is even opened); once the holder is
+/// gone (however it ended) the next run proceeds.
+#[test]
+fn a_second_run_on_one_state_directory_is_refused_while_the_first_holds_the_lock() {
+    use certistack_controller::plan_run::{RUN_LOCK_FILE, lock_state_dir};
+    let controller = Controller::new();
+    let state = controller.dir.0.join("state");
+    let held = lock_state_dir(
+        &state,
+        std::path::Path::new("nightly.yaml"),
+        time::OffsetDateTime::now_utc(),
+    )
+    .unwrap();
+    let (code, out, err) = controller.ctl(&["run", "nightly.yaml"]);
+    assert_eq!(code, 75, "{out}{err}");
+    assert!(
+        err.contains("another `certistack-ctl run` is running with this state directory")
+            && err.contains(&format!(
+                "pid {}, plan nightly.yaml, since ",
+                std::process::id()
+            ))
+            && err.contains(RUN_LOCK_FILE)
+            && err.contains("then run again"),
+        "{err}"
+    );
+    assert!(
+        !controller.history_file().exists(),
+        "a refused run opened the history"
+    );
+    assert!(
+        std::fs::read_dir(controller.dir.0.join("reports")).is_err(),
+        "a refused run wrote a report"
+    );
+    drop(held);
+    let (code, out, err) = controller.ctl(&["run", "nightly.yaml"]);
+    assert_eq!(
+        code, 2,
+        "the unreachable node, once the lock is free: {out}{err}"
+    );
+    assert!(controller.history_file().exists());
+    let mode = std::fs::metadata(state.join(RUN_LOCK_FILE))
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600);
+}

@@ -11,6 +11,7 @@ use crate::config::ControllerConfig;
 use crate::exit::ExitStatus;
 use crate::plan::Plan;
 use crate::{interrupt, runner};
+use certistack_core::instance_lock::{InstanceLock, LockError};
 use std::path::PathBuf;
 use std::sync::Arc;
 use time::OffsetDateTime;
@@ -42,6 +43,44 @@ pub struct Loaded {
     /// Where notifications go (webhook, e-mail), each key, password and CA read before
     /// anything is asked of a node.
     pub channels: Vec<crate::notify::Channel>,
+    /// Held from before the plan is resolved until the run's last output is written.
+    pub run_lock: InstanceLock,
+}
+
+/// The run lock's file in the state directory: one `run` at a time per controller.
+pub const RUN_LOCK_FILE: &str = "run.lock";
+
+/// Takes the state directory's run lock, so that two runs (the timer's and an operator's) never
+/// pick the same sandbox VMIDs, lease the same names or interleave their history; the second
+/// is refused (exit 75) before it asks anything of anyone.
+pub fn lock_state_dir(
+    state_dir: &std::path::Path,
+    plan: &std::path::Path,
+    now: OffsetDateTime,
+) -> Result<InstanceLock, ExitStatus> {
+    let since = now
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_default();
+    let holder = format!(
+        "pid {}, plan {}, since {since}",
+        std::process::id(),
+        plan.display()
+    );
+    InstanceLock::acquire(&state_dir.join(RUN_LOCK_FILE), &holder).map_err(|error| match error {
+        LockError::Held { lock, holder } => ExitStatus::new(
+            crate::exit::BUSY,
+            format!(
+                "another `certistack-ctl run` is running with this state directory ({holder}; it holds {}); this run asked nothing of anyone. Let it end (when the timer started it: systemctl status certistack-ctl.service), then run again",
+                lock.display()
+            ),
+        ),
+        LockError::File(error) => ExitStatus::new(
+            crate::exit::file_exit_code(&error),
+            format!(
+                "the run lock cannot be taken: {error}; the state directory must be writable by the user certistack-ctl runs as"
+            ),
+        ),
+    })
 }
 
 /// Runs the plan: every phase in order, on `runtime`. Returns the validations' summaries in
@@ -61,6 +100,7 @@ pub fn run(
 /// and the controller's keys.
 pub fn load(options: &Options, now: OffsetDateTime) -> Result<Loaded, ExitStatus> {
     let config = ControllerConfig::load(&options.config)?;
+    let run_lock = lock_state_dir(&config.state_dir, &options.plan, now)?;
     let catalog = crate::catalog::PbsCatalog::new();
     let cluster = crate::cluster::PveCluster::new(config.pve.as_ref());
     let rooms = crate::placer::NodeRooms::new(&config, &cluster, options.per_node);
@@ -121,6 +161,7 @@ pub fn load(options: &Options, now: OffsetDateTime) -> Result<Loaded, ExitStatus
         checked,
         history: Arc::new(history),
         channels,
+        run_lock,
     })
 }
 
@@ -141,6 +182,7 @@ pub async fn validate(
         checked,
         history,
         channels,
+        run_lock: _held_until_the_run_ends,
     } = loaded;
     let progress = Arc::new(runner::Progress::new(options.output));
     let announced = progress.clone();
