@@ -19,6 +19,10 @@ use std::path::{Path, PathBuf};
 
 /// The control field that carries the surface digest the packaged connector serves.
 pub const SURFACE_FIELD: &str = "X-Certistack-Surface-Digest";
+/// The package of the node's daemon, whose surface must be the controller's.
+pub const CONNECTOR_PACKAGE: &str = "certistack-connector";
+/// The package of `certistack-ctl`, its service and its timer.
+pub const CONTROLLER_PACKAGE: &str = "certistack-controller";
 /// The signature's file name is the package's with this appended.
 pub const SIGNATURE_SUFFIX: &str = "minisig";
 /// A control file is a few hundred bytes; its compressed tar far less than this.
@@ -540,7 +544,10 @@ pub fn verify(
             control: Box::new(control),
         });
     }
-    if control.surface_digest != controller_surface {
+    // The connector must serve what this controller speaks, or its node fails the audit; a
+    // controller package of another surface is an upgrade of the controller itself (its
+    // nodes' connectors follow), which the caller reports without refusing it.
+    if control.package == CONNECTOR_PACKAGE && control.surface_digest != controller_surface {
         return Err(PackageError::SurfaceDiffers {
             package: package.to_owned(),
             packaged: control.surface_digest,
@@ -819,6 +826,40 @@ mod tests {
                 surface_digest: SURFACE.into()
             }
         );
+    }
+
+    /// A connector of another surface would fail the audit and is refused; a controller of
+    /// another surface is the controller's own upgrade and verifies (the command says what
+    /// follows for the nodes).
+    #[test]
+    fn only_the_connector_must_serve_this_controllers_surface() {
+        let dir = temp_dir();
+        let (secret, public) = keys(&dir, None);
+        let other = "sha256:2222222222222222222222222222222222222222222222222222222222222222";
+        let connector = write_deb(
+            &dir,
+            "connector.deb",
+            &control_text("1", Some(other)),
+            "control.tar.gz",
+        );
+        let controller = write_deb(
+            &dir,
+            "controller.deb",
+            &control_text("1", Some(other)).replace(
+                "Package: certistack-connector",
+                "Package: certistack-controller",
+            ),
+            "control.tar.gz",
+        );
+        sign(&connector, &secret, None, 0).unwrap();
+        sign(&controller, &secret, None, 0).unwrap();
+        assert!(matches!(
+            verify(&connector, &public, SURFACE),
+            Err(PackageError::SurfaceDiffers { .. })
+        ));
+        let verified = verify(&controller, &public, SURFACE).unwrap();
+        assert_eq!(verified.package, CONTROLLER_PACKAGE);
+        assert_eq!(verified.surface_digest, other);
     }
 
     #[test]

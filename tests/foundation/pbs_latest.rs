@@ -578,3 +578,59 @@ fn a_backup_too_old_or_missing_fails_its_validation_with_a_signed_report_and_no_
     assert_eq!(code, 65, "{err}");
     assert!(err.contains("validations[0] (web01).max_age_hours: max_age_hours checks the newest backup, so it needs snapshot: latest"), "{err}");
 }
+
+/// The example plan the controller package ships (`packaging/controller/plan.yaml`) is
+/// accepted by `plan check` as written, once its server, fingerprint and namespace are this
+/// PBS's: its `latest` finds the newest finished backup, and its `max_age_hours: 26` fails
+/// that backup (days old here) before any node is asked, as a stopped backup job would be.
+#[test]
+fn the_packaged_example_plan_is_accepted_and_judges_the_backups_age() {
+    let pbs = Pbs::start(settings());
+    let setup = Setup::new(&pbs);
+    let example = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../packaging/controller/plan.yaml"
+    ))
+    .unwrap();
+    let mut plan = example.clone();
+    for (from, to) in [
+        (
+            "server: pbs.example.net\n",
+            "server: localhost\n".to_owned(),
+        ),
+        ("port: 8007\n", format!("port: {}\n", pbs.port)),
+        (
+            "datastore: backups\n",
+            "datastore: backups\n  namespace: nightly\n".to_owned(),
+        ),
+        (
+            "\"ab:cd:ef:01:23:45:67:89:ab:cd:ef:01:23:45:67:89:ab:cd:ef:01:23:45:67:89:ab:cd:ef:01:23:45:67:89\"",
+            format!("\"{}\"", pbs.fingerprint),
+        ),
+        (
+            "pbs_password_file: pbs-token\n",
+            "pbs_password_file: secrets/pbs-token\n".to_owned(),
+        ),
+    ] {
+        assert!(
+            plan.contains(from),
+            "the example plan no longer says {from:?}"
+        );
+        plan = plan.replacen(from, &to, 1);
+    }
+    std::fs::write(setup.dir.0.join("nightly.yaml"), plan).unwrap();
+    let (code, out, err) = setup.ctl(&[
+        "plan",
+        "check",
+        "nightly.yaml",
+        "--config",
+        "controller.toml",
+    ]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("web01: fails before any node is asked: the newest finished backup of VM 100 (2026-12-02T02:00:00Z) is ")
+            && out.contains("older than max_age_hours 26: check its backup job"),
+        "{out}"
+    );
+    setup.assert_no_node_contacted();
+}

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # packaging/publish-repo against a pool someone else wrote into: the repository key signs only
-# an index of certistack-connector packages the publish just verified, and a refused publish
+# an index of CertiStack packages (certistack-connector, certistack-controller, each in its own
+# pool directory) the publish just verified, and a refused publish
 # signs and changes nothing. With small packages made here with dpkg-deb and signed with
 # certistack-ctl (tests/packaging/run.sh publishes and installs the real one), it plants:
 #
@@ -194,6 +195,25 @@ done
 [ "$(awk '/^SHA256:/ {on=1; next} /^[^ ]/ {on=0} on' "$repo/dists/stable/Release" | wc -l)" = 2 ] \
   || fail "the Release hashes more than Packages and Packages.gz: $(cat "$repo/dists/stable/Release")"
 echo "published: $(grep -c '^Package:' "$packages") packages, all certistack-connector"
+
+step "the controller's package: refused under the connector's name or in its directory, published in its own"
+controller="$work/in/certistack-controller_0.1.0-1_amd64.deb"
+make_deb certistack-controller 0.1.0-1 amd64 "$surface" "$controller"; sign "$controller"
+before=$(state)
+cp "$controller" "$work/in/certistack-connector_0.1.0-7_amd64.deb"
+cp "$controller.minisig" "$work/in/certistack-connector_0.1.0-7_amd64.deb.minisig"
+refused "the controller given under the connector's file name" "is certistack-controller 0.1.0-1, validly signed, but is named as another release" \
+  "$work/in/certistack-connector_0.1.0-7_amd64.deb"
+unchanged
+cp "$controller" "$controller.minisig" "$pool/"
+refused "the controller's package in the connector's pool directory" "pool/main/c/certistack-connector/certistack-controller_0.1.0-1_amd64.deb.minisig is in the pool but is not a signed CertiStack package"
+rm "$pool"/certistack-controller_*
+unchanged
+publish "$controller" >/dev/null
+cmp "$controller" "$repo/pool/main/c/certistack-controller/$(basename "$controller")" || fail "the published controller is not the verified one"
+[ "$(sed -n 's/^Package: //p' "$packages" | sort | tr '\n' ' ')" = "certistack-connector certistack-connector certistack-controller " ] \
+  || fail "the index after publishing the controller: $(grep '^Package:' "$packages")"
+echo "published beside the connector: $(sed -n 's/^Filename: //p' "$packages" | tr '\n' ' ')"
 
 step "the apt pinning of docs/install.md: a stolen repository key's pve-manager is not installable"
 # The preferences file exactly as docs/install.md gives it, for this repository's origin.

@@ -96,8 +96,18 @@ pub fn package_command(command: PackageCommand, now: OffsetDateTime) -> Result<(
             package: path,
         } => {
             let identity = package::verify(&path, &pubkey, certistack_proto::SURFACE_DIGEST)?;
+            let surface = if identity.package != package::CONTROLLER_PACKAGE {
+                "serves this controller's surface".to_owned()
+            } else if identity.surface_digest == certistack_proto::SURFACE_DIGEST {
+                "speaks this controller's surface".to_owned()
+            } else {
+                format!(
+                    "speaks another surface than this certistack-ctl ({}): once it is installed, upgrade every node's connector to its release (certistack-ctl nodes audit shows DRIFT until then)",
+                    certistack_proto::SURFACE_DIGEST
+                )
+            };
             println!(
-                "ok: {} is {identity}, signed by the key in {}, and serves this controller's surface",
+                "ok: {} is {identity}, signed by the key in {}, and {surface}",
                 path.display(),
                 pubkey.display()
             );

@@ -70,7 +70,7 @@ pub fn lock_state_dir(
         LockError::Held { lock, holder } => ExitStatus::new(
             crate::exit::BUSY,
             format!(
-                "another `certistack-ctl run` is running with this state directory ({holder}; it holds {}); this run asked nothing of anyone. Let it end (when the timer started it: systemctl status certistack-ctl.service), then run again",
+                "another `certistack-ctl run` is running with this state directory ({holder}; it holds {}); this run asked nothing of anyone. Let it end (when the timer started it: systemctl status certistack-controller.service), then run again",
                 lock.display()
             ),
         ),
