@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
-# The connector's Debian package, end to end, with real tools: build it from the release build,
+# The Debian packages, end to end, with real tools. The connector's: build it from the release build,
 # inspect it with dpkg-deb, sign it with certistack-ctl and verify it with both certistack-ctl
 # and Debian's minisign (and see both refuse a changed byte and certistack-ctl refuse another
 # surface), publish a signed apt repository (and see it refuse to sign anything it did not
 # verify: repository.sh), install from it into a throwaway Debian root with signed-by= (and see
 # apt refuse a tampered index and another key), run the maintainer scripts through install,
 # reinstall, upgrade, remove and purge, and have the installed daemon answer Hello with the
-# digest the package declares. Exits non-zero on the first failure.
+# digest the package declares. The controller's (certistack-controller): built, inspected, signed,
+# verified and published beside it, installed from the repository into the same root (then
+# removed and purged, its CA kept), and installed into the systemd tests' root
+# (tests/systemd/container-root.sh), booted with systemd-nspawn: its service started once against
+# a node that does not answer runs as its user, writes its history row and exits; its timer is
+# listed by `systemctl list-timers`; `systemd-analyze security` of the service is printed, and
+# must be at most 2.5. Exits non-zero on the first failure.
 #
 # Needs root (chroot). Installs what is missing: dpkg-dev, minisign, mmdebstrap, apt-utils and
 # gpg from Debian, cargo-deb (pinned) with cargo. The Debian root is built once and cached in
@@ -67,7 +73,9 @@ controller_digest=$("$ctl" surface | sed -n 's/^digest: //p')
 work=$(mktemp -d /tmp/certistack-packaging.XXXXXX)
 chroot_dir="$work/debian"
 daemon=""
+nspawn=""
 cleanup() {
+  if [ -n "$nspawn" ] && kill -0 "$nspawn" 2>/dev/null; then kill -KILL "$nspawn"; wait "$nspawn" || true; fi
   if [ -n "$daemon" ] && kill -0 "$daemon" 2>/dev/null; then kill -TERM "$daemon"; wait "$daemon" || true; fi
   for m in "$chroot_dir/proc" "$chroot_dir/srv/repo"; do
     mountpoint -q "$m" 2>/dev/null && umount "$m"
@@ -79,14 +87,21 @@ cleanup() {
 }
 trap cleanup EXIT
 
-step "build the package twice (revisions 1 and 2, for the upgrade)"
-v1=$(packaging/build-deb "$work/v1")
-v2=$(DEB_REVISION=2 packaging/build-deb "$work/v2")
-ls -l "$v1" "$v2"
-again=$(packaging/build-deb "$work/again")
-[ "$(sha256sum < "$v1")" = "$(sha256sum < "$again")" ] || fail "two packagings of the same build differ"
-echo "the packaging step is reproducible: $(sha256sum "$v1" | cut -c1-64)"
-echo "package size: $(stat -c %s "$v1") bytes"
+step "build the packages: the connector twice (revisions 1 and 2, for the upgrade), the controller"
+mapfile -t built < <(packaging/build-deb "$work/v1")
+[ "${#built[@]}" = 2 ] || fail "build-deb built ${#built[@]} packages, not the connector's and the controller's: ${built[*]}"
+v1=${built[0]}
+c1=${built[1]}
+[ "$(basename "$v1")" = certistack-connector_0.1.0-1_amd64.deb ] && [ "$(basename "$c1")" = certistack-controller_0.1.0-1_amd64.deb ] \
+  || fail "build-deb's packages: ${built[*]}"
+v2=$(DEB_REVISION=2 packaging/build-deb "$work/v2" certistack-connector)
+ls -l "$v1" "$v2" "$c1"
+mapfile -t again < <(packaging/build-deb "$work/again")
+for i in 0 1; do
+  [ "$(sha256sum < "${built[$i]}")" = "$(sha256sum < "${again[$i]}")" ] || fail "two packagings of the same build differ: ${built[$i]}"
+done
+echo "the packaging step is reproducible: $(sha256sum "$v1" | cut -c1-64), $(sha256sum "$c1" | cut -c1-64)"
+echo "package sizes: connector $(stat -c %s "$v1") bytes, controller $(stat -c %s "$c1") bytes"
 
 step "inspect it with dpkg-deb: files, modes, owners, control fields, conffiles"
 listing=$(dpkg-deb --contents "$v1")
@@ -124,25 +139,56 @@ readelf -S "$work/packaged-connector" | grep -q '\.symtab' && fail "the packaged
 step "the packaged binary carries its dependency list (cargo auditable), matching Cargo.lock"
 objcopy --dump-section .dep-v0="$work/dep-v0" "$work/packaged-connector" "$work/objcopy-out" 2>&1
 [ -s "$work/dep-v0" ] || fail "the packaged binary has no .dep-v0 section: build with cargo auditable build --release --locked --bins"
-python3 - "$work/dep-v0" Cargo.lock <<'PY' || fail "the embedded dependency list does not match Cargo.lock"
+dependency_list_matches() {
+python3 - "$@" <<'PY'
 import json, sys, tomllib, zlib
 embedded = json.loads(zlib.decompress(open(sys.argv[1], "rb").read()))["packages"]
+root_crate, absent = sys.argv[3], sys.argv[4:]
 locked = {(p["name"], p["version"]) for p in tomllib.load(open(sys.argv[2], "rb"))["package"]}
 stray = [(p["name"], p["version"]) for p in embedded if (p["name"], p["version"]) not in locked]
 assert not stray, f"embedded but not in Cargo.lock: {stray}"
 roots = [p["name"] for p in embedded if p.get("root")]
-assert roots == ["certistack-connector"], f"root packages: {roots}"
+assert roots == [root_crate], f"root packages: {roots}"
 versions = {}
 for p in embedded:
     versions.setdefault(p["name"], []).append(p["version"])
 for crate in ("tonic", "rustls", "tokio", "prost", "ring"):
     assert crate in versions, f"{crate} is linked in but not listed"
-for crate in ("certistack-tests", "certistack-controller"):
-    assert crate not in versions, f"{crate} is not in the connector binary but is listed"
-print(f"{len(embedded)} crates embedded, each at its Cargo.lock version; "
+for other in absent:
+    assert other not in versions, f"{other} is not in the {root_crate} binary but is listed"
+print(f"{root_crate}: {len(embedded)} crates embedded, each at its Cargo.lock version; "
       + ", ".join(f"{c} {'/'.join(versions[c])}" for c in ("tonic", "rustls", "tokio")))
 PY
+}
+dependency_list_matches "$work/dep-v0" Cargo.lock certistack-connector certistack-tests certistack-controller \
+  || fail "the connector's embedded dependency list does not match Cargo.lock"
 echo "inspection ok: modes, owners, Depends ($depends), X-Certistack-Surface-Digest $package_digest"
+
+step "inspect the controller's package: files, modes, control fields, conffile, maintainer scripts, dependency list"
+listing=$(dpkg-deb --contents "$c1")
+echo "$listing"
+expect_entry -rwxr-xr-x ./usr/bin/certistack-ctl
+expect_entry -rw-r--r-- ./usr/lib/systemd/system/certistack-controller.service
+expect_entry -rw-r--r-- ./usr/lib/systemd/system/certistack-controller.timer
+expect_entry -rw-r--r-- ./usr/lib/sysusers.d/certistack-controller.conf
+expect_entry -rw-r----- ./etc/certistack/controller.toml
+expect_entry -rw-r--r-- ./usr/share/doc/certistack-controller/examples/plan.yaml
+expect_entry -rw-r--r-- ./usr/share/doc/certistack-controller/install.md
+expect_entry -rw-r--r-- ./usr/share/doc/certistack-controller/copyright
+[ "$(field Package "$c1")" = certistack-controller ] && [ "$(field Version "$c1")" = 0.1.0-1 ] || fail "the controller's Package or Version field"
+[ "$(field X-Certistack-Surface-Digest "$c1")" = "$controller_digest" ] || fail "the controller's surface field: $(field X-Certistack-Surface-Digest "$c1")"
+[[ ", $(field Depends "$c1")," == *", libc6"[\ ,\(]* ]] || fail "the controller's Depends: $(field Depends "$c1")"
+dpkg-deb --ctrl-tarfile "$c1" | tar -xO ./conffiles | grep -qx /etc/certistack/controller.toml || fail "controller.toml is not a conffile"
+for script in postinst prerm postrm; do
+  dpkg-deb --ctrl-tarfile "$c1" | tar -tv "./$script" | grep -q '^-rwxr-xr-x root/root' || fail "the controller's $script missing or not 0755"
+done
+dpkg-deb --fsys-tarfile "$c1" | tar -xO ./usr/bin/certistack-ctl > "$work/packaged-ctl"
+readelf -S "$work/packaged-ctl" | grep -q '\.symtab' && fail "the packaged certistack-ctl is not stripped"
+objcopy --dump-section .dep-v0="$work/ctl-dep-v0" "$work/packaged-ctl" "$work/objcopy-ctl-out" 2>&1
+dependency_list_matches "$work/ctl-dep-v0" Cargo.lock certistack-controller certistack-tests certistack-connector \
+  || fail "the controller's embedded dependency list does not match Cargo.lock"
+chmod 0755 "$work/packaged-ctl"
+"$work/packaged-ctl" surface | grep -qx "digest: $controller_digest" || fail "the packaged certistack-ctl speaks another surface"
 
 step "sign with certistack-ctl; verify with certistack-ctl and with Debian's minisign"
 printf 'package signing test password\n' > "$work/password"
@@ -153,7 +199,11 @@ grep -q "^trusted comment: .*package:certistack-connector	version:0.1.0-1	surfac
   || fail "the trusted comment does not name package, version and surface: $(cat "$v1.minisig")"
 "$ctl" package verify --pubkey "$work/sign.pub" "$v1"
 minisign -V -q -p "$work/sign.pub" -m "$v1"
-echo "minisign -V: ok"
+"$ctl" package sign --key "$work/sign.key" --password-file "$work/password" "$c1"
+verified=$("$ctl" package verify --pubkey "$work/sign.pub" "$c1")
+[[ "$verified" == *"is certistack-controller 0.1.0-1 (surface $controller_digest)"*"speaks this controller's surface"* ]] || fail "the controller's verification: $verified"
+minisign -V -q -p "$work/sign.pub" -m "$c1"
+echo "minisign -V: ok (connector and controller)"
 
 step "one changed byte in the package: both verifiers refuse"
 cp "$v1" "$work/changed.deb"; cp "$v1.minisig" "$work/changed.deb.minisig"
@@ -211,8 +261,9 @@ expect_fail packaging/publish-repo publish "$GNUPGHOME" "$fpr" "$work/other-sign
 [ ! -e "$work/refused-repo/dists" ] || fail "a refused publish wrote indexes"
 echo "unsigned, mis-signed and other-key packages: refused before anything was published"
 
-packaging/publish-repo publish "$GNUPGHOME" "$fpr" "$work/sign.pub" "$work/repo" "$v1"
+packaging/publish-repo publish "$GNUPGHOME" "$fpr" "$work/sign.pub" "$work/repo" "$v1" "$c1"
 cmp "$v1" "$work/repo/pool/main/c/certistack-connector/$(basename "$v1")" || fail "the published package is not the verified one"
+cmp "$c1" "$work/repo/pool/main/c/certistack-controller/$(basename "$c1")" || fail "the published controller is not the verified one"
 [ -z "$(find "$work/repo" -name '.publish.*')" ] || fail "publish-repo left its staging directory"
 release_file="$work/repo/dists/stable/Release"
 date_s=$(date -d "$(sed -n 's/^Date: //p' "$release_file")" +%s)
@@ -418,4 +469,138 @@ step "install again after purge (a fresh install on a used node)"
 in_root apt-get install -y -q certistack-connector
 [ "$(mode /var/lib/certistack)" = "700 root:root" ] || fail "fresh install: /var/lib/certistack"
 
-echo "packaging: built, inspected, signed, verified by both tools, published, installed with signed-by=, cycled through reinstall, upgrade, remove and purge; the installed daemon served $served"
+step "the controller from the repository: its user, its state directory, its configuration, not scheduled"
+# Owners as the root's own users and groups name them.
+in_mode() { in_root stat -c '%a %U:%G' "$1"; }
+in_root apt-get install -y -q certistack-controller 2> "$work/controller-install.err"
+cat "$work/controller-install.err"
+in_root dpkg-query -W -f '${Status} ${Version}\n' certistack-controller | grep -qx 'install ok installed 0.1.0-1' || fail "the controller is not installed"
+[ "$(mode /usr/bin/certistack-ctl)" = "755 root:root" ] || fail "certistack-ctl is $(mode /usr/bin/certistack-ctl)"
+grep -q 'systemctl enable --now certistack-controller.timer' "$work/controller-install.err" || fail "postinst did not say how to schedule the controller"
+if [ ! -x "$chroot_dir/usr/bin/systemd-sysusers" ]; then
+  # Without systemd (an OCI image), postinst says how to make the user; doing so works.
+  said=$(grep 'the user certistack-ctl could not be made' "$work/controller-install.err") \
+    || fail "without systemd-sysusers, postinst did not say the user is missing"
+  [ "$(in_mode /var/lib/certistack-ctl)" = "700 root:root" ] || fail "without the user, /var/lib/certistack-ctl is $(in_mode /var/lib/certistack-ctl)"
+  useradd_line=$(echo "$said" | sed -n 's/.*create it (\(useradd [^)]*\)).*/\1/p')
+  [ -n "$useradd_line" ] || fail "postinst's advice names no useradd: $said"
+  # shellcheck disable=SC2086
+  in_root $useradd_line
+  in_root dpkg-reconfigure certistack-controller
+  echo "no systemd-sysusers in this root: postinst said to run $useradd_line, which made the user"
+fi
+in_root getent passwd certistack-ctl | grep -q ':/var/lib/certistack-ctl:/usr/sbin/nologin$' || fail "no user certistack-ctl: $(in_root getent passwd certistack-ctl)"
+[ "$(in_mode /var/lib/certistack-ctl)" = "700 certistack-ctl:certistack-ctl" ] || fail "/var/lib/certistack-ctl is $(in_mode /var/lib/certistack-ctl)"
+[ "$(in_mode /etc/certistack/controller.toml)" = "640 root:certistack-ctl" ] || fail "controller.toml is $(in_mode /etc/certistack/controller.toml)"
+echo "user $(in_root getent passwd certistack-ctl | cut -d: -f1,6,7); state directory $(in_mode /var/lib/certistack-ctl); controller.toml $(in_mode /etc/certistack/controller.toml)"
+# The installed certistack-ctl reads the example configuration as its user.
+in_root runuser -u certistack-ctl -- certistack-ctl history --config /etc/certistack/controller.toml > "$work/ctl-history.txt" \
+  || fail "certistack-ctl as its user refused the example configuration: $(cat "$work/ctl-history.txt")"
+grep -q 'no validation in the history' "$work/ctl-history.txt" || fail "history on a fresh install: $(cat "$work/ctl-history.txt")"
+[ ! -e "$chroot_dir/etc/systemd/system/timers.target.wants/certistack-controller.timer" ] || fail "installing scheduled the timer"
+
+step "the controller: purge keeps a state directory that holds the CA, and removes one that does not"
+echo "a CA key" > "$chroot_dir/var/lib/certistack-ctl/ca.key"
+in_root apt-get remove -y -q certistack-controller
+[ -f "$chroot_dir/etc/certistack/controller.toml" ] || fail "remove lost the controller's configuration"
+in_root dpkg --purge certistack-controller 2> "$work/controller-purge.err"
+grep -q 'kept /var/lib/certistack-ctl: it holds the CA your nodes trust' "$work/controller-purge.err" || fail "purge did not say it kept the CA: $(cat "$work/controller-purge.err")"
+[ -f "$chroot_dir/var/lib/certistack-ctl/ca.key" ] || fail "purge removed the CA"
+[ ! -e "$chroot_dir/etc/certistack/controller.toml" ] || fail "purge left controller.toml"
+rm "$chroot_dir/var/lib/certistack-ctl/ca.key"
+in_root apt-get install -y -q certistack-controller 2>/dev/null
+in_root apt-get purge -y -q certistack-controller
+[ ! -e "$chroot_dir/var/lib/certistack-ctl" ] || fail "purge left a state directory without a CA"
+[ -f "$chroot_dir/etc/certistack/connector.toml" ] || fail "the controller's purge touched the connector's configuration"
+
+step "the controller under systemd: the systemd tests' root, booted, runs the service once as its user"
+systemd_root="$root/target/nspawn/systemd-root"
+bash tests/systemd/container-root.sh "$systemd_root"
+machine="csctl-$$"
+systemd-nspawn -D "$systemd_root" --volatile=overlay -b --register=no --keep-unit --console=passive -M "$machine" \
+  --bind-ro="$c1:/srv/certistack-controller.deb" >"$work/nspawn.log" 2>&1 &
+nspawn=$!
+leader=""
+for _ in $(seq 1 300); do
+  leader=$(for pid in $(cat "/proc/$nspawn/task/$nspawn/children" 2>/dev/null); do
+    [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = systemd ] && echo "$pid"; done | head -n 1)
+  [ -n "$leader" ] && break
+  sleep 0.1
+done
+[ -n "$leader" ] || fail "systemd-nspawn started no container: $(cat "$work/nspawn.log")"
+inside() { nsenter -t "$leader" -a -- "$@"; }
+stop_container() {
+  inside systemctl poweroff >/dev/null 2>&1 || true
+  for _ in $(seq 1 100); do kill -0 "$nspawn" 2>/dev/null || break; sleep 0.1; done
+  kill -KILL "$nspawn" 2>/dev/null || true
+  wait "$nspawn" 2>/dev/null || true
+  nspawn=""
+}
+state=""
+for _ in $(seq 1 300); do
+  state=$(inside systemctl is-system-running --wait 2>/dev/null || true)
+  [ "$state" = running ] || [ "$state" = degraded ] && break
+  sleep 0.1
+done
+[ "$state" = running ] || [ "$state" = degraded ] || { stop_container; fail "the container's systemd: $state"; }
+controller_test() {
+  inside dpkg -i /srv/certistack-controller.deb >"$work/dpkg-in-container.log" 2>&1 || { cat "$work/dpkg-in-container.log"; return 1; }
+  inside getent passwd certistack-ctl | grep -q ':/var/lib/certistack-ctl:' || { echo "no user certistack-ctl"; return 1; }
+  # The operator's first steps, as the controller's user: the CA, a plan, a node in the
+  # configuration. The node's port is closed: the run fails fast, as a night with that node
+  # down would.
+  inside runuser -u certistack-ctl -- certistack-ctl ca init --state-dir /var/lib/certistack-ctl >/dev/null
+  closed=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+  inside sh -c "printf '\n[[nodes]]\nname = \"pve1\"\naddress = \"127.0.0.1\"\nport = $closed\n' >> /etc/certistack/controller.toml"
+  inside runuser -u certistack-ctl -- sh -c 'umask 077; printf "s3cret\n" > /var/lib/certistack-ctl/pbs-token'
+  inside runuser -u certistack-ctl -- sh -c "sed -e 's/snapshot: latest/snapshot: \"2026-12-01T02:00:00Z\"/' -e '/max_age_hours/d' -e 's/^    probes:/    archives: [drive-scsi0.img]\n    probes:/' -e '/^    sandbox:/,/^      - vmid/s/- vmid: 9100/- vmid: 9100\n        cores: 1\n        memory_mib: 512/' /usr/share/doc/certistack-controller/examples/plan.yaml > /var/lib/certistack-ctl/plan.yaml"
+  inside runuser -u certistack-ctl -- certistack-ctl plan check --offline --config /etc/certistack/controller.toml /var/lib/certistack-ctl/plan.yaml \
+    || { echo "the plan made from the example is refused"; return 1; }
+  inside systemctl start certistack-controller.service && { echo "the run against a closed port succeeded"; return 1; }
+  local result status user history
+  result=$(inside systemctl show -p Result --value certistack-controller.service)
+  status=$(inside systemctl show -p ExecMainStatus --value certistack-controller.service)
+  user=$(inside systemctl show -p User --value certistack-controller.service)
+  echo "certistack-controller.service: Result=$result ExecMainStatus=$status User=$user"
+  [ "$result" = exit-code ] && [ "$status" = 2 ] && [ "$user" = certistack-ctl ] || { inside journalctl -u certistack-controller --no-pager | tail -20; return 1; }
+  inside journalctl -u certistack-controller --no-pager | tail -n 8
+  # What it wrote is its user's: the history and the run lock in the state directory.
+  for file in history.sqlite run.lock; do
+    [ "$(inside stat -c '%U %a' "/var/lib/certistack-ctl/$file")" = "certistack-ctl 600" ] \
+      || { echo "/var/lib/certistack-ctl/$file is $(inside stat -c '%U %a' "/var/lib/certistack-ctl/$file")"; return 1; }
+  done
+  history=$(inside runuser -u certistack-ctl -- certistack-ctl history --config /etc/certistack/controller.toml 100 --json)
+  python3 -c 'import json, sys
+page = json.loads(sys.argv[1])
+rows = page["validations"]
+assert len(rows) == 1 and rows[0]["state"] == "error" and rows[0]["node"] == "pve1", rows
+print("history row:", rows[0]["validation"], rows[0]["state"], rows[0]["node"], "; ".join(rows[0]["reasons"])[:200])' "$history" || return 1
+  # The timer, enabled as install.md says: systemd lists its next run.
+  inside systemctl enable --now certistack-controller.timer >/dev/null 2>&1
+  inside systemctl list-timers --all --no-pager certistack-controller.timer | tee "$work/timers.txt"
+  grep -q 'certistack-controller.timer' "$work/timers.txt" && grep -q 'certistack-controller.service' "$work/timers.txt" \
+    || { echo "list-timers does not show the timer"; return 1; }
+  [ -n "$(inside systemctl show -p NextElapseUSecRealtime --value certistack-controller.timer)" ] || { echo "the timer has no next run"; return 1; }
+  # A second run while one holds the state directory's run lock is refused, as the timer's
+  # start during an operator's run would be.
+  inside runuser -u certistack-ctl -- flock /var/lib/certistack-ctl/run.lock sleep 30 &
+  local holder=$!
+  sleep 1
+  inside systemctl start certistack-controller.service && { echo "a run started while the lock was held"; return 1; }
+  status=$(inside systemctl show -p ExecMainStatus --value certistack-controller.service)
+  kill "$holder" 2>/dev/null || true
+  inside pkill -f 'flock /var/lib/certistack-ctl/run.lock' || true
+  wait "$holder" 2>/dev/null || true
+  [ "$status" = 75 ] || { echo "a run while the lock was held exited $status, not 75"; return 1; }
+  echo "a second run while the run lock is held: exit 75"
+  inside systemd-analyze security --no-pager certistack-controller.service > "$work/controller-security.txt" || true
+  grep -v '^✓' "$work/controller-security.txt"
+  local exposure
+  exposure=$(sed -n 's/.*Overall exposure level for certistack-controller.service: \([0-9.]*\).*/\1/p' "$work/controller-security.txt")
+  python3 -c 'import sys; sys.exit(0 if float(sys.argv[1]) <= 2.5 else 1)' "${exposure:-99}" || { echo "exposure ${exposure:-unknown} is above 2.5"; return 1; }
+  echo "certistack-controller.service exposure: $exposure (the connector's, offline: $(systemd-analyze security --offline=true --no-pager packaging/certistack-connector.service 2>/dev/null | sed -n 's/.*Overall exposure level for certistack-connector.service: //p'))"
+}
+if ! controller_test; then stop_container; fail "the controller under systemd (above)"; fi
+stop_container
+
+echo "packaging: built, inspected, signed, verified by both tools, published, installed with signed-by=, cycled through reinstall, upgrade, remove and purge; the installed daemon served $served; the controller installed, purged (its CA kept), and ran once under systemd as certistack-ctl"

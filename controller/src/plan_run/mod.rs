@@ -43,8 +43,9 @@ pub struct Loaded {
     /// Where notifications go (webhook, e-mail), each key, password and CA read before
     /// anything is asked of a node.
     pub channels: Vec<crate::notify::Channel>,
-    /// Held from before the plan is resolved until the run's last output is written.
-    pub run_lock: InstanceLock,
+    /// Held from before the plan is resolved until the run's last output is written (`None`
+    /// only when the state directory does not exist: the run cannot load its keys then).
+    pub run_lock: Option<InstanceLock>,
 }
 
 /// The run lock's file in the state directory: one `run` at a time per controller.
@@ -100,7 +101,13 @@ pub fn run(
 /// and the controller's keys.
 pub fn load(options: &Options, now: OffsetDateTime) -> Result<Loaded, ExitStatus> {
     let config = ControllerConfig::load(&options.config)?;
-    let run_lock = lock_state_dir(&config.state_dir, &options.plan, now)?;
+    // Without its state directory the run stops at its keys below, before any node is asked,
+    // and the plan's own refusals (a missing privilege, a bad key) are said first.
+    let run_lock = if config.state_dir.is_dir() {
+        Some(lock_state_dir(&config.state_dir, &options.plan, now)?)
+    } else {
+        None
+    };
     let catalog = crate::catalog::PbsCatalog::new();
     let cluster = crate::cluster::PveCluster::new(config.pve.as_ref());
     let rooms = crate::placer::NodeRooms::new(&config, &cluster, options.per_node);
