@@ -547,7 +547,7 @@ pub fn verify(
     // The connector must serve what this controller speaks, or its node fails the audit; a
     // controller package of another surface is an upgrade of the controller itself (its
     // nodes' connectors follow), which the caller reports without refusing it.
-    if control.package == CONNECTOR_PACKAGE && control.surface_digest != controller_surface {
+    if control.package != CONTROLLER_PACKAGE && control.surface_digest != controller_surface {
         return Err(PackageError::SurfaceDiffers {
             package: package.to_owned(),
             packaged: control.surface_digest,
@@ -855,6 +855,21 @@ mod tests {
         sign(&controller, &secret, None, 0).unwrap();
         assert!(matches!(
             verify(&connector, &public, SURFACE),
+            Err(PackageError::SurfaceDiffers { .. })
+        ));
+        // Any other name is held to the controller's surface, as the connector is.
+        let other_name = write_deb(
+            &dir,
+            "ng.deb",
+            &control_text("1", Some(other)).replace(
+                "Package: certistack-connector",
+                "Package: certistack-connector-ng",
+            ),
+            "control.tar.gz",
+        );
+        sign(&other_name, &secret, None, 0).unwrap();
+        assert!(matches!(
+            verify(&other_name, &public, SURFACE),
             Err(PackageError::SurfaceDiffers { .. })
         ));
         let verified = verify(&controller, &public, SURFACE).unwrap();

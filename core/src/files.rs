@@ -31,7 +31,7 @@ pub enum FileError {
         fix: u32,
     },
     #[error(
-        "{path} is owned by uid {owner}, not by uid {expected} that runs this program; run `chown {expected} {path}`"
+        "{path} is owned by uid {owner}, not by uid {expected} that runs this program; run this program as the user that owns it (runuser -u <that user> -- ...), or, if it should be this user's, run `chown {expected} {path}`"
     )]
     WrongOwner {
         path: PathBuf,

@@ -47,6 +47,28 @@ impl InstanceLock {
                 path: path.to_owned(),
                 error,
             })?;
+        // A lock file another user left (a run started as root) would refuse every later
+        // holder with a write error: say whose it is instead.
+        let meta = file.metadata().map_err(|error| FileError::Read {
+            path: path.to_owned(),
+            error,
+        })?;
+        let uid = rustix::process::geteuid().as_raw();
+        if !meta.is_file() {
+            return Err(FileError::Content {
+                path: path.to_owned(),
+                reason: "is not a regular file; remove it".into(),
+            }
+            .into());
+        }
+        if std::os::unix::fs::MetadataExt::uid(&meta) != uid {
+            return Err(FileError::WrongOwner {
+                path: path.to_owned(),
+                owner: std::os::unix::fs::MetadataExt::uid(&meta),
+                expected: uid,
+            }
+            .into());
+        }
         take(
             &mut file,
             path,

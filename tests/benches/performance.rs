@@ -36,6 +36,10 @@
 //! target is a separate executable linked with the release profile's thin LTO over every
 //! dependency, which is most of the bench build's time.
 //!
+//! `--profile [ROW]` runs no section: it counts ROW's instructions and its floor's under
+//! callgrind, both sides on one thread, and prints the top functions (`performance/profile.rs`;
+//! rows `new-connection` (the default), `hello`, `list-runs`, `read-journal`; needs valgrind).
+//!
 //! `--short` (or `CERTISTACK_BENCH_SHORT=1`) runs fewer iterations and a smaller history, for CI;
 //! `checks` and `node-ops` have fixed iteration counts and ignore it.
 //! The daemons are the binaries next to this bench (`target/release`): build them first with
@@ -229,6 +233,9 @@ mod echo {
     use tonic::codegen::{BoxFuture, Service, http};
 
     pub const PATH: &str = "/bench.Echo/Echo";
+    /// The same echo, answered from tokio's blocking pool: one hand-off to a blocking thread
+    /// and back, as a call that reads the disk off the async workers makes.
+    pub const BLOCKING_PATH: &str = "/bench.Echo/EchoBlocking";
 
     #[derive(Clone, PartialEq, prost::Message)]
     pub struct Message {
@@ -254,6 +261,22 @@ mod echo {
         }
     }
 
+    struct BlockingUnary;
+
+    impl tonic::server::UnaryService<Message> for BlockingUnary {
+        type Response = Message;
+        type Future = BoxFuture<tonic::Response<Message>, tonic::Status>;
+        fn call(&mut self, request: tonic::Request<Message>) -> Self::Future {
+            let message = request.into_inner();
+            Box::pin(async move {
+                let message = tokio::task::spawn_blocking(move || message)
+                    .await
+                    .map_err(|error| tonic::Status::internal(error.to_string()))?;
+                Ok(tonic::Response::new(message))
+            })
+        }
+    }
+
     impl<B> Service<http::Request<B>> for EchoServer
     where
         B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
@@ -272,13 +295,26 @@ mod echo {
                 let mut grpc = tonic::server::Grpc::new(
                     tonic_prost::ProstCodec::<Message, Message>::default(),
                 );
-                Ok(grpc.unary(Unary, request).await)
+                if request.uri().path() == BLOCKING_PATH {
+                    Ok(grpc.unary(BlockingUnary, request).await)
+                } else {
+                    Ok(grpc.unary(Unary, request).await)
+                }
             })
         }
     }
 
     /// One unary echo call on `channel`.
     pub async fn call(channel: &tonic::transport::Channel, payload: &[u8]) {
+        call_path(channel, payload, PATH).await;
+    }
+
+    /// One unary echo call on `channel`, answered from a blocking thread.
+    pub async fn call_blocking(channel: &tonic::transport::Channel, payload: &[u8]) {
+        call_path(channel, payload, BLOCKING_PATH).await;
+    }
+
+    async fn call_path(channel: &tonic::transport::Channel, payload: &[u8], path: &'static str) {
         let mut grpc = tonic::client::Grpc::new(channel.clone());
         grpc.ready().await.unwrap();
         let reply: tonic::Response<Message> = grpc
@@ -286,7 +322,7 @@ mod echo {
                 tonic::Request::new(Message {
                     payload: payload.to_vec(),
                 }),
-                http::uri::PathAndQuery::from_static(PATH),
+                http::uri::PathAndQuery::from_static(path),
                 tonic_prost::ProstCodec::<Message, Message>::default(),
             )
             .await
@@ -390,6 +426,7 @@ async fn transport(settings: &Settings) {
         "VmStatus (recording executor; read-only, not journaled)",
         "ReadJournal (a run's journal, streamed)",
         "ListRuns (operator)",
+        "echo, mTLS, answered from a blocking thread (one hand-off, as ListRuns and ReadJournal make to read the disk)",
         "echo, mTLS: new connection, resumed TLS 1.3 handshake (one configuration shared) + first call",
         "echo, mTLS: new connection, full TLS 1.3 handshake (a new configuration, as client::connect makes) + first call",
         "Hello: new connection + full TLS 1.3 handshake + first call",
@@ -439,11 +476,14 @@ async fn transport(settings: &Settings) {
             })
             .await;
         }
+        for _ in 0..calls / rounds {
+            timed(&mut samples[6], || echo::call_blocking(&mtls, &payload)).await;
+        }
         for _ in 0..connections / rounds {
             let config = tls_config.clone();
             let address = mtls_address.clone();
             let payload = &payload;
-            timed(&mut samples[6], || async move {
+            timed(&mut samples[7], || async move {
                 let channel = certistack_controller::connect::connect(address, NODE, config)
                     .await
                     .unwrap();
@@ -457,7 +497,7 @@ async fn transport(settings: &Settings) {
             let (authority, operator) = (&authority, &operator);
             // What every controller connection does today: parse the CA, the certificate and
             // the key and build the configuration, so no session ticket is kept to resume.
-            timed(&mut samples[7], || async move {
+            timed(&mut samples[8], || async move {
                 let config = controller_tls(authority, operator);
                 let channel = certistack_controller::connect::connect(address, NODE, config)
                     .await
@@ -470,7 +510,7 @@ async fn transport(settings: &Settings) {
             let address = node.address.clone();
             let authority = &authority;
             let operator = &operator;
-            timed(&mut samples[8], || async move {
+            timed(&mut samples[9], || async move {
                 let mut c = client(authority, &address, NODE, operator).await.unwrap();
                 c.hello(pb::HelloRequest {}).await.unwrap();
             })
@@ -485,14 +525,14 @@ async fn transport(settings: &Settings) {
     println!(
         "In-process server and client on loopback; {} calls per row (one at a time), {} new connections. The journal streamed holds {journal_records} records.\n",
         samples[0].0.len(),
-        samples[6].0.len()
+        samples[7].0.len()
     );
     println!("| call | median | p99 | median ÷ mTLS floor |");
     println!("|---|---:|---:|---:|");
     let floor = samples[1].median();
-    let new_floor = samples[7].median();
+    let new_floor = samples[8].median();
     for (i, name) in names.iter().enumerate() {
-        let base = if i >= 6 { new_floor } else { floor };
+        let base = if i >= 7 { new_floor } else { floor };
         println!(
             "| {name} | {} | {} | {} |",
             ms(samples[i].median()),
@@ -502,6 +542,12 @@ async fn transport(settings: &Settings) {
     }
     println!(
         "\nRows on a new connection are divided by the echo's new connection with a full handshake (the like-for-like floor: the Hello row's client builds its configuration per connection, so it never resumes); the others by the echo on an open mTLS connection. The resumed row shows what a kept configuration would save."
+    );
+    let handed_off = samples[6].median();
+    println!(
+        "\nAgainst the echo answered from a blocking thread (the same hand-off): ReadJournal {}, ListRuns {}.",
+        ratio(samples[4].median(), handed_off),
+        ratio(samples[5].median(), handed_off)
     );
 }
 
@@ -654,6 +700,16 @@ async fn setup(settings: &Settings) {
 
     let mut connector = Samples::default();
     let mut floor = Samples::default();
+    let mut floor_with_syncs = Samples::default();
+    // Beside the connector's state directory: the same file system, outside what it reads.
+    let sync_dir = node
+        .config
+        .paths
+        .state_dir
+        .parent()
+        .unwrap()
+        .join("bench-sync-floor");
+    std::fs::create_dir_all(&sync_dir).unwrap();
     let mut steps: Vec<(&str, Samples)> = [
         "mint grant + run certificate",
         "connect (TCP + TLS 1.3 handshake)",
@@ -689,17 +745,28 @@ async fn setup(settings: &Settings) {
         connector.push(started.elapsed());
         c.end_run(pb::EndRunRequest {}).await.unwrap();
 
-        let started = Instant::now();
-        let channel =
-            certistack_controller::connect::connect(mtls_address.clone(), NODE, tls_config.clone())
-                .await
-                .unwrap();
-        for _ in 0..3 {
-            echo::call(&channel, &payload).await;
+        // The floor connects as a run does: a configuration of its own, so a full handshake
+        // (a run's certificate is new, so its first connection never resumes a session).
+        for (with_syncs, samples) in [(false, &mut floor), (true, &mut floor_with_syncs)] {
+            let started = Instant::now();
+            let config = controller_tls(&authority, &operator);
+            let channel =
+                certistack_controller::connect::connect(mtls_address.clone(), NODE, config)
+                    .await
+                    .unwrap();
+            for call in 0..3 {
+                if with_syncs && call == 2 {
+                    let dir = sync_dir.join(format!("{i}"));
+                    tokio::task::spawn_blocking(move || syncs_of_begin_run(&dir))
+                        .await
+                        .unwrap();
+                }
+                echo::call(&channel, &payload).await;
+            }
+            samples.push(started.elapsed());
         }
-        floor.push(started.elapsed());
-        let _ = i;
     }
+    let _ = &tls_config;
 
     let mut ssh_one = Samples::default();
     let mut ssh_three = Samples::default();
@@ -751,6 +818,12 @@ async fn setup(settings: &Settings) {
         ms(floor.p99())
     );
     println!(
+        "| floor with BeginRun's syncs: the same, and 3 fsync + 1 fdatasync of a new directory and two files beside the connector's runs | {} | {} | {} |",
+        ms(floor_with_syncs.median()),
+        ms(floor_with_syncs.p99()),
+        ratio(floor_with_syncs.median(), base)
+    );
+    println!(
         "| run set-up: mint, connect, Hello, BeginRun, first operation | {} | {} | {} |",
         ms(connector.median()),
         ms(connector.p99()),
@@ -784,7 +857,31 @@ async fn setup(settings: &Settings) {
             ratio(ssh_three.median(), connector.median())
         );
     }
+    println!(
+        "\nThe run set-up ÷ the floor with BeginRun's syncs: {} (what the set-up costs beyond its syncs, against a new connection and three calls; mint and BeginRun's checks are the difference).",
+        ratio(connector.median(), floor_with_syncs.median())
+    );
     fsyncs(&authority, &dir.0, &operator).await;
+}
+
+/// What BeginRun syncs, on the same file system (`runs/` beside it), without its checks: a new
+/// directory with a file written and fsync'd (the grant), a file written and fdatasync'd (the
+/// journal's first record), the new directory and its parent fsync'd: 3 fsync + 1 fdatasync,
+/// as `strace -c` counts BeginRun (section 2).
+fn syncs_of_begin_run(dir: &Path) {
+    use std::io::Write;
+    std::fs::create_dir(dir).unwrap();
+    let mut grant = std::fs::File::create(dir.join("grant.pb")).unwrap();
+    grant.write_all(&[0x5a; 600]).unwrap();
+    grant.sync_all().unwrap();
+    let mut journal = std::fs::File::create(dir.join("journal")).unwrap();
+    journal.write_all(&[0x5a; 400]).unwrap();
+    journal.sync_data().unwrap();
+    std::fs::File::open(dir).unwrap().sync_all().unwrap();
+    std::fs::File::open(dir.parent().unwrap())
+        .unwrap()
+        .sync_all()
+        .unwrap();
 }
 
 /// strace counting the sync calls of process `pid` (all its threads) into `out_file`.
@@ -1319,6 +1416,8 @@ async fn footprint(settings: &Settings) {
 mod checks;
 #[path = "performance/node_ops.rs"]
 mod node_ops;
+#[path = "performance/profile.rs"]
+mod profile;
 #[path = "performance/resolve.rs"]
 mod resolve;
 #[path = "performance/run_history.rs"]
@@ -1329,6 +1428,10 @@ fn main() {
         .skip(1)
         .filter(|a| a != "--bench")
         .collect();
+    if args.iter().any(|a| a == "--profile") {
+        profile::profile(&args);
+        return;
+    }
     let short = args.iter().any(|a| a == "--short")
         || std::env::var("CERTISTACK_BENCH_SHORT").as_deref() == Ok("1");
     let mut sections: Vec<&str> = args

@@ -453,3 +453,45 @@ fn a_second_run_on_one_state_directory_is_refused_while_the_first_holds_the_lock
         .mode();
     assert_eq!(mode & 0o777, 0o600);
 }
+
+/// The packaged controller runs as its own user; a `run` started as root on its state
+/// directory is refused before it creates anything there (exit 77, naming the owner and
+/// `runuser`), and a lock file another user left is refused saying whose it is, instead of
+/// failing every later night with a write error.
+#[test]
+fn a_run_lock_of_another_user_is_refused_naming_its_owner() {
+    if !privileged(
+        "a_run_lock_of_another_user_is_refused_naming_its_owner",
+        &[],
+    ) {
+        return;
+    }
+    use certistack_controller::plan_run::RUN_LOCK_FILE;
+    let controller = Controller::new();
+    let state = controller.dir.0.join("state");
+    let nobody = rustix::process::Uid::from_raw(65534);
+    let chown = |path: &std::path::Path, uid| {
+        rustix::fs::chown(path, Some(uid), None).unwrap();
+    };
+    // The state directory is another user's: nothing is created in it.
+    chown(&state, nobody);
+    let (code, out, err) = controller.ctl(&["run", "nightly.yaml"]);
+    assert_eq!(code, 77, "{out}{err}");
+    assert!(
+        err.contains("is owned by uid 65534") && err.contains("runuser -u"),
+        "{err}"
+    );
+    assert!(!state.join(RUN_LOCK_FILE).exists());
+    assert!(!controller.history_file().exists());
+    chown(&state, rustix::process::geteuid());
+    // A lock file another user left.
+    std::fs::write(state.join(RUN_LOCK_FILE), "pid 1\n").unwrap();
+    chown(&state.join(RUN_LOCK_FILE), nobody);
+    let (code, out, err) = controller.ctl(&["run", "nightly.yaml"]);
+    assert_eq!(code, 77, "{out}{err}");
+    assert!(
+        err.contains(RUN_LOCK_FILE) && err.contains("is owned by uid 65534"),
+        "{err}"
+    );
+    assert!(!controller.history_file().exists());
+}

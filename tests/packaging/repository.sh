@@ -209,6 +209,10 @@ cp "$controller" "$controller.minisig" "$pool/"
 refused "the controller's package in the connector's pool directory" "pool/main/c/certistack-connector/certistack-controller_0.1.0-1_amd64.deb.minisig is in the pool but is not a signed CertiStack package"
 rm "$pool"/certistack-controller_*
 unchanged
+mkdir -p "$work/twice"
+cp "$controller" "$controller.minisig" "$work/twice/"
+refused "one file name given twice" "two packages are named certistack-controller_0.1.0-1_amd64.deb" "$controller" "$work/twice/$(basename "$controller")"
+unchanged
 publish "$controller" >/dev/null
 cmp "$controller" "$repo/pool/main/c/certistack-controller/$(basename "$controller")" || fail "the published controller is not the verified one"
 [ "$(sed -n 's/^Package: //p' "$packages" | sort | tr '\n' ' ')" = "certistack-connector certistack-connector certistack-controller " ] \

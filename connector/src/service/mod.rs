@@ -523,18 +523,29 @@ impl Connector for ConnectorService {
             .map_err(|error| self.refuse(Rpc::ListRuns, &peer.label(), "", invalid(error)))?;
         let now = self.clock.now_unix();
         // Open runs: what they hold, from the records in memory (which takes each journal's
-        // lock, so off the async workers). Closed runs: their index entry.
+        // lock); closed runs: their index entries on disk. Both off the async workers, in one
+        // hand-off to a blocking thread (each hand-off is a thread's wake-up, about as long as
+        // the rest of the call).
         let open = self.runs.open_runs();
-        let open = tokio::task::spawn_blocking(move || {
-            open.into_iter()
+        let registry = self.runs.clone();
+        let (open, closed) = tokio::task::spawn_blocking(move || {
+            let open = open
+                .into_iter()
                 .map(|run| {
                     let resources = run.open_resources();
                     (run, resources)
                 })
-                .collect::<Vec<_>>()
+                .collect::<Vec<_>>();
+            (
+                open,
+                registry.closed_page(page.after.as_ref(), page.page_size),
+            )
         })
         .await
-        .map_err(|error| Status::internal(format!("listing the open runs stopped: {error}")))?;
+        .map_err(|error| Status::internal(format!("listing the runs stopped: {error}")))?;
+        let (closed, next) = closed.map_err(|error| {
+            Status::unavailable(format!("cannot list the closed runs: {error}"))
+        })?;
         let mut runs: Vec<pb::RunSummary> = open
             .into_iter()
             .map(|(run, open_resources)| pb::RunSummary {
@@ -549,13 +560,6 @@ impl Connector for ConnectorService {
                 quarantine_reason: String::new(),
             })
             .collect();
-        let registry = self.runs.clone();
-        let (closed, next) = tokio::task::spawn_blocking(move || {
-            registry.closed_page(page.after.as_ref(), page.page_size)
-        })
-        .await
-        .map_err(|error| Status::internal(format!("listing the closed runs stopped: {error}")))?
-        .map_err(|error| Status::unavailable(format!("cannot list the closed runs: {error}")))?;
         runs.extend(closed.into_iter().map(|(run_id, closed)| pb::RunSummary {
             run_id: run_id.to_string(),
             state: pb::RunState::Closed as i32,

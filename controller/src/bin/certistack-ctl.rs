@@ -93,7 +93,8 @@ error (a node unreachable or refusing, its surface digest differs, the connectio
 passed, interrupted, or a cleanup not proven complete; takes precedence over 1); 64 the command line \
 is wrong; 65 the plan is refused; 66 the plan, the configuration or a secret file cannot be read; \
 77 a file's owner or mode is refused (the message gives the chmod to run); 78 the controller \
-configuration is refused; 71 the operating system refused to start the runtime.";
+configuration is refused; 71 the operating system refused to start the runtime; 75 another run holds \
+the state directory's run lock (run.lock names its PID and plan): nothing was asked of anyone.";
 
 const OPERATOR_EXIT_CODES: &str = "NODE is a node name of the controller configuration's inventory \
 (--config); --state-dir with --node HOST:PORT addresses a node directly instead. Exit codes: 0 success; \

@@ -62,6 +62,14 @@ pub fn lock_state_dir(
     let since = now
         .format(&time::format_description::well_known::Rfc3339)
         .unwrap_or_default();
+    // A state directory of another user (a run started as root on the packaged controller's)
+    // is refused with its owner, before anything is created in it.
+    certistack_core::files::check_private(state_dir).map_err(|error| {
+        ExitStatus::new(
+            crate::exit::file_exit_code(&error),
+            format!("controller state directory refused: {error}"),
+        )
+    })?;
     let holder = format!(
         "pid {}, plan {}, since {since}",
         std::process::id(),
@@ -91,9 +99,12 @@ pub fn run(
     now: OffsetDateTime,
     runtime: &tokio::runtime::Runtime,
 ) -> Result<Vec<crate::verdict::Summary>, ExitStatus> {
-    let loaded = load(options, now)?;
+    let mut loaded = load(options, now)?;
+    // Held until the table is printed: the run's last output.
+    let run_lock = loaded.run_lock.take();
     let summaries = runtime.block_on(validate(options, loaded, now));
     print(options.output, &summaries);
+    drop(run_lock);
     Ok(summaries)
 }
 
@@ -189,8 +200,10 @@ pub async fn validate(
         checked,
         history,
         channels,
-        run_lock: _held_until_the_run_ends,
+        run_lock,
     } = loaded;
+    // Whoever calls this phase alone (not `run`) holds the lock until it returns.
+    let _run_lock = run_lock;
     let progress = Arc::new(runner::Progress::new(options.output));
     let announced = progress.clone();
     let interrupts = interrupt::listen(move |line| announced.println(line));

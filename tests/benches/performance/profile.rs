@@ -1,0 +1,265 @@
+//! `--profile [ROW]`: where one transport row's instructions go, both sides, in one command.
+//!
+//! The bench runs itself under `valgrind --tool=callgrind` twice: once making ROW's operation
+//! and once its floor, each [`ITERATIONS`] times after a warm-up, everything (the controller's
+//! client and the in-process connector) on one thread of a current-thread runtime, with
+//! collection switched on only inside [`profiled_iteration`] and, on tokio's blocking threads,
+//! inside the blocking tasks the connector hands them (the warm-up makes none, so only the
+//! measured operations' are counted). It prints the instructions per
+//! operation of each and their ratio, then the row's top functions by inclusive and by self
+//! cost (`callgrind_annotate`), so the next regression is named in one run. Instruction counts
+//! do not depend on what else the machine runs (valgrind hides ADX and BMI2, so ring's
+//! portable P-256 code runs and signatures weigh more than on the metal).
+//!
+//! Rows: `new-connection` (Hello on a new connection as `client::connect` makes it, against the
+//! echo on a new connection with a full handshake), `hello`, `list-runs`, `read-journal` (each on
+//! an open connection, against the echo on an open mTLS connection). Needs valgrind
+//! (`apt-get install valgrind`).
+
+use super::*;
+use std::future::Future;
+
+/// The rows `--profile` knows, the first the default.
+pub const ROWS: [&str; 4] = ["new-connection", "hello", "list-runs", "read-journal"];
+/// Operations measured per run, after [`WARM_UP`] unmeasured ones.
+const ITERATIONS: usize = 20;
+const WARM_UP: usize = 5;
+/// Functions printed of each listing.
+const TOP: usize = 20;
+/// Set in the child valgrind runs: which operation it makes (`ROW` or `ROW/floor`).
+const TARGET_ENV: &str = "CERTISTACK_BENCH_PROFILE_TARGET";
+
+/// `--profile [ROW]` from the command line, or the child's part under valgrind.
+pub fn profile(args: &[String]) {
+    if let Ok(target) = std::env::var(TARGET_ENV) {
+        run_target(&target);
+        return;
+    }
+    let row = args
+        .iter()
+        .skip_while(|a| *a != "--profile")
+        .nth(1)
+        .filter(|a| !a.starts_with("--"))
+        .map(String::as_str)
+        .unwrap_or(ROWS[0]);
+    if !ROWS.contains(&row) {
+        eprintln!("--profile {row}: not a row; one of {}", ROWS.join(", "));
+        std::process::exit(64);
+    }
+    for tool in ["valgrind", "callgrind_annotate"] {
+        if Command::new(tool).arg("--version").output().is_err() {
+            eprintln!("--profile needs {tool}: apt-get install valgrind");
+            std::process::exit(69);
+        }
+    }
+    let dir = TempDir::new("bench-profile");
+    let measured = |target: &str| -> (PathBuf, u64) {
+        let out = dir
+            .0
+            .join(format!("callgrind.{}", target.replace('/', "-")));
+        let status = Command::new("valgrind")
+            .args([
+                "--tool=callgrind",
+                "--collect-atstart=no",
+                "--toggle-collect=*profiled_iteration*",
+                // What the connector hands to tokio's blocking threads (ListRuns' and
+                // ReadJournal's disk reads) runs there, outside the toggled function.
+                "--toggle-collect=*BlockingTask*as*Future*poll*",
+            ])
+            .arg(format!("--callgrind-out-file={}", out.display()))
+            .arg(std::env::current_exe().unwrap())
+            .arg("--profile")
+            .env(TARGET_ENV, target)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .unwrap();
+        assert!(status.success(), "valgrind of {target}: {status}");
+        let total = total_instructions(&out);
+        (out, total / ITERATIONS as u64)
+    };
+    let (row_file, row_ir) = measured(row);
+    let (_, floor_ir) = measured(&format!("{row}/floor"));
+    heading(&format!("Profile of `{row}` (callgrind, instructions)"));
+    println!(
+        "{ITERATIONS} operations each after {WARM_UP} of warm-up; client and connector on one thread; {}.\n",
+        floor_name(row)
+    );
+    println!("| operation | instructions per operation | ÷ floor |");
+    println!("|---|---:|---:|");
+    println!(
+        "| {row} | {} | {:.2}× |",
+        thousands(row_ir),
+        row_ir as f64 / floor_ir.max(1) as f64
+    );
+    println!(
+        "| floor: {} | {} | 1.00× |",
+        floor_name(row),
+        thousands(floor_ir)
+    );
+    for (inclusive, title) in [(true, "inclusive"), (false, "self")] {
+        println!(
+            "\nTop {TOP} functions of `{row}` by {title} cost (all {ITERATIONS} operations):\n"
+        );
+        for line in annotate(&row_file, inclusive) {
+            println!("    {line}");
+        }
+    }
+    println!(
+        "\nThe callgrind files are kept in {} for callgrind_annotate or kcachegrind.",
+        dir.0.display()
+    );
+    // Kept for the reader: the temporary directory is not removed.
+    std::mem::forget(dir);
+}
+
+fn floor_name(row: &str) -> &'static str {
+    if row == "new-connection" {
+        "the echo on a new connection with a full TLS 1.3 handshake (a configuration of its own)"
+    } else {
+        "the echo on an open mTLS connection"
+    }
+}
+
+/// `1234567` as `1,234,567`.
+fn thousands(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// The `summary:` (or `totals:`) line of a callgrind file: every instruction collected.
+fn total_instructions(file: &Path) -> u64 {
+    let text = std::fs::read_to_string(file).unwrap();
+    text.lines()
+        .find_map(|line| {
+            line.strip_prefix("summary:")
+                .or_else(|| line.strip_prefix("totals:"))
+        })
+        .and_then(|n| n.split_whitespace().next()?.parse().ok())
+        .unwrap_or_else(|| panic!("{}: no summary line", file.display()))
+}
+
+/// The top functions `callgrind_annotate` lists, by inclusive or self cost.
+fn annotate(file: &Path, inclusive: bool) -> Vec<String> {
+    let output = Command::new("callgrind_annotate")
+        .arg(format!(
+            "--inclusive={}",
+            if inclusive { "yes" } else { "no" }
+        ))
+        .arg("--threshold=100")
+        .arg(file)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&output.stdout);
+    text.lines()
+        .filter(|line| {
+            let line = line.trim_start();
+            line.chars().next().is_some_and(|c| c.is_ascii_digit()) && line.contains(':')
+        })
+        .filter(|line| !line.contains("PROGRAM TOTALS"))
+        .map(|line| line.trim_end().chars().take(200).collect())
+        .take(TOP)
+        .collect()
+}
+
+/// Everything collection sees runs inside this function: the caller's operation and, on the
+/// same current-thread runtime, the connector's side of it.
+#[inline(never)]
+fn profiled_iteration<F: Future>(runtime: &tokio::runtime::Runtime, operation: F) -> F::Output {
+    runtime.block_on(operation)
+}
+
+/// The child under valgrind: ITERATIONS operations of `target` (`ROW` or `ROW/floor`).
+fn run_target(target: &str) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (row, floor) = match target.split_once('/') {
+        Some((row, "floor")) => (row, true),
+        _ => (target, false),
+    };
+    let dir = TempDir::new("bench-profile-target");
+    let authority = controller(&dir.0);
+    let node = runtime.block_on(TestNode::start(&authority, &dir.0.join("node"), NODE));
+    let operator = authority.issue_operator("bench", now()).unwrap();
+    let mtls_address = runtime.block_on(serve_echo_mtls(&authority, &node.config));
+    let payload = vec![0x5a; 64];
+    let credentials = mint(&authority, &grant(RUN_ID, NODE));
+    let (mut run, mut op, echo_channel) = runtime.block_on(async {
+        let mut run = run_client(&authority, &node, &credentials).await;
+        run.begin_run(begin_request(&credentials)).await.unwrap();
+        run.vm_status(pb::VmRequest { vmid: VMID }).await.unwrap();
+        let op = client(&authority, &node.address, NODE, &operator)
+            .await
+            .unwrap();
+        let config = controller_tls(&authority, &operator);
+        let channel = certistack_controller::connect::connect(mtls_address.clone(), NODE, config)
+            .await
+            .unwrap();
+        (run, op, channel)
+    });
+    // The warm-up: for a new connection, the operation itself (each makes its own
+    // connection); on an open connection, every channel's h2 state and a blocking thread
+    // started, without the operation, so its blocking tasks are all measured ones.
+    let new_connection = row == "new-connection";
+    runtime.block_on(async {
+        tokio::task::spawn_blocking(|| ()).await.unwrap();
+        for _ in 0..WARM_UP {
+            echo::call(&echo_channel, &payload).await;
+            run.hello(pb::HelloRequest {}).await.unwrap();
+            op.hello(pb::HelloRequest {}).await.unwrap();
+        }
+    });
+    let warm_up = if new_connection { WARM_UP } else { 0 };
+    for i in 0..warm_up + ITERATIONS {
+        let operation = async {
+            match (row, floor) {
+                ("new-connection", true) => {
+                    let config = controller_tls(&authority, &operator);
+                    let channel =
+                        certistack_controller::connect::connect(mtls_address.clone(), NODE, config)
+                            .await
+                            .unwrap();
+                    echo::call(&channel, &payload).await;
+                }
+                ("new-connection", false) => {
+                    let mut c = client(&authority, &node.address, NODE, &operator)
+                        .await
+                        .unwrap();
+                    c.hello(pb::HelloRequest {}).await.unwrap();
+                }
+                (_, true) => echo::call(&echo_channel, &payload).await,
+                ("hello", false) => {
+                    run.hello(pb::HelloRequest {}).await.unwrap();
+                }
+                ("list-runs", false) => {
+                    op.list_runs(pb::ListRunsRequest::default()).await.unwrap();
+                }
+                ("read-journal", false) => {
+                    let mut stream = run
+                        .read_journal(pb::ReadJournalRequest {
+                            run_id: RUN_ID.into(),
+                        })
+                        .await
+                        .unwrap()
+                        .into_inner();
+                    while stream.message().await.unwrap().is_some() {}
+                }
+                (other, _) => panic!("unknown profile row {other}"),
+            }
+        };
+        if i < warm_up {
+            runtime.block_on(operation);
+        } else {
+            profiled_iteration(&runtime, operation);
+        }
+    }
+}
