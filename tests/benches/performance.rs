@@ -426,6 +426,7 @@ async fn transport(settings: &Settings) {
         "VmStatus (recording executor; read-only, not journaled)",
         "ReadJournal (a run's journal, streamed)",
         "ListRuns (operator)",
+        "Hello (operator, on ListRuns' connection)",
         "echo, mTLS, answered from a blocking thread (one hand-off, as ListRuns and ReadJournal make to read the disk)",
         "echo, mTLS: new connection, resumed TLS 1.3 handshake (one configuration shared) + first call",
         "echo, mTLS: new connection, full TLS 1.3 handshake (a new configuration, as client::connect makes) + first call",
@@ -477,13 +478,20 @@ async fn transport(settings: &Settings) {
             .await;
         }
         for _ in 0..calls / rounds {
-            timed(&mut samples[6], || echo::call_blocking(&mtls, &payload)).await;
+            let mut c = op.clone();
+            timed(&mut samples[6], || async move {
+                c.hello(pb::HelloRequest {}).await.unwrap();
+            })
+            .await;
+        }
+        for _ in 0..calls / rounds {
+            timed(&mut samples[7], || echo::call_blocking(&mtls, &payload)).await;
         }
         for _ in 0..connections / rounds {
             let config = tls_config.clone();
             let address = mtls_address.clone();
             let payload = &payload;
-            timed(&mut samples[7], || async move {
+            timed(&mut samples[8], || async move {
                 let channel = certistack_controller::connect::connect(address, NODE, config)
                     .await
                     .unwrap();
@@ -497,7 +505,7 @@ async fn transport(settings: &Settings) {
             let (authority, operator) = (&authority, &operator);
             // What every controller connection does today: parse the CA, the certificate and
             // the key and build the configuration, so no session ticket is kept to resume.
-            timed(&mut samples[8], || async move {
+            timed(&mut samples[9], || async move {
                 let config = controller_tls(authority, operator);
                 let channel = certistack_controller::connect::connect(address, NODE, config)
                     .await
@@ -510,7 +518,7 @@ async fn transport(settings: &Settings) {
             let address = node.address.clone();
             let authority = &authority;
             let operator = &operator;
-            timed(&mut samples[9], || async move {
+            timed(&mut samples[10], || async move {
                 let mut c = client(authority, &address, NODE, operator).await.unwrap();
                 c.hello(pb::HelloRequest {}).await.unwrap();
             })
@@ -525,14 +533,14 @@ async fn transport(settings: &Settings) {
     println!(
         "In-process server and client on loopback; {} calls per row (one at a time), {} new connections. The journal streamed holds {journal_records} records.\n",
         samples[0].0.len(),
-        samples[7].0.len()
+        samples[8].0.len()
     );
     println!("| call | median | p99 | median ÷ mTLS floor |");
     println!("|---|---:|---:|---:|");
     let floor = samples[1].median();
-    let new_floor = samples[8].median();
+    let new_floor = samples[9].median();
     for (i, name) in names.iter().enumerate() {
-        let base = if i >= 7 { new_floor } else { floor };
+        let base = if i >= 8 { new_floor } else { floor };
         println!(
             "| {name} | {} | {} | {} |",
             ms(samples[i].median()),
@@ -543,7 +551,7 @@ async fn transport(settings: &Settings) {
     println!(
         "\nRows on a new connection are divided by the echo's new connection with a full handshake (the like-for-like floor: the Hello row's client builds its configuration per connection, so it never resumes); the others by the echo on an open mTLS connection. The resumed row shows what a kept configuration would save."
     );
-    let handed_off = samples[6].median();
+    let handed_off = samples[7].median();
     println!(
         "\nAgainst the echo answered from a blocking thread (the same hand-off): ReadJournal {}, ListRuns {}.",
         ratio(samples[4].median(), handed_off),

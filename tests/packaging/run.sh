@@ -583,7 +583,7 @@ print("history row:", rows[0]["validation"], rows[0]["state"], rows[0]["node"], 
   [ -n "$(inside systemctl show -p NextElapseUSecRealtime --value certistack-controller.timer)" ] || { echo "the timer has no next run"; return 1; }
   # A second run while one holds the state directory's run lock is refused, as the timer's
   # start during an operator's run would be.
-  inside runuser -u certistack-ctl -- flock /var/lib/certistack-ctl/run.lock sleep 30 &
+  inside runuser -u certistack-ctl -- flock /var/lib/certistack-ctl/run.lock sleep 30 >/dev/null 2>&1 &
   local holder=$!
   sleep 1
   inside systemctl start certistack-controller.service && { echo "a run started while the lock was held"; return 1; }
