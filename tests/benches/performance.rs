@@ -459,14 +459,7 @@ async fn transport(settings: &Settings) {
         for _ in 0..calls / rounds {
             let mut c = run.clone();
             timed(&mut samples[4], || async move {
-                let mut stream = c
-                    .read_journal(pb::ReadJournalRequest {
-                        run_id: RUN_ID.into(),
-                    })
-                    .await
-                    .unwrap()
-                    .into_inner();
-                while stream.message().await.unwrap().is_some() {}
+                read_whole_journal(&mut c).await
             })
             .await;
         }
@@ -557,6 +550,18 @@ async fn transport(settings: &Settings) {
         ratio(samples[4].median(), handed_off),
         ratio(samples[5].median(), handed_off)
     );
+}
+
+/// ReadJournal of [`RUN_ID`], every record of the stream received.
+async fn read_whole_journal(c: &mut ConnectorClient<Channel>) {
+    let mut stream = c
+        .read_journal(pb::ReadJournalRequest {
+            run_id: RUN_ID.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    while stream.message().await.unwrap().is_some() {}
 }
 
 async fn operator_client(

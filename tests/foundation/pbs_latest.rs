@@ -136,6 +136,16 @@ validations:
         )
     }
 
+    fn plan_check(&self) -> (i32, String, String) {
+        self.ctl(&[
+            "plan",
+            "check",
+            "nightly.yaml",
+            "--config",
+            "controller.toml",
+        ])
+    }
+
     fn show_json(&self) -> (i32, String, String) {
         self.ctl(&[
             "plan",
@@ -222,13 +232,7 @@ fn latest_archives_and_sizes_come_from_the_pbs_api() {
     );
     assert!(out.contains("drive-scsi0.img, 4194304 bytes"), "{out}");
     outputs.push(out + &err);
-    let (code, out, err) = setup.ctl(&[
-        "plan",
-        "check",
-        "nightly.yaml",
-        "--config",
-        "controller.toml",
-    ]);
+    let (code, out, err) = setup.plan_check();
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("snapshot vm/100/2026-12-02T02:00:00Z archives drive-efidisk0.img,drive-scsi0.img sandbox 9100 (4 cores, 4096 MiB)"), "{out}");
     outputs.push(out + &err);
@@ -460,13 +464,7 @@ fn a_backup_too_old_or_missing_fails_its_validation_with_a_signed_report_and_no_
         "    snapshot: latest\n",
         "    snapshot: latest\n    max_age_hours: 1\n",
     );
-    let (code, out, err) = setup.ctl(&[
-        "plan",
-        "check",
-        "nightly.yaml",
-        "--config",
-        "controller.toml",
-    ]);
+    let (code, out, err) = setup.plan_check();
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("web01: fails before any node is asked: the newest finished backup of VM 100 (2026-12-02T02:00:00Z) is "), "{out}");
     assert!(
@@ -619,13 +617,7 @@ fn the_packaged_example_plan_is_accepted_and_judges_the_backups_age() {
         plan = plan.replacen(from, &to, 1);
     }
     std::fs::write(setup.dir.0.join("nightly.yaml"), plan).unwrap();
-    let (code, out, err) = setup.ctl(&[
-        "plan",
-        "check",
-        "nightly.yaml",
-        "--config",
-        "controller.toml",
-    ]);
+    let (code, out, err) = setup.plan_check();
     assert_eq!(code, 0, "{out}{err}");
     assert!(
         out.contains("web01: fails before any node is asked: the newest finished backup of VM 100 (2026-12-02T02:00:00Z) is ")

@@ -226,9 +226,16 @@ fn systemd_analyze_verifies_and_scores_the_unit() {
     );
     let path = dir.0.join("certistack-connector.service");
     std::fs::write(&path, unit).unwrap();
+    let score = verified_exposure(&[&path], Path::new(UNIT), "certistack-connector.service");
+    assert!(score <= 4.0, "exposure {score}");
+}
+
+/// `systemd-analyze verify` of `files` finds nothing; the exposure `security --offline` gives
+/// `unit` (named `name`), printed and returned.
+fn verified_exposure(files: &[&Path], unit: &Path, name: &str) -> f64 {
     let verify = Command::new("systemd-analyze")
         .arg("verify")
-        .arg(&path)
+        .args(files)
         .output()
         .unwrap();
     let said = format!(
@@ -237,20 +244,20 @@ fn systemd_analyze_verifies_and_scores_the_unit() {
         String::from_utf8_lossy(&verify.stderr)
     );
     assert!(verify.status.success() && said.trim().is_empty(), "{said}");
-
     let security = Command::new("systemd-analyze")
         .args(["security", "--offline=true", "--no-pager"])
-        .arg(Path::new(UNIT))
+        .arg(unit)
         .output()
         .unwrap();
     let report = String::from_utf8_lossy(&security.stdout);
+    let marker = format!("Overall exposure level for {name}: ");
     let score: f64 = report
         .lines()
-        .find_map(|l| l.split_once("Overall exposure level for certistack-connector.service: "))
+        .find_map(|l| l.split_once(marker.as_str()))
         .and_then(|(_, rest)| rest.split_whitespace().next()?.parse().ok())
         .unwrap_or_else(|| panic!("no score in {report}"));
-    eprintln!("systemd-analyze security --offline=true: exposure {score}");
-    assert!(score <= 4.0, "exposure {score}:\n{report}");
+    eprintln!("systemd-analyze security --offline=true {name}: exposure {score}\n{report}");
+    score
 }
 
 /// The controller's service: a oneshot of `certistack-ctl run` of the configured plan, as its
@@ -330,30 +337,10 @@ fn systemd_analyze_verifies_the_controller_units_and_scores_the_service() {
     std::fs::write(&service, unit).unwrap();
     let timer = dir.0.join("certistack-controller.timer");
     std::fs::copy(CONTROLLER_TIMER, &timer).unwrap();
-    let verify = Command::new("systemd-analyze")
-        .arg("verify")
-        .arg(&service)
-        .arg(&timer)
-        .output()
-        .unwrap();
-    let said = format!(
-        "{}{}",
-        String::from_utf8_lossy(&verify.stdout),
-        String::from_utf8_lossy(&verify.stderr)
+    let score = verified_exposure(
+        &[&service, &timer],
+        Path::new(CONTROLLER_UNIT),
+        "certistack-controller.service",
     );
-    assert!(verify.status.success() && said.trim().is_empty(), "{said}");
-
-    let security = Command::new("systemd-analyze")
-        .args(["security", "--offline=true", "--no-pager"])
-        .arg(Path::new(CONTROLLER_UNIT))
-        .output()
-        .unwrap();
-    let report = String::from_utf8_lossy(&security.stdout);
-    let score: f64 = report
-        .lines()
-        .find_map(|l| l.split_once("Overall exposure level for certistack-controller.service: "))
-        .and_then(|(_, rest)| rest.split_whitespace().next()?.parse().ok())
-        .unwrap_or_else(|| panic!("no score in {report}"));
-    eprintln!("systemd-analyze security --offline=true: exposure {score}");
-    assert!(score <= 2.5, "exposure {score}:\n{report}");
+    assert!(score <= 2.5, "exposure {score}");
 }

@@ -243,16 +243,7 @@ fn run_target(target: &str) {
                 ("list-runs", false) => {
                     op.list_runs(pb::ListRunsRequest::default()).await.unwrap();
                 }
-                ("read-journal", false) => {
-                    let mut stream = run
-                        .read_journal(pb::ReadJournalRequest {
-                            run_id: RUN_ID.into(),
-                        })
-                        .await
-                        .unwrap()
-                        .into_inner();
-                    while stream.message().await.unwrap().is_some() {}
-                }
+                ("read-journal", false) => read_whole_journal(&mut run).await,
                 (other, _) => panic!("unknown profile row {other}"),
             }
         };
