@@ -236,6 +236,10 @@ mod echo {
     /// The same echo, answered from tokio's blocking pool: one hand-off to a blocking thread
     /// and back, as a call that reads the disk off the async workers makes.
     pub const BLOCKING_PATH: &str = "/bench.Echo/EchoBlocking";
+    /// The same, the blocking thread busy for [`BLOCKING_WORK`] first, as ListRuns' and
+    /// ReadJournal's reads keep it: the async worker may park meanwhile.
+    pub const BLOCKING_WORK_PATH: &str = "/bench.Echo/EchoBlockingWork";
+    pub const BLOCKING_WORK: std::time::Duration = std::time::Duration::from_micros(20);
 
     #[derive(Clone, PartialEq, prost::Message)]
     pub struct Message {
@@ -261,17 +265,25 @@ mod echo {
         }
     }
 
-    struct BlockingUnary;
+    struct BlockingUnary {
+        work: std::time::Duration,
+    }
 
     impl tonic::server::UnaryService<Message> for BlockingUnary {
         type Response = Message;
         type Future = BoxFuture<tonic::Response<Message>, tonic::Status>;
         fn call(&mut self, request: tonic::Request<Message>) -> Self::Future {
             let message = request.into_inner();
+            let work = self.work;
             Box::pin(async move {
-                let message = tokio::task::spawn_blocking(move || message)
-                    .await
-                    .map_err(|error| tonic::Status::internal(error.to_string()))?;
+                let message = tokio::task::spawn_blocking(move || {
+                    // Busy, not asleep: a read that finds its pages in the cache.
+                    let started = std::time::Instant::now();
+                    while started.elapsed() < work {}
+                    message
+                })
+                .await
+                .map_err(|error| tonic::Status::internal(error.to_string()))?;
                 Ok(tonic::Response::new(message))
             })
         }
@@ -295,8 +307,13 @@ mod echo {
                 let mut grpc = tonic::server::Grpc::new(
                     tonic_prost::ProstCodec::<Message, Message>::default(),
                 );
-                if request.uri().path() == BLOCKING_PATH {
-                    Ok(grpc.unary(BlockingUnary, request).await)
+                let path = request.uri().path();
+                if path == BLOCKING_PATH {
+                    let work = std::time::Duration::ZERO;
+                    Ok(grpc.unary(BlockingUnary { work }, request).await)
+                } else if path == BLOCKING_WORK_PATH {
+                    let work = BLOCKING_WORK;
+                    Ok(grpc.unary(BlockingUnary { work }, request).await)
                 } else {
                     Ok(grpc.unary(Unary, request).await)
                 }
@@ -312,6 +329,11 @@ mod echo {
     /// One unary echo call on `channel`, answered from a blocking thread.
     pub async fn call_blocking(channel: &tonic::transport::Channel, payload: &[u8]) {
         call_path(channel, payload, BLOCKING_PATH).await;
+    }
+
+    /// The same, the blocking thread busy for [`BLOCKING_WORK`] first.
+    pub async fn call_blocking_work(channel: &tonic::transport::Channel, payload: &[u8]) {
+        call_path(channel, payload, BLOCKING_WORK_PATH).await;
     }
 
     async fn call_path(channel: &tonic::transport::Channel, payload: &[u8], path: &'static str) {
@@ -428,6 +450,7 @@ async fn transport(settings: &Settings) {
         "ListRuns (operator)",
         "Hello (operator, on ListRuns' connection)",
         "echo, mTLS, answered from a blocking thread (one hand-off, as ListRuns and ReadJournal make to read the disk)",
+        "echo, mTLS, answered from a blocking thread busy 20 µs first (the async worker may park meanwhile)",
         "echo, mTLS: new connection, resumed TLS 1.3 handshake (one configuration shared) + first call",
         "echo, mTLS: new connection, full TLS 1.3 handshake (a new configuration, as client::connect makes) + first call",
         "Hello: new connection + full TLS 1.3 handshake + first call",
@@ -480,11 +503,17 @@ async fn transport(settings: &Settings) {
         for _ in 0..calls / rounds {
             timed(&mut samples[7], || echo::call_blocking(&mtls, &payload)).await;
         }
+        for _ in 0..calls / rounds {
+            timed(&mut samples[8], || {
+                echo::call_blocking_work(&mtls, &payload)
+            })
+            .await;
+        }
         for _ in 0..connections / rounds {
             let config = tls_config.clone();
             let address = mtls_address.clone();
             let payload = &payload;
-            timed(&mut samples[8], || async move {
+            timed(&mut samples[9], || async move {
                 let channel = certistack_controller::connect::connect(address, NODE, config)
                     .await
                     .unwrap();
@@ -498,7 +527,7 @@ async fn transport(settings: &Settings) {
             let (authority, operator) = (&authority, &operator);
             // What every controller connection does today: parse the CA, the certificate and
             // the key and build the configuration, so no session ticket is kept to resume.
-            timed(&mut samples[9], || async move {
+            timed(&mut samples[10], || async move {
                 let config = controller_tls(authority, operator);
                 let channel = certistack_controller::connect::connect(address, NODE, config)
                     .await
@@ -511,7 +540,7 @@ async fn transport(settings: &Settings) {
             let address = node.address.clone();
             let authority = &authority;
             let operator = &operator;
-            timed(&mut samples[10], || async move {
+            timed(&mut samples[11], || async move {
                 let mut c = client(authority, &address, NODE, operator).await.unwrap();
                 c.hello(pb::HelloRequest {}).await.unwrap();
             })
@@ -526,14 +555,14 @@ async fn transport(settings: &Settings) {
     println!(
         "In-process server and client on loopback; {} calls per row (one at a time), {} new connections. The journal streamed holds {journal_records} records.\n",
         samples[0].0.len(),
-        samples[8].0.len()
+        samples[9].0.len()
     );
     println!("| call | median | p99 | median ÷ mTLS floor |");
     println!("|---|---:|---:|---:|");
     let floor = samples[1].median();
-    let new_floor = samples[9].median();
+    let new_floor = samples[10].median();
     for (i, name) in names.iter().enumerate() {
-        let base = if i >= 8 { new_floor } else { floor };
+        let base = if i >= 9 { new_floor } else { floor };
         println!(
             "| {name} | {} | {} | {} |",
             ms(samples[i].median()),
@@ -545,10 +574,13 @@ async fn transport(settings: &Settings) {
         "\nRows on a new connection are divided by the echo's new connection with a full handshake (the like-for-like floor: the Hello row's client builds its configuration per connection, so it never resumes); the others by the echo on an open mTLS connection. The resumed row shows what a kept configuration would save."
     );
     let handed_off = samples[7].median();
+    let busy = samples[8].median();
     println!(
-        "\nAgainst the echo answered from a blocking thread (the same hand-off): ReadJournal {}, ListRuns {}.",
+        "\nAgainst the echo answered from a blocking thread (the same hand-off): ReadJournal {}, ListRuns {}; against the one busy 20 µs there: ReadJournal {}, ListRuns {}.",
         ratio(samples[4].median(), handed_off),
-        ratio(samples[5].median(), handed_off)
+        ratio(samples[5].median(), handed_off),
+        ratio(samples[4].median(), busy),
+        ratio(samples[5].median(), busy)
     );
 }
 
@@ -870,8 +902,14 @@ async fn setup(settings: &Settings) {
             ratio(ssh_three.median(), connector.median())
         );
     }
+    // What the syncs cost, as the floors measure them; the set-up less that, against the
+    // floor without syncs: the set-up's own work beyond its syncs.
+    let syncs = floor_with_syncs.median().saturating_sub(base);
     println!(
-        "\nThe run set-up ÷ the floor with BeginRun's syncs: {} (what the set-up costs beyond its syncs, against a new connection and three calls; mint and BeginRun's checks are the difference).",
+        "\nThe syncs (the floor with them less the floor): {}. The run set-up beyond its syncs ({}) ÷ the floor: {}; the run set-up ÷ the floor with the syncs: {}. Mint, Hello's checks and BeginRun's checks are the difference.",
+        ms(syncs),
+        ms(connector.median().saturating_sub(syncs)),
+        ratio(connector.median().saturating_sub(syncs), base),
         ratio(connector.median(), floor_with_syncs.median())
     );
     fsyncs(&authority, &dir.0, &operator).await;
@@ -1437,6 +1475,12 @@ mod resolve;
 mod run_history;
 
 fn main() {
+    // The connector logs a line per call (`call_log`) at info, as the daemon does; its text
+    // formatter writes here to nowhere, so the formatting is counted but no terminal's write.
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new("info"))
+        .with_writer(std::io::sink)
+        .init();
     let args: Vec<String> = std::env::args()
         .skip(1)
         .filter(|a| a != "--bench")

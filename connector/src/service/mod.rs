@@ -524,8 +524,8 @@ impl Connector for ConnectorService {
         let now = self.clock.now_unix();
         // Open runs: what they hold, from the records in memory (which takes each journal's
         // lock); closed runs: their index entries on disk. Both off the async workers, in one
-        // hand-off to a blocking thread (each hand-off is a thread's wake-up, about as long as
-        // the rest of the call).
+        // hand-off to a blocking thread: while it works the worker may park, and waking it
+        // again costs about as much as the call's own work (docs/performance.md, section 1).
         let open = self.runs.open_runs();
         let registry = self.runs.clone();
         let (open, closed) = tokio::task::spawn_blocking(move || {

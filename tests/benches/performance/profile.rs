@@ -1,11 +1,12 @@
 //! `--profile [ROW]`: where one transport row's instructions go, both sides, in one command.
 //!
-//! The bench runs itself under `valgrind --tool=callgrind` twice: once making ROW's operation
-//! and once its floor, each [`ITERATIONS`] times after a warm-up, everything (the controller's
-//! client and the in-process connector) on one thread of a current-thread runtime, with
-//! collection switched on only inside [`profiled_iteration`] and, on tokio's blocking threads,
-//! inside the blocking tasks the connector hands them (the warm-up makes none, so only the
-//! measured operations' are counted). It prints the instructions per
+//! The bench runs itself under `valgrind --tool=callgrind`: ROW's operation and its floor, each
+//! [`ITERATIONS`] and then 2 × [`ITERATIONS`] times after a warm-up, everything (the
+//! controller's client and the in-process connector, logging as the daemon does) on one thread
+//! of a current-thread runtime, with collection switched on only inside [`profiled_iteration`]
+//! and, on tokio's blocking threads, inside the blocking tasks the connector hands them. What
+//! the set-up and the warm-up hand to blocking threads is collected too, alike in both runs: the
+//! difference of the two runs, divided by [`ITERATIONS`], is the operation alone. It prints the instructions per
 //! operation of each and their ratio, then the row's top functions by inclusive and by self
 //! cost (`callgrind_annotate`), so the next regression is named in one run. Instruction counts
 //! do not depend on what else the machine runs (valgrind hides ADX and BMI2, so ring's
@@ -21,13 +22,16 @@ use std::future::Future;
 
 /// The rows `--profile` knows, the first the default.
 pub const ROWS: [&str; 4] = ["new-connection", "hello", "list-runs", "read-journal"];
-/// Operations measured per run, after [`WARM_UP`] unmeasured ones.
+/// Operations measured in the first run (twice as many in the second), after [`WARM_UP`]
+/// unmeasured ones.
 const ITERATIONS: usize = 20;
 const WARM_UP: usize = 5;
 /// Functions printed of each listing.
 const TOP: usize = 20;
-/// Set in the child valgrind runs: which operation it makes (`ROW` or `ROW/floor`).
+/// Set in the child valgrind runs: which operation it makes (`ROW` or `ROW/floor`), and how
+/// many times.
 const TARGET_ENV: &str = "CERTISTACK_BENCH_PROFILE_TARGET";
+const ITERATIONS_ENV: &str = "CERTISTACK_BENCH_PROFILE_ITERATIONS";
 
 /// `--profile [ROW]` from the command line, or the child's part under valgrind.
 pub fn profile(args: &[String]) {
@@ -52,11 +56,17 @@ pub fn profile(args: &[String]) {
             std::process::exit(69);
         }
     }
-    let dir = TempDir::new("bench-profile");
-    let measured = |target: &str| -> (PathBuf, u64) {
-        let out = dir
-            .0
-            .join(format!("callgrind.{}", target.replace('/', "-")));
+    // Kept for the reader (the callgrind files, and a failed child's log): never removed.
+    let dir = {
+        let made = TempDir::new("bench-profile");
+        let path = made.0.clone();
+        std::mem::forget(made);
+        path
+    };
+    let run = |target: &str, iterations: usize| -> PathBuf {
+        let name = format!("{}-{iterations}", target.replace('/', "-"));
+        let out = dir.join(format!("callgrind.{name}"));
+        let log = dir.join(format!("valgrind.{name}.log"));
         let status = Command::new("valgrind")
             .args([
                 "--tool=callgrind",
@@ -67,22 +77,58 @@ pub fn profile(args: &[String]) {
                 "--toggle-collect=*BlockingTask*as*Future*poll*",
             ])
             .arg(format!("--callgrind-out-file={}", out.display()))
+            .arg(format!("--log-file={}", log.display()))
             .arg(std::env::current_exe().unwrap())
             .arg("--profile")
             .env(TARGET_ENV, target)
+            .env(ITERATIONS_ENV, iterations.to_string())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .status()
             .unwrap();
-        assert!(status.success(), "valgrind of {target}: {status}");
-        let total = total_instructions(&out);
-        (out, total / ITERATIONS as u64)
+        if !status.success() {
+            let said = std::fs::read_to_string(&log).unwrap_or_default();
+            let tail: Vec<&str> = said.lines().rev().take(30).collect();
+            panic!(
+                "valgrind of {target} ({iterations} operations): {status}; the end of {}:\n{}",
+                log.display(),
+                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+            );
+        }
+        out
     };
-    let (row_file, row_ir) = measured(row);
-    let (_, floor_ir) = measured(&format!("{row}/floor"));
+    // The operation alone: what 2N operations collect beyond N (the set-up, the warm-up and
+    // anything else collected once cancel out).
+    let per_operation = |target: &str| -> (PathBuf, u64) {
+        let once = total_instructions(&run(target, ITERATIONS));
+        let twice_file = run(target, 2 * ITERATIONS);
+        let twice = total_instructions(&twice_file);
+        assert!(
+            twice > once,
+            "{target}: {twice} instructions for {} operations, {once} for {ITERATIONS}: the toggled functions were not collected (renamed or inlined?)",
+            2 * ITERATIONS
+        );
+        (twice_file, (twice - once) / ITERATIONS as u64)
+    };
+    let (row_file, row_ir) = per_operation(row);
+    let (_, floor_ir) = per_operation(&format!("{row}/floor"));
+    // The blocking work must be among what was collected, or the count leaves it out silently.
+    let expected = match row {
+        "list-runs" => Some("closed_page"),
+        "read-journal" => Some("stream_journal"),
+        _ => None,
+    };
+    if let Some(function) = expected {
+        let listed = annotate(&row_file, true, usize::MAX);
+        assert!(
+            listed.iter().any(|line| line.contains(function)),
+            "{row}: {function} (run on a blocking thread) was not collected: the BlockingTask toggle no longer matches"
+        );
+    }
     heading(&format!("Profile of `{row}` (callgrind, instructions)"));
     println!(
-        "{ITERATIONS} operations each after {WARM_UP} of warm-up; client and connector on one thread; {}.\n",
+        "Instructions of {} operations less those of {ITERATIONS}, after {WARM_UP} of warm-up, divided by {ITERATIONS}; client and connector (logging as the daemon does, to nowhere) on one thread; the floor: {}.\n",
+        2 * ITERATIONS,
         floor_name(row)
     );
     println!("| operation | instructions per operation | ÷ floor |");
@@ -90,7 +136,7 @@ pub fn profile(args: &[String]) {
     println!(
         "| {row} | {} | {:.2}× |",
         thousands(row_ir),
-        row_ir as f64 / floor_ir.max(1) as f64
+        row_ir as f64 / floor_ir as f64
     );
     println!(
         "| floor: {} | {} | 1.00× |",
@@ -99,18 +145,17 @@ pub fn profile(args: &[String]) {
     );
     for (inclusive, title) in [(true, "inclusive"), (false, "self")] {
         println!(
-            "\nTop {TOP} functions of `{row}` by {title} cost (all {ITERATIONS} operations):\n"
+            "\nTop {TOP} functions of `{row}` by {title} cost ({} operations, with the set-up's blocking tasks):\n",
+            2 * ITERATIONS
         );
-        for line in annotate(&row_file, inclusive) {
+        for line in annotate(&row_file, inclusive, TOP) {
             println!("    {line}");
         }
     }
     println!(
         "\nThe callgrind files are kept in {} for callgrind_annotate or kcachegrind.",
-        dir.0.display()
+        dir.display()
     );
-    // Kept for the reader: the temporary directory is not removed.
-    std::mem::forget(dir);
 }
 
 fn floor_name(row: &str) -> &'static str {
@@ -146,8 +191,8 @@ fn total_instructions(file: &Path) -> u64 {
         .unwrap_or_else(|| panic!("{}: no summary line", file.display()))
 }
 
-/// The top functions `callgrind_annotate` lists, by inclusive or self cost.
-fn annotate(file: &Path, inclusive: bool) -> Vec<String> {
+/// The top `most` functions `callgrind_annotate` lists, by inclusive or self cost.
+fn annotate(file: &Path, inclusive: bool, most: usize) -> Vec<String> {
     let output = Command::new("callgrind_annotate")
         .arg(format!(
             "--inclusive={}",
@@ -157,6 +202,12 @@ fn annotate(file: &Path, inclusive: bool) -> Vec<String> {
         .arg(file)
         .output()
         .unwrap();
+    assert!(
+        output.status.success(),
+        "callgrind_annotate {}: {}",
+        file.display(),
+        String::from_utf8_lossy(&output.stderr)
+    );
     let text = String::from_utf8_lossy(&output.stdout);
     text.lines()
         .filter(|line| {
@@ -165,7 +216,7 @@ fn annotate(file: &Path, inclusive: bool) -> Vec<String> {
         })
         .filter(|line| !line.contains("PROGRAM TOTALS"))
         .map(|line| line.trim_end().chars().take(200).collect())
-        .take(TOP)
+        .take(most)
         .collect()
 }
 
@@ -176,7 +227,8 @@ fn profiled_iteration<F: Future>(runtime: &tokio::runtime::Runtime, operation: F
     runtime.block_on(operation)
 }
 
-/// The child under valgrind: ITERATIONS operations of `target` (`ROW` or `ROW/floor`).
+/// The child under valgrind: the operations of `target` (`ROW` or `ROW/floor`), as many as
+/// the parent asks.
 fn run_target(target: &str) {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -206,20 +258,14 @@ fn run_target(target: &str) {
             .unwrap();
         (run, op, channel)
     });
-    // The warm-up: for a new connection, the operation itself (each makes its own
-    // connection); on an open connection, every channel's h2 state and a blocking thread
-    // started, without the operation, so its blocking tasks are all measured ones.
-    let new_connection = row == "new-connection";
+    let iterations: usize = std::env::var(ITERATIONS_ENV)
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(ITERATIONS);
     runtime.block_on(async {
         tokio::task::spawn_blocking(|| ()).await.unwrap();
-        for _ in 0..WARM_UP {
-            echo::call(&echo_channel, &payload).await;
-            run.hello(pb::HelloRequest {}).await.unwrap();
-            op.hello(pb::HelloRequest {}).await.unwrap();
-        }
     });
-    let warm_up = if new_connection { WARM_UP } else { 0 };
-    for i in 0..warm_up + ITERATIONS {
+    for i in 0..WARM_UP + iterations {
         let operation = async {
             match (row, floor) {
                 ("new-connection", true) => {
@@ -247,7 +293,7 @@ fn run_target(target: &str) {
                 (other, _) => panic!("unknown profile row {other}"),
             }
         };
-        if i < warm_up {
+        if i < WARM_UP {
             runtime.block_on(operation);
         } else {
             profiled_iteration(&runtime, operation);
