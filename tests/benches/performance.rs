@@ -586,14 +586,7 @@ async fn transport(settings: &Settings) {
 
 /// ReadJournal of [`RUN_ID`], every record of the stream received.
 async fn read_whole_journal(c: &mut ConnectorClient<Channel>) {
-    let mut stream = c
-        .read_journal(pb::ReadJournalRequest {
-            run_id: RUN_ID.into(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    while stream.message().await.unwrap().is_some() {}
+    journal_records(c, RUN_ID).await;
 }
 
 async fn operator_client(

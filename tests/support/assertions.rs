@@ -43,8 +43,11 @@ pub fn assert_case_status<T: std::fmt::Debug>(
     }
 }
 
-/// A run's journal as `<operation> <resource> <phase>` lines, read through `ReadJournal`.
-pub async fn journal_steps(client: &mut ConnectorClient<Channel>, run_id: &str) -> Vec<String> {
+/// A run's journal, every record `ReadJournal` streams.
+pub async fn journal_records(
+    client: &mut ConnectorClient<Channel>,
+    run_id: &str,
+) -> Vec<pb::JournalRecord> {
     let mut stream = client
         .read_journal(pb::ReadJournalRequest {
             run_id: run_id.into(),
@@ -52,14 +55,20 @@ pub async fn journal_steps(client: &mut ConnectorClient<Channel>, run_id: &str) 
         .await
         .unwrap()
         .into_inner();
-    let mut steps = Vec::new();
+    let mut records = Vec::new();
     while let Some(record) = stream.message().await.unwrap() {
-        steps.push(format!(
-            "{} {} {}",
-            record.operation, record.resource, record.phase
-        ));
+        records.push(record);
     }
-    steps
+    records
+}
+
+/// A run's journal as `<operation> <resource> <phase>` lines, read through `ReadJournal`.
+pub async fn journal_steps(client: &mut ConnectorClient<Channel>, run_id: &str) -> Vec<String> {
+    journal_records(client, run_id)
+        .await
+        .into_iter()
+        .map(|record| format!("{} {} {}", record.operation, record.resource, record.phase))
+        .collect()
 }
 
 /// What `Cleanup` of `run_id` did: each receipt as `<resource> <end state>`, and the residue.

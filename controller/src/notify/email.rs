@@ -33,8 +33,8 @@ impl Email {
     pub fn new(settings: &SmtpSettings) -> Result<Self, String> {
         let pem = files::read_trusted(&settings.ca_file)
             .map_err(|error| format!("notify.smtp.ca_file: {error}"))?;
-        // Checked as the other TLS clients check a CA file, then handed to lettre.
-        tls::parse_certificates(&pem, "the CA file").map_err(|error| {
+        // Parsed as the other TLS clients parse a CA file, then handed to lettre.
+        let certificates = tls::parse_certificates(&pem, "the CA file").map_err(|error| {
             format!(
                 "notify.smtp.ca_file: {}: {error}",
                 settings.ca_file.display()
@@ -42,8 +42,8 @@ impl Email {
         })?;
         let mut parameters =
             TlsParameters::builder(settings.host.clone()).certificate_store(CertificateStore::None);
-        for block in pem_blocks(&pem) {
-            let certificate = Certificate::from_pem(block.as_bytes()).map_err(|error| {
+        for der in certificates {
+            let certificate = Certificate::from_der(der.to_vec()).map_err(|error| {
                 format!(
                     "notify.smtp.ca_file: {}: {error}",
                     settings.ca_file.display()
@@ -110,23 +110,6 @@ impl Email {
             .map(|_| ())
             .map_err(|error| error.to_string())
     }
-}
-
-/// The PEM blocks of a CA file, each a certificate.
-fn pem_blocks(text: &str) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut current = String::new();
-    for line in text.lines() {
-        if line.starts_with("-----BEGIN CERTIFICATE-----") {
-            current.clear();
-        }
-        current.push_str(line);
-        current.push('\n');
-        if line.starts_with("-----END CERTIFICATE-----") {
-            out.push(std::mem::take(&mut current));
-        }
-    }
-    out
 }
 
 /// A message's body as the e-mail reads it back (what `super::messages` wrote).

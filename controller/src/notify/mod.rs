@@ -284,15 +284,19 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_failure_message_names_what_failed_or_erred_and_a_summary_everything() {
-        let run = PlanRunFacts {
+    fn facts() -> PlanRunFacts {
+        PlanRunFacts {
             plan_run_id: "p".into(),
             plan: "nightly.yaml".into(),
             plan_sha256: "ab".into(),
             started_unix_ms: 1,
             ended_unix_ms: 2,
-        };
+        }
+    }
+
+    #[test]
+    fn a_failure_message_names_what_failed_or_erred_and_a_summary_everything() {
+        let run = facts();
         let rows = [
             row("web", RowState::Passed),
             row("db", RowState::Failed),
@@ -328,13 +332,7 @@ mod tests {
 
     #[test]
     fn guest_text_reaches_a_message_escaped_and_bounded() {
-        let run = PlanRunFacts {
-            plan_run_id: "p".into(),
-            plan: "nightly.yaml".into(),
-            plan_sha256: "ab".into(),
-            started_unix_ms: 1,
-            ended_unix_ms: 2,
-        };
+        let run = facts();
         let mut hostile = row("db", RowState::Failed);
         hostile.reasons = vec![format!(
             "banner \u{1b}]52;c;aGk=\u{7}\u{1b}[2J\u{202e}{}",
