@@ -30,6 +30,25 @@ pub struct RunHandle {
     pub(super) closed: std::sync::atomic::AtomicBool,
 }
 
+/// Records of a journal an async worker may go through to find what is open (a validation
+/// makes a few dozen).
+pub const INLINE_RECORDS: u64 = 256;
+
+/// What `records` leave open on the node, newest first, as `key (op phase)`.
+fn describe_open(records: &[Record]) -> Vec<String> {
+    crate::resources::open_newest_first(records)
+        .into_iter()
+        .map(|state| {
+            format!(
+                "{} ({} {})",
+                state.key,
+                state.last.entry.op,
+                state.last.entry.phase.name()
+            )
+        })
+        .collect()
+}
+
 pub(super) fn lock_journal(journal: &Mutex<Journal>) -> std::sync::MutexGuard<'_, Journal> {
     // A poisoned lock means a panic during an append; the journal's own state (cut back to
     // its last record, or poisoned) is still consistent.
@@ -67,18 +86,22 @@ impl RunHandle {
     /// What the journal says the run still has on the node, as `key (op phase)`. Takes the
     /// journal lock: call it off the async workers.
     pub fn open_resources(&self) -> Vec<String> {
-        let journal = lock_journal(&self.journal);
-        crate::resources::open_newest_first(journal.records())
-            .into_iter()
-            .map(|state| {
-                format!(
-                    "{} ({} {})",
-                    state.key,
-                    state.last.entry.op,
-                    state.last.entry.phase.name()
-                )
-            })
-            .collect()
+        describe_open(lock_journal(&self.journal).records())
+    }
+
+    /// [`Self::open_resources`] without waiting: `None` while an append holds the journal
+    /// (it may be syncing) or when the journal is longer than [`INLINE_RECORDS`], so an async
+    /// worker may call it.
+    pub fn try_open_resources(&self) -> Option<Vec<String>> {
+        if self.usage.get().0 > INLINE_RECORDS {
+            return None;
+        }
+        let journal = match self.journal.try_lock() {
+            Ok(journal) => journal,
+            Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        };
+        Some(describe_open(journal.records()))
     }
 
     pub(super) fn new(run_id: RunId, grant: Grant, dir: PathBuf, journal: Journal) -> Self {

@@ -12,9 +12,10 @@
 //! `run.expired`); a start that finds a closing record or a marker under `runs/` finishes the
 //! move. So a start reads `runs/` only, the open runs, however many closed runs are kept, and a
 //! closed run is looked up by its id on disk when it is asked about: its certificate and grant
-//! are refused, its journal read, a page of closed runs listed in run-id order from a few of the
-//! 256 shard directories. Closed runs hold no file open and nothing in memory. At start the
-//! registry reopens the journals of open runs (setting a torn tail aside, see
+//! are refused, its journal read, a page of closed runs listed in run-id order. Closed runs hold
+//! no file open, and nothing in memory until ListRuns lists them: the first listing reads the
+//! names in the 256 shard directories once, and from then on their ids and deadlines are kept
+//! in memory (`closed_index`). At start the registry reopens the journals of open runs (setting a torn tail aside, see
 //! [`certistack_core::journal`]) so recovery knows what each run left on the node. Closed runs are pruned
 //! after `limits.closed_run_retention_days` once their grant expired, in bounded batches by the
 //! daemon's periodic pass, never on the start path. The registry never holds a secret.
@@ -23,6 +24,7 @@
 //! orders them, and a write whose caller went away still completes and is kept in memory.
 
 mod closed;
+mod closed_index;
 mod handle;
 mod overlap;
 mod registry;
@@ -31,6 +33,7 @@ mod state_lock;
 pub use closed::{
     ClosedPage, ClosedRun, DEFAULT_CLOSED_PAGE, MAX_CLOSED_PAGE, PRUNE_BATCH, closed_run_dir,
 };
+pub use closed_index::{DeadlinePage, MAX_INDEXED_CLOSED_RUNS};
 pub use handle::{Records, RunGuard, RunHandle};
 pub use overlap::overlap;
 pub use registry::RunRegistry;

@@ -6,6 +6,7 @@ use super::closed::{
     CLOSED_ROOT, ClosedPage, ClosedRun, PRUNE_BATCH, SHARD_CHARS, closed_summary, closed_time,
     move_closed, read_closed, shard_of, write_closed,
 };
+use super::closed_index::{ClosedIndex, DeadlinePage, MAX_INDEXED_CLOSED_RUNS};
 use super::handle::RunHandle;
 use super::overlap::overlap;
 use super::{GRANT_FILE, RegistryLimits, RunError, load_grant, max_line, read_names, sync_dir};
@@ -33,6 +34,8 @@ pub(super) struct Inner {
     /// The grants of quarantined runs whose grant still verifies: what they may have left on
     /// the node, which new runs must not overlap.
     quarantined_grants: Vec<Grant>,
+    /// The closed runs' ids and deadlines, once ListRuns listed them.
+    pub(super) closed_index: ClosedIndex,
 }
 
 #[derive(Debug)]
@@ -322,17 +325,24 @@ impl RunRegistry {
             inner.open.values().cloned().collect::<Vec<_>>()
         };
         // A run counts while its deadline has not passed, and after it as long as its journal
-        // says it still holds something on the node (reading that takes the journal locks).
-        let counted = tokio::task::spawn_blocking(move || {
-            others
-                .into_iter()
-                .filter(|run| {
-                    run.grant.deadline_unix > now_unix || !run.open_resources().is_empty()
-                })
-                .collect::<Vec<_>>()
-        })
-        .await
-        .map_err(|error| RunError::Background(error.to_string()))?;
+        // says it still holds something on the node. Reading that takes the journal locks:
+        // here when none is held, else on the blocking pool, where an append's sync may be
+        // waited for.
+        let inline = others
+            .iter()
+            .map(|run| counts(run, now_unix, false).map(|counted| counted.then(|| run.clone())))
+            .collect::<Option<Vec<_>>>();
+        let counted: Vec<Arc<RunHandle>> = match inline {
+            Some(counted) => counted.into_iter().flatten().collect(),
+            None => tokio::task::spawn_blocking(move || {
+                others
+                    .into_iter()
+                    .filter(|run| counts(run, now_unix, true) == Some(true))
+                    .collect()
+            })
+            .await
+            .map_err(|error| RunError::Background(error.to_string()))?,
+        };
         if counted.len() >= self.limits.max_open {
             return Err(RunError::TooMany {
                 open: counted.len(),
@@ -459,6 +469,11 @@ impl RunRegistry {
         .and_then(|moved| moved.map_err(RunError::from));
         let mut inner = self.lock();
         inner.open.remove(run_id);
+        // Listed as closed from here, wherever its directory is (a failed move leaves it under
+        // `closing` too).
+        inner
+            .closed_index
+            .closed(run_id.clone(), handle.grant.deadline_unix);
         if let Err(error) = moved {
             tracing::error!(%run_id, %error, "the run is closed (its journal ends with {op}) but it could not be moved out of runs/; the next start moves it");
             inner.closing.insert(run_id.clone(), summary);
@@ -615,6 +630,7 @@ impl RunRegistry {
                     continue;
                 }
             }
+            self.lock().closed_index.removed(&run_id);
             shards.push(self.closed_dir.join(shard_of(&run_id)));
             pruned.push(run_id);
         }
@@ -631,6 +647,148 @@ impl RunRegistry {
         }
         Ok((pruned, next))
     }
+}
+
+impl RunRegistry {
+    /// A page of closed runs answered from memory, or `None` when the index is not installed
+    /// or a run on the page has no known deadline yet (then [`Self::closed_deadlines`] reads
+    /// it). Touches no file.
+    pub fn closed_deadlines_in_memory(
+        &self,
+        after: Option<&RunId>,
+        page_size: usize,
+    ) -> Option<DeadlinePage> {
+        let inner = self.lock();
+        if !inner.closed_index.is_installed() {
+            return None;
+        }
+        let mut page: Vec<(RunId, Option<i64>)> =
+            inner.closed_index.after(after, page_size.saturating_add(1));
+        page.extend(
+            inner
+                .closing
+                .iter()
+                .filter(|(id, _)| after.is_none_or(|after| *id > after))
+                .map(|(id, summary)| (id.clone(), Some(summary.deadline_unix))),
+        );
+        drop(inner);
+        let (page, next) = cut(page, page_size);
+        let page = page
+            .into_iter()
+            .map(|(id, deadline)| deadline.map(|deadline| (id, deadline)))
+            .collect::<Option<Vec<_>>>()?;
+        Some((page, next))
+    }
+
+    /// A page of closed runs with their deadlines: from the index (installed by the first call,
+    /// which reads every shard's names), reading the summaries of the page's runs not yet
+    /// known; from disk page by page when the index cannot be installed. Blocks on the file
+    /// system.
+    pub fn closed_deadlines(
+        &self,
+        after: Option<&RunId>,
+        page_size: usize,
+    ) -> Result<DeadlinePage, RunError> {
+        self.install_closed_index()?;
+        let indexed = {
+            let inner = self.lock();
+            inner.closed_index.is_installed().then(|| {
+                let mut page = inner.closed_index.after(after, page_size.saturating_add(1));
+                page.extend(
+                    inner
+                        .closing
+                        .iter()
+                        .filter(|(id, _)| after.is_none_or(|after| *id > after))
+                        .map(|(id, summary)| (id.clone(), Some(summary.deadline_unix))),
+                );
+                page
+            })
+        };
+        let Some(indexed) = indexed else {
+            let (page, next) = self.closed_page(after, page_size)?;
+            let page = page
+                .into_iter()
+                .map(|(id, summary)| (id, summary.deadline_unix))
+                .collect();
+            return Ok((page, next));
+        };
+        let (page, next) = cut(indexed, page_size);
+        let mut listed = Vec::with_capacity(page.len());
+        for (run_id, deadline) in page {
+            if let Some(deadline) = deadline {
+                listed.push((run_id, deadline));
+                continue;
+            }
+            let run_dir = self.closed_path(&run_id);
+            if std::fs::symlink_metadata(&run_dir).is_err() {
+                // Removed by hand since it was indexed.
+                self.lock().closed_index.forget(&run_id);
+                continue;
+            }
+            let closed_unix_ms = closed_time(&run_dir).unwrap_or(0);
+            let summary = closed_summary(
+                &run_dir,
+                &run_id,
+                closed_unix_ms,
+                &self.authority,
+                &self.limits,
+            );
+            self.lock()
+                .closed_index
+                .learned(&run_id, summary.deadline_unix);
+            listed.push((run_id, summary.deadline_unix));
+        }
+        Ok((listed, next))
+    }
+
+    /// Lists every shard's names into the index, unless it is installed already or `closed/`
+    /// holds more than [`MAX_INDEXED_CLOSED_RUNS`] runs.
+    fn install_closed_index(&self) -> Result<(), RunError> {
+        let generation = {
+            let inner = self.lock();
+            if inner.closed_index.is_installed() {
+                return Ok(());
+            }
+            inner.closed_index.generation()
+        };
+        #[cfg(test)]
+        super::tests::closed_read(&self.closed_dir);
+        let mut ids = Vec::new();
+        for shard in read_names(&self.closed_dir)? {
+            if shard.len() != SHARD_CHARS {
+                continue;
+            }
+            for name in read_names(&self.closed_dir.join(&shard))? {
+                if let Ok(run_id) = RunId::validate(&name) {
+                    if ids.len() >= MAX_INDEXED_CLOSED_RUNS {
+                        tracing::info!(
+                            max = MAX_INDEXED_CLOSED_RUNS,
+                            "more closed runs than ListRuns keeps in memory; they are listed from disk page by page (lower limits.closed_run_retention_days to keep fewer)"
+                        );
+                        return Ok(());
+                    }
+                    ids.push(run_id);
+                }
+            }
+        }
+        self.lock().closed_index.install(generation, ids);
+        Ok(())
+    }
+}
+
+/// The first `page_size` of `page` (sorted and deduplicated here), and the cursor of the next
+/// page when more follow.
+fn cut<T>(mut page: Vec<(RunId, T)>, page_size: usize) -> (Vec<(RunId, T)>, Option<RunId>) {
+    page.sort_by(|a, b| a.0.cmp(&b.0));
+    page.dedup_by(|a, b| a.0 == b.0);
+    let more = page.len() > page_size;
+    page.truncate(page_size);
+    let next = if more {
+        page.last().map(|(id, _)| id.clone())
+    } else {
+        None
+    };
+    (page, next)
 }
 
 /// Makes a new run's directory with its grant, its journal and the journal's first record, in
@@ -691,6 +849,21 @@ fn half_made(run_dir: &Path, run_id: &RunId) -> bool {
         },
         Err(_) => false,
     }
+}
+
+/// Whether `run` counts against the node's bounds at `now_unix`: before its deadline, and after
+/// it while its journal says it holds something. `None` when finding out would wait for an
+/// append and `wait` is false.
+fn counts(run: &RunHandle, now_unix: i64, wait: bool) -> Option<bool> {
+    if run.grant.deadline_unix > now_unix {
+        return Some(true);
+    }
+    let open = if wait {
+        run.open_resources()
+    } else {
+        run.try_open_resources()?
+    };
+    Some(!open.is_empty())
 }
 
 /// vCPUs and MiB the grant's sandbox VMs may ask for together.

@@ -13,17 +13,19 @@
 //! rate-limited, including those tonic answers before the service sees the request
 //! (oversized, undecodable, compressed).
 //!
-//! The run registry answers the rest itself: `ListRuns` from its index and the open runs'
-//! records in memory, `ReadJournal` by streaming the journal file, verifying the chain as it
-//! goes. Operations that add to the node are refused with `RESOURCE_EXHAUSTED` once the run's
-//! journal reaches its operation budget; what undoes or cleans up keeps the reserve.
+//! The run registry answers the rest itself: `ListRuns` from the open runs' records and the
+//! closed runs' ids and deadlines in memory (read from disk once), `ReadJournal` by reading
+//! the journal file, verifying the chain as it goes (a small open run's journal whole before
+//! answering, any other streamed). Operations that add to the node are refused with
+//! `RESOURCE_EXHAUSTED` once the run's journal reaches its operation budget; what undoes or
+//! cleans up keeps the reserve.
 
 mod admission;
 mod journal_stream;
 mod reaper;
 
 use admission::{invalid, run_id_of};
-use journal_stream::stream_journal;
+use journal_stream::{INLINE_JOURNAL_BYTES, journal_records, stream_journal};
 
 use crate::action::{Action, parse};
 use crate::clock::Clock;
@@ -491,25 +493,31 @@ impl Connector for ConnectorService {
         };
         // An operator reads any run this node knows, closed ones included; a run reads its
         // own journal while it is open, as it calls every other operation.
-        let path: PathBuf = match &peer.client.identity {
+        let (path, open_bytes): (PathBuf, Option<u64>) = match &peer.client.identity {
             Identity::Operator { .. } if self.runs.is_closed(target) => {
-                self.runs.journal_path(target).ok_or_else(|| {
+                let path = self.runs.journal_path(target).ok_or_else(|| {
                     refuse(Status::not_found(format!(
                         "no run {target} on this node (see ListRuns)"
                     )))
-                })?
+                })?;
+                (path, None)
             }
-            _ => self
-                .resolve(&peer, rpc, &action)?
-                .run()
-                .journal_path()
-                .to_owned(),
+            _ => {
+                let resolved = self.resolve(&peer, rpc, &action)?;
+                let run = resolved.run();
+                (run.journal_path().to_owned(), Some(run.journal_usage().1))
+            }
         };
-        let (sender, receiver) = tokio::sync::mpsc::channel(JOURNAL_STREAM_BUFFER);
         let max_line = self.runs.max_journal_line();
         let run_id = target.to_string();
-        tokio::task::spawn_blocking(move || stream_journal(&path, &run_id, max_line, &sender));
         tracing::info!(rpc = rpc.name(), peer = %peer.label(), run_id = %target, "streaming");
+        if open_bytes.is_some_and(|bytes| bytes <= INLINE_JOURNAL_BYTES) {
+            let records = journal_records(&path, &run_id, max_line);
+            let stream: JournalStream = Box::pin(tokio_stream::iter(records));
+            return Ok(Response::new(stream));
+        }
+        let (sender, receiver) = tokio::sync::mpsc::channel(JOURNAL_STREAM_BUFFER);
+        tokio::task::spawn_blocking(move || stream_journal(&path, &run_id, max_line, &sender));
         let stream: JournalStream = Box::pin(tokio_stream::wrappers::ReceiverStream::new(receiver));
         Ok(Response::new(stream))
     }
@@ -522,27 +530,45 @@ impl Connector for ConnectorService {
         let page = parse::list_runs(request.get_ref())
             .map_err(|error| self.refuse(Rpc::ListRuns, &peer.label(), "", invalid(error)))?;
         let now = self.clock.now_unix();
-        // Open runs: what they hold, from the records in memory (which takes each journal's
-        // lock); closed runs: their index entries on disk. Both off the async workers, in one
-        // hand-off to a blocking thread: while it works the worker may park, and waking it
-        // again costs about as much as the call's own work (docs/performance.md, section 1).
+        // Open runs: what they hold, from the records in memory; closed runs: their ids and
+        // deadlines, from memory once listed. Answered on the async worker when nothing has to
+        // wait (no append holds a journal, every deadline on the page known); otherwise in one
+        // hand-off to a blocking thread, where a journal's lock or the closed runs' files may
+        // be waited for. A hand-off parks the worker, and waking it costs more than the
+        // call's own work (docs/performance.md, section 1).
         let open = self.runs.open_runs();
-        let registry = self.runs.clone();
-        let (open, closed) = tokio::task::spawn_blocking(move || {
-            let open = open
-                .into_iter()
-                .map(|run| {
-                    let resources = run.open_resources();
-                    (run, resources)
+        let inline = open
+            .iter()
+            .map(|run| {
+                run.try_open_resources()
+                    .map(|resources| (run.clone(), resources))
+            })
+            .collect::<Option<Vec<_>>>()
+            .zip(
+                self.runs
+                    .closed_deadlines_in_memory(page.after.as_ref(), page.page_size),
+            );
+        let (open, closed) = match inline {
+            Some((open, closed)) => (open, Ok(closed)),
+            None => {
+                let registry = self.runs.clone();
+                tokio::task::spawn_blocking(move || {
+                    let open = open
+                        .into_iter()
+                        .map(|run| {
+                            let resources = run.open_resources();
+                            (run, resources)
+                        })
+                        .collect::<Vec<_>>();
+                    (
+                        open,
+                        registry.closed_deadlines(page.after.as_ref(), page.page_size),
+                    )
                 })
-                .collect::<Vec<_>>();
-            (
-                open,
-                registry.closed_page(page.after.as_ref(), page.page_size),
-            )
-        })
-        .await
-        .map_err(|error| Status::internal(format!("listing the runs stopped: {error}")))?;
+                .await
+                .map_err(|error| Status::internal(format!("listing the runs stopped: {error}")))?
+            }
+        };
         let (closed, next) = closed.map_err(|error| {
             Status::unavailable(format!("cannot list the closed runs: {error}"))
         })?;
@@ -560,13 +586,17 @@ impl Connector for ConnectorService {
                 quarantine_reason: String::new(),
             })
             .collect();
-        runs.extend(closed.into_iter().map(|(run_id, closed)| pb::RunSummary {
-            run_id: run_id.to_string(),
-            state: pb::RunState::Closed as i32,
-            deadline_unix: closed.deadline_unix,
-            open_resources: Vec::new(),
-            quarantine_reason: String::new(),
-        }));
+        runs.extend(
+            closed
+                .into_iter()
+                .map(|(run_id, deadline_unix)| pb::RunSummary {
+                    run_id: run_id.to_string(),
+                    state: pb::RunState::Closed as i32,
+                    deadline_unix,
+                    open_resources: Vec::new(),
+                    quarantine_reason: String::new(),
+                }),
+        );
         runs.sort_by(|a, b| a.run_id.cmp(&b.run_id));
         for (run_id, reason) in self.runs.quarantined() {
             // Its grant could not be read back, so neither its deadline nor what it holds is
