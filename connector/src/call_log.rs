@@ -5,10 +5,12 @@
 //! only counts them ([`crate::refusal_log`]).
 
 use crate::connection::{Activity, CallGuard, PeerInfo};
+use crate::policy::Rpc;
 use crate::refusal_log::RefusalLog;
 use crate::refusal_log::printable;
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
+use std::borrow::Cow;
 use std::future::Future;
 use std::net::IpAddr;
 use std::pin::Pin;
@@ -138,7 +140,7 @@ impl Body for ArrivingRequest {
 #[derive(Debug)]
 struct Call {
     finished: bool,
-    rpc: String,
+    rpc: Cow<'static, str>,
     peer: Option<PeerInfo>,
     started: Instant,
     refusals: Arc<RefusalLog>,
@@ -155,9 +157,14 @@ impl Call {
             .and_then(|p| p.strip_prefix('/'))
             .unwrap_or(path);
         let peer = request.extensions().get::<PeerInfo>().cloned();
+        // The surface's own names need no escaping; anything else a client sent does.
+        let rpc = match Rpc::ALL.iter().find(|rpc| rpc.name() == method) {
+            Some(rpc) => Cow::Borrowed(rpc.name()),
+            None => Cow::Owned(printable(method)),
+        };
         Self {
             finished: false,
-            rpc: printable(method),
+            rpc,
             peer,
             started: Instant::now(),
             refusals,
@@ -188,17 +195,14 @@ impl Call {
             return;
         }
         let ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
-        let (id, from) = match &self.peer {
+        let (id, from_text, from): (&str, &str, _) = match &self.peer {
             Some(peer) => (
-                match &peer.identity {
-                    Ok(client) => client.identity.to_string(),
-                    Err(_) => "unidentified".to_owned(),
-                },
+                &peer.identity_text,
+                &peer.remote_ip_text,
                 Some(peer.remote.ip()),
             ),
-            None => ("unknown".to_owned(), None),
+            None => ("unknown", "", None),
         };
-        let from_text = from.map(|ip| ip.to_string()).unwrap_or_default();
         if code == Code::Ok {
             tracing::info!(rpc = %self.rpc, %id, from = %from_text, ms, "ok");
             return;

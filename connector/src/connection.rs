@@ -159,7 +159,13 @@ impl Drop for CallGuard {
 #[derive(Debug, Clone)]
 pub struct PeerInfo {
     pub remote: SocketAddr,
-    pub identity: Result<ClientIdentity, IdentityError>,
+    /// Shared by the connection's calls: each call's copy is a reference count.
+    pub identity: Result<Arc<ClientIdentity>, IdentityError>,
+    /// The identity as logs name it (`unidentified` without one), formatted once per
+    /// connection rather than once per call.
+    pub identity_text: Arc<str>,
+    /// The client's IP address as logs name it, formatted once per connection.
+    pub remote_ip_text: Arc<str>,
     pub activity: Arc<Activity>,
 }
 
@@ -787,6 +793,7 @@ async fn handshake(
         Ok(client) => client.identity.to_string(),
         Err(_) => "unidentified".to_owned(),
     };
+    let identity_text: Arc<str> = Arc::from(key.as_str());
     let slot = match admission.establish(key) {
         Ok(slot) => slot,
         Err(refusal) => return refuse(refusal.reason()),
@@ -795,7 +802,9 @@ async fn handshake(
         stream,
         info: PeerInfo {
             remote,
-            identity,
+            identity: identity.map(Arc::new),
+            identity_text,
+            remote_ip_text: Arc::from(remote.ip().to_string().as_str()),
             activity: Arc::new(Activity::new()),
         },
         idle_timeout: limits.idle_timeout,

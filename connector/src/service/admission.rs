@@ -10,17 +10,21 @@ use crate::policy::Rpc;
 use crate::runs::RunError;
 use certistack_core::identity::{ClientIdentity, Identity};
 use certistack_core::validate::FieldError;
+use std::net::SocketAddr;
+use std::sync::Arc;
 use tonic::{Request, Status};
 
 /// The authenticated caller of one request.
 pub(super) struct Peer {
-    pub(super) client: ClientIdentity,
-    remote: String,
+    pub(super) client: Arc<ClientIdentity>,
+    /// The identity as logs name it, made once for the connection.
+    pub(super) identity_text: Arc<str>,
+    remote: SocketAddr,
 }
 
 impl Peer {
     pub(super) fn label(&self) -> String {
-        format!("{} from {}", self.client.identity, self.remote)
+        format!("{} from {}", self.identity_text, self.remote)
     }
 }
 
@@ -52,21 +56,30 @@ impl ConnectorService {
                 Status::unauthenticated("the connection carries no TLS identity"),
             ));
         };
-        let remote = info.remote.to_string();
         let client = match &info.identity {
             Ok(client) => client.clone(),
             Err(reason) => {
                 return Err(self.refuse(
                     rpc,
-                    &remote,
+                    &info.remote.to_string(),
                     "",
                     Status::unauthenticated(reason.to_string()),
                 ));
             }
         };
-        let peer = Peer { client, remote };
-        let run_id = run_id_of(&peer.client.identity);
-        let refuse = |status: Status| self.refuse(rpc, &peer.label(), &run_id, status);
+        let peer = Peer {
+            client,
+            identity_text: info.identity_text.clone(),
+            remote: info.remote,
+        };
+        let refuse = |status: Status| {
+            self.refuse(
+                rpc,
+                &peer.label(),
+                &run_id_of(&peer.client.identity),
+                status,
+            )
+        };
         let now = self.clock.now_unix();
         if now < peer.client.not_before_unix || now > peer.client.not_after_unix {
             return Err(refuse(Status::unauthenticated(format!(
@@ -105,8 +118,14 @@ impl ConnectorService {
 
     /// Steps 3 and the run lookup: the run `action` is for, if the caller may act on it.
     pub(super) fn resolve(&self, peer: &Peer, rpc: Rpc, action: &Action) -> Result<Caller, Status> {
-        let run_id = run_id_of(&peer.client.identity);
-        let refuse = |status: Status| self.refuse(rpc, &peer.label(), &run_id, status);
+        let refuse = |status: Status| {
+            self.refuse(
+                rpc,
+                &peer.label(),
+                &run_id_of(&peer.client.identity),
+                status,
+            )
+        };
         match &peer.client.identity {
             Identity::Operator { name } => {
                 // Operators act on a named run (ReadJournal, Cleanup): resolve it here so the
@@ -179,8 +198,14 @@ impl ConnectorService {
         parse: fn(T) -> Result<Action, FieldError>,
     ) -> Result<Outcome, Status> {
         let peer = self.authenticate(&request, rpc)?;
-        let run_id = run_id_of(&peer.client.identity);
-        let refuse = |status: Status| self.refuse(rpc, &peer.label(), &run_id, status);
+        let refuse = |status: Status| {
+            self.refuse(
+                rpc,
+                &peer.label(),
+                &run_id_of(&peer.client.identity),
+                status,
+            )
+        };
         let action = parse(request.into_inner()).map_err(|e| refuse(invalid(e)))?;
         let caller = self.resolve(&peer, rpc, &action)?;
         if !undoes_or_reads(&action) {

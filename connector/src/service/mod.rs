@@ -153,7 +153,7 @@ impl Connector for ConnectorService {
             surface_digest: certistack_proto::SURFACE_DIGEST.to_owned(),
             capabilities: capabilities.into_iter().map(str::to_owned).collect(),
             node_time_unix_ms: self.clock.now_unix_ms(),
-            peer_identity: peer.client.identity.to_string(),
+            peer_identity: peer.identity_text.to_string(),
             source_commit: certistack_proto::SOURCE_COMMIT.to_owned(),
             source_tree_dirty: certistack_proto::SOURCE_TREE_DIRTY,
         }))
@@ -483,8 +483,14 @@ impl Connector for ConnectorService {
     ) -> Result<Response<Self::ReadJournalStream>, Status> {
         let rpc = Rpc::ReadJournal;
         let peer = self.authenticate(&request, rpc)?;
-        let label = run_id_of(&peer.client.identity);
-        let refuse = |status: Status| self.refuse(rpc, &peer.label(), &label, status);
+        let refuse = |status: Status| {
+            self.refuse(
+                rpc,
+                &peer.label(),
+                &run_id_of(&peer.client.identity),
+                status,
+            )
+        };
         let action = parse::read_journal(request.into_inner()).map_err(|e| refuse(invalid(e)))?;
         let Action::ReadJournal { run_id: target } = &action else {
             return Err(refuse(Status::internal(
