@@ -217,6 +217,25 @@ pub fn verify(signed: &pb::SignedRunGrant, authority: &VerifyingKey) -> Result<G
     authority
         .verify_strict(&signing_input(bytes), &signature)
         .map_err(|_| GrantError::BadSignature)?;
+    decode_checked(bytes)
+}
+
+/// Decodes and validates grant bytes exactly as [`verify`] does once their signature holds:
+/// for the signer, which checks the form of a grant it has just signed with its own key (a
+/// signature it made needs no verifying) before it mints credentials for it. A grant from
+/// anyone else goes through [`verify`].
+pub fn check_signed_by_self(signed: &pb::SignedRunGrant) -> Result<Grant, GrantError> {
+    let bytes = bytes_field(
+        "SignedRunGrant.grant",
+        "encoded_grant",
+        &signed.grant,
+        1,
+        MAX_GRANT_BYTES,
+    )?;
+    decode_checked(bytes)
+}
+
+fn decode_checked(bytes: &[u8]) -> Result<Grant, GrantError> {
     crate::known_fields::check(RUN_GRANT_MESSAGE, bytes)?;
     let wire = pb::RunGrant::decode(bytes).map_err(|e| GrantError::Decode(e.to_string()))?;
     parse(&wire, digest(bytes))
@@ -528,6 +547,27 @@ mod tests {
         assert_eq!(grant.archives.len(), 2);
         assert_eq!(grant.digest, digest(&signed.grant));
         assert_eq!(grant.qga_assertions.len(), 1);
+    }
+
+    #[test]
+    fn the_signer_s_own_check_holds_a_grant_to_the_same_form_as_verify() {
+        let key = SigningKey::from_bytes(&[1; 32]);
+        let signed = sign(&key, &full_wire_grant());
+        assert_eq!(
+            check_signed_by_self(&signed).unwrap(),
+            verify(&signed, &key.verifying_key()).unwrap()
+        );
+        let mut wire = full_wire_grant();
+        wire.version += 1;
+        let malformed = sign(&key, &wire);
+        assert_eq!(
+            check_signed_by_self(&malformed).unwrap_err().to_string(),
+            verify(&malformed, &key.verifying_key())
+                .unwrap_err()
+                .to_string()
+        );
+        let empty = pb::SignedRunGrant::default();
+        assert!(check_signed_by_self(&empty).is_err());
     }
 
     #[test]

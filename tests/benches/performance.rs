@@ -38,7 +38,8 @@
 //!
 //! `--profile [ROW]` runs no section: it counts ROW's instructions and its floor's under
 //! callgrind, both sides on one thread, and prints the top functions (`performance/profile.rs`;
-//! rows `new-connection` (the default), `hello`, `list-runs`, `read-journal`; needs valgrind).
+//! rows `new-connection` (the default), `hello`, `list-runs`, `read-journal`, `set-up`; needs
+//! valgrind).
 //!
 //! `--short` (or `CERTISTACK_BENCH_SHORT=1`) runs fewer iterations and a smaller history, for CI;
 //! `checks` and `node-ops` have fixed iteration counts and ignore it.

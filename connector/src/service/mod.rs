@@ -516,7 +516,11 @@ impl Connector for ConnectorService {
         };
         let max_line = self.runs.max_journal_line();
         let run_id = target.to_string();
-        tracing::info!(rpc = rpc.name(), peer = %peer.label(), run_id = %target, "streaming");
+        // The call log names the caller; a run reads only its own journal, so the run read is
+        // worth a line of its own only when an operator reads one.
+        if matches!(peer.client.identity, Identity::Operator { .. }) {
+            tracing::info!(rpc = rpc.name(), peer = %peer.label(), run_id = %target, "streaming");
+        }
         if open_bytes.is_some_and(|bytes| bytes <= INLINE_JOURNAL_BYTES) {
             let records = journal_records(&path, &run_id, max_line);
             let stream: JournalStream = Box::pin(tokio_stream::iter(records));

@@ -14,14 +14,21 @@
 //!
 //! Rows: `new-connection` (Hello on a new connection as `client::connect` makes it, against the
 //! echo on a new connection with a full handshake), `hello`, `list-runs`, `read-journal` (each on
-//! an open connection, against the echo on an open mTLS connection). Needs valgrind
-//! (`apt-get install valgrind`).
+//! an open connection, against the echo on an open mTLS connection), `set-up` (section 2's run
+//! set-up with its EndRun, against a new connection, 4 echo calls and BeginRun's syncs; the
+//! kernel's side of the syncs is not counted). Needs valgrind (`apt-get install valgrind`).
 
 use super::*;
 use std::future::Future;
 
 /// The rows `--profile` knows, the first the default.
-pub const ROWS: [&str; 4] = ["new-connection", "hello", "list-runs", "read-journal"];
+pub const ROWS: [&str; 5] = [
+    "new-connection",
+    "hello",
+    "list-runs",
+    "read-journal",
+    "set-up",
+];
 /// Operations measured in the first run (twice as many in the second), after [`WARM_UP`]
 /// unmeasured ones.
 const ITERATIONS: usize = 20;
@@ -72,9 +79,13 @@ pub fn profile(args: &[String]) {
                 "--tool=callgrind",
                 "--collect-atstart=no",
                 "--toggle-collect=*profiled_iteration*",
-                // What the connector hands to tokio's blocking threads (ListRuns' and
-                // ReadJournal's disk reads) runs there, outside the toggled function.
-                "--toggle-collect=*BlockingTask*as*Future*poll*",
+                // What the connector hands to tokio's blocking threads (BeginRun's and
+                // EndRun's files, a journal's appends) runs there, outside the toggled
+                // function: every thread but the main one is collected from its start
+                // (glibc's `start_thread`; collection is switched per thread). In this child
+                // the only other threads are tokio's blocking pool. A toggle on tokio's
+                // `BlockingTask::poll` would miss the tasks whose poll the optimizer inlined.
+                "--toggle-collect=start_thread",
             ])
             .arg(format!("--callgrind-out-file={}", out.display()))
             .arg(format!("--log-file={}", log.display()))
@@ -112,17 +123,17 @@ pub fn profile(args: &[String]) {
     };
     let (row_file, row_ir) = per_operation(row);
     let (_, floor_ir) = per_operation(&format!("{row}/floor"));
-    // The blocking work must be among what was collected, or the count leaves it out silently.
+    // The blocking work must be among what was collected, or the count leaves it out silently
+    // (ListRuns and ReadJournal answer on the async worker since they need not wait).
     let expected = match row {
-        "list-runs" => Some("closed_page"),
-        "read-journal" => Some("stream_journal"),
+        "set-up" => Some("create_run"),
         _ => None,
     };
     if let Some(function) = expected {
         let listed = annotate(&row_file, true, usize::MAX);
         assert!(
             listed.iter().any(|line| line.contains(function)),
-            "{row}: {function} (run on a blocking thread) was not collected: the BlockingTask toggle no longer matches"
+            "{row}: {function} (run on a blocking thread) was not collected: the start_thread toggle no longer matches"
         );
     }
     heading(&format!("Profile of `{row}` (callgrind, instructions)"));
@@ -159,10 +170,14 @@ pub fn profile(args: &[String]) {
 }
 
 fn floor_name(row: &str) -> &'static str {
-    if row == "new-connection" {
-        "the echo on a new connection with a full TLS 1.3 handshake (a configuration of its own)"
-    } else {
-        "the echo on an open mTLS connection"
+    match row {
+        "new-connection" => {
+            "the echo on a new connection with a full TLS 1.3 handshake (a configuration of its own)"
+        }
+        "set-up" => {
+            "a new connection with a full handshake, 4 echo calls and BeginRun's syncs (the set-up row: mint, connect, Hello, BeginRun, VmStatus and EndRun)"
+        }
+        _ => "the echo on an open mTLS connection",
     }
 }
 
@@ -258,6 +273,17 @@ fn run_target(target: &str) {
             .unwrap();
         (run, op, channel)
     });
+    if row == "set-up" {
+        // Each set-up begins a run with the same VMID, VNet and archives: no other may be open.
+        runtime.block_on(run.end_run(pb::EndRunRequest {})).unwrap();
+    }
+    // Beside the connector's state directory, as section 2's floor makes its syncs.
+    let sync_dir = node
+        .config
+        .paths
+        .state_dir
+        .with_file_name("bench-sync-floor");
+    std::fs::create_dir_all(&sync_dir).unwrap();
     let iterations: usize = std::env::var(ITERATIONS_ENV)
         .ok()
         .and_then(|n| n.parse().ok())
@@ -282,6 +308,22 @@ fn run_target(target: &str) {
                         .unwrap();
                     c.hello(pb::HelloRequest {}).await.unwrap();
                 }
+                ("set-up", true) => {
+                    let config = controller_tls(&authority, &operator);
+                    let channel =
+                        certistack_controller::connect::connect(mtls_address.clone(), NODE, config)
+                            .await
+                            .unwrap();
+                    for call in 0..4 {
+                        if call == 2 {
+                            let dir = sync_dir.join(format!("{i}"));
+                            tokio::task::spawn_blocking(move || syncs_of_begin_run(&dir))
+                                .await
+                                .unwrap();
+                        }
+                        echo::call(&channel, &payload).await;
+                    }
+                }
                 (_, true) => echo::call(&echo_channel, &payload).await,
                 ("hello", false) => {
                     run.hello(pb::HelloRequest {}).await.unwrap();
@@ -290,6 +332,19 @@ fn run_target(target: &str) {
                     op.list_runs(pb::ListRunsRequest::default()).await.unwrap();
                 }
                 ("read-journal", false) => read_whole_journal(&mut run).await,
+                ("set-up", false) => {
+                    let credentials =
+                        mint(&authority, &grant(&uuid::Uuid::new_v4().to_string(), NODE));
+                    let mut c = client(&authority, &node.address, NODE, &credentials.certificate)
+                        .await
+                        .unwrap();
+                    certistack_controller::client::hello(&mut c, NODE)
+                        .await
+                        .unwrap();
+                    c.begin_run(begin_request(&credentials)).await.unwrap();
+                    c.vm_status(pb::VmRequest { vmid: VMID }).await.unwrap();
+                    c.end_run(pb::EndRunRequest {}).await.unwrap();
+                }
                 (other, _) => panic!("unknown profile row {other}"),
             }
         };
