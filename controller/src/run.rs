@@ -8,8 +8,6 @@ use crate::authority::{Authority, AuthorityError, IssuedCertificate};
 use certistack_core::grant::{self, GrantError};
 use certistack_core::identity::Identity;
 use certistack_proto::v1 as pb;
-use ed25519_dalek::Signer;
-use prost::Message;
 use time::OffsetDateTime;
 
 #[derive(Debug, thiserror::Error)]
@@ -31,24 +29,19 @@ pub struct RunCredentials {
 
 /// Signs grant bytes with a run-authority key.
 pub fn sign_grant(key: &ed25519_dalek::SigningKey, grant: &pb::RunGrant) -> pb::SignedRunGrant {
-    let bytes = grant.encode_to_vec();
-    let signature = key.sign(&grant::signing_input(&bytes)).to_bytes().to_vec();
-    pb::SignedRunGrant {
-        grant: bytes,
-        signature,
-    }
+    grant::sign(key, grant)
 }
 
 /// Signs `grant` and issues the run certificate for it, valid from `now` (less the tolerated
-/// skew) until the grant's deadline. The grant is checked with the connector's own parser first,
-/// so the controller never mints credentials a node would refuse for their form.
+/// skew) until the grant's deadline. The grant is checked with the connector's own parser as it
+/// is signed (`grant::sign_checked`), so the controller never mints credentials a node would
+/// refuse for their form.
 pub fn mint(
     authority: &Authority,
     grant: &pb::RunGrant,
     now: OffsetDateTime,
 ) -> Result<RunCredentials, MintError> {
-    let signed_grant = sign_grant(authority.run_authority(), grant);
-    let parsed = grant::check_signed_by_self(&signed_grant)?;
+    let (signed_grant, parsed) = grant::sign_checked(authority.run_authority(), grant)?;
     let not_after = OffsetDateTime::from_unix_timestamp(parsed.deadline_unix)
         .map_err(|_| MintError::Deadline(parsed.deadline_unix))?;
     let identity = Identity::Run {

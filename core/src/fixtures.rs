@@ -2,10 +2,8 @@
 //! and the terminal sequences a hostile guest or node would send an operator's screen.
 //! Compiled only into tests (`cfg(test)` here, the `fixtures` feature for the other crates' tests).
 
-use crate::grant::signing_input;
 use certistack_proto::v1 as pb;
-use ed25519_dalek::{Signer, SigningKey};
-use prost::Message;
+use ed25519_dalek::SigningKey;
 
 pub const RUN: &str = "0f0e1c2d-3b4a-4c5d-8e6f-7a8b9c0d1e2f";
 
@@ -64,9 +62,7 @@ pub fn full_wire_grant() -> pb::RunGrant {
 }
 
 pub fn sign(key: &SigningKey, wire: &pb::RunGrant) -> pb::SignedRunGrant {
-    let grant = wire.encode_to_vec();
-    let signature = key.sign(&signing_input(&grant)).to_bytes().to_vec();
-    pb::SignedRunGrant { grant, signature }
+    crate::grant::sign(key, wire)
 }
 
 /// Terminal sequences a guest or a node could put in text an operator reads: cursor up and

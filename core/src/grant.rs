@@ -14,7 +14,7 @@ use crate::validate::{
 };
 use certistack_proto::GRANT_SIGNATURE_CONTEXT;
 use certistack_proto::v1 as pb;
-use ed25519_dalek::{Signature, VerifyingKey};
+use ed25519_dalek::{Signature, Signer, SigningKey, VerifyingKey};
 use prost::Message;
 use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, BTreeSet};
@@ -220,11 +220,25 @@ pub fn verify(signed: &pb::SignedRunGrant, authority: &VerifyingKey) -> Result<G
     decode_checked(bytes)
 }
 
-/// Decodes and validates grant bytes exactly as [`verify`] does once their signature holds:
-/// for the signer, which checks the form of a grant it has just signed with its own key (a
-/// signature it made needs no verifying) before it mints credentials for it. A grant from
-/// anyone else goes through [`verify`].
-pub fn check_signed_by_self(signed: &pb::SignedRunGrant) -> Result<Grant, GrantError> {
+/// Signs `grant` with the run authority's `key`, as [`verify`] checks it.
+pub fn sign(key: &SigningKey, grant: &pb::RunGrant) -> pb::SignedRunGrant {
+    let bytes = grant.encode_to_vec();
+    let signature = key.sign(&signing_input(&bytes)).to_bytes().to_vec();
+    pb::SignedRunGrant {
+        grant: bytes,
+        signature,
+    }
+}
+
+/// [`sign`], then the grant's form checked exactly as [`verify`] checks it once the signature
+/// holds: what the signer calls before it mints credentials, so it never mints for a grant a
+/// node would refuse. The bytes decoded are the ones it has just signed, so the signature needs
+/// no verifying; nothing else decodes a grant without [`verify`].
+pub fn sign_checked(
+    key: &SigningKey,
+    grant: &pb::RunGrant,
+) -> Result<(pb::SignedRunGrant, Grant), GrantError> {
+    let signed = sign(key, grant);
     let bytes = bytes_field(
         "SignedRunGrant.grant",
         "encoded_grant",
@@ -232,7 +246,8 @@ pub fn check_signed_by_self(signed: &pb::SignedRunGrant) -> Result<Grant, GrantE
         1,
         MAX_GRANT_BYTES,
     )?;
-    decode_checked(bytes)
+    let checked = decode_checked(bytes)?;
+    Ok((signed, checked))
 }
 
 fn decode_checked(bytes: &[u8]) -> Result<Grant, GrantError> {
@@ -550,24 +565,19 @@ mod tests {
     }
 
     #[test]
-    fn the_signer_s_own_check_holds_a_grant_to_the_same_form_as_verify() {
+    fn the_signer_s_check_holds_a_grant_to_the_form_verify_holds_it_to() {
         let key = SigningKey::from_bytes(&[1; 32]);
-        let signed = sign(&key, &full_wire_grant());
-        assert_eq!(
-            check_signed_by_self(&signed).unwrap(),
-            verify(&signed, &key.verifying_key()).unwrap()
-        );
+        let (signed, checked) = sign_checked(&key, &full_wire_grant()).unwrap();
+        assert_eq!(signed, sign(&key, &full_wire_grant()));
+        assert_eq!(checked, verify(&signed, &key.verifying_key()).unwrap());
         let mut wire = full_wire_grant();
         wire.version += 1;
-        let malformed = sign(&key, &wire);
         assert_eq!(
-            check_signed_by_self(&malformed).unwrap_err().to_string(),
-            verify(&malformed, &key.verifying_key())
+            sign_checked(&key, &wire).unwrap_err().to_string(),
+            verify(&sign(&key, &wire), &key.verifying_key())
                 .unwrap_err()
                 .to_string()
         );
-        let empty = pb::SignedRunGrant::default();
-        assert!(check_signed_by_self(&empty).is_err());
     }
 
     #[test]

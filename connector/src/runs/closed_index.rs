@@ -22,22 +22,47 @@ pub const MAX_INDEXED_CLOSED_RUNS: usize = 65_536;
 /// next page.
 pub type DeadlinePage = (Vec<(RunId, i64)>, Option<RunId>);
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(super) struct ClosedIndex {
     /// Every closed run on disk, with its grant's deadline once its summary was read; `None`
     /// until a listing read every shard.
     runs: Option<BTreeMap<RunId, Option<i64>>>,
     /// Bumped by every close and prune, so a listing that raced one is not installed.
     generation: u64,
+    /// The most runs kept ([`MAX_INDEXED_CLOSED_RUNS`] in the daemon).
+    bound: usize,
+    /// A listing is under way: one at a time, the others read their page from disk meanwhile.
+    listing: bool,
+    /// Set when a listing found more than `bound` closed runs, or a close reached it: how many
+    /// more runs the retention sweep must remove before a listing is tried again, so a node at
+    /// its bound lists from disk page by page instead of walking every shard on every call.
+    over_bound: Option<usize>,
+}
+
+impl Default for ClosedIndex {
+    fn default() -> Self {
+        Self::new(MAX_INDEXED_CLOSED_RUNS)
+    }
 }
 
 impl ClosedIndex {
+    pub(super) fn new(bound: usize) -> Self {
+        Self {
+            runs: None,
+            generation: 0,
+            bound,
+            listing: false,
+            over_bound: None,
+        }
+    }
+
     /// A run closed (and moved under `closed/`) by this daemon.
     pub(super) fn closed(&mut self, run_id: RunId, deadline_unix: i64) {
         self.generation = self.generation.wrapping_add(1);
         if let Some(runs) = &mut self.runs {
-            if runs.len() >= MAX_INDEXED_CLOSED_RUNS {
+            if runs.len() >= self.bound {
                 self.runs = None;
+                self.over_bound = Some(self.retry_after());
             } else {
                 runs.insert(run_id, Some(deadline_unix));
             }
@@ -50,17 +75,47 @@ impl ClosedIndex {
         if let Some(runs) = &mut self.runs {
             runs.remove(run_id);
         }
+        self.over_bound = self
+            .over_bound
+            .and_then(|left| left.checked_sub(1))
+            .filter(|left| *left > 0);
     }
 
-    pub(super) fn generation(&self) -> u64 {
-        self.generation
+    /// Removals after which a node that was over the bound is listed again: an eighth of it.
+    fn retry_after(&self) -> usize {
+        (self.bound / 8).max(1)
     }
 
-    /// Installs a listing of every closed run made while the generation was `generation`.
-    pub(super) fn install(&mut self, generation: u64, ids: Vec<RunId>) {
-        if self.generation == generation && self.runs.is_none() {
+    /// Starts a listing, returning the generation to install it with; `None` when the index
+    /// is installed, another listing is under way, or the node is over the bound.
+    pub(super) fn begin_listing(&mut self) -> Option<u64> {
+        if self.runs.is_some() || self.listing || self.over_bound.is_some() {
+            return None;
+        }
+        self.listing = true;
+        Some(self.generation)
+    }
+
+    /// Ends a listing begun at `generation`, installing `ids` unless a close or prune raced it
+    /// (`None`: the listing failed).
+    pub(super) fn end_listing(&mut self, generation: u64, ids: Option<Vec<RunId>>) {
+        self.listing = false;
+        if let Some(ids) = ids
+            && self.generation == generation
+            && self.runs.is_none()
+        {
             self.runs = Some(ids.into_iter().map(|id| (id, None)).collect());
         }
+    }
+
+    /// Ends a listing that found more than the bound.
+    pub(super) fn over_bound(&mut self) {
+        self.listing = false;
+        self.over_bound = Some(self.retry_after());
+    }
+
+    pub(super) fn bound(&self) -> usize {
+        self.bound
     }
 
     pub(super) fn is_installed(&self) -> bool {
@@ -94,6 +149,8 @@ impl ClosedIndex {
 
 #[cfg(test)]
 mod tests {
+    use super::super::RunRegistry;
+    use super::super::tests::{CLOSED_READS, closed_reads_under, closed_runs, key, nth_grant};
     use super::*;
     use certistack_core::validate::Validated;
 
@@ -103,37 +160,199 @@ mod tests {
 
     #[test]
     fn a_listing_that_raced_a_close_or_a_prune_is_not_installed() {
-        let mut index = ClosedIndex::default();
-        let listed_at = index.generation();
+        let mut index = ClosedIndex::new(MAX_INDEXED_CLOSED_RUNS);
+        let listed_at = index.begin_listing().unwrap();
+        assert_eq!(index.begin_listing(), None, "one listing at a time");
         index.closed(run_id(1), 10);
-        index.install(listed_at, vec![run_id(2)]);
+        index.end_listing(listed_at, Some(vec![run_id(2)]));
         assert!(!index.is_installed(), "the listing may have missed run 1");
-        let listed_at = index.generation();
+        let listed_at = index.begin_listing().unwrap();
         index.removed(&run_id(2));
-        index.install(listed_at, vec![run_id(2)]);
+        index.end_listing(listed_at, Some(vec![run_id(2)]));
         assert!(!index.is_installed(), "the listing may hold a pruned run");
-        let listed_at = index.generation();
-        index.install(listed_at, vec![run_id(1), run_id(2)]);
+        let listed_at = index.begin_listing().unwrap();
+        index.end_listing(listed_at, None);
+        assert!(!index.is_installed(), "a failed listing installs nothing");
+        let listed_at = index.begin_listing().unwrap();
+        index.end_listing(listed_at, Some(vec![run_id(1), run_id(2)]));
         assert_eq!(
             index.after(None, 10),
             [(run_id(1), None), (run_id(2), None)]
         );
         assert_eq!(index.after(Some(&run_id(1)), 10), [(run_id(2), None)]);
+        assert_eq!(
+            index.begin_listing(),
+            None,
+            "installed: nothing more to list"
+        );
     }
 
     #[test]
-    fn the_index_is_dropped_rather_than_grow_past_its_bound() {
-        let mut index = ClosedIndex::default();
-        let listed_at = index.generation();
-        index.install(
-            listed_at,
-            (0..MAX_INDEXED_CLOSED_RUNS).map(run_id).collect(),
-        );
+    fn past_its_bound_the_index_is_dropped_until_the_sweep_removed_an_eighth() {
+        let mut index = ClosedIndex::new(16);
+        let listed_at = index.begin_listing().unwrap();
+        index.end_listing(listed_at, Some((0..16).map(run_id).collect()));
         assert!(index.is_installed());
-        index.closed(run_id(MAX_INDEXED_CLOSED_RUNS), 10);
+        index.closed(run_id(16), 10);
         assert!(
             !index.is_installed(),
             "past the bound, pages are read from disk"
         );
+        assert_eq!(
+            index.begin_listing(),
+            None,
+            "and no listing is retried at once"
+        );
+        index.removed(&run_id(0));
+        assert_eq!(
+            index.begin_listing(),
+            None,
+            "one removal is not an eighth of 16"
+        );
+        index.removed(&run_id(1));
+        assert!(index.begin_listing().is_some(), "two are");
+        index.over_bound();
+        assert_eq!(
+            index.begin_listing(),
+            None,
+            "a listing over the bound waits again"
+        );
+    }
+
+    /// ListRuns' closed pages: the first listing reads every shard's names, each page the
+    /// summaries it shows once; then pages come from memory, reading nothing, and stay current as
+    /// runs close and are pruned.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn closed_runs_are_listed_from_memory_once_listed_and_kept_current() {
+        let (dir, registry, ids) = closed_runs("index", 7).await;
+        let on_disk = |after: Option<&RunId>, size| {
+            let (page, next) = registry.closed_page(after, size).unwrap();
+            let page: Vec<(RunId, i64)> = page
+                .into_iter()
+                .map(|(id, summary)| (id, summary.deadline_unix))
+                .collect();
+            (page, next)
+        };
+        assert_eq!(
+            registry.closed_deadlines_in_memory(None, 3),
+            None,
+            "nothing is in memory before the first listing"
+        );
+        assert_eq!(
+            registry.closed_deadlines(None, 3).unwrap(),
+            on_disk(None, 3)
+        );
+        let before = closed_reads_under(&dir);
+        assert_eq!(
+            registry.closed_deadlines_in_memory(None, 3),
+            Some(on_disk(None, 3))
+        );
+        assert_eq!(
+            registry.closed_deadlines_in_memory(Some(&ids[2]), 3),
+            None,
+            "the next page's deadlines are not known yet"
+        );
+        assert_eq!(
+            registry.closed_deadlines(Some(&ids[2]), 1000).unwrap(),
+            on_disk(Some(&ids[2]), 1000)
+        );
+        let reads = closed_reads_under(&dir);
+        for size in [1, 3, 7, 1000] {
+            let mut after = None;
+            loop {
+                let from_memory = registry
+                    .closed_deadlines_in_memory(after.as_ref(), size)
+                    .unwrap();
+                assert_eq!(
+                    from_memory,
+                    on_disk(after.as_ref(), size),
+                    "page size {size}"
+                );
+                match from_memory.1 {
+                    Some(next) => after = Some(next),
+                    None => break,
+                }
+            }
+        }
+        assert!(reads > before, "the second page read its runs' summaries");
+        let quiet = closed_reads_under(&dir);
+        registry.closed_deadlines_in_memory(None, 1000).unwrap();
+        assert_eq!(
+            closed_reads_under(&dir),
+            quiet,
+            "a page from memory read a file"
+        );
+
+        // A run closed now is listed at once; a pruned one is gone.
+        let (signed, grant) = nth_grant(30);
+        let (late, deadline) = (grant.run_id.clone(), grant.deadline_unix);
+        registry.begin(&signed, grant, 2_000_000).await.unwrap();
+        assert!(
+            !registry
+                .closed_deadlines_in_memory(None, 1000)
+                .unwrap()
+                .0
+                .iter()
+                .any(|(id, _)| *id == late),
+            "an open run is not a closed one"
+        );
+        registry.end(&late, 2_000_600).await.unwrap();
+        let listed = registry.closed_deadlines_in_memory(None, 1000).unwrap();
+        assert!(listed.0.contains(&(late.clone(), deadline)));
+        assert_eq!(listed, on_disk(None, 1000));
+        let pruned = registry.prune(i64::MAX / 2).unwrap();
+        assert_eq!(pruned.len(), 8);
+        assert_eq!(
+            registry.closed_deadlines_in_memory(None, 1000),
+            Some((Vec::new(), None))
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Past the index's bound, pages are read from disk, and the shards are not walked again on
+    /// every call: the first try marks the node over the bound until the sweep removed an eighth.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn past_the_bound_closed_pages_are_read_from_disk_without_listing_every_shard_each_time()
+    {
+        let (dir, registry, _) = closed_runs("index-bound", 5).await;
+        let mut bounded = registry.limits;
+        drop(registry);
+        bounded.max_indexed_closed_runs = 3;
+        let registry = RunRegistry::open(&dir, &key().verifying_key(), bounded, 0).unwrap();
+        let closed_dir = dir.join("closed");
+        let listings = || {
+            CLOSED_READS
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|path| **path == closed_dir)
+                .count()
+        };
+        let before = listings();
+        let (page, next) = registry.closed_deadlines(None, 2).unwrap();
+        let on_disk = registry.closed_page(None, 2).unwrap();
+        assert_eq!(next, on_disk.1);
+        assert_eq!(
+            page,
+            on_disk
+                .0
+                .into_iter()
+                .map(|(id, summary)| (id, summary.deadline_unix))
+                .collect::<Vec<_>>()
+        );
+        assert_eq!(
+            listings() - before,
+            3,
+            "the first call tried the whole listing once, and each page read its shards"
+        );
+        let before = listings();
+        registry.closed_deadlines(next.as_ref(), 2).unwrap();
+        assert_eq!(
+            listings() - before,
+            1,
+            "a later page reads only its own shards"
+        );
+        assert_eq!(registry.closed_deadlines_in_memory(None, 2), None);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -5,6 +5,7 @@ use certistack_core::grant::Grant;
 use certistack_core::journal::{Journal, JournalError, JournalUsage, Phase, Record};
 use certistack_core::journal::{Op, Resource};
 use certistack_core::validate::RunId;
+use certistack_proto::v1 as pb;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
@@ -47,6 +48,15 @@ fn describe_open(records: &[Record]) -> Vec<String> {
             )
         })
         .collect()
+}
+
+/// The journal's lock if no append holds it (a poisoned lock is taken as [`lock_journal`] does).
+fn try_lock_journal(journal: &Mutex<Journal>) -> Option<std::sync::MutexGuard<'_, Journal>> {
+    match journal.try_lock() {
+        Ok(journal) => Some(journal),
+        Err(std::sync::TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),
+        Err(std::sync::TryLockError::WouldBlock) => None,
+    }
 }
 
 pub(super) fn lock_journal(journal: &Mutex<Journal>) -> std::sync::MutexGuard<'_, Journal> {
@@ -96,12 +106,20 @@ impl RunHandle {
         if self.usage.get().0 > INLINE_RECORDS {
             return None;
         }
-        let journal = match self.journal.try_lock() {
-            Ok(journal) => journal,
-            Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
-            Err(std::sync::TryLockError::WouldBlock) => return None,
-        };
+        let journal = try_lock_journal(&self.journal)?;
         Some(describe_open(journal.records()))
+    }
+
+    /// The journal's records as `ReadJournal` sends them, without waiting: `None` while an
+    /// append holds the journal (it may be syncing) or when the journal is longer than
+    /// `max_bytes`. Each record was appended to memory only once it was on disk, so these are
+    /// the file's records; the file itself is not read again.
+    pub fn try_wire_records(&self, max_bytes: u64) -> Option<Vec<pb::JournalRecord>> {
+        if self.usage.get().1 > max_bytes {
+            return None;
+        }
+        let journal = try_lock_journal(&self.journal)?;
+        Some(journal.records().iter().map(Record::to_wire).collect())
     }
 
     pub(super) fn new(run_id: RunId, grant: Grant, dir: PathBuf, journal: Journal) -> Self {
@@ -264,5 +282,79 @@ impl RunGuard<'_> {
     /// The run's records as this daemon wrote or loaded them (no file read, no copy).
     pub fn records(&self) -> Records<'_> {
         Records(lock_journal(&self.run.journal))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::RunRegistry;
+    use super::super::tests::{hold, key, limits, nth_grant, state_dir};
+    use super::*;
+    use certistack_core::journal;
+
+    /// What ListRuns and ReadJournal read on an async worker never waits: while an append holds the
+    /// journal (it may be syncing), the open resources and the records are left to the blocking pool.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn open_resources_are_read_without_waiting_or_not_at_all() {
+        let dir = state_dir("try-open");
+        let registry = RunRegistry::open(&dir, &key().verifying_key(), limits(1), 0).unwrap();
+        let (signed, grant) = nth_grant(0);
+        let run_id = grant.run_id.clone();
+        registry.begin(&signed, grant, 2_000_000).await.unwrap();
+        hold(&registry, &run_id, "backup:drive-scsi0.img").await;
+        let run = registry.get(&run_id).unwrap();
+        let open = run.open_resources();
+        assert_eq!(open, ["backup:drive-scsi0.img (backup.map intent)"]);
+        assert_eq!(run.try_open_resources(), Some(open));
+        // ReadJournal's records from memory are the file's, record for record.
+        let on_disk: Vec<pb::JournalRecord> = journal::read(run.journal_path(), run_id.as_str())
+            .unwrap()
+            .records
+            .iter()
+            .map(Record::to_wire)
+            .collect();
+        assert_eq!(on_disk.len(), 2);
+        assert_eq!(run.try_wire_records(u64::MAX), Some(on_disk));
+        let (_, bytes) = run.journal_usage();
+        assert_eq!(
+            run.try_wire_records(bytes - 1),
+            None,
+            "a longer journal is streamed"
+        );
+        let appending = lock_journal(&run.journal);
+        assert_eq!(run.try_open_resources(), None);
+        assert_eq!(run.try_wire_records(u64::MAX), None);
+        drop(appending);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// An async worker goes through a journal of at most `INLINE_RECORDS` records; a longer one is
+    /// left to the blocking pool.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_long_journal_is_not_read_on_an_async_worker() {
+        let dir = state_dir("inline-bound");
+        let registry = RunRegistry::open(&dir, &key().verifying_key(), limits(1), 0).unwrap();
+        let (signed, grant) = nth_grant(0);
+        let run_id = grant.run_id.clone();
+        registry.begin(&signed, grant, 2_000_000).await.unwrap();
+        let run = registry.get(&run_id).unwrap();
+        let mut guard = run.lock().await;
+        while run.journal_usage().0 < INLINE_RECORDS {
+            guard
+                .intent(
+                    1,
+                    &Op::BackupMap,
+                    &Resource::parse("backup:drive-scsi0.img"),
+                    serde_json::Value::Null,
+                )
+                .await
+                .unwrap();
+        }
+        drop(guard);
+        assert!(run.try_open_resources().is_some(), "at the bound: inline");
+        hold(&registry, &run_id, "backup:drive-scsi1.img").await;
+        assert_eq!(run.try_open_resources(), None, "past it: not inline");
+        assert_eq!(run.open_resources().len(), 2);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

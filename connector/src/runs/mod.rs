@@ -59,6 +59,8 @@ pub struct RegistryLimits {
     pub max_sandbox_cores: u64,
     pub max_sandbox_memory_mib: u64,
     pub closed_run_retention_days: u64,
+    /// Closed runs whose ids and deadlines ListRuns keeps in memory.
+    pub max_indexed_closed_runs: usize,
 }
 
 impl RegistryLimits {
@@ -69,6 +71,7 @@ impl RegistryLimits {
             max_sandbox_cores: u64::from(limits.max_sandbox_cores),
             max_sandbox_memory_mib: limits.max_sandbox_memory_mib,
             closed_run_retention_days: limits.closed_run_retention_days,
+            max_indexed_closed_runs: MAX_INDEXED_CLOSED_RUNS,
         }
     }
 }

@@ -6,7 +6,7 @@ use super::closed::{
     CLOSED_ROOT, ClosedPage, ClosedRun, PRUNE_BATCH, SHARD_CHARS, closed_summary, closed_time,
     move_closed, read_closed, shard_of, write_closed,
 };
-use super::closed_index::{ClosedIndex, DeadlinePage, MAX_INDEXED_CLOSED_RUNS};
+use super::closed_index::{ClosedIndex, DeadlinePage};
 use super::handle::RunHandle;
 use super::overlap::overlap;
 use super::{GRANT_FILE, RegistryLimits, RunError, load_grant, max_line, read_names, sync_dir};
@@ -65,7 +65,10 @@ impl RunRegistry {
         let closed_dir = state_dir.join(CLOSED_ROOT);
         files::create_private_dir(&dir)?;
         files::create_private_dir(&closed_dir)?;
-        let mut inner = Inner::default();
+        let mut inner = Inner {
+            closed_index: ClosedIndex::new(limits.max_indexed_closed_runs),
+            ..Inner::default()
+        };
         let entries = std::fs::read_dir(&dir).map_err(|error| FileError::Read {
             path: dir.clone(),
             error,
@@ -682,14 +685,14 @@ impl RunRegistry {
 
     /// A page of closed runs with their deadlines: from the index (installed by the first call,
     /// which reads every shard's names), reading the summaries of the page's runs not yet
-    /// known; from disk page by page when the index cannot be installed. Blocks on the file
-    /// system.
+    /// known; from disk page by page while the index cannot be installed (another listing under
+    /// way, a node over the bound, a shard that cannot be read). Blocks on the file system.
     pub fn closed_deadlines(
         &self,
         after: Option<&RunId>,
         page_size: usize,
     ) -> Result<DeadlinePage, RunError> {
-        self.install_closed_index()?;
+        self.install_closed_index();
         let indexed = {
             let inner = self.lock();
             inner.closed_index.is_installed().then(|| {
@@ -733,46 +736,60 @@ impl RunRegistry {
                 &self.authority,
                 &self.limits,
             );
-            self.lock()
-                .closed_index
-                .learned(&run_id, summary.deadline_unix);
+            // A deadline of 0 says the summary and the grant could not be read (a grant's
+            // deadline is after its start): listed as it is, read again next time.
+            if summary.deadline_unix > 0 {
+                self.lock()
+                    .closed_index
+                    .learned(&run_id, summary.deadline_unix);
+            }
             listed.push((run_id, summary.deadline_unix));
         }
         Ok((listed, next))
     }
 
-    /// Lists every shard's names into the index, unless it is installed already or `closed/`
-    /// holds more than [`MAX_INDEXED_CLOSED_RUNS`] runs.
-    fn install_closed_index(&self) -> Result<(), RunError> {
-        let generation = {
-            let inner = self.lock();
-            if inner.closed_index.is_installed() {
-                return Ok(());
-            }
-            inner.closed_index.generation()
+    /// Lists every shard's names into the index, unless it is installed already, another
+    /// listing is under way, or `closed/` holds more runs than the index keeps (then the
+    /// retention sweep must remove an eighth of them before the next try).
+    fn install_closed_index(&self) {
+        let Some(generation) = self.lock().closed_index.begin_listing() else {
+            return;
         };
+        let bound = self.limits.max_indexed_closed_runs;
         #[cfg(test)]
         super::tests::closed_read(&self.closed_dir);
-        let mut ids = Vec::new();
-        for shard in read_names(&self.closed_dir)? {
-            if shard.len() != SHARD_CHARS {
-                continue;
-            }
-            for name in read_names(&self.closed_dir.join(&shard))? {
-                if let Ok(run_id) = RunId::validate(&name) {
-                    if ids.len() >= MAX_INDEXED_CLOSED_RUNS {
-                        tracing::info!(
-                            max = MAX_INDEXED_CLOSED_RUNS,
-                            "more closed runs than ListRuns keeps in memory; they are listed from disk page by page (lower limits.closed_run_retention_days to keep fewer)"
-                        );
-                        return Ok(());
+        let listed = (|| -> Result<Option<Vec<RunId>>, RunError> {
+            let mut ids = Vec::new();
+            for shard in read_names(&self.closed_dir)? {
+                if shard.len() != SHARD_CHARS {
+                    continue;
+                }
+                for name in read_names(&self.closed_dir.join(&shard))? {
+                    if let Ok(run_id) = RunId::validate(&name) {
+                        if ids.len() >= bound {
+                            return Ok(None);
+                        }
+                        ids.push(run_id);
                     }
-                    ids.push(run_id);
                 }
             }
+            Ok(Some(ids))
+        })();
+        let mut inner = self.lock();
+        match listed {
+            Ok(Some(ids)) => inner.closed_index.end_listing(generation, Some(ids)),
+            Ok(None) => {
+                inner.closed_index.over_bound();
+                tracing::info!(
+                    max = inner.closed_index.bound(),
+                    "more closed runs than ListRuns keeps in memory; pages are read from disk until the retention sweep removed an eighth of that (lower limits.closed_run_retention_days to keep fewer)"
+                );
+            }
+            Err(error) => {
+                inner.closed_index.end_listing(generation, None);
+                tracing::warn!(%error, "cannot list the closed runs into memory; this page is read from disk");
+            }
         }
-        self.lock().closed_index.install(generation, ids);
-        Ok(())
     }
 }
 

@@ -24,7 +24,7 @@ pub(crate) fn synced(dir: &Path) {
         .push(dir.to_owned());
 }
 
-static CLOSED_READS: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+pub(super) static CLOSED_READS: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
 
 /// Every closed run read and every listing of closed runs, so tests can see that a start
 /// reads none.
@@ -35,7 +35,7 @@ pub(crate) fn closed_read(path: &Path) {
         .push(path.to_owned());
 }
 
-fn closed_reads_under(dir: &Path) -> usize {
+pub(super) fn closed_reads_under(dir: &Path) -> usize {
     CLOSED_READS
         .lock()
         .unwrap()
@@ -64,7 +64,7 @@ fn all_closed(registry: &RunRegistry, page_size: usize) -> (Vec<RunId>, usize) {
 }
 
 /// `count` runs begun and ended, in a fresh registry; their ids, sorted.
-async fn closed_runs(tag: &str, count: u32) -> (PathBuf, RunRegistry, Vec<RunId>) {
+pub(super) async fn closed_runs(tag: &str, count: u32) -> (PathBuf, RunRegistry, Vec<RunId>) {
     let dir = state_dir(tag);
     let registry = RunRegistry::open(&dir, &key().verifying_key(), limits(1), 0).unwrap();
     let mut ids = Vec::new();
@@ -250,18 +250,18 @@ async fn the_retention_sweep_goes_in_bounded_batches() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-fn state_dir(tag: &str) -> PathBuf {
+pub(super) fn state_dir(tag: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("certistack-runs-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     dir
 }
 
-fn key() -> SigningKey {
+pub(super) fn key() -> SigningKey {
     SigningKey::from_bytes(&[1; 32])
 }
 
 /// The `n`th of a set of grants that share nothing on the node.
-fn nth_grant(n: u32) -> (pb::SignedRunGrant, Grant) {
+pub(super) fn nth_grant(n: u32) -> (pb::SignedRunGrant, Grant) {
     let mut wire = full_wire_grant();
     if n > 0 {
         wire.run_id = format!("11111111-2222-4333-8444-{n:012}");
@@ -284,7 +284,7 @@ async fn registry_with_open_run(tag: &str) -> (PathBuf, RunRegistry, RunId) {
     (dir, registry, run_id)
 }
 
-fn limits(max_open: usize) -> RegistryLimits {
+pub(super) fn limits(max_open: usize) -> RegistryLimits {
     RegistryLimits {
         max_open,
         ..RegistryLimits::default()
@@ -308,7 +308,7 @@ fn journal_ops(dir: &Path, run_id: &RunId) -> Vec<String> {
         .collect()
 }
 
-async fn hold(registry: &RunRegistry, run_id: &RunId, resource: &str) {
+pub(super) async fn hold(registry: &RunRegistry, run_id: &RunId, resource: &str) {
     let run = registry.get(run_id).unwrap();
     let mut guard = run.lock().await;
     guard
@@ -854,115 +854,5 @@ async fn the_next_operation_waits_for_an_abandoned_write() {
         .map(|r| (r.entry.op.as_str().to_owned(), r.entry.phase));
     assert_eq!(last, Some(("backup.map".to_owned(), Phase::Intent)));
     drop(guard);
-    std::fs::remove_dir_all(&dir).unwrap();
-}
-
-/// ListRuns' closed pages: the first listing reads every shard's names, each page the
-/// summaries it shows once; then pages come from memory, reading nothing, and stay current as
-/// runs close and are pruned.
-#[tokio::test(flavor = "multi_thread")]
-async fn closed_runs_are_listed_from_memory_once_listed_and_kept_current() {
-    let (dir, registry, ids) = closed_runs("index", 7).await;
-    let on_disk = |after: Option<&RunId>, size| {
-        let (page, next) = registry.closed_page(after, size).unwrap();
-        let page: Vec<(RunId, i64)> = page
-            .into_iter()
-            .map(|(id, summary)| (id, summary.deadline_unix))
-            .collect();
-        (page, next)
-    };
-    assert_eq!(
-        registry.closed_deadlines_in_memory(None, 3),
-        None,
-        "nothing is in memory before the first listing"
-    );
-    assert_eq!(
-        registry.closed_deadlines(None, 3).unwrap(),
-        on_disk(None, 3)
-    );
-    let before = closed_reads_under(&dir);
-    assert_eq!(
-        registry.closed_deadlines_in_memory(None, 3),
-        Some(on_disk(None, 3))
-    );
-    assert_eq!(
-        registry.closed_deadlines_in_memory(Some(&ids[2]), 3),
-        None,
-        "the next page's deadlines are not known yet"
-    );
-    assert_eq!(
-        registry.closed_deadlines(Some(&ids[2]), 1000).unwrap(),
-        on_disk(Some(&ids[2]), 1000)
-    );
-    let reads = closed_reads_under(&dir);
-    for size in [1, 3, 7, 1000] {
-        let mut after = None;
-        loop {
-            let from_memory = registry
-                .closed_deadlines_in_memory(after.as_ref(), size)
-                .unwrap();
-            assert_eq!(
-                from_memory,
-                on_disk(after.as_ref(), size),
-                "page size {size}"
-            );
-            match from_memory.1 {
-                Some(next) => after = Some(next),
-                None => break,
-            }
-        }
-    }
-    assert!(reads > before, "the second page read its runs' summaries");
-    let quiet = closed_reads_under(&dir);
-    registry.closed_deadlines_in_memory(None, 1000).unwrap();
-    assert_eq!(
-        closed_reads_under(&dir),
-        quiet,
-        "a page from memory read a file"
-    );
-
-    // A run closed now is listed at once; a pruned one is gone.
-    let (signed, grant) = nth_grant(30);
-    let (late, deadline) = (grant.run_id.clone(), grant.deadline_unix);
-    registry.begin(&signed, grant, 2_000_000).await.unwrap();
-    assert!(
-        !registry
-            .closed_deadlines_in_memory(None, 1000)
-            .unwrap()
-            .0
-            .iter()
-            .any(|(id, _)| *id == late),
-        "an open run is not a closed one"
-    );
-    registry.end(&late, 2_000_600).await.unwrap();
-    let listed = registry.closed_deadlines_in_memory(None, 1000).unwrap();
-    assert!(listed.0.contains(&(late.clone(), deadline)));
-    assert_eq!(listed, on_disk(None, 1000));
-    let pruned = registry.prune(i64::MAX / 2).unwrap();
-    assert_eq!(pruned.len(), 8);
-    assert_eq!(
-        registry.closed_deadlines_in_memory(None, 1000),
-        Some((Vec::new(), None))
-    );
-    std::fs::remove_dir_all(&dir).unwrap();
-}
-
-/// What ListRuns reads on an async worker never waits: while an append holds the journal (it
-/// may be syncing), the open resources are left to the blocking pool.
-#[tokio::test(flavor = "multi_thread")]
-async fn open_resources_are_read_without_waiting_or_not_at_all() {
-    let dir = state_dir("try-open");
-    let registry = RunRegistry::open(&dir, &key().verifying_key(), limits(1), 0).unwrap();
-    let (signed, grant) = nth_grant(0);
-    let run_id = grant.run_id.clone();
-    registry.begin(&signed, grant, 2_000_000).await.unwrap();
-    hold(&registry, &run_id, "backup:drive-scsi0.img").await;
-    let run = registry.get(&run_id).unwrap();
-    let open = run.open_resources();
-    assert_eq!(open, ["backup:drive-scsi0.img (backup.map intent)"]);
-    assert_eq!(run.try_open_resources(), Some(open));
-    let appending = lock_journal(&run.journal);
-    assert_eq!(run.try_open_resources(), None);
-    drop(appending);
     std::fs::remove_dir_all(&dir).unwrap();
 }

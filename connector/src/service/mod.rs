@@ -14,9 +14,9 @@
 //! (oversized, undecodable, compressed).
 //!
 //! The run registry answers the rest itself: `ListRuns` from the open runs' records and the
-//! closed runs' ids and deadlines in memory (read from disk once), `ReadJournal` by reading
-//! the journal file, verifying the chain as it goes (a small open run's journal whole before
-//! answering, any other streamed). Operations that add to the node are refused with
+//! closed runs' ids and deadlines in memory (read from disk once), `ReadJournal` from an
+//! open run's records in memory when they are few, else by streaming the journal file and
+//! verifying the chain as it goes. Operations that add to the node are refused with
 //! `RESOURCE_EXHAUSTED` once the run's journal reaches its operation budget; what undoes or
 //! cleans up keeps the reserve.
 
@@ -25,7 +25,7 @@ mod journal_stream;
 mod reaper;
 
 use admission::{invalid, run_id_of};
-use journal_stream::{INLINE_JOURNAL_BYTES, journal_records, stream_journal};
+use journal_stream::stream_journal;
 
 use crate::action::{Action, parse};
 use crate::clock::Clock;
@@ -48,6 +48,10 @@ use tonic::{Request, Response, Status};
 
 /// Characters of a quarantine reason ListRuns returns (it may quote a journal line).
 const MAX_QUARANTINE_REASON_CHARS: usize = 1024;
+/// Open runs' journals up to this size are answered from the records in memory, on the async
+/// worker: a validation's few dozen records. Larger ones, and closed runs', are streamed from
+/// the file by a blocking thread, verified as they are read.
+const INLINE_JOURNAL_BYTES: u64 = 16 * 1024;
 /// Records a `ReadJournal` stream buffers ahead of a slow reader.
 const JOURNAL_STREAM_BUFFER: usize = 16;
 
@@ -499,33 +503,38 @@ impl Connector for ConnectorService {
         };
         // An operator reads any run this node knows, closed ones included; a run reads its
         // own journal while it is open, as it calls every other operation.
-        let (path, open_bytes): (PathBuf, Option<u64>) = match &peer.client.identity {
-            Identity::Operator { .. } if self.runs.is_closed(target) => {
-                let path = self.runs.journal_path(target).ok_or_else(|| {
-                    refuse(Status::not_found(format!(
-                        "no run {target} on this node (see ListRuns)"
-                    )))
-                })?;
-                (path, None)
-            }
-            _ => {
-                let resolved = self.resolve(&peer, rpc, &action)?;
-                let run = resolved.run();
-                (run.journal_path().to_owned(), Some(run.journal_usage().1))
-            }
-        };
         let max_line = self.runs.max_journal_line();
         let run_id = target.to_string();
         // The call log names the caller; a run reads only its own journal, so the run read is
         // worth a line of its own only when an operator reads one.
-        if matches!(peer.client.identity, Identity::Operator { .. }) {
-            tracing::info!(rpc = rpc.name(), peer = %peer.label(), run_id = %target, "streaming");
-        }
-        if open_bytes.is_some_and(|bytes| bytes <= INLINE_JOURNAL_BYTES) {
-            let records = journal_records(&path, &run_id, max_line);
-            let stream: JournalStream = Box::pin(tokio_stream::iter(records));
-            return Ok(Response::new(stream));
-        }
+        let announce = || {
+            if matches!(peer.client.identity, Identity::Operator { .. }) {
+                tracing::info!(rpc = rpc.name(), peer = %peer.label(), run_id = %target, "streaming");
+            }
+        };
+        let path: PathBuf = match &peer.client.identity {
+            Identity::Operator { .. } if self.runs.is_closed(target) => {
+                self.runs.journal_path(target).ok_or_else(|| {
+                    refuse(Status::not_found(format!(
+                        "no run {target} on this node (see ListRuns)"
+                    )))
+                })?
+            }
+            _ => {
+                let resolved = self.resolve(&peer, rpc, &action)?;
+                let run = resolved.run();
+                // An open run's small journal from its records in memory: no file to read and
+                // no hand-off, and the whole answer leaves in one write.
+                if let Some(records) = run.try_wire_records(INLINE_JOURNAL_BYTES) {
+                    announce();
+                    let stream: JournalStream =
+                        Box::pin(tokio_stream::iter(records.into_iter().map(Ok::<_, Status>)));
+                    return Ok(Response::new(stream));
+                }
+                run.journal_path().to_owned()
+            }
+        };
+        announce();
         let (sender, receiver) = tokio::sync::mpsc::channel(JOURNAL_STREAM_BUFFER);
         tokio::task::spawn_blocking(move || stream_journal(&path, &run_id, max_line, &sender));
         let stream: JournalStream = Box::pin(tokio_stream::wrappers::ReceiverStream::new(receiver));
@@ -542,10 +551,10 @@ impl Connector for ConnectorService {
         let now = self.clock.now_unix();
         // Open runs: what they hold, from the records in memory; closed runs: their ids and
         // deadlines, from memory once listed. Answered on the async worker when nothing has to
-        // wait (no append holds a journal, every deadline on the page known); otherwise in one
-        // hand-off to a blocking thread, where a journal's lock or the closed runs' files may
-        // be waited for. A hand-off parks the worker, and waking it costs more than the
-        // call's own work (docs/performance.md, section 1).
+        // wait (no append holds a journal, the closed runs listed and every deadline on the
+        // page known); otherwise in one hand-off to a blocking thread, where a journal's lock
+        // or the closed runs' files may be waited for. A hand-off parks the worker, and waking
+        // it costs more than the call's own work (docs/performance.md, section 1).
         let open = self.runs.open_runs();
         let inline = open
             .iter()
@@ -579,9 +588,12 @@ impl Connector for ConnectorService {
                 .map_err(|error| Status::internal(format!("listing the runs stopped: {error}")))?
             }
         };
-        let (closed, next) = closed.map_err(|error| {
+        let (mut closed, next) = closed.map_err(|error| {
             Status::unavailable(format!("cannot list the closed runs: {error}"))
         })?;
+        // A run closing while this call lists may be found on both sides: it is open until
+        // the registry forgets it, so it is listed once, as open.
+        closed.retain(|(id, _)| !open.iter().any(|(run, _)| &run.run_id == id));
         let mut runs: Vec<pb::RunSummary> = open
             .into_iter()
             .map(|(run, open_resources)| pb::RunSummary {
