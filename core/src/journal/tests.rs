@@ -455,3 +455,10 @@ fn the_reader_streams_verifies_and_stops_at_a_torn_tail_or_corruption() {
     assert_eq!(summary.last_op, Some(Op::OverlayCreate));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_digest_on_the_wire_is_its_lower_case_hex() {
+    for digest in [[0u8; 32], [0xff; 32], std::array::from_fn(|i| i as u8 * 7)] {
+        assert_eq!(super::digest_hex(&digest), hex::encode(digest));
+    }
+}

@@ -133,7 +133,7 @@ pub fn profile(args: &[String]) {
         let listed = annotate(&row_file, true, usize::MAX);
         assert!(
             listed.iter().any(|line| line.contains(function)),
-            "{row}: {function} (run on a blocking thread) was not collected: the start_thread toggle no longer matches"
+            "{row}: {function} (run on a blocking thread) was not collected: the start_thread toggle no longer matches (are libc's symbols readable?)"
         );
     }
     heading(&format!("Profile of `{row}` (callgrind, instructions)"));
