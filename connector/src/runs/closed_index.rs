@@ -37,6 +37,10 @@ pub(super) struct ClosedIndex {
     /// more runs the retention sweep must remove before a listing is tried again, so a node at
     /// its bound lists from disk page by page instead of walking every shard on every call.
     over_bound: Option<usize>,
+    /// The generation at which a listing failed (a shard that cannot be read): no listing is
+    /// tried again until a close or a prune changes it, so a lasting fault costs one walk per
+    /// change, not one per call.
+    failed_at: Option<u64>,
 }
 
 impl Default for ClosedIndex {
@@ -53,6 +57,7 @@ impl ClosedIndex {
             bound,
             listing: false,
             over_bound: None,
+            failed_at: None,
         }
     }
 
@@ -89,7 +94,11 @@ impl ClosedIndex {
     /// Starts a listing, returning the generation to install it with; `None` when the index
     /// is installed, another listing is under way, or the node is over the bound.
     pub(super) fn begin_listing(&mut self) -> Option<u64> {
-        if self.runs.is_some() || self.listing || self.over_bound.is_some() {
+        if self.runs.is_some()
+            || self.listing
+            || self.over_bound.is_some()
+            || self.failed_at == Some(self.generation)
+        {
             return None;
         }
         self.listing = true;
@@ -100,11 +109,12 @@ impl ClosedIndex {
     /// (`None`: the listing failed).
     pub(super) fn end_listing(&mut self, generation: u64, ids: Option<Vec<RunId>>) {
         self.listing = false;
-        if let Some(ids) = ids
-            && self.generation == generation
-            && self.runs.is_none()
-        {
-            self.runs = Some(ids.into_iter().map(|id| (id, None)).collect());
+        match ids {
+            Some(ids) if self.generation == generation && self.runs.is_none() => {
+                self.runs = Some(ids.into_iter().map(|id| (id, None)).collect());
+            }
+            Some(_) => {}
+            None => self.failed_at = Some(generation),
         }
     }
 
@@ -173,13 +183,21 @@ mod tests {
         let listed_at = index.begin_listing().unwrap();
         index.end_listing(listed_at, None);
         assert!(!index.is_installed(), "a failed listing installs nothing");
-        let listed_at = index.begin_listing().unwrap();
-        index.end_listing(listed_at, Some(vec![run_id(1), run_id(2)]));
+        assert_eq!(
+            index.begin_listing(),
+            None,
+            "nor is it retried on the next call"
+        );
+        index.closed(run_id(3), 10);
+        let listed_at = index
+            .begin_listing()
+            .expect("retried after a close or a prune");
+        index.end_listing(listed_at, Some(vec![run_id(1), run_id(3)]));
         assert_eq!(
             index.after(None, 10),
-            [(run_id(1), None), (run_id(2), None)]
+            [(run_id(1), None), (run_id(3), None)]
         );
-        assert_eq!(index.after(Some(&run_id(1)), 10), [(run_id(2), None)]);
+        assert_eq!(index.after(Some(&run_id(1)), 10), [(run_id(3), None)]);
         assert_eq!(
             index.begin_listing(),
             None,
@@ -353,6 +371,51 @@ mod tests {
             "a later page reads only its own shards"
         );
         assert_eq!(registry.closed_deadlines_in_memory(None, 2), None);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A shard that cannot be read fails the listing: the page comes from disk, and the walk is
+    /// not tried again on every call, only after a run closes or is pruned.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_listing_that_fails_is_not_retried_on_every_call() {
+        let (dir, registry, ids) = closed_runs("index-fails", 3).await;
+        // Sorts after every hex shard, so the pages before it still read.
+        std::fs::write(dir.join("closed").join("zz"), b"not a shard").unwrap();
+        let closed_dir = dir.join("closed");
+        let listings = || {
+            CLOSED_READS
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|path| **path == closed_dir)
+                .count()
+        };
+        let before = listings();
+        let (page, _) = registry.closed_deadlines(None, 2).unwrap();
+        assert_eq!(
+            page.iter().map(|(id, _)| id).collect::<Vec<_>>(),
+            [&ids[0], &ids[1]]
+        );
+        assert_eq!(
+            listings() - before,
+            2,
+            "the listing was tried, the page read from disk"
+        );
+        assert_eq!(registry.closed_deadlines_in_memory(None, 2), None);
+        let before = listings();
+        registry.closed_deadlines(None, 2).unwrap();
+        assert_eq!(
+            listings() - before,
+            1,
+            "no second walk before anything changed"
+        );
+        let (signed, grant) = nth_grant(40);
+        let run_id = grant.run_id.clone();
+        registry.begin(&signed, grant, 2_000_000).await.unwrap();
+        registry.end(&run_id, 2_000_600).await.unwrap();
+        let before = listings();
+        registry.closed_deadlines(None, 2).unwrap();
+        assert_eq!(listings() - before, 2, "a close allows one more try");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -119,6 +119,10 @@ impl RunHandle {
             return None;
         }
         let journal = try_lock_journal(&self.journal)?;
+        // A poisoned journal may have a record on disk that memory lacks: read the file.
+        if journal.is_poisoned() {
+            return None;
+        }
         Some(journal.records().iter().map(Record::to_wire).collect())
     }
 

@@ -736,13 +736,11 @@ impl RunRegistry {
                 &self.authority,
                 &self.limits,
             );
-            // A deadline of 0 says the summary and the grant could not be read (a grant's
-            // deadline is after its start): listed as it is, read again next time.
-            if summary.deadline_unix > 0 {
-                self.lock()
-                    .closed_index
-                    .learned(&run_id, summary.deadline_unix);
-            }
+            // Kept even when it is 0 (neither summary nor grant readable): the rebuilt summary
+            // is stored with it, so reading again would find the same.
+            self.lock()
+                .closed_index
+                .learned(&run_id, summary.deadline_unix);
             listed.push((run_id, summary.deadline_unix));
         }
         Ok((listed, next))
@@ -755,6 +753,16 @@ impl RunRegistry {
         let Some(generation) = self.lock().closed_index.begin_listing() else {
             return;
         };
+        // Ends the listing as failed if the walk below unwinds, so the flag is never left set.
+        struct Unfinished<'a>(Option<(&'a RunRegistry, u64)>);
+        impl Drop for Unfinished<'_> {
+            fn drop(&mut self) {
+                if let Some((registry, generation)) = self.0.take() {
+                    registry.lock().closed_index.end_listing(generation, None);
+                }
+            }
+        }
+        let mut unfinished = Unfinished(Some((self, generation)));
         let bound = self.limits.max_indexed_closed_runs;
         #[cfg(test)]
         super::tests::closed_read(&self.closed_dir);
@@ -775,6 +783,7 @@ impl RunRegistry {
             }
             Ok(Some(ids))
         })();
+        unfinished.0 = None;
         let mut inner = self.lock();
         match listed {
             Ok(Some(ids)) => inner.closed_index.end_listing(generation, Some(ids)),
@@ -787,7 +796,7 @@ impl RunRegistry {
             }
             Err(error) => {
                 inner.closed_index.end_listing(generation, None);
-                tracing::warn!(%error, "cannot list the closed runs into memory; this page is read from disk");
+                tracing::warn!(%error, "cannot list the closed runs into memory; pages are read from disk until a run closes or is pruned");
             }
         }
     }

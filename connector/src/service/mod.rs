@@ -591,14 +591,17 @@ impl Connector for ConnectorService {
         let (mut closed, next) = closed.map_err(|error| {
             Status::unavailable(format!("cannot list the closed runs: {error}"))
         })?;
-        // A run closing while this call lists may be found on both sides: it is open until
-        // the registry forgets it, so it is listed once, as open.
+        // A run closing while this call lists may be found on both sides: it is listed once,
+        // from its handle (closed once its closing record is on disk).
         closed.retain(|(id, _)| !open.iter().any(|(run, _)| &run.run_id == id));
         let mut runs: Vec<pb::RunSummary> = open
             .into_iter()
             .map(|(run, open_resources)| pb::RunSummary {
                 run_id: run.run_id.to_string(),
-                state: if now >= run.grant.deadline_unix {
+                // Closed once its closing record is on disk, though not yet moved.
+                state: if run.is_closed() {
+                    pb::RunState::Closed
+                } else if now >= run.grant.deadline_unix {
                     pb::RunState::Expired
                 } else {
                     pb::RunState::Open

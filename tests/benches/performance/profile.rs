@@ -114,6 +114,14 @@ pub fn profile(args: &[String]) {
         let once = total_instructions(&run(target, ITERATIONS));
         let twice_file = run(target, 2 * ITERATIONS);
         let twice = total_instructions(&twice_file);
+        // The blocking threads are collected whatever the main thread does, so more
+        // instructions alone no longer show that the operations were.
+        assert!(
+            annotate(&twice_file, true, usize::MAX)
+                .iter()
+                .any(|line| line.contains("profiled_iteration")),
+            "{target}: profiled_iteration was not collected (renamed or inlined?)"
+        );
         assert!(
             twice > once,
             "{target}: {twice} instructions for {} operations, {once} for {ITERATIONS}: the toggled functions were not collected (renamed or inlined?)",
