@@ -246,6 +246,11 @@ mod echo {
     /// ReadJournal's reads keep it: the async worker may park meanwhile.
     pub const BLOCKING_WORK_PATH: &str = "/bench.Echo/EchoBlockingWork";
     pub const BLOCKING_WORK: std::time::Duration = std::time::Duration::from_micros(20);
+    /// The request's message sent back [`STREAMED`] times as a server stream: ReadJournal's
+    /// shape (a stream of records, then trailers) with nothing of the connector's work.
+    pub const STREAM_PATH: &str = "/bench.Echo/EchoStream";
+    /// Messages the streaming echo sends: as many as the ReadJournal row's journal holds.
+    pub const STREAMED: usize = 1;
 
     #[derive(Clone, PartialEq, prost::Message)]
     pub struct Message {
@@ -295,6 +300,21 @@ mod echo {
         }
     }
 
+    struct Streaming;
+
+    impl tonic::server::ServerStreamingService<Message> for Streaming {
+        type Response = Message;
+        type ResponseStream =
+            tokio_stream::Iter<std::vec::IntoIter<Result<Message, tonic::Status>>>;
+        type Future =
+            std::future::Ready<Result<tonic::Response<Self::ResponseStream>, tonic::Status>>;
+        fn call(&mut self, request: tonic::Request<Message>) -> Self::Future {
+            let message = request.into_inner();
+            let copies = vec![Ok(message); STREAMED];
+            std::future::ready(Ok(tonic::Response::new(tokio_stream::iter(copies))))
+        }
+    }
+
     impl<B> Service<http::Request<B>> for EchoServer
     where
         B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
@@ -320,6 +340,8 @@ mod echo {
                 } else if path == BLOCKING_WORK_PATH {
                     let work = BLOCKING_WORK;
                     Ok(grpc.unary(BlockingUnary { work }, request).await)
+                } else if path == STREAM_PATH {
+                    Ok(grpc.server_streaming(Streaming, request).await)
                 } else {
                     Ok(grpc.unary(Unary, request).await)
                 }
@@ -340,6 +362,29 @@ mod echo {
     /// The same, the blocking thread busy for [`BLOCKING_WORK`] first.
     pub async fn call_blocking_work(channel: &tonic::transport::Channel, payload: &[u8]) {
         call_path(channel, payload, BLOCKING_WORK_PATH).await;
+    }
+
+    /// One server-streaming echo call on `channel`, every message received.
+    pub async fn call_streaming(channel: &tonic::transport::Channel, payload: &[u8]) {
+        let mut grpc = tonic::client::Grpc::new(channel.clone());
+        grpc.ready().await.unwrap();
+        let mut stream = grpc
+            .server_streaming(
+                tonic::Request::new(Message {
+                    payload: payload.to_vec(),
+                }),
+                http::uri::PathAndQuery::from_static(STREAM_PATH),
+                tonic_prost::ProstCodec::<Message, Message>::default(),
+            )
+            .await
+            .unwrap()
+            .into_inner();
+        let mut received = 0;
+        while let Some(message) = stream.message().await.unwrap() {
+            assert_eq!(message.payload, payload);
+            received += 1;
+        }
+        assert_eq!(received, STREAMED);
     }
 
     async fn call_path(channel: &tonic::transport::Channel, payload: &[u8], path: &'static str) {
@@ -460,6 +505,7 @@ async fn transport(settings: &Settings) {
         "Hello (operator, on ListRuns' connection)",
         "echo, mTLS, answered from a blocking thread (one hand-off, as ListRuns and ReadJournal make when they must wait for a journal or the disk)",
         "echo, mTLS, answered from a blocking thread busy 20 µs first (the async worker may park meanwhile)",
+        "echo, mTLS, server-streaming: the message sent back as a stream (ReadJournal's shape: as many messages as its journal's records, then trailers)",
         "echo, mTLS: new connection, resumed TLS 1.3 handshake (one configuration shared) + first call",
         "echo, mTLS: new connection, full TLS 1.3 handshake (a new configuration, as client::connect makes) + first call",
         "Hello: new connection + full TLS 1.3 handshake + first call",
@@ -518,11 +564,14 @@ async fn transport(settings: &Settings) {
             })
             .await;
         }
+        for _ in 0..calls / rounds {
+            timed(&mut samples[9], || echo::call_streaming(&mtls, &payload)).await;
+        }
         for _ in 0..connections / rounds {
             let config = tls_config.clone();
             let address = mtls_address.clone();
             let payload = &payload;
-            timed(&mut samples[9], || async move {
+            timed(&mut samples[10], || async move {
                 let channel = certistack_controller::connect::connect(address, NODE, config)
                     .await
                     .unwrap();
@@ -536,7 +585,7 @@ async fn transport(settings: &Settings) {
             let (authority, operator) = (&authority, &operator);
             // What every controller connection does today: parse the CA, the certificate and
             // the key and build the configuration, so no session ticket is kept to resume.
-            timed(&mut samples[10], || async move {
+            timed(&mut samples[11], || async move {
                 let config = controller_tls(authority, operator);
                 let channel = certistack_controller::connect::connect(address, NODE, config)
                     .await
@@ -549,7 +598,7 @@ async fn transport(settings: &Settings) {
             let address = node.address.clone();
             let authority = &authority;
             let operator = &operator;
-            timed(&mut samples[11], || async move {
+            timed(&mut samples[12], || async move {
                 let mut c = client(authority, &address, NODE, operator).await.unwrap();
                 c.hello(pb::HelloRequest {}).await.unwrap();
             })
@@ -559,19 +608,24 @@ async fn transport(settings: &Settings) {
     // Keep the operator's connection in use so it is not idle-closed between rounds.
     op.hello(pb::HelloRequest {}).await.unwrap();
     let journal_records = journal_steps(&mut run, RUN_ID).await.len();
+    assert_eq!(
+        journal_records,
+        echo::STREAMED,
+        "the streaming echo sends as many messages as the ReadJournal row's journal holds records"
+    );
 
     heading("1. Transport floor: calls on one open connection, and a new connection");
     println!(
         "In-process server and client on loopback; {} calls per row (one at a time), {} new connections. The journal streamed holds {journal_records} records.\n",
         samples[0].0.len(),
-        samples[9].0.len()
+        samples[10].0.len()
     );
     println!("| call | median | p99 | median ÷ mTLS floor |");
     println!("|---|---:|---:|---:|");
     let floor = samples[1].median();
-    let new_floor = samples[10].median();
+    let new_floor = samples[11].median();
     for (i, name) in names.iter().enumerate() {
-        let base = if i >= 9 { new_floor } else { floor };
+        let base = if i >= 10 { new_floor } else { floor };
         println!(
             "| {name} | {} | {} | {} |",
             ms(samples[i].median()),
@@ -584,6 +638,11 @@ async fn transport(settings: &Settings) {
     );
     let handed_off = samples[7].median();
     let busy = samples[8].median();
+    println!(
+        "\nReadJournal against the streaming echo (the same shape: a stream of {} messages, then trailers): {}.",
+        echo::STREAMED,
+        ratio2(samples[4].median(), samples[9].median())
+    );
     println!(
         "\nAgainst the echo answered from a blocking thread (the same hand-off): ReadJournal {}, ListRuns {}; against the one busy 20 µs there: ReadJournal {}, ListRuns {}.",
         ratio2(samples[4].median(), handed_off),

@@ -5,9 +5,12 @@
 //! installs the index; each page then reads the summaries of the runs it shows whose deadline
 //! is not yet known, once. From then on the registry keeps the index current itself: a close
 //! adds its run, the retention sweep removes what it prunes. A listing that raced a close or a
-//! prune is not installed (it may miss the run that moved), and a node with more closed runs
-//! than [`MAX_INDEXED_CLOSED_RUNS`] is listed from disk as before, page by page. `closed/` is
-//! the daemon's: a run directory removed by hand is still listed until the next start.
+//! prune is not installed (it may miss the run that moved), and one listing runs at a time. A
+//! node with more closed runs than [`MAX_INDEXED_CLOSED_RUNS`] is listed from disk, page by
+//! page, until the sweep has removed an eighth of that; a listing that failed is tried again
+//! only once a run closed or was pruned. `closed/` is the daemon's: a run directory removed by
+//! hand is still listed until the next start once its deadline is known, and dropped when a
+//! page finds it gone otherwise.
 
 use certistack_core::validate::RunId;
 use std::collections::BTreeMap;
