@@ -199,13 +199,7 @@ pub fn signing_input(grant_bytes: &[u8]) -> Vec<u8> {
 /// Verifies the signature, then decodes and validates the grant. Time and node checks are the
 /// caller's, because they depend on the node and the clock (see [`Grant::check_applicable`]).
 pub fn verify(signed: &pb::SignedRunGrant, authority: &VerifyingKey) -> Result<Grant, GrantError> {
-    let bytes = bytes_field(
-        "SignedRunGrant.grant",
-        "encoded_grant",
-        &signed.grant,
-        1,
-        MAX_GRANT_BYTES,
-    )?;
+    let bytes = grant_bytes(signed)?;
     let signature = bytes_field(
         "SignedRunGrant.signature",
         "ed25519_signature",
@@ -239,15 +233,20 @@ pub fn sign_checked(
     grant: &pb::RunGrant,
 ) -> Result<(pb::SignedRunGrant, Grant), GrantError> {
     let signed = sign(key, grant);
-    let bytes = bytes_field(
+    let checked = decode_checked(grant_bytes(&signed)?)?;
+    Ok((signed, checked))
+}
+
+/// The signed grant's encoded bytes, within their bounds.
+fn grant_bytes(signed: &pb::SignedRunGrant) -> Result<&[u8], GrantError> {
+    bytes_field(
         "SignedRunGrant.grant",
         "encoded_grant",
         &signed.grant,
         1,
         MAX_GRANT_BYTES,
-    )?;
-    let checked = decode_checked(bytes)?;
-    Ok((signed, checked))
+    )
+    .map_err(GrantError::from)
 }
 
 fn decode_checked(bytes: &[u8]) -> Result<Grant, GrantError> {

@@ -171,6 +171,17 @@ mod tests {
         RunId::validate(&format!("{n:08x}-0000-4000-8000-000000000000")).unwrap()
     }
 
+    /// How often `closed_dir` itself was read: once per walk of every shard, once per page read
+    /// from disk.
+    fn listings_of(closed_dir: &std::path::Path) -> usize {
+        CLOSED_READS
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|path| *path == closed_dir)
+            .count()
+    }
+
     #[test]
     fn a_listing_that_raced_a_close_or_a_prune_is_not_installed() {
         let mut index = ClosedIndex::new(MAX_INDEXED_CLOSED_RUNS);
@@ -340,15 +351,7 @@ mod tests {
         drop(registry);
         bounded.max_indexed_closed_runs = 3;
         let registry = RunRegistry::open(&dir, &key().verifying_key(), bounded, 0).unwrap();
-        let closed_dir = dir.join("closed");
-        let listings = || {
-            CLOSED_READS
-                .lock()
-                .unwrap()
-                .iter()
-                .filter(|path| **path == closed_dir)
-                .count()
-        };
+        let listings = || listings_of(&dir.join("closed"));
         let before = listings();
         let (page, next) = registry.closed_deadlines(None, 2).unwrap();
         let on_disk = registry.closed_page(None, 2).unwrap();
@@ -384,15 +387,7 @@ mod tests {
         let (dir, registry, ids) = closed_runs("index-fails", 3).await;
         // Sorts after every hex shard, so the pages before it still read.
         std::fs::write(dir.join("closed").join("zz"), b"not a shard").unwrap();
-        let closed_dir = dir.join("closed");
-        let listings = || {
-            CLOSED_READS
-                .lock()
-                .unwrap()
-                .iter()
-                .filter(|path| **path == closed_dir)
-                .count()
-        };
+        let listings = || listings_of(&dir.join("closed"));
         let before = listings();
         let (page, _) = registry.closed_deadlines(None, 2).unwrap();
         assert_eq!(

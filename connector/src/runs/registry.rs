@@ -38,6 +38,28 @@ pub(super) struct Inner {
     pub(super) closed_index: ClosedIndex,
 }
 
+impl Inner {
+    /// One more than a page of closed runs after `after` from the index, with the runs whose move
+    /// failed among them (not yet sorted or cut); `None` while the index is not installed.
+    fn indexed_page(
+        &self,
+        after: Option<&RunId>,
+        page_size: usize,
+    ) -> Option<Vec<(RunId, Option<i64>)>> {
+        if !self.closed_index.is_installed() {
+            return None;
+        }
+        let mut page = self.closed_index.after(after, page_size.saturating_add(1));
+        page.extend(
+            self.closing
+                .iter()
+                .filter(|(id, _)| after.is_none_or(|after| *id > after))
+                .map(|(id, summary)| (id.clone(), Some(summary.deadline_unix))),
+        );
+        Some(page)
+    }
+}
+
 #[derive(Debug)]
 pub struct RunRegistry {
     /// `<state>/runs`: open and quarantined runs.
@@ -661,20 +683,7 @@ impl RunRegistry {
         after: Option<&RunId>,
         page_size: usize,
     ) -> Option<DeadlinePage> {
-        let inner = self.lock();
-        if !inner.closed_index.is_installed() {
-            return None;
-        }
-        let mut page: Vec<(RunId, Option<i64>)> =
-            inner.closed_index.after(after, page_size.saturating_add(1));
-        page.extend(
-            inner
-                .closing
-                .iter()
-                .filter(|(id, _)| after.is_none_or(|after| *id > after))
-                .map(|(id, summary)| (id.clone(), Some(summary.deadline_unix))),
-        );
-        drop(inner);
+        let page = self.lock().indexed_page(after, page_size)?;
         let (page, next) = cut(page, page_size);
         let page = page
             .into_iter()
@@ -693,20 +702,7 @@ impl RunRegistry {
         page_size: usize,
     ) -> Result<DeadlinePage, RunError> {
         self.install_closed_index();
-        let indexed = {
-            let inner = self.lock();
-            inner.closed_index.is_installed().then(|| {
-                let mut page = inner.closed_index.after(after, page_size.saturating_add(1));
-                page.extend(
-                    inner
-                        .closing
-                        .iter()
-                        .filter(|(id, _)| after.is_none_or(|after| *id > after))
-                        .map(|(id, summary)| (id.clone(), Some(summary.deadline_unix))),
-                );
-                page
-            })
-        };
+        let indexed = self.lock().indexed_page(after, page_size);
         let Some(indexed) = indexed else {
             let (page, next) = self.closed_page(after, page_size)?;
             let page = page

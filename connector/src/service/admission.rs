@@ -46,6 +46,16 @@ impl ConnectorService {
         status
     }
 
+    /// A refusal of `rpc` to `peer`, labelled with its run when it is one.
+    pub(super) fn refuse_peer(&self, rpc: Rpc, peer: &Peer, status: Status) -> Status {
+        self.refuse(
+            rpc,
+            &peer.label(),
+            &run_id_of(&peer.client.identity),
+            status,
+        )
+    }
+
     /// Step 1: who is calling, and may that kind of identity call `rpc` here and now.
     pub(super) fn authenticate<T>(&self, request: &Request<T>, rpc: Rpc) -> Result<Peer, Status> {
         let Some(info) = request.extensions().get::<PeerInfo>() else {
@@ -72,14 +82,7 @@ impl ConnectorService {
             identity_text: info.identity_text.clone(),
             remote: info.remote,
         };
-        let refuse = |status: Status| {
-            self.refuse(
-                rpc,
-                &peer.label(),
-                &run_id_of(&peer.client.identity),
-                status,
-            )
-        };
+        let refuse = |status: Status| self.refuse_peer(rpc, &peer, status);
         let now = self.clock.now_unix();
         if now < peer.client.not_before_unix || now > peer.client.not_after_unix {
             return Err(refuse(Status::unauthenticated(format!(
@@ -118,14 +121,7 @@ impl ConnectorService {
 
     /// Steps 3 and the run lookup: the run `action` is for, if the caller may act on it.
     pub(super) fn resolve(&self, peer: &Peer, rpc: Rpc, action: &Action) -> Result<Caller, Status> {
-        let refuse = |status: Status| {
-            self.refuse(
-                rpc,
-                &peer.label(),
-                &run_id_of(&peer.client.identity),
-                status,
-            )
-        };
+        let refuse = |status: Status| self.refuse_peer(rpc, peer, status);
         match &peer.client.identity {
             Identity::Operator { name } => {
                 // Operators act on a named run (ReadJournal, Cleanup): resolve it here so the
@@ -198,14 +194,7 @@ impl ConnectorService {
         parse: fn(T) -> Result<Action, FieldError>,
     ) -> Result<Outcome, Status> {
         let peer = self.authenticate(&request, rpc)?;
-        let refuse = |status: Status| {
-            self.refuse(
-                rpc,
-                &peer.label(),
-                &run_id_of(&peer.client.identity),
-                status,
-            )
-        };
+        let refuse = |status: Status| self.refuse_peer(rpc, &peer, status);
         let action = parse(request.into_inner()).map_err(|e| refuse(invalid(e)))?;
         let caller = self.resolve(&peer, rpc, &action)?;
         if !undoes_or_reads(&action) {

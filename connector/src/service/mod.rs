@@ -24,7 +24,7 @@ mod admission;
 mod journal_stream;
 mod reaper;
 
-use admission::{invalid, run_id_of};
+use admission::invalid;
 use journal_stream::stream_journal;
 
 use crate::action::{Action, parse};
@@ -487,14 +487,7 @@ impl Connector for ConnectorService {
     ) -> Result<Response<Self::ReadJournalStream>, Status> {
         let rpc = Rpc::ReadJournal;
         let peer = self.authenticate(&request, rpc)?;
-        let refuse = |status: Status| {
-            self.refuse(
-                rpc,
-                &peer.label(),
-                &run_id_of(&peer.client.identity),
-                status,
-            )
-        };
+        let refuse = |status: Status| self.refuse_peer(rpc, &peer, status);
         let action = parse::read_journal(request.into_inner()).map_err(|e| refuse(invalid(e)))?;
         let Action::ReadJournal { run_id: target } = &action else {
             return Err(refuse(Status::internal(
