@@ -11,7 +11,7 @@
 )]
 
 use certistack_controller::client::{NodeError, check_hello};
-use certistack_controller::run::sign_grant;
+use certistack_core::grant::sign as sign_grant;
 use certistack_core::identity::Identity;
 use certistack_core::validate::{NodeName, RunId, Validated};
 use certistack_proto::v1 as pb;

@@ -27,11 +27,6 @@ pub struct RunCredentials {
     pub certificate: IssuedCertificate,
 }
 
-/// Signs grant bytes with a run-authority key.
-pub fn sign_grant(key: &ed25519_dalek::SigningKey, grant: &pb::RunGrant) -> pb::SignedRunGrant {
-    grant::sign(key, grant)
-}
-
 /// Signs `grant` and issues the run certificate for it, valid from `now` (less the tolerated
 /// skew) until the grant's deadline. The grant is checked with the connector's own parser as it
 /// is signed (`grant::sign_checked`), so the controller never mints credentials a node would

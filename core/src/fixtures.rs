@@ -3,7 +3,6 @@
 //! Compiled only into tests (`cfg(test)` here, the `fixtures` feature for the other crates' tests).
 
 use certistack_proto::v1 as pb;
-use ed25519_dalek::SigningKey;
 
 pub const RUN: &str = "0f0e1c2d-3b4a-4c5d-8e6f-7a8b9c0d1e2f";
 
@@ -61,9 +60,7 @@ pub fn full_wire_grant() -> pb::RunGrant {
     }
 }
 
-pub fn sign(key: &SigningKey, wire: &pb::RunGrant) -> pb::SignedRunGrant {
-    crate::grant::sign(key, wire)
-}
+pub use crate::grant::sign;
 
 /// Terminal sequences a guest or a node could put in text an operator reads: cursor up and
 /// erase line (so what follows overwrites the verdict line above), a clipboard write (OSC 52,

@@ -1082,7 +1082,7 @@ async fn fsyncs(authority: &Authority, dir: &Path, operator: &IssuedCertificate)
 async fn closed_runs_on_disk(authority: &Authority, config: &Config, count: usize) {
     use certistack_connector::runs::{RegistryLimits, RunRegistry};
     use certistack_connector::server::load_authority_key;
-    use certistack_controller::run::sign_grant;
+    use certistack_core::grant::sign as sign_grant;
     use certistack_core::validate::{RunId, Validated};
     let key = load_authority_key(&config.tls.run_authority_public_key).unwrap();
     let now_ms = now().unix_timestamp() * 1000;

@@ -119,6 +119,21 @@ expect_entry -rw-r--r-- ./usr/share/doc/certistack-connector/copyright
 expect_entry -rw-r--r-- ./usr/share/doc/certistack-connector/changelog.Debian.gz
 expect_entry -rw-r--r-- ./usr/share/doc/certistack-connector/install.md
 field() { dpkg-deb --field "$2" "$1"; }
+# The package's conffile is listed, and each maintainer script is root's and 0755.
+check_control() {
+  local deb=$1 conffile=$2 name=$3
+  dpkg-deb --ctrl-tarfile "$deb" | tar -xO ./conffiles | grep -qx "$conffile" || fail "$name: $conffile is not a conffile"
+  for script in postinst prerm postrm; do
+    dpkg-deb --ctrl-tarfile "$deb" | tar -tv "./$script" | grep -q '^-rwxr-xr-x root/root' || fail "$name: $script missing or not 0755"
+  done
+}
+# Extracts the package's binary to OUT and fails unless it is stripped.
+stripped_binary() {
+  local deb=$1 path=$2 out=$3
+  dpkg-deb --fsys-tarfile "$deb" | tar -xO "$path" > "$out"
+  readelf -S "$out" | grep -q '\.symtab' && fail "the packaged $path is not stripped"
+  return 0
+}
 [ "$(field Package "$v1")" = certistack-connector ] || fail "Package field"
 [ "$(field Architecture "$v1")" = amd64 ] || fail "Architecture field"
 [ "$(field Version "$v1")" = 0.1.0-1 ] && [ "$(field Version "$v2")" = 0.1.0-2 ] || fail "Version fields"
@@ -129,12 +144,8 @@ done
 [[ "$(field Recommends "$v1")" == *qemu-server*proxmox-backup-client* ]] || fail "Recommends"
 package_digest=$(field X-Certistack-Surface-Digest "$v1")
 [ "$package_digest" = "$controller_digest" ] || fail "the control field says $package_digest, certistack-ctl $controller_digest"
-dpkg-deb --ctrl-tarfile "$v1" | tar -xO ./conffiles | grep -qx /etc/certistack/connector.toml || fail "connector.toml is not a conffile"
-for script in postinst prerm postrm; do
-  dpkg-deb --ctrl-tarfile "$v1" | tar -tv "./$script" | grep -q '^-rwxr-xr-x root/root' || fail "$script missing or not 0755"
-done
-dpkg-deb --fsys-tarfile "$v1" | tar -xO ./usr/sbin/certistack-connector > "$work/packaged-connector"
-readelf -S "$work/packaged-connector" | grep -q '\.symtab' && fail "the packaged binary is not stripped"
+check_control "$v1" /etc/certistack/connector.toml certistack-connector
+stripped_binary "$v1" ./usr/sbin/certistack-connector "$work/packaged-connector"
 
 step "the packaged binary carries its dependency list (cargo auditable), matching Cargo.lock"
 objcopy --dump-section .dep-v0="$work/dep-v0" "$work/packaged-connector" "$work/objcopy-out" 2>&1
@@ -178,12 +189,8 @@ expect_entry -rw-r--r-- ./usr/share/doc/certistack-controller/copyright
 [ "$(field Package "$c1")" = certistack-controller ] && [ "$(field Version "$c1")" = 0.1.0-1 ] || fail "the controller's Package or Version field"
 [ "$(field X-Certistack-Surface-Digest "$c1")" = "$controller_digest" ] || fail "the controller's surface field: $(field X-Certistack-Surface-Digest "$c1")"
 [[ ", $(field Depends "$c1")," == *", libc6"[\ ,\(]* ]] || fail "the controller's Depends: $(field Depends "$c1")"
-dpkg-deb --ctrl-tarfile "$c1" | tar -xO ./conffiles | grep -qx /etc/certistack/controller.toml || fail "controller.toml is not a conffile"
-for script in postinst prerm postrm; do
-  dpkg-deb --ctrl-tarfile "$c1" | tar -tv "./$script" | grep -q '^-rwxr-xr-x root/root' || fail "the controller's $script missing or not 0755"
-done
-dpkg-deb --fsys-tarfile "$c1" | tar -xO ./usr/bin/certistack-ctl > "$work/packaged-ctl"
-readelf -S "$work/packaged-ctl" | grep -q '\.symtab' && fail "the packaged certistack-ctl is not stripped"
+check_control "$c1" /etc/certistack/controller.toml certistack-controller
+stripped_binary "$c1" ./usr/bin/certistack-ctl "$work/packaged-ctl"
 objcopy --dump-section .dep-v0="$work/ctl-dep-v0" "$work/packaged-ctl" "$work/objcopy-ctl-out" 2>&1
 dependency_list_matches "$work/ctl-dep-v0" Cargo.lock certistack-controller certistack-tests certistack-connector \
   || fail "the controller's embedded dependency list does not match Cargo.lock"

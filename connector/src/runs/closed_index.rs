@@ -127,10 +127,6 @@ impl ClosedIndex {
         self.over_bound = Some(self.retry_after());
     }
 
-    pub(super) fn bound(&self) -> usize {
-        self.bound
-    }
-
     pub(super) fn is_installed(&self) -> bool {
         self.runs.is_some()
     }

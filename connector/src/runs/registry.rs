@@ -786,7 +786,7 @@ impl RunRegistry {
             Ok(None) => {
                 inner.closed_index.over_bound();
                 tracing::info!(
-                    max = inner.closed_index.bound(),
+                    max = bound,
                     "more closed runs than ListRuns keeps in memory; pages are read from disk until the retention sweep removed an eighth of that (lower limits.closed_run_retention_days to keep fewer)"
                 );
             }

@@ -115,7 +115,7 @@ pub(super) fn wire_probe(probe: &ResolvedProbe) -> pb::ProbeTarget {
 /// parse matters here.
 pub(super) fn as_the_node_reads_it(wire: &pb::RunGrant) -> Result<Grant, GrantError> {
     let key = ed25519_dalek::SigningKey::generate(&mut rand_core::OsRng);
-    let signed = crate::run::sign_grant(&key, wire);
+    let signed = certistack_core::grant::sign(&key, wire);
     let parsed = grant::verify(&signed, &key.verifying_key())?;
     Ok(parsed)
 }

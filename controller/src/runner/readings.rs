@@ -251,7 +251,7 @@ mod tests {
             guest_address: String::new(),
         };
         let key = ed25519_dalek::SigningKey::from_bytes(&[7; 32]);
-        let signed = crate::run::sign_grant(&key, &wire);
+        let signed = certistack_core::grant::sign(&key, &wire);
         certistack_core::grant::verify(&signed, &key.verifying_key()).unwrap()
     }
 
