@@ -2,7 +2,9 @@
 //! the guard through which its operations append to the journal.
 
 use certistack_core::grant::Grant;
-use certistack_core::journal::{Journal, JournalError, JournalUsage, Phase, Record};
+use certistack_core::journal::{
+    Journal, JournalError, JournalUsage, Phase, Record, WIRE_KEPT_BYTES,
+};
 use certistack_core::journal::{Op, Resource};
 use certistack_core::validate::RunId;
 use certistack_proto::v1 as pb;
@@ -111,11 +113,11 @@ impl RunHandle {
     }
 
     /// The journal's records as `ReadJournal` sends them, without waiting: `None` while an
-    /// append holds the journal (it may be syncing) or when the journal is longer than
-    /// `max_bytes`. Each record was appended to memory only once it was on disk, so these are
-    /// the file's records; the file itself is not read again.
-    pub fn try_wire_records(&self, max_bytes: u64) -> Option<Vec<pb::JournalRecord>> {
-        if self.usage.get().1 > max_bytes {
+    /// append holds the journal (it may be syncing) or when the journal is larger than
+    /// [`WIRE_KEPT_BYTES`]. The wire forms were made as the records were appended,
+    /// each once it was on disk, so these are the file's records; the file is not read again.
+    pub fn try_wire_records(&self) -> Option<Vec<pb::JournalRecord>> {
+        if self.usage.get().1 > WIRE_KEPT_BYTES {
             return None;
         }
         let journal = try_lock_journal(&self.journal)?;
@@ -123,7 +125,7 @@ impl RunHandle {
         if journal.is_poisoned() {
             return None;
         }
-        Some(journal.records().iter().map(Record::to_wire).collect())
+        journal.wire_records().map(<[_]>::to_vec)
     }
 
     pub(super) fn new(run_id: RunId, grant: Grant, dir: PathBuf, journal: Journal) -> Self {
@@ -318,16 +320,10 @@ mod tests {
             .map(Record::to_wire)
             .collect();
         assert_eq!(on_disk.len(), 2);
-        assert_eq!(run.try_wire_records(u64::MAX), Some(on_disk));
-        let (_, bytes) = run.journal_usage();
-        assert_eq!(
-            run.try_wire_records(bytes - 1),
-            None,
-            "a longer journal is streamed"
-        );
+        assert_eq!(run.try_wire_records(), Some(on_disk));
         let appending = lock_journal(&run.journal);
         assert_eq!(run.try_open_resources(), None);
-        assert_eq!(run.try_wire_records(u64::MAX), None);
+        assert_eq!(run.try_wire_records(), None);
         drop(appending);
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -48,10 +48,6 @@ use tonic::{Request, Response, Status};
 
 /// Characters of a quarantine reason ListRuns returns (it may quote a journal line).
 const MAX_QUARANTINE_REASON_CHARS: usize = 1024;
-/// Open runs' journals up to this size are answered from the records in memory, on the async
-/// worker: a validation's few dozen records. Larger ones, and closed runs', are streamed from
-/// the file by a blocking thread, verified as they are read.
-const INLINE_JOURNAL_BYTES: u64 = 16 * 1024;
 /// Records a `ReadJournal` stream buffers ahead of a slow reader.
 const JOURNAL_STREAM_BUFFER: usize = 16;
 
@@ -516,7 +512,7 @@ impl Connector for ConnectorService {
                 let run = resolved.run();
                 // An open run's small journal from its records in memory: no file to read and
                 // no hand-off, and the whole answer leaves in one write.
-                if let Some(records) = run.try_wire_records(INLINE_JOURNAL_BYTES) {
+                if let Some(records) = run.try_wire_records() {
                     announce();
                     let stream: JournalStream =
                         Box::pin(tokio_stream::iter(records.into_iter().map(Ok::<_, Status>)));

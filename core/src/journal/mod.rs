@@ -40,6 +40,10 @@ pub use wire::{line_of, verify_streamed};
 pub use writer::Journal;
 
 pub const FILE_NAME: &str = "journal";
+/// A journal up to this size keeps each record's wire form, made as the record is appended, so
+/// reading it back (`ReadJournal` of an open run) only copies them: a validation's few dozen
+/// records. A larger journal drops them and is read from its file.
+pub const WIRE_KEPT_BYTES: u64 = 16 * 1024;
 const GENESIS_CONTEXT: &[u8] = b"certistack-journal-v1:";
 /// Kept below the cap for the record that closes the run.
 const CLOSE_RESERVE: (u64, u64) = (1, 4096);
@@ -204,16 +208,20 @@ fn record_hash(previous: &[u8; 32], entry_json: &[u8]) -> [u8; 32] {
         .into()
 }
 
-/// A SHA-256 digest in lower-case hex, written digit by digit into a string of its size:
-/// `hex::encode` collects the characters through an iterator, a third of what turning a record
-/// into its wire form cost.
+/// A SHA-256 digest in lower-case hex. Each digit is looked up and written as a byte, then the
+/// 64 bytes checked once: `hex::encode` collects the characters through an iterator and pushing
+/// `char`s checks each one's width, together most of what turning a record into its wire form
+/// cost (docs/performance.md, section 1).
 fn digest_hex(digest: &[u8; 32]) -> String {
-    let mut text = String::with_capacity(64);
-    for nibble in digest.iter().flat_map(|byte| [byte >> 4, byte & 0x0f]) {
-        // A nibble is below 16, so it always is a hex digit.
-        text.push(char::from_digit(u32::from(nibble), 16).unwrap_or('0'));
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    // A nibble is below 16, so the lookup always finds its digit.
+    let digit = |nibble: u8| DIGITS.get(usize::from(nibble)).copied().unwrap_or(b'0');
+    let mut text = [0u8; 64];
+    for (pair, byte) in text.chunks_exact_mut(2).zip(digest) {
+        pair.copy_from_slice(&[digit(byte >> 4), digit(byte & 0x0f)]);
     }
-    text
+    // Every byte is one of DIGITS, so the text is ASCII and this never falls back.
+    String::from_utf8(text.to_vec()).unwrap_or_default()
 }
 
 impl Record {
@@ -229,7 +237,9 @@ impl Record {
             detail: if self.entry.detail.is_null() {
                 String::new()
             } else {
-                self.entry.detail.to_string()
+                // Written straight into the string's bytes: `Value`'s `Display` goes through the
+                // formatter piece by piece. A `Value` always serializes (its map keys are strings).
+                serde_json::to_string(&self.entry.detail).unwrap_or_default()
             },
         }
     }

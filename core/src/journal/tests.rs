@@ -168,6 +168,7 @@ fn a_journal_that_cannot_be_repaired_refuses_further_records() {
         len: 0,
         poisoned: false,
         records: Vec::new(),
+        wire: Some(Vec::new()),
         limits: JournalLimits::default(),
         usage: Arc::default(),
     };
@@ -297,6 +298,52 @@ fn wire_records_carry_the_chain() {
     assert_eq!(wire.record_sha256, journal.head_hex());
     assert_eq!(wire.previous_sha256, hex::encode(genesis(RUN)));
     assert_eq!(wire.detail, "{\"exit_code\":255}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A small journal keeps its records' wire forms, the file's records, through appends and a
+/// reopening; once it outgrows `WIRE_KEPT_BYTES` it keeps none, and a large journal reopened
+/// makes none.
+#[test]
+fn a_small_journal_keeps_its_wire_forms_and_a_large_one_drops_them() {
+    let dir = dir("wire-kept");
+    let from_file = |journal: &Journal| -> Vec<certistack_proto::v1::JournalRecord> {
+        read(journal.path(), RUN)
+            .unwrap()
+            .records
+            .iter()
+            .map(Record::to_wire)
+            .collect()
+    };
+    let journal = three(&dir);
+    assert_eq!(journal.wire_records().unwrap(), from_file(&journal));
+    drop(journal);
+    let (mut journal, _, _) = Journal::open(&dir, RUN, 4).unwrap();
+    assert_eq!(journal.wire_records().unwrap(), from_file(&journal));
+    let padding = "x".repeat(1024);
+    while journal.usage().get().1 <= WIRE_KEPT_BYTES {
+        assert_eq!(
+            journal.wire_records().map(<[_]>::len),
+            Some(journal.records().len())
+        );
+        journal
+            .append(
+                5,
+                &Op::VmStart,
+                &Resource::parse("vm:9100"),
+                Phase::Intent,
+                json!({"pad": padding}),
+            )
+            .unwrap();
+    }
+    assert_eq!(
+        journal.wire_records(),
+        None,
+        "a journal past the bound keeps none"
+    );
+    drop(journal);
+    let (journal, _, _) = Journal::open(&dir, RUN, 6).unwrap();
+    assert_eq!(journal.wire_records(), None, "nor does it once reopened");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -23,6 +23,9 @@ pub struct Journal {
     pub(super) poisoned: bool,
     /// Every record, as written: operations decide from these without re-reading the file.
     pub(super) records: Vec<Record>,
+    /// Each record's wire form while the journal holds at most [`WIRE_KEPT_BYTES`]; `None`
+    /// once it outgrew them.
+    pub(super) wire: Option<Vec<certistack_proto::v1::JournalRecord>>,
     pub(super) limits: JournalLimits,
     pub(super) usage: Arc<JournalUsage>,
 }
@@ -58,6 +61,7 @@ impl Journal {
             len: 0,
             poisoned: false,
             records: Vec::new(),
+            wire: Some(Vec::new()),
             limits: JournalLimits::default(),
             usage: Arc::default(),
         })
@@ -104,6 +108,8 @@ impl Journal {
             head: loaded.head(run_id),
             len: loaded.valid_len,
             poisoned: false,
+            wire: (loaded.valid_len <= WIRE_KEPT_BYTES)
+                .then(|| loaded.records.iter().map(Record::to_wire).collect()),
             records: loaded.records,
             limits: JournalLimits::default(),
             usage: Arc::default(),
@@ -157,7 +163,7 @@ impl Journal {
     }
 
     pub fn head_hex(&self) -> String {
-        hex::encode(self.head)
+        digest_hex(&self.head)
     }
 
     pub fn path(&self) -> &Path {
@@ -184,7 +190,7 @@ impl Journal {
         let json =
             serde_json::to_string(&entry).map_err(|e| JournalError::Encode(e.to_string()))?;
         let hash = record_hash(&self.head, json.as_bytes());
-        let line = format!("{} {} {json}\n", hex::encode(hash), hex::encode(self.head));
+        let line = format!("{} {} {json}\n", digest_hex(&hash), digest_hex(&self.head));
         if self.poisoned {
             return Err(JournalError::Poisoned(self.path.clone()));
         }
@@ -218,6 +224,11 @@ impl Journal {
         };
         self.head = hash;
         self.next_seq += 1;
+        if self.len > WIRE_KEPT_BYTES {
+            self.wire = None;
+        } else if let Some(wire) = &mut self.wire {
+            wire.push(record.to_wire());
+        }
         self.records.push(record.clone());
         self.usage.set(self.next_seq - 1, self.len);
         Ok(record)
@@ -278,5 +289,11 @@ impl Journal {
     /// Every record of the journal, oldest first.
     pub fn records(&self) -> &[Record] {
         &self.records
+    }
+
+    /// Every record's wire form ([`Record::to_wire`]), oldest first, while the journal holds
+    /// at most [`WIRE_KEPT_BYTES`]; `None` for a larger journal.
+    pub fn wire_records(&self) -> Option<&[certistack_proto::v1::JournalRecord]> {
+        self.wire.as_deref()
     }
 }
