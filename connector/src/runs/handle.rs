@@ -112,10 +112,11 @@ impl RunHandle {
         Some(describe_open(journal.records()))
     }
 
-    /// The journal's records as `ReadJournal` sends them, without waiting: `None` while an
-    /// append holds the journal (it may be syncing) or when the journal is larger than
-    /// [`WIRE_KEPT_BYTES`]. The wire forms were made as the records were appended,
-    /// each once it was on disk, so these are the file's records; the file is not read again.
+    /// The journal's records as `ReadJournal` sends them, without waiting: the wire forms the
+    /// journal keeps (made as each record was appended once on disk, or from the file when the
+    /// journal was opened), so these are the file's records. `None` while an append holds the
+    /// journal (it may be syncing), when the journal is larger than [`WIRE_KEPT_BYTES`] and
+    /// when it is poisoned: read the file then.
     pub fn try_wire_records(&self) -> Option<Vec<pb::JournalRecord>> {
         if self.usage.get().1 > WIRE_KEPT_BYTES {
             return None;
@@ -355,6 +356,12 @@ mod tests {
         hold(&registry, &run_id, "backup:drive-scsi1.img").await;
         assert_eq!(run.try_open_resources(), None, "past it: not inline");
         assert_eq!(run.open_resources().len(), 2);
+        assert!(run.journal_usage().1 > WIRE_KEPT_BYTES);
+        assert_eq!(
+            run.try_wire_records(),
+            None,
+            "a journal past the wire forms' bound is streamed"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

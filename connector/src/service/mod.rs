@@ -15,7 +15,8 @@
 //!
 //! The run registry answers the rest itself: `ListRuns` from the open runs' records and the
 //! closed runs' ids and deadlines in memory (read from disk once), `ReadJournal` from an
-//! open run's records in memory when they are few, else by streaming the journal file and
+//! open run's records' wire forms in memory while its journal is small
+//! (`journal::WIRE_KEPT_BYTES`), else by streaming the journal file and
 //! verifying the chain as it goes. Operations that add to the node are refused with
 //! `RESOURCE_EXHAUSTED` once the run's journal reaches its operation budget; what undoes or
 //! cleans up keeps the reserve.
@@ -510,8 +511,8 @@ impl Connector for ConnectorService {
             _ => {
                 let resolved = self.resolve(&peer, rpc, &action)?;
                 let run = resolved.run();
-                // An open run's small journal from its records in memory: no file to read and
-                // no hand-off, and the whole answer leaves in one write.
+                // An open run's small journal from its records' wire forms in memory: no file
+                // to read, no hand-off, no record turned into its wire form again.
                 if let Some(records) = run.try_wire_records() {
                     announce();
                     let stream: JournalStream =

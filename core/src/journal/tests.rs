@@ -13,6 +13,16 @@ fn dir(tag: &str) -> PathBuf {
     dir
 }
 
+/// The wire forms of the records in the journal file at `path`, as the file stream sends them.
+fn wire_forms_on_disk(path: &Path) -> Vec<certistack_proto::v1::JournalRecord> {
+    read(path, RUN)
+        .unwrap()
+        .records
+        .iter()
+        .map(Record::to_wire)
+        .collect()
+}
+
 fn three(dir: &Path) -> Journal {
     let mut journal = Journal::create(dir, RUN).unwrap();
     journal
@@ -110,6 +120,7 @@ fn torn_tail_is_reported_preserved_and_recorded() {
     );
     assert_eq!(note.detail["torn_bytes"], torn.len());
     assert_eq!(std::fs::read(dir.join("journal.torn.1")).unwrap(), torn);
+    assert_eq!(journal.wire_records().unwrap(), wire_forms_on_disk(&path));
     journal
         .append(
             10,
@@ -121,6 +132,7 @@ fn torn_tail_is_reported_preserved_and_recorded() {
         .unwrap();
     let reread = read(&path, RUN).unwrap();
     assert_eq!((reread.records.len(), reread.torn), (5, None));
+    assert_eq!(journal.wire_records().unwrap(), wire_forms_on_disk(&path));
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -168,7 +180,7 @@ fn a_journal_that_cannot_be_repaired_refuses_further_records() {
         len: 0,
         poisoned: false,
         records: Vec::new(),
-        wire: Some(Vec::new()),
+        wire_forms: Some(Vec::new()),
         limits: JournalLimits::default(),
         usage: Arc::default(),
     };
@@ -192,6 +204,11 @@ fn a_journal_that_cannot_be_repaired_refuses_further_records() {
         ),
         Err(JournalError::Poisoned(_))
     ));
+    assert_eq!(
+        journal.wire_records(),
+        None,
+        "a poisoned journal's file alone tells its records"
+    );
 }
 
 /// A full disk in the middle of a record: the partial record is cut off, the chain stays
@@ -259,6 +276,8 @@ fn a_failed_append_is_cut_back_to_the_last_record() {
         (written, None),
         "the partial record was cut off"
     );
+    let path = dir.join(FILE_NAME);
+    assert_eq!(journal.wire_records().unwrap(), wire_forms_on_disk(&path));
     std::fs::remove_file(&filler).unwrap();
     journal
         .append(
@@ -272,6 +291,7 @@ fn a_failed_append_is_cut_back_to_the_last_record() {
     let loaded = read(&dir.join(FILE_NAME), RUN).unwrap();
     assert_eq!(loaded.records.len() as i64, written + 1);
     assert!(loaded.torn.is_none());
+    assert_eq!(journal.wire_records().unwrap(), wire_forms_on_disk(&path));
     drop(journal);
     drop(_unmount);
     std::fs::remove_dir_all(&dir).unwrap();
@@ -307,32 +327,22 @@ fn wire_records_carry_the_chain() {
 #[test]
 fn a_small_journal_keeps_its_wire_forms_and_a_large_one_drops_them() {
     let dir = dir("wire-kept");
-    let from_file = |journal: &Journal| -> Vec<certistack_proto::v1::JournalRecord> {
-        read(journal.path(), RUN)
-            .unwrap()
-            .records
-            .iter()
-            .map(Record::to_wire)
-            .collect()
-    };
+    let path = dir.join(FILE_NAME);
     let journal = three(&dir);
-    assert_eq!(journal.wire_records().unwrap(), from_file(&journal));
+    assert_eq!(journal.wire_records().unwrap(), wire_forms_on_disk(&path));
     drop(journal);
     let (mut journal, _, _) = Journal::open(&dir, RUN, 4).unwrap();
-    assert_eq!(journal.wire_records().unwrap(), from_file(&journal));
+    assert_eq!(journal.wire_records().unwrap(), wire_forms_on_disk(&path));
     let padding = "x".repeat(1024);
     while journal.usage().get().1 <= WIRE_KEPT_BYTES {
-        assert_eq!(
-            journal.wire_records().map(<[_]>::len),
-            Some(journal.records().len())
-        );
+        assert_eq!(journal.wire_records().unwrap(), wire_forms_on_disk(&path));
         journal
             .append(
                 5,
                 &Op::VmStart,
                 &Resource::parse("vm:9100"),
                 Phase::Intent,
-                json!({"pad": padding}),
+                json!({ "pad": padding }),
             )
             .unwrap();
     }

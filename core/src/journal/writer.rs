@@ -24,8 +24,8 @@ pub struct Journal {
     /// Every record, as written: operations decide from these without re-reading the file.
     pub(super) records: Vec<Record>,
     /// Each record's wire form while the journal holds at most [`WIRE_KEPT_BYTES`]; `None`
-    /// once it outgrew them.
-    pub(super) wire: Option<Vec<certistack_proto::v1::JournalRecord>>,
+    /// once it outgrew them or was poisoned.
+    pub(super) wire_forms: Option<Vec<certistack_proto::v1::JournalRecord>>,
     pub(super) limits: JournalLimits,
     pub(super) usage: Arc<JournalUsage>,
 }
@@ -61,7 +61,7 @@ impl Journal {
             len: 0,
             poisoned: false,
             records: Vec::new(),
-            wire: Some(Vec::new()),
+            wire_forms: Some(Vec::new()),
             limits: JournalLimits::default(),
             usage: Arc::default(),
         })
@@ -108,7 +108,7 @@ impl Journal {
             head: loaded.head(run_id),
             len: loaded.valid_len,
             poisoned: false,
-            wire: (loaded.valid_len <= WIRE_KEPT_BYTES)
+            wire_forms: (loaded.valid_len <= WIRE_KEPT_BYTES)
                 .then(|| loaded.records.iter().map(Record::to_wire).collect()),
             records: loaded.records,
             limits: JournalLimits::default(),
@@ -195,6 +195,16 @@ impl Journal {
             return Err(JournalError::Poisoned(self.path.clone()));
         }
         self.admit(&entry, line.len() as u64)?;
+        let record = Record {
+            entry,
+            previous: self.head,
+            hash,
+        };
+        // Made before the write, so nothing that could fail stands between the record reaching
+        // the disk and memory taking it.
+        let len = self.len + line.len() as u64;
+        let wire_form =
+            (len <= WIRE_KEPT_BYTES && self.wire_forms.is_some()).then(|| record.to_wire());
         let written = self
             .file
             .write_all(line.as_bytes())
@@ -209,6 +219,8 @@ impl Journal {
                 .is_err()
             {
                 self.poisoned = true;
+                // The file may hold a record memory lacks: it alone tells the records now.
+                self.wire_forms = None;
             }
             return Err(FileError::Write {
                 path: self.path.clone(),
@@ -216,18 +228,12 @@ impl Journal {
             }
             .into());
         }
-        self.len += line.len() as u64;
-        let record = Record {
-            entry,
-            previous: self.head,
-            hash,
-        };
+        self.len = len;
         self.head = hash;
         self.next_seq += 1;
-        if self.len > WIRE_KEPT_BYTES {
-            self.wire = None;
-        } else if let Some(wire) = &mut self.wire {
-            wire.push(record.to_wire());
+        match (wire_form, &mut self.wire_forms) {
+            (Some(wire_form), Some(wire_forms)) => wire_forms.push(wire_form),
+            _ => self.wire_forms = None,
         }
         self.records.push(record.clone());
         self.usage.set(self.next_seq - 1, self.len);
@@ -292,8 +298,10 @@ impl Journal {
     }
 
     /// Every record's wire form ([`Record::to_wire`]), oldest first, while the journal holds
-    /// at most [`WIRE_KEPT_BYTES`]; `None` for a larger journal.
+    /// at most [`WIRE_KEPT_BYTES`]: made as each record was appended, or from the file when the
+    /// journal was opened. `None` for a larger journal, and for a poisoned one (its file may
+    /// hold a record memory lacks): read the file then.
     pub fn wire_records(&self) -> Option<&[certistack_proto::v1::JournalRecord]> {
-        self.wire.as_deref()
+        self.wire_forms.as_deref()
     }
 }
