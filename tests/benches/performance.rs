@@ -256,6 +256,21 @@ mod echo {
     pub struct Message {
         #[prost(bytes = "vec", tag = "1")]
         pub payload: Vec<u8>,
+        /// For the streaming echo: the size each message sent back encodes to (0: the request's
+        /// message as it is), so the stream has the size of the journal it stands for.
+        #[prost(uint32, tag = "2")]
+        pub reply_len: u32,
+    }
+
+    /// A message that encodes to `len` bytes, or to one byte less where a payload's length
+    /// prefix grows by a byte and no message has that size.
+    fn sized(len: usize) -> Message {
+        let encodes_to = |n: usize| n + 1 + prost::encoding::encoded_len_varint(n as u64);
+        let payload_len = (0..len).rev().find(|&n| encodes_to(n) <= len).unwrap_or(0);
+        Message {
+            payload: vec![0x5a; payload_len],
+            reply_len: 0,
+        }
     }
 
     /// Answers every call with the request's message.
@@ -309,7 +324,16 @@ mod echo {
         type Future =
             std::future::Ready<Result<tonic::Response<Self::ResponseStream>, tonic::Status>>;
         fn call(&mut self, request: tonic::Request<Message>) -> Self::Future {
-            let message = request.into_inner();
+            let message = match request.into_inner() {
+                Message {
+                    reply_len: 0,
+                    payload,
+                } => Message {
+                    payload,
+                    reply_len: 0,
+                },
+                Message { reply_len, .. } => sized(reply_len as usize),
+            };
             let copies = vec![Ok(message); STREAMED];
             std::future::ready(Ok(tonic::Response::new(tokio_stream::iter(copies))))
         }
@@ -364,14 +388,20 @@ mod echo {
         call_path(channel, payload, BLOCKING_WORK_PATH).await;
     }
 
-    /// One server-streaming echo call on `channel`, every message received.
-    pub async fn call_streaming(channel: &tonic::transport::Channel, payload: &[u8]) {
+    /// One server-streaming echo call on `channel`: `payload` sent, [`STREAMED`] messages that
+    /// each encode to `reply_len` bytes received.
+    pub async fn call_streaming(
+        channel: &tonic::transport::Channel,
+        payload: &[u8],
+        reply_len: usize,
+    ) {
         let mut grpc = tonic::client::Grpc::new(channel.clone());
         grpc.ready().await.unwrap();
         let mut stream = grpc
             .server_streaming(
                 tonic::Request::new(Message {
                     payload: payload.to_vec(),
+                    reply_len: u32::try_from(reply_len).unwrap(),
                 }),
                 http::uri::PathAndQuery::from_static(STREAM_PATH),
                 tonic_prost::ProstCodec::<Message, Message>::default(),
@@ -381,7 +411,11 @@ mod echo {
             .into_inner();
         let mut received = 0;
         while let Some(message) = stream.message().await.unwrap() {
-            assert_eq!(message.payload, payload);
+            let encoded = prost::Message::encoded_len(&message);
+            assert!(
+                encoded == reply_len || encoded + 1 == reply_len,
+                "{encoded} bytes"
+            );
             received += 1;
         }
         assert_eq!(received, STREAMED);
@@ -394,6 +428,7 @@ mod echo {
             .unary(
                 tonic::Request::new(Message {
                     payload: payload.to_vec(),
+                    reply_len: 0,
                 }),
                 http::uri::PathAndQuery::from_static(path),
                 tonic_prost::ProstCodec::<Message, Message>::default(),
@@ -505,13 +540,28 @@ async fn transport(settings: &Settings) {
         "Hello (operator, on ListRuns' connection)",
         "echo, mTLS, answered from a blocking thread (one hand-off, as ListRuns and ReadJournal make when they must wait for a journal or the disk)",
         "echo, mTLS, answered from a blocking thread busy 20 µs first (the async worker may park meanwhile)",
-        "echo, mTLS, server-streaming: the message sent back as a stream (ReadJournal's shape: as many messages as its journal's records, then trailers)",
+        "echo, mTLS, server-streaming: ReadJournal's shape (as many messages as its journal's records, each of a record's size, then trailers)",
         "echo, mTLS: new connection, resumed TLS 1.3 handshake (one configuration shared) + first call",
         "echo, mTLS: new connection, full TLS 1.3 handshake (a new configuration, as client::connect makes) + first call",
         "Hello: new connection + full TLS 1.3 handshake + first call",
     ];
     let mut samples: Vec<Samples> = vec![Samples::default(); names.len()];
     let payload = vec![0x5a; 64];
+    // The streaming echo sends messages of the size of the journal's record (its two digests in
+    // hex make it about 350 bytes): h2 writes a DATA frame of 256 bytes or more on its own,
+    // before the trailers (h2 0.4, `codec/framed_write.rs`, `CHAIN_THRESHOLD`), so a stream of
+    // 64-byte messages would be spared a write ReadJournal makes.
+    let journal = journal_records(&mut run, RUN_ID).await;
+    assert_eq!(
+        journal.len(),
+        echo::STREAMED,
+        "the streaming echo sends as many messages as the ReadJournal row's journal holds records"
+    );
+    let record_len = journal
+        .iter()
+        .map(prost::Message::encoded_len)
+        .max()
+        .unwrap();
     // Round-robin in batches so a change in the machine's load hits every row alike.
     for _ in 0..rounds {
         for _ in 0..calls / rounds {
@@ -565,7 +615,10 @@ async fn transport(settings: &Settings) {
             .await;
         }
         for _ in 0..calls / rounds {
-            timed(&mut samples[9], || echo::call_streaming(&mtls, &payload)).await;
+            timed(&mut samples[9], || {
+                echo::call_streaming(&mtls, &payload, record_len)
+            })
+            .await;
         }
         for _ in 0..connections / rounds {
             let config = tls_config.clone();
@@ -607,16 +660,11 @@ async fn transport(settings: &Settings) {
     }
     // Keep the operator's connection in use so it is not idle-closed between rounds.
     op.hello(pb::HelloRequest {}).await.unwrap();
-    let journal_records = journal_steps(&mut run, RUN_ID).await.len();
-    assert_eq!(
-        journal_records,
-        echo::STREAMED,
-        "the streaming echo sends as many messages as the ReadJournal row's journal holds records"
-    );
+    let journal_records = journal.len();
 
     heading("1. Transport floor: calls on one open connection, and a new connection");
     println!(
-        "In-process server and client on loopback; {} calls per row (one at a time), {} new connections. The journal streamed holds {journal_records} records.\n",
+        "In-process server and client on loopback; {} calls per row (one at a time), {} new connections. The journal streamed holds {journal_records} record(s) of {record_len} bytes.\n",
         samples[0].0.len(),
         samples[10].0.len()
     );
@@ -639,7 +687,7 @@ async fn transport(settings: &Settings) {
     let handed_off = samples[7].median();
     let busy = samples[8].median();
     println!(
-        "\nReadJournal against the streaming echo (the same shape: a stream of {} messages, then trailers): {}.",
+        "\nReadJournal against the streaming echo (the same shape: a stream of {} message(s) of {record_len} bytes, then trailers): {}.",
         echo::STREAMED,
         ratio2(samples[4].median(), samples[9].median())
     );
