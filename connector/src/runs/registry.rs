@@ -291,7 +291,12 @@ impl RunRegistry {
             }
         }
         self.closed_on_disk(run_id)
-            .then(|| self.closed_path(run_id).join(journal::FILE_NAME))
+            .then(|| self.closed_journal_path(run_id))
+    }
+
+    /// Where the journal of `run_id` is once the run is closed (whether or not it is).
+    pub fn closed_journal_path(&self, run_id: &RunId) -> PathBuf {
+        self.closed_path(run_id).join(journal::FILE_NAME)
     }
 
     /// The longest journal line a reader accepts.

@@ -491,8 +491,6 @@ impl Connector for ConnectorService {
                 "ReadJournal parsed into another action",
             )));
         };
-        // An operator reads any run this node knows, closed ones included; a run reads its
-        // own journal while it is open, as it calls every other operation.
         // The call log names the caller; a run reads only its own journal, so the run read is
         // worth a line of its own only when an operator reads one.
         let announce = || {
@@ -500,6 +498,8 @@ impl Connector for ConnectorService {
                 tracing::info!(rpc = rpc.name(), peer = %peer.label(), run_id = %target, "streaming");
             }
         };
+        // An operator reads any run this node knows, closed ones included; a run reads its
+        // own journal while it is open, as it calls every other operation.
         let path: PathBuf = match &peer.client.identity {
             Identity::Operator { .. } if self.runs.is_closed(target) => {
                 self.runs.journal_path(target).ok_or_else(|| {
@@ -525,8 +525,11 @@ impl Connector for ConnectorService {
         announce();
         let max_line = self.runs.max_journal_line();
         let run_id = target.to_string();
+        // A run that closes after this lookup has its directory moved to `closed/` before the
+        // file is opened: the stream looks there next.
+        let places = [path, self.runs.closed_journal_path(target)];
         let (sender, receiver) = tokio::sync::mpsc::channel(JOURNAL_STREAM_BUFFER);
-        tokio::task::spawn_blocking(move || stream_journal(&path, &run_id, max_line, &sender));
+        tokio::task::spawn_blocking(move || stream_journal(&places, &run_id, max_line, &sender));
         let stream: JournalStream = Box::pin(tokio_stream::wrappers::ReceiverStream::new(receiver));
         Ok(Response::new(stream))
     }
