@@ -42,7 +42,9 @@
 //! valgrind).
 //!
 //! `--short` (or `CERTISTACK_BENCH_SHORT=1`) runs fewer iterations and a smaller history, for CI;
-//! `checks` and `node-ops` have fixed iteration counts and ignore it.
+//! `checks` and `node-ops` have fixed iteration counts and ignore it. `--workers=N` gives the
+//! runtime N worker threads instead of one per core (section 1 then repeats itself from run to
+//! run: no connection's tasks are placed by chance).
 //! The daemons are the binaries next to this bench (`target/release`): build them first with
 //! `cargo build --release --bins`.
 //!
@@ -395,6 +397,11 @@ mod echo {
         payload: &[u8],
         reply_len: usize,
     ) {
+        // Below 3 bytes no message has a payload (0 would mean the request's message echoed).
+        assert!(
+            reply_len >= 3,
+            "a reply of {reply_len} bytes cannot be sized"
+        );
         let mut grpc = tonic::client::Grpc::new(channel.clone());
         grpc.ready().await.unwrap();
         let mut stream = grpc
@@ -545,10 +552,9 @@ async fn transport(settings: &Settings) {
         "echo, mTLS: new connection, full TLS 1.3 handshake (a new configuration, as client::connect makes) + first call",
         "Hello: new connection + full TLS 1.3 handshake + first call",
     ];
-    let mut samples: Vec<Samples> = vec![Samples::default(); names.len()];
     let payload = vec![0x5a; 64];
-    // The streaming echo sends messages of the size of the journal's record (its two digests in
-    // hex make it about 350 bytes): h2 writes a DATA frame of 256 bytes or more on its own,
+    // The streaming echo sends messages of the size of the journal's record (312 bytes here,
+    // most of them its two digests in hex): h2 writes a DATA frame of 256 bytes or more on its own,
     // before the trailers (h2 0.4, `codec/framed_write.rs`, `CHAIN_THRESHOLD`), so a stream of
     // 64-byte messages would be spared a write ReadJournal makes.
     let journal = journal_records(&mut run, RUN_ID).await;
@@ -562,141 +568,195 @@ async fn transport(settings: &Settings) {
         .map(prost::Message::encoded_len)
         .max()
         .unwrap();
-    // Round-robin in batches so a change in the machine's load hits every row alike.
-    for _ in 0..rounds {
-        for _ in 0..calls / rounds {
-            timed(&mut samples[0], || echo::call(&h2c, &payload)).await;
+    // Several passes, each on connections of its own: which worker thread the runtime gives a
+    // connection's tasks stays with the connection and moves its calls by up to a fifth, so a
+    // single pass carries its connections' placement in every ratio it gives (docs/
+    // performance.md, section 1, "The third pass"). The table gives the median of the passes'
+    // ratios and their range.
+    let passes = settings.n(7, 1);
+    let mut all_passes: Vec<Vec<Samples>> = Vec::with_capacity(passes);
+    for pass in 0..passes {
+        let (h2c, mtls, run, op) = if pass == 0 {
+            (h2c.clone(), mtls.clone(), run.clone(), op.clone())
+        } else {
+            let mtls = certistack_controller::connect::connect(
+                mtls_address.clone(),
+                NODE,
+                tls_config.clone(),
+            )
+            .await
+            .unwrap();
+            let (mut run, mut op) = (
+                run_client(&authority, &node, &credentials).await,
+                operator_client(&authority, &node.address, &operator).await,
+            );
+            // Each new connection's first call (the node checks the client's certificate then)
+            // is left out of the samples.
+            run.hello(pb::HelloRequest {}).await.unwrap();
+            op.hello(pb::HelloRequest {}).await.unwrap();
+            echo::call(&mtls, &payload).await;
+            (h2c_channel(&h2c_address).await, mtls, run, op)
+        };
+        echo::call(&h2c, &payload).await;
+        let mut samples: Vec<Samples> = vec![Samples::default(); names.len()];
+        // Round-robin in batches so a change in the machine's load hits every row alike.
+        for _ in 0..rounds {
+            for _ in 0..calls / rounds {
+                timed(&mut samples[0], || echo::call(&h2c, &payload)).await;
+            }
+            for _ in 0..calls / rounds {
+                timed(&mut samples[1], || echo::call(&mtls, &payload)).await;
+            }
+            for _ in 0..calls / rounds {
+                let mut c = run.clone();
+                timed(&mut samples[2], || async move {
+                    c.hello(pb::HelloRequest {}).await.unwrap();
+                })
+                .await;
+            }
+            for _ in 0..calls / rounds {
+                let mut c = run.clone();
+                timed(&mut samples[3], || async move {
+                    c.vm_status(pb::VmRequest { vmid: VMID }).await.unwrap();
+                })
+                .await;
+            }
+            for _ in 0..calls / rounds {
+                let mut c = run.clone();
+                timed(&mut samples[4], || async move {
+                    read_whole_journal(&mut c).await
+                })
+                .await;
+            }
+            for _ in 0..calls / rounds {
+                let mut c = op.clone();
+                timed(&mut samples[5], || async move {
+                    c.list_runs(pb::ListRunsRequest::default()).await.unwrap();
+                })
+                .await;
+            }
+            for _ in 0..calls / rounds {
+                let mut c = op.clone();
+                timed(&mut samples[6], || async move {
+                    c.hello(pb::HelloRequest {}).await.unwrap();
+                })
+                .await;
+            }
+            for _ in 0..calls / rounds {
+                timed(&mut samples[7], || echo::call_blocking(&mtls, &payload)).await;
+            }
+            for _ in 0..calls / rounds {
+                timed(&mut samples[8], || {
+                    echo::call_blocking_work(&mtls, &payload)
+                })
+                .await;
+            }
+            for _ in 0..calls / rounds {
+                timed(&mut samples[9], || {
+                    echo::call_streaming(&mtls, &payload, record_len)
+                })
+                .await;
+            }
+            for _ in 0..connections / rounds {
+                let config = tls_config.clone();
+                let address = mtls_address.clone();
+                let payload = &payload;
+                timed(&mut samples[10], || async move {
+                    let channel = certistack_controller::connect::connect(address, NODE, config)
+                        .await
+                        .unwrap();
+                    echo::call(&channel, payload).await;
+                })
+                .await;
+            }
+            for _ in 0..connections / rounds {
+                let address = mtls_address.clone();
+                let payload = &payload;
+                let (authority, operator) = (&authority, &operator);
+                // What every controller connection does today: parse the CA, the certificate and
+                // the key and build the configuration, so no session ticket is kept to resume.
+                timed(&mut samples[11], || async move {
+                    let config = controller_tls(authority, operator);
+                    let channel = certistack_controller::connect::connect(address, NODE, config)
+                        .await
+                        .unwrap();
+                    echo::call(&channel, payload).await;
+                })
+                .await;
+            }
+            for _ in 0..connections / rounds {
+                let address = node.address.clone();
+                let authority = &authority;
+                let operator = &operator;
+                timed(&mut samples[12], || async move {
+                    let mut c = client(authority, &address, NODE, operator).await.unwrap();
+                    c.hello(pb::HelloRequest {}).await.unwrap();
+                })
+                .await;
+            }
         }
-        for _ in 0..calls / rounds {
-            timed(&mut samples[1], || echo::call(&mtls, &payload)).await;
-        }
-        for _ in 0..calls / rounds {
-            let mut c = run.clone();
-            timed(&mut samples[2], || async move {
-                c.hello(pb::HelloRequest {}).await.unwrap();
-            })
-            .await;
-        }
-        for _ in 0..calls / rounds {
-            let mut c = run.clone();
-            timed(&mut samples[3], || async move {
-                c.vm_status(pb::VmRequest { vmid: VMID }).await.unwrap();
-            })
-            .await;
-        }
-        for _ in 0..calls / rounds {
-            let mut c = run.clone();
-            timed(&mut samples[4], || async move {
-                read_whole_journal(&mut c).await
-            })
-            .await;
-        }
-        for _ in 0..calls / rounds {
-            let mut c = op.clone();
-            timed(&mut samples[5], || async move {
-                c.list_runs(pb::ListRunsRequest::default()).await.unwrap();
-            })
-            .await;
-        }
-        for _ in 0..calls / rounds {
-            let mut c = op.clone();
-            timed(&mut samples[6], || async move {
-                c.hello(pb::HelloRequest {}).await.unwrap();
-            })
-            .await;
-        }
-        for _ in 0..calls / rounds {
-            timed(&mut samples[7], || echo::call_blocking(&mtls, &payload)).await;
-        }
-        for _ in 0..calls / rounds {
-            timed(&mut samples[8], || {
-                echo::call_blocking_work(&mtls, &payload)
-            })
-            .await;
-        }
-        for _ in 0..calls / rounds {
-            timed(&mut samples[9], || {
-                echo::call_streaming(&mtls, &payload, record_len)
-            })
-            .await;
-        }
-        for _ in 0..connections / rounds {
-            let config = tls_config.clone();
-            let address = mtls_address.clone();
-            let payload = &payload;
-            timed(&mut samples[10], || async move {
-                let channel = certistack_controller::connect::connect(address, NODE, config)
-                    .await
-                    .unwrap();
-                echo::call(&channel, payload).await;
-            })
-            .await;
-        }
-        for _ in 0..connections / rounds {
-            let address = mtls_address.clone();
-            let payload = &payload;
-            let (authority, operator) = (&authority, &operator);
-            // What every controller connection does today: parse the CA, the certificate and
-            // the key and build the configuration, so no session ticket is kept to resume.
-            timed(&mut samples[11], || async move {
-                let config = controller_tls(authority, operator);
-                let channel = certistack_controller::connect::connect(address, NODE, config)
-                    .await
-                    .unwrap();
-                echo::call(&channel, payload).await;
-            })
-            .await;
-        }
-        for _ in 0..connections / rounds {
-            let address = node.address.clone();
-            let authority = &authority;
-            let operator = &operator;
-            timed(&mut samples[12], || async move {
-                let mut c = client(authority, &address, NODE, operator).await.unwrap();
-                c.hello(pb::HelloRequest {}).await.unwrap();
-            })
-            .await;
-        }
+        all_passes.push(samples);
     }
     // Keep the operator's connection in use so it is not idle-closed between rounds.
     op.hello(pb::HelloRequest {}).await.unwrap();
     let journal_records = journal.len();
 
     heading("1. Transport floor: calls on one open connection, and a new connection");
+    // Each row's samples of every pass, for the times; the ratios are each pass's own.
+    let pooled: Vec<Samples> = (0..names.len())
+        .map(|row| {
+            Samples(
+                all_passes
+                    .iter()
+                    .flat_map(|pass| pass[row].0.clone())
+                    .collect(),
+            )
+        })
+        .collect();
+    let ratio = |row: usize, base: usize| {
+        let mut ratios: Vec<f64> = all_passes
+            .iter()
+            .map(|pass| pass[row].median().as_secs_f64() / pass[base].median().as_secs_f64())
+            .collect();
+        ratios.sort_by(f64::total_cmp);
+        let (low, high) = (ratios[0], ratios[ratios.len() - 1]);
+        let median = ratios[ratios.len() / 2];
+        if ratios.len() == 1 {
+            format!("{median:.2}×")
+        } else {
+            format!("{median:.2}× ({low:.2}–{high:.2})")
+        }
+    };
     println!(
-        "In-process server and client on loopback; {} calls per row (one at a time), {} new connections. The journal streamed holds {journal_records} record(s) of {record_len} bytes.\n",
-        samples[0].0.len(),
-        samples[10].0.len()
+        "In-process server and client on loopback; {passes} pass(es), each on connections of its own, of {} calls per row (one at a time) and {} new connections. The journal streamed holds {journal_records} record(s) of {record_len} bytes.\n",
+        all_passes[0][0].0.len(),
+        all_passes[0][10].0.len()
     );
-    println!("| call | median | p99 | median ÷ mTLS floor |");
+    println!("| call | median | p99 | median ÷ mTLS floor (median of the passes, range) |");
     println!("|---|---:|---:|---:|");
-    let floor = samples[1].median();
-    let new_floor = samples[11].median();
     for (i, name) in names.iter().enumerate() {
-        let base = if i >= 10 { new_floor } else { floor };
+        let base = if i >= 10 { 11 } else { 1 };
         println!(
             "| {name} | {} | {} | {} |",
-            ms(samples[i].median()),
-            ms(samples[i].p99()),
-            ratio2(samples[i].median(), base)
+            ms(pooled[i].median()),
+            ms(pooled[i].p99()),
+            ratio(i, base)
         );
     }
     println!(
         "\nRows on a new connection are divided by the echo's new connection with a full handshake (the like-for-like floor: the Hello row's client builds its configuration per connection, so it never resumes); the others by the echo on an open mTLS connection. The resumed row shows what a kept configuration would save."
     );
-    let handed_off = samples[7].median();
-    let busy = samples[8].median();
     println!(
         "\nReadJournal against the streaming echo (the same shape: a stream of {} message(s) of {record_len} bytes, then trailers): {}.",
         echo::STREAMED,
-        ratio2(samples[4].median(), samples[9].median())
+        ratio(4, 9)
     );
     println!(
         "\nAgainst the echo answered from a blocking thread (the same hand-off): ReadJournal {}, ListRuns {}; against the one busy 20 µs there: ReadJournal {}, ListRuns {}.",
-        ratio2(samples[4].median(), handed_off),
-        ratio2(samples[5].median(), handed_off),
-        ratio2(samples[4].median(), busy),
-        ratio2(samples[5].median(), busy)
+        ratio(4, 7),
+        ratio(5, 7),
+        ratio(4, 8),
+        ratio(5, 8)
     );
 }
 
@@ -1612,14 +1672,28 @@ fn main() {
         sections = vec!["transport", "setup", "history", "concurrency", "footprint"];
     }
     let settings = Settings { short };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    // `--workers=N`: the runtime's worker threads (default one per core, as the daemon's). With
+    // one, no connection's tasks are placed by chance and runs repeat each other closely
+    // (docs/performance.md, section 1, "The third pass").
+    let workers = args
+        .iter()
+        .find_map(|a| a.strip_prefix("--workers="))
+        .map(|n| {
+            n.parse::<usize>()
+                .ok()
+                .filter(|&n| n > 0)
+                .unwrap_or_else(|| panic!("--workers={n}: give a number of threads, 1 or more"))
+        });
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if let Some(workers) = workers {
+        runtime.worker_threads(workers);
+    }
+    let runtime = runtime.enable_all().build().unwrap();
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!(
-        "performance bench{}: sections {sections:?}; load average at start {}",
+        "performance bench{}{}: sections {sections:?}; load average at start {}",
         if short { " (short)" } else { "" },
+        workers.map_or(String::new(), |n| format!(" ({n} worker thread(s))")),
         load.split_whitespace()
             .take(3)
             .collect::<Vec<_>>()

@@ -342,12 +342,21 @@ async fn closed_runs_stay_closed_across_reopen() {
             .unwrap(),
         "same grant resumes"
     );
+    let open_journal = registry.journal_path(&run_id).unwrap();
+    assert_ne!(open_journal, registry.closed_journal_path(&run_id));
     registry.end(&run_id, 2_000_500).await.unwrap();
     assert!(matches!(
         registry.begin(&signed, grant.clone(), 2_000_000).await,
         Err(RunError::Closed(_))
     ));
     assert!(registry.get(&run_id).is_none(), "a closed run is not held");
+    // ReadJournal looks at the closed place when a run closes under it: the journal is there.
+    assert_eq!(
+        registry.journal_path(&run_id),
+        Some(registry.closed_journal_path(&run_id))
+    );
+    assert!(!open_journal.exists());
+    assert!(registry.closed_journal_path(&run_id).is_file());
 
     let reopened = RunRegistry::open(&dir, &key().verifying_key(), limits(1), 0).unwrap();
     assert!(reopened.is_closed(&run_id));

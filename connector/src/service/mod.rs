@@ -500,8 +500,9 @@ impl Connector for ConnectorService {
         };
         // An operator reads any run this node knows, closed ones included; a run reads its
         // own journal while it is open, as it calls every other operation.
+        let closed = self.runs.is_closed(target);
         let path: PathBuf = match &peer.client.identity {
-            Identity::Operator { .. } if self.runs.is_closed(target) => {
+            Identity::Operator { .. } if closed => {
                 self.runs.journal_path(target).ok_or_else(|| {
                     refuse(Status::not_found(format!(
                         "no run {target} on this node (see ListRuns)"
@@ -527,9 +528,16 @@ impl Connector for ConnectorService {
         let run_id = target.to_string();
         // A run that closes after this lookup has its directory moved to `closed/` before the
         // file is opened: the stream looks there next.
-        let places = [path, self.runs.closed_journal_path(target)];
+        let closed_place = self.runs.closed_journal_path(target);
+        let places = if path == closed_place {
+            vec![path]
+        } else {
+            vec![path, closed_place]
+        };
         let (sender, receiver) = tokio::sync::mpsc::channel(JOURNAL_STREAM_BUFFER);
-        tokio::task::spawn_blocking(move || stream_journal(&places, &run_id, max_line, &sender));
+        tokio::task::spawn_blocking(move || {
+            stream_journal(&places, &run_id, closed, max_line, &sender)
+        });
         let stream: JournalStream = Box::pin(tokio_stream::wrappers::ReceiverStream::new(receiver));
         Ok(Response::new(stream))
     }
