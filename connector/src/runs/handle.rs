@@ -2,9 +2,7 @@
 //! the guard through which its operations append to the journal.
 
 use certistack_core::grant::Grant;
-use certistack_core::journal::{
-    Journal, JournalError, JournalUsage, Phase, Record, WIRE_KEPT_BYTES,
-};
+use certistack_core::journal::{Journal, JournalError, JournalUsage, Phase, Record};
 use certistack_core::journal::{Op, Resource};
 use certistack_core::validate::RunId;
 use certistack_proto::v1 as pb;
@@ -115,18 +113,12 @@ impl RunHandle {
     /// The journal's records as `ReadJournal` sends them, without waiting: the wire forms the
     /// journal keeps (made as each record was appended once on disk, or from the file when the
     /// journal was opened), so these are the file's records. `None` while an append holds the
-    /// journal (it may be syncing), when the journal is larger than [`WIRE_KEPT_BYTES`] and
-    /// when it is poisoned: read the file then.
+    /// journal (it may be syncing), when the journal is larger than
+    /// [`certistack_core::journal::WIRE_KEPT_BYTES`] and when it is poisoned: read the file then.
     pub fn try_wire_records(&self) -> Option<Vec<pb::JournalRecord>> {
-        if self.usage.get().1 > WIRE_KEPT_BYTES {
-            return None;
-        }
-        let journal = try_lock_journal(&self.journal)?;
-        // A poisoned journal may have a record on disk that memory lacks: read the file.
-        if journal.is_poisoned() {
-            return None;
-        }
-        journal.wire_records().map(<[_]>::to_vec)
+        try_lock_journal(&self.journal)?
+            .wire_records()
+            .map(<[_]>::to_vec)
     }
 
     pub(super) fn new(run_id: RunId, grant: Grant, dir: PathBuf, journal: Journal) -> Self {
@@ -294,8 +286,7 @@ impl RunGuard<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::RunRegistry;
-    use super::super::tests::{hold, key, limits, nth_grant, state_dir};
+    use super::super::tests::{hold, registry_with_open_run};
     use super::*;
     use certistack_core::journal;
 
@@ -303,11 +294,7 @@ mod tests {
     /// journal (it may be syncing), the open resources and the records are left to the blocking pool.
     #[tokio::test(flavor = "multi_thread")]
     async fn open_resources_are_read_without_waiting_or_not_at_all() {
-        let dir = state_dir("try-open");
-        let registry = RunRegistry::open(&dir, &key().verifying_key(), limits(1), 0).unwrap();
-        let (signed, grant) = nth_grant(0);
-        let run_id = grant.run_id.clone();
-        registry.begin(&signed, grant, 2_000_000).await.unwrap();
+        let (dir, registry, run_id) = registry_with_open_run("try-open").await;
         hold(&registry, &run_id, "backup:drive-scsi0.img").await;
         let run = registry.get(&run_id).unwrap();
         let open = run.open_resources();
@@ -333,11 +320,7 @@ mod tests {
     /// left to the blocking pool.
     #[tokio::test(flavor = "multi_thread")]
     async fn a_long_journal_is_not_read_on_an_async_worker() {
-        let dir = state_dir("inline-bound");
-        let registry = RunRegistry::open(&dir, &key().verifying_key(), limits(1), 0).unwrap();
-        let (signed, grant) = nth_grant(0);
-        let run_id = grant.run_id.clone();
-        registry.begin(&signed, grant, 2_000_000).await.unwrap();
+        let (dir, registry, run_id) = registry_with_open_run("inline-bound").await;
         let run = registry.get(&run_id).unwrap();
         let mut guard = run.lock().await;
         while run.journal_usage().0 < INLINE_RECORDS {
@@ -356,7 +339,7 @@ mod tests {
         hold(&registry, &run_id, "backup:drive-scsi1.img").await;
         assert_eq!(run.try_open_resources(), None, "past it: not inline");
         assert_eq!(run.open_resources().len(), 2);
-        assert!(run.journal_usage().1 > WIRE_KEPT_BYTES);
+        assert!(run.journal_usage().1 > journal::WIRE_KEPT_BYTES);
         assert_eq!(
             run.try_wire_records(),
             None,

@@ -275,7 +275,7 @@ pub(super) fn nth_grant(n: u32) -> (pb::SignedRunGrant, Grant) {
 }
 
 /// A registry in a fresh state directory, holding the first grant's run open.
-async fn registry_with_open_run(tag: &str) -> (PathBuf, RunRegistry, RunId) {
+pub(super) async fn registry_with_open_run(tag: &str) -> (PathBuf, RunRegistry, RunId) {
     let dir = state_dir(tag);
     let registry = RunRegistry::open(&dir, &key().verifying_key(), limits(1), 0).unwrap();
     let (signed, grant) = nth_grant(0);

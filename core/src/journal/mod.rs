@@ -208,20 +208,16 @@ fn record_hash(previous: &[u8; 32], entry_json: &[u8]) -> [u8; 32] {
         .into()
 }
 
-/// A SHA-256 digest in lower-case hex. Each digit is looked up and written as a byte, then the
-/// 64 bytes checked once: `hex::encode` collects the characters through an iterator, and pushing
-/// `char`s checks each one's width (1,400 instructions a digest, against 500 this way:
-/// docs/performance.md, section 1, "The third pass").
+/// A SHA-256 digest in lower-case hex, written by `hex::encode_to_slice` into a buffer of its
+/// size and checked once: `hex::encode` collects the characters through an iterator, 1,400
+/// instructions a digest (docs/performance.md, section 1, "The third pass").
 fn digest_hex(digest: &[u8; 32]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    // A nibble is below 16, so the lookup always finds its digit.
-    let digit = |nibble: u8| DIGITS.get(usize::from(nibble)).copied().unwrap_or(b'0');
     let mut text = [0u8; 64];
-    for (pair, byte) in text.chunks_exact_mut(2).zip(digest) {
-        pair.copy_from_slice(&[digit(byte >> 4), digit(byte & 0x0f)]);
-    }
-    // Every byte is one of DIGITS, so the text is ASCII and this never falls back.
-    String::from_utf8(text.to_vec()).unwrap_or_default()
+    hex::encode_to_slice(digest, &mut text)
+        .ok()
+        .and_then(|()| String::from_utf8(text.to_vec()).ok())
+        // Neither fails (64 is twice 32, hex is ASCII); were one to, the slower way says the same.
+        .unwrap_or_else(|| hex::encode(digest))
 }
 
 impl Record {
@@ -238,8 +234,10 @@ impl Record {
                 String::new()
             } else {
                 // Written straight into the string's bytes: `Value`'s `Display` goes through the
-                // formatter piece by piece. A `Value` always serializes (its map keys are strings).
-                serde_json::to_string(&self.entry.detail).unwrap_or_default()
+                // formatter piece by piece. A `Value` always serializes (its map keys are
+                // strings); were it not to, `Display` writes the same text.
+                serde_json::to_string(&self.entry.detail)
+                    .unwrap_or_else(|_| self.entry.detail.to_string())
             },
         }
     }

@@ -67,12 +67,6 @@ impl Journal {
         })
     }
 
-    /// Whether a failed append left the journal refusing further records (its file may then
-    /// hold a record its memory lacks).
-    pub fn is_poisoned(&self) -> bool {
-        self.poisoned
-    }
-
     /// The same journal, bounded by `limits`.
     pub fn with_limits(mut self, limits: JournalLimits) -> Self {
         self.limits = limits;
