@@ -500,14 +500,16 @@ impl Connector for ConnectorService {
         };
         // An operator reads any run this node knows, closed ones included; a run reads its
         // own journal while it is open, as it calls every other operation.
-        let closed = self.runs.is_closed(target);
-        let path: PathBuf = match &peer.client.identity {
-            Identity::Operator { .. } if closed => {
-                self.runs.journal_path(target).ok_or_else(|| {
+        // `closed`: whether the run was closed when looked up, which tells what a journal found
+        // at neither of its places means.
+        let (path, closed): (PathBuf, bool) = match &peer.client.identity {
+            Identity::Operator { .. } if self.runs.is_closed(target) => {
+                let path = self.runs.journal_path(target).ok_or_else(|| {
                     refuse(Status::not_found(format!(
                         "no run {target} on this node (see ListRuns)"
                     )))
-                })?
+                })?;
+                (path, true)
             }
             _ => {
                 let resolved = self.resolve(&peer, rpc, &action)?;
@@ -520,7 +522,7 @@ impl Connector for ConnectorService {
                         Box::pin(tokio_stream::iter(records.into_iter().map(Ok::<_, Status>)));
                     return Ok(Response::new(stream));
                 }
-                run.journal_path().to_owned()
+                (run.journal_path().to_owned(), false)
             }
         };
         announce();
