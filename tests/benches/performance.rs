@@ -936,6 +936,9 @@ async fn setup(settings: &Settings) {
     .into_iter()
     .map(|n| (n, Samples::default()))
     .collect();
+    // The floors' own steps, beside the set-up's: connect, then each echo call (the second
+    // after BeginRun's syncs in the floor with them, where BeginRun makes them).
+    let mut floor_steps: [[Samples; 4]; 2] = Default::default();
     for i in 0..iterations {
         let started = Instant::now();
         let run_id = uuid::Uuid::new_v4().to_string();
@@ -965,22 +968,29 @@ async fn setup(settings: &Settings) {
         // (a run's certificate is new, so its first connection never resumes a session).
         for (with_syncs, samples) in [(false, &mut floor), (true, &mut floor_with_syncs)] {
             let started = Instant::now();
+            let mut t = Instant::now();
             let config = controller_tls(&authority, &operator);
             let channel =
                 certistack_controller::connect::connect(mtls_address.clone(), NODE, config)
                     .await
                     .unwrap();
+            floor_steps[usize::from(with_syncs)][0].push(t.elapsed());
             for call in 0..3 {
-                if with_syncs && call == 2 {
+                t = Instant::now();
+                if with_syncs && call == 1 {
                     let dir = sync_dir.join(format!("{i}"));
                     tokio::task::spawn_blocking(move || syncs_of_begin_run(&dir))
                         .await
                         .unwrap();
                 }
                 echo::call(&channel, &payload).await;
+                floor_steps[usize::from(with_syncs)][call + 1].push(t.elapsed());
             }
             samples.push(started.elapsed());
         }
+        // As EndRun moves a closed run out of `runs/`: the floor's directory of syncs keeps
+        // one entry at a time, as `runs/` does here.
+        std::fs::remove_dir_all(sync_dir.join(format!("{i}"))).unwrap();
     }
     let _ = &tls_config;
 
@@ -1052,6 +1062,16 @@ async fn setup(settings: &Settings) {
             ms(s.p99()),
             ratio2(s.median(), base)
         );
+    }
+    for (floor_name, steps) in ["floor", "floor with the syncs"].iter().zip(&floor_steps) {
+        for (name, s) in ["connect", "echo 1", "echo 2", "echo 3"].iter().zip(steps) {
+            println!(
+                "| — {floor_name}: {name} | {} | {} | {} |",
+                ms(s.median()),
+                ms(s.p99()),
+                ratio2(s.median(), base)
+            );
+        }
     }
     if sshd.is_some() {
         println!(
