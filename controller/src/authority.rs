@@ -283,7 +283,7 @@ impl Authority {
         not_before: OffsetDateTime,
         not_after: OffsetDateTime,
     ) -> Result<IssuedCertificate, AuthorityError> {
-        let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).map_err(cert_err)?;
+        let key = ClientKey::generate()?;
         let mut params = CertificateParams::default();
         let mut name = DistinguishedName::new();
         name.push(DnType::CommonName, identity.to_string());
@@ -302,7 +302,7 @@ impl Authority {
         let cert = params.signed_by(&key, &self.issuer).map_err(cert_err)?;
         Ok(IssuedCertificate {
             certificate_pem: cert.pem(),
-            key_pem: zeroize::Zeroizing::new(key.serialize_pem()),
+            key_pem: key.pem,
         })
     }
 
@@ -321,5 +321,127 @@ impl Authority {
             now - CLOCK_SKEW,
             now - CLOCK_SKEW + OPERATOR_CERT_LIFETIME,
         )
+    }
+}
+
+/// A new client key (ECDSA P-256): its PKCS#8 document as PEM, for rustls to sign the
+/// handshake with, and its public key, for the certificate.
+///
+/// ring writes the public point it computes while generating the key into the document; the
+/// public key is read back from there. rcgen's `KeyPair::generate_for` would parse the document
+/// into a signing key instead, computing the point a second time (about a third of a run's key
+/// and certificate), for a key the controller never signs anything with: rustls parses the PEM
+/// when it connects.
+struct ClientKey {
+    pem: zeroize::Zeroizing<String>,
+    public_point: Vec<u8>,
+}
+
+impl ClientKey {
+    fn generate() -> Result<Self, AuthorityError> {
+        let document = ring::signature::EcdsaKeyPair::generate_pkcs8(
+            &ring::signature::ECDSA_P256_SHA256_ASN1_SIGNING,
+            &ring::rand::SystemRandom::new(),
+        )
+        .map_err(|_| cert_err("the system's random number generator failed"))?;
+        let public_point = p256_public_point(document.as_ref())
+            .map_err(|e| cert_err(format!("the generated key's PKCS#8 document: {e}")))?;
+        let pem = pkcs8::der::pem::encode_string("PRIVATE KEY", LineEnding::LF, document.as_ref())
+            .map_err(cert_err)?;
+        Ok(Self {
+            pem: zeroize::Zeroizing::new(pem),
+            public_point,
+        })
+    }
+}
+
+impl rcgen::PublicKeyData for ClientKey {
+    fn der_bytes(&self) -> &[u8] {
+        &self.public_point
+    }
+
+    fn algorithm(&self) -> &'static rcgen::SignatureAlgorithm {
+        &rcgen::PKCS_ECDSA_P256_SHA256
+    }
+}
+
+/// The public point (SEC 1, uncompressed) of a P-256 key's PKCS#8 document of the form ring
+/// writes: `PrivateKeyInfo` (RFC 5208) with an `ECPrivateKey` (RFC 5915) that carries it.
+fn p256_public_point(document: &[u8]) -> Result<Vec<u8>, String> {
+    use pkcs8::der::asn1::{BitStringRef, ObjectIdentifier, OctetStringRef};
+    use pkcs8::der::{Decode, Reader, SliceReader, TagMode, TagNumber};
+    const EC_PUBLIC_KEY: ObjectIdentifier = ObjectIdentifier::new_unwrap("1.2.840.10045.2.1");
+    const P256: ObjectIdentifier = ObjectIdentifier::new_unwrap("1.2.840.10045.3.1.7");
+    let info = pkcs8::PrivateKeyInfo::from_der(document).map_err(|e| e.to_string())?;
+    if info.algorithm.oid != EC_PUBLIC_KEY {
+        return Err(format!("algorithm {}, not an EC key", info.algorithm.oid));
+    }
+    let curve = info.algorithm.parameters_oid().map_err(|e| e.to_string())?;
+    if curve != P256 {
+        return Err(format!("an EC key on curve {curve}, not on P-256"));
+    }
+    let mut reader = SliceReader::new(info.private_key).map_err(|e| e.to_string())?;
+    let point = reader
+        .sequence(|key| {
+            let _version = u8::decode(key)?;
+            let _scalar = OctetStringRef::decode(key)?;
+            let _curve =
+                key.context_specific::<ObjectIdentifier>(TagNumber::N0, TagMode::Explicit)?;
+            key.context_specific::<BitStringRef<'_>>(TagNumber::N1, TagMode::Explicit)
+        })
+        .map_err(|e| e.to_string())?
+        .and_then(|bits| bits.as_bytes())
+        .ok_or("the ECPrivateKey carries no public key")?;
+    reader.finish(()).map_err(|e| e.to_string())?;
+    // 0x04, then X and Y of 32 bytes each: the form a certificate's key must have.
+    if point.len() != 65 || point.first() != Some(&0x04) {
+        return Err(format!(
+            "a public key of {} bytes, not an uncompressed P-256 point",
+            point.len()
+        ));
+    }
+    Ok(point.to_vec())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_client_keys_public_point_is_the_one_its_private_key_gives() {
+        use ring::signature::KeyPair as _;
+        let key = ClientKey::generate().unwrap();
+        let der = pkcs8::der::pem::decode_vec(key.pem.as_bytes()).unwrap().1;
+        let parsed = ring::signature::EcdsaKeyPair::from_pkcs8(
+            &ring::signature::ECDSA_P256_SHA256_ASN1_SIGNING,
+            &der,
+            &ring::rand::SystemRandom::new(),
+        )
+        .unwrap();
+        assert_eq!(parsed.public_key().as_ref(), key.public_point.as_slice());
+    }
+
+    #[test]
+    fn a_document_that_is_not_a_p256_key_is_refused_with_its_reason() {
+        let ed25519 =
+            ring::signature::Ed25519KeyPair::generate_pkcs8(&ring::rand::SystemRandom::new())
+                .unwrap();
+        let refused = p256_public_point(ed25519.as_ref()).unwrap_err();
+        assert_eq!(refused, "algorithm 1.3.101.112, not an EC key");
+        let key = ring::signature::EcdsaKeyPair::generate_pkcs8(
+            &ring::signature::ECDSA_P256_SHA256_ASN1_SIGNING,
+            &ring::rand::SystemRandom::new(),
+        )
+        .unwrap();
+        let mut cut = key.as_ref().to_vec();
+        cut.truncate(cut.len() - 1);
+        assert!(p256_public_point(&cut).is_err());
+        let p384 = ring::signature::EcdsaKeyPair::generate_pkcs8(
+            &ring::signature::ECDSA_P384_SHA384_ASN1_SIGNING,
+            &ring::rand::SystemRandom::new(),
+        )
+        .unwrap();
+        let refused = p256_public_point(p384.as_ref()).unwrap_err();
+        assert_eq!(refused, "an EC key on curve 1.3.132.0.34, not on P-256");
     }
 }
