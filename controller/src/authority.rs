@@ -381,18 +381,29 @@ fn p256_public_point(document: &[u8]) -> Result<Vec<u8>, String> {
         return Err(format!("an EC key on curve {curve}, not on P-256"));
     }
     let mut reader = SliceReader::new(info.private_key).map_err(|e| e.to_string())?;
-    let point = reader
+    let (version, inner_curve, point) = reader
         .sequence(|key| {
-            let _version = u8::decode(key)?;
+            let version = u8::decode(key)?;
             let _scalar = OctetStringRef::decode(key)?;
-            let _curve =
+            let curve =
                 key.context_specific::<ObjectIdentifier>(TagNumber::N0, TagMode::Explicit)?;
-            key.context_specific::<BitStringRef<'_>>(TagNumber::N1, TagMode::Explicit)
+            let point =
+                key.context_specific::<BitStringRef<'_>>(TagNumber::N1, TagMode::Explicit)?;
+            Ok((version, curve, point))
         })
-        .map_err(|e| e.to_string())?
+        .map_err(|e| e.to_string())?;
+    reader.finish(()).map_err(|e| e.to_string())?;
+    if version != 1 {
+        return Err(format!("an ECPrivateKey of version {version}, not 1"));
+    }
+    if let Some(inner_curve) = inner_curve.filter(|inner| *inner != P256) {
+        return Err(format!(
+            "an ECPrivateKey on curve {inner_curve}, its PKCS#8 algorithm on P-256"
+        ));
+    }
+    let point = point
         .and_then(|bits| bits.as_bytes())
         .ok_or("the ECPrivateKey carries no public key")?;
-    reader.finish(()).map_err(|e| e.to_string())?;
     // 0x04, then X and Y of 32 bytes each: the form a certificate's key must have.
     if point.len() != 65 || point.first() != Some(&0x04) {
         return Err(format!(
@@ -411,7 +422,17 @@ mod tests {
     fn a_client_keys_public_point_is_the_one_its_private_key_gives() {
         use ring::signature::KeyPair as _;
         let key = ClientKey::generate().unwrap();
-        let der = pkcs8::der::pem::decode_vec(key.pem.as_bytes()).unwrap().1;
+        let (label, der) = pkcs8::der::pem::decode_vec(key.pem.as_bytes()).unwrap();
+        assert_eq!(label, "PRIVATE KEY");
+        // The PEM rcgen wrote before, and what the controller's TLS configuration reads.
+        assert_eq!(
+            *key.pem,
+            KeyPair::try_from(der.as_slice()).unwrap().serialize_pem()
+        );
+        assert!(matches!(
+            certistack_core::tls::parse_private_key(&key.pem, "key").unwrap(),
+            rustls::pki_types::PrivateKeyDer::Pkcs8(_)
+        ));
         let parsed = ring::signature::EcdsaKeyPair::from_pkcs8(
             &ring::signature::ECDSA_P256_SHA256_ASN1_SIGNING,
             &der,
@@ -443,5 +464,72 @@ mod tests {
         .unwrap();
         let refused = p256_public_point(p384.as_ref()).unwrap_err();
         assert_eq!(refused, "an EC key on curve 1.3.132.0.34, not on P-256");
+    }
+
+    /// A DER header: `tag`, then the length of `len` (under 256) in its short or long form.
+    fn header(tag: u8, len: usize) -> Vec<u8> {
+        let len = u8::try_from(len).unwrap();
+        if len < 0x80 {
+            vec![tag, len]
+        } else {
+            vec![tag, 0x81, len]
+        }
+    }
+
+    /// A P-256 `PrivateKeyInfo` around `ec_private_key` (an `ECPrivateKey` of under 128 bytes).
+    fn p256_document(ec_private_key: &[u8]) -> Vec<u8> {
+        let algorithm: &[u8] = &[
+            0x30, 0x13, 0x06, 0x07, 0x2a, 0x86, 0x48, 0xce, 0x3d, 0x02, 0x01, 0x06, 0x08, 0x2a,
+            0x86, 0x48, 0xce, 0x3d, 0x03, 0x01, 0x07,
+        ];
+        let mut body = vec![0x02, 0x01, 0x00];
+        body.extend_from_slice(algorithm);
+        body.extend_from_slice(&header(0x04, ec_private_key.len()));
+        body.extend_from_slice(ec_private_key);
+        let mut document = header(0x30, body.len());
+        document.extend_from_slice(&body);
+        document
+    }
+
+    /// An `ECPrivateKey` of `version` with a made-up scalar, then `rest` (its optional fields).
+    fn ec_private_key(version: u8, rest: &[u8]) -> Vec<u8> {
+        let mut body = vec![0x02, 0x01, version, 0x04, 0x20];
+        body.extend_from_slice(&[0x11; 32]);
+        body.extend_from_slice(rest);
+        let mut key = header(0x30, body.len());
+        key.extend_from_slice(&body);
+        key
+    }
+
+    #[test]
+    fn an_ec_private_key_without_its_point_or_of_another_version_or_curve_is_refused() {
+        let mut point = vec![0xa1, 0x44, 0x03, 0x42, 0x00, 0x04];
+        point.extend_from_slice(&[0x22; 64]);
+        // The document with its point is read: the cases below fail for what they name.
+        let mut read = vec![0x04];
+        read.extend_from_slice(&[0x22; 64]);
+        assert_eq!(
+            p256_public_point(&p256_document(&ec_private_key(1, &point))).unwrap(),
+            read
+        );
+        assert_eq!(
+            p256_public_point(&p256_document(&ec_private_key(1, &[]))).unwrap_err(),
+            "the ECPrivateKey carries no public key"
+        );
+        assert_eq!(
+            p256_public_point(&p256_document(&ec_private_key(2, &point))).unwrap_err(),
+            "an ECPrivateKey of version 2, not 1"
+        );
+        // [0] secp384r1 inside a document whose algorithm says P-256.
+        let mut p384_then_point = vec![0xa0, 0x07, 0x06, 0x05, 0x2b, 0x81, 0x04, 0x00, 0x22];
+        p384_then_point.extend_from_slice(&point);
+        assert_eq!(
+            p256_public_point(&p256_document(&ec_private_key(1, &p384_then_point))).unwrap_err(),
+            "an ECPrivateKey on curve 1.3.132.0.34, its PKCS#8 algorithm on P-256"
+        );
+        // A byte after the ECPrivateKey, inside the PKCS#8 document's octet string.
+        let mut trailing = ec_private_key(1, &point);
+        trailing.push(0x00);
+        assert!(p256_public_point(&p256_document(&trailing)).is_err());
     }
 }
