@@ -135,6 +135,20 @@ where
     out
 }
 
+/// `count` calls, each timed into `samples`: `prepare` makes what a call takes (a client's
+/// clone, a configuration) before its clock starts, `call` makes the call.
+async fn timed_calls<P, C, F, Fut>(samples: &mut Samples, count: usize, mut prepare: P, call: F)
+where
+    P: FnMut() -> C,
+    F: Fn(C) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    for _ in 0..count {
+        let prepared = prepare();
+        timed(samples, || call(prepared)).await;
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Processes: the shipped daemon, its memory, descriptors and CPU
 
@@ -600,100 +614,134 @@ async fn transport(settings: &Settings) {
         echo::call(&h2c, &payload).await;
         let mut samples: Vec<Samples> = vec![Samples::default(); names.len()];
         // Round-robin in batches so a change in the machine's load hits every row alike.
+        let payload = payload.as_slice();
+        let (batch, connection_batch) = (calls / rounds, connections / rounds);
+        let (authority, operator) = (&authority, &operator);
         for _ in 0..rounds {
-            for _ in 0..calls / rounds {
-                timed(&mut samples[0], || echo::call(&h2c, &payload)).await;
-            }
-            for _ in 0..calls / rounds {
-                timed(&mut samples[1], || echo::call(&mtls, &payload)).await;
-            }
-            for _ in 0..calls / rounds {
-                let mut c = run.clone();
-                timed(&mut samples[2], || async move {
+            let [
+                h2c_echo,
+                mtls_echo,
+                hello,
+                vm_status,
+                read_journal,
+                list_runs,
+                operator_hello,
+                blocking,
+                blocking_work,
+                streaming,
+                resumed,
+                full,
+                hello_new,
+            ] = &mut samples[..]
+            else {
+                unreachable!("one sample set per row name")
+            };
+            timed_calls(h2c_echo, batch, || (), |()| echo::call(&h2c, payload)).await;
+            timed_calls(mtls_echo, batch, || (), |()| echo::call(&mtls, payload)).await;
+            timed_calls(
+                hello,
+                batch,
+                || run.clone(),
+                |mut c| async move {
                     c.hello(pb::HelloRequest {}).await.unwrap();
-                })
-                .await;
-            }
-            for _ in 0..calls / rounds {
-                let mut c = run.clone();
-                timed(&mut samples[3], || async move {
+                },
+            )
+            .await;
+            timed_calls(
+                vm_status,
+                batch,
+                || run.clone(),
+                |mut c| async move {
                     c.vm_status(pb::VmRequest { vmid: VMID }).await.unwrap();
-                })
-                .await;
-            }
-            for _ in 0..calls / rounds {
-                let mut c = run.clone();
-                timed(&mut samples[4], || async move {
-                    read_whole_journal(&mut c).await
-                })
-                .await;
-            }
-            for _ in 0..calls / rounds {
-                let mut c = op.clone();
-                timed(&mut samples[5], || async move {
+                },
+            )
+            .await;
+            timed_calls(
+                read_journal,
+                batch,
+                || run.clone(),
+                |mut c| async move { read_whole_journal(&mut c).await },
+            )
+            .await;
+            timed_calls(
+                list_runs,
+                batch,
+                || op.clone(),
+                |mut c| async move {
                     c.list_runs(pb::ListRunsRequest::default()).await.unwrap();
-                })
-                .await;
-            }
-            for _ in 0..calls / rounds {
-                let mut c = op.clone();
-                timed(&mut samples[6], || async move {
+                },
+            )
+            .await;
+            timed_calls(
+                operator_hello,
+                batch,
+                || op.clone(),
+                |mut c| async move {
                     c.hello(pb::HelloRequest {}).await.unwrap();
-                })
-                .await;
-            }
-            for _ in 0..calls / rounds {
-                timed(&mut samples[7], || echo::call_blocking(&mtls, &payload)).await;
-            }
-            for _ in 0..calls / rounds {
-                timed(&mut samples[8], || {
-                    echo::call_blocking_work(&mtls, &payload)
-                })
-                .await;
-            }
-            for _ in 0..calls / rounds {
-                timed(&mut samples[9], || {
-                    echo::call_streaming(&mtls, &payload, record_len)
-                })
-                .await;
-            }
-            for _ in 0..connections / rounds {
-                let config = tls_config.clone();
-                let address = mtls_address.clone();
-                let payload = &payload;
-                timed(&mut samples[10], || async move {
+                },
+            )
+            .await;
+            timed_calls(
+                blocking,
+                batch,
+                || (),
+                |()| echo::call_blocking(&mtls, payload),
+            )
+            .await;
+            timed_calls(
+                blocking_work,
+                batch,
+                || (),
+                |()| echo::call_blocking_work(&mtls, payload),
+            )
+            .await;
+            timed_calls(
+                streaming,
+                batch,
+                || (),
+                |()| echo::call_streaming(&mtls, payload, record_len),
+            )
+            .await;
+            let new_connection = || (tls_config.clone(), mtls_address.clone());
+            timed_calls(
+                resumed,
+                connection_batch,
+                new_connection,
+                |(config, address)| async move {
                     let channel = certistack_controller::connect::connect(address, NODE, config)
                         .await
                         .unwrap();
                     echo::call(&channel, payload).await;
-                })
-                .await;
-            }
-            for _ in 0..connections / rounds {
-                let address = mtls_address.clone();
-                let payload = &payload;
-                let (authority, operator) = (&authority, &operator);
-                // What every controller connection does today: parse the CA, the certificate and
-                // the key and build the configuration, so no session ticket is kept to resume.
-                timed(&mut samples[11], || async move {
+                },
+            )
+            .await;
+            // What every controller connection does today: parse the CA, the certificate and
+            // the key and build the configuration, so no session ticket is kept to resume.
+            timed_calls(
+                full,
+                connection_batch,
+                || mtls_address.clone(),
+                |address| async move {
                     let config = controller_tls(authority, operator);
                     let channel = certistack_controller::connect::connect(address, NODE, config)
                         .await
                         .unwrap();
                     echo::call(&channel, payload).await;
-                })
-                .await;
-            }
-            for _ in 0..connections / rounds {
-                let address = node.address.clone();
-                let authority = &authority;
-                let operator = &operator;
-                timed(&mut samples[12], || async move {
-                    let mut c = client(authority, &address, NODE, operator).await.unwrap();
+                },
+            )
+            .await;
+            timed_calls(
+                hello_new,
+                connection_batch,
+                || (),
+                |()| async {
+                    let mut c = client(authority, &node.address, NODE, operator)
+                        .await
+                        .unwrap();
                     c.hello(pb::HelloRequest {}).await.unwrap();
-                })
-                .await;
-            }
+                },
+            )
+            .await;
         }
         all_passes.push(samples);
     }
