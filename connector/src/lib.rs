@@ -16,6 +16,7 @@ pub mod config;
 pub mod connection;
 pub mod enroll;
 pub mod executor;
+pub mod log_line;
 pub mod node;
 pub mod policy;
 pub mod prerequisites;

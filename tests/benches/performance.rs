@@ -1718,13 +1718,14 @@ mod run_history;
 fn main() {
     // The connector logs a line per call (`call_log`) at info, as the daemon does; its text
     // formatter writes here to nowhere, so the formatting is counted but no terminal's write.
-    // Without colours, as the daemon writes when its standard error is not a terminal (under
-    // systemd it writes to the journal, which has no colours either).
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::new("info"))
-        .with_writer(std::io::sink)
-        .with_ansi(false)
-        .init();
+    // The daemon's plain line, as it writes when its standard error is neither a terminal nor
+    // the journal.
+    tracing_subscriber::util::SubscriberInitExt::init(
+        certistack_connector::log_line::plain_subscriber(
+            tracing_subscriber::EnvFilter::new("info"),
+            std::io::sink,
+        ),
+    );
     let args: Vec<String> = std::env::args()
         .skip(1)
         .filter(|a| a != "--bench")
