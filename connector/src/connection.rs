@@ -23,6 +23,7 @@
 //! Refused handshakes are logged through a [`RefusalLog`]: a peer needs no certificate to
 //! cause one.
 
+use crate::call_log::PendingLines;
 use crate::config::Limits;
 use crate::refusal_log::{RefusalLog, printable};
 use certistack_core::identity::{ClientIdentity, IdentityError, parse_client_certificate};
@@ -110,6 +111,8 @@ pub struct Activity {
     in_flight: AtomicUsize,
     /// Milliseconds after `origin` when the last call began or ended.
     last_ms: AtomicU64,
+    /// The lines of calls that succeeded, written once their replies have reached the socket.
+    pub success_lines: PendingLines,
 }
 
 impl Activity {
@@ -118,6 +121,7 @@ impl Activity {
             origin: Instant::now(),
             in_flight: AtomicUsize::new(0),
             last_ms: AtomicU64::new(0),
+            success_lines: PendingLines::default(),
         }
     }
 
@@ -237,7 +241,13 @@ impl AsyncWrite for PeerStream {
         Pin::new(&mut self.get_mut().stream).poll_write(cx, buf)
     }
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().stream).poll_flush(cx)
+        let this = self.get_mut();
+        let flushed = Pin::new(&mut this.stream).poll_flush(cx);
+        // The replies written so far are in the socket: their calls' lines now, not before.
+        if matches!(flushed, Poll::Ready(Ok(()))) {
+            this.info.activity.success_lines.write();
+        }
+        flushed
     }
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)

@@ -246,15 +246,14 @@ fn civil_from_days(days: u64) -> Option<(u64, u64, u64)> {
     Some((year, month, day))
 }
 
+/// A writer for tests: what a subscriber wrote, shared with the test.
 #[cfg(test)]
-mod tests {
-    use super::*;
+pub(crate) mod capture {
     use std::sync::{Arc, Mutex};
-    use std::time::Duration;
+    use tracing_subscriber::fmt::MakeWriter;
 
-    /// What a subscriber wrote, shared with the test.
     #[derive(Clone, Default)]
-    struct Captured(Arc<Mutex<Vec<u8>>>);
+    pub(crate) struct Captured(Arc<Mutex<Vec<u8>>>);
 
     impl std::io::Write for Captured {
         fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
@@ -274,7 +273,7 @@ mod tests {
     }
 
     impl Captured {
-        fn lines(&self) -> Vec<String> {
+        pub(crate) fn lines(&self) -> Vec<String> {
             String::from_utf8(self.0.lock().unwrap().clone())
                 .unwrap()
                 .lines()
@@ -282,6 +281,13 @@ mod tests {
                 .collect()
         }
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::capture::Captured;
+    use super::*;
+    use std::time::Duration;
 
     /// The events of the daemon's lines, in spans, and an escape sequence (each format writes it
     /// as it is).
