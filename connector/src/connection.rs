@@ -23,9 +23,9 @@
 //! Refused handshakes are logged through a [`RefusalLog`]: a peer needs no certificate to
 //! cause one.
 
-use crate::call_log::PendingLines;
 use crate::config::Limits;
 use crate::refusal_log::{RefusalLog, printable};
+use crate::success_lines::PendingLines;
 use certistack_core::identity::{ClientIdentity, IdentityError, parse_client_certificate};
 use certistack_core::net::IpNetwork;
 use std::collections::{BTreeMap, BTreeSet, HashMap};

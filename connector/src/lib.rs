@@ -27,6 +27,7 @@ pub mod runs;
 pub mod server;
 pub mod service;
 pub mod source_hardware;
+pub mod success_lines;
 pub mod systemd;
 pub mod tls;
 pub mod virtualization;
