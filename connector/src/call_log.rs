@@ -196,7 +196,8 @@ impl Call {
         if std::mem::replace(&mut self.finished, true) {
             return;
         }
-        let ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        let ended = Instant::now();
+        let ms = u64::try_from(ended.duration_since(self.started).as_millis()).unwrap_or(u64::MAX);
         let (id, from_text, from): (&str, &str, _) = match &self.peer {
             Some(peer) => (
                 &peer.identity_text,
@@ -212,6 +213,7 @@ impl Call {
                     line,
                     &peer.identity_text,
                     &peer.remote_ip_text,
+                    ended,
                 ),
                 None => line.write(id, from_text),
             }

@@ -1,10 +1,12 @@
-//! A call's success line, held until its connection has flushed the reply to the socket: the
-//! call log ([`crate::call_log`]) hands each success's line to its connection's
-//! [`PendingLines`], and the connection ([`crate::connection`]) writes them after each flush.
+//! A call's success line, held until its connection next flushes to the socket, which is after
+//! the call's reply has been handed to the connection: the call log ([`crate::call_log`]) hands
+//! each success's line to its connection's [`PendingLines`] when the reply's trailers are
+//! taken, and the connection ([`crate::connection`]) writes them after each flush.
 
 use std::borrow::Cow;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// A success's line: written once the reply is in the socket, so that formatting it does not
 /// delay the reply (about 3 % of a call on an open connection; docs/performance.md, section 1,
@@ -23,8 +25,10 @@ impl SuccessLine {
 
     /// Writes the line now, for the client `id` from `from`.
     pub fn write(&self, id: &str, from: &str) {
-        // Under the call log's target, where its other lines are and where a filter names it.
-        tracing::info!(target: CALL_LOG_TARGET, rpc = %self.rpc, %id, from = %from, ms = self.ms, "ok");
+        // Under the call log's target, where its other lines are and where a filter names it;
+        // outside any span: it is written from within the connection's (h2's at debug level),
+        // whose fields are not the call's.
+        tracing::info!(target: CALL_LOG_TARGET, parent: None, rpc = %self.rpc, %id, from = %from, ms = self.ms, "ok");
     }
 }
 
@@ -32,13 +36,15 @@ impl SuccessLine {
 /// are filtered and found under one name.
 pub const CALL_LOG_TARGET: &str = "certistack_connector::call_log";
 
-/// Success lines held beyond this on one connection are written at once: a client that stops
-/// reading its replies does not make the connection keep lines.
+/// A connection holds at most this many lines, and none longer than [`MAX_HOLD`]: the call
+/// that would hold more, or hold one longer, writes every line held and its own. A client that
+/// stops reading its replies neither makes the connection keep lines nor delays them long.
 const MAX_PENDING_LINES: usize = 32;
+const MAX_HOLD: Duration = Duration::from_secs(1);
 
-/// The success lines of one connection's calls whose replies have not been flushed to its
-/// socket yet. The connection writes them after each flush ([`PendingLines::write`]); what is
-/// left when the connection and its calls are gone is written then.
+/// The success lines of one connection's calls whose replies may not have been flushed to its
+/// socket yet. The connection writes them at its next flush ([`PendingLines::write`]); what is
+/// left when the connection and its last call are gone is written then.
 #[derive(Debug, Default)]
 pub struct PendingLines {
     /// Whether `lines` may hold any: a flush with none to write takes no lock.
@@ -51,29 +57,41 @@ struct PendingState {
     /// Who the connection's client is, as its lines name it (the same for all its calls).
     peer: Option<(Arc<str>, Arc<str>)>,
     lines: Vec<SuccessLine>,
+    /// When the first of `lines` was held.
+    oldest: Option<Instant>,
 }
 
 impl PendingLines {
-    /// Holds `line` of a call of the client `id` from `from` until the next flush.
-    pub fn push(&self, line: SuccessLine, id: &Arc<str>, from: &Arc<str>) {
+    /// Holds `line` of a call of the client `id` from `from`, ended at `now`, until the next
+    /// flush; writes it and those held before it at once when they are too many or too old.
+    pub fn push(&self, line: SuccessLine, id: &Arc<str>, from: &Arc<str>, now: Instant) {
         let mut state = self.lines.lock().unwrap_or_else(|e| e.into_inner());
-        if state.lines.len() >= MAX_PENDING_LINES {
-            drop(state);
-            line.write(id, from);
+        state.peer.get_or_insert_with(|| (id.clone(), from.clone()));
+        let oldest = *state.oldest.get_or_insert(now);
+        state.lines.push(line);
+        if state.lines.len() <= MAX_PENDING_LINES
+            && now.saturating_duration_since(oldest) < MAX_HOLD
+        {
+            self.waiting.store(true, Ordering::Release);
             return;
         }
-        state.peer.get_or_insert_with(|| (id.clone(), from.clone()));
-        state.lines.push(line);
-        self.waiting.store(true, Ordering::Release);
+        state.oldest = None;
+        let lines = std::mem::take(&mut state.lines);
+        drop(state);
+        for line in lines {
+            line.write(id, from);
+        }
     }
 
     /// Writes the lines held, in the order their calls ended.
     pub fn write(&self) {
-        if !self.waiting.swap(false, Ordering::Acquire) {
+        // A load first: most flushes find nothing, and a load does not take the cache line.
+        if !self.waiting.load(Ordering::Relaxed) || !self.waiting.swap(false, Ordering::Acquire) {
             return;
         }
         let (peer, lines) = {
             let mut state = self.lines.lock().unwrap_or_else(|e| e.into_inner());
+            state.oldest = None;
             (state.peer.clone(), std::mem::take(&mut state.lines))
         };
         if let Some((id, from)) = peer {
@@ -100,8 +118,9 @@ mod tests {
         SuccessLine::new(Cow::Borrowed(rpc), ms)
     }
 
-    /// A success's line waits for the flush, and each is written once, in order; what no flush
-    /// wrote is written when the connection's lines are dropped; beyond the bound, at once.
+    /// A success's line waits for the flush, and each is written once, in order; a call that
+    /// would hold more than the bound, or hold one too long, writes those held and its own at
+    /// once; what no flush wrote is written when the connection's lines are dropped.
     #[test]
     fn success_lines_wait_for_the_flush() {
         let captured = Captured::default();
@@ -110,11 +129,18 @@ mod tests {
             captured.clone(),
         );
         let (id, from): (Arc<str>, Arc<str>) = ("run r1".into(), "192.0.2.7".into());
+        let start = Instant::now();
+        let ms = |lines: &[String]| -> Vec<u64> {
+            lines
+                .iter()
+                .map(|line| line.rsplit_once("ms=").unwrap().1.parse().unwrap())
+                .collect()
+        };
         tracing::subscriber::with_default(subscriber, || {
             let pending = PendingLines::default();
             pending.write();
-            pending.push(success("Hello", 1), &id, &from);
-            pending.push(success("VmStatus", 2), &id, &from);
+            pending.push(success("Hello", 1), &id, &from, start);
+            pending.push(success("VmStatus", 2), &id, &from, start);
             assert!(captured.lines().is_empty(), "{:?}", captured.lines());
             pending.write();
             pending.write();
@@ -129,22 +155,49 @@ mod tests {
             );
             assert!(lines[1].ends_with(" ok rpc=VmStatus id=run r1 from=192.0.2.7 ms=2"));
 
-            for n in 0..MAX_PENDING_LINES as u64 + 3 {
-                pending.push(success("ListRuns", n), &id, &from);
+            // The bound: the 33rd call writes all 33, in order.
+            for n in 0..=MAX_PENDING_LINES as u64 {
+                pending.push(success("ListRuns", 100 + n), &id, &from, start);
             }
-            // The three beyond the bound, at once.
-            assert_eq!(captured.lines().len(), 2 + 3);
+            let expected: Vec<u64> = (100..=100 + MAX_PENDING_LINES as u64).collect();
+            assert_eq!(ms(&captured.lines()[2..]), expected);
+
+            // The age: a call a second after the oldest held writes both.
+            pending.push(success("Hello", 200), &id, &from, start);
+            pending.push(success("Hello", 201), &id, &from, start + MAX_HOLD / 2);
+            assert_eq!(captured.lines().len(), 2 + expected.len());
+            pending.push(success("Hello", 202), &id, &from, start + MAX_HOLD);
+            assert_eq!(ms(&captured.lines()[2 + expected.len()..]), [200, 201, 202]);
+
+            // Held at the end: written on drop, once.
+            pending.push(success("Hello", 300), &id, &from, start + MAX_HOLD);
             drop(pending);
             let lines = captured.lines();
-            assert_eq!(lines.len(), 2 + 3 + MAX_PENDING_LINES, "{lines:#?}");
-            assert!(lines[2].ends_with(&format!("ms={MAX_PENDING_LINES}")));
-            assert!(lines[5].ends_with(" ms=0"), "{}", lines[5]);
-            assert!(
-                lines
-                    .last()
-                    .unwrap()
-                    .ends_with(&format!("ms={}", MAX_PENDING_LINES - 1))
-            );
+            assert_eq!(ms(&lines[lines.len() - 1..]), [300]);
+            assert_eq!(lines.len(), 2 + expected.len() + 3 + 1, "{lines:#?}");
         });
+    }
+
+    /// Written from within a span (as h2's connection span at debug level), the line is
+    /// outside it.
+    #[test]
+    fn a_success_line_is_in_no_span() {
+        let captured = Captured::default();
+        let subscriber = crate::log_line::plain_subscriber(
+            tracing_subscriber::EnvFilter::new("debug"),
+            captured.clone(),
+        );
+        tracing::subscriber::with_default(subscriber, || {
+            let span = tracing::debug_span!("Connection", peer = "Server");
+            let _entered = span.enter();
+            success("Hello", 1).write("operator:alice", "192.0.2.7");
+        });
+        let lines = captured.lines();
+        assert_eq!(lines.len(), 1, "{lines:#?}");
+        assert!(
+            lines[0].contains("  INFO certistack_connector::call_log: ok rpc=Hello"),
+            "{}",
+            lines[0]
+        );
     }
 }

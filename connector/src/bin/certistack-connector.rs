@@ -130,14 +130,16 @@ fn init_logging(json: bool) {
             Err(error) => eprintln!("cannot reach journald ({error}); logging to stderr"),
         }
     }
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter())
-        .with_writer(std::io::stderr);
+    let builder = || {
+        tracing_subscriber::fmt()
+            .with_env_filter(filter())
+            .with_writer(std::io::stderr)
+    };
     if json {
-        builder.with_ansi(false).json().init();
+        builder().with_ansi(false).json().init();
     } else if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
         // Colour only on a terminal.
-        builder.with_ansi(true).init();
+        builder().with_ansi(true).init();
     } else {
         certistack_connector::log_line::plain_subscriber(filter(), std::io::stderr).init();
     }
