@@ -209,12 +209,7 @@ impl Call {
         if code == Code::Ok {
             let line = SuccessLine::new(self.rpc.clone(), ms);
             match &self.peer {
-                Some(peer) => peer.activity.success_lines.push(
-                    line,
-                    &peer.identity_text,
-                    &peer.remote_ip_text,
-                    ended,
-                ),
+                Some(peer) => peer.activity.success_lines.push(line, ended),
                 None => line.write(id, from_text),
             }
             return;

@@ -116,12 +116,13 @@ pub struct Activity {
 }
 
 impl Activity {
-    fn new() -> Self {
+    /// The activity of a connection of the client `identity_text` from `remote_ip_text`.
+    fn new(identity_text: Arc<str>, remote_ip_text: Arc<str>) -> Self {
         Self {
             origin: Instant::now(),
             in_flight: AtomicUsize::new(0),
             last_ms: AtomicU64::new(0),
-            success_lines: PendingLines::default(),
+            success_lines: PendingLines::new(identity_text, remote_ip_text),
         }
     }
 
@@ -808,14 +809,16 @@ async fn handshake(
         Ok(slot) => slot,
         Err(refusal) => return refuse(refusal.reason()),
     };
+    let remote_ip_text: Arc<str> = Arc::from(remote.ip().to_string().as_str());
+    let activity = Activity::new(identity_text.clone(), remote_ip_text.clone());
     let stream = PeerStream {
         stream,
         info: PeerInfo {
             remote,
             identity: identity.map(Arc::new),
             identity_text,
-            remote_ip_text: Arc::from(remote.ip().to_string().as_str()),
-            activity: Arc::new(Activity::new()),
+            remote_ip_text,
+            activity: Arc::new(activity),
         },
         idle_timeout: limits.idle_timeout,
         idle_check: Box::pin(tokio::time::sleep(limits.idle_timeout)),

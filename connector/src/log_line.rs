@@ -1,6 +1,6 @@
 //! The daemon's text log, when its standard error is neither the journal nor a terminal: the
 //! line tracing-subscriber's default format writes without colours, byte for byte, written
-//! without the colour machinery and with a timestamp formatted by hand.
+//! without the colour machinery and with the timestamp's digits written by hand.
 //!
 //! Every call ends in one such line (`call_log`). Through the default format a line took about
 //! 8,300 instructions, of which styles that write nothing (its colours, switched off) and the
@@ -195,22 +195,22 @@ impl VisitFmt for PlainVisitor<'_> {
 const STAMP_LEN: usize = 27;
 
 /// `time` in UTC as the default format writes it, into `buffer`; `None` outside the years
-/// 1970 to 9999, which that format writes otherwise.
+/// 1970 to 9999, which that format writes otherwise. The date is the `time` crate's; only the
+/// digits are written here, without the formatting machinery.
 fn rfc3339_micros(time: SystemTime, buffer: &mut [u8; STAMP_LEN]) -> Option<&str> {
     let since_epoch = time.duration_since(UNIX_EPOCH).ok()?;
-    let seconds = since_epoch.as_secs();
-    let (year, month, day) = civil_from_days(seconds / 86_400)?;
-    if year > 9999 {
-        return None;
-    }
-    let of_day = seconds % 86_400;
+    let utc = time::OffsetDateTime::from_unix_timestamp(i64::try_from(since_epoch.as_secs()).ok()?)
+        .ok()?;
+    let year = u64::try_from(utc.year())
+        .ok()
+        .filter(|year| *year <= 9999)?;
     let fields: [(usize, u64, usize); 7] = [
         (0, year, 4),
-        (5, month, 2),
-        (8, day, 2),
-        (11, of_day / 3600, 2),
-        (14, of_day / 60 % 60, 2),
-        (17, of_day % 60, 2),
+        (5, u64::from(u8::from(utc.month())), 2),
+        (8, u64::from(utc.day()), 2),
+        (11, u64::from(utc.hour()), 2),
+        (14, u64::from(utc.minute()), 2),
+        (17, u64::from(utc.second()), 2),
         (20, u64::from(since_epoch.subsec_micros()), 6),
     ];
     *buffer = *b"0000-00-00T00:00:00.000000Z";
@@ -222,28 +222,6 @@ fn rfc3339_micros(time: SystemTime, buffer: &mut [u8; STAMP_LEN]) -> Option<&str
         }
     }
     std::str::from_utf8(buffer).ok()
-}
-
-/// The proleptic Gregorian date of the day `days` after 1970-01-01: Howard Hinnant's
-/// `civil_from_days` (http://howardhinnant.github.io/date_algorithms.html), for days on or
-/// after the epoch.
-fn civil_from_days(days: u64) -> Option<(u64, u64, u64)> {
-    // Counted from 0000-03-01, so that a leap day is the last day of its (March-based) year.
-    let days = days.checked_add(719_468)?;
-    let era = days / 146_097;
-    let day_of_era = days % 146_097;
-    let year_of_era =
-        (day_of_era - day_of_era / 1_460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
-    let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
-    let month_from_march = (5 * day_of_year + 2) / 153;
-    let day = day_of_year - (153 * month_from_march + 2) / 5 + 1;
-    let month = if month_from_march < 10 {
-        month_from_march + 3
-    } else {
-        month_from_march - 9
-    };
-    let year = era * 400 + year_of_era + u64::from(month <= 2);
-    Some((year, month, day))
 }
 
 /// A writer for tests: what a subscriber wrote, shared with the test.
@@ -412,8 +390,8 @@ mod tests {
         time::PrimitiveDateTime::new(date, clock).assume_utc()
     }
 
-    /// The timestamp is the one `time` computes with microseconds, across leap days, century
-    /// years and the ends of the range; outside it, none.
+    /// The timestamp's digits are `time`'s date and time with microseconds, each at its place and
+    /// padded, across leap days, century years and the ends of the range; outside it, none.
     #[test]
     fn the_timestamp_is_rfc3339_in_utc_with_microseconds() {
         let mut instants: Vec<u64> = vec![

@@ -45,8 +45,11 @@ const MAX_HOLD: Duration = Duration::from_secs(1);
 /// The success lines of one connection's calls whose replies may not have been flushed to its
 /// socket yet. The connection writes them at its next flush ([`PendingLines::write`]); what is
 /// left when the connection and its last call are gone is written then.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct PendingLines {
+    /// Who the connection's client is, as its lines name it: the identity and the address.
+    id: Arc<str>,
+    from: Arc<str>,
     /// Whether `lines` may hold any: a flush with none to write takes no lock.
     waiting: AtomicBool,
     lines: Mutex<PendingState>,
@@ -54,19 +57,26 @@ pub struct PendingLines {
 
 #[derive(Debug, Default)]
 struct PendingState {
-    /// Who the connection's client is, as its lines name it (the same for all its calls).
-    peer: Option<(Arc<str>, Arc<str>)>,
     lines: Vec<SuccessLine>,
     /// When the first of `lines` was held.
     oldest: Option<Instant>,
 }
 
 impl PendingLines {
-    /// Holds `line` of a call of the client `id` from `from`, ended at `now`, until the next
-    /// flush; writes it and those held before it at once when they are too many or too old.
-    pub fn push(&self, line: SuccessLine, id: &Arc<str>, from: &Arc<str>, now: Instant) {
+    /// The lines of a connection of the client `id` from `from`.
+    pub fn new(id: Arc<str>, from: Arc<str>) -> Self {
+        Self {
+            id,
+            from,
+            waiting: AtomicBool::new(false),
+            lines: Mutex::default(),
+        }
+    }
+
+    /// Holds `line` of a call that ended at `now` until the next flush; writes it and those held
+    /// before it at once when they are too many or too old.
+    pub fn push(&self, line: SuccessLine, now: Instant) {
         let mut state = self.lines.lock().unwrap_or_else(|e| e.into_inner());
-        state.peer.get_or_insert_with(|| (id.clone(), from.clone()));
         let oldest = *state.oldest.get_or_insert(now);
         state.lines.push(line);
         if state.lines.len() <= MAX_PENDING_LINES
@@ -75,12 +85,9 @@ impl PendingLines {
             self.waiting.store(true, Ordering::Release);
             return;
         }
-        state.oldest = None;
-        let lines = std::mem::take(&mut state.lines);
+        let lines = std::mem::take(&mut *state).lines;
         drop(state);
-        for line in lines {
-            line.write(id, from);
-        }
+        self.write_all(lines);
     }
 
     /// Writes the lines held, in the order their calls ended.
@@ -89,15 +96,14 @@ impl PendingLines {
         if !self.waiting.load(Ordering::Relaxed) || !self.waiting.swap(false, Ordering::Acquire) {
             return;
         }
-        let (peer, lines) = {
-            let mut state = self.lines.lock().unwrap_or_else(|e| e.into_inner());
-            state.oldest = None;
-            (state.peer.clone(), std::mem::take(&mut state.lines))
-        };
-        if let Some((id, from)) = peer {
-            for line in lines {
-                line.write(&id, &from);
-            }
+        let lines =
+            std::mem::take(&mut *self.lines.lock().unwrap_or_else(|e| e.into_inner())).lines;
+        self.write_all(lines);
+    }
+
+    fn write_all(&self, lines: Vec<SuccessLine>) {
+        for line in lines {
+            line.write(&self.id, &self.from);
         }
     }
 }
@@ -137,10 +143,10 @@ mod tests {
                 .collect()
         };
         tracing::subscriber::with_default(subscriber, || {
-            let pending = PendingLines::default();
+            let pending = PendingLines::new(id.clone(), from.clone());
             pending.write();
-            pending.push(success("Hello", 1), &id, &from, start);
-            pending.push(success("VmStatus", 2), &id, &from, start);
+            pending.push(success("Hello", 1), start);
+            pending.push(success("VmStatus", 2), start);
             assert!(captured.lines().is_empty(), "{:?}", captured.lines());
             pending.write();
             pending.write();
@@ -157,20 +163,20 @@ mod tests {
 
             // The bound: the 33rd call writes all 33, in order.
             for n in 0..=MAX_PENDING_LINES as u64 {
-                pending.push(success("ListRuns", 100 + n), &id, &from, start);
+                pending.push(success("ListRuns", 100 + n), start);
             }
             let expected: Vec<u64> = (100..=100 + MAX_PENDING_LINES as u64).collect();
             assert_eq!(ms(&captured.lines()[2..]), expected);
 
             // The age: a call a second after the oldest held writes both.
-            pending.push(success("Hello", 200), &id, &from, start);
-            pending.push(success("Hello", 201), &id, &from, start + MAX_HOLD / 2);
+            pending.push(success("Hello", 200), start);
+            pending.push(success("Hello", 201), start + MAX_HOLD / 2);
             assert_eq!(captured.lines().len(), 2 + expected.len());
-            pending.push(success("Hello", 202), &id, &from, start + MAX_HOLD);
+            pending.push(success("Hello", 202), start + MAX_HOLD);
             assert_eq!(ms(&captured.lines()[2 + expected.len()..]), [200, 201, 202]);
 
             // Held at the end: written on drop, once.
-            pending.push(success("Hello", 300), &id, &from, start + MAX_HOLD);
+            pending.push(success("Hello", 300), start + MAX_HOLD);
             drop(pending);
             let lines = captured.lines();
             assert_eq!(ms(&lines[lines.len() - 1..]), [300]);
